@@ -1,0 +1,42 @@
+# meshgate: the README's two commands are `make demo` and `make test`.
+#
+# Both first run e2e/install-deps.sh, which installs the Debian packages the tests need and
+# builds (once, then reuses from ~/.cache/meshgate/kubernetes/<version>/bin) the Kubernetes
+# control-plane binaries the e2e tests and the demo run.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+CARGO ?= cargo
+DEPS := e2e/install-deps.sh
+
+.PHONY: test demo deps lint unit check-root bench
+
+## test: format, lint, and every test (unit, privileged integration, e2e on a real apiserver)
+test: check-root deps lint
+	@echo "==> cargo test --workspace (unit, integration and e2e)"
+	MESHGATE_K8S_BIN_DIR="$$(bash $(DEPS) | tail -n 1)" $(CARGO) test --workspace --locked
+
+## demo: the main job end to end on a local control plane
+demo: check-root deps
+	@echo "==> building meshgate"
+	$(CARGO) build --locked --bins
+	MESHGATE_K8S_BIN_DIR="$$(bash $(DEPS) | tail -n 1)" ./demo/run.sh
+
+## deps: install Debian packages and build/reuse the Kubernetes binaries
+deps:
+	@bash $(DEPS) >/dev/null
+
+lint:
+	@echo "==> cargo fmt --check"
+	$(CARGO) fmt --all --check
+	@echo "==> cargo clippy --all-targets -D warnings"
+	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+
+## unit: the tests that need neither root nor a control plane
+unit:
+	$(CARGO) test --workspace --locked --lib
+
+check-root:
+	@if [[ $$(id -u) -ne 0 ]]; then \
+	  echo "make: the tests create network namespaces and install packages: run as root" >&2; exit 1; \
+	fi

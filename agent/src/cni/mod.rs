@@ -1,0 +1,88 @@
+//! The agent's CNI edge: reads the config directory and probes plugin binaries, then hands
+//! the plain data to `meshgate_core::cni::verify`.
+//!
+//! In: [`CniArgs`] (shared by `check` and `run`). Out: a `Verdict`, or an I/O error when the
+//! directory itself cannot be listed (a missing directory is not an error: it is `NoConfig`,
+//! as for the runtime).
+
+pub mod prober;
+pub mod reader;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use meshgate_core::cni::{Runtime, Verdict, VerifyOptions, verify};
+
+pub use prober::Prober;
+
+/// Flags shared by `check` and `run` that say what to verify.
+#[derive(Clone, Debug, clap::Args)]
+pub struct CniArgs {
+    /// The CNI config directory the container runtime loads.
+    #[arg(long, env = "MESHGATE_CNI_CONF_DIR", default_value = "/etc/cni/net.d")]
+    pub cni_conf_dir: PathBuf,
+    /// A CNI plugin binary directory; repeat for several, searched in order.
+    #[arg(
+        long = "cni-bin-dir",
+        env = "MESHGATE_CNI_BIN_DIRS",
+        value_delimiter = ',',
+        default_value = "/opt/cni/bin"
+    )]
+    pub cni_bin_dirs: Vec<PathBuf>,
+    /// A plugin type the effective chain must contain (e.g. linkerd-cni); repeat for several.
+    #[arg(
+        long = "require-plugin",
+        env = "MESHGATE_REQUIRE_PLUGINS",
+        value_delimiter = ',',
+        required = true
+    )]
+    pub require_plugins: Vec<String>,
+    /// Whose config-loading semantics to apply.
+    #[arg(long, env = "MESHGATE_RUNTIME", value_enum, default_value = "containerd")]
+    pub runtime: RuntimeArg,
+    /// How long a plugin binary may take to answer VERSION before it is killed.
+    #[arg(long, env = "MESHGATE_PROBE_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
+    pub probe_timeout: Duration,
+    /// Config files larger than this are reported as ConfigInvalid without being read.
+    #[arg(long, env = "MESHGATE_MAX_CONFIG_BYTES", default_value_t = reader::DEFAULT_MAX_FILE_BYTES)]
+    pub max_config_bytes: u64,
+}
+
+/// `--runtime` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum RuntimeArg {
+    /// containerd: the first file wins, an invalid first file is fatal.
+    Containerd,
+    /// CRI-O: invalid files are skipped.
+    Crio,
+}
+
+impl From<RuntimeArg> for Runtime {
+    fn from(r: RuntimeArg) -> Self {
+        match r {
+            RuntimeArg::Containerd => Runtime::Containerd,
+            RuntimeArg::Crio => Runtime::Crio,
+        }
+    }
+}
+
+impl CniArgs {
+    /// The prober these flags describe.
+    pub fn prober(&self) -> Prober {
+        Prober::new(self.cni_bin_dirs.clone(), self.probe_timeout)
+    }
+
+    /// Reads the config directory and verifies it, probing binaries through `prober`
+    /// (which caches answers, so the daemon passes the same one every time).
+    ///
+    /// Blocking: it reads files and runs plugin binaries. Call it from a blocking thread.
+    pub fn verify(&self, prober: &Prober) -> std::io::Result<Verdict> {
+        let entries = reader::read_conf_dir(&self.cni_conf_dir, self.max_config_bytes)?;
+        let opts = VerifyOptions {
+            conf_dir: self.cni_conf_dir.display().to_string(),
+            runtime: self.runtime.into(),
+            required: self.require_plugins.clone(),
+        };
+        Ok(verify(&entries, &opts, |t, v| prober.probe(t, v)))
+    }
+}

@@ -1,0 +1,292 @@
+//! `meshgate-agent run`: the DaemonSet process that gates its own Node on the chain verdict.
+//!
+//! In: inotify events from the CNI dirs, a periodic resync tick, changes to the agent's own
+//! Node (watched by name), and SIGTERM. Out: the Node's taint, label, condition and Events
+//! (through [`node::NodeGate`]), the state file, and metrics on the admin port.
+//!
+//! One loop does everything in order — wait for a reason, coalesce a burst of file events,
+//! verify, reconcile — so there is never more than one writer of meshgate's names on the Node
+//! and every write is based on a verdict computed just before it. A failed reconcile is
+//! retried with capped exponential backoff, and each retry verifies again, so a long API
+//! outage can never end in an untaint based on what the disk said before it.
+
+pub mod fswatch;
+pub mod metrics;
+pub mod node;
+pub mod state;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use backon::{BackoffBuilder, ExponentialBuilder};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::Api;
+use kube::runtime::WatchStreamExt;
+use kube::runtime::events::{Recorder, Reporter};
+use meshgate_core::cni::{Reason, Runtime, Verdict};
+use meshgate_runtime::logging::LogFormat;
+use prometheus_client::registry::Registry;
+use tokio::sync::{mpsc, watch};
+
+use crate::cni::CniArgs;
+use metrics::AgentMetrics;
+use node::{NodeGate, TaintEffect};
+use state::{Loaded, State};
+
+/// `meshgate-agent run` flags (see docs/operations.md).
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// This node's name (from the Downward API in the DaemonSet).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+    #[command(flatten)]
+    pub cni: CniArgs,
+    /// Mesh profile whose pods are inspected; repeat for several (default: every built-in).
+    #[arg(long = "profile", env = "MESHGATE_PROFILES", value_delimiter = ',')]
+    pub profiles: Vec<String>,
+    /// Extra mesh profiles (JSON array), added to the built-in ones.
+    #[arg(long, env = "MESHGATE_PROFILE_FILE")]
+    pub profile_file: Option<PathBuf>,
+    /// Kubeconfig to use (default: KUBECONFIG, else the in-cluster config).
+    #[arg(long, env = "MESHGATE_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Address of the admin server (/live, /ready, /metrics).
+    #[arg(long, env = "MESHGATE_ADMIN_ADDR", default_value = "0.0.0.0:9990")]
+    pub admin_addr: SocketAddr,
+    /// Effect of the meshgate.io/cni-unverified taint.
+    #[arg(long, env = "MESHGATE_TAINT_EFFECT", value_enum, default_value = "NoSchedule")]
+    pub taint_effect: TaintEffect,
+    /// Decide and report evictions, but evict nothing.
+    #[arg(long, env = "MESHGATE_DRY_RUN")]
+    pub dry_run: bool,
+    /// Report pods without redirect rules, never evict them.
+    #[arg(long, env = "MESHGATE_NO_EVICT")]
+    pub no_evict: bool,
+    /// Per-node eviction rate limit.
+    #[arg(long, env = "MESHGATE_MAX_EVICTIONS_PER_MINUTE", default_value_t = 10)]
+    pub max_evictions_per_minute: u32,
+    /// Also evict pods without a controlling owner (bare pods), which nothing recreates.
+    #[arg(long, env = "MESHGATE_EVICT_UNOWNED")]
+    pub evict_unowned: bool,
+    /// Node-local state (boot id, last verdict, eviction history); keep it on tmpfs.
+    #[arg(long, env = "MESHGATE_STATE_FILE", default_value = "/var/run/meshgate/state.json")]
+    pub state_file: PathBuf,
+    /// Re-verify at least this often, as a safety net for missed inotify events.
+    #[arg(long, env = "MESHGATE_RESYNC_INTERVAL", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub resync_interval: Duration,
+    /// Quiet time that ends a burst of file events (a write-then-rename is one change).
+    #[arg(long, env = "MESHGATE_COALESCE", default_value = "20ms", value_parser = humantime::parse_duration)]
+    pub coalesce: Duration,
+    /// Deadline for each Kubernetes API call.
+    #[arg(long, env = "MESHGATE_API_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub api_timeout: Duration,
+    /// Log format.
+    #[arg(long, env = "MESHGATE_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+/// Builds the runtime and runs the daemon; exit 0 after a graceful shutdown.
+pub fn main(args: Args) -> ExitCode {
+    meshgate_runtime::logging::init(args.log_format);
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start the async runtime");
+            return ExitCode::from(2);
+        }
+    };
+    match rt.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = format!("{e:#}"), "meshgate-agent stopped");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Why the loop woke up.
+enum Wake {
+    Files(Instant),
+    Resync,
+    NodeChanged,
+    Retry,
+}
+
+/// Runs the daemon until SIGTERM/SIGINT.
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let node_name = args.node_name.clone();
+    let boot_id = state::boot_id().context("reading the boot id")?;
+    let mut saved = match state::load(&args.state_file, &boot_id) {
+        Loaded::Restarted(s) => {
+            tracing::info!(node = %node_name, last = ?s.last_verdict, evictions = s.evicted.len(), "agent restarted within the same boot; state restored");
+            s
+        }
+        Loaded::FreshBoot { previous_boot } => {
+            tracing::info!(node = %node_name, ?previous_boot, "fresh boot: verifying from scratch");
+            State { version: state::FORMAT_VERSION, boot_id: boot_id.clone(), ..State::default() }
+        }
+        Loaded::Refused(e) => {
+            tracing::error!(node = %node_name, error = %e, "refusing the state file; starting fresh");
+            State { version: state::FORMAT_VERSION, boot_id: boot_id.clone(), ..State::default() }
+        }
+    };
+
+    let client = meshgate_runtime::client::build(args.kubeconfig.as_deref()).await?;
+    let mut registry = Registry::default();
+    let metrics = AgentMetrics::register(&mut registry);
+    let ready = Arc::new(AtomicBool::new(false));
+    let listener = tokio::net::TcpListener::bind(args.admin_addr)
+        .await
+        .with_context(|| format!("binding the admin server to {}", args.admin_addr))?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let admin = tokio::spawn(meshgate_runtime::admin::serve(listener, Arc::new(registry), ready.clone(), wait_stop(stop_rx.clone())));
+
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter { controller: "meshgate-agent".into(), instance: Some(node_name.clone()) },
+    );
+    let gate = NodeGate::new(client.clone(), node_name.clone(), args.taint_effect, args.api_timeout, recorder);
+
+    // The Node, as last seen by a watch on it alone: reconciles read it instead of GETting,
+    // and a change by someone else (our taint removed by hand) wakes the loop.
+    let (node_tx, mut node_rx) = watch::channel::<Option<Node>>(None);
+    let node_watch = tokio::spawn(watch_node(Api::all(client.clone()), node_name.clone(), node_tx));
+
+    let (fs_tx, mut fs_rx) = mpsc::unbounded_channel();
+    let mut fs = fswatch::FsWatch::start(&args.cni.cni_conf_dir, &args.cni.cni_bin_dirs, fs_tx).context("starting inotify watches")?;
+    if !fs.all_direct() {
+        tracing::info!(node = %node_name, dir = %args.cni.cni_conf_dir.display(), "a CNI directory does not exist yet; waiting for it");
+    }
+
+    let prober = Arc::new(args.cni.prober());
+    let cni = Arc::new(args.cni.clone());
+    let mut resync = tokio::time::interval(args.resync_interval);
+    resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    resync.tick().await; // the first tick is immediate; the start-up verification covers it
+    let mut shutdown = std::pin::pin!(meshgate_runtime::shutdown::signal());
+
+    let backoff = || ExponentialBuilder::default().with_min_delay(Duration::from_millis(50)).with_max_delay(Duration::from_millis(500)).with_jitter().without_max_times().build();
+    let mut retry = backoff();
+    let mut retry_at: Option<tokio::time::Instant>;
+    // When the disk last changed: the start of the untaint-latency measurement.
+    let mut changed_at = Instant::now();
+    let mut verdict: Option<Verdict> = None;
+    let mut wake = Wake::Resync;
+
+    loop {
+        // Verify unless only the Node changed and we already have a fresh verdict.
+        if !matches!(wake, Wake::NodeChanged) || verdict.is_none() {
+            let v = verify(cni.clone(), prober.clone()).await;
+            metrics.verified(v.reason.as_str());
+            if verdict.as_ref().map(|o| (o.reason, &o.message)) != Some((v.reason, &v.message)) {
+                tracing::info!(node = %node_name, reason = %v.reason, verified = v.verified, message = %v.message, "verdict");
+            }
+            verdict = Some(v);
+        }
+        let Some(v) = verdict.as_ref() else { continue };
+
+        let seen = node_rx.borrow_and_update().clone();
+        match gate.reconcile(seen, v).await {
+            Ok(applied) => {
+                retry = backoff();
+                retry_at = None;
+                if let Some(added) = applied.taint {
+                    metrics.taint(added);
+                    if added {
+                        tracing::warn!(node = %node_name, reason = %v.reason, "node tainted: CNI chain not verified");
+                    } else {
+                        let latency = changed_at.elapsed();
+                        metrics.untaint_latency.observe(latency.as_secs_f64());
+                        tracing::info!(node = %node_name, latency_ms = latency.as_millis() as u64, "node untainted: CNI chain verified");
+                    }
+                }
+                if let Some(event) = applied.event {
+                    tracing::info!(node = %node_name, event, "event published");
+                }
+                metrics.node_verified.set(i64::from(v.verified));
+                ready.store(true, Ordering::Release);
+                let last = state::LastVerdict { reason: v.reason.as_str().to_string(), verified: v.verified };
+                if saved.last_verdict.as_ref() != Some(&last) {
+                    saved.last_verdict = Some(last);
+                    if let Err(e) = state::save(&args.state_file, &saved) {
+                        tracing::warn!(node = %node_name, error = %e, "cannot save state");
+                    }
+                }
+            }
+            Err(e) => {
+                let delay = retry.next().unwrap_or(Duration::from_millis(500));
+                tracing::warn!(node = %node_name, error = %e, retry_in_ms = delay.as_millis() as u64, "reconcile failed; the Node keeps its current state");
+                retry_at = Some(tokio::time::Instant::now() + delay);
+            }
+        }
+
+        wake = tokio::select! {
+            _ = &mut shutdown => break,
+            Some(t) = fs_rx.recv() => Wake::Files(t),
+            _ = resync.tick() => Wake::Resync,
+            Ok(()) = node_rx.changed() => Wake::NodeChanged,
+            _ = sleep_until(retry_at) => Wake::Retry,
+        };
+        if let Wake::Files(first) = wake {
+            changed_at = first;
+            // Coalesce: wait until the burst is quiet, so a write-then-rename is one change.
+            while let Ok(Some(t)) = tokio::time::timeout(args.coalesce, fs_rx.recv()).await {
+                changed_at = t;
+            }
+            fs.ensure();
+        }
+    }
+
+    tracing::info!(node = %node_name, "stopping; the Node keeps its taint state as it is");
+    let _ = stop_tx.send(true);
+    node_watch.abort();
+    let _ = admin.await;
+    if let Err(e) = state::save(&args.state_file, &saved) {
+        tracing::warn!(node = %node_name, error = %e, "cannot save state");
+    }
+    Ok(())
+}
+
+async fn wait_stop(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|stop| *stop).await;
+}
+
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Verifies on a blocking thread (it reads files and runs plugin binaries). An unreadable
+/// config dir is a verdict, not a crash: the node stays gated.
+async fn verify(cni: Arc<CniArgs>, prober: Arc<crate::cni::Prober>) -> Verdict {
+    let dir = cni.cni_conf_dir.display().to_string();
+    let runtime: Runtime = cni.runtime.into();
+    let result = tokio::task::spawn_blocking(move || cni.verify(&prober)).await;
+    let why = match result {
+        Ok(Ok(v)) => return v,
+        Ok(Err(e)) => format!("cannot read {dir}: {e}"),
+        Err(e) => format!("verification failed: {e}"),
+    };
+    Verdict { verified: false, reason: Reason::ConfigInvalid, message: why, config_file: None, plugins: Vec::new(), runtime }
+}
+
+/// Feeds `tx` with the Node as the API reports it, reconnecting with backoff.
+async fn watch_node(api: Api<Node>, name: String, tx: watch::Sender<Option<Node>>) {
+    let mut stream = std::pin::pin!(kube::runtime::watcher::watch_object(api, &name).default_backoff());
+    while let Some(item) = stream.next().await {
+        match item {
+            Ok(node) => {
+                let _ = tx.send(node);
+            }
+            Err(e) => tracing::debug!(node = %name, error = %e, "node watch error; retrying"),
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! The one-shot `inspect` subcommand: one pod network namespace → redirected / missing.
+//!
+//! In: [`Args`] (a namespace path or a pid, a profile name, optionally a profile file). Out:
+//! the verdict on stdout, as text or the contract's JSON object, and the exit code: 0
+//! redirected, 1 missing, 2 usage or I/O error. [`inspect_netns`] is the library half, also
+//! used by the privileged tests and the bench: enter once, read addresses and rules, match.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use meshgate_core::profile::{MeshProfile, ProfileSet};
+use meshgate_core::rules::{self, Inspection, IpFamily, Verdict};
+
+use crate::Output;
+use crate::netns::{self, NetnsError};
+
+/// `meshgate-agent inspect (--netns PATH | --pid PID) --profile NAME [--output text|json]`
+#[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["netns", "pid"])))]
+pub struct Args {
+    /// Path of the network namespace to inspect (e.g. /var/run/netns/NAME or /proc/PID/ns/net).
+    #[arg(long, env = "MESHGATE_NETNS")]
+    pub netns: Option<PathBuf>,
+    /// Inspect the network namespace of this process.
+    #[arg(long, env = "MESHGATE_PID")]
+    pub pid: Option<u32>,
+    /// Mesh profile whose redirect ports are expected.
+    #[arg(long, env = "MESHGATE_PROFILE")]
+    pub profile: String,
+    /// Extra mesh profiles (JSON array), added to the built-in ones.
+    #[arg(long, env = "MESHGATE_PROFILE_FILE")]
+    pub profile_file: Option<PathBuf>,
+    /// Output format.
+    #[arg(long, env = "MESHGATE_OUTPUT", value_enum, default_value = "text")]
+    pub output: Output,
+}
+
+/// Runs `inspect`. Exit 0 = redirected, 1 = missing, 2 = usage or I/O error.
+pub fn main(args: Args) -> ExitCode {
+    match run(&args) {
+        Ok((path, inspection)) => {
+            match args.output {
+                Output::Json => match render_json(&path, &inspection) {
+                    Ok(json) => println!("{json}"),
+                    Err(e) => {
+                        eprintln!("meshgate-agent inspect: cannot encode the verdict: {e}");
+                        return ExitCode::from(2);
+                    }
+                },
+                Output::Text => print!("{}", render_text(&path, &inspection)),
+            }
+            match inspection.verdict {
+                Verdict::Redirected => ExitCode::SUCCESS,
+                Verdict::Missing => ExitCode::from(1),
+                Verdict::Unknown => ExitCode::from(2),
+            }
+        }
+        Err(e) => {
+            eprintln!("meshgate-agent inspect: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(args: &Args) -> anyhow::Result<(PathBuf, Inspection)> {
+    let mut profiles = ProfileSet::all_builtin();
+    if let Some(file) = &args.profile_file {
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("cannot read profile file {}", file.display()))?;
+        profiles = profiles
+            .with_custom_json(&text)
+            .with_context(|| format!("in profile file {}", file.display()))?;
+    }
+    let profile = profiles
+        .select(std::slice::from_ref(&args.profile))
+        .context("--profile")?
+        .get(&args.profile)
+        .cloned()
+        .with_context(|| format!("unknown mesh profile {:?}", args.profile))?;
+    let path = match (&args.netns, args.pid) {
+        (Some(p), _) => p.clone(),
+        (None, Some(pid)) => PathBuf::from(format!("/proc/{pid}/ns/net")),
+        (None, None) => anyhow::bail!("give --netns PATH or --pid PID"),
+    };
+    let inspection = inspect_netns(&path, &profile)?;
+    Ok((path, inspection))
+}
+
+/// Inspects one namespace for one profile: enters it once to open the sockets, reads its
+/// addresses (IPv6 rules are required only when it has a global IPv6 address) and its
+/// rules, and matches them.
+pub fn inspect_netns(path: &Path, profile: &MeshProfile) -> Result<Inspection, NetnsError> {
+    let opened = netns::open(path, true)?;
+    let addresses = opened.addresses()?;
+    let ruleset = opened.ruleset()?;
+    let mut families = Vec::new();
+    if addresses.iter().any(|a| a.is_global() && a.ip.is_ipv4()) {
+        families.push(IpFamily::V4);
+    }
+    if addresses.iter().any(|a| a.is_global() && a.ip.is_ipv6()) {
+        families.push(IpFamily::V6);
+    }
+    // No global address at all (a namespace with only loopback): IPv4, the matcher's default.
+    Ok(rules::check(&ruleset, profile, &families))
+}
+
+/// The contract's JSON object.
+pub fn render_json(path: &Path, i: &Inspection) -> serde_json::Result<String> {
+    serde_json::to_string(&serde_json::json!({
+        "verdict": i.verdict.as_str(),
+        "profile": i.profile,
+        "netns": path.display().to_string(),
+        "inbound": i.inbound,
+        "outbound": i.outbound,
+        "message": i.message,
+    }))
+}
+
+/// Human-readable lines.
+pub fn render_text(path: &Path, i: &Inspection) -> String {
+    let dir = |d: &rules::DirectionResult| match (&d.via, d.found) {
+        (Some(via), true) => format!("{} found via {via}", d.port),
+        (Some(via), false) => format!("{} MISSING (only via {via})", d.port),
+        (None, _) => format!("{} MISSING", d.port),
+    };
+    format!(
+        "verdict:  {}\nprofile:  {}\nnetns:    {}\ninbound:  {}\noutbound: {}\nmessage:  {}\n",
+        i.verdict.as_str().to_uppercase(),
+        i.profile,
+        path.display(),
+        dir(&i.inbound),
+        dir(&i.outbound),
+        i.message
+    )
+}

@@ -1,0 +1,278 @@
+//! Netfilter rule readers: the NAT rules a network namespace really holds → a
+//! [`meshgate_core::rules::Ruleset`].
+//!
+//! In: [`Sockets`], opened while the calling thread is inside the target namespace (see
+//! [`crate::netns::open`]): a netlink socket for nf_tables, and for each legacy family whose
+//! `ip_tables_names` / `ip6_tables_names` list is non-empty, a raw socket plus that list.
+//! Out: one [`Ruleset`] covering nf_tables tables (written by `iptables-nft` or native `nft`)
+//! and legacy `ip_tables` / `ip6_tables` tables (written by `iptables-legacy`).
+//!
+//! Everything here is blocking and synchronous; the daemon calls it from a blocking pool.
+//! The byte decoders ([`nftables`] message decoding, [`legacy`] entry blobs, [`redirect_port`])
+//! take arbitrary bytes and return errors instead of panicking.
+
+pub mod legacy;
+pub mod nftables;
+
+use std::io;
+
+use meshgate_core::rules::{Family, Ruleset};
+
+/// Failures reading one namespace's rules.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// A socket could not be created inside the namespace.
+    #[error("cannot open a {what} socket: {source}")]
+    Socket {
+        /// Which socket.
+        what: &'static str,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// `/proc/thread-self/net/ip_tables_names` (or the ip6 one) exists but cannot be read.
+    #[error("cannot read {path}: {source}")]
+    TableNames {
+        /// The file.
+        path: &'static str,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// Sending or receiving on the netlink socket failed.
+    #[error("nf_tables netlink {what} failed: {source}")]
+    Netlink {
+        /// `send` / `recv`.
+        what: &'static str,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// The kernel answered a request with an error.
+    #[error("nf_tables {request} request refused: {source}")]
+    Kernel {
+        /// Which request.
+        request: &'static str,
+        /// The errno carried by NLMSG_ERROR.
+        source: io::Error,
+    },
+    /// The ruleset kept changing while it was being dumped.
+    #[error("the nf_tables ruleset changed during {attempts} consecutive dumps")]
+    DumpInterrupted {
+        /// How many dumps were tried.
+        attempts: u32,
+    },
+    /// A message or blob could not be decoded.
+    #[error("cannot decode {what}: {why}")]
+    Decode {
+        /// What was being decoded.
+        what: &'static str,
+        /// Why it failed.
+        why: String,
+    },
+    /// A legacy table could not be read with getsockopt.
+    #[error("cannot read legacy table {family} {table}: {source}")]
+    Legacy {
+        /// `ip` or `ip6`.
+        family: Family,
+        /// Table name.
+        table: String,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// A legacy table kept changing between its info and entries reads.
+    #[error("legacy table {family} {table} kept changing while being read")]
+    LegacyChanging {
+        /// `ip` or `ip6`.
+        family: Family,
+        /// Table name.
+        table: String,
+    },
+}
+
+/// Handles bound to one namespace; create them with [`Sockets::open_here`] from inside it.
+pub struct Sockets {
+    nft: mnl::Socket,
+    legacy: Vec<legacy::LegacyTables>,
+}
+
+// mnl::Socket wraps a raw pointer and is not Debug.
+impl std::fmt::Debug for Sockets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sockets")
+            .field("nft_portid", &self.nft.portid())
+            .field("legacy", &self.legacy)
+            .finish()
+    }
+}
+
+impl Sockets {
+    /// Opens every handle the readers need, in the calling thread's *current* namespace.
+    ///
+    /// Reads `/proc/thread-self/net/ip_tables_names` and `ip6_tables_names` first: a legacy
+    /// query for a table that does not exist would make the kernel create it in the pod's
+    /// namespace, so only the listed tables are ever queried.
+    pub fn open_here() -> Result<Self, ReadError> {
+        let nft = mnl::Socket::new(mnl::Bus::Netfilter).map_err(|source| ReadError::Socket {
+            what: "nf_tables netlink",
+            source,
+        })?;
+        let mut legacy = Vec::new();
+        for fam in [Family::Ip, Family::Ip6] {
+            if let Some(t) = legacy::LegacyTables::open_here(fam)? {
+                legacy.push(t);
+            }
+        }
+        Ok(Self { nft, legacy })
+    }
+
+    /// Reads every table: nf_tables first, then legacy.
+    pub fn read(&self) -> Result<Ruleset, ReadError> {
+        let mut ruleset = nftables::Dumper::new(&self.nft).dump()?;
+        for t in &self.legacy {
+            ruleset.tables.extend(t.read()?);
+        }
+        Ok(ruleset)
+    }
+
+    /// Names of the legacy tables found, per family (for diagnostics and tests).
+    pub fn legacy_tables(&self) -> Vec<(Family, Vec<String>)> {
+        self.legacy
+            .iter()
+            .map(|t| (t.family(), t.names().to_vec()))
+            .collect()
+    }
+}
+
+/// Splits a buffer of netlink messages into messages, checking every length against the
+/// buffer. (`mnl::NlMessages` panics when the last message's padded length runs past the end
+/// of the buffer; this does not.) Iteration stops at the first malformed header.
+pub(crate) fn split_messages(buf: &[u8]) -> impl Iterator<Item = Result<&[u8], String>> {
+    const NLMSG_HDR: usize = 16;
+    let mut rest = buf;
+    std::iter::from_fn(move || {
+        if rest.len() < NLMSG_HDR {
+            return None;
+        }
+        let len = rest
+            .get(0..4)
+            .and_then(|b| b.try_into().ok())
+            .map(u32::from_ne_bytes)
+            .unwrap_or(0) as usize;
+        if len < NLMSG_HDR || len > rest.len() {
+            rest = &[];
+            return Some(Err(format!("netlink message claims {len} bytes")));
+        }
+        let (msg, tail) = rest.split_at(len);
+        let pad = len.next_multiple_of(4) - len;
+        rest = tail.get(pad..).unwrap_or_default();
+        Some(Ok(msg))
+    })
+}
+
+/// `NF_NAT_RANGE_PROTO_SPECIFIED`: the range carries ports.
+const NAT_RANGE_PROTO_SPECIFIED: u32 = 1 << 1;
+
+/// The port of an xt `REDIRECT` target's info, for the family it was written for.
+///
+/// IPv4 (`nf_nat_ipv4_multi_range_compat`): `rangesize` u32, then the first range's `flags`
+/// at byte 4 and its minimum port, big-endian, at byte 16. IPv6 (`nf_nat_range`, and the
+/// longer `nf_nat_range2`): `flags` at byte 0, minimum port at byte 36. `None` when the info
+/// is too short or no port was given (`-j REDIRECT` without `--to-ports`).
+pub fn redirect_port(family: Family, info: &[u8]) -> Option<u16> {
+    let (flags_at, port_at) = match family {
+        Family::Ip => (4, 16),
+        Family::Ip6 => (0, 36),
+        // iptables-nft never writes xt targets into inet tables; guess by the info's size.
+        Family::Inet => {
+            if info.len() < 40 {
+                (4, 16)
+            } else {
+                (0, 36)
+            }
+        }
+    };
+    let flags = u32::from_ne_bytes(info.get(flags_at..flags_at + 4)?.try_into().ok()?);
+    if flags & NAT_RANGE_PROTO_SPECIFIED == 0 {
+        return None;
+    }
+    let port = u16::from_be_bytes(info.get(port_at..port_at + 2)?.try_into().ok()?);
+    (port != 0).then_some(port)
+}
+
+/// The [`Action`](meshgate_core::rules::Action) of an xt target other than REDIRECT and the
+/// standard verdicts: other NAT targets terminate, REJECT drops, the rest (LOG, MARK, ...)
+/// let evaluation continue.
+pub(crate) fn xt_target_action(name: &str) -> meshgate_core::rules::Action {
+    use meshgate_core::rules::Action;
+    match name {
+        "DNAT" | "SNAT" | "MASQUERADE" | "NETMAP" => Action::Nat,
+        "REJECT" | "DROP" => Action::Drop,
+        "ACCEPT" => Action::Accept,
+        "RETURN" => Action::Return,
+        _ => Action::Continue,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn v4_info(flags: u32, port: u16) -> Vec<u8> {
+        let mut b = vec![0u8; 20];
+        b[0..4].copy_from_slice(&1u32.to_ne_bytes());
+        b[4..8].copy_from_slice(&flags.to_ne_bytes());
+        b[16..18].copy_from_slice(&port.to_be_bytes());
+        b[18..20].copy_from_slice(&port.to_be_bytes());
+        b
+    }
+
+    fn v6_info(flags: u32, port: u16) -> Vec<u8> {
+        let mut b = vec![0u8; 40];
+        b[0..4].copy_from_slice(&flags.to_ne_bytes());
+        b[36..38].copy_from_slice(&port.to_be_bytes());
+        b[38..40].copy_from_slice(&port.to_be_bytes());
+        b
+    }
+
+    #[test]
+    fn redirect_port_reads_both_layouts() {
+        assert_eq!(redirect_port(Family::Ip, &v4_info(2, 4143)), Some(4143));
+        assert_eq!(redirect_port(Family::Ip6, &v6_info(2, 15006)), Some(15006));
+        assert_eq!(redirect_port(Family::Inet, &v4_info(2, 4140)), Some(4140));
+        assert_eq!(redirect_port(Family::Inet, &v6_info(2, 4140)), Some(4140));
+        // No --to-ports: the flag is clear.
+        assert_eq!(redirect_port(Family::Ip, &v4_info(0, 0)), None);
+        // Truncated info.
+        assert_eq!(redirect_port(Family::Ip, &v4_info(2, 4143)[..17]), None);
+        assert_eq!(redirect_port(Family::Ip6, &[]), None);
+    }
+
+    #[test]
+    fn split_messages_handles_padding_and_bad_lengths() {
+        let mut b = vec![0u8; 17 + 3 + 16];
+        b[0..4].copy_from_slice(&17u32.to_ne_bytes());
+        b[20..24].copy_from_slice(&16u32.to_ne_bytes());
+        let lens: Vec<_> = split_messages(&b).map(|m| m.map(<[u8]>::len)).collect();
+        assert_eq!(lens, [Ok(17), Ok(16)]);
+        // The last message ends unpadded at the end of the buffer.
+        let lens: Vec<_> = split_messages(&b[..17]).map(|m| m.map(<[u8]>::len)).collect();
+        assert_eq!(lens, [Ok(17)]);
+        let mut bad = vec![0u8; 16];
+        bad[0..4].copy_from_slice(&99u32.to_ne_bytes());
+        assert!(split_messages(&bad).any(|m| m.is_err()));
+    }
+
+    proptest! {
+        #[test]
+        fn split_messages_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+            let total: usize = split_messages(&bytes).filter_map(Result::ok).map(<[u8]>::len).sum();
+            prop_assert!(total <= bytes.len());
+        }
+
+        #[test]
+        fn redirect_port_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..64)) {
+            for fam in [Family::Ip, Family::Ip6, Family::Inet] {
+                let _ = redirect_port(fam, &bytes);
+            }
+        }
+    }
+}

@@ -1,0 +1,319 @@
+//! Network namespace discovery and entry.
+//!
+//! In: `/proc` (every process's `ns/net`, and its `cgroup` for the pod UID) and the netns
+//! directories (default [`DEFAULT_NETNS_DIR`]). Out: [`NetnsRef`]s deduplicated by inode with
+//! the host's namespace left out, their addresses, and [`Opened`] handles from which the
+//! netfilter readers get the namespace's rules.
+//!
+//! Entering a namespace is per thread (`setns`), so [`with_netns`] enters, runs a short
+//! synchronous closure that only creates sockets and reads `/proc/thread-self/net/*`, and
+//! switches back through a saved descriptor of `/proc/thread-self/ns/net` before returning,
+//! even if the closure panics. The sockets stay bound to the pod's namespace afterwards, so
+//! every query runs from the agent's own namespace. Never call this across an `.await`: the
+//! daemon runs it on a blocking thread.
+
+pub mod addr;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use meshgate_core::rules::Ruleset;
+use meshgate_core::rules::locate::{NetnsFacts, pod_uid_from_cgroup};
+use nix::sched::{CloneFlags, setns};
+
+use crate::netfilter::{self, ReadError};
+pub use addr::Address;
+
+/// Where `ip netns` and the container runtimes bind-mount named namespaces.
+pub const DEFAULT_NETNS_DIR: &str = "/var/run/netns";
+
+/// How many processes per namespace are remembered (for the pod UID cross-check): a pod's
+/// pause and app containers are a handful; a bound keeps memory flat on busy nodes.
+const MAX_PIDS_PER_NETNS: usize = 16;
+
+/// Failures around one namespace.
+#[derive(Debug, thiserror::Error)]
+pub enum NetnsError {
+    /// The namespace file could not be opened (gone, or no permission: CAP_SYS_PTRACE).
+    #[error("cannot open network namespace {path}: {source}")]
+    Open {
+        /// The namespace path.
+        path: PathBuf,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// `/proc/thread-self/ns/net` could not be opened, so entering would be a one-way trip.
+    #[error("cannot save the current network namespace: {0}")]
+    SaveHome(io::Error),
+    /// `setns` into the namespace failed (CAP_SYS_ADMIN, or not a network namespace).
+    #[error("cannot enter network namespace {path}: {source}")]
+    Enter {
+        /// The namespace path.
+        path: PathBuf,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// The rtnetlink socket could not be created inside the namespace.
+    #[error("cannot open an rtnetlink socket in {path}: {source}")]
+    RouteSocket {
+        /// The namespace path.
+        path: PathBuf,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// Listing addresses failed.
+    #[error("cannot list addresses in {path}: {source}")]
+    Addresses {
+        /// The namespace path.
+        path: PathBuf,
+        /// What failed.
+        source: addr::AddrError,
+    },
+    /// Reading rules failed.
+    #[error("cannot read netfilter rules in {path}: {source}")]
+    Rules {
+        /// The namespace path.
+        path: PathBuf,
+        /// What failed.
+        source: ReadError,
+    },
+    /// A netns directory or `/proc` could not be listed.
+    #[error("cannot list {path}: {source}")]
+    Scan {
+        /// The directory.
+        path: PathBuf,
+        /// The OS error.
+        source: io::Error,
+    },
+}
+
+/// Switches the thread back to its saved namespace when dropped, also during a panic.
+struct Return {
+    home: File,
+}
+
+impl Drop for Return {
+    fn drop(&mut self) {
+        if let Err(e) = setns(&self.home, CloneFlags::CLONE_NEWNET) {
+            // A thread stuck in a pod's namespace would carry every later task of the
+            // pool into it (and the agent's own sockets with it). There is no safe way
+            // to continue.
+            tracing::error!(error = %e, "cannot return to the agent's network namespace; aborting");
+            std::process::abort();
+        }
+    }
+}
+
+/// Runs `f` with the calling thread inside the namespace `target`, and returns to the
+/// original namespace before returning. `f` must be short and synchronous.
+pub fn with_netns<T>(target: &Path, f: impl FnOnce() -> T) -> Result<T, NetnsError> {
+    let ns = File::open(target).map_err(|source| NetnsError::Open {
+        path: target.to_owned(),
+        source,
+    })?;
+    let home = File::open("/proc/thread-self/ns/net").map_err(NetnsError::SaveHome)?;
+    setns(&ns, CloneFlags::CLONE_NEWNET).map_err(|e| NetnsError::Enter {
+        path: target.to_owned(),
+        source: io::Error::from(e),
+    })?;
+    let _back = Return { home };
+    Ok(f())
+}
+
+/// Sockets bound to one namespace, opened in a single visit.
+#[derive(Debug)]
+pub struct Opened {
+    path: PathBuf,
+    route: RouteSocket,
+    rules: Option<netfilter::Sockets>,
+}
+
+/// mnl's socket is not Debug.
+struct RouteSocket(mnl::Socket);
+
+impl std::fmt::Debug for RouteSocket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RouteSocket(portid {})", self.0.portid())
+    }
+}
+
+/// Enters `path` once and opens the rtnetlink socket, plus the netfilter handles when
+/// `with_rules` (which also reads the legacy table name lists inside the namespace).
+pub fn open(path: &Path, with_rules: bool) -> Result<Opened, NetnsError> {
+    let (route, rules) = with_netns(path, || {
+        let route = mnl::Socket::new(mnl::Bus::Route);
+        let rules = with_rules.then(netfilter::Sockets::open_here);
+        (route, rules)
+    })?;
+    let route = route.map_err(|source| NetnsError::RouteSocket {
+        path: path.to_owned(),
+        source,
+    })?;
+    let rules = rules
+        .transpose()
+        .map_err(|source| NetnsError::Rules {
+            path: path.to_owned(),
+            source,
+        })?;
+    Ok(Opened {
+        path: path.to_owned(),
+        route: RouteSocket(route),
+        rules,
+    })
+}
+
+impl Opened {
+    /// The namespace's addresses.
+    pub fn addresses(&self) -> Result<Vec<Address>, NetnsError> {
+        addr::dump(&self.route.0).map_err(|source| NetnsError::Addresses {
+            path: self.path.clone(),
+            source,
+        })
+    }
+
+    /// The namespace's NAT-relevant rules (empty when opened without rules).
+    pub fn ruleset(&self) -> Result<Ruleset, NetnsError> {
+        match &self.rules {
+            Some(s) => s.read().map_err(|source| NetnsError::Rules {
+                path: self.path.clone(),
+                source,
+            }),
+            None => Ok(Ruleset::default()),
+        }
+    }
+
+    /// The netfilter handles, when opened with rules.
+    pub fn rule_sockets(&self) -> Option<&netfilter::Sockets> {
+        self.rules.as_ref()
+    }
+}
+
+/// One distinct network namespace on the node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NetnsRef {
+    /// nsfs inode: the namespace's identity.
+    pub inode: u64,
+    /// A path that opens it (a netns dir entry when there is one, else `/proc/<pid>/ns/net`).
+    pub path: PathBuf,
+    /// Some processes inside it (at most a handful).
+    pub pids: Vec<u32>,
+}
+
+fn stat_ns(path: &Path) -> io::Result<(u64, u64)> {
+    let m = std::fs::metadata(path)?;
+    Ok((m.dev(), m.ino()))
+}
+
+/// Finds every network namespace on the node except the host's (the agent's own and pid
+/// 1's): one per inode, from `/proc/*/ns/net` and from the entries of `netns_dirs` that are
+/// namespace bind mounts. Processes that exit during the scan are skipped.
+pub fn discover(netns_dirs: &[PathBuf]) -> Result<Vec<NetnsRef>, NetnsError> {
+    let scan_err = |path: &str| {
+        let path = PathBuf::from(path);
+        move |source| NetnsError::Scan { path, source }
+    };
+    let (nsfs_dev, own) = stat_ns(Path::new("/proc/self/ns/net")).map_err(scan_err("/proc/self/ns/net"))?;
+    let mut host = BTreeSet::from([own]);
+    if let Ok((_, init)) = stat_ns(Path::new("/proc/1/ns/net")) {
+        host.insert(init);
+    }
+    let mut found: BTreeMap<u64, NetnsRef> = BTreeMap::new();
+
+    for dir in netns_dirs {
+        let entries = match std::fs::read_dir(dir) {
+            Ok(e) => e,
+            // No named namespaces on this node (or no such runtime): nothing to add.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(source) => {
+                return Err(NetnsError::Scan {
+                    path: dir.clone(),
+                    source,
+                });
+            }
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            // An entry that is not a live bind mount is a plain file on the dir's own
+            // filesystem: its device is not nsfs.
+            let Ok((dev, ino)) = stat_ns(&path) else {
+                continue;
+            };
+            if dev != nsfs_dev || host.contains(&ino) {
+                continue;
+            }
+            found.entry(ino).or_insert_with(|| NetnsRef {
+                inode: ino,
+                path,
+                pids: Vec::new(),
+            });
+        }
+    }
+
+    let procs = std::fs::read_dir("/proc").map_err(scan_err("/proc"))?;
+    for entry in procs.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let path = PathBuf::from(format!("/proc/{pid}/ns/net"));
+        let Ok((dev, ino)) = stat_ns(&path) else {
+            continue;
+        };
+        if dev != nsfs_dev || host.contains(&ino) {
+            continue;
+        }
+        let r = found.entry(ino).or_insert_with(|| NetnsRef {
+            inode: ino,
+            path,
+            pids: Vec::new(),
+        });
+        if r.pids.len() < MAX_PIDS_PER_NETNS {
+            r.pids.push(pid);
+        }
+    }
+    Ok(found.into_values().collect())
+}
+
+/// Pod UIDs of the given processes, from their cgroup paths.
+pub fn pod_uids(pids: &[u32]) -> BTreeSet<String> {
+    pids.iter()
+        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok())
+        .filter_map(|text| pod_uid_from_cgroup(&text))
+        .collect()
+}
+
+/// Every non-host namespace with its addresses and pod UIDs: the input of
+/// [`meshgate_core::rules::locate::locate`]. Namespaces that vanish while being read are
+/// skipped (their pods are gone); other failures are returned in the second list so the
+/// caller can log them.
+pub fn survey(
+    netns_dirs: &[PathBuf],
+) -> Result<(Vec<NetnsFacts<NetnsRef>>, Vec<NetnsError>), NetnsError> {
+    let mut facts = Vec::new();
+    let mut errors = Vec::new();
+    for r in discover(netns_dirs)? {
+        let addresses = match open(&r.path, false).and_then(|o| o.addresses()) {
+            Ok(a) => a,
+            Err(NetnsError::Open { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
+                continue;
+            }
+            Err(e) => {
+                errors.push(e);
+                continue;
+            }
+        };
+        facts.push(NetnsFacts {
+            addresses: addresses
+                .iter()
+                .filter(|a| a.is_global())
+                .map(|a| a.ip)
+                .collect(),
+            pod_uids: pod_uids(&r.pids),
+            key: r,
+        });
+    }
+    Ok((facts, errors))
+}

@@ -1,0 +1,552 @@
+//! Admission decisions: may this pod land on this node, and how is a new Node gated?
+//!
+//! In: what is being admitted (a Pod created with `spec.nodeName` set, or a `pods/binding`),
+//! the pod's labels and annotations (or "could not be looked up"), the target node's labels
+//! (or "unknown to the cache"), the node's `MeshCNIVerified` condition reason when known, and
+//! the [`ProfileSet`]. Out: [`Decision::Allow`] or [`Decision::Refuse`] with a message that
+//! names the node, the reason when known, and the remedy. The message is shown verbatim to the
+//! client (`kubectl`, the scheduler's event), so it is written for an operator.
+//!
+//! Also [`node_registration_patch`]: the JSON Patch that gates a Node from the instant it is
+//! created (taint + `meshgate.io/cni-verified=false` label).
+//!
+//! No I/O: the webhook crate feeds this from its caches and the AdmissionReview.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde_json::{Value, json};
+
+use crate::profile::ProfileSet;
+use crate::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
+
+/// Which admission path the request came through. It changes only the remedy: a pod created
+/// with `spec.nodeName` chose its node itself, a binding is the scheduler's choice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestKind {
+    /// `pods` CREATE with `spec.nodeName` already set: it never goes through the scheduler.
+    PodCreate,
+    /// `pods/binding` CREATE: the scheduler (or anyone) binding a pending pod to a node.
+    Binding,
+}
+
+/// What is known about the pod being placed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PodFacts<'a> {
+    /// The pod's labels and annotations.
+    Known {
+        /// `metadata.labels`.
+        labels: &'a BTreeMap<String, String>,
+        /// `metadata.annotations`.
+        annotations: &'a BTreeMap<String, String>,
+    },
+    /// A binding whose pod was neither in the cache nor returned by the API in time.
+    Unknown,
+}
+
+/// What is known about the target node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeFacts<'a> {
+    /// The node is in the cache with these labels.
+    Known {
+        /// `metadata.labels`.
+        labels: &'a BTreeMap<String, String>,
+    },
+    /// The node is not in the cache: not registered yet, or registered a moment ago.
+    Unknown,
+}
+
+/// Everything the decision needs.
+#[derive(Clone, Copy, Debug)]
+pub struct Input<'a> {
+    /// Admission path.
+    pub kind: RequestKind,
+    /// Pod namespace (for the message).
+    pub namespace: &'a str,
+    /// Pod name, or its `generateName` prefix when the name is not assigned yet.
+    pub pod_name: &'a str,
+    /// Pod labels and annotations.
+    pub pod: PodFacts<'a>,
+    /// Target node name (`spec.nodeName` or the Binding's `target.name`).
+    pub node_name: &'a str,
+    /// Target node labels.
+    pub node: NodeFacts<'a>,
+    /// The node's `MeshCNIVerified` condition reason, when the caller could read it.
+    pub node_reason: Option<&'a str>,
+}
+
+/// Why a request was allowed (for logs and tests; the apiserver only sees "allowed").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AllowReason {
+    /// The node is labelled `meshgate.io/cni-verified=true`.
+    NodeVerified,
+    /// No mesh profile selects the pod.
+    NotMeshed,
+}
+
+/// The admission verdict.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Let the request through.
+    Allow(AllowReason),
+    /// Refuse it; the message is shown to the client.
+    Refuse {
+        /// Names the node, its state and reason when known, and the remedy.
+        message: String,
+    },
+}
+
+impl Decision {
+    /// True for [`Decision::Allow`].
+    pub fn is_allowed(&self) -> bool {
+        matches!(self, Decision::Allow(_))
+    }
+}
+
+/// True when the node's labels say the meshgate agent verified its CNI chain.
+pub fn node_is_verified(labels: &BTreeMap<String, String>) -> bool {
+    labels.get(VERIFIED_LABEL).map(String::as_str) == Some("true")
+}
+
+/// Decides one pod placement.
+///
+/// A verified node admits every pod, so a pod that could not be looked up is only a problem on
+/// an unverified node; there it is refused (fail closed): the scheduler retries the binding.
+pub fn decide(input: &Input<'_>, profiles: &ProfileSet) -> Decision {
+    if let NodeFacts::Known { labels } = input.node
+        && node_is_verified(labels)
+    {
+        return Decision::Allow(AllowReason::NodeVerified);
+    }
+    let meshes: Vec<(&str, &str)> = match input.pod {
+        PodFacts::Known {
+            labels,
+            annotations,
+        } => profiles
+            .selecting(labels, annotations)
+            .map(|p| (p.name.as_str(), p.plugin_type.as_str()))
+            .collect(),
+        PodFacts::Unknown => Vec::new(),
+    };
+    if meshes.is_empty() && input.pod != PodFacts::Unknown {
+        return Decision::Allow(AllowReason::NotMeshed);
+    }
+    Decision::Refuse {
+        message: refusal_message(input, &meshes),
+    }
+}
+
+fn refusal_message(input: &Input<'_>, meshes: &[(&str, &str)]) -> String {
+    let node = input.node_name;
+    let mut m = String::with_capacity(512);
+    let _ = write!(m, "meshgate: pod {}/{} ", input.namespace, input.pod_name);
+    if meshes.is_empty() {
+        m.push_str("could not be looked up to tell whether a mesh selects it, and");
+    } else {
+        let names: Vec<&str> = meshes.iter().map(|(n, _)| *n).collect();
+        let _ = write!(m, "belongs to mesh profile {}, but", names.join(", "));
+    }
+    let _ = write!(m, " node {node} is not verified for the mesh CNI chain: ");
+    match input.node {
+        NodeFacts::Unknown => {
+            m.push_str("the node is not known yet (not registered, or registered a moment ago)")
+        }
+        NodeFacts::Known { labels } => match labels.get(VERIFIED_LABEL) {
+            None => {
+                let _ = write!(
+                    m,
+                    "it has no {VERIFIED_LABEL} label (the meshgate agent has not verified it yet)"
+                );
+            }
+            Some(v) => {
+                let _ = write!(m, "it is labelled {VERIFIED_LABEL}={v:?}");
+            }
+        },
+    }
+    match input.node_reason {
+        Some(r) if !r.is_empty() => {
+            let _ = write!(m, "; condition {CONDITION_TYPE} reason {r}");
+        }
+        _ => {}
+    }
+    m.push_str(". Remedy: ");
+    if meshes.is_empty() {
+        m.push_str("retry; ");
+    }
+    let mut plugins: Vec<&str> = meshes.iter().map(|(_, p)| *p).collect();
+    plugins.sort_unstable();
+    plugins.dedup();
+    if plugins.is_empty() {
+        let _ = write!(m, "fix the CNI chain on node {node}");
+    } else {
+        let _ = write!(
+            m,
+            "fix the CNI chain on node {node} so it chains {}",
+            plugins.join(", ")
+        );
+    }
+    let _ = write!(
+        m,
+        " (kubectl describe node {node}: condition {CONDITION_TYPE}); the meshgate agent then \
+         labels it {VERIFIED_LABEL}=true. Meanwhile "
+    );
+    match input.kind {
+        RequestKind::PodCreate => m.push_str(
+            "create the pod without spec.nodeName so the scheduler can choose a verified node.",
+        ),
+        RequestKind::Binding => {
+            let _ = write!(
+                m,
+                "do not let the pod tolerate the {TAINT_KEY} taint, so the scheduler avoids \
+                 unverified nodes."
+            );
+        }
+    }
+    m
+}
+
+/// Escapes a key for a JSON Pointer path segment (RFC 6901: `~` → `~0`, `/` → `~1`).
+fn pointer_segment(key: &str) -> String {
+    key.replace('~', "~0").replace('/', "~1")
+}
+
+/// The JSON Patch (RFC 6902 operations) that gates a Node being created: the
+/// `meshgate.io/cni-unverified` taint with `effect`, unless a taint with that key is already
+/// there (kubelet's `--register-with-taints` may have set it, perhaps with `NoExecute`), and the
+/// label `meshgate.io/cni-verified=false`, which replaces any value a registering node claims
+/// for itself: a node that was just created has not been verified by the agent.
+///
+/// `node` is the Node object as JSON. Returns an empty list when nothing needs to change.
+pub fn node_registration_patch(node: &Value, effect: &str) -> Vec<Value> {
+    let mut ops = Vec::new();
+
+    let labels = node.pointer("/metadata/labels");
+    match labels {
+        Some(Value::Object(map)) => {
+            if map.get(VERIFIED_LABEL).and_then(Value::as_str) != Some("false") {
+                // `add` on an existing member replaces it (RFC 6902 §4.1).
+                ops.push(json!({
+                    "op": "add",
+                    "path": format!("/metadata/labels/{}", pointer_segment(VERIFIED_LABEL)),
+                    "value": "false",
+                }));
+            }
+        }
+        _ => {
+            let path = if node.get("metadata").is_some_and(Value::is_object) {
+                "/metadata/labels"
+            } else {
+                "/metadata"
+            };
+            let value = if path == "/metadata/labels" {
+                json!({ VERIFIED_LABEL: "false" })
+            } else {
+                json!({ "labels": { VERIFIED_LABEL: "false" } })
+            };
+            ops.push(json!({ "op": "add", "path": path, "value": value }));
+        }
+    }
+
+    let taint = json!({ "key": TAINT_KEY, "effect": effect });
+    match node.pointer("/spec/taints") {
+        Some(Value::Array(taints)) => {
+            let present = taints
+                .iter()
+                .any(|t| t.get("key").and_then(Value::as_str) == Some(TAINT_KEY));
+            if !present {
+                ops.push(json!({ "op": "add", "path": "/spec/taints/-", "value": taint }));
+            }
+        }
+        _ => {
+            if node.get("spec").is_some_and(Value::is_object) {
+                ops.push(json!({ "op": "add", "path": "/spec/taints", "value": [taint] }));
+            } else {
+                ops.push(json!({ "op": "add", "path": "/spec", "value": { "taints": [taint] } }));
+            }
+        }
+    }
+    ops
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    struct Case {
+        pod_labels: BTreeMap<String, String>,
+        pod_annotations: BTreeMap<String, String>,
+        node_labels: Option<BTreeMap<String, String>>,
+    }
+
+    impl Case {
+        fn decide(&self, kind: RequestKind, reason: Option<&str>) -> Decision {
+            let input = Input {
+                kind,
+                namespace: "shop",
+                pod_name: "web-0",
+                pod: PodFacts::Known {
+                    labels: &self.pod_labels,
+                    annotations: &self.pod_annotations,
+                },
+                node_name: "node-a",
+                node: match &self.node_labels {
+                    Some(labels) => NodeFacts::Known { labels },
+                    None => NodeFacts::Unknown,
+                },
+                node_reason: reason,
+            };
+            decide(&input, &ProfileSet::all_builtin())
+        }
+    }
+
+    fn linkerd_pod(node_labels: Option<BTreeMap<String, String>>) -> Case {
+        Case {
+            pod_labels: map(&[("linkerd.io/control-plane-ns", "linkerd"), ("app", "web")]),
+            pod_annotations: BTreeMap::new(),
+            node_labels,
+        }
+    }
+
+    fn message(d: Decision) -> String {
+        match d {
+            Decision::Refuse { message } => message,
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn mesh_pod_on_verified_node_is_allowed() {
+        let c = linkerd_pod(Some(map(&[(VERIFIED_LABEL, "true")])));
+        assert_eq!(
+            c.decide(RequestKind::PodCreate, None),
+            Decision::Allow(AllowReason::NodeVerified)
+        );
+        assert!(c.decide(RequestKind::Binding, None).is_allowed());
+    }
+
+    #[test]
+    fn mesh_pod_on_unverified_node_is_refused_with_node_reason_and_remedy() {
+        let c = linkerd_pod(Some(map(&[(VERIFIED_LABEL, "false")])));
+        let m = message(c.decide(RequestKind::PodCreate, Some("ChainedPluginMissing")));
+        assert!(m.contains("pod shop/web-0"), "{m}");
+        assert!(m.contains("mesh profile linkerd"), "{m}");
+        assert!(m.contains("node node-a"), "{m}");
+        assert!(m.contains("meshgate.io/cni-verified=\"false\""), "{m}");
+        assert!(
+            m.contains("condition MeshCNIVerified reason ChainedPluginMissing"),
+            "{m}"
+        );
+        assert!(
+            m.contains("Remedy: fix the CNI chain on node node-a"),
+            "{m}"
+        );
+        assert!(m.contains("chains linkerd-cni"), "{m}");
+        assert!(m.contains("without spec.nodeName"), "{m}");
+    }
+
+    #[test]
+    fn reason_is_omitted_when_unknown() {
+        let c = linkerd_pod(Some(map(&[(VERIFIED_LABEL, "false")])));
+        let m = message(c.decide(RequestKind::PodCreate, None));
+        assert!(!m.contains("reason"), "{m}");
+        let m = message(c.decide(RequestKind::PodCreate, Some("")));
+        assert!(!m.contains("condition MeshCNIVerified reason"), "{m}");
+    }
+
+    #[test]
+    fn node_without_label_or_with_odd_value_is_unverified() {
+        let c = linkerd_pod(Some(map(&[("kubernetes.io/os", "linux")])));
+        let m = message(c.decide(RequestKind::PodCreate, None));
+        assert!(m.contains("has no meshgate.io/cni-verified label"), "{m}");
+
+        // Only the exact value "true" verifies: "True" or "yes" are not the agent's writing.
+        let c = linkerd_pod(Some(map(&[(VERIFIED_LABEL, "True")])));
+        let m = message(c.decide(RequestKind::PodCreate, None));
+        assert!(
+            m.contains("labelled meshgate.io/cni-verified=\"True\""),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn mesh_pod_on_unknown_node_is_refused() {
+        let c = linkerd_pod(None);
+        let m = message(c.decide(RequestKind::PodCreate, None));
+        assert!(m.contains("node node-a is not verified"), "{m}");
+        assert!(m.contains("not known yet"), "{m}");
+    }
+
+    #[test]
+    fn non_mesh_pod_is_allowed_everywhere() {
+        for node in [
+            None,
+            Some(map(&[(VERIFIED_LABEL, "false")])),
+            Some(BTreeMap::new()),
+        ] {
+            let c = Case {
+                pod_labels: map(&[("app", "batch"), ("security.istio.io/tlsMode", "disabled")]),
+                pod_annotations: map(&[("ambient.istio.io/redirection", "disabled")]),
+                node_labels: node,
+            };
+            for kind in [RequestKind::PodCreate, RequestKind::Binding] {
+                assert_eq!(
+                    c.decide(kind, Some("NoConfig")),
+                    Decision::Allow(AllowReason::NotMeshed)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn istio_and_ambient_pods_are_selected_too() {
+        let unverified = Some(map(&[(VERIFIED_LABEL, "false")]));
+        let istio = Case {
+            pod_labels: map(&[("security.istio.io/tlsMode", "istio")]),
+            pod_annotations: BTreeMap::new(),
+            node_labels: unverified.clone(),
+        };
+        let m = message(istio.decide(RequestKind::PodCreate, None));
+        assert!(
+            m.contains("mesh profile istio,") && m.contains("istio-cni"),
+            "{m}"
+        );
+
+        let ambient = Case {
+            pod_labels: BTreeMap::new(),
+            pod_annotations: map(&[("ambient.istio.io/redirection", "enabled")]),
+            node_labels: unverified,
+        };
+        let m = message(ambient.decide(RequestKind::Binding, None));
+        assert!(m.contains("mesh profile istio-ambient"), "{m}");
+    }
+
+    #[test]
+    fn binding_of_mesh_pod_to_unverified_node_is_refused_with_scheduler_remedy() {
+        let c = linkerd_pod(Some(map(&[(VERIFIED_LABEL, "false")])));
+        let m = message(c.decide(RequestKind::Binding, Some("PluginBinaryBroken")));
+        assert!(m.contains("node node-a"), "{m}");
+        assert!(m.contains("PluginBinaryBroken"), "{m}");
+        assert!(
+            m.contains("do not let the pod tolerate the meshgate.io/cni-unverified taint"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn binding_of_unknown_pod_fails_closed_only_on_unverified_nodes() {
+        let labels = map(&[(VERIFIED_LABEL, "false")]);
+        let mut input = Input {
+            kind: RequestKind::Binding,
+            namespace: "shop",
+            pod_name: "web-0",
+            pod: PodFacts::Unknown,
+            node_name: "node-a",
+            node: NodeFacts::Known { labels: &labels },
+            node_reason: None,
+        };
+        let profiles = ProfileSet::all_builtin();
+        let m = message(decide(&input, &profiles));
+        assert!(m.contains("could not be looked up"), "{m}");
+        assert!(m.contains("Remedy: retry"), "{m}");
+
+        let verified = map(&[(VERIFIED_LABEL, "true")]);
+        input.node = NodeFacts::Known { labels: &verified };
+        assert_eq!(
+            decide(&input, &profiles),
+            Decision::Allow(AllowReason::NodeVerified)
+        );
+    }
+
+    #[test]
+    fn only_the_selected_profiles_count() {
+        let c = linkerd_pod(Some(map(&[(VERIFIED_LABEL, "false")])));
+        let istio_only = ProfileSet::all_builtin().select(&["istio".into()]).unwrap();
+        let input = Input {
+            kind: RequestKind::PodCreate,
+            namespace: "shop",
+            pod_name: "web-0",
+            pod: PodFacts::Known {
+                labels: &c.pod_labels,
+                annotations: &c.pod_annotations,
+            },
+            node_name: "node-a",
+            node: NodeFacts::Known {
+                labels: c.node_labels.as_ref().unwrap(),
+            },
+            node_reason: None,
+        };
+        assert_eq!(
+            decide(&input, &istio_only),
+            Decision::Allow(AllowReason::NotMeshed)
+        );
+    }
+
+    #[test]
+    fn registration_patch_adds_taint_and_label() {
+        let node = json!({
+            "metadata": {"name": "n1", "labels": {"kubernetes.io/hostname": "n1"}},
+            "spec": {}
+        });
+        let ops = node_registration_patch(&node, "NoSchedule");
+        assert_eq!(
+            ops,
+            vec![
+                json!({"op":"add","path":"/metadata/labels/meshgate.io~1cni-verified","value":"false"}),
+                json!({"op":"add","path":"/spec/taints","value":[{"key":TAINT_KEY,"effect":"NoSchedule"}]}),
+            ]
+        );
+    }
+
+    #[test]
+    fn registration_patch_appends_to_existing_taints_and_builds_missing_maps() {
+        let node = json!({
+            "metadata": {"name": "n1"},
+            "spec": {"taints": [{"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}]}
+        });
+        let ops = node_registration_patch(&node, "NoSchedule");
+        assert_eq!(
+            ops,
+            vec![
+                json!({"op":"add","path":"/metadata/labels","value":{VERIFIED_LABEL:"false"}}),
+                json!({"op":"add","path":"/spec/taints/-","value":{"key":TAINT_KEY,"effect":"NoSchedule"}}),
+            ]
+        );
+        let bare = json!({});
+        let ops = node_registration_patch(&bare, "NoExecute");
+        assert_eq!(
+            ops,
+            vec![
+                json!({"op":"add","path":"/metadata","value":{"labels":{VERIFIED_LABEL:"false"}}}),
+                json!({"op":"add","path":"/spec","value":{"taints":[{"key":TAINT_KEY,"effect":"NoExecute"}]}}),
+            ]
+        );
+    }
+
+    #[test]
+    fn registration_patch_never_duplicates_the_taint_and_overrides_a_claimed_label() {
+        // kubelet --register-with-taints already set it (with another effect): keep theirs.
+        let node = json!({
+            "metadata": {"labels": {VERIFIED_LABEL: "true"}},
+            "spec": {"taints": [{"key": TAINT_KEY, "effect": "NoExecute"}]}
+        });
+        let ops = node_registration_patch(&node, "NoSchedule");
+        assert_eq!(
+            ops,
+            vec![
+                json!({"op":"add","path":"/metadata/labels/meshgate.io~1cni-verified","value":"false"})
+            ]
+        );
+        let gated = json!({
+            "metadata": {"labels": {VERIFIED_LABEL: "false"}},
+            "spec": {"taints": [{"key": TAINT_KEY, "effect": "NoSchedule"}]}
+        });
+        assert!(node_registration_patch(&gated, "NoSchedule").is_empty());
+    }
+}

@@ -1,0 +1,35 @@
+//! meshgate-core: the pure decisions behind meshgate, and the names every part shares.
+//!
+//! In: plain data (directory listings and file bytes, plugin probe outcomes, rule graphs, pod
+//! and node metadata). Out: verdicts and decisions. Nothing here touches the filesystem, the
+//! network, netlink or a Kubernetes client, so every decision is tested without a cluster.
+//!
+//! The string constants below are the public contract (`shared/design/contract.md`): operators
+//! write alerts, runbooks and tolerations against them, so they are defined once, here.
+
+pub mod admission;
+pub mod cni;
+pub mod evict;
+pub mod profile;
+pub mod rules;
+
+/// Taint kept on a Node while its effective CNI config is not verified.
+pub const TAINT_KEY: &str = "meshgate.io/cni-unverified";
+/// Label mirroring the verdict (`"true"` / `"false"`); the webhook and nodeAffinity read it.
+pub const VERIFIED_LABEL: &str = "meshgate.io/cni-verified";
+/// Node condition type carrying the verdict's reason and message.
+pub const CONDITION_TYPE: &str = "MeshCNIVerified";
+/// Namespace label that exempts a namespace from the pod admission webhook.
+pub const IGNORE_NAMESPACE_LABEL: &str = "meshgate.io/ignore";
+/// Field manager / reporting controller name used on every write.
+pub const MANAGER: &str = "meshgate";
+
+/// Event reasons (events.k8s.io/v1), from the contract's Events table.
+pub mod event_reason {
+    /// Node, Normal: the chain became verified.
+    pub const CHAIN_VERIFIED: &str = "CNIChainVerified";
+    /// Node, Warning: the chain became unverified; the note carries the verification reason.
+    pub const CHAIN_UNVERIFIED: &str = "CNIChainUnverified";
+    /// Pod, Warning: the pod's netns lacks the expected redirect rules.
+    pub const REDIRECT_MISSING: &str = "MeshRedirectMissing";
+}

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Installs what the e2e tests and the demo need, idempotently:
+#   - Debian packages (etcd, iptables, nftables, netfilter headers, promtool);
+#   - kube-apiserver, kube-controller-manager, kube-scheduler and kubectl, built from the
+#     k8s.io/kubernetes Go module and cached outside the repo, keyed by version.
+# Prints the cache's bin directory as its last line.
+#
+# The pinned Kubernetes version lives in one place: `kubernetes-version` under
+# [workspace.metadata.meshgate] in the top-level Cargo.toml. This script refuses to run when
+# the k8s-openapi feature there names another minor version.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$here/.." && pwd)
+log() { printf '[install-deps %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
+die() { printf '[install-deps] error: %s\n' "$*" >&2; exit 1; }
+
+k8s_version=$(sed -n 's/^kubernetes-version *= *"\(v[0-9.]*\)".*/\1/p' "$root/Cargo.toml")
+[[ -n "$k8s_version" ]] || die "no kubernetes-version in $root/Cargo.toml [workspace.metadata.meshgate]"
+minor=$(cut -d. -f2 <<<"$k8s_version")
+grep -q "k8s-openapi.*\"v1_${minor}\"" "$root/Cargo.toml" \
+  || die "k8s-openapi's feature in Cargo.toml must be v1_${minor} to match kubernetes-version $k8s_version"
+
+cache_root=${MESHGATE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/meshgate}
+bin_dir="$cache_root/kubernetes/$k8s_version/bin"
+components=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+
+# --- Debian packages -------------------------------------------------------------------------
+apt_packages=(etcd-server iptables nftables iproute2 libnftnl-dev libmnl-dev pkg-config prometheus)
+missing=()
+for p in "${apt_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  [[ $(id -u) -eq 0 ]] || die "missing Debian packages (${missing[*]}); run this script as root or install them"
+  log "installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >/dev/null
+  # --no-install-recommends keeps prometheus from pulling in its web UI assets and exporters.
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # The packages start services on install; meshgate runs its own etcd on loopback ports it picks.
+  for svc in etcd prometheus; do systemctl disable --now "$svc" >/dev/null 2>&1 || true; done
+  pkill -x etcd >/dev/null 2>&1 || true
+  pkill -x prometheus >/dev/null 2>&1 || true
+fi
+
+# --- Kubernetes control-plane binaries -------------------------------------------------------
+have_all=1
+for c in "${components[@]}"; do [[ -x "$bin_dir/$c" ]] || have_all=0; done
+if ((have_all)) && [[ -f "$bin_dir/.complete" ]]; then
+  log "reusing cached Kubernetes $k8s_version binaries in $bin_dir"
+  echo "$bin_dir"
+  exit 0
+fi
+
+command -v go >/dev/null 2>&1 || die "Go is required to build the Kubernetes $k8s_version control plane (install Go 1.24 or newer, https://go.dev/dl)"
+export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0 GOFLAGS=-mod=mod
+go_have=$(go env GOVERSION | sed 's/^go//')
+
+work="$cache_root/kubernetes/$k8s_version/build"
+mkdir -p "$work" "$bin_dir"
+log "downloading the k8s.io/kubernetes@$k8s_version module"
+modfile=$(cd "$work" && go mod download -json "k8s.io/kubernetes@$k8s_version" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",*$/\1/p')
+[[ -f "$modfile" ]] || die "could not download k8s.io/kubernetes@$k8s_version (is the Go module proxy reachable?)"
+
+go_need=$(sed -n 's/^go \([0-9.]*\)$/\1/p' "$modfile")
+if [[ "$(printf '%s\n%s\n' "$go_need" "$go_have" | sort -V | head -1)" != "$go_need" ]]; then
+  die "Kubernetes $k8s_version needs Go >= $go_need, this machine has Go $go_have"
+fi
+
+# Every staging module is required at v0.0.0 and replaced by ./staging/...; Go ignores a
+# dependency's replace directives, so point each at its published v0.X.Y tag instead.
+staging_version="v0.${k8s_version#v1.}"
+{
+  echo "module meshgate.local/k8s-build"
+  echo
+  echo "go $go_need"
+  # Only the main module's godebug line applies, so carry over the one Kubernetes builds with.
+  sed -n '/^godebug/p' "$modfile"
+  echo
+  echo "require k8s.io/kubernetes $k8s_version"
+  echo
+  echo "replace ("
+  sed -n 's#^[[:space:]]*\(k8s.io/[a-z0-9-]*\) => ./staging/src/.*#\t\1 => \1 '"$staging_version"'#p' "$modfile"
+  echo ")"
+} >"$work/go.mod"
+n_replaced=$(grep -c ' => ' "$work/go.mod" || true)
+((n_replaced > 20)) || die "found only $n_replaced staging modules in $modfile; the recipe needs updating"
+cat >"$work/tools.go" <<'GO'
+//go:build tools
+
+package tools
+
+import (
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
+	_ "k8s.io/kubernetes/cmd/kube-scheduler"
+	_ "k8s.io/kubernetes/cmd/kubectl"
+)
+GO
+log "building Kubernetes $k8s_version with Go $go_have ($n_replaced staging modules replaced)."
+log "A cold build takes roughly 15-30 minutes on 2 cores; it is cached in $bin_dir afterwards."
+ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$k8s_version -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
+i=0
+for c in "${components[@]}"; do
+  i=$((i + 1))
+  if [[ -x "$bin_dir/$c" ]]; then log "[$i/${#components[@]}] $c: cached"; continue; fi
+  log "[$i/${#components[@]}] building $c ..."
+  start=$SECONDS
+  (cd "$work" && go build -trimpath -ldflags "$ldflags" -o "$bin_dir/$c.tmp" "k8s.io/kubernetes/cmd/$c")
+  mv "$bin_dir/$c.tmp" "$bin_dir/$c"
+  log "[$i/${#components[@]}] built $c in $((SECONDS - start)) s"
+done
+touch "$bin_dir/.complete"
+echo "$bin_dir"

@@ -1,0 +1,27 @@
+//! meshgate-e2e: a real local Kubernetes control plane for meshgate's end-to-end tests and demo.
+//!
+//! In: etcd (Debian's `etcd-server`) and kube-apiserver, kube-controller-manager,
+//! kube-scheduler and kubectl built by `e2e/install-deps.sh` for the Kubernetes version pinned
+//! in the workspace Cargo.toml. Out: a [`ControlPlane`] on loopback ports with RBAC, client-cert
+//! admin identity, service-account tokens, working controllers and scheduler; fresh
+//! `kube::Client`s; a kubelet stand-in ([`kubelet`]) that registers Nodes and runs their pods;
+//! and ServiceAccount tokens ([`identity`]) so components run under their real identities.
+//!
+//! Tests share one control plane per test binary through [`ControlPlane::shared`] and isolate
+//! themselves with their own namespace ([`ControlPlane::create_namespace`]) and node names
+//! ([`unique_name`]).
+
+pub mod control_plane;
+mod error;
+pub mod identity;
+pub mod kubelet;
+pub mod paths;
+pub mod pki;
+mod process;
+pub mod wait;
+
+pub use control_plane::{ControlPlane, Options, Ports, unique_name};
+pub use error::Error;
+pub use identity::{TokenOptions, service_account_token};
+pub use kubelet::{NodeSpec, PodRunner, mark_pod_running, sequential_ips};
+pub use paths::{Binaries, kubernetes_version};

@@ -1,0 +1,674 @@
+//! meshgate-webhook against the real control plane.
+//!
+//! In: the shared control plane, an in-process webhook on a loopback port with a test CA and
+//! serving certificate (rcgen), and webhook configurations pointing at it by URL. Out: the
+//! apiserver's real answers: refusals shown to the client, admissions, node taints from the
+//! mutating webhook, survival of a certificate rotation, and fail-closed / fail-open scoping
+//! while the webhook is down.
+//!
+//! Webhook configurations are cluster-scoped, and other tests share this control plane. Each
+//! test therefore scopes its configurations with a label unique to it: a namespace label for
+//! the validating webhooks, a Node label for the mutating one. Only that test's namespaces
+//! and nodes (and kube-system, labelled for the outage test only) ever reach its webhook, and
+//! the configurations are deleted at the end even when the test fails.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail, ensure};
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
+use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::oneshot;
+
+use crate::cp;
+
+/// Label key that scopes this module's webhook configurations to one test's objects.
+const SCOPE_KEY: &str = "e2e.meshgate.io/webhook";
+/// Bound on one API call made by the test itself.
+const CALL: Duration = Duration::from_secs(20);
+
+/// A test CA that signs loopback serving certificates.
+struct Ca {
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+    pem: String,
+    der: rustls::pki_types::CertificateDer<'static>,
+}
+
+impl Ca {
+    fn new() -> anyhow::Result<Self> {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "meshgate e2e webhook CA");
+        params.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
+        let key = rcgen::KeyPair::generate()?;
+        let cert = params.self_signed(&key)?;
+        Ok(Self {
+            pem: cert.pem(),
+            der: cert.der().clone(),
+            issuer: rcgen::Issuer::new(params, key),
+        })
+    }
+
+    /// Issues a serving certificate for 127.0.0.1 and writes key then certificate, as a
+    /// rotation tool would; returns the certificate's DER.
+    fn issue(&self, cert: &Path, key: &Path) -> anyhow::Result<Vec<u8>> {
+        let kp = rcgen::KeyPair::generate()?;
+        let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()])?;
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "meshgate-webhook");
+        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+        let c = params.signed_by(&kp, &self.issuer)?;
+        std::fs::write(key, kp.serialize_pem())?;
+        std::fs::write(cert, c.pem())?;
+        Ok(c.der().to_vec())
+    }
+
+    /// The certificate the server at `addr` presents to a client trusting this CA.
+    async fn presented(&self, addr: SocketAddr) -> anyhow::Result<Vec<u8>> {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(self.der.clone())?;
+        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        let name = rustls::pki_types::ServerName::try_from("127.0.0.1")?;
+        let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+            .connect(name, tcp)
+            .await?;
+        let certs = tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .context("no peer certificate")?;
+        Ok(certs[0].to_vec())
+    }
+}
+
+/// A free loopback port (bound and released; the webhook binds it right after).
+fn free_port() -> anyhow::Result<SocketAddr> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?)
+}
+
+/// A plain HTTP/1.0 GET on the admin port: (status code, body).
+async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+        .await?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await?;
+    let code = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .context("no status line")?;
+    let body = out.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+    Ok((code, body.to_string()))
+}
+
+/// One webhook instance, its configurations and their scope label.
+struct Fixture {
+    client: Client,
+    /// Value of [`SCOPE_KEY`] that selects this test's objects.
+    tag: String,
+    ca: Ca,
+    dir: tempfile::TempDir,
+    listen: SocketAddr,
+    admin: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    server: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Fixture {
+    fn cert_paths(&self) -> (PathBuf, PathBuf) {
+        (
+            self.dir.path().join("tls.crt"),
+            self.dir.path().join("tls.key"),
+        )
+    }
+
+    /// Starts the webhook in-process, waits for `/ready`, and registers the configurations.
+    async fn start(cp: &ControlPlane, prefix: &str) -> anyhow::Result<Self> {
+        let client = cp.client()?;
+        let tag = unique_name(prefix);
+        let ca = Ca::new()?;
+        let dir = tempfile::tempdir()?;
+        let (listen, admin) = (free_port()?, free_port()?);
+        let mut f = Self {
+            client,
+            tag,
+            ca,
+            dir,
+            listen,
+            admin,
+            stop: None,
+            server: None,
+        };
+        let (cert, key) = f.cert_paths();
+        f.ca.issue(&cert, &key)?;
+
+        let args = meshgate_webhook::Args {
+            listen,
+            tls_cert: cert,
+            tls_key: key,
+            kubeconfig: Some(cp.admin_kubeconfig_path().to_path_buf()),
+            admin_addr: Some(admin),
+            profiles: Vec::new(),
+            profile_file: None,
+            request_timeout: Duration::from_secs(3),
+            lookup_timeout: Duration::from_secs(1),
+            max_body_bytes: 3 * 1024 * 1024,
+            shutdown_timeout: Duration::from_secs(5),
+        };
+        let listener = tokio::net::TcpListener::bind(listen).await?;
+        let (stop_tx, stop_rx) = oneshot::channel();
+        f.stop = Some(stop_tx);
+        f.server = Some(tokio::spawn(meshgate_webhook::run_on(
+            args,
+            listener,
+            async move {
+                let _ = stop_rx.await;
+            },
+        )));
+
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok((200, _)) = http_get(admin, "/ready").await {
+                break;
+            }
+            if f.server.as_ref().is_some_and(|s| s.is_finished()) {
+                bail!("webhook exited during startup");
+            }
+            ensure!(Instant::now() < deadline, "webhook not ready after 30 s");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        f.register().await?;
+        Ok(f)
+    }
+
+    /// The production namespaceSelector (docs/webhook.md) plus this test's scope label.
+    fn namespace_selector(&self) -> Value {
+        json!({
+            "matchExpressions": [
+                {"key": "kubernetes.io/metadata.name", "operator": "NotIn",
+                 "values": ["kube-system", "meshgate"]},
+                {"key": "meshgate.io/ignore", "operator": "NotIn", "values": ["true"]},
+                {"key": SCOPE_KEY, "operator": "In", "values": [self.tag]}
+            ]
+        })
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("https://127.0.0.1:{}{path}", self.listen.port())
+    }
+
+    async fn register(&self) -> anyhow::Result<()> {
+        use k8s_openapi::ByteString;
+        let ca_bundle = serde_json::to_value(ByteString(self.ca.pem.clone().into_bytes()))?;
+        let common = |name: &str, path: &str| {
+            json!({
+                "name": name,
+                "clientConfig": {"url": self.url(path), "caBundle": ca_bundle},
+                "sideEffects": "None",
+                "admissionReviewVersions": ["v1"],
+                "timeoutSeconds": 5,
+            })
+        };
+        let mut pods = common("pods.validate.meshgate.io", "/validate");
+        pods["rules"] = json!([{"apiGroups": [""], "apiVersions": ["v1"],
+                                "operations": ["CREATE"], "resources": ["pods"], "scope": "Namespaced"}]);
+        pods["failurePolicy"] = json!("Fail");
+        pods["namespaceSelector"] = self.namespace_selector();
+        // Unbound pods are checked when they are bound; skipping them keeps pod creation
+        // (Deployments, Jobs) working through a webhook outage.
+        pods["matchConditions"] = json!([{"name": "bound-at-creation",
+            "expression": "has(object.spec.nodeName) && object.spec.nodeName != ''"}]);
+        let mut bindings = common("bindings.validate.meshgate.io", "/validate");
+        bindings["rules"] = json!([{"apiGroups": [""], "apiVersions": ["v1"],
+                                    "operations": ["CREATE"], "resources": ["pods/binding"],
+                                    "scope": "Namespaced"}]);
+        bindings["failurePolicy"] = json!("Fail");
+        bindings["namespaceSelector"] = self.namespace_selector();
+        let validating: ValidatingWebhookConfiguration = serde_json::from_value(json!({
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingWebhookConfiguration",
+            "metadata": {"name": format!("meshgate-{}", self.tag)},
+            "webhooks": [pods, bindings],
+        }))?;
+
+        let mut nodes = common("nodes.mutate.meshgate.io", "/mutate-node");
+        nodes["rules"] = json!([{"apiGroups": [""], "apiVersions": ["v1"],
+                                 "operations": ["CREATE"], "resources": ["nodes"], "scope": "Cluster"}]);
+        // Node registration must never depend on the webhook.
+        nodes["failurePolicy"] = json!("Ignore");
+        nodes["reinvocationPolicy"] = json!("Never");
+        nodes["objectSelector"] = json!({"matchLabels": {SCOPE_KEY: self.tag}});
+        let mutating: MutatingWebhookConfiguration = serde_json::from_value(json!({
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "MutatingWebhookConfiguration",
+            "metadata": {"name": format!("meshgate-{}", self.tag)},
+            "webhooks": [nodes],
+        }))?;
+
+        let pp = PostParams::default();
+        let v: Api<ValidatingWebhookConfiguration> = Api::all(self.client.clone());
+        tokio::time::timeout(CALL, v.create(&pp, &validating)).await??;
+        let m: Api<MutatingWebhookConfiguration> = Api::all(self.client.clone());
+        tokio::time::timeout(CALL, m.create(&pp, &mutating)).await??;
+        Ok(())
+    }
+
+    /// Creates a namespace in this test's scope, with extra labels.
+    async fn namespace(&self, extra: &[(&str, &str)]) -> anyhow::Result<String> {
+        let cp = cp().await;
+        let ns = cp.create_namespace(&self.client, "wh").await?;
+        let mut labels = serde_json::Map::new();
+        labels.insert(SCOPE_KEY.into(), json!(self.tag));
+        for (k, v) in extra {
+            labels.insert((*k).into(), json!(v));
+        }
+        let api: Api<Namespace> = Api::all(self.client.clone());
+        tokio::time::timeout(
+            CALL,
+            api.patch(
+                &ns,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"labels": labels}})),
+            ),
+        )
+        .await??;
+        Ok(ns)
+    }
+
+    /// Stops the webhook (graceful shutdown) and waits for it.
+    async fn stop_webhook(&mut self) -> anyhow::Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(server) = self.server.take() {
+            tokio::time::timeout(Duration::from_secs(15), server)
+                .await
+                .context("webhook did not stop")???;
+        }
+        Ok(())
+    }
+
+    /// Deletes the configurations and stops the webhook; run whatever the test's outcome.
+    async fn teardown(mut self) {
+        let name = format!("meshgate-{}", self.tag);
+        let dp = DeleteParams::default();
+        let v: Api<ValidatingWebhookConfiguration> = Api::all(self.client.clone());
+        let m: Api<MutatingWebhookConfiguration> = Api::all(self.client.clone());
+        if let Err(e) = tokio::time::timeout(CALL, v.delete(&name, &dp)).await {
+            tracing::warn!(error = %e, "deleting ValidatingWebhookConfiguration timed out");
+        }
+        if let Err(e) = tokio::time::timeout(CALL, m.delete(&name, &dp)).await {
+            tracing::warn!(error = %e, "deleting MutatingWebhookConfiguration timed out");
+        }
+        if let Err(e) = self.stop_webhook().await {
+            tracing::warn!(error = %e, "stopping the webhook");
+        }
+    }
+}
+
+fn pod(name: &str, node: Option<&str>, meshed: bool, scheduler: Option<&str>) -> Pod {
+    let mut labels = json!({"app": name});
+    if meshed {
+        labels["linkerd.io/control-plane-ns"] = json!("linkerd");
+    }
+    let mut spec = json!({
+        "containers": [{"name": "app", "image": "registry.invalid/app:1"}],
+        "terminationGracePeriodSeconds": 0,
+    });
+    if let Some(n) = node {
+        spec["nodeName"] = json!(n);
+    }
+    if let Some(s) = scheduler {
+        spec["schedulerName"] = json!(s);
+    }
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": spec,
+    }))
+    .expect("static pod shape")
+}
+
+/// Creates a pod; `Err(message)` is the apiserver's refusal as a client sees it.
+async fn create_pod(
+    client: &Client,
+    ns: &str,
+    p: &Pod,
+    dry_run: bool,
+) -> anyhow::Result<Result<Pod, String>> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let pp = PostParams {
+        dry_run,
+        ..PostParams::default()
+    };
+    match tokio::time::timeout(CALL, api.create(&pp, p)).await? {
+        Ok(p) => Ok(Ok(p)),
+        Err(kube::Error::Api(s)) => Ok(Err(format!("{} ({})", s.message, s.code))),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Binds a pod the way kube-scheduler does: `POST pods/{name}/binding`.
+async fn bind(client: &Client, ns: &str, pod: &str, node: &str) -> anyhow::Result<Result<(), String>> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let binding = json!({
+        "apiVersion": "v1", "kind": "Binding",
+        "metadata": {"name": pod, "namespace": ns},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+    });
+    let res = tokio::time::timeout(
+        CALL,
+        api.create_subresource::<Value, Value>("binding", pod, &PostParams::default(), &binding),
+    )
+    .await?;
+    match res {
+        Ok(_) => Ok(Ok(())),
+        Err(kube::Error::Api(s)) => Ok(Err(format!("{} ({})", s.message, s.code))),
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn force_delete_pods(client: &Client, ns: &str, names: &[&str]) {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let dp = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..DeleteParams::default()
+    };
+    for n in names {
+        let _ = tokio::time::timeout(CALL, api.delete(n, &dp)).await;
+    }
+}
+
+fn taint_count(node: &Node) -> usize {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .map(|ts| ts.iter().filter(|t| t.key == TAINT_KEY).count())
+        .unwrap_or(0)
+}
+
+/// Retries `create` for up to 10 s while it is refused: the webhook's node cache follows the
+/// apiserver through a watch, a few milliseconds behind a label change.
+async fn admitted_eventually(client: &Client, ns: &str, p: &Pod) -> anyhow::Result<Pod> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match create_pod(client, ns, p, false).await? {
+            Ok(p) => return Ok(p),
+            Err(m) if Instant::now() >= deadline => bail!("still refused after 10 s: {m}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_gates_mesh_pods_bindings_and_new_nodes() {
+    let cp = cp().await;
+    let f = Fixture::start(cp, "whg").await.expect("webhook starts");
+    let result = gates(cp, &f).await;
+    f.teardown().await;
+    result.expect("webhook e2e");
+}
+
+async fn gates(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
+    let c = &f.client;
+    let nodes: Api<Node> = Api::all(c.clone());
+
+    // --- Nodes: the mutating webhook gates them from creation on.
+    let unverified = unique_name("whg-unv");
+    let verified = unique_name("whg-ver");
+    let pretainted = unique_name("whg-pre");
+    for n in [&unverified, &verified] {
+        cp.register_node(c, &NodeSpec::new(n.as_str()).label(SCOPE_KEY, f.tag.as_str()))
+            .await?;
+    }
+    cp.register_node(
+        c,
+        &NodeSpec::new(pretainted.as_str())
+            .label(SCOPE_KEY, f.tag.as_str())
+            .taint(TAINT_KEY, "NoSchedule"),
+    )
+    .await?;
+    for n in [&unverified, &verified] {
+        let node = tokio::time::timeout(CALL, nodes.get(n)).await??;
+        ensure!(taint_count(&node) == 1, "new node {n} lacks the taint: {:?}", node.spec);
+        ensure!(
+            node.labels().get(VERIFIED_LABEL).map(String::as_str) == Some("false"),
+            "new node {n} lacks {VERIFIED_LABEL}=false: {:?}",
+            node.labels()
+        );
+    }
+    let node = tokio::time::timeout(CALL, nodes.get(&pretainted)).await??;
+    ensure!(taint_count(&node) == 1, "taint duplicated on {pretainted}: {:?}", node.spec);
+
+    // The agent's part, played by the test: the unverified node gets its condition, the
+    // verified one its label.
+    tokio::time::timeout(
+        CALL,
+        nodes.patch_status(
+            &unverified,
+            &PatchParams::default(),
+            &Patch::Strategic(json!({"status": {"conditions": [{
+                "type": "MeshCNIVerified", "status": "False", "reason": "ChainedPluginMissing",
+                "message": "/etc/cni/net.d/10-calico.conflist lacks linkerd-cni",
+            }]}})),
+        ),
+    )
+    .await??;
+    tokio::time::timeout(
+        CALL,
+        nodes.patch(
+            &verified,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}})),
+        ),
+    )
+    .await??;
+
+    let ns = f.namespace(&[]).await?;
+
+    // --- Pods created with spec.nodeName.
+    let refused = create_pod(c, &ns, &pod("meshed", Some(&unverified), true, None), false).await?;
+    let message = match refused {
+        Ok(_) => bail!("mesh pod admitted on unverified node {unverified}"),
+        Err(m) => m,
+    };
+    for needle in [
+        "pods.validate.meshgate.io",
+        unverified.as_str(),
+        "ChainedPluginMissing",
+        "Remedy",
+        "linkerd-cni",
+    ] {
+        ensure!(message.contains(needle), "refusal lacks {needle:?}: {message}");
+    }
+    tracing::info!(%message, "refusal as the client sees it");
+
+    admitted_eventually(c, &ns, &pod("meshed", Some(&verified), true, None)).await?;
+    create_pod(c, &ns, &pod("plain", Some(&unverified), false, None), false)
+        .await?
+        .map_err(|m| anyhow::anyhow!("non-mesh pod refused: {m}"))?;
+
+    // --- Bindings, as the scheduler creates them. The pods name a scheduler that does not
+    // run, so only the test binds them.
+    create_pod(c, &ns, &pod("pending", None, true, Some("meshgate-e2e-nobody")), false)
+        .await?
+        .map_err(|m| anyhow::anyhow!("unbound mesh pod refused: {m}"))?;
+    match bind(c, &ns, "pending", &unverified).await? {
+        Ok(()) => bail!("binding of a mesh pod to {unverified} admitted"),
+        Err(m) => {
+            ensure!(
+                m.contains("bindings.validate.meshgate.io") && m.contains(&unverified) && m.contains("tolerate"),
+                "binding refusal: {m}"
+            );
+        }
+    }
+    bind(c, &ns, "pending", &verified)
+        .await?
+        .map_err(|m| anyhow::anyhow!("binding to the verified node refused: {m}"))?;
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &ns);
+    let bound = tokio::time::timeout(CALL, pods.get("pending")).await??;
+    ensure!(bound.spec.and_then(|s| s.node_name).as_deref() == Some(verified.as_str()));
+
+    // --- Rotation: the certificate changes on disk while requests keep flowing.
+    let (cert, key) = f.cert_paths();
+    let before = f.ca.presented(f.listen).await?;
+    let load = {
+        let (c, ns, verified) = (c.clone(), ns.clone(), verified.clone());
+        tokio::spawn(async move {
+            let p = pod("rotating", Some(&verified), true, None);
+            let (mut ok, mut failed) = (0u32, Vec::new());
+            let until = Instant::now() + Duration::from_secs(4);
+            while Instant::now() < until {
+                match create_pod(&c, &ns, &p, true).await {
+                    Ok(Ok(_)) => ok += 1,
+                    Ok(Err(m)) => failed.push(m),
+                    Err(e) => failed.push(e.to_string()),
+                }
+            }
+            (ok, failed)
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let rotated = f.ca.issue(&cert, &key)?;
+    ensure!(rotated != before, "the test issued the same certificate twice");
+    // A new connection now gets the new certificate, without a restart.
+    let after = f.ca.presented(f.listen).await?;
+    ensure!(after == rotated, "webhook still serves the old certificate after rotation");
+    let (ok, failed) = load.await?;
+    ensure!(failed.is_empty(), "requests failed across the rotation: {failed:?}");
+    ensure!(ok > 10, "too few requests across the rotation: {ok}");
+
+    // --- Metrics on the admin port.
+    let (code, metrics) = http_get(f.admin, "/metrics").await?;
+    ensure!(code == 200, "/metrics answered {code}");
+    for needle in [
+        "meshgate_admission_reviews_total{resource=\"pods\",allowed=\"false\"}",
+        "meshgate_admission_reviews_total{resource=\"pods_binding\",allowed=\"false\"}",
+        "meshgate_admission_reviews_total{resource=\"pods_binding\",allowed=\"true\"}",
+        "meshgate_admission_duration_seconds_bucket",
+    ] {
+        ensure!(metrics.contains(needle), "metrics lack {needle}:\n{metrics}");
+    }
+
+    force_delete_pods(c, &ns, &["meshed", "plain", "pending"]).await;
+    let dp = DeleteParams::default();
+    for n in [&unverified, &verified, &pretainted] {
+        let _ = tokio::time::timeout(CALL, nodes.delete(n, &dp)).await;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_outage_fails_closed_only_in_governed_namespaces() {
+    let cp = cp().await;
+    let mut f = Fixture::start(cp, "who").await.expect("webhook starts");
+    let result = outage(&mut f).await;
+    // kube-system was put in this test's scope to prove it is exempt; take it out again.
+    let ns: Api<Namespace> = Api::all(f.client.clone());
+    let _ = tokio::time::timeout(
+        CALL,
+        ns.patch(
+            "kube-system",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {SCOPE_KEY: null}}})),
+        ),
+    )
+    .await;
+    f.teardown().await;
+    result.expect("webhook outage e2e");
+}
+
+async fn outage(f: &mut Fixture) -> anyhow::Result<()> {
+    let c = f.client.clone();
+    let governed = f.namespace(&[]).await?;
+    let ignored = f.namespace(&[("meshgate.io/ignore", "true")]).await?;
+    // Give kube-system this test's scope label: only the production exclusion in the
+    // selector keeps it away from the webhook now.
+    let namespaces: Api<Namespace> = Api::all(c.clone());
+    tokio::time::timeout(
+        CALL,
+        namespaces.patch(
+            "kube-system",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {SCOPE_KEY: f.tag}}})),
+        ),
+    )
+    .await??;
+    // A node name nobody registered: unknown to the webhook, so mesh pods are refused there.
+    let nowhere = unique_name("who-none");
+
+    // Up: the governed namespace is gated, the exempt ones are not even asked.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match create_pod(&c, &governed, &pod("probe", Some(&nowhere), true, None), true).await? {
+            Err(m) if m.contains("pods.validate.meshgate.io") => break,
+            other => ensure!(
+                Instant::now() < deadline,
+                "governed namespace not gated after 10 s: {other:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for ns in ["kube-system", ignored.as_str()] {
+        create_pod(&c, ns, &pod("probe", Some(&nowhere), true, None), true)
+            .await?
+            .map_err(|m| anyhow::anyhow!("exempt namespace {ns} gated: {m}"))?;
+    }
+
+    // Down.
+    f.stop_webhook().await?;
+    let sys_pod = unique_name("who-sys");
+    let refused = create_pod(&c, &governed, &pod("plain", Some(&nowhere), false, None), false).await?;
+    match refused {
+        Ok(_) => bail!("governed namespace admitted a bound pod while the webhook was down"),
+        Err(m) => ensure!(
+            m.contains("failed calling webhook") && m.contains("pods.validate.meshgate.io"),
+            "unexpected refusal: {m}"
+        ),
+    }
+    let created = create_pod(&c, "kube-system", &pod(&sys_pod, Some(&nowhere), false, None), false).await?;
+    let ignored_created = create_pod(&c, &ignored, &pod("plain", Some(&nowhere), false, None), false).await?;
+    // Unbound pods are still created (matchConditions); they are checked at binding.
+    let unbound = create_pod(&c, &governed, &pod("unbound", None, true, Some("meshgate-e2e-nobody")), false).await?;
+    let binding = match &unbound {
+        Ok(_) => Some(bind(&c, &governed, "unbound", &nowhere).await?),
+        Err(_) => None,
+    };
+
+    force_delete_pods(&c, "kube-system", &[sys_pod.as_str()]).await;
+    force_delete_pods(&c, &ignored, &["plain"]).await;
+    force_delete_pods(&c, &governed, &["unbound"]).await;
+
+    created.map_err(|m| anyhow::anyhow!("kube-system blocked by the outage: {m}"))?;
+    ignored_created.map_err(|m| anyhow::anyhow!("ignored namespace blocked by the outage: {m}"))?;
+    unbound.map_err(|m| anyhow::anyhow!("unbound pod blocked by the outage: {m}"))?;
+    match binding {
+        Some(Err(m)) => ensure!(m.contains("failed calling webhook"), "binding refusal: {m}"),
+        other => bail!("binding during the outage: {other:?}"),
+    }
+    Ok(())
+}

@@ -1,0 +1,12 @@
+//! meshgate-runtime: the process glue the agent and the webhook share.
+//!
+//! - [`admin`]: the `/live`, `/ready`, `/metrics` server.
+//! - [`client`]: a `kube::Client` from `--kubeconfig` / `KUBECONFIG` / in-cluster config, with
+//!   connect and request timeouts, plus [`client::bounded`] for per-call deadlines.
+//! - [`logging`]: tracing subscriber setup (`--log-format text|json`, `RUST_LOG`).
+//! - [`shutdown`]: a future resolving on SIGTERM or SIGINT.
+
+pub mod admin;
+pub mod client;
+pub mod logging;
+pub mod shutdown;

@@ -1,0 +1,219 @@
+//! The webhook's view of the cluster: metadata-only caches and bounded API fallbacks.
+//!
+//! In: a kube `Client`. Out: [`Caches`], the real [`Cluster`] behind the reviewer, and the
+//! watch futures that keep it filled, plus a readiness signal that turns true once both
+//! caches have listed.
+//!
+//! - Nodes: a metadata-only watch (`PartialObjectMetadata`), with everything but the name and
+//!   labels dropped before it is stored. The verdict is in a label, so the node's status (the
+//!   bulk of a Node object) is never transferred, and thousands of nodes stay a few MB.
+//! - Pods: a metadata-only watch limited to *unscheduled* pods (`spec.nodeName=`). A binding
+//!   is only ever created for an unscheduled pod, so this is exactly the set the binding path
+//!   needs, and it stays small however many pods run. A pod the watch has not delivered yet
+//!   (created a moment before its binding) is fetched with a metadata-only GET bounded by
+//!   `lookup_timeout`.
+//! - A node's `MeshCNIVerified` condition reason is read with a bounded GET, only to word a
+//!   refusal, and remembered for a few seconds so a burst of refusals costs one GET.
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, PartialObjectMeta};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use tokio::sync::watch;
+
+use crate::review::{Cluster, PodMeta};
+
+/// How long a looked-up condition reason is reused.
+const REASON_TTL: Duration = Duration::from_secs(5);
+/// Bound on remembered reasons; the map is cleared when full (refusals are rare).
+const REASON_CAPACITY: usize = 1024;
+
+/// Metadata caches of Nodes and unscheduled Pods, with bounded API fallbacks.
+pub struct Caches {
+    nodes: Store<PartialObjectMeta<Node>>,
+    pods: Store<PartialObjectMeta<Pod>>,
+    client: Client,
+    lookup_timeout: Duration,
+    reasons: Mutex<HashMap<String, (Instant, Option<String>)>>,
+}
+
+/// Drops what the webhook never reads, so the cache holds little more than names and labels.
+fn slim<K>(obj: &mut PartialObjectMeta<K>, keep_annotations: bool) {
+    let m = &mut obj.metadata;
+    m.managed_fields = None;
+    m.owner_references = None;
+    m.finalizers = None;
+    if !keep_annotations {
+        m.annotations = None;
+    }
+}
+
+/// The futures that keep the caches filled; spawn them. They run until dropped.
+pub struct Watches {
+    /// Drives the Node watch.
+    pub nodes: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
+    /// Drives the unscheduled-Pod watch.
+    pub pods: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
+    /// Turns the readiness signal true once both caches listed; then finishes.
+    pub synced: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
+}
+
+impl Caches {
+    /// Builds the caches over `client`; nothing is fetched until the [`Watches`] run.
+    pub fn new(
+        client: Client,
+        lookup_timeout: Duration,
+        ready: watch::Sender<bool>,
+    ) -> (Self, Watches) {
+        let (nodes, node_writer) = reflector::store::<PartialObjectMeta<Node>>();
+        let (pods, pod_writer) = reflector::store::<PartialObjectMeta<Pod>>();
+
+        let node_api: Api<PartialObjectMeta<Node>> = Api::all(client.clone());
+        let node_watch = watcher(node_api, watcher::Config::default().any_semantic())
+            .default_backoff()
+            .modify(|n| slim(n, false))
+            .reflect(node_writer)
+            .for_each(|ev| {
+                if let Err(e) = ev {
+                    tracing::warn!(error = %e, "node watch failed; retrying with backoff");
+                }
+                futures::future::ready(())
+            });
+
+        let pod_api: Api<PartialObjectMeta<Pod>> = Api::all(client.clone());
+        let pod_watch = watcher(
+            pod_api,
+            watcher::Config::default()
+                .any_semantic()
+                .fields("spec.nodeName="),
+        )
+        .default_backoff()
+        .modify(|p| slim(p, true))
+        .reflect(pod_writer)
+        .for_each(|ev| {
+            if let Err(e) = ev {
+                tracing::warn!(error = %e, "pod watch failed; retrying with backoff");
+            }
+            futures::future::ready(())
+        });
+
+        let (n, p) = (nodes.clone(), pods.clone());
+        let synced = async move {
+            let (a, b) = futures::join!(n.wait_until_ready(), p.wait_until_ready());
+            if a.is_ok() && b.is_ok() {
+                tracing::info!(nodes = n.len(), pending_pods = p.len(), "caches synced");
+                let _ = ready.send(true);
+            }
+        };
+
+        (
+            Self {
+                nodes,
+                pods,
+                client,
+                lookup_timeout,
+                reasons: Mutex::new(HashMap::new()),
+            },
+            Watches {
+                nodes: Box::pin(node_watch),
+                pods: Box::pin(pod_watch),
+                synced: Box::pin(synced),
+            },
+        )
+    }
+
+    /// Number of cached nodes (logs, tests).
+    pub fn node_count(&self) -> usize {
+        self.nodes.len()
+    }
+
+    async fn fetch_reason(&self, name: &str) -> Option<String> {
+        let api: Api<Node> = Api::all(self.client.clone());
+        match tokio::time::timeout(self.lookup_timeout, api.get_opt(name)).await {
+            Ok(Ok(Some(node))) => node
+                .status
+                .and_then(|s| s.conditions)
+                .and_then(|cs| {
+                    cs.into_iter()
+                        .find(|c| c.type_ == meshgate_core::CONDITION_TYPE)
+                })
+                .and_then(|c| c.reason),
+            Ok(Ok(None)) => None,
+            Ok(Err(e)) => {
+                tracing::debug!(node = name, error = %e, "reading node condition failed");
+                None
+            }
+            Err(_) => {
+                tracing::debug!(node = name, "reading node condition timed out");
+                None
+            }
+        }
+    }
+}
+
+impl Cluster for Caches {
+    fn node_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
+        self.nodes
+            .get(&ObjectRef::new(name))
+            .map(|n| n.labels().clone())
+    }
+
+    async fn pod_meta(&self, namespace: &str, name: &str) -> Option<PodMeta> {
+        let key = ObjectRef::new(name).within(namespace);
+        if let Some(p) = self.pods.get(&key) {
+            return Some(PodMeta {
+                labels: p.labels().clone(),
+                annotations: p.annotations().clone(),
+            });
+        }
+        let api: Api<PartialObjectMeta<Pod>> = Api::namespaced(self.client.clone(), namespace);
+        match tokio::time::timeout(self.lookup_timeout, api.get_opt(name)).await {
+            Ok(Ok(Some(p))) => Some(PodMeta {
+                labels: p.metadata.labels.unwrap_or_default(),
+                annotations: p.metadata.annotations.unwrap_or_default(),
+            }),
+            Ok(Ok(None)) => {
+                tracing::info!(
+                    namespace,
+                    pod = name,
+                    "binding for a pod that does not exist"
+                );
+                None
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(namespace, pod = name, error = %e, "pod lookup failed");
+                None
+            }
+            Err(_) => {
+                tracing::warn!(namespace, pod = name, timeout = ?self.lookup_timeout, "pod lookup timed out");
+                None
+            }
+        }
+    }
+
+    async fn node_reason(&self, name: &str) -> Option<String> {
+        let now = Instant::now();
+        {
+            let reasons = self.reasons.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((at, reason)) = reasons.get(name)
+                && now.duration_since(*at) < REASON_TTL
+            {
+                return reason.clone();
+            }
+        }
+        let reason = self.fetch_reason(name).await;
+        let mut reasons = self.reasons.lock().unwrap_or_else(|p| p.into_inner());
+        if reasons.len() >= REASON_CAPACITY {
+            reasons.clear();
+        }
+        reasons.insert(name.to_string(), (now, reason.clone()));
+        reason
+    }
+}

@@ -1,0 +1,718 @@
+//! AdmissionReview ⇄ `core::admission`.
+//!
+//! In: the raw request body the apiserver POSTs (bytes, possibly garbage), and a [`Cluster`]
+//! view (node labels from the cache; a pod's labels for bindings, cache first and a bounded
+//! API GET after; a node's condition reason, only when refusing). Out: an [`Outcome`]: the
+//! AdmissionReview response to send, or a "malformed" message for a 400. Every decoding
+//! failure is a value, never a panic: the proptest in this module feeds it arbitrary bytes.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::time::Instant;
+
+use kube::core::DynamicObject;
+use kube::core::Status;
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
+use meshgate_core::admission::{self, Decision, Input, NodeFacts, PodFacts, RequestKind};
+use meshgate_core::profile::ProfileSet;
+
+use crate::metrics::{Metrics, Resource};
+
+/// A pod's labels and annotations, as the binding path needs them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodMeta {
+    /// `metadata.labels`.
+    pub labels: BTreeMap<String, String>,
+    /// `metadata.annotations`.
+    pub annotations: BTreeMap<String, String>,
+}
+
+/// What the reviewer needs to know about the cluster. The real implementation is
+/// [`crate::cache::Caches`]; unit tests use a map.
+pub trait Cluster: Send + Sync + 'static {
+    /// The node's labels, or `None` when the node is not in the cache.
+    fn node_labels(&self, name: &str) -> Option<BTreeMap<String, String>>;
+    /// The pod's labels and annotations (cache, then a bounded API GET), or `None`.
+    fn pod_meta(&self, namespace: &str, name: &str)
+    -> impl Future<Output = Option<PodMeta>> + Send;
+    /// The node's `MeshCNIVerified` condition reason, if it can be read quickly.
+    fn node_reason(&self, name: &str) -> impl Future<Output = Option<String>> + Send;
+}
+
+/// What to send back.
+#[derive(Debug)]
+pub enum Outcome {
+    /// A well-formed request: answer with this review (HTTP 200).
+    Answer(Box<AdmissionReview<DynamicObject>>),
+    /// The body is not an AdmissionReview request: answer 400 with this message.
+    Malformed(String),
+}
+
+impl Outcome {
+    /// The response's `allowed`, when there is one (tests and logs).
+    pub fn allowed(&self) -> Option<bool> {
+        match self {
+            Outcome::Answer(r) => r.response.as_ref().map(|r| r.allowed),
+            Outcome::Malformed(_) => None,
+        }
+    }
+}
+
+/// Decodes an AdmissionReview request, refusing anything that is not one.
+pub fn decode(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, String> {
+    let review: AdmissionReview<DynamicObject> =
+        serde_json::from_slice(body).map_err(|e| format!("malformed AdmissionReview: {e}"))?;
+    if review.types.kind != "AdmissionReview" {
+        return Err(format!(
+            "malformed AdmissionReview: kind is {:?}, expected \"AdmissionReview\"",
+            review.types.kind
+        ));
+    }
+    let req: AdmissionRequest<DynamicObject> = review
+        .try_into()
+        .map_err(|_| "malformed AdmissionReview: no request".to_string())?;
+    if req.uid.is_empty() {
+        return Err("malformed AdmissionReview: request.uid is empty".into());
+    }
+    Ok(req)
+}
+
+fn answer(resp: AdmissionResponse) -> Outcome {
+    Outcome::Answer(Box::new(resp.into_review()))
+}
+
+fn refuse(req: &AdmissionRequest<DynamicObject>, message: String, code: u16) -> Outcome {
+    let mut resp = AdmissionResponse::from(req);
+    resp.allowed = false;
+    let reason = if code == 400 {
+        "BadRequest"
+    } else {
+        "Forbidden"
+    };
+    resp.result = Status::failure(&message, reason).with_code(code);
+    answer(resp)
+}
+
+static EMPTY: BTreeMap<String, String> = BTreeMap::new();
+
+/// Answers `/validate` and `/mutate-node` reviews.
+pub struct Reviewer<C> {
+    cluster: C,
+    profiles: ProfileSet,
+    metrics: Metrics,
+}
+
+impl<C: Cluster> Reviewer<C> {
+    /// A reviewer over `cluster`, gating pods selected by `profiles`.
+    pub fn new(cluster: C, profiles: ProfileSet, metrics: Metrics) -> Self {
+        Self {
+            cluster,
+            profiles,
+            metrics,
+        }
+    }
+
+    /// The cluster view (for tests and the server's readiness).
+    pub fn cluster(&self) -> &C {
+        &self.cluster
+    }
+
+    /// `POST /validate`: pods CREATE with `spec.nodeName`, and pods/binding CREATE.
+    pub async fn validate(&self, body: &[u8]) -> Outcome {
+        let start = Instant::now();
+        let req = match decode(body) {
+            Ok(r) => r,
+            Err(m) => {
+                tracing::warn!(error = %m, "refusing malformed AdmissionReview");
+                return Outcome::Malformed(m);
+            }
+        };
+        let is_pods = req.resource.group.is_empty() && req.resource.resource == "pods";
+        let resource = match (is_pods, req.sub_resource.as_deref()) {
+            (true, None) => Resource::Pods,
+            (true, Some("binding")) => Resource::PodsBinding,
+            _ => {
+                // Only reachable through a misconfigured webhook registration: this webhook
+                // has no opinion on other resources, so it must not block them.
+                tracing::warn!(
+                    uid = %req.uid,
+                    resource = %req.resource.resource,
+                    sub_resource = ?req.sub_resource,
+                    "review for a resource meshgate does not gate; allowing"
+                );
+                return answer(AdmissionResponse::from(&req));
+            }
+        };
+        let outcome = if req.operation == Operation::Create {
+            self.validate_create(&req, resource).await
+        } else {
+            answer(AdmissionResponse::from(&req))
+        };
+        if let Some(allowed) = outcome.allowed() {
+            self.metrics.observe(resource, allowed, start.elapsed());
+        }
+        outcome
+    }
+
+    async fn validate_create(
+        &self,
+        req: &AdmissionRequest<DynamicObject>,
+        resource: Resource,
+    ) -> Outcome {
+        let Some(obj) = req.object.as_ref() else {
+            return refuse(req, "meshgate: CREATE review without an object".into(), 400);
+        };
+        let namespace = req
+            .namespace
+            .as_deref()
+            .or(obj.metadata.namespace.as_deref())
+            .unwrap_or_default();
+        let (kind, node_name, pod_name) = match resource {
+            Resource::Pods => {
+                let Some(node) = obj
+                    .data
+                    .pointer("/spec/nodeName")
+                    .and_then(|v| v.as_str())
+                    .filter(|n| !n.is_empty())
+                else {
+                    // Unbound pods go through the scheduler and are checked at binding.
+                    return answer(AdmissionResponse::from(req));
+                };
+                let name = obj
+                    .metadata
+                    .name
+                    .as_deref()
+                    .or(obj.metadata.generate_name.as_deref())
+                    .unwrap_or(req.name.as_str());
+                (RequestKind::PodCreate, node, name)
+            }
+            Resource::PodsBinding => {
+                let Some(node) = obj
+                    .data
+                    .pointer("/target/name")
+                    .and_then(|v| v.as_str())
+                    .filter(|n| !n.is_empty())
+                else {
+                    return refuse(req, "meshgate: Binding without target.name".into(), 400);
+                };
+                (RequestKind::Binding, node, req.name.as_str())
+            }
+        };
+
+        let node_labels = self.cluster.node_labels(node_name);
+        let node = match &node_labels {
+            Some(labels) => NodeFacts::Known { labels },
+            None => NodeFacts::Unknown,
+        };
+        // A verified node takes any pod: answer before looking the pod up.
+        if let NodeFacts::Known { labels } = node
+            && admission::node_is_verified(labels)
+        {
+            return answer(AdmissionResponse::from(req));
+        }
+
+        let looked_up;
+        let pod = match kind {
+            RequestKind::PodCreate => PodFacts::Known {
+                labels: obj.metadata.labels.as_ref().unwrap_or(&EMPTY),
+                annotations: obj.metadata.annotations.as_ref().unwrap_or(&EMPTY),
+            },
+            RequestKind::Binding => {
+                looked_up = self.cluster.pod_meta(namespace, pod_name).await;
+                match &looked_up {
+                    Some(m) => PodFacts::Known {
+                        labels: &m.labels,
+                        annotations: &m.annotations,
+                    },
+                    None => PodFacts::Unknown,
+                }
+            }
+        };
+        let mut input = Input {
+            kind,
+            namespace,
+            pod_name,
+            pod,
+            node_name,
+            node,
+            node_reason: None,
+        };
+        match admission::decide(&input, &self.profiles) {
+            Decision::Allow(why) => {
+                tracing::debug!(uid = %req.uid, node = node_name, ?why, "allowed");
+                answer(AdmissionResponse::from(req))
+            }
+            Decision::Refuse { .. } => {
+                // Refusals are rare and read by people: spend a bounded lookup on the reason.
+                let reason = self.cluster.node_reason(node_name).await;
+                input.node_reason = reason.as_deref();
+                let message = match admission::decide(&input, &self.profiles) {
+                    Decision::Refuse { message } => message,
+                    // `decide` does not look at the reason to allow; keep the first verdict.
+                    Decision::Allow(_) => return answer(AdmissionResponse::from(req)),
+                };
+                tracing::info!(
+                    uid = %req.uid,
+                    namespace,
+                    pod = pod_name,
+                    node = node_name,
+                    resource = resource.as_str(),
+                    dry_run = req.dry_run,
+                    "refused mesh pod on unverified node"
+                );
+                refuse(req, message, 403)
+            }
+        }
+    }
+
+    /// `POST /mutate-node`: taint and label a Node being created. Always allows: node
+    /// registration must never depend on meshgate.
+    pub fn mutate_node(&self, body: &[u8]) -> Outcome {
+        let req = match decode(body) {
+            Ok(r) => r,
+            Err(m) => {
+                tracing::warn!(error = %m, "refusing malformed AdmissionReview");
+                return Outcome::Malformed(m);
+            }
+        };
+        let resp = AdmissionResponse::from(&req);
+        let is_node_create = req.operation == Operation::Create
+            && req.resource.group.is_empty()
+            && req.resource.resource == "nodes"
+            && req.sub_resource.is_none();
+        let Some(obj) = req.object.as_ref().filter(|_| is_node_create) else {
+            return answer(resp);
+        };
+        let node = match serde_json::to_value(obj) {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot re-encode Node; admitting it untainted");
+                return answer(resp);
+            }
+        };
+        let ops = admission::node_registration_patch(&node, "NoSchedule");
+        if ops.is_empty() {
+            return answer(resp);
+        }
+        let patch: json_patch::Patch = match serde_json::from_value(serde_json::Value::Array(ops)) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::error!(error = %e, "registration patch does not decode as JSON Patch");
+                return answer(resp);
+            }
+        };
+        match resp.clone().with_patch(patch) {
+            Ok(r) => {
+                tracing::info!(node = %req.name, "gating new node: taint and label added");
+                answer(r)
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot serialize registration patch");
+                answer(resp)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use prometheus_client::registry::Registry;
+    use proptest::prelude::*;
+    use serde_json::{Value, json};
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+
+    /// A cluster made of maps; records which lookups happened.
+    #[derive(Default)]
+    pub(crate) struct FakeCluster {
+        pub nodes: HashMap<String, BTreeMap<String, String>>,
+        pub pods: HashMap<(String, String), PodMeta>,
+        pub reasons: HashMap<String, String>,
+        pub pod_lookups: Mutex<Vec<String>>,
+        pub delay: Option<std::time::Duration>,
+    }
+
+    impl Cluster for FakeCluster {
+        fn node_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
+            self.nodes.get(name).cloned()
+        }
+        async fn pod_meta(&self, namespace: &str, name: &str) -> Option<PodMeta> {
+            if let Some(d) = self.delay {
+                tokio::time::sleep(d).await;
+            }
+            self.pod_lookups
+                .lock()
+                .unwrap()
+                .push(format!("{namespace}/{name}"));
+            self.pods
+                .get(&(namespace.to_string(), name.to_string()))
+                .cloned()
+        }
+        async fn node_reason(&self, name: &str) -> Option<String> {
+            self.reasons.get(name).cloned()
+        }
+    }
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    pub(crate) fn fake_cluster() -> FakeCluster {
+        let mut c = FakeCluster::default();
+        c.nodes.insert(
+            "good".into(),
+            labels(&[("meshgate.io/cni-verified", "true")]),
+        );
+        c.nodes.insert(
+            "bad".into(),
+            labels(&[("meshgate.io/cni-verified", "false")]),
+        );
+        c.reasons
+            .insert("bad".into(), "ChainedPluginMissing".into());
+        c.pods.insert(
+            ("shop".into(), "meshed".into()),
+            PodMeta {
+                labels: labels(&[("linkerd.io/control-plane-ns", "linkerd")]),
+                annotations: BTreeMap::new(),
+            },
+        );
+        c.pods.insert(
+            ("shop".into(), "plain".into()),
+            PodMeta {
+                labels: labels(&[("app", "plain")]),
+                annotations: BTreeMap::new(),
+            },
+        );
+        c
+    }
+
+    pub(crate) fn reviewer(cluster: FakeCluster) -> (Reviewer<FakeCluster>, Registry) {
+        let mut registry = Registry::default();
+        let metrics = Metrics::register(&mut registry);
+        (
+            Reviewer::new(cluster, ProfileSet::all_builtin(), metrics),
+            registry,
+        )
+    }
+
+    pub(crate) fn pod_review(name: &str, node: Option<&str>, meshed: bool) -> Value {
+        let mut pod_labels = json!({"app": name});
+        if meshed {
+            pod_labels["linkerd.io/control-plane-ns"] = json!("linkerd");
+        }
+        let mut spec = json!({"containers": [{"name": "c", "image": "x"}]});
+        if let Some(n) = node {
+            spec["nodeName"] = json!(n);
+        }
+        json!({
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": format!("uid-{name}"),
+                "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "resource": {"group": "", "version": "v1", "resource": "pods"},
+                "name": name,
+                "namespace": "shop",
+                "operation": "CREATE",
+                "userInfo": {"username": "alice"},
+                "object": {
+                    "apiVersion": "v1", "kind": "Pod",
+                    "metadata": {"name": name, "namespace": "shop", "labels": pod_labels},
+                    "spec": spec
+                },
+                "oldObject": null,
+                "dryRun": false
+            }
+        })
+    }
+
+    pub(crate) fn binding_review(pod: &str, node: &str) -> Value {
+        json!({
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": format!("uid-bind-{pod}"),
+                "kind": {"group": "", "version": "v1", "kind": "Binding"},
+                "resource": {"group": "", "version": "v1", "resource": "pods"},
+                "subResource": "binding",
+                "name": pod,
+                "namespace": "shop",
+                "operation": "CREATE",
+                "userInfo": {"username": "system:kube-scheduler"},
+                "object": {
+                    "apiVersion": "v1", "kind": "Binding",
+                    "metadata": {"name": pod, "namespace": "shop"},
+                    "target": {"apiVersion": "v1", "kind": "Node", "name": node}
+                }
+            }
+        })
+    }
+
+    /// The response JSON exactly as it goes on the wire.
+    fn wire(o: Outcome) -> Value {
+        match o {
+            Outcome::Answer(r) => serde_json::to_value(&*r).unwrap(),
+            Outcome::Malformed(m) => panic!("unexpected malformed: {m}"),
+        }
+    }
+
+    async fn validate(r: &Reviewer<FakeCluster>, v: &Value) -> Value {
+        wire(r.validate(&serde_json::to_vec(v).unwrap()).await)
+    }
+
+    #[tokio::test]
+    async fn meshed_pod_with_node_name_on_unverified_node_is_refused_with_reason() {
+        let (r, registry) = reviewer(fake_cluster());
+        let out = validate(&r, &pod_review("web", Some("bad"), true)).await;
+        assert_eq!(out["apiVersion"], "admission.k8s.io/v1");
+        assert_eq!(out["kind"], "AdmissionReview");
+        assert_eq!(out["response"]["uid"], "uid-web");
+        assert_eq!(out["response"]["allowed"], false);
+        assert_eq!(out["response"]["status"]["code"], 403);
+        let msg = out["response"]["status"]["message"].as_str().unwrap();
+        assert!(msg.contains("node bad"), "{msg}");
+        assert!(msg.contains("ChainedPluginMissing"), "{msg}");
+        assert!(msg.contains("Remedy"), "{msg}");
+
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains(
+                "meshgate_admission_reviews_total{resource=\"pods\",allowed=\"false\"} 1"
+            ),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn verified_nodes_non_mesh_pods_and_unbound_pods_are_allowed() {
+        let (r, _) = reviewer(fake_cluster());
+        for review in [
+            pod_review("web", Some("good"), true),
+            pod_review("batch", Some("bad"), false),
+            pod_review("batch", Some("nowhere"), false),
+            pod_review("web", None, true),
+        ] {
+            let out = validate(&r, &review).await;
+            assert_eq!(out["response"]["allowed"], true, "{review}");
+            assert_eq!(out["response"]["uid"], review["request"]["uid"]);
+        }
+    }
+
+    #[tokio::test]
+    async fn meshed_pod_on_unknown_node_is_refused() {
+        let (r, _) = reviewer(fake_cluster());
+        let out = validate(&r, &pod_review("web", Some("nowhere"), true)).await;
+        assert_eq!(out["response"]["allowed"], false);
+        let msg = out["response"]["status"]["message"].as_str().unwrap();
+        assert!(
+            msg.contains("node nowhere") && msg.contains("not known"),
+            "{msg}"
+        );
+    }
+
+    #[tokio::test]
+    async fn bindings_look_the_pod_up_only_when_the_node_is_unverified() {
+        let (r, _) = reviewer(fake_cluster());
+        let out = validate(&r, &binding_review("meshed", "bad")).await;
+        assert_eq!(out["response"]["allowed"], false);
+        let msg = out["response"]["status"]["message"].as_str().unwrap();
+        assert!(
+            msg.contains("pod shop/meshed") && msg.contains("node bad"),
+            "{msg}"
+        );
+        assert!(msg.contains("tolerate"), "{msg}");
+
+        assert_eq!(
+            validate(&r, &binding_review("plain", "bad")).await["response"]["allowed"],
+            true
+        );
+        assert_eq!(
+            validate(&r, &binding_review("meshed", "good")).await["response"]["allowed"],
+            true
+        );
+        // The verified node needed no lookup.
+        assert_eq!(
+            *r.cluster().pod_lookups.lock().unwrap(),
+            ["shop/meshed", "shop/plain"]
+        );
+        // An unknown pod on an unverified node fails closed; the scheduler retries.
+        let out = validate(&r, &binding_review("ghost", "bad")).await;
+        assert_eq!(out["response"]["allowed"], false);
+    }
+
+    #[tokio::test]
+    async fn binding_without_target_is_a_bad_request_answer() {
+        let (r, _) = reviewer(fake_cluster());
+        let mut b = binding_review("meshed", "bad");
+        b["request"]["object"]["target"] = json!({});
+        let out = validate(&r, &b).await;
+        assert_eq!(out["response"]["allowed"], false);
+        assert_eq!(out["response"]["status"]["code"], 400);
+        assert_eq!(out["response"]["uid"], "uid-bind-meshed");
+    }
+
+    #[tokio::test]
+    async fn other_operations_and_resources_are_allowed() {
+        let (r, _) = reviewer(fake_cluster());
+        let mut update = pod_review("web", Some("bad"), true);
+        update["request"]["operation"] = json!("UPDATE");
+        assert_eq!(validate(&r, &update).await["response"]["allowed"], true);
+        let mut svc = pod_review("web", Some("bad"), true);
+        svc["request"]["resource"]["resource"] = json!("services");
+        assert_eq!(validate(&r, &svc).await["response"]["allowed"], true);
+    }
+
+    #[tokio::test]
+    async fn malformed_reviews_are_reported_not_answered() {
+        let (r, _) = reviewer(fake_cluster());
+        for body in [
+            &b""[..],
+            b"{",
+            b"[]",
+            b"{\"kind\":\"AdmissionReview\",\"apiVersion\":\"admission.k8s.io/v1\"}",
+            b"{\"kind\":\"Pod\",\"apiVersion\":\"v1\"}",
+        ] {
+            match r.validate(body).await {
+                Outcome::Malformed(m) => assert!(m.starts_with("malformed AdmissionReview"), "{m}"),
+                other => panic!("{body:?} gave {other:?}"),
+            }
+            assert!(matches!(r.mutate_node(body), Outcome::Malformed(_)));
+        }
+        let mut no_uid = pod_review("web", Some("bad"), true);
+        no_uid["request"]["uid"] = json!("");
+        let body = serde_json::to_vec(&no_uid).unwrap();
+        assert!(matches!(r.validate(&body).await, Outcome::Malformed(_)));
+    }
+
+    fn node_review(node: Value) -> Vec<u8> {
+        serde_json::to_vec(&json!({
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": "uid-node",
+                "kind": {"group": "", "version": "v1", "kind": "Node"},
+                "resource": {"group": "", "version": "v1", "resource": "nodes"},
+                "name": "n1",
+                "operation": "CREATE",
+                "userInfo": {"username": "system:node:n1"},
+                "object": node
+            }
+        }))
+        .unwrap()
+    }
+
+    /// kube-core serializes `patch` as a JSON array of bytes, which the apiserver's decoder
+    /// accepts for a `[]byte` field just like base64.
+    fn decoded_patch(out: &Value) -> Value {
+        let bytes: Vec<u8> = serde_json::from_value(out["response"]["patch"].clone()).unwrap();
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    #[test]
+    fn new_nodes_get_taint_and_label_by_json_patch() {
+        let (r, _) = reviewer(fake_cluster());
+        let body = node_review(json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": "n1", "labels": {"kubernetes.io/hostname": "n1"}},
+            "spec": {"taints": [{"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}]}
+        }));
+        let out = wire(r.mutate_node(&body));
+        assert_eq!(out["response"]["allowed"], true);
+        assert_eq!(out["response"]["uid"], "uid-node");
+        assert_eq!(out["response"]["patchType"], "JSONPatch");
+        assert_eq!(
+            decoded_patch(&out),
+            json!([
+                {"op": "add", "path": "/metadata/labels/meshgate.io~1cni-verified", "value": "false"},
+                {"op": "add", "path": "/spec/taints/-", "value": {"key": "meshgate.io/cni-unverified", "effect": "NoSchedule"}}
+            ])
+        );
+
+        // Already tainted by kubelet --register-with-taints: no duplicate, no patch at all.
+        let body = node_review(json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": "n1", "labels": {"meshgate.io/cni-verified": "false"}},
+            "spec": {"taints": [{"key": "meshgate.io/cni-unverified", "effect": "NoSchedule"}]}
+        }));
+        let out = wire(r.mutate_node(&body));
+        assert_eq!(out["response"]["allowed"], true);
+        assert!(out["response"].get("patch").is_none(), "{out}");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2000, .. ProptestConfig::default() })]
+
+        /// Arbitrary bytes never panic the decoding path of either endpoint.
+        #[test]
+        fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..2048)) {
+            let (r, _) = reviewer(fake_cluster());
+            let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            let v = rt.block_on(r.validate(&body));
+            prop_assert!(matches!(v, Outcome::Malformed(_)) || v.allowed().is_some());
+            let _ = r.mutate_node(&body);
+        }
+
+        /// Valid reviews with arbitrary bytes spliced in, cut short or with fields replaced by
+        /// arbitrary JSON: answered or reported malformed, never a panic.
+        #[test]
+        fn mangled_reviews_never_panic(
+            which in 0usize..3,
+            cut in 0usize..4096,
+            splice in proptest::collection::vec(any::<u8>(), 0..16),
+            field in prop::sample::select(vec![
+                "/request/object", "/request/object/spec", "/request/object/spec/nodeName",
+                "/request/object/metadata", "/request/object/metadata/labels",
+                "/request/object/target", "/request/object/target/name", "/request/name",
+                "/request/namespace", "/request/subResource", "/request/resource",
+                "/request/operation", "/request/uid", "/request", "/kind",
+            ]),
+            value in arb_json(),
+        ) {
+            let base = match which {
+                0 => pod_review("meshed", Some("bad"), true),
+                1 => binding_review("meshed", "bad"),
+                _ => serde_json::from_slice(&node_review(json!({"metadata": {"name": "n"}}))).unwrap(),
+            };
+            let (r, _) = reviewer(fake_cluster());
+            let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+
+            let mut bytes = serde_json::to_vec(&base).unwrap();
+            let at = cut.min(bytes.len());
+            bytes.splice(at..at, splice);
+            let _ = rt.block_on(r.validate(&bytes));
+            let _ = r.mutate_node(&bytes);
+            bytes.truncate(at);
+            let _ = rt.block_on(r.validate(&bytes));
+
+            let mut replaced = base.clone();
+            if let Some(slot) = replaced.pointer_mut(field) {
+                *slot = value;
+            }
+            let bytes = serde_json::to_vec(&replaced).unwrap();
+            let _ = rt.block_on(r.validate(&bytes));
+            let _ = r.mutate_node(&bytes);
+        }
+    }
+
+    fn arb_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(|n| json!(n)),
+            any::<f64>().prop_map(|f| json!(f)),
+            ".{0,12}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                proptest::collection::btree_map(".{0,8}", inner, 0..4)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+}
