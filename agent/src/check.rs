@@ -52,7 +52,11 @@ pub fn main(args: Args) -> ExitCode {
 
 /// The human-readable verdict.
 pub fn render_text(v: &Verdict) -> String {
-    let status = if v.verified { "VERIFIED" } else { "NOT VERIFIED" };
+    let status = if v.verified {
+        "VERIFIED"
+    } else {
+        "NOT VERIFIED"
+    };
     let mut out = format!("verdict:  {status} ({})\n", v.reason);
     out.push_str(&format!(
         "config:   {} ({})\n",

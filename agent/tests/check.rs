@@ -15,7 +15,11 @@ use serde_json::Value;
 const GOOD: &str = "#!/bin/sh\ncat >/dev/null\necho '{\"cniVersion\":\"1.0.0\",\"supportedVersions\":[\"0.3.0\",\"0.3.1\",\"0.4.0\",\"1.0.0\"]}'\n";
 
 fn golden(name: &str) -> Vec<u8> {
-    fs::read(format!("{}/../core/testdata/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap()
+    fs::read(format!(
+        "{}/../core/testdata/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap()
 }
 
 struct Node {
@@ -32,8 +36,19 @@ impl Node {
         let bin = tmp.path().join("bin");
         fs::create_dir_all(&conf).unwrap();
         fs::create_dir_all(&bin).unwrap();
-        let node = Node { _tmp: tmp, conf, bin };
-        for p in ["calico", "calico-ipam", "portmap", "bandwidth", "linkerd-cni", "multus"] {
+        let node = Node {
+            _tmp: tmp,
+            conf,
+            bin,
+        };
+        for p in [
+            "calico",
+            "calico-ipam",
+            "portmap",
+            "bandwidth",
+            "linkerd-cni",
+            "multus",
+        ] {
             node.plugin(p, GOOD);
         }
         node
@@ -60,7 +75,10 @@ impl Node {
             .unwrap();
         let took = start.elapsed();
         let json = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-            panic!("stdout is not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout))
+            panic!(
+                "stdout is not JSON ({e}): {}",
+                String::from_utf8_lossy(&out.stdout)
+            )
         });
         (out.status.code().unwrap(), json, took)
     }
@@ -84,7 +102,10 @@ fn s1_verified_exits_zero_with_contract_json() {
         json["config_file"],
         node.conf.join("10-calico.conflist").display().to_string()
     );
-    assert_eq!(json["plugins"], serde_json::json!(["calico", "portmap", "bandwidth", "linkerd-cni"]));
+    assert_eq!(
+        json["plugins"],
+        serde_json::json!(["calico", "portmap", "bandwidth", "linkerd-cni"])
+    );
 }
 
 #[test]
@@ -94,7 +115,12 @@ fn s2_s3_s6_s8_structural_reasons() {
 
     node.config("10-calico.conflist", &golden("calico.conflist"));
     let json = assert_reason(&node, "ChainedPluginMissing", 1, &[]); // S3
-    assert!(json["message"].as_str().unwrap().contains("10-calico.conflist"));
+    assert!(
+        json["message"]
+            .as_str()
+            .unwrap()
+            .contains("10-calico.conflist")
+    );
 
     node.config("01-linkerd-cni.conf", &golden("linkerd-only.conf"));
     assert_reason(&node, "PrimaryPluginMissing", 1, &[]); // S2
@@ -103,7 +129,12 @@ fn s2_s3_s6_s8_structural_reasons() {
     node.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
     node.config("00-multus.conf", &golden("multus.conf"));
     let json = assert_reason(&node, "ChainedPluginMissing", 1, &[]); // S6
-    assert!(json["config_file"].as_str().unwrap().ends_with("00-multus.conf"));
+    assert!(
+        json["config_file"]
+            .as_str()
+            .unwrap()
+            .ends_with("00-multus.conf")
+    );
     fs::remove_file(node.conf.join("00-multus.conf")).unwrap();
 
     let full = golden("calico-linkerd.conflist");
@@ -123,20 +154,45 @@ fn s7_broken_binaries() {
 
     node.plugin("linkerd-cni", ""); // zero-byte partial copy
     let json = assert_reason(&node, "PluginBinaryBroken", 1, &[]);
-    assert!(json["message"].as_str().unwrap().contains("is empty"), "{json}");
+    assert!(
+        json["message"].as_str().unwrap().contains("is empty"),
+        "{json}"
+    );
 
     node.plugin("linkerd-cni", "#!/bin/sh\necho '{\"cniVersion\":\"0.2.0\",\"supportedVersions\":[\"0.1.0\",\"0.2.0\"]}'\n");
     let json = assert_reason(&node, "PluginBinaryBroken", 1, &[]);
-    assert!(json["message"].as_str().unwrap().contains("does not support cniVersion 0.3.1"), "{json}");
+    assert!(
+        json["message"]
+            .as_str()
+            .unwrap()
+            .contains("does not support cniVersion 0.3.1"),
+        "{json}"
+    );
 
-    node.plugin("linkerd-cni", "#!/bin/sh\necho '{\"code\":1,\"msg\":\"incompatible CNI versions\"}'\nexit 1\n");
+    node.plugin(
+        "linkerd-cni",
+        "#!/bin/sh\necho '{\"code\":1,\"msg\":\"incompatible CNI versions\"}'\nexit 1\n",
+    );
     let json = assert_reason(&node, "PluginBinaryBroken", 1, &[]);
-    assert!(json["message"].as_str().unwrap().contains("incompatible CNI versions"), "{json}");
+    assert!(
+        json["message"]
+            .as_str()
+            .unwrap()
+            .contains("incompatible CNI versions"),
+        "{json}"
+    );
 
     node.plugin("linkerd-cni", GOOD);
-    fs::set_permissions(node.bin.join("linkerd-cni"), fs::Permissions::from_mode(0o644)).unwrap();
+    fs::set_permissions(
+        node.bin.join("linkerd-cni"),
+        fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
     let json = assert_reason(&node, "PluginBinaryBroken", 1, &[]);
-    assert!(json["message"].as_str().unwrap().contains("not executable"), "{json}");
+    assert!(
+        json["message"].as_str().unwrap().contains("not executable"),
+        "{json}"
+    );
 }
 
 #[test]
@@ -148,8 +204,14 @@ fn hanging_binary_is_reported_within_timeout_plus_one_second() {
     let (code, json, took) = node.check(&["--probe-timeout", "1s"]);
     assert_eq!(code, 1);
     assert_eq!(json["reason"], "PluginBinaryBroken", "{json}");
-    assert!(json["message"].as_str().unwrap().contains("within 1000 ms"), "{json}");
-    assert!(took < Duration::from_secs(2), "took {took:?}, more than timeout + 1 s");
+    assert!(
+        json["message"].as_str().unwrap().contains("within 1000 ms"),
+        "{json}"
+    );
+    assert!(
+        took < Duration::from_secs(2),
+        "took {took:?}, more than timeout + 1 s"
+    );
 }
 
 #[test]
@@ -158,7 +220,13 @@ fn flooding_binary_costs_bounded_memory_and_is_broken() {
     node.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
     node.plugin("linkerd-cni", "#!/bin/sh\nhead -c 50000000 /dev/zero\n");
     let json = assert_reason(&node, "PluginBinaryBroken", 1, &[]);
-    assert!(json["message"].as_str().unwrap().contains("invalid VERSION reply"), "{json}");
+    assert!(
+        json["message"]
+            .as_str()
+            .unwrap()
+            .contains("invalid VERSION reply"),
+        "{json}"
+    );
 }
 
 #[test]
@@ -169,7 +237,11 @@ fn usage_and_io_errors_exit_two() {
         .arg(&node.conf)
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(2), "missing --require-plugin is a usage error");
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "missing --require-plugin is a usage error"
+    );
 
     let not_a_dir = node.bin.join("calico");
     let out = Command::new(env!("CARGO_BIN_EXE_meshgate-agent"))
@@ -198,7 +270,10 @@ fn text_output_names_file_reason_and_chain() {
         .unwrap();
     let text = String::from_utf8(out.stdout).unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(text.contains("NOT VERIFIED (ChainedPluginMissing)"), "{text}");
+    assert!(
+        text.contains("NOT VERIFIED (ChainedPluginMissing)"),
+        "{text}"
+    );
     assert!(text.contains("calico → portmap → bandwidth"), "{text}");
 }
 
@@ -218,21 +293,39 @@ fn unchanged_binary_is_not_run_twice() {
     let counter = node.bin.parent().unwrap().join("runs");
     counting_plugin(&node.bin, &counter, "v1");
     let prober = Prober::new(vec![node.bin.clone()], Duration::from_secs(2));
-    let runs = || fs::read_to_string(&counter).unwrap_or_default().lines().count();
+    let runs = || {
+        fs::read_to_string(&counter)
+            .unwrap_or_default()
+            .lines()
+            .count()
+    };
 
     for _ in 0..3 {
-        assert!(matches!(prober.probe("linkerd-cni", "0.3.1"), ProbeOutcome::Answered { .. }));
+        assert!(matches!(
+            prober.probe("linkerd-cni", "0.3.1"),
+            ProbeOutcome::Answered { .. }
+        ));
     }
     assert_eq!(runs(), 1);
     // A rewrite (new size and mtime) is probed again.
     counting_plugin(&node.bin, &counter, "version two");
-    assert!(matches!(prober.probe("linkerd-cni", "0.3.1"), ProbeOutcome::Answered { .. }));
-    assert_eq!(runs(), 2);
-    // A chmod -x is noticed without running it.
-    fs::set_permissions(node.bin.join("linkerd-cni"), fs::Permissions::from_mode(0o644)).unwrap();
     assert!(matches!(
         prober.probe("linkerd-cni", "0.3.1"),
-        ProbeOutcome::Broken { why: Broken::NotExecutable, .. }
+        ProbeOutcome::Answered { .. }
+    ));
+    assert_eq!(runs(), 2);
+    // A chmod -x is noticed without running it.
+    fs::set_permissions(
+        node.bin.join("linkerd-cni"),
+        fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
+    assert!(matches!(
+        prober.probe("linkerd-cni", "0.3.1"),
+        ProbeOutcome::Broken {
+            why: Broken::NotExecutable,
+            ..
+        }
     ));
     assert_eq!(runs(), 2);
     assert_eq!(prober.cached(), 1);

@@ -379,7 +379,13 @@ mod tests {
         let keys: Vec<SandboxKey> = (0..12).map(|i| key(&format!("u{i}"), "s")).collect();
         let mut evicted = 0;
         for (i, k) in keys.iter().enumerate() {
-            match decide(&missing(k, true), &h, &mut lim, Flags::default(), secs(i as u64)) {
+            match decide(
+                &missing(k, true),
+                &h,
+                &mut lim,
+                Flags::default(),
+                secs(i as u64),
+            ) {
                 Decision::Evict { .. } => evicted += 1,
                 Decision::Skip(SkipWhy::RateLimit) => {}
                 other => panic!("{other:?}"),

@@ -145,7 +145,9 @@ impl ProfileSet {
                 return Err(invalid("name is empty"));
             }
             if p.selector.labels.is_empty() && p.selector.annotations.is_empty() {
-                return Err(invalid("selector selects nothing: give labels or annotations"));
+                return Err(invalid(
+                    "selector selects nothing: give labels or annotations",
+                ));
             }
             if p.plugin_type.is_empty() || p.plugin_type.contains('/') {
                 return Err(invalid("pluginType must be a plain CNI plugin type"));
@@ -228,10 +230,7 @@ mod tests {
         );
         assert!(names(&map(&[("security.istio.io/tlsMode", "disabled")]), &none).is_empty());
         assert_eq!(
-            names(
-                &none,
-                &map(&[("ambient.istio.io/redirection", "enabled")])
-            ),
+            names(&none, &map(&[("ambient.istio.io/redirection", "enabled")])),
             ["istio-ambient"]
         );
         assert!(names(&map(&[("app", "web")]), &none).is_empty());
@@ -255,7 +254,8 @@ mod tests {
         let set = ProfileSet::all_builtin().with_custom_json(ok).unwrap();
         assert_eq!(set.get("kuma").unwrap().plugin_type, "kuma-cni");
 
-        let empty_selector = r#"[{"name":"x","selector":{},"pluginType":"x","inboundPort":1,"outboundPort":2}]"#;
+        let empty_selector =
+            r#"[{"name":"x","selector":{},"pluginType":"x","inboundPort":1,"outboundPort":2}]"#;
         assert!(matches!(
             ProfileSet::all_builtin().with_custom_json(empty_selector),
             Err(ProfileError::Invalid { .. })

@@ -29,7 +29,10 @@ struct Bins {
 
 impl Bins {
     fn healthy() -> Self {
-        Self { special: BTreeMap::new(), calls: Vec::new() }
+        Self {
+            special: BTreeMap::new(),
+            calls: Vec::new(),
+        }
     }
     fn with(mut self, t: &'static str, o: ProbeOutcome) -> Self {
         self.special.insert(t, o);
@@ -37,10 +40,15 @@ impl Bins {
     }
     fn probe(&mut self, t: &str, version: &str) -> ProbeOutcome {
         self.calls.push((t.to_string(), version.to_string()));
-        self.special.get(t).cloned().unwrap_or_else(|| ProbeOutcome::Answered {
-            path: format!("/opt/cni/bin/{t}"),
-            supported: ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"].map(String::from).to_vec(),
-        })
+        self.special
+            .get(t)
+            .cloned()
+            .unwrap_or_else(|| ProbeOutcome::Answered {
+                path: format!("/opt/cni/bin/{t}"),
+                supported: ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]
+                    .map(String::from)
+                    .to_vec(),
+            })
     }
 }
 
@@ -50,17 +58,36 @@ fn run(entries: &[DirEntry], o: &VerifyOptions, bins: &mut Bins) -> Verdict {
 
 #[test]
 fn s1_primary_then_mesh_plugin_appended_is_verified() {
-    let entries = [DirEntry::file("10-calico.conflist", golden("calico-linkerd.conflist"))];
+    let entries = [DirEntry::file(
+        "10-calico.conflist",
+        golden("calico-linkerd.conflist"),
+    )];
     let mut bins = Bins::healthy();
     let v = run(&entries, &opts(&["linkerd-cni"]), &mut bins);
     assert_eq!(v.reason, Reason::Verified, "{}", v.message);
     assert!(v.verified);
-    assert_eq!(v.config_file.as_deref(), Some("/etc/cni/net.d/10-calico.conflist"));
+    assert_eq!(
+        v.config_file.as_deref(),
+        Some("/etc/cni/net.d/10-calico.conflist")
+    );
     assert_eq!(v.plugins, ["calico", "portmap", "bandwidth", "linkerd-cni"]);
-    assert!(v.message.contains("/etc/cni/net.d/10-calico.conflist"), "{}", v.message);
+    assert!(
+        v.message.contains("/etc/cni/net.d/10-calico.conflist"),
+        "{}",
+        v.message
+    );
     // Every chain binary and the delegated IPAM binary were probed with the list's version.
     let probed: Vec<&str> = bins.calls.iter().map(|(t, _)| t.as_str()).collect();
-    assert_eq!(probed, ["calico", "portmap", "bandwidth", "linkerd-cni", "calico-ipam"]);
+    assert_eq!(
+        probed,
+        [
+            "calico",
+            "portmap",
+            "bandwidth",
+            "linkerd-cni",
+            "calico-ipam"
+        ]
+    );
     assert!(bins.calls.iter().all(|(_, v)| v == "0.3.1"));
 }
 
@@ -73,28 +100,50 @@ fn s2_lone_mesh_conf_sorting_first_has_no_primary() {
     let mut bins = Bins::healthy();
     let v = run(&entries, &opts(&["linkerd-cni"]), &mut bins);
     assert_eq!(v.reason, Reason::PrimaryPluginMissing, "{}", v.message);
-    assert_eq!(v.config_file.as_deref(), Some("/etc/cni/net.d/01-linkerd-cni.conf"));
-    assert!(v.message.contains("linkerd-cni") && v.message.contains("first in the chain"), "{}", v.message);
-    assert!(bins.calls.is_empty(), "no binary is run before the structure is right");
+    assert_eq!(
+        v.config_file.as_deref(),
+        Some("/etc/cni/net.d/01-linkerd-cni.conf")
+    );
+    assert!(
+        v.message.contains("linkerd-cni") && v.message.contains("first in the chain"),
+        "{}",
+        v.message
+    );
+    assert!(
+        bins.calls.is_empty(),
+        "no binary is run before the structure is right"
+    );
 }
 
 #[test]
 fn primary_missing_when_only_meta_plugins_precede() {
     let conf = br#"{"cniVersion":"0.3.1","name":"n","plugins":[{"type":"portmap"},{"type":"linkerd-cni"},{"type":"calico"}]}"#;
-    let v = run(&[DirEntry::file("10.conflist", conf.to_vec())], &opts(&["linkerd-cni"]), &mut Bins::healthy());
+    let v = run(
+        &[DirEntry::file("10.conflist", conf.to_vec())],
+        &opts(&["linkerd-cni"]),
+        &mut Bins::healthy(),
+    );
     assert_eq!(v.reason, Reason::PrimaryPluginMissing);
-    assert!(v.message.contains("only portmap run before it"), "{}", v.message);
+    assert!(
+        v.message.contains("only portmap run before it"),
+        "{}",
+        v.message
+    );
 }
 
 #[test]
 fn s3_s4_primary_without_mesh_plugin_is_chained_plugin_missing() {
-    let entries = [DirEntry::file("10-calico.conflist", golden("calico.conflist"))];
+    let entries = [DirEntry::file(
+        "10-calico.conflist",
+        golden("calico.conflist"),
+    )];
     let mut bins = Bins::healthy();
     let v = run(&entries, &opts(&["linkerd-cni"]), &mut bins);
     assert_eq!(v.reason, Reason::ChainedPluginMissing);
     assert!(!v.verified);
     assert!(
-        v.message.contains("10-calico.conflist") && v.message.contains("does not chain linkerd-cni"),
+        v.message.contains("10-calico.conflist")
+            && v.message.contains("does not chain linkerd-cni"),
         "{}",
         v.message
     );
@@ -109,7 +158,10 @@ fn s6_multus_sorting_first_is_the_effective_file() {
     ];
     let v = run(&entries, &opts(&["istio-cni"]), &mut Bins::healthy());
     assert_eq!(v.reason, Reason::ChainedPluginMissing);
-    assert_eq!(v.config_file.as_deref(), Some("/etc/cni/net.d/00-multus.conf"));
+    assert_eq!(
+        v.config_file.as_deref(),
+        Some("/etc/cni/net.d/00-multus.conf")
+    );
     assert_eq!(v.plugins, ["multus"]);
     // Without multus in front, the mesh-owned file verifies.
     let v = run(&entries[1..], &opts(&["istio-cni"]), &mut Bins::healthy());
@@ -118,26 +170,40 @@ fn s6_multus_sorting_first_is_the_effective_file() {
 
 #[test]
 fn s7_binary_missing_empty_hanging_or_too_old() {
-    let entries = [DirEntry::file("10-calico.conflist", golden("calico-linkerd.conflist"))];
+    let entries = [DirEntry::file(
+        "10-calico.conflist",
+        golden("calico-linkerd.conflist"),
+    )];
     let o = opts(&["linkerd-cni"]);
     let cases = [
         (
-            ProbeOutcome::Missing { searched: vec!["/opt/cni/bin".into()] },
+            ProbeOutcome::Missing {
+                searched: vec!["/opt/cni/bin".into()],
+            },
             Reason::PluginBinaryMissing,
             "no binary named linkerd-cni in /opt/cni/bin",
         ),
         (
-            ProbeOutcome::Broken { path: "/opt/cni/bin/linkerd-cni".into(), why: Broken::Empty },
+            ProbeOutcome::Broken {
+                path: "/opt/cni/bin/linkerd-cni".into(),
+                why: Broken::Empty,
+            },
             Reason::PluginBinaryBroken,
             "/opt/cni/bin/linkerd-cni is empty",
         ),
         (
-            ProbeOutcome::Broken { path: "/opt/cni/bin/linkerd-cni".into(), why: Broken::TimedOut { after_ms: 2000 } },
+            ProbeOutcome::Broken {
+                path: "/opt/cni/bin/linkerd-cni".into(),
+                why: Broken::TimedOut { after_ms: 2000 },
+            },
             Reason::PluginBinaryBroken,
             "within 2000 ms",
         ),
         (
-            ProbeOutcome::Answered { path: "/opt/cni/bin/linkerd-cni".into(), supported: vec!["0.1.0".into(), "0.2.0".into()] },
+            ProbeOutcome::Answered {
+                path: "/opt/cni/bin/linkerd-cni".into(),
+                supported: vec!["0.1.0".into(), "0.2.0".into()],
+            },
             Reason::PluginBinaryBroken,
             "does not support cniVersion 0.3.1",
         ),
@@ -147,28 +213,63 @@ fn s7_binary_missing_empty_hanging_or_too_old() {
         let v = run(&entries, &o, &mut bins);
         assert_eq!(v.reason, reason, "{}", v.message);
         assert!(v.message.contains(text), "{:?} lacks {text:?}", v.message);
-        assert!(v.message.contains("plugin linkerd-cni of /etc/cni/net.d/10-calico.conflist"), "{}", v.message);
+        assert!(
+            v.message
+                .contains("plugin linkerd-cni of /etc/cni/net.d/10-calico.conflist"),
+            "{}",
+            v.message
+        );
     }
 }
 
 #[test]
 fn ipam_binary_is_required_too() {
-    let entries = [DirEntry::file("10-calico.conflist", golden("calico-linkerd.conflist"))];
-    let mut bins = Bins::healthy().with("calico-ipam", ProbeOutcome::Missing { searched: vec!["/opt/cni/bin".into()] });
+    let entries = [DirEntry::file(
+        "10-calico.conflist",
+        golden("calico-linkerd.conflist"),
+    )];
+    let mut bins = Bins::healthy().with(
+        "calico-ipam",
+        ProbeOutcome::Missing {
+            searched: vec!["/opt/cni/bin".into()],
+        },
+    );
     let v = run(&entries, &opts(&["linkerd-cni"]), &mut bins);
     assert_eq!(v.reason, Reason::PluginBinaryMissing);
-    assert!(v.message.contains("IPAM plugin calico-ipam"), "{}", v.message);
+    assert!(
+        v.message.contains("IPAM plugin calico-ipam"),
+        "{}",
+        v.message
+    );
 }
 
 #[test]
 fn several_binary_problems_report_the_first_in_chain_order() {
-    let entries = [DirEntry::file("10-calico.conflist", golden("calico-linkerd.conflist"))];
+    let entries = [DirEntry::file(
+        "10-calico.conflist",
+        golden("calico-linkerd.conflist"),
+    )];
     let mut bins = Bins::healthy()
-        .with("linkerd-cni", ProbeOutcome::Missing { searched: vec!["/opt/cni/bin".into()] })
-        .with("portmap", ProbeOutcome::Broken { path: "/opt/cni/bin/portmap".into(), why: Broken::NotExecutable });
+        .with(
+            "linkerd-cni",
+            ProbeOutcome::Missing {
+                searched: vec!["/opt/cni/bin".into()],
+            },
+        )
+        .with(
+            "portmap",
+            ProbeOutcome::Broken {
+                path: "/opt/cni/bin/portmap".into(),
+                why: Broken::NotExecutable,
+            },
+        );
     let v = run(&entries, &opts(&["linkerd-cni"]), &mut bins);
     assert_eq!(v.reason, Reason::PluginBinaryBroken);
-    assert!(v.message.contains("portmap is not executable") && v.message.contains("and 1 more"), "{}", v.message);
+    assert!(
+        v.message.contains("portmap is not executable") && v.message.contains("and 1 more"),
+        "{}",
+        v.message
+    );
 }
 
 #[test]
@@ -180,14 +281,27 @@ fn s8_truncated_first_file_containerd_vs_crio() {
     ];
     let v = run(&entries, &opts(&["linkerd-cni"]), &mut Bins::healthy());
     assert_eq!(v.reason, Reason::ConfigInvalid);
-    assert_eq!(v.config_file.as_deref(), Some("/etc/cni/net.d/05-partial.conflist"));
+    assert_eq!(
+        v.config_file.as_deref(),
+        Some("/etc/cni/net.d/05-partial.conflist")
+    );
     assert!(v.message.contains("cannot be parsed"), "{}", v.message);
 
-    let crio = VerifyOptions { runtime: Runtime::Crio, ..opts(&["linkerd-cni"]) };
+    let crio = VerifyOptions {
+        runtime: Runtime::Crio,
+        ..opts(&["linkerd-cni"])
+    };
     let v = run(&entries, &crio, &mut Bins::healthy());
     assert_eq!(v.reason, Reason::Verified, "{}", v.message);
-    assert_eq!(v.config_file.as_deref(), Some("/etc/cni/net.d/10-calico.conflist"));
-    assert!(v.message.contains("skipped invalid: 05-partial.conflist"), "{}", v.message);
+    assert_eq!(
+        v.config_file.as_deref(),
+        Some("/etc/cni/net.d/10-calico.conflist")
+    );
+    assert!(
+        v.message.contains("skipped invalid: 05-partial.conflist"),
+        "{}",
+        v.message
+    );
     assert_eq!(v.runtime, Runtime::Crio);
 
     // CRI-O with nothing loadable at all is still ConfigInvalid, not NoConfig.
@@ -225,14 +339,32 @@ fn sort_is_bytewise_and_json_counts() {
 fn hostile_entries_are_config_invalid_not_crashes() {
     let o = opts(&["linkerd-cni"]);
     let cases = [
-        (EntryKind::TooLarge { size: 1 << 30, limit: 1 << 20 }, "over the 1048576-byte limit"),
-        (EntryKind::NotRegular("fifo".into()), "is a fifo, not a regular file"),
-        (EntryKind::Unreadable("too many levels of symbolic links".into()), "symbolic links"),
+        (
+            EntryKind::TooLarge {
+                size: 1 << 30,
+                limit: 1 << 20,
+            },
+            "over the 1048576-byte limit",
+        ),
+        (
+            EntryKind::NotRegular("fifo".into()),
+            "is a fifo, not a regular file",
+        ),
+        (
+            EntryKind::Unreadable("too many levels of symbolic links".into()),
+            "symbolic links",
+        ),
         (EntryKind::File(vec![0xff, 0xfe, 0x00]), "cannot be parsed"),
-        (EntryKind::File(br#"{"name":"x","plugins":[]}"#.to_vec()), "empty"),
+        (
+            EntryKind::File(br#"{"name":"x","plugins":[]}"#.to_vec()),
+            "empty",
+        ),
     ];
     for (kind, text) in cases {
-        let entries = [DirEntry { name: "00-bad.conflist".into(), kind }];
+        let entries = [DirEntry {
+            name: "00-bad.conflist".into(),
+            kind,
+        }];
         let v = run(&entries, &o, &mut Bins::healthy());
         assert_eq!(v.reason, Reason::ConfigInvalid);
         assert!(v.message.contains(text), "{:?} lacks {text:?}", v.message);
@@ -245,7 +377,10 @@ fn realistic_primaries_verify_alone_and_lack_the_mesh_plugin() {
         ("calico.conflist", vec!["calico", "portmap", "bandwidth"]),
         ("cilium.conflist", vec!["cilium-cni"]),
         ("flannel.conflist", vec!["flannel", "portmap"]),
-        ("aws-vpc-cni.conflist", vec!["aws-cni", "egress-cni", "portmap"]),
+        (
+            "aws-vpc-cni.conflist",
+            vec!["aws-cni", "egress-cni", "portmap"],
+        ),
     ] {
         let entries = [DirEntry::file(&format!("10-{file}"), golden(file))];
         let v = run(&entries, &opts(&[]), &mut Bins::healthy());
@@ -258,7 +393,10 @@ fn realistic_primaries_verify_alone_and_lack_the_mesh_plugin() {
 
 #[test]
 fn istio_owned_config_verifies_with_cni_1_0() {
-    let entries = [DirEntry::file("02-istio-cni.conflist", golden("istio-cni.conflist"))];
+    let entries = [DirEntry::file(
+        "02-istio-cni.conflist",
+        golden("istio-cni.conflist"),
+    )];
     let mut bins = Bins::healthy();
     let v = run(&entries, &opts(&["istio-cni"]), &mut bins);
     assert_eq!(v.reason, Reason::Verified, "{}", v.message);
@@ -284,7 +422,8 @@ fn cni_1_1_drop_in_plugins_are_appended() {
     assert_eq!(v.plugins.last().map(String::as_str), Some("linkerd-cni"));
 
     // loadOnlyInlinedPlugins turns the drop-in directory off.
-    let mut inlined: serde_json::Value = serde_json::from_slice(&golden("calico.conflist")).unwrap();
+    let mut inlined: serde_json::Value =
+        serde_json::from_slice(&golden("calico.conflist")).unwrap();
     inlined["loadOnlyInlinedPlugins"] = true.into();
     let mut only = entries.clone();
     only[0] = DirEntry::file("10-calico.conflist", serde_json::to_vec(&inlined).unwrap());
@@ -293,16 +432,30 @@ fn cni_1_1_drop_in_plugins_are_appended() {
 
     // A broken drop-in file breaks the whole network, as in libcni.
     let mut bad = entries.clone();
-    bad[1] = DirEntry::dir("k8s-pod-network", vec![DirEntry::file("50-linkerd.conf", b"{".to_vec())]);
+    bad[1] = DirEntry::dir(
+        "k8s-pod-network",
+        vec![DirEntry::file("50-linkerd.conf", b"{".to_vec())],
+    );
     let v = run(&bad, &opts(&["linkerd-cni"]), &mut Bins::healthy());
     assert_eq!(v.reason, Reason::ConfigInvalid);
-    assert!(v.message.contains("drop-in plugin file k8s-pod-network/50-linkerd.conf"), "{}", v.message);
+    assert!(
+        v.message
+            .contains("drop-in plugin file k8s-pod-network/50-linkerd.conf"),
+        "{}",
+        v.message
+    );
 
     // A conflist without inline plugins, made only of drop-ins.
     let bare = br#"{"cniVersion":"1.1.0","name":"net"}"#;
     let entries = [
         DirEntry::file("10-net.conflist", bare.to_vec()),
-        DirEntry::dir("net", vec![DirEntry::file("10-calico.conf", br#"{"type":"calico"}"#.to_vec()), DirEntry::file("20-linkerd.conf", dropin.to_vec())]),
+        DirEntry::dir(
+            "net",
+            vec![
+                DirEntry::file("10-calico.conf", br#"{"type":"calico"}"#.to_vec()),
+                DirEntry::file("20-linkerd.conf", dropin.to_vec()),
+            ],
+        ),
     ];
     let v = run(&entries, &opts(&["linkerd-cni"]), &mut Bins::healthy());
     assert_eq!(v.reason, Reason::Verified, "{}", v.message);
@@ -313,11 +466,29 @@ fn cni_1_1_drop_in_plugins_are_appended() {
 
 #[test]
 fn verdict_json_matches_the_contract_shape() {
-    let entries = [DirEntry::file("10-calico.conflist", golden("calico.conflist"))];
+    let entries = [DirEntry::file(
+        "10-calico.conflist",
+        golden("calico.conflist"),
+    )];
     let v = run(&entries, &opts(&["linkerd-cni"]), &mut Bins::healthy());
     let json = serde_json::to_value(&v).unwrap();
-    let keys: Vec<&str> = json.as_object().unwrap().keys().map(String::as_str).collect();
-    assert_eq!(keys, ["verified", "reason", "message", "config_file", "plugins", "runtime"]);
+    let keys: Vec<&str> = json
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            "verified",
+            "reason",
+            "message",
+            "config_file",
+            "plugins",
+            "runtime"
+        ]
+    );
     assert_eq!(json["reason"], "ChainedPluginMissing");
     assert_eq!(json["runtime"], "containerd");
     assert_eq!(json["verified"], false);

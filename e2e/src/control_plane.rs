@@ -31,12 +31,12 @@ use kube::{Client, Config};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::Error;
 use crate::kubelet::{self, NodeSpec, PodRunner};
 use crate::paths::{self, Binaries};
 use crate::pki::{self, Pki};
 use crate::process::{self, Mode, Proc};
 use crate::wait::{self, API_TIMEOUT};
-use crate::Error;
 
 /// Name of the state file `up` writes into its directory and `down` reads.
 pub const STATE_FILE: &str = "meshgate-e2e.json";
@@ -60,8 +60,6 @@ const LAYOUT: &[&str] = &[
 
 /// How long a component gets to exit after SIGTERM before SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(10);
-/// Bound on each harness API call.
-
 
 /// How to start a control plane.
 #[derive(Debug, Clone)]
@@ -80,7 +78,12 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Self { dir: None, detached: false, binaries: None, startup_timeout: Duration::from_secs(180) }
+        Self {
+            dir: None,
+            detached: false,
+            binaries: None,
+            startup_timeout: Duration::from_secs(180),
+        }
     }
 }
 
@@ -158,14 +161,28 @@ impl ControlPlane {
                 let temp = tempfile::Builder::new()
                     .prefix("meshgate-e2e-")
                     .tempdir_in(&base)
-                    .map_err(|e| Error::io(format!("creating a temporary directory in {}", base.display()), e))?;
+                    .map_err(|e| {
+                        Error::io(
+                            format!("creating a temporary directory in {}", base.display()),
+                            e,
+                        )
+                    })?;
                 (temp.path().to_owned(), Some(temp))
             }
         };
 
         let background = Background::start()?;
-        let mode = if options.detached { Mode::Detached } else { Mode::Attached };
-        let boot = Boot { dir: dir.clone(), binaries: binaries.clone(), mode, timeout: options.startup_timeout };
+        let mode = if options.detached {
+            Mode::Detached
+        } else {
+            Mode::Attached
+        };
+        let boot = Boot {
+            dir: dir.clone(),
+            binaries: binaries.clone(),
+            mode,
+            timeout: options.startup_timeout,
+        };
         // Boot on the background thread, so that thread is the children's parent (PDEATHSIG).
         let booted = background
             .handle
@@ -206,9 +223,24 @@ impl ControlPlane {
         if options.detached {
             cp.write_state()?;
         } else {
-            cp.background.handle.spawn(kubelet::lease_loop(cp.admin_kubeconfig.clone(), cp.nodes.clone()));
+            cp.background.handle.spawn(kubelet::lease_loop(
+                cp.admin_kubeconfig.clone(),
+                cp.nodes.clone(),
+            ));
         }
-        tracing::info!(dir = %cp.dir.display(), elapsed_ms = cp.started_in.as_millis() as u64, "control plane healthy");
+        let pids: Vec<String> = cp
+            .procs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|p| format!("{}={}", p.name, p.pid))
+            .collect();
+        tracing::info!(
+            dir = %cp.dir.display(),
+            pids = %pids.join(","),
+            elapsed_ms = cp.started_in.as_millis() as u64,
+            "control plane healthy"
+        );
         Ok(cp)
     }
 
@@ -224,29 +256,34 @@ impl ControlPlane {
                 let (tx, rx) = tokio::sync::watch::channel(None);
                 // A thread of its own, so the start does not depend on the first test's runtime
                 // surviving (each #[tokio::test] drops its runtime when it ends).
-                let spawned = std::thread::Builder::new().name("meshgate-e2e-start".into()).spawn(move || {
-                    let result = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .map_err(|e| Error::io("building a tokio runtime", e))
-                        .and_then(|rt| rt.block_on(ControlPlane::start(Options::default())));
-                    let slot = match result {
-                        Ok(cp) => {
-                            let cp: &'static ControlPlane = Box::leak(Box::new(cp));
-                            register_atexit(cp);
-                            Ok(cp)
-                        }
-                        Err(e) => Err(Arc::new(e)),
-                    };
-                    let _ = tx.send(Some(slot));
-                });
+                let spawned = std::thread::Builder::new()
+                    .name("meshgate-e2e-start".into())
+                    .spawn(move || {
+                        let result = tokio::runtime::Builder::new_current_thread()
+                            .enable_all()
+                            .build()
+                            .map_err(|e| Error::io("building a tokio runtime", e))
+                            .and_then(|rt| rt.block_on(ControlPlane::start(Options::default())));
+                        let slot = match result {
+                            Ok(cp) => {
+                                let cp: &'static ControlPlane = Box::leak(Box::new(cp));
+                                register_atexit(cp);
+                                Ok(cp)
+                            }
+                            Err(e) => Err(Arc::new(e)),
+                        };
+                        let _ = tx.send(Some(slot));
+                    });
                 if let Err(e) = spawned {
                     tracing::error!(error = %e, "cannot spawn the control-plane start thread");
                 }
                 rx
             })
             .clone();
-        let slot = rx.wait_for(Option::is_some).await.map_err(|_| Error::StartPanicked)?;
+        let slot = rx
+            .wait_for(Option::is_some)
+            .await
+            .map_err(|_| Error::StartPanicked)?;
         match slot.as_ref() {
             Some(Ok(cp)) => Ok(*cp),
             Some(Err(e)) => Err(Error::Shared(e.clone())),
@@ -258,6 +295,9 @@ impl ControlPlane {
     /// directory. Idempotent; blocks for up to a few seconds per component.
     pub fn stop(&self) {
         let procs = std::mem::take(&mut *self.procs.lock().unwrap_or_else(|p| p.into_inner()));
+        if !procs.is_empty() {
+            tracing::debug!(dir = %self.dir.display(), "stopping the control plane");
+        }
         process::stop_all(&procs, STOP_GRACE);
         self.background.shutdown();
         if self.remove_dir.swap(false, Ordering::SeqCst) {
@@ -282,11 +322,16 @@ impl ControlPlane {
         let text = match std::fs::read_to_string(&state_path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(Error::NotStateDir { dir: dir.to_owned() });
+                return Err(Error::NotStateDir {
+                    dir: dir.to_owned(),
+                });
             }
             Err(e) => return Err(Error::io(format!("reading {}", state_path.display()), e)),
         };
-        let state: State = serde_json::from_str(&text).map_err(|source| Error::State { path: state_path, source })?;
+        let state: State = serde_json::from_str(&text).map_err(|source| Error::State {
+            path: state_path,
+            source,
+        })?;
         process::stop_all(&state.procs, STOP_GRACE);
         remove_layout(dir);
         // Removes the directory only if `up` left nothing else there (it may be the user's).
@@ -357,10 +402,15 @@ impl ControlPlane {
     /// its stdout, or an error carrying its stderr.
     pub async fn kubectl(&self, args: &[&str]) -> Result<String, Error> {
         let mut cmd = tokio::process::Command::new(&self.binaries.kubectl);
-        cmd.arg("--kubeconfig").arg(&self.admin_kubeconfig_path).args(args).kill_on_drop(true);
+        cmd.arg("--kubeconfig")
+            .arg(&self.admin_kubeconfig_path)
+            .args(args)
+            .kill_on_drop(true);
         let what = format!("kubectl {}", args.join(" "));
         let out = wait::bounded(&what, Duration::from_secs(60), async {
-            cmd.output().await.map_err(|e| Error::io(format!("running {what}"), e))
+            cmd.output()
+                .await
+                .map_err(|e| Error::io(format!("running {what}"), e))
         })
         .await?;
         if !out.status.success() {
@@ -386,11 +436,17 @@ impl ControlPlane {
             ..Default::default()
         };
         let api: Api<Namespace> = Api::all(client.clone());
-        wait::api(&format!("creating namespace {name}"), api.create(&PostParams::default(), &ns)).await?;
+        wait::api(
+            &format!("creating namespace {name}"),
+            api.create(&PostParams::default(), &ns),
+        )
+        .await?;
         let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), &name);
-        wait::poll_until(&format!("ServiceAccount {name}/default"), API_TIMEOUT, || async {
-            sas.get_opt("default").await.map(|sa| sa.map(|_| ()))
-        })
+        wait::poll_until(
+            &format!("ServiceAccount {name}/default"),
+            API_TIMEOUT,
+            || async { sas.get_opt("default").await.map(|sa| sa.map(|_| ())) },
+        )
         .await?;
         Ok(name)
     }
@@ -399,9 +455,16 @@ impl ControlPlane {
     /// background thread for as long as the control plane runs, and waits until the node
     /// lifecycle controller has lifted the `node.kubernetes.io/not-ready` taint that admission
     /// puts on every new Node.
-    pub async fn register_node(&self, client: &Client, spec: &NodeSpec) -> Result<k8s_openapi::api::core::v1::Node, Error> {
+    pub async fn register_node(
+        &self,
+        client: &Client,
+        spec: &NodeSpec,
+    ) -> Result<k8s_openapi::api::core::v1::Node, Error> {
         let node = kubelet::create_node(client, spec, &self.version).await?;
-        self.nodes.lock().unwrap_or_else(|p| p.into_inner()).insert(spec.name.clone());
+        self.nodes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(spec.name.clone());
         kubelet::wait_schedulable(client, &spec.name).await?;
         Ok(node)
     }
@@ -425,8 +488,15 @@ impl ControlPlane {
     /// A client authenticating with `token` (for example a ServiceAccount token from
     /// [`crate::identity::service_account_token`]); 429 retries are off as in [`Self::client`].
     pub fn client_for_token(&self, token: &str) -> Result<Client, Error> {
-        let kc = Kubeconfig::from_yaml(&token_kubeconfig_yaml(&self.apiserver_url(), &self.pki.ca_cert, token))
-            .map_err(|source| Error::Kubeconfig { what: "for a token".into(), source })?;
+        let kc = Kubeconfig::from_yaml(&token_kubeconfig_yaml(
+            &self.apiserver_url(),
+            &self.pki.ca_cert,
+            token,
+        ))
+        .map_err(|source| Error::Kubeconfig {
+            what: "for a token".into(),
+            source,
+        })?;
         client_from(kc, "token")
     }
 
@@ -434,9 +504,13 @@ impl ControlPlane {
     /// removed with the control plane) and returns its path, for processes under test.
     pub fn write_token_kubeconfig(&self, name: &str, token: &str) -> Result<PathBuf, Error> {
         let dir = self.dir.join("tokens");
-        std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
         let path = dir.join(format!("{name}.kubeconfig"));
-        write_private(&path, &token_kubeconfig_yaml(&self.apiserver_url(), &self.pki.ca_cert, token))?;
+        write_private(
+            &path,
+            &token_kubeconfig_yaml(&self.apiserver_url(), &self.pki.ca_cert, token),
+        )?;
         Ok(path)
     }
 
@@ -447,7 +521,10 @@ impl ControlPlane {
             kubeconfig: self.admin_kubeconfig_path.clone(),
         };
         let path = self.dir.join(STATE_FILE);
-        let text = serde_json::to_string_pretty(&state).map_err(|source| Error::State { path: path.clone(), source })?;
+        let text = serde_json::to_string_pretty(&state).map_err(|source| Error::State {
+            path: path.clone(),
+            source,
+        })?;
         write_private(&path, &text)
     }
 }
@@ -463,7 +540,10 @@ impl Drop for ControlPlane {
 pub fn unique_name(prefix: &str) -> String {
     static COUNTER: AtomicU32 = AtomicU32::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
     let salt = (nanos ^ std::process::id().rotate_left(16)) & 0xf_ffff;
     format!("{prefix}-{n}-{salt:05x}")
 }
@@ -482,7 +562,9 @@ fn register_atexit(cp: &'static ControlPlane) {
         // exit(), after the test harness's main returns or calls process::exit.
         let rc = unsafe { libc::atexit(stop_shared_at_exit) };
         if rc != 0 {
-            tracing::error!("atexit registration failed: the shared control plane relies on PDEATHSIG alone");
+            tracing::error!(
+                "atexit registration failed: the shared control plane relies on PDEATHSIG alone"
+            );
         }
     }
 }
@@ -501,16 +583,21 @@ impl Background {
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("meshgate-e2e-bg".into())
-            .spawn(move || match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-                Ok(rt) => {
-                    let _ = handle_tx.send(Ok(rt.handle().clone()));
-                    // Drives every spawned task on this very thread until told to stop.
-                    rt.block_on(async {
-                        let _ = stop_rx.await;
-                    });
-                }
-                Err(e) => {
-                    let _ = handle_tx.send(Err(e));
+            .spawn(move || {
+                match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => {
+                        let _ = handle_tx.send(Ok(rt.handle().clone()));
+                        // Drives every spawned task on this very thread until told to stop.
+                        rt.block_on(async {
+                            let _ = stop_rx.await;
+                        });
+                    }
+                    Err(e) => {
+                        let _ = handle_tx.send(Err(e));
+                    }
                 }
             })
             .map_err(|e| Error::io("spawning the control plane's background thread", e))?;
@@ -518,7 +605,11 @@ impl Background {
             .recv()
             .map_err(|_| Error::StartPanicked)?
             .map_err(|e| Error::io("building the background tokio runtime", e))?;
-        Ok(Self { handle, stop: Mutex::new(Some(stop_tx)), thread: Mutex::new(Some(thread)) })
+        Ok(Self {
+            handle,
+            stop: Mutex::new(Some(stop_tx)),
+            thread: Mutex::new(Some(thread)),
+        })
     }
 
     fn shutdown(&self) {
@@ -564,7 +655,8 @@ impl Boot {
     async fn run(self) -> Result<Booted, Error> {
         let deadline = Instant::now() + self.timeout;
         let logs = self.dir.join("logs");
-        std::fs::create_dir_all(&logs).map_err(|e| Error::io(format!("creating {}", logs.display()), e))?;
+        std::fs::create_dir_all(&logs)
+            .map_err(|e| Error::io(format!("creating {}", logs.display()), e))?;
         let pki = Pki::generate(&self.dir.join("pki"))?;
         let ports = free_ports()?;
         let server = format!("https://127.0.0.1:{}", ports.apiserver);
@@ -572,11 +664,23 @@ impl Boot {
         let admin_kubeconfig_path = self.dir.join("admin.kubeconfig");
         let kcm_kubeconfig = self.dir.join("controller-manager.kubeconfig");
         let sched_kubeconfig = self.dir.join("scheduler.kubeconfig");
-        write_private(&admin_kubeconfig_path, &cert_kubeconfig_yaml(&server, &pki.ca_cert, &pki.admin))?;
-        write_private(&kcm_kubeconfig, &cert_kubeconfig_yaml(&server, &pki.ca_cert, &pki.controller_manager))?;
-        write_private(&sched_kubeconfig, &cert_kubeconfig_yaml(&server, &pki.ca_cert, &pki.scheduler))?;
-        let admin_kubeconfig = Kubeconfig::read_from(&admin_kubeconfig_path)
-            .map_err(|source| Error::Kubeconfig { what: admin_kubeconfig_path.display().to_string(), source })?;
+        write_private(
+            &admin_kubeconfig_path,
+            &cert_kubeconfig_yaml(&server, &pki.ca_cert, &pki.admin),
+        )?;
+        write_private(
+            &kcm_kubeconfig,
+            &cert_kubeconfig_yaml(&server, &pki.ca_cert, &pki.controller_manager),
+        )?;
+        write_private(
+            &sched_kubeconfig,
+            &cert_kubeconfig_yaml(&server, &pki.ca_cert, &pki.scheduler),
+        )?;
+        let admin_kubeconfig =
+            Kubeconfig::read_from(&admin_kubeconfig_path).map_err(|source| Error::Kubeconfig {
+                what: admin_kubeconfig_path.display().to_string(),
+                source,
+            })?;
 
         let mut started = Started(Vec::new());
         let s = |p: &Path| p.display().to_string();
@@ -619,13 +723,19 @@ impl Boot {
                 "--requestheader-username-headers=X-Remote-User".into(),
                 "--requestheader-group-headers=X-Remote-Group".into(),
                 "--requestheader-extra-headers-prefix=X-Remote-Extra-".into(),
-                format!("--proxy-client-cert-file={}", s(&pki.front_proxy_client.cert)),
+                format!(
+                    "--proxy-client-cert-file={}",
+                    s(&pki.front_proxy_client.cert)
+                ),
                 format!("--proxy-client-key-file={}", s(&pki.front_proxy_client.key)),
                 "--authorization-mode=Node,RBAC".into(),
                 "--enable-admission-plugins=NodeRestriction".into(),
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
                 format!("--service-account-key-file={}", s(&pki.service_account_pub)),
-                format!("--service-account-signing-key-file={}", s(&pki.service_account_key)),
+                format!(
+                    "--service-account-signing-key-file={}",
+                    s(&pki.service_account_key)
+                ),
                 format!("--service-cluster-ip-range={}", pki::SERVICE_CIDR),
                 "--allow-privileged=true".into(),
                 // No kube-proxy and a loopback advertise address: the `kubernetes` Service's
@@ -652,9 +762,16 @@ impl Boot {
                 "--profiling=false".into(),
             ]
         };
-        let mut kcm_args = common(ports.controller_manager, &kcm_kubeconfig, &pki.controller_manager_serving);
+        let mut kcm_args = common(
+            ports.controller_manager,
+            &kcm_kubeconfig,
+            &pki.controller_manager_serving,
+        );
         kcm_args.extend([
-            format!("--service-account-private-key-file={}", s(&pki.service_account_key)),
+            format!(
+                "--service-account-private-key-file={}",
+                s(&pki.service_account_key)
+            ),
             format!("--root-ca-file={}", s(&pki.ca_cert)),
             "--use-service-account-credentials=true".into(),
             // Every default controller: deployment, replicaset, disruption, garbage collector,
@@ -663,7 +780,11 @@ impl Boot {
             // Nodes, as in a real cluster), taint-eviction, podgc, root-ca-cert-publisher, ...
             "--controllers=*".into(),
         ]);
-        let kcm = self.spawn("kube-controller-manager", &self.binaries.kube_controller_manager, kcm_args)?;
+        let kcm = self.spawn(
+            "kube-controller-manager",
+            &self.binaries.kube_controller_manager,
+            kcm_args,
+        )?;
         started.0.push(kcm.clone());
         let scheduler = self.spawn(
             "kube-scheduler",
@@ -681,13 +802,21 @@ impl Boot {
         // serviceaccount controller to create `default/default`.
         let sas: Api<ServiceAccount> = Api::namespaced(admin.clone(), "default");
         let remaining = deadline.saturating_duration_since(Instant::now());
-        wait::poll_until("the controller manager to create ServiceAccount default/default", remaining, || async {
-            sas.get_opt("default").await.map(|sa| sa.map(|_| ()))
-        })
+        wait::poll_until(
+            "the controller manager to create ServiceAccount default/default",
+            remaining,
+            || async { sas.get_opt("default").await.map(|sa| sa.map(|_| ())) },
+        )
         .await?;
 
         let procs = std::mem::take(&mut started.0);
-        Ok(Booted { procs, ports, pki, admin_kubeconfig_path, admin_kubeconfig })
+        Ok(Booted {
+            procs,
+            ports,
+            pki,
+            admin_kubeconfig_path,
+            admin_kubeconfig,
+        })
     }
 
     fn spawn(&self, name: &str, bin: &Path, args: Vec<String>) -> Result<Proc, Error> {
@@ -735,28 +864,44 @@ where
 }
 
 async fn get_text(client: &Client, path: &str) -> Result<String, String> {
-    let req = http::Request::get(path).body(Vec::new()).map_err(|e| e.to_string())?;
+    let req = http::Request::get(path)
+        .body(Vec::new())
+        .map_err(|e| e.to_string())?;
     client.request_text(req).await.map_err(|e| e.to_string())
 }
 
 /// etcd's `/health` over plain HTTP/1.0; a hand-written request keeps an HTTP client crate out.
 async fn etcd_health(port: u16) -> Result<String, String> {
-    let mut stream = tokio::net::TcpStream::connect((Ipv4Addr::LOCALHOST, port)).await.map_err(|e| e.to_string())?;
+    let mut stream = tokio::net::TcpStream::connect((Ipv4Addr::LOCALHOST, port))
+        .await
+        .map_err(|e| e.to_string())?;
     stream
         .write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
         .await
         .map_err(|e| e.to_string())?;
     let mut response = String::new();
-    stream.read_to_string(&mut response).await.map_err(|e| e.to_string())?;
-    Ok(response.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned())
+    stream
+        .read_to_string(&mut response)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(response
+        .split("\r\n\r\n")
+        .nth(1)
+        .unwrap_or_default()
+        .to_owned())
 }
 
 /// An anonymous client for a component's secure port, trusting the harness CA (the component
 /// serves a certificate it signed); `/healthz` is in every component's always-allowed paths.
 fn health_client(port: u16, pki: &Pki) -> Result<Client, Error> {
-    let url = format!("https://127.0.0.1:{port}").parse().map_err(|e: http::uri::InvalidUri| {
-        Error::io(format!("health URL for port {port}"), std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
-    })?;
+    let url = format!("https://127.0.0.1:{port}")
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| {
+            Error::io(
+                format!("health URL for port {port}"),
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
+            )
+        })?;
     let mut config = Config::new(url);
     config.root_cert = Some(vec![pki.ca_der.clone()]);
     config.default_retry = false;
@@ -764,8 +909,10 @@ fn health_client(port: u16, pki: &Pki) -> Result<Client, Error> {
 }
 
 fn client_from(kubeconfig: Kubeconfig, what: &str) -> Result<Client, Error> {
-    let mut config =
-        Config::try_from(kubeconfig).map_err(|source| Error::Kubeconfig { what: what.to_owned(), source })?;
+    let mut config = Config::try_from(kubeconfig).map_err(|source| Error::Kubeconfig {
+        what: what.to_owned(),
+        source,
+    })?;
     config.default_retry = false;
     Client::try_from(config).map_err(|e| Error::kube(format!("building the {what} client"), e))
 }
@@ -829,7 +976,8 @@ fn write_private(path: &Path, text: &str) -> Result<(), Error> {
         .mode(0o600)
         .open(path)
         .map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
-    f.write_all(text.as_bytes()).map_err(|e| Error::io(format!("writing {}", path.display()), e))
+    f.write_all(text.as_bytes())
+        .map_err(|e| Error::io(format!("writing {}", path.display()), e))
 }
 
 /// Base of temporary control-plane directories: `$MESHGATE_E2E_TMPDIR`, else `/dev/shm` (a
@@ -849,9 +997,12 @@ fn tmp_base() -> PathBuf {
 /// For `up`: refuses a directory that already holds a control plane, and clears leftovers of
 /// a crashed `up` (only the entries the harness itself creates).
 fn prepare_dir(dir: &Path) -> Result<(), Error> {
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
     if dir.join(STATE_FILE).exists() {
-        return Err(Error::AlreadyUp { dir: dir.to_owned() });
+        return Err(Error::AlreadyUp {
+            dir: dir.to_owned(),
+        });
     }
     remove_layout(dir);
     Ok(())
@@ -860,7 +1011,11 @@ fn prepare_dir(dir: &Path) -> Result<(), Error> {
 fn remove_layout(dir: &Path) {
     for entry in LAYOUT {
         let path = dir.join(entry);
-        let result = if path.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
+        let result = if path.is_dir() {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
         match result {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -870,9 +1025,13 @@ fn remove_layout(dir: &Path) {
 }
 
 fn keep_logs(dir: &Path) {
-    let Some(target) = std::env::var_os(KEEP_LOGS_ENV).filter(|d| !d.is_empty()) else { return };
+    let Some(target) = std::env::var_os(KEEP_LOGS_ENV).filter(|d| !d.is_empty()) else {
+        return;
+    };
     let target = Path::new(&target).join(dir.file_name().unwrap_or_default());
-    let Ok(entries) = std::fs::read_dir(dir.join("logs")) else { return };
+    let Ok(entries) = std::fs::read_dir(dir.join("logs")) else {
+        return;
+    };
     if std::fs::create_dir_all(&target).is_err() {
         return;
     }
@@ -891,22 +1050,41 @@ mod tests {
         let b = unique_name("taints");
         assert_ne!(a, b);
         for n in [&a, &b] {
-            assert!(n.len() <= 63 && n.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'), "{n}");
+            assert!(
+                n.len() <= 63
+                    && n.chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'),
+                "{n}"
+            );
         }
     }
 
     #[test]
     fn kubeconfigs_parse_and_carry_their_credentials() {
-        let certs =
-            pki::CertFiles { cert: PathBuf::from("/d/pki/admin.crt"), key: PathBuf::from("/d/pki/a \"b\".key") };
-        let kc = Kubeconfig::from_yaml(&cert_kubeconfig_yaml("https://127.0.0.1:6443", Path::new("/d/ca.crt"), &certs))
-            .unwrap();
+        let certs = pki::CertFiles {
+            cert: PathBuf::from("/d/pki/admin.crt"),
+            key: PathBuf::from("/d/pki/a \"b\".key"),
+        };
+        let kc = Kubeconfig::from_yaml(&cert_kubeconfig_yaml(
+            "https://127.0.0.1:6443",
+            Path::new("/d/ca.crt"),
+            &certs,
+        ))
+        .unwrap();
         let user = kc.auth_infos[0].auth_info.as_ref().unwrap();
         assert_eq!(user.client_key.as_deref(), Some("/d/pki/a \"b\".key"));
-        assert_eq!(kc.clusters[0].cluster.as_ref().unwrap().server.as_deref(), Some("https://127.0.0.1:6443"));
+        assert_eq!(
+            kc.clusters[0].cluster.as_ref().unwrap().server.as_deref(),
+            Some("https://127.0.0.1:6443")
+        );
         assert_eq!(kc.current_context.as_deref(), Some("meshgate-e2e"));
 
-        let kc = Kubeconfig::from_yaml(&token_kubeconfig_yaml("https://x:1", Path::new("/ca"), "ey.J:x")).unwrap();
+        let kc = Kubeconfig::from_yaml(&token_kubeconfig_yaml(
+            "https://x:1",
+            Path::new("/ca"),
+            "ey.J:x",
+        ))
+        .unwrap();
         let user = kc.auth_infos[0].auth_info.as_ref().unwrap();
         assert!(user.token.is_some());
     }
@@ -914,7 +1092,13 @@ mod tests {
     #[test]
     fn free_ports_are_distinct() {
         let p = free_ports().unwrap();
-        let all = BTreeSet::from([p.etcd_client, p.etcd_peer, p.apiserver, p.controller_manager, p.scheduler]);
+        let all = BTreeSet::from([
+            p.etcd_client,
+            p.etcd_peer,
+            p.apiserver,
+            p.controller_manager,
+            p.scheduler,
+        ]);
         assert_eq!(all.len(), 5);
     }
 
@@ -922,7 +1106,10 @@ mod tests {
     fn down_refuses_a_directory_up_did_not_create() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("keep.txt"), "user data").unwrap();
-        assert!(matches!(ControlPlane::down(dir.path()), Err(Error::NotStateDir { .. })));
+        assert!(matches!(
+            ControlPlane::down(dir.path()),
+            Err(Error::NotStateDir { .. })
+        ));
         assert!(dir.path().join("keep.txt").exists());
     }
 

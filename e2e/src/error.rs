@@ -36,11 +36,15 @@ pub enum Error {
     },
 
     /// The workspace Cargo.toml does not pin a Kubernetes version.
-    #[error("no `kubernetes-version = \"vX.Y.Z\"` under [workspace.metadata.meshgate] in the workspace Cargo.toml")]
+    #[error(
+        "no `kubernetes-version = \"vX.Y.Z\"` under [workspace.metadata.meshgate] in the workspace Cargo.toml"
+    )]
     NoPinnedVersion,
 
     /// Neither `MESHGATE_K8S_BIN_DIR`, `MESHGATE_CACHE_DIR`, `XDG_CACHE_HOME` nor `HOME` is set.
-    #[error("cannot locate the binary cache: set MESHGATE_K8S_BIN_DIR or MESHGATE_CACHE_DIR (HOME is unset)")]
+    #[error(
+        "cannot locate the binary cache: set MESHGATE_K8S_BIN_DIR or MESHGATE_CACHE_DIR (HOME is unset)"
+    )]
     NoCacheDir,
 
     /// A filesystem or process operation failed.
@@ -183,18 +187,27 @@ pub enum Error {
 impl Error {
     /// Wraps an I/O error with what the harness was doing.
     pub(crate) fn io(what: impl Into<String>, source: std::io::Error) -> Self {
-        Error::Io { what: what.into(), source }
+        Error::Io {
+            what: what.into(),
+            source,
+        }
     }
 
     /// Wraps a kube error with what the harness was doing.
     pub(crate) fn kube(what: impl Into<String>, source: kube::Error) -> Self {
-        Error::Kube { what: what.into(), source }
+        Error::Kube {
+            what: what.into(),
+            source,
+        }
     }
 
     /// The HTTP status code when this is an API error answered by the apiserver.
     pub fn api_code(&self) -> Option<u16> {
         match self {
-            Error::Kube { source: kube::Error::Api(status), .. } => Some(status.code),
+            Error::Kube {
+                source: kube::Error::Api(status),
+                ..
+            } => Some(status.code),
             _ => None,
         }
     }

@@ -21,8 +21,8 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{
-    Node, NodeAddress, NodeCondition, NodeDaemonEndpoints, NodeSpec as K8sNodeSpec, NodeStatus, NodeSystemInfo, Pod,
-    Taint,
+    Node, NodeAddress, NodeCondition, NodeDaemonEndpoints, NodeSpec as K8sNodeSpec, NodeStatus,
+    NodeSystemInfo, Pod, Taint,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, OwnerReference, Time};
@@ -33,8 +33,8 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 
-use crate::wait::{self, API_TIMEOUT};
 use crate::Error;
+use crate::wait::{self, API_TIMEOUT};
 
 /// Namespace of node heartbeat Leases.
 pub const LEASE_NAMESPACE: &str = "kube-node-lease";
@@ -42,7 +42,10 @@ pub const LEASE_NAMESPACE: &str = "kube-node-lease";
 pub const LEASE_RENEW_INTERVAL: Duration = Duration::from_secs(10);
 const LEASE_DURATION_SECONDS: i32 = 40;
 /// Taints the node-lifecycle controller manages from node health.
-const LIFECYCLE_TAINTS: [&str; 2] = ["node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"];
+const LIFECYCLE_TAINTS: [&str; 2] = [
+    "node.kubernetes.io/not-ready",
+    "node.kubernetes.io/unreachable",
+];
 
 /// Computes a pod's IP, or `None` to leave the pod pending for now.
 pub type PodIpFn = Arc<dyn Fn(&Pod) -> Option<IpAddr> + Send + Sync>;
@@ -88,7 +91,11 @@ impl NodeSpec {
 
     /// Adds a taint with an empty value.
     pub fn taint(mut self, key: impl Into<String>, effect: impl Into<String>) -> Self {
-        self.taints.push(Taint { key: key.into(), effect: effect.into(), ..Default::default() });
+        self.taints.push(Taint {
+            key: key.into(),
+            effect: effect.into(),
+            ..Default::default()
+        });
         self
     }
 
@@ -127,18 +134,48 @@ impl NodeSpec {
             capacity: Some(resources.clone()),
             allocatable: Some(resources),
             conditions: Some(vec![
-                condition("MemoryPressure", "False", "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),
-                condition("DiskPressure", "False", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
-                condition("PIDPressure", "False", "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
-                condition("Ready", "True", "KubeletReady", "meshgate-e2e kubelet stand-in is posting ready status"),
+                condition(
+                    "MemoryPressure",
+                    "False",
+                    "KubeletHasSufficientMemory",
+                    "kubelet has sufficient memory available",
+                ),
+                condition(
+                    "DiskPressure",
+                    "False",
+                    "KubeletHasNoDiskPressure",
+                    "kubelet has no disk pressure",
+                ),
+                condition(
+                    "PIDPressure",
+                    "False",
+                    "KubeletHasSufficientPID",
+                    "kubelet has sufficient PID available",
+                ),
+                condition(
+                    "Ready",
+                    "True",
+                    "KubeletReady",
+                    "meshgate-e2e kubelet stand-in is posting ready status",
+                ),
             ]),
             addresses: Some(vec![
-                NodeAddress { type_: "InternalIP".into(), address: self.internal_ip.to_string() },
-                NodeAddress { type_: "Hostname".into(), address: self.name.clone() },
+                NodeAddress {
+                    type_: "InternalIP".into(),
+                    address: self.internal_ip.to_string(),
+                },
+                NodeAddress {
+                    type_: "Hostname".into(),
+                    address: self.name.clone(),
+                },
             ]),
-            daemon_endpoints: Some(NodeDaemonEndpoints { kubelet_endpoint: Some(Default::default()) }),
+            daemon_endpoints: Some(NodeDaemonEndpoints {
+                kubelet_endpoint: Some(Default::default()),
+            }),
             node_info: Some(NodeSystemInfo {
-                architecture: std::env::consts::ARCH.replace("x86_64", "amd64").replace("aarch64", "arm64"),
+                architecture: std::env::consts::ARCH
+                    .replace("x86_64", "amd64")
+                    .replace("aarch64", "arm64"),
                 operating_system: "linux".into(),
                 os_image: "meshgate-e2e".into(),
                 kernel_version: "meshgate-e2e".into(),
@@ -156,23 +193,47 @@ impl NodeSpec {
 
 /// Creates the Node (with status, as a kubelet registers), posts its status, and creates its
 /// Lease owned by the Node (so garbage collection removes it with the Node).
-pub async fn create_node(client: &Client, spec: &NodeSpec, kubelet_version: &str) -> Result<Node, Error> {
+pub async fn create_node(
+    client: &Client,
+    spec: &NodeSpec,
+    kubelet_version: &str,
+) -> Result<Node, Error> {
     let mut labels = spec.labels.clone();
     labels.insert("kubernetes.io/hostname".into(), spec.name.clone());
     labels.insert("kubernetes.io/os".into(), "linux".into());
-    labels.insert("kubernetes.io/arch".into(), std::env::consts::ARCH.replace("x86_64", "amd64").replace("aarch64", "arm64"));
+    labels.insert(
+        "kubernetes.io/arch".into(),
+        std::env::consts::ARCH
+            .replace("x86_64", "amd64")
+            .replace("aarch64", "arm64"),
+    );
     let status = spec.status(kubelet_version);
     let node = Node {
-        metadata: ObjectMeta { name: Some(spec.name.clone()), labels: Some(labels), ..Default::default() },
-        spec: Some(K8sNodeSpec { taints: (!spec.taints.is_empty()).then(|| spec.taints.clone()), ..Default::default() }),
+        metadata: ObjectMeta {
+            name: Some(spec.name.clone()),
+            labels: Some(labels),
+            ..Default::default()
+        },
+        spec: Some(K8sNodeSpec {
+            taints: (!spec.taints.is_empty()).then(|| spec.taints.clone()),
+            ..Default::default()
+        }),
         status: Some(status.clone()),
     };
     let nodes: Api<Node> = Api::all(client.clone());
-    wait::api(&format!("creating Node {}", spec.name), nodes.create(&PostParams::default(), &node)).await?;
+    wait::api(
+        &format!("creating Node {}", spec.name),
+        nodes.create(&PostParams::default(), &node),
+    )
+    .await?;
     // Whatever the create strategy kept of the status, post it as the kubelet's first update.
     let node = wait::api(
         &format!("posting Node {} status", spec.name),
-        nodes.patch_status(&spec.name, &PatchParams::default(), &Patch::Merge(json!({ "status": status }))),
+        nodes.patch_status(
+            &spec.name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": status })),
+        ),
     )
     .await?;
     let lease = Lease {
@@ -196,30 +257,53 @@ pub async fn create_node(client: &Client, spec: &NodeSpec, kubelet_version: &str
         }),
     };
     let leases: Api<Lease> = Api::namespaced(client.clone(), LEASE_NAMESPACE);
-    wait::api(&format!("creating Lease for Node {}", spec.name), leases.create(&PostParams::default(), &lease)).await?;
+    wait::api(
+        &format!("creating Lease for Node {}", spec.name),
+        leases.create(&PostParams::default(), &lease),
+    )
+    .await?;
     Ok(node)
 }
 
 /// Waits (30 s) until the node-lifecycle controller has removed its health taints from `node`.
 pub async fn wait_schedulable(client: &Client, node: &str) -> Result<(), Error> {
     let nodes: Api<Node> = Api::all(client.clone());
-    wait::poll_until(&format!("Node {node} to lose the not-ready taint"), API_TIMEOUT, || async {
-        let n = nodes.get(node).await?;
-        let taints = n.spec.and_then(|s| s.taints).unwrap_or_default();
-        Ok::<_, kube::Error>((!taints.iter().any(|t| LIFECYCLE_TAINTS.contains(&t.key.as_str()))).then_some(()))
-    })
+    wait::poll_until(
+        &format!("Node {node} to lose the not-ready taint"),
+        API_TIMEOUT,
+        || async {
+            let n = nodes.get(node).await?;
+            let taints = n.spec.and_then(|s| s.taints).unwrap_or_default();
+            Ok::<_, kube::Error>(
+                (!taints
+                    .iter()
+                    .any(|t| LIFECYCLE_TAINTS.contains(&t.key.as_str())))
+                .then_some(()),
+            )
+        },
+    )
     .await
 }
 
 /// Renews `node`'s Lease. `Ok(false)` when the Node no longer exists (stop renewing).
 pub async fn renew_lease(client: &Client, node: &str) -> Result<bool, Error> {
     let leases: Api<Lease> = Api::namespaced(client.clone(), LEASE_NAMESPACE);
-    let patch = json!({ "spec": { "renewTime": MicroTime(Timestamp::now()), "holderIdentity": node } });
-    match wait::api(&format!("renewing Lease {node}"), leases.patch(node, &PatchParams::default(), &Patch::Merge(patch))).await {
+    let patch =
+        json!({ "spec": { "renewTime": MicroTime(Timestamp::now()), "holderIdentity": node } });
+    match wait::api(
+        &format!("renewing Lease {node}"),
+        leases.patch(node, &PatchParams::default(), &Patch::Merge(patch)),
+    )
+    .await
+    {
         Ok(_) => Ok(true),
         Err(e) if e.api_code() == Some(404) => {
             let nodes: Api<Node> = Api::all(client.clone());
-            Ok(wait::api(&format!("reading Node {node}"), nodes.get_opt(node)).await?.is_some())
+            Ok(
+                wait::api(&format!("reading Node {node}"), nodes.get_opt(node))
+                    .await?
+                    .is_some(),
+            )
         }
         Err(e) => Err(e),
     }
@@ -236,12 +320,20 @@ pub(crate) async fn lease_loop(kubeconfig: Kubeconfig, nodes: Arc<Mutex<BTreeSet
     let mut tick = tokio::time::interval(LEASE_RENEW_INTERVAL);
     loop {
         tick.tick().await;
-        let names: Vec<String> = nodes.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect();
+        let names: Vec<String> = nodes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .cloned()
+            .collect();
         for name in names {
             match renew_lease(&client, &name).await {
                 Ok(true) => {}
                 Ok(false) => {
-                    nodes.lock().unwrap_or_else(|p| p.into_inner()).remove(&name);
+                    nodes
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&name);
                 }
                 Err(e) => tracing::warn!(node = %name, error = %e, "lease renewal failed"),
             }
@@ -251,14 +343,22 @@ pub(crate) async fn lease_loop(kubeconfig: Kubeconfig, nodes: Arc<Mutex<BTreeSet
 
 /// Moves a bound pod to Running and Ready via `pods/status`, with `pod_ip` as its IP and the
 /// node's InternalIP as its hostIP, as the kubelet reports once the sandbox and containers run.
-pub async fn mark_pod_running(client: &Client, namespace: &str, name: &str, pod_ip: IpAddr) -> Result<Pod, Error> {
+pub async fn mark_pod_running(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    pod_ip: IpAddr,
+) -> Result<Pod, Error> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
     let pod = wait::api(&format!("reading Pod {namespace}/{name}"), pods.get(name)).await?;
     let node_name = pod
         .spec
         .as_ref()
         .and_then(|s| s.node_name.clone())
-        .ok_or_else(|| Error::NotBound { namespace: namespace.into(), name: name.into() })?;
+        .ok_or_else(|| Error::NotBound {
+            namespace: namespace.into(),
+            name: name.into(),
+        })?;
     let nodes: Api<Node> = Api::all(client.clone());
     let node = wait::api(&format!("reading Node {node_name}"), nodes.get(&node_name)).await?;
     let host_ip = node
@@ -276,14 +376,25 @@ pub async fn mark_pod_running(client: &Client, namespace: &str, name: &str, pod_
 }
 
 /// The status a kubelet posts for a pod whose containers all started and passed readiness.
-fn running_status_patch(pod: &Pod, pod_ip: IpAddr, host_ip: &str, now: Timestamp) -> serde_json::Value {
+fn running_status_patch(
+    pod: &Pod,
+    pod_ip: IpAddr,
+    host_ip: &str,
+    now: Timestamp,
+) -> serde_json::Value {
     let now = Time(now);
     let uid = pod.uid().unwrap_or_default();
     let spec = pod.spec.clone().unwrap_or_default();
-    let conditions: Vec<_> = ["PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready", "PodScheduled"]
-        .iter()
-        .map(|t| json!({ "type": t, "status": "True", "lastTransitionTime": now }))
-        .collect();
+    let conditions: Vec<_> = [
+        "PodReadyToStartContainers",
+        "Initialized",
+        "ContainersReady",
+        "Ready",
+        "PodScheduled",
+    ]
+    .iter()
+    .map(|t| json!({ "type": t, "status": "True", "lastTransitionTime": now }))
+    .collect();
     let containers: Vec<_> = spec
         .containers
         .iter()
@@ -340,10 +451,18 @@ pub async fn finalize_deletion(client: &Client, pod: &Pod) -> Result<(), Error> 
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let dp = DeleteParams {
         grace_period_seconds: Some(0),
-        preconditions: Some(Preconditions { uid: pod.uid(), resource_version: None }),
+        preconditions: Some(Preconditions {
+            uid: pod.uid(),
+            resource_version: None,
+        }),
         ..Default::default()
     };
-    match wait::api(&format!("finalizing Pod {ns}/{name}"), pods.delete(&name, &dp)).await {
+    match wait::api(
+        &format!("finalizing Pod {ns}/{name}"),
+        pods.delete(&name, &dp),
+    )
+    .await
+    {
         Ok(_) => Ok(()),
         Err(e) if matches!(e.api_code(), Some(404 | 409)) => Ok(()),
         Err(e) => Err(e),
@@ -352,11 +471,15 @@ pub async fn finalize_deletion(client: &Client, pod: &Pod) -> Result<(), Error> 
 
 /// True when the stand-in has nothing (more) to do for this pod's start.
 fn is_running(pod: &Pod) -> bool {
-    pod.status.as_ref().is_some_and(|s| s.phase.as_deref() == Some("Running") && s.pod_ip.is_some())
+    pod.status
+        .as_ref()
+        .is_some_and(|s| s.phase.as_deref() == Some("Running") && s.pod_ip.is_some())
 }
 
 fn is_finished(pod: &Pod) -> bool {
-    pod.status.as_ref().is_some_and(|s| matches!(s.phase.as_deref(), Some("Succeeded" | "Failed")))
+    pod.status
+        .as_ref()
+        .is_some_and(|s| matches!(s.phase.as_deref(), Some("Succeeded" | "Failed")))
 }
 
 /// Background task: the pod half of the kubelet for `node`.
@@ -368,7 +491,10 @@ pub(crate) async fn pod_loop(kubeconfig: Kubeconfig, node: String, pod_ip: PodIp
     };
     let pods: Api<Pod> = Api::all(client.clone());
     let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-    let mut events = watcher(pods, config).default_backoff().applied_objects().boxed();
+    let mut events = watcher(pods, config)
+        .default_backoff()
+        .applied_objects()
+        .boxed();
     while let Some(event) = events.next().await {
         let pod = match event {
             Ok(pod) => pod,
@@ -414,7 +540,11 @@ impl Drop for PodRunner {
 /// Hands out `first`, `first+1`, ... as pod IPs (for tests that need no real network namespace).
 pub fn sequential_ips(first: Ipv4Addr) -> impl Fn(&Pod) -> Option<IpAddr> + Send + Sync + 'static {
     let next = std::sync::atomic::AtomicU32::new(u32::from(first));
-    move |_| Some(IpAddr::V4(Ipv4Addr::from(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))))
+    move |_| {
+        Some(IpAddr::V4(Ipv4Addr::from(
+            next.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        )))
+    }
 }
 
 #[cfg(test)]
@@ -424,10 +554,21 @@ mod tests {
 
     fn pod() -> Pod {
         Pod {
-            metadata: ObjectMeta { name: Some("p".into()), uid: Some("u1".into()), ..Default::default() },
+            metadata: ObjectMeta {
+                name: Some("p".into()),
+                uid: Some("u1".into()),
+                ..Default::default()
+            },
             spec: Some(PodSpec {
-                containers: vec![Container { name: "app".into(), image: Some("pause".into()), ..Default::default() }],
-                init_containers: Some(vec![Container { name: "init".into(), ..Default::default() }]),
+                containers: vec![Container {
+                    name: "app".into(),
+                    image: Some("pause".into()),
+                    ..Default::default()
+                }],
+                init_containers: Some(vec![Container {
+                    name: "init".into(),
+                    ..Default::default()
+                }]),
                 ..Default::default()
             }),
             status: None,
@@ -446,8 +587,16 @@ mod tests {
         assert_eq!(s["containerStatuses"][0]["name"], "app");
         assert_eq!(s["containerStatuses"][0]["ready"], true);
         assert!(s["containerStatuses"][0]["state"]["running"]["startedAt"].is_string());
-        assert_eq!(s["initContainerStatuses"][0]["state"]["terminated"]["exitCode"], 0);
-        let ready = s["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Ready").unwrap();
+        assert_eq!(
+            s["initContainerStatuses"][0]["state"]["terminated"]["exitCode"],
+            0
+        );
+        let ready = s["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "Ready")
+            .unwrap();
         assert_eq!(ready["status"], "True");
     }
 
@@ -456,7 +605,12 @@ mod tests {
         let st = NodeSpec::new("n1").pods(3).status("v1.35.4");
         assert_eq!(st.capacity.as_ref().unwrap()["pods"].0, "3");
         assert_eq!(st.allocatable.as_ref().unwrap()["pods"].0, "3");
-        let ready = st.conditions.unwrap().into_iter().find(|c| c.type_ == "Ready").unwrap();
+        let ready = st
+            .conditions
+            .unwrap()
+            .into_iter()
+            .find(|c| c.type_ == "Ready")
+            .unwrap();
         assert_eq!(ready.status, "True");
         assert_eq!(st.node_info.unwrap().kubelet_version, "v1.35.4");
     }
@@ -480,7 +634,10 @@ mod tests {
             ..Default::default()
         });
         assert!(is_running(&p));
-        p.status = Some(k8s_openapi::api::core::v1::PodStatus { phase: Some("Failed".into()), ..Default::default() });
+        p.status = Some(k8s_openapi::api::core::v1::PodStatus {
+            phase: Some("Failed".into()),
+            ..Default::default()
+        });
         assert!(is_finished(&p));
     }
 }

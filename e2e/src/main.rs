@@ -13,7 +13,11 @@ use clap::{Args, Parser, Subcommand};
 use meshgate_e2e::{Binaries, ControlPlane, Options};
 
 #[derive(Parser)]
-#[command(name = "meshgate-e2e", version, about = "meshgate's local Kubernetes control plane")]
+#[command(
+    name = "meshgate-e2e",
+    version,
+    about = "meshgate's local Kubernetes control plane"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -56,15 +60,15 @@ struct DownArgs {
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "meshgate_e2e=info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "meshgate_e2e=info".into()),
         )
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
         Command::Up(args) => up(args).await,
-        Command::Down(args) => {
-            ControlPlane::down(&args.dir).with_context(|| format!("stopping the control plane in {}", args.dir.display()))
-        }
+        Command::Down(args) => ControlPlane::down(&args.dir)
+            .with_context(|| format!("stopping the control plane in {}", args.dir.display())),
     }
 }
 
@@ -77,14 +81,17 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let dir = std::path::absolute(&args.dir).with_context(|| format!("resolving {}", args.dir.display()))?;
+    let dir = std::path::absolute(&args.dir)
+        .with_context(|| format!("resolving {}", args.dir.display()))?;
     let options = Options {
         dir: Some(dir.clone()),
         detached: true,
         binaries,
         startup_timeout: Duration::from_secs(args.startup_timeout),
     };
-    let cp = ControlPlane::start(options).await.context("starting the control plane")?;
+    let cp = ControlPlane::start(options)
+        .await
+        .context("starting the control plane")?;
     println!(
         "Kubernetes {} control plane healthy in {:.1} s at {} (stop it with: meshgate-e2e down --dir {})",
         cp.version(),

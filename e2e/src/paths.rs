@@ -38,7 +38,9 @@ fn parse_kubernetes_version(toml: &str) -> Option<&str> {
         if !in_table {
             continue;
         }
-        let Some((key, value)) = line.split_once('=') else { continue };
+        let Some((key, value)) = line.split_once('=') else {
+            continue;
+        };
         if key.trim() != "kubernetes-version" {
             continue;
         }
@@ -62,7 +64,9 @@ fn cache_dir_from(env: &dyn Fn(&str) -> Option<String>) -> Result<PathBuf, Error
     if let Some(xdg) = env("XDG_CACHE_HOME") {
         return Ok(Path::new(&xdg).join("meshgate"));
     }
-    env("HOME").map(|home| Path::new(&home).join(".cache/meshgate")).ok_or(Error::NoCacheDir)
+    env("HOME")
+        .map(|home| Path::new(&home).join(".cache/meshgate"))
+        .ok_or(Error::NoCacheDir)
 }
 
 /// Directory of the Kubernetes binaries: `$MESHGATE_K8S_BIN_DIR`, else
@@ -75,7 +79,10 @@ fn k8s_bin_dir_from(env: &dyn Fn(&str) -> Option<String>) -> Result<PathBuf, Err
     if let Some(dir) = env(BIN_DIR_ENV) {
         return Ok(PathBuf::from(dir));
     }
-    Ok(cache_dir_from(env)?.join("kubernetes").join(kubernetes_version()?).join("bin"))
+    Ok(cache_dir_from(env)?
+        .join("kubernetes")
+        .join(kubernetes_version()?)
+        .join("bin"))
 }
 
 fn env_var(name: &str) -> Option<String> {
@@ -122,7 +129,8 @@ impl Binaries {
         let etcd = match etcd {
             Some(path) if is_executable(&path) => path,
             Some(path) => return Err(missing_etcd(path, version)),
-            None => find_on_path("etcd").ok_or_else(|| missing_etcd(PathBuf::from("$PATH/etcd"), version))?,
+            None => find_on_path("etcd")
+                .ok_or_else(|| missing_etcd(PathBuf::from("$PATH/etcd"), version))?,
         };
         Ok(Self {
             etcd,
@@ -135,7 +143,12 @@ impl Binaries {
 }
 
 fn missing_etcd(path: PathBuf, version: &str) -> Error {
-    Error::MissingBinary { binary: "etcd".into(), path, version: version.to_owned(), hint: "MESHGATE_ETCD" }
+    Error::MissingBinary {
+        binary: "etcd".into(),
+        path,
+        version: version.to_owned(),
+        hint: "MESHGATE_ETCD",
+    }
 }
 
 fn is_executable(path: &Path) -> bool {
@@ -144,12 +157,18 @@ fn is_executable(path: &Path) -> bool {
 
 fn find_on_path(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path).map(|dir| dir.join(name)).find(|p| is_executable(p))
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|p| is_executable(p))
 }
 
 /// Fails with [`Error::NotRoot`] unless the effective user is root.
 pub fn require_root() -> Result<(), Error> {
-    if nix::unistd::geteuid().is_root() { Ok(()) } else { Err(Error::NotRoot) }
+    if nix::unistd::geteuid().is_root() {
+        Ok(())
+    } else {
+        Err(Error::NotRoot)
+    }
 }
 
 #[cfg(test)]
@@ -176,33 +195,59 @@ kubernetes-version = "v1.35.4"   # the pin
 kubernetes-version = "v9.9.9"
 "#;
         assert_eq!(parse_kubernetes_version(toml), Some("v1.35.4"));
-        assert_eq!(parse_kubernetes_version("[workspace.metadata.meshgate]\n"), None);
-        assert_eq!(parse_kubernetes_version("[workspace.metadata.meshgate]\nkubernetes-version = 1\n"), None);
+        assert_eq!(
+            parse_kubernetes_version("[workspace.metadata.meshgate]\n"),
+            None
+        );
+        assert_eq!(
+            parse_kubernetes_version("[workspace.metadata.meshgate]\nkubernetes-version = 1\n"),
+            None
+        );
     }
 
     fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         move |k| map.get(k).filter(|v| !v.is_empty()).cloned()
     }
 
     #[test]
     fn cache_dir_precedence_matches_install_deps() {
-        let all = env(&[("MESHGATE_CACHE_DIR", "/c"), ("XDG_CACHE_HOME", "/x"), ("HOME", "/h")]);
+        let all = env(&[
+            ("MESHGATE_CACHE_DIR", "/c"),
+            ("XDG_CACHE_HOME", "/x"),
+            ("HOME", "/h"),
+        ]);
         assert_eq!(cache_dir_from(&all).unwrap(), PathBuf::from("/c"));
-        let xdg = env(&[("MESHGATE_CACHE_DIR", ""), ("XDG_CACHE_HOME", "/x"), ("HOME", "/h")]);
+        let xdg = env(&[
+            ("MESHGATE_CACHE_DIR", ""),
+            ("XDG_CACHE_HOME", "/x"),
+            ("HOME", "/h"),
+        ]);
         assert_eq!(cache_dir_from(&xdg).unwrap(), PathBuf::from("/x/meshgate"));
         let home = env(&[("HOME", "/h")]);
-        assert_eq!(cache_dir_from(&home).unwrap(), PathBuf::from("/h/.cache/meshgate"));
+        assert_eq!(
+            cache_dir_from(&home).unwrap(),
+            PathBuf::from("/h/.cache/meshgate")
+        );
         assert!(matches!(cache_dir_from(&env(&[])), Err(Error::NoCacheDir)));
     }
 
     #[test]
     fn bin_dir_env_wins_else_cache_keyed_by_version() {
         let explicit = env(&[("MESHGATE_K8S_BIN_DIR", "/bin/k8s"), ("HOME", "/h")]);
-        assert_eq!(k8s_bin_dir_from(&explicit).unwrap(), PathBuf::from("/bin/k8s"));
+        assert_eq!(
+            k8s_bin_dir_from(&explicit).unwrap(),
+            PathBuf::from("/bin/k8s")
+        );
         let v = kubernetes_version().unwrap();
         let cached = env(&[("HOME", "/h")]);
-        assert_eq!(k8s_bin_dir_from(&cached).unwrap(), PathBuf::from(format!("/h/.cache/meshgate/kubernetes/{v}/bin")));
+        assert_eq!(
+            k8s_bin_dir_from(&cached).unwrap(),
+            PathBuf::from(format!("/h/.cache/meshgate/kubernetes/{v}/bin"))
+        );
     }
 
     #[test]
@@ -210,6 +255,9 @@ kubernetes-version = "v9.9.9"
         let dir = tempfile::tempdir().unwrap();
         let err = Binaries::locate_in(dir.path(), Some(PathBuf::from("/bin/sh"))).unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains("kube-apiserver") && msg.contains("install-deps.sh"), "{msg}");
+        assert!(
+            msg.contains("kube-apiserver") && msg.contains("install-deps.sh"),
+            "{msg}"
+        );
     }
 }

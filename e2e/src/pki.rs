@@ -67,7 +67,8 @@ pub struct Pki {
 impl Pki {
     /// Generates a fresh CA and every certificate into `dir` (created if missing).
     pub fn generate(dir: &Path) -> Result<Self, Error> {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
 
         let (ca, ca_cert) = new_ca("meshgate-e2e-ca")?;
         let ca_pem = ca_cert.pem();
@@ -81,30 +82,101 @@ impl Pki {
         let (front_proxy, front_proxy_cert) = new_ca("meshgate-e2e-front-proxy-ca")?;
         let front_proxy_ca = dir.join("front-proxy-ca.crt");
         write(&front_proxy_ca, front_proxy_cert.pem().as_bytes(), 0o644)?;
-        let front_proxy_client =
-            leaf(&front_proxy, dir, "front-proxy-client", FRONT_PROXY_CLIENT, None, Vec::new(), Usage::Client)?;
+        let front_proxy_client = leaf(
+            &front_proxy,
+            dir,
+            "front-proxy-client",
+            FRONT_PROXY_CLIENT,
+            None,
+            Vec::new(),
+            Usage::Client,
+        )?;
 
-        let loopback = || vec![SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)), dns("localhost")];
+        let loopback = || {
+            vec![
+                SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+                dns("localhost"),
+            ]
+        };
         let mut apiserver_sans = loopback();
         apiserver_sans.push(SanType::IpAddress(KUBERNETES_SERVICE_IP));
-        for name in ["kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"] {
+        for name in [
+            "kubernetes",
+            "kubernetes.default",
+            "kubernetes.default.svc",
+            "kubernetes.default.svc.cluster.local",
+        ] {
             apiserver_sans.push(dns(name));
         }
 
-        let apiserver = leaf(&ca, dir, "apiserver", "kube-apiserver", None, apiserver_sans, Usage::Server)?;
-        let controller_manager_serving =
-            leaf(&ca, dir, "controller-manager-serving", "kube-controller-manager", None, loopback(), Usage::Server)?;
-        let scheduler_serving = leaf(&ca, dir, "scheduler-serving", "kube-scheduler", None, loopback(), Usage::Server)?;
-        let admin = leaf(&ca, dir, "admin", "admin", Some("system:masters"), Vec::new(), Usage::Client)?;
-        let controller_manager =
-            leaf(&ca, dir, "controller-manager", "system:kube-controller-manager", None, Vec::new(), Usage::Client)?;
-        let scheduler = leaf(&ca, dir, "scheduler", "system:kube-scheduler", None, Vec::new(), Usage::Client)?;
+        let apiserver = leaf(
+            &ca,
+            dir,
+            "apiserver",
+            "kube-apiserver",
+            None,
+            apiserver_sans,
+            Usage::Server,
+        )?;
+        let controller_manager_serving = leaf(
+            &ca,
+            dir,
+            "controller-manager-serving",
+            "kube-controller-manager",
+            None,
+            loopback(),
+            Usage::Server,
+        )?;
+        let scheduler_serving = leaf(
+            &ca,
+            dir,
+            "scheduler-serving",
+            "kube-scheduler",
+            None,
+            loopback(),
+            Usage::Server,
+        )?;
+        let admin = leaf(
+            &ca,
+            dir,
+            "admin",
+            "admin",
+            Some("system:masters"),
+            Vec::new(),
+            Usage::Client,
+        )?;
+        let controller_manager = leaf(
+            &ca,
+            dir,
+            "controller-manager",
+            "system:kube-controller-manager",
+            None,
+            Vec::new(),
+            Usage::Client,
+        )?;
+        let scheduler = leaf(
+            &ca,
+            dir,
+            "scheduler",
+            "system:kube-scheduler",
+            None,
+            Vec::new(),
+            Usage::Client,
+        )?;
 
         let sa_key = key("the service-account signing key")?;
         let service_account_key = dir.join("sa.key");
         let service_account_pub = dir.join("sa.pub");
-        write(&service_account_key, sa_key.serialize_pem().as_bytes(), 0o600)?;
-        write(&service_account_pub, sa_key.public_key_pem().as_bytes(), 0o644)?;
+        write(
+            &service_account_key,
+            sa_key.serialize_pem().as_bytes(),
+            0o600,
+        )?;
+        write(
+            &service_account_pub,
+            sa_key.public_key_pem().as_bytes(),
+            0o644,
+        )?;
 
         Ok(Self {
             ca_cert: ca_path,
@@ -131,9 +203,15 @@ fn new_ca(common_name: &str) -> Result<(Issuer<'static, KeyPair>, rcgen::Certifi
     let what = format!("the {common_name} certificate");
     let ca_key = key(&what)?;
     let mut params = CertificateParams::default();
-    params.distinguished_name.push(DnType::CommonName, common_name);
+    params
+        .distinguished_name
+        .push(DnType::CommonName, common_name);
     params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
     let cert = params.self_signed(&ca_key).map_err(cert_err(&what))?;
     Ok((Issuer::new(params, ca_key), cert))
 }
@@ -167,7 +245,10 @@ fn leaf(
     }];
     p.use_authority_key_identifier_extension = true;
     let cert = p.signed_by(&key, ca).map_err(cert_err(&what))?;
-    let files = CertFiles { cert: dir.join(format!("{file_stem}.crt")), key: dir.join(format!("{file_stem}.key")) };
+    let files = CertFiles {
+        cert: dir.join(format!("{file_stem}.crt")),
+        key: dir.join(format!("{file_stem}.key")),
+    };
     write(&files.cert, cert.pem().as_bytes(), 0o644)?;
     write(&files.key, key.serialize_pem().as_bytes(), 0o600)?;
     Ok(files)
@@ -180,11 +261,17 @@ fn key(what: &str) -> Result<KeyPair, Error> {
 fn dns(name: &str) -> SanType {
     // Only called with the fixed, valid names above; an invalid one would be a programming error
     // caught by the unit test, so fall back to the IP form rather than panic.
-    name.to_owned().try_into().map(SanType::DnsName).unwrap_or(SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)))
+    name.to_owned()
+        .try_into()
+        .map(SanType::DnsName)
+        .unwrap_or(SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)))
 }
 
 fn cert_err(what: &str) -> impl FnOnce(rcgen::Error) -> Error + '_ {
-    move |source| Error::Cert { what: what.to_owned(), source }
+    move |source| Error::Cert {
+        what: what.to_owned(),
+        source,
+    }
 }
 
 fn write(path: &Path, bytes: &[u8], mode: u32) -> Result<(), Error> {
@@ -196,7 +283,8 @@ fn write(path: &Path, bytes: &[u8], mode: u32) -> Result<(), Error> {
         .mode(mode)
         .open(path)
         .map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
-    f.write_all(bytes).map_err(|e| Error::io(format!("writing {}", path.display()), e))
+    f.write_all(bytes)
+        .map_err(|e| Error::io(format!("writing {}", path.display()), e))
 }
 
 #[cfg(test)]
@@ -208,7 +296,13 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
         let pki = Pki::generate(dir.path()).unwrap();
-        for f in [&pki.apiserver, &pki.admin, &pki.controller_manager, &pki.scheduler, &pki.scheduler_serving] {
+        for f in [
+            &pki.apiserver,
+            &pki.admin,
+            &pki.controller_manager,
+            &pki.scheduler,
+            &pki.scheduler_serving,
+        ] {
             let cert = std::fs::read_to_string(&f.cert).unwrap();
             assert!(cert.starts_with("-----BEGIN CERTIFICATE-----"), "{cert}");
             let mode = std::fs::metadata(&f.key).unwrap().permissions().mode() & 0o777;

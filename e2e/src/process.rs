@@ -46,13 +46,21 @@ pub(crate) struct Proc {
 }
 
 /// Spawns `bin args...` with stdout and stderr appended to `log`.
-pub(crate) fn spawn(name: &str, bin: &Path, args: &[String], log: &Path, mode: Mode) -> Result<Proc, Error> {
+pub(crate) fn spawn(
+    name: &str,
+    bin: &Path,
+    args: &[String],
+    log: &Path,
+    mode: Mode,
+) -> Result<Proc, Error> {
     let out = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(log)
         .map_err(|e| Error::io(format!("opening {}", log.display()), e))?;
-    let err = out.try_clone().map_err(|e| Error::io(format!("duplicating {}", log.display()), e))?;
+    let err = out
+        .try_clone()
+        .map_err(|e| Error::io(format!("duplicating {}", log.display()), e))?;
     let mut cmd = Command::new(bin);
     cmd.args(args).stdin(Stdio::null()).stdout(out).stderr(err);
     let parent = std::process::id();
@@ -62,7 +70,14 @@ pub(crate) fn spawn(name: &str, bin: &Path, args: &[String], log: &Path, mode: M
         cmd.pre_exec(move || {
             match mode {
                 Mode::Attached => {
-                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+                    if libc::prctl(
+                        libc::PR_SET_PDEATHSIG,
+                        libc::SIGKILL as libc::c_ulong,
+                        0,
+                        0,
+                        0,
+                    ) != 0
+                    {
                         return Err(std::io::Error::last_os_error());
                     }
                     // The parent may have died between fork and prctl: then no signal will come.
@@ -79,13 +94,25 @@ pub(crate) fn spawn(name: &str, bin: &Path, args: &[String], log: &Path, mode: M
             Ok(())
         });
     }
-    let child = cmd.spawn().map_err(|e| Error::io(format!("starting {name} ({})", bin.display()), e))?;
+    let child = cmd
+        .spawn()
+        .map_err(|e| Error::io(format!("starting {name} ({})", bin.display()), e))?;
     // The Child handle is dropped without waiting: std neither kills nor reaps on drop, and the
     // pid is reaped explicitly by `stop` (or by init once a detached `up` exits).
-    let pid = i32::try_from(child.id()).map_err(|_| Error::io(format!("{name} pid"), std::io::ErrorKind::InvalidData.into()))?;
+    let pid = i32::try_from(child.id()).map_err(|_| {
+        Error::io(
+            format!("{name} pid"),
+            std::io::ErrorKind::InvalidData.into(),
+        )
+    })?;
     let start_time = start_time(pid).unwrap_or(0);
     tracing::debug!(component = name, pid, log = %log.display(), "started");
-    Ok(Proc { name: name.to_owned(), pid, start_time, log: log.to_owned() })
+    Ok(Proc {
+        name: name.to_owned(),
+        pid,
+        start_time,
+        log: log.to_owned(),
+    })
 }
 
 /// Field 22 (starttime) of `/proc/PID/stat`, or `None` when the process is gone or a zombie.
@@ -145,11 +172,16 @@ fn stop_one(p: &Proc, grace: Duration) {
         return;
     }
     tracing::debug!(component = %p.name, pid = p.pid, "stopping");
-    for (signal, wait) in [(Signal::SIGTERM, grace), (Signal::SIGKILL, Duration::from_secs(10))] {
+    for (signal, wait) in [
+        (Signal::SIGTERM, grace),
+        (Signal::SIGKILL, Duration::from_secs(10)),
+    ] {
         if p.alive() {
             match kill(pid, signal) {
                 Ok(()) | Err(Errno::ESRCH) => {}
-                Err(e) => tracing::warn!(component = %p.name, pid = p.pid, error = %e, "cannot signal"),
+                Err(e) => {
+                    tracing::warn!(component = %p.name, pid = p.pid, error = %e, "cannot signal")
+                }
             }
         }
         let deadline = Instant::now() + wait;
@@ -180,7 +212,14 @@ mod tests {
     fn spawned_process_is_identified_stopped_and_reaped() {
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("sleep.log");
-        let p = spawn("sleep", Path::new("/bin/sleep"), &["30".into()], &log, Mode::Attached).unwrap();
+        let p = spawn(
+            "sleep",
+            Path::new("/bin/sleep"),
+            &["30".into()],
+            &log,
+            Mode::Attached,
+        )
+        .unwrap();
         assert!(p.alive());
         assert!(p.start_time > 0);
         assert_eq!(p.exit_status(), None);
@@ -193,8 +232,16 @@ mod tests {
     #[test]
     fn a_recycled_pid_is_not_ours() {
         let me = std::process::id() as i32;
-        let other = Proc { name: "x".into(), pid: me, start_time: 1, log: PathBuf::new() };
-        assert!(!other.alive(), "a different start time means a different process");
+        let other = Proc {
+            name: "x".into(),
+            pid: me,
+            start_time: 1,
+            log: PathBuf::new(),
+        };
+        assert!(
+            !other.alive(),
+            "a different start time means a different process"
+        );
     }
 
     #[test]

@@ -19,7 +19,11 @@ where
 {
     match tokio::time::timeout(timeout, fut).await {
         Ok(result) => result,
-        Err(_) => Err(Error::Timeout { what: what.to_owned(), timeout, last: "no answer".into() }),
+        Err(_) => Err(Error::Timeout {
+            what: what.to_owned(),
+            timeout,
+            last: "no answer".into(),
+        }),
     }
 }
 
@@ -28,31 +32,44 @@ pub async fn api<T, F>(what: &str, fut: F) -> Result<T, Error>
 where
     F: Future<Output = Result<T, kube::Error>>,
 {
-    bounded(what, API_TIMEOUT, async { fut.await.map_err(|e| Error::kube(what, e)) }).await
+    bounded(what, API_TIMEOUT, async {
+        fut.await.map_err(|e| Error::kube(what, e))
+    })
+    .await
 }
 
 /// Calls `probe` every 200 ms until it returns `Ok(Some(value))`, for at most `timeout`.
 ///
 /// `Ok(None)` means "not yet"; `Err` is treated as transient (the apiserver may be busy) and
 /// remembered for the timeout message. Each probe is itself bounded by the remaining time.
-pub async fn poll_until<T, E, F, Fut>(what: &str, timeout: Duration, mut probe: F) -> Result<T, Error>
+pub async fn poll_until<T, E, F, Fut>(
+    what: &str,
+    timeout: Duration,
+    mut probe: F,
+) -> Result<T, Error>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<Option<T>, E>>,
     E: Display,
 {
     let deadline = Instant::now() + timeout;
-    let mut last: String;
+    let mut last = String::from("not observed");
     loop {
         let remaining = deadline.saturating_duration_since(Instant::now());
         match tokio::time::timeout(remaining.max(Duration::from_millis(1)), probe()).await {
             Ok(Ok(Some(value))) => return Ok(value),
             Ok(Ok(None)) => last = "condition not met".into(),
             Ok(Err(e)) => last = e.to_string(),
+            // A probe cut off by the deadline says less than the previous answer: keep that.
+            Err(_) if Instant::now() >= deadline => {}
             Err(_) => last = "probe timed out".into(),
         }
         if Instant::now() >= deadline {
-            return Err(Error::Timeout { what: what.to_owned(), timeout, last });
+            return Err(Error::Timeout {
+                what: what.to_owned(),
+                timeout,
+                last,
+            });
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -77,9 +94,11 @@ mod tests {
 
     #[tokio::test]
     async fn poll_until_times_out_with_the_last_error() {
-        let err = poll_until("never", Duration::from_millis(300), || async { Err::<Option<()>, _>("boom") })
-            .await
-            .unwrap_err();
+        let err = poll_until("never", Duration::from_millis(300), || async {
+            Err::<Option<()>, _>("boom")
+        })
+        .await
+        .unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains("never") && msg.contains("boom"), "{msg}");
     }

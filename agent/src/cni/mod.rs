@@ -38,7 +38,12 @@ pub struct CniArgs {
     )]
     pub require_plugins: Vec<String>,
     /// Whose config-loading semantics to apply.
-    #[arg(long, env = "MESHGATE_RUNTIME", value_enum, default_value = "containerd")]
+    #[arg(
+        long,
+        env = "MESHGATE_RUNTIME",
+        value_enum,
+        default_value = "containerd"
+    )]
     pub runtime: RuntimeArg,
     /// How long a plugin binary may take to answer VERSION before it is killed.
     #[arg(long, env = "MESHGATE_PROBE_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]

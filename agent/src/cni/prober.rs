@@ -159,7 +159,10 @@ impl Prober {
             .env_clear()
             .env("CNI_COMMAND", "VERSION")
             .env("CNI_PATH", cni_path)
-            .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+            .env(
+                "PATH",
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -168,7 +171,10 @@ impl Prober {
             .spawn()
             .map_err(|e| {
                 let cacheable = e.raw_os_error() == Some(libc::ENOEXEC);
-                (Broken::Failed(format!("cannot be executed: {e}")), cacheable)
+                (
+                    Broken::Failed(format!("cannot be executed: {e}")),
+                    cacheable,
+                )
             })?;
 
         if let Some(mut stdin) = child.stdin.take() {

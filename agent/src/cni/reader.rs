@@ -155,14 +155,34 @@ mod tests {
         entries.sort_by(|a, b| a.name.cmp(&b.name));
         let by = |n: &str| entries.iter().find(|e| e.name == n).map(|e| e.kind.clone());
         assert_eq!(by("10-a.conflist"), Some(EntryKind::File(b"{}".to_vec())));
-        assert_eq!(by("15-link.conflist"), Some(EntryKind::File(b"{}".to_vec())));
-        assert_eq!(by("20-big.conf"), Some(EntryKind::TooLarge { size: 2048, limit: 1024 }));
-        assert!(matches!(by("16-dangling.conf"), Some(EntryKind::Unreadable(_))));
-        assert!(matches!(by("17-loop.conf"), Some(EntryKind::Unreadable(e)) if e.contains("symbolic links")));
-        assert_eq!(by("18-fifo.conf"), Some(EntryKind::NotRegular("fifo".into())));
+        assert_eq!(
+            by("15-link.conflist"),
+            Some(EntryKind::File(b"{}".to_vec()))
+        );
+        assert_eq!(
+            by("20-big.conf"),
+            Some(EntryKind::TooLarge {
+                size: 2048,
+                limit: 1024
+            })
+        );
+        assert!(matches!(
+            by("16-dangling.conf"),
+            Some(EntryKind::Unreadable(_))
+        ));
+        assert!(
+            matches!(by("17-loop.conf"), Some(EntryKind::Unreadable(e)) if e.contains("symbolic links"))
+        );
+        assert_eq!(
+            by("18-fifo.conf"),
+            Some(EntryKind::NotRegular("fifo".into()))
+        );
         assert_eq!(
             by("net"),
-            Some(EntryKind::Directory(vec![DirEntry::file("50-x.conf", b"{\"type\":\"x\"}".to_vec())]))
+            Some(EntryKind::Directory(vec![DirEntry::file(
+                "50-x.conf",
+                b"{\"type\":\"x\"}".to_vec()
+            )]))
         );
         assert_eq!(by("notes.txt"), None);
     }
@@ -170,6 +190,10 @@ mod tests {
     #[test]
     fn missing_directory_is_empty_not_an_error() {
         let dir = tempfile::tempdir().unwrap();
-        assert!(read_conf_dir(&dir.path().join("absent"), 1024).unwrap().is_empty());
+        assert!(
+            read_conf_dir(&dir.path().join("absent"), 1024)
+                .unwrap()
+                .is_empty()
+        );
     }
 }

@@ -49,8 +49,16 @@ fn relevant(event: &Event, dirs: &[PathBuf]) -> bool {
 
 impl FsWatch {
     /// Starts watching `conf_dir` (recursively) and `bin_dirs`; changes are sent on `tx`.
-    pub fn start(conf_dir: &Path, bin_dirs: &[PathBuf], tx: mpsc::UnboundedSender<Instant>) -> notify::Result<Self> {
-        let dirs: Arc<Vec<PathBuf>> = Arc::new(std::iter::once(conf_dir.to_path_buf()).chain(bin_dirs.iter().cloned()).collect());
+    pub fn start(
+        conf_dir: &Path,
+        bin_dirs: &[PathBuf],
+        tx: mpsc::UnboundedSender<Instant>,
+    ) -> notify::Result<Self> {
+        let dirs: Arc<Vec<PathBuf>> = Arc::new(
+            std::iter::once(conf_dir.to_path_buf())
+                .chain(bin_dirs.iter().cloned())
+                .collect(),
+        );
         let filter = dirs.clone();
         let watcher = notify::recommended_watcher(move |res: notify::Result<Event>| match res {
             Ok(event) if relevant(&event, &filter) => {
@@ -63,8 +71,16 @@ impl FsWatch {
                 let _ = tx.send(Instant::now());
             }
         })?;
-        let mut targets = vec![Target { dir: conf_dir.to_path_buf(), mode: RecursiveMode::Recursive, watching: None }];
-        targets.extend(bin_dirs.iter().map(|d| Target { dir: d.clone(), mode: RecursiveMode::NonRecursive, watching: None }));
+        let mut targets = vec![Target {
+            dir: conf_dir.to_path_buf(),
+            mode: RecursiveMode::Recursive,
+            watching: None,
+        }];
+        targets.extend(bin_dirs.iter().map(|d| Target {
+            dir: d.clone(),
+            mode: RecursiveMode::NonRecursive,
+            watching: None,
+        }));
         let mut w = Self { watcher, targets };
         w.ensure();
         Ok(w)
@@ -77,7 +93,11 @@ impl FsWatch {
             let want = if t.dir.is_dir() {
                 Some((t.dir.clone(), t.mode))
             } else {
-                t.dir.ancestors().skip(1).find(|a| a.is_dir()).map(|a| (a.to_path_buf(), RecursiveMode::NonRecursive))
+                t.dir
+                    .ancestors()
+                    .skip(1)
+                    .find(|a| a.is_dir())
+                    .map(|a| (a.to_path_buf(), RecursiveMode::NonRecursive))
             };
             let want_path = want.as_ref().map(|(p, _)| p.clone());
             // The inotify watch of a dir that was deleted and re-created is gone, so re-add
@@ -91,7 +111,9 @@ impl FsWatch {
             if let Some((path, mode)) = want {
                 match self.watcher.watch(&path, mode) {
                     Ok(()) => t.watching = Some(path),
-                    Err(e) => tracing::warn!(dir = %t.dir.display(), watch = %path.display(), error = %e, "cannot watch"),
+                    Err(e) => {
+                        tracing::warn!(dir = %t.dir.display(), watch = %path.display(), error = %e, "cannot watch")
+                    }
                 }
             }
         }
@@ -99,6 +121,8 @@ impl FsWatch {
 
     /// Whether every directory is watched directly (not through an ancestor).
     pub fn all_direct(&self) -> bool {
-        self.targets.iter().all(|t| t.watching.as_deref() == Some(t.dir.as_path()))
+        self.targets
+            .iter()
+            .all(|t| t.watching.as_deref() == Some(t.dir.as_path()))
     }
 }

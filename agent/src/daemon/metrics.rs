@@ -49,9 +49,21 @@ impl AgentMetrics {
             // 1 ms .. ~16 s
             untaint_latency: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
         };
-        registry.register("meshgate_node_verified", "1 while this node's CNI chain is verified and applied, else 0", m.node_verified.clone());
-        registry.register("meshgate_verifications", "CNI chain verifications, by verdict reason", m.verifications.clone());
-        registry.register("meshgate_taint_transitions", "Taint changes on this node, by action (added/removed)", m.taint_transitions.clone());
+        registry.register(
+            "meshgate_node_verified",
+            "1 while this node's CNI chain is verified and applied, else 0",
+            m.node_verified.clone(),
+        );
+        registry.register(
+            "meshgate_verifications",
+            "CNI chain verifications, by verdict reason",
+            m.verifications.clone(),
+        );
+        registry.register(
+            "meshgate_taint_transitions",
+            "Taint changes on this node, by action (added/removed)",
+            m.taint_transitions.clone(),
+        );
         registry.register_with_unit(
             "meshgate_untaint_latency",
             "Time from the config change that made the chain valid to the API accepting the taint removal",
@@ -63,12 +75,20 @@ impl AgentMetrics {
 
     /// Counts one verification.
     pub fn verified(&self, reason: &str) {
-        self.verifications.get_or_create(&ReasonLabel { reason: reason.to_string() }).inc();
+        self.verifications
+            .get_or_create(&ReasonLabel {
+                reason: reason.to_string(),
+            })
+            .inc();
     }
 
     /// Counts one taint transition.
     pub fn taint(&self, added: bool) {
         let action = if added { "added" } else { "removed" };
-        self.taint_transitions.get_or_create(&ActionLabel { action: action.to_string() }).inc();
+        self.taint_transitions
+            .get_or_create(&ActionLabel {
+                action: action.to_string(),
+            })
+            .inc();
     }
 }

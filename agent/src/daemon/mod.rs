@@ -60,7 +60,12 @@ pub struct Args {
     #[arg(long, env = "MESHGATE_ADMIN_ADDR", default_value = "0.0.0.0:9990")]
     pub admin_addr: SocketAddr,
     /// Effect of the meshgate.io/cni-unverified taint.
-    #[arg(long, env = "MESHGATE_TAINT_EFFECT", value_enum, default_value = "NoSchedule")]
+    #[arg(
+        long,
+        env = "MESHGATE_TAINT_EFFECT",
+        value_enum,
+        default_value = "NoSchedule"
+    )]
     pub taint_effect: TaintEffect,
     /// Decide and report evictions, but evict nothing.
     #[arg(long, env = "MESHGATE_DRY_RUN")]
@@ -75,7 +80,11 @@ pub struct Args {
     #[arg(long, env = "MESHGATE_EVICT_UNOWNED")]
     pub evict_unowned: bool,
     /// Node-local state (boot id, last verdict, eviction history); keep it on tmpfs.
-    #[arg(long, env = "MESHGATE_STATE_FILE", default_value = "/var/run/meshgate/state.json")]
+    #[arg(
+        long,
+        env = "MESHGATE_STATE_FILE",
+        default_value = "/var/run/meshgate/state.json"
+    )]
     pub state_file: PathBuf,
     /// Re-verify at least this often, as a safety net for missed inotify events.
     #[arg(long, env = "MESHGATE_RESYNC_INTERVAL", default_value = "60s", value_parser = humantime::parse_duration)]
@@ -94,7 +103,11 @@ pub struct Args {
 /// Builds the runtime and runs the daemon; exit 0 after a graceful shutdown.
 pub fn main(args: Args) -> ExitCode {
     meshgate_runtime::logging::init(args.log_format);
-    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             tracing::error!(error = %e, "cannot start the async runtime");
@@ -129,11 +142,19 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
         Loaded::FreshBoot { previous_boot } => {
             tracing::info!(node = %node_name, ?previous_boot, "fresh boot: verifying from scratch");
-            State { version: state::FORMAT_VERSION, boot_id: boot_id.clone(), ..State::default() }
+            State {
+                version: state::FORMAT_VERSION,
+                boot_id: boot_id.clone(),
+                ..State::default()
+            }
         }
         Loaded::Refused(e) => {
             tracing::error!(node = %node_name, error = %e, "refusing the state file; starting fresh");
-            State { version: state::FORMAT_VERSION, boot_id: boot_id.clone(), ..State::default() }
+            State {
+                version: state::FORMAT_VERSION,
+                boot_id: boot_id.clone(),
+                ..State::default()
+            }
         }
     };
 
@@ -145,21 +166,40 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding the admin server to {}", args.admin_addr))?;
     let (stop_tx, stop_rx) = watch::channel(false);
-    let admin = tokio::spawn(meshgate_runtime::admin::serve(listener, Arc::new(registry), ready.clone(), wait_stop(stop_rx.clone())));
+    let admin = tokio::spawn(meshgate_runtime::admin::serve(
+        listener,
+        Arc::new(registry),
+        ready.clone(),
+        wait_stop(stop_rx.clone()),
+    ));
 
     let recorder = Recorder::new(
         client.clone(),
-        Reporter { controller: "meshgate-agent".into(), instance: Some(node_name.clone()) },
+        Reporter {
+            controller: "meshgate-agent".into(),
+            instance: Some(node_name.clone()),
+        },
     );
-    let gate = NodeGate::new(client.clone(), node_name.clone(), args.taint_effect, args.api_timeout, recorder);
+    let gate = NodeGate::new(
+        client.clone(),
+        node_name.clone(),
+        args.taint_effect,
+        args.api_timeout,
+        recorder,
+    );
 
     // The Node, as last seen by a watch on it alone: reconciles read it instead of GETting,
     // and a change by someone else (our taint removed by hand) wakes the loop.
     let (node_tx, mut node_rx) = watch::channel::<Option<Node>>(None);
-    let node_watch = tokio::spawn(watch_node(Api::all(client.clone()), node_name.clone(), node_tx));
+    let node_watch = tokio::spawn(watch_node(
+        Api::all(client.clone()),
+        node_name.clone(),
+        node_tx,
+    ));
 
     let (fs_tx, mut fs_rx) = mpsc::unbounded_channel();
-    let mut fs = fswatch::FsWatch::start(&args.cni.cni_conf_dir, &args.cni.cni_bin_dirs, fs_tx).context("starting inotify watches")?;
+    let mut fs = fswatch::FsWatch::start(&args.cni.cni_conf_dir, &args.cni.cni_bin_dirs, fs_tx)
+        .context("starting inotify watches")?;
     if !fs.all_direct() {
         tracing::info!(node = %node_name, dir = %args.cni.cni_conf_dir.display(), "a CNI directory does not exist yet; waiting for it");
     }
@@ -171,7 +211,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     resync.tick().await; // the first tick is immediate; the start-up verification covers it
     let mut shutdown = std::pin::pin!(meshgate_runtime::shutdown::signal());
 
-    let backoff = || ExponentialBuilder::default().with_min_delay(Duration::from_millis(50)).with_max_delay(Duration::from_millis(500)).with_jitter().without_max_times().build();
+    let backoff = || {
+        ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(50))
+            .with_max_delay(Duration::from_millis(500))
+            .with_jitter()
+            .without_max_times()
+            .build()
+    };
     let mut retry = backoff();
     let mut retry_at: Option<tokio::time::Instant>;
     // When the disk last changed: the start of the untaint-latency measurement.
@@ -211,7 +258,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 }
                 metrics.node_verified.set(i64::from(v.verified));
                 ready.store(true, Ordering::Release);
-                let last = state::LastVerdict { reason: v.reason.as_str().to_string(), verified: v.verified };
+                let last = state::LastVerdict {
+                    reason: v.reason.as_str().to_string(),
+                    verified: v.verified,
+                };
                 if saved.last_verdict.as_ref() != Some(&last) {
                     saved.last_verdict = Some(last);
                     if let Err(e) = state::save(&args.state_file, &saved) {
@@ -275,12 +325,20 @@ async fn verify(cni: Arc<CniArgs>, prober: Arc<crate::cni::Prober>) -> Verdict {
         Ok(Err(e)) => format!("cannot read {dir}: {e}"),
         Err(e) => format!("verification failed: {e}"),
     };
-    Verdict { verified: false, reason: Reason::ConfigInvalid, message: why, config_file: None, plugins: Vec::new(), runtime }
+    Verdict {
+        verified: false,
+        reason: Reason::ConfigInvalid,
+        message: why,
+        config_file: None,
+        plugins: Vec::new(),
+        runtime,
+    }
 }
 
 /// Feeds `tx` with the Node as the API reports it, reconnecting with backoff.
 async fn watch_node(api: Api<Node>, name: String, tx: watch::Sender<Option<Node>>) {
-    let mut stream = std::pin::pin!(kube::runtime::watcher::watch_object(api, &name).default_backoff());
+    let mut stream =
+        std::pin::pin!(kube::runtime::watcher::watch_object(api, &name).default_backoff());
     while let Some(item) = stream.next().await {
         match item {
             Ok(node) => {

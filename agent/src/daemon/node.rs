@@ -100,14 +100,20 @@ pub fn plan_taints(current: &[Taint], verified: bool, effect: TaintEffect) -> Op
     let ours: Vec<&Taint> = current.iter().filter(|t| t.key == TAINT_KEY).collect();
     let want_ours = !verified;
     let is_right = if want_ours {
-        ours.len() == 1 && ours[0].effect == effect.as_str() && ours[0].value.as_deref().unwrap_or("").is_empty()
+        ours.len() == 1
+            && ours[0].effect == effect.as_str()
+            && ours[0].value.as_deref().unwrap_or("").is_empty()
     } else {
         ours.is_empty()
     };
     if is_right {
         return None;
     }
-    let mut next: Vec<Taint> = current.iter().filter(|t| t.key != TAINT_KEY).cloned().collect();
+    let mut next: Vec<Taint> = current
+        .iter()
+        .filter(|t| t.key != TAINT_KEY)
+        .cloned()
+        .collect();
     if want_ours {
         next.push(Taint {
             key: TAINT_KEY.to_string(),
@@ -128,11 +134,18 @@ pub fn plan_label(labels: &BTreeMap<String, String>, verified: bool) -> Option<&
 
 /// The condition to write, or `None` when status, reason and message are already current.
 /// `lastTransitionTime` is kept unless the status changes.
-pub fn plan_condition(current: Option<&NodeCondition>, verdict: &Verdict, now: Timestamp) -> Option<NodeCondition> {
+pub fn plan_condition(
+    current: Option<&NodeCondition>,
+    verdict: &Verdict,
+    now: Timestamp,
+) -> Option<NodeCondition> {
     let status = if verdict.verified { "True" } else { "False" };
     let reason = verdict.reason.as_str();
     if let Some(c) = current {
-        if c.status == status && c.reason.as_deref() == Some(reason) && c.message.as_deref() == Some(verdict.message.as_str()) {
+        if c.status == status
+            && c.reason.as_deref() == Some(reason)
+            && c.message.as_deref() == Some(verdict.message.as_str())
+        {
             return None;
         }
     }
@@ -167,7 +180,10 @@ pub fn plan_event(current: Option<&NodeCondition>, verdict: &Verdict) -> Option<
     Some(Event {
         type_,
         reason: reason.to_string(),
-        note: Some(truncate(&format!("{}: {}", verdict.reason, verdict.message), 1024)),
+        note: Some(truncate(
+            &format!("{}: {}", verdict.reason, verdict.message),
+            1024,
+        )),
         action: if verdict.verified { "Untaint" } else { "Taint" }.to_string(),
         secondary: None,
     })
@@ -180,17 +196,23 @@ pub fn metadata_patch(
     taints: Option<&[Taint]>,
     label: Option<&str>,
 ) -> Value {
-    let mut ops = vec![json!({"op": "test", "path": "/metadata/resourceVersion", "value": resource_version})];
+    let mut ops =
+        vec![json!({"op": "test", "path": "/metadata/resourceVersion", "value": resource_version})];
     if let Some(taints) = taints {
         ops.push(json!({"op": "add", "path": "/spec/taints", "value": taints}));
     }
     if let Some(value) = label {
         if has_labels {
             // "~1" is how JSON pointer escapes the "/" in the label key.
-            let path = format!("/metadata/labels/{}", VERIFIED_LABEL.replace('~', "~0").replace('/', "~1"));
+            let path = format!(
+                "/metadata/labels/{}",
+                VERIFIED_LABEL.replace('~', "~0").replace('/', "~1")
+            );
             ops.push(json!({"op": "add", "path": path, "value": value}));
         } else {
-            ops.push(json!({"op": "add", "path": "/metadata/labels", "value": {VERIFIED_LABEL: value}}));
+            ops.push(
+                json!({"op": "add", "path": "/metadata/labels", "value": {VERIFIED_LABEL: value}}),
+            );
         }
     }
     Value::Array(ops)
@@ -208,7 +230,12 @@ fn truncate(s: &str, max: usize) -> String {
 }
 
 fn condition_of(node: &Node) -> Option<&NodeCondition> {
-    node.status.as_ref()?.conditions.as_ref()?.iter().find(|c| c.type_ == CONDITION_TYPE)
+    node.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == CONDITION_TYPE)
 }
 
 fn is_conflict(e: &kube::Error) -> bool {
@@ -227,8 +254,20 @@ pub struct NodeGate {
 
 impl NodeGate {
     /// A gate for Node `name`, bounding each API call by `timeout`.
-    pub fn new(client: kube::Client, name: String, effect: TaintEffect, timeout: Duration, recorder: Recorder) -> Self {
-        Self { api: Api::all(client), name, effect, timeout, recorder }
+    pub fn new(
+        client: kube::Client,
+        name: String,
+        effect: TaintEffect,
+        timeout: Duration,
+        recorder: Recorder,
+    ) -> Self {
+        Self {
+            api: Api::all(client),
+            name,
+            effect,
+            timeout,
+            recorder,
+        }
     }
 
     /// The Node's name.
@@ -236,10 +275,19 @@ impl NodeGate {
         &self.name
     }
 
-    async fn call<T>(&self, op: &'static str, f: impl std::future::Future<Output = kube::Result<T>>) -> Result<T, GateError> {
+    async fn call<T>(
+        &self,
+        op: &'static str,
+        f: impl std::future::Future<Output = kube::Result<T>>,
+    ) -> Result<T, GateError> {
         match tokio::time::timeout(self.timeout, f).await {
-            Err(_) => Err(GateError::Timeout { op, after: self.timeout }),
-            Ok(Err(kube::Error::Api(s))) if s.code == 404 => Err(GateError::NodeNotFound(self.name.clone())),
+            Err(_) => Err(GateError::Timeout {
+                op,
+                after: self.timeout,
+            }),
+            Ok(Err(kube::Error::Api(s))) if s.code == 404 => {
+                Err(GateError::NodeNotFound(self.name.clone()))
+            }
             Ok(Err(source)) => Err(GateError::Api { op, source }),
             Ok(Ok(v)) => Ok(v),
         }
@@ -252,33 +300,59 @@ impl NodeGate {
 
     /// Makes the Node say what `verdict` says. `seen` is the latest Node from the watch, if
     /// any; on a resourceVersion conflict the Node is re-read.
-    pub async fn reconcile(&self, seen: Option<Node>, verdict: &Verdict) -> Result<Applied, GateError> {
-        let mut node = match seen {
-            Some(n) => n,
-            None => self.get().await?,
+    pub async fn reconcile(
+        &self,
+        seen: Option<Node>,
+        verdict: &Verdict,
+    ) -> Result<Applied, GateError> {
+        // `fresh`: `node` came from the API just now (a GET or a patch response), not the cache.
+        let (mut node, mut fresh) = match seen {
+            Some(n) => (n, false),
+            None => (self.get().await?, true),
         };
         let mut applied = Applied::default();
         let mut attempts = 0;
         loop {
-            let taints = node.spec.as_ref().and_then(|s| s.taints.clone()).unwrap_or_default();
+            let taints = node
+                .spec
+                .as_ref()
+                .and_then(|s| s.taints.clone())
+                .unwrap_or_default();
             let planned_taints = plan_taints(&taints, verdict.verified, self.effect);
             let planned_label = plan_label(node.labels(), verdict.verified);
             if planned_taints.is_none() && planned_label.is_none() {
                 break;
             }
             let rv = node.resource_version().unwrap_or_default();
-            let patch = metadata_patch(&rv, node.metadata.labels.is_some(), planned_taints.as_deref(), planned_label);
-            let patch: json_patch::Patch = serde_json::from_value(patch).map_err(|e| GateError::Api {
-                op: "build patch",
-                source: kube::Error::SerdeError(e),
-            })?;
-            match self.call("patch node taints", self.api.patch(&self.name, &PatchParams::default(), &Patch::<()>::Json(patch))).await {
+            let patch = metadata_patch(
+                &rv,
+                node.metadata.labels.is_some(),
+                planned_taints.as_deref(),
+                planned_label,
+            );
+            let patch: json_patch::Patch =
+                serde_json::from_value(patch).map_err(|e| GateError::Api {
+                    op: "build patch",
+                    source: kube::Error::SerdeError(e),
+                })?;
+            match self
+                .call(
+                    "patch node taints",
+                    self.api.patch(
+                        &self.name,
+                        &PatchParams::default(),
+                        &Patch::<()>::Json(patch),
+                    ),
+                )
+                .await
+            {
                 Ok(updated) => {
                     if planned_taints.is_some() {
                         applied.taint = Some(!verdict.verified);
                     }
                     applied.label = planned_label;
                     node = updated;
+                    fresh = true;
                     break;
                 }
                 Err(GateError::Api { source, .. }) if is_conflict(&source) => {
@@ -288,29 +362,50 @@ impl NodeGate {
                     }
                     tracing::debug!(node = %self.name, attempts, "node changed under us; re-reading");
                     node = self.get().await?;
+                    fresh = true;
                 }
                 Err(e) => return Err(e),
             }
         }
 
+        // The watch cache can lag behind our own last condition write; writing from a stale
+        // view would publish the same transition's Event twice. So a write planned from the
+        // cache is re-planned from a fresh read (this costs one GET per transition only).
+        if plan_condition(condition_of(&node), verdict, Timestamp::now()).is_some() && !fresh {
+            node = self.get().await?;
+        }
         let current = condition_of(&node).cloned();
         if let Some(condition) = plan_condition(current.as_ref(), verdict, Timestamp::now()) {
             let patch = json!({"status": {"conditions": [condition]}});
             self.call(
                 "patch node condition",
-                self.api.patch_status(&self.name, &PatchParams::default(), &Patch::Strategic(patch)),
+                self.api.patch_status(
+                    &self.name,
+                    &PatchParams::default(),
+                    &Patch::Strategic(patch),
+                ),
             )
             .await?;
             applied.condition = true;
             if let Some(event) = plan_event(current.as_ref(), verdict) {
-                applied.event = Some(if verdict.verified { event_reason::CHAIN_VERIFIED } else { event_reason::CHAIN_UNVERIFIED });
+                applied.event = Some(if verdict.verified {
+                    event_reason::CHAIN_VERIFIED
+                } else {
+                    event_reason::CHAIN_UNVERIFIED
+                });
                 // An Event is a notification, not state: a failure is logged, never retried,
                 // so a retry can never publish the same transition twice.
                 let reference = node.object_ref(&());
-                match tokio::time::timeout(self.timeout, self.recorder.publish(&event, &reference)).await {
+                match tokio::time::timeout(self.timeout, self.recorder.publish(&event, &reference))
+                    .await
+                {
                     Ok(Ok(())) => {}
-                    Ok(Err(e)) => tracing::warn!(node = %self.name, error = %e, "publishing the Node Event failed"),
-                    Err(_) => tracing::warn!(node = %self.name, "publishing the Node Event timed out"),
+                    Ok(Err(e)) => {
+                        tracing::warn!(node = %self.name, error = %e, "publishing the Node Event failed")
+                    }
+                    Err(_) => {
+                        tracing::warn!(node = %self.name, "publishing the Node Event timed out")
+                    }
                 }
             }
         }
@@ -324,7 +419,12 @@ mod tests {
     use meshgate_core::cni::{Reason, Runtime};
 
     fn taint(key: &str, effect: &str) -> Taint {
-        Taint { key: key.into(), effect: effect.into(), value: None, time_added: None }
+        Taint {
+            key: key.into(),
+            effect: effect.into(),
+            value: None,
+            time_added: None,
+        }
     }
 
     fn verdict(reason: Reason, message: &str) -> Verdict {
@@ -340,7 +440,10 @@ mod tests {
 
     #[test]
     fn taint_is_added_and_removed_keeping_other_taints() {
-        let others = vec![taint("node.kubernetes.io/not-ready", "NoSchedule"), taint("dedicated", "NoExecute")];
+        let others = vec![
+            taint("node.kubernetes.io/not-ready", "NoSchedule"),
+            taint("dedicated", "NoExecute"),
+        ];
         let added = plan_taints(&others, false, TaintEffect::NoSchedule).unwrap();
         assert_eq!(added.len(), 3);
         assert_eq!(&added[..2], &others[..]);
@@ -348,16 +451,32 @@ mod tests {
         assert_eq!(added[2].effect, "NoSchedule");
         assert!(added[2].time_added.is_none());
 
-        assert_eq!(plan_taints(&added, false, TaintEffect::NoSchedule), None, "already tainted");
-        assert_eq!(plan_taints(&added, true, TaintEffect::NoSchedule).unwrap(), others);
-        assert_eq!(plan_taints(&others, true, TaintEffect::NoSchedule), None, "already untainted");
+        assert_eq!(
+            plan_taints(&added, false, TaintEffect::NoSchedule),
+            None,
+            "already tainted"
+        );
+        assert_eq!(
+            plan_taints(&added, true, TaintEffect::NoSchedule).unwrap(),
+            others
+        );
+        assert_eq!(
+            plan_taints(&others, true, TaintEffect::NoSchedule),
+            None,
+            "already untainted"
+        );
 
         // An effect change replaces our taint; duplicates of ours are collapsed to one.
         let ne = plan_taints(&added, false, TaintEffect::NoExecute).unwrap();
         assert_eq!(ne.iter().filter(|t| t.key == TAINT_KEY).count(), 1);
         assert!(ne[2].time_added.is_some());
         let dup = [added.clone(), vec![taint(TAINT_KEY, "NoSchedule")]].concat();
-        assert_eq!(plan_taints(&dup, false, TaintEffect::NoSchedule).unwrap().len(), 3);
+        assert_eq!(
+            plan_taints(&dup, false, TaintEffect::NoSchedule)
+                .unwrap()
+                .len(),
+            3
+        );
     }
 
     #[test]
@@ -377,7 +496,11 @@ mod tests {
         let first = plan_condition(None, &missing, t0).unwrap();
         assert_eq!(first.status, "False");
         assert_eq!(first.last_transition_time, Some(Time(t0)));
-        assert_eq!(plan_condition(Some(&first), &missing, t1), None, "unchanged: no write");
+        assert_eq!(
+            plan_condition(Some(&first), &missing, t1),
+            None,
+            "unchanged: no write"
+        );
 
         // Same status, new reason: written, transition time kept.
         let invalid = verdict(Reason::ConfigInvalid, "b");
@@ -399,19 +522,36 @@ mod tests {
         assert!(matches!(ev.type_, EventType::Warning));
         assert!(ev.note.unwrap().starts_with("ChainedPluginMissing: "));
         let cond = plan_condition(None, &missing, Timestamp::now()).unwrap();
-        assert!(plan_event(Some(&cond), &verdict(Reason::ChainedPluginMissing, "other text")).is_none());
+        assert!(
+            plan_event(
+                Some(&cond),
+                &verdict(Reason::ChainedPluginMissing, "other text")
+            )
+            .is_none()
+        );
         let ok = plan_event(Some(&cond), &verdict(Reason::Verified, "ok")).unwrap();
         assert_eq!(ok.reason, event_reason::CHAIN_VERIFIED);
     }
 
     #[test]
     fn patch_is_guarded_by_resource_version_and_escapes_the_label_key() {
-        let p = metadata_patch("42", true, Some(&[taint(TAINT_KEY, "NoSchedule")]), Some("false"));
-        assert_eq!(p[0], json!({"op": "test", "path": "/metadata/resourceVersion", "value": "42"}));
+        let p = metadata_patch(
+            "42",
+            true,
+            Some(&[taint(TAINT_KEY, "NoSchedule")]),
+            Some("false"),
+        );
+        assert_eq!(
+            p[0],
+            json!({"op": "test", "path": "/metadata/resourceVersion", "value": "42"})
+        );
         assert_eq!(p[1]["path"], "/spec/taints");
         assert_eq!(p[2]["path"], "/metadata/labels/meshgate.io~1cni-verified");
         let p = metadata_patch("7", false, None, Some("true"));
-        assert_eq!(p[1], json!({"op": "add", "path": "/metadata/labels", "value": {VERIFIED_LABEL: "true"}}));
+        assert_eq!(
+            p[1],
+            json!({"op": "add", "path": "/metadata/labels", "value": {VERIFIED_LABEL: "true"}})
+        );
         assert!(serde_json::from_value::<json_patch::Patch>(p).is_ok());
     }
 
@@ -434,7 +574,10 @@ mod tests {
         }
 
         fn respond(status: u16, body: &Value) -> Response<Body> {
-            Response::builder().status(status).body(Body::from(serde_json::to_vec(body).unwrap())).unwrap()
+            Response::builder()
+                .status(status)
+                .body(Body::from(serde_json::to_vec(body).unwrap()))
+                .unwrap()
         }
 
         async fn body_json(req: Request<Body>) -> Value {
@@ -457,9 +600,18 @@ mod tests {
                     assert_eq!(req.uri().path(), "/api/v1/nodes/n1");
                     assert_eq!(req.headers()["content-type"], "application/json-patch+json");
                     let patch = body_json(req).await;
-                    assert_eq!(patch[0], json!({"op": "test", "path": "/metadata/resourceVersion", "value": "1"}));
-                    assert_eq!(patch[1], json!({"op": "add", "path": "/spec/taints", "value": [ours]}));
-                    assert_eq!(patch[2], json!({"op": "add", "path": "/metadata/labels/meshgate.io~1cni-verified", "value": "false"}));
+                    assert_eq!(
+                        patch[0],
+                        json!({"op": "test", "path": "/metadata/resourceVersion", "value": "1"})
+                    );
+                    assert_eq!(
+                        patch[1],
+                        json!({"op": "add", "path": "/spec/taints", "value": [ours]})
+                    );
+                    assert_eq!(
+                        patch[2],
+                        json!({"op": "add", "path": "/metadata/labels/meshgate.io~1cni-verified", "value": "false"})
+                    );
                     send.send_response(respond(422, &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Invalid", "code": 422, "message": "the server rejected our request due to an error in our request"})));
                     // 2. Fresh read: the other writer added its taint.
                     let (req, send) = handle.next_request().await.unwrap();
@@ -476,19 +628,28 @@ mod tests {
                     let (req, send) = handle.next_request().await.unwrap();
                     assert_eq!(req.method(), http::Method::PATCH);
                     assert_eq!(req.uri().path(), "/api/v1/nodes/n1/status");
-                    assert_eq!(req.headers()["content-type"], "application/strategic-merge-patch+json");
+                    assert_eq!(
+                        req.headers()["content-type"],
+                        "application/strategic-merge-patch+json"
+                    );
                     let patch = body_json(req).await;
                     let cond = &patch["status"]["conditions"][0];
                     assert_eq!(cond["type"], CONDITION_TYPE);
                     assert_eq!(cond["status"], "False");
                     assert_eq!(cond["reason"], "ChainedPluginMissing");
-                    assert_eq!(cond["message"], "10-calico.conflist does not chain linkerd-cni");
+                    assert_eq!(
+                        cond["message"],
+                        "10-calico.conflist does not chain linkerd-cni"
+                    );
                     assert!(cond["lastTransitionTime"].is_string());
                     send.send_response(respond(200, &node("4", json!([foreign, ours]))));
                     // 5. One Warning Event on the Node, in the default namespace.
                     let (req, send) = handle.next_request().await.unwrap();
                     assert_eq!(req.method(), http::Method::POST);
-                    assert_eq!(req.uri().path(), "/apis/events.k8s.io/v1/namespaces/default/events");
+                    assert_eq!(
+                        req.uri().path(),
+                        "/apis/events.k8s.io/v1/namespaces/default/events"
+                    );
                     let ev = body_json(req).await;
                     assert_eq!(ev["reason"], event_reason::CHAIN_UNVERIFIED);
                     assert_eq!(ev["type"], "Warning");
@@ -496,20 +657,47 @@ mod tests {
                     assert_eq!(ev["regarding"]["name"], "n1");
                     send.send_response(respond(201, &ev));
                     // Nothing else is sent.
-                    assert!(tokio::time::timeout(Duration::from_millis(100), handle.next_request()).await.is_err());
+                    assert!(
+                        tokio::time::timeout(Duration::from_millis(100), handle.next_request())
+                            .await
+                            .is_err()
+                    );
                 }
             });
             let client = kube::Client::new(svc, "default");
-            let recorder = Recorder::new(client.clone(), Reporter { controller: "meshgate-agent".into(), instance: Some("n1".into()) });
-            let gate = NodeGate::new(client, "n1".into(), TaintEffect::NoSchedule, Duration::from_secs(5), recorder);
+            let recorder = Recorder::new(
+                client.clone(),
+                Reporter {
+                    controller: "meshgate-agent".into(),
+                    instance: Some("n1".into()),
+                },
+            );
+            let gate = NodeGate::new(
+                client,
+                "n1".into(),
+                TaintEffect::NoSchedule,
+                Duration::from_secs(5),
+                recorder,
+            );
             let seen: Node = serde_json::from_value(node("1", json!([]))).unwrap();
             let applied = gate
-                .reconcile(Some(seen), &verdict(Reason::ChainedPluginMissing, "10-calico.conflist does not chain linkerd-cni"))
+                .reconcile(
+                    Some(seen),
+                    &verdict(
+                        Reason::ChainedPluginMissing,
+                        "10-calico.conflist does not chain linkerd-cni",
+                    ),
+                )
                 .await
                 .unwrap();
             assert_eq!(
                 applied,
-                Applied { taint: Some(true), label: Some("false"), condition: true, event: Some(event_reason::CHAIN_UNVERIFIED) }
+                Applied {
+                    taint: Some(true),
+                    label: Some("false"),
+                    condition: true,
+                    event: Some(event_reason::CHAIN_UNVERIFIED)
+                }
             );
             server.await.unwrap();
         }
@@ -518,18 +706,41 @@ mod tests {
         async fn a_node_already_in_step_costs_no_request() {
             let (svc, handle) = mock::pair::<Request<Body>, Response<Body>>();
             let client = kube::Client::new(svc, "default");
-            let recorder = Recorder::new(client.clone(), Reporter { controller: "meshgate-agent".into(), instance: None });
-            let gate = NodeGate::new(client, "n1".into(), TaintEffect::NoSchedule, Duration::from_secs(5), recorder);
+            let recorder = Recorder::new(
+                client.clone(),
+                Reporter {
+                    controller: "meshgate-agent".into(),
+                    instance: None,
+                },
+            );
+            let gate = NodeGate::new(
+                client,
+                "n1".into(),
+                TaintEffect::NoSchedule,
+                Duration::from_secs(5),
+                recorder,
+            );
             let v = verdict(Reason::Verified, "ok");
             let mut seen: Node = serde_json::from_value(node("9", json!([]))).unwrap();
-            seen.metadata.labels.as_mut().unwrap().insert(VERIFIED_LABEL.into(), "true".into());
+            seen.metadata
+                .labels
+                .as_mut()
+                .unwrap()
+                .insert(VERIFIED_LABEL.into(), "true".into());
             seen.status = Some(k8s_openapi::api::core::v1::NodeStatus {
                 conditions: Some(vec![plan_condition(None, &v, Timestamp::now()).unwrap()]),
                 ..Default::default()
             });
-            assert_eq!(gate.reconcile(Some(seen), &v).await.unwrap(), Applied::default());
+            assert_eq!(
+                gate.reconcile(Some(seen), &v).await.unwrap(),
+                Applied::default()
+            );
             let mut handle = pin!(handle);
-            assert!(tokio::time::timeout(Duration::from_millis(50), handle.next_request()).await.is_err());
+            assert!(
+                tokio::time::timeout(Duration::from_millis(50), handle.next_request())
+                    .await
+                    .is_err()
+            );
         }
     }
 }

@@ -113,15 +113,28 @@ pub fn interpret(path: &Path, bytes: &[u8], boot_id: &str) -> Loaded {
     // reported as an unknown version, not as corruption.
     let version = match serde_json::from_slice::<VersionOnly>(bytes) {
         Ok(v) => v.version,
-        Err(source) => return Loaded::Refused(StateError::Corrupt { path: path.into(), source }),
+        Err(source) => {
+            return Loaded::Refused(StateError::Corrupt {
+                path: path.into(),
+                source,
+            });
+        }
     };
     if version != FORMAT_VERSION {
-        return Loaded::Refused(StateError::UnknownVersion { path: path.into(), found: version });
+        return Loaded::Refused(StateError::UnknownVersion {
+            path: path.into(),
+            found: version,
+        });
     }
     match serde_json::from_slice::<State>(bytes) {
-        Err(source) => Loaded::Refused(StateError::Corrupt { path: path.into(), source }),
+        Err(source) => Loaded::Refused(StateError::Corrupt {
+            path: path.into(),
+            source,
+        }),
         Ok(state) if state.boot_id == boot_id => Loaded::Restarted(state),
-        Ok(state) => Loaded::FreshBoot { previous_boot: Some(state.boot_id) },
+        Ok(state) => Loaded::FreshBoot {
+            previous_boot: Some(state.boot_id),
+        },
     }
 }
 
@@ -129,15 +142,26 @@ pub fn interpret(path: &Path, bytes: &[u8], boot_id: &str) -> Loaded {
 pub fn load(path: &Path, boot_id: &str) -> Loaded {
     match std::fs::read(path) {
         Ok(bytes) => interpret(path, &bytes, boot_id),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Loaded::FreshBoot { previous_boot: None },
-        Err(source) => Loaded::Refused(StateError::Read { path: path.into(), source }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Loaded::FreshBoot {
+            previous_boot: None,
+        },
+        Err(source) => Loaded::Refused(StateError::Read {
+            path: path.into(),
+            source,
+        }),
     }
 }
 
 /// Writes `state` to `path` atomically (temp file, fsync, rename).
 pub fn save(path: &Path, state: &State) -> Result<(), StateError> {
-    let err = |source| StateError::Write { path: path.into(), source };
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let err = |source| StateError::Write {
+        path: path.into(),
+        source,
+    };
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(err)?;
     let bytes = serde_json::to_vec_pretty(state).map_err(|e| err(std::io::Error::other(e)))?;
     let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(err)?;
@@ -160,7 +184,10 @@ mod tests {
         State {
             version: FORMAT_VERSION,
             boot_id: boot.into(),
-            last_verdict: Some(LastVerdict { reason: "Verified".into(), verified: true }),
+            last_verdict: Some(LastVerdict {
+                reason: "Verified".into(),
+                verified: true,
+            }),
             evicted: BTreeMap::from([("uid-1/sandbox-a".into(), "2026-11-22T00:00:00Z".into())]),
         }
     }
@@ -169,12 +196,22 @@ mod tests {
     fn same_boot_restores_other_boot_is_fresh() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("sub/state.json");
-        assert!(matches!(load(&path, "b1"), Loaded::FreshBoot { previous_boot: None }));
+        assert!(matches!(
+            load(&path, "b1"),
+            Loaded::FreshBoot {
+                previous_boot: None
+            }
+        ));
         save(&path, &state("b1")).unwrap();
         assert!(matches!(load(&path, "b1"), Loaded::Restarted(s) if s == state("b1")));
-        assert!(matches!(load(&path, "b2"), Loaded::FreshBoot { previous_boot: Some(b) } if b == "b1"));
+        assert!(
+            matches!(load(&path, "b2"), Loaded::FreshBoot { previous_boot: Some(b) } if b == "b1")
+        );
         // No temp files are left beside it.
-        assert_eq!(std::fs::read_dir(path.parent().unwrap()).unwrap().count(), 1);
+        assert_eq!(
+            std::fs::read_dir(path.parent().unwrap()).unwrap().count(),
+            1
+        );
     }
 
     #[test]
@@ -184,7 +221,13 @@ mod tests {
             interpret(p, br#"{"version":2,"boot_id":"b1","whatever":[]}"#, "b1"),
             Loaded::Refused(StateError::UnknownVersion { found: 2, .. })
         ));
-        assert!(matches!(interpret(p, b"{\"version\":1,", "b1"), Loaded::Refused(StateError::Corrupt { .. })));
-        assert!(matches!(interpret(p, b"", "b1"), Loaded::Refused(StateError::Corrupt { .. })));
+        assert!(matches!(
+            interpret(p, b"{\"version\":1,", "b1"),
+            Loaded::Refused(StateError::Corrupt { .. })
+        ));
+        assert!(matches!(
+            interpret(p, b"", "b1"),
+            Loaded::Refused(StateError::Corrupt { .. })
+        ));
     }
 }

@@ -300,9 +300,7 @@ fn match_is_condition(name: &str, data: &[u8]) -> bool {
             // struct xt_udp: spts[2], dpts[2], invflags.
             let full = |at| u16_at(data, at) == Some(0) && u16_at(data, at + 2) == Some(0xffff);
             let rest = if name == "tcp" { 8..12 } else { 8..9 };
-            !(full(0)
-                && full(4)
-                && data.get(rest).is_some_and(|r| r.iter().all(|&b| b == 0)))
+            !(full(0) && full(4) && data.get(rest).is_some_and(|r| r.iter().all(|&b| b == 0)))
         }
         _ => true,
     }
@@ -329,7 +327,9 @@ fn decode_entries<'a>(l: &Layout, blob: &'a [u8]) -> Result<Vec<Entry<'a>>, Read
                 "entry at {off}: target_offset {target_offset}, next_offset {next_offset}"
             )));
         }
-        let mut conditional = e.get(l.masks.clone()).is_some_and(|m| m.iter().any(|&b| b != 0))
+        let mut conditional = e
+            .get(l.masks.clone())
+            .is_some_and(|m| m.iter().any(|&b| b != 0))
             || e.get(l.iniface).is_some_and(|&b| b != 0)
             || e.get(l.outiface).is_some_and(|&b| b != 0);
         let flags = e.get(l.flags).copied().unwrap_or(0);
@@ -528,7 +528,10 @@ mod tests {
 
     impl Blob {
         fn new(l: &'static Layout) -> Self {
-            Self { l, bytes: Vec::new() }
+            Self {
+                l,
+                bytes: Vec::new(),
+            }
         }
 
         fn offset(&self) -> usize {
@@ -581,7 +584,8 @@ mod tests {
             let next = e.len();
             e[self.l.target_offset..self.l.target_offset + 2]
                 .copy_from_slice(&(target_offset as u16).to_ne_bytes());
-            e[self.l.next_offset..self.l.next_offset + 2].copy_from_slice(&(next as u16).to_ne_bytes());
+            e[self.l.next_offset..self.l.next_offset + 2]
+                .copy_from_slice(&(next as u16).to_ne_bytes());
             self.bytes.extend_from_slice(&e);
             at
         }
@@ -620,7 +624,12 @@ mod tests {
         b.push(0, 0, &[], Target::Standard(XT_RETURN));
         b.push(0, 0, &[], Target::Error("PROXY_INIT_REDIRECT"));
         let in_start = b.offset();
-        b.push(6, proto_flag(l), &["multiport"], Target::Standard(XT_RETURN));
+        b.push(
+            6,
+            proto_flag(l),
+            &["multiport"],
+            Target::Standard(XT_RETURN),
+        );
         b.push(6, proto_flag(l), &[], Target::Redirect(4143));
         b.push(0, 0, &[], Target::Standard(XT_RETURN));
         b.push(0, 0, &[], Target::Error("ERROR"));
@@ -644,19 +653,41 @@ mod tests {
             let names: Vec<_> = t.chains.iter().map(|c| c.name.as_str()).collect();
             assert_eq!(
                 names,
-                ["PREROUTING", "INPUT", "OUTPUT", "POSTROUTING", "PROXY_INIT_OUTPUT", "PROXY_INIT_REDIRECT"]
+                [
+                    "PREROUTING",
+                    "INPUT",
+                    "OUTPUT",
+                    "POSTROUTING",
+                    "PROXY_INIT_OUTPUT",
+                    "PROXY_INIT_REDIRECT"
+                ]
             );
             let pre = t.chain("PREROUTING").expect("chain");
-            assert_eq!(pre.base.map(|b| (b.hook, b.chain_type)), Some((Hook::Prerouting, ChainType::Nat)));
-            assert_eq!(pre.rules[0], Rule::all(Action::Jump("PROXY_INIT_REDIRECT".into())));
+            assert_eq!(
+                pre.base.map(|b| (b.hook, b.chain_type)),
+                Some((Hook::Prerouting, ChainType::Nat))
+            );
+            assert_eq!(
+                pre.rules[0],
+                Rule::all(Action::Jump("PROXY_INIT_REDIRECT".into()))
+            );
             assert_eq!(pre.rules[1], Rule::all(Action::Accept));
             let out = t.chain("OUTPUT").expect("chain");
-            assert_eq!(out.rules[0].action, Action::Goto("PROXY_INIT_OUTPUT".into()));
+            assert_eq!(
+                out.rules[0].action,
+                Action::Goto("PROXY_INIT_OUTPUT".into())
+            );
             let redir = t.chain("PROXY_INIT_REDIRECT").expect("chain");
             assert_eq!(redir.rules[0], Rule::tcp(Action::Return).when());
-            assert_eq!(redir.rules[1], Rule::tcp(Action::Redirect { port: Some(4143) }));
+            assert_eq!(
+                redir.rules[1],
+                Rule::tcp(Action::Redirect { port: Some(4143) })
+            );
             let outc = t.chain("PROXY_INIT_OUTPUT").expect("chain");
-            assert_eq!(outc.rules[1], Rule::tcp(Action::Redirect { port: Some(4140) }));
+            assert_eq!(
+                outc.rules[1],
+                Rule::tcp(Action::Redirect { port: Some(4140) })
+            );
 
             let profile = meshgate_core::profile::ProfileSet::all_builtin();
             let linkerd = profile.get("linkerd").expect("profile");
@@ -667,7 +698,12 @@ mod tests {
             };
             let rs = meshgate_core::rules::Ruleset { tables: vec![t] };
             let got = meshgate_core::rules::check(&rs, linkerd, &[ip]);
-            assert_eq!(got.verdict, meshgate_core::rules::Verdict::Redirected, "{}", got.message);
+            assert_eq!(
+                got.verdict,
+                meshgate_core::rules::Verdict::Redirected,
+                "{}",
+                got.message
+            );
             assert_eq!(
                 got.outbound.via.as_deref(),
                 Some(format!("{fam} nat OUTPUT -> PROXY_INIT_OUTPUT (iptables-legacy)").as_str())
@@ -692,7 +728,10 @@ mod tests {
     fn truncated_and_inconsistent_blobs_are_errors() {
         let (info, blob) = linkerd(&IPV4);
         for cut in [1, 50, 111, 113, blob.len() - 1] {
-            assert!(decode_table(Family::Ip, "nat", &info, &blob[..cut]).is_err(), "cut {cut}");
+            assert!(
+                decode_table(Family::Ip, "nat", &info, &blob[..cut]).is_err(),
+                "cut {cut}"
+            );
         }
         let mut bad = blob.clone();
         bad[IPV4.next_offset..IPV4.next_offset + 2].copy_from_slice(&0u16.to_ne_bytes());

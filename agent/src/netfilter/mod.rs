@@ -254,7 +254,9 @@ mod tests {
         let lens: Vec<_> = split_messages(&b).map(|m| m.map(<[u8]>::len)).collect();
         assert_eq!(lens, [Ok(17), Ok(16)]);
         // The last message ends unpadded at the end of the buffer.
-        let lens: Vec<_> = split_messages(&b[..17]).map(|m| m.map(<[u8]>::len)).collect();
+        let lens: Vec<_> = split_messages(&b[..17])
+            .map(|m| m.map(<[u8]>::len))
+            .collect();
         assert_eq!(lens, [Ok(17)]);
         let mut bad = vec![0u8; 16];
         bad[0..4].copy_from_slice(&99u32.to_ne_bytes());

@@ -182,11 +182,7 @@ impl<'a> Dumper<'a> {
             })
     }
 
-    fn collect(
-        &mut self,
-        msg: u16,
-        what: &'static str,
-    ) -> Result<(Vec<Body>, bool), ReadError> {
+    fn collect(&mut self, msg: u16, what: &'static str) -> Result<(Vec<Body>, bool), ReadError> {
         self.exchange(msg, NLM_F_REQUEST | NLM_F_DUMP, what)
     }
 
@@ -389,7 +385,10 @@ fn missing(what: &'static str) -> ReadError {
 /// The nfgenmsg family and the attribute bytes of an nf_tables message.
 fn nft_payload(msg: &[u8]) -> Result<(u32, &[u8]), ReadError> {
     let family = msg.get(16).copied().ok_or_else(|| missing("nfgenmsg"))?;
-    Ok((u32::from(family), msg.get(NFT_HDR_LEN..).unwrap_or_default()))
+    Ok((
+        u32::from(family),
+        msg.get(NFT_HDR_LEN..).unwrap_or_default(),
+    ))
 }
 
 // nf_tables attribute numbers (include/uapi/linux/netfilter/nf_tables.h).
@@ -1097,7 +1096,9 @@ mod tests {
         assert_eq!(r, Rule::all(Action::Redirect { port: None }));
         // Other NAT and reject.
         assert_eq!(
-            summarize(Family::Ip, &[Expr::Named("masq".into())]).0.action,
+            summarize(Family::Ip, &[Expr::Named("masq".into())])
+                .0
+                .action,
             Action::Nat
         );
         assert_eq!(
@@ -1113,7 +1114,9 @@ mod tests {
             Action::Nat
         );
         assert_eq!(
-            summarize(Family::Ip, &[Expr::Named("reject".into())]).0.action,
+            summarize(Family::Ip, &[Expr::Named("reject".into())])
+                .0
+                .action,
             Action::Drop
         );
     }
@@ -1169,14 +1172,38 @@ mod tests {
             })
         };
         let rules = vec![
-            rule(2, "nat", "PREROUTING", Action::Jump("PROXY_INIT_REDIRECT".into())),
-            rule(2, "nat", "PROXY_INIT_REDIRECT", Action::Redirect { port: Some(4143) }),
-            rule(1, "istio-proxy-nat", "prerouting", Action::Redirect { port: Some(15006) }),
-            rule(1, "sleeping", "prerouting", Action::Redirect { port: Some(1) }),
+            rule(
+                2,
+                "nat",
+                "PREROUTING",
+                Action::Jump("PROXY_INIT_REDIRECT".into()),
+            ),
+            rule(
+                2,
+                "nat",
+                "PROXY_INIT_REDIRECT",
+                Action::Redirect { port: Some(4143) },
+            ),
+            rule(
+                1,
+                "istio-proxy-nat",
+                "prerouting",
+                Action::Redirect { port: Some(15006) },
+            ),
+            rule(
+                1,
+                "sleeping",
+                "prerouting",
+                Action::Redirect { port: Some(1) },
+            ),
             rule(2, "nat", "VANISHED", Action::Accept),
         ];
         let rs = assemble(tables, chains, rules);
-        let names: Vec<_> = rs.tables.iter().map(|t| (t.family, t.name.as_str(), t.source)).collect();
+        let names: Vec<_> = rs
+            .tables
+            .iter()
+            .map(|t| (t.family, t.name.as_str(), t.source))
+            .collect();
         assert_eq!(
             names,
             [
@@ -1186,8 +1213,14 @@ mod tests {
         );
         let nat = &rs.tables[0];
         assert_eq!(nat.chains.len(), 2);
-        assert_eq!(nat.chain("PREROUTING").map(|c| c.base.map(|b| b.hook)), Some(Some(Hook::Prerouting)));
-        assert_eq!(nat.chain("PROXY_INIT_REDIRECT").map(|c| c.rules.len()), Some(1));
+        assert_eq!(
+            nat.chain("PREROUTING").map(|c| c.base.map(|b| b.hook)),
+            Some(Some(Hook::Prerouting))
+        );
+        assert_eq!(
+            nat.chain("PROXY_INIT_REDIRECT").map(|c| c.rules.len()),
+            Some(1)
+        );
     }
 
     #[test]

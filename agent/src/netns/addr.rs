@@ -81,20 +81,17 @@ pub fn dump(sock: &mnl::Socket) -> Result<Vec<Address>, AddrError> {
     let mut buf = Box::new(AlignedBuf([0; BUF_LEN]));
     for attempt in 1..=MAX_ATTEMPTS {
         let seq = attempt;
-        sock.send(&request(seq))
-            .map_err(|source| AddrError::Io {
-                what: "send",
-                source,
-            })?;
+        sock.send(&request(seq)).map_err(|source| AddrError::Io {
+            what: "send",
+            source,
+        })?;
         let mut all = Vec::new();
         let mut interrupted = false;
         loop {
-            let n = sock
-                .recv_raw(&mut buf.0)
-                .map_err(|source| AddrError::Io {
-                    what: "recv",
-                    source,
-                })?;
+            let n = sock.recv_raw(&mut buf.0).map_err(|source| AddrError::Io {
+                what: "recv",
+                source,
+            })?;
             let batch = decode_buffer(&buf.0[..n.min(BUF_LEN)], seq)?;
             if let Some(errno) = batch.error {
                 return Err(AddrError::Kernel(io::Error::from_raw_os_error(
@@ -185,7 +182,9 @@ fn decode_addr(msg: &[u8]) -> Result<Option<Address>, AddrError> {
         let alen = u16_at(msg, at).unwrap_or(0) as usize;
         let atype = u16_at(msg, at + 2).unwrap_or(0) & 0x3fff;
         if alen < 4 || at + alen > msg.len() {
-            return Err(AddrError::Decode(format!("attribute at {at} claims {alen} bytes")));
+            return Err(AddrError::Decode(format!(
+                "attribute at {at} claims {alen} bytes"
+            )));
         }
         let payload = &msg[at + 4..at + alen];
         let ip = match (family, payload.len()) {
@@ -263,11 +262,26 @@ mod tests {
             libc::AF_INET as u8,
             24,
             0,
-            &[attr(IFA_ADDRESS, &[10, 0, 0, 9]), attr(IFA_LOCAL, &[10, 0, 0, 1])],
+            &[
+                attr(IFA_ADDRESS, &[10, 0, 0, 9]),
+                attr(IFA_LOCAL, &[10, 0, 0, 1]),
+            ],
         );
         let v6: [u8; 16] = "fd00::1".parse::<Ipv6Addr>().expect("ip").octets();
-        buf.extend(newaddr(1, libc::AF_INET6 as u8, 64, 0, &[attr(IFA_ADDRESS, &v6)]));
-        buf.extend(newaddr(2, libc::AF_INET as u8, 8, 254, &[attr(IFA_LOCAL, &[127, 0, 0, 1])]));
+        buf.extend(newaddr(
+            1,
+            libc::AF_INET6 as u8,
+            64,
+            0,
+            &[attr(IFA_ADDRESS, &v6)],
+        ));
+        buf.extend(newaddr(
+            2,
+            libc::AF_INET as u8,
+            8,
+            254,
+            &[attr(IFA_LOCAL, &[127, 0, 0, 1])],
+        ));
         buf.extend(done(1));
         let b = decode_buffer(&buf, 1).expect("decodes");
         assert!(b.done && !b.interrupted);
@@ -279,7 +293,13 @@ mod tests {
 
     #[test]
     fn interrupted_and_errors_are_reported() {
-        let mut m = newaddr(4, libc::AF_INET as u8, 24, 0, &[attr(IFA_LOCAL, &[1, 2, 3, 4])]);
+        let mut m = newaddr(
+            4,
+            libc::AF_INET as u8,
+            24,
+            0,
+            &[attr(IFA_LOCAL, &[1, 2, 3, 4])],
+        );
         let f = (libc::NLM_F_MULTI | libc::NLM_F_DUMP_INTR) as u16;
         m[6..8].copy_from_slice(&f.to_ne_bytes());
         assert!(decode_buffer(&m, 4).expect("ok").interrupted);

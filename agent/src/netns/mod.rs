@@ -152,12 +152,10 @@ pub fn open(path: &Path, with_rules: bool) -> Result<Opened, NetnsError> {
         path: path.to_owned(),
         source,
     })?;
-    let rules = rules
-        .transpose()
-        .map_err(|source| NetnsError::Rules {
-            path: path.to_owned(),
-            source,
-        })?;
+    let rules = rules.transpose().map_err(|source| NetnsError::Rules {
+        path: path.to_owned(),
+        source,
+    })?;
     Ok(Opened {
         path: path.to_owned(),
         route: RouteSocket(route),
@@ -215,7 +213,8 @@ pub fn discover(netns_dirs: &[PathBuf]) -> Result<Vec<NetnsRef>, NetnsError> {
         let path = PathBuf::from(path);
         move |source| NetnsError::Scan { path, source }
     };
-    let (nsfs_dev, own) = stat_ns(Path::new("/proc/self/ns/net")).map_err(scan_err("/proc/self/ns/net"))?;
+    let (nsfs_dev, own) =
+        stat_ns(Path::new("/proc/self/ns/net")).map_err(scan_err("/proc/self/ns/net"))?;
     let mut host = BTreeSet::from([own]);
     if let Ok((_, init)) = stat_ns(Path::new("/proc/1/ns/net")) {
         host.insert(init);

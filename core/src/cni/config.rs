@@ -237,15 +237,39 @@ mod tests {
     fn libcni_rejections() {
         use ConfigError::*;
         let e = |b: &[u8]| NetConfList::from_conflist_bytes(b).unwrap_err();
-        assert!(matches!(e(b"{\"name\":\"x\",\"plugins\":[{\"type\":\"a\""), Syntax(_)));
+        assert!(matches!(
+            e(b"{\"name\":\"x\",\"plugins\":[{\"type\":\"a\""),
+            Syntax(_)
+        ));
         assert!(matches!(e(br#"{"plugins":[{"type":"a"}]}"#), Syntax(_)));
-        assert!(matches!(e(br#"{"name":"x","plugins":[]}"#), EmptyPluginList));
-        assert!(matches!(e(br#"{"name":"x","plugins":[{"a":1}]}"#), MissingType(Some(0))));
-        assert!(matches!(e(br#"{"name":"x","plugins":[{"type":"../bin/sh"}]}"#), TypeWithPath(_)));
-        assert!(matches!(e(br#"{"name":"x","loadOnlyInlinedPlugins":true}"#), InlinedWithoutPlugins));
-        assert!(matches!(e(br#"{"name":"x","disableCheck":"maybe","plugins":[{"type":"a"}]}"#), Syntax(_)));
-        assert!(matches!(e(br#"{"name":"x","cniVersions":["one"],"plugins":[{"type":"a"}]}"#), InvalidVersion(_)));
-        assert!(matches!(NetConfList::from_conf_bytes(br#"{"name":"x"}"#), Err(MissingType(None))));
+        assert!(matches!(
+            e(br#"{"name":"x","plugins":[]}"#),
+            EmptyPluginList
+        ));
+        assert!(matches!(
+            e(br#"{"name":"x","plugins":[{"a":1}]}"#),
+            MissingType(Some(0))
+        ));
+        assert!(matches!(
+            e(br#"{"name":"x","plugins":[{"type":"../bin/sh"}]}"#),
+            TypeWithPath(_)
+        ));
+        assert!(matches!(
+            e(br#"{"name":"x","loadOnlyInlinedPlugins":true}"#),
+            InlinedWithoutPlugins
+        ));
+        assert!(matches!(
+            e(br#"{"name":"x","disableCheck":"maybe","plugins":[{"type":"a"}]}"#),
+            Syntax(_)
+        ));
+        assert!(matches!(
+            e(br#"{"name":"x","cniVersions":["one"],"plugins":[{"type":"a"}]}"#),
+            InvalidVersion(_)
+        ));
+        assert!(matches!(
+            NetConfList::from_conf_bytes(br#"{"name":"x"}"#),
+            Err(MissingType(None))
+        ));
         // "TRUE" is a valid boolean for libcni.
         let ok = NetConfList::from_conflist_bytes(
             br#"{"name":"x","disableCheck":"TRUE","plugins":[{"type":"a"}]}"#,
@@ -263,9 +287,10 @@ mod tests {
         )
         .unwrap();
         assert_eq!(list.effective_version(), "1.1.0");
-        let plain =
-            NetConfList::from_conflist_bytes(br#"{"cniVersion":"0.3.1","name":"x","plugins":[{"type":"a"}]}"#)
-                .unwrap();
+        let plain = NetConfList::from_conflist_bytes(
+            br#"{"cniVersion":"0.3.1","name":"x","plugins":[{"type":"a"}]}"#,
+        )
+        .unwrap();
         assert_eq!(plain.effective_version(), "0.3.1");
     }
 }

@@ -19,4 +19,4 @@ pub use config::{ConfigError, NetConfList, PluginConf};
 pub use listing::{DirEntry, EntryKind};
 pub use probe::{Broken, ProbeOutcome};
 pub use select::{EffectiveConfig, Runtime};
-pub use verdict::{Reason, VerifyOptions, Verdict, verify};
+pub use verdict::{Reason, Verdict, VerifyOptions, verify};

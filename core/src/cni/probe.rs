@@ -59,7 +59,10 @@ impl std::fmt::Display for Broken {
             Broken::Empty => f.write_str("is empty (a partial copy?)"),
             Broken::Failed(why) => write!(f, "failed on VERSION: {why}"),
             Broken::TimedOut { after_ms } => {
-                write!(f, "did not answer VERSION within {after_ms} ms and was killed")
+                write!(
+                    f,
+                    "did not answer VERSION within {after_ms} ms and was killed"
+                )
             }
             Broken::BadReply(why) => write!(f, "gave an invalid VERSION reply: {why}"),
         }
@@ -113,15 +116,23 @@ mod tests {
     #[test]
     fn decodes_replies() {
         assert_eq!(
-            decode_version_reply(br#"{"cniVersion":"1.0.0","supportedVersions":["0.3.1","1.0.0"]}"#),
+            decode_version_reply(
+                br#"{"cniVersion":"1.0.0","supportedVersions":["0.3.1","1.0.0"]}"#
+            ),
             Ok(vec!["0.3.1".to_string(), "1.0.0".to_string()])
         );
         assert!(matches!(
             decode_version_reply(br#"{"cniVersion":"1.0.0","code":1,"msg":"incompatible"}"#),
             Err(Broken::Failed(m)) if m.contains("incompatible")
         ));
-        assert!(matches!(decode_version_reply(b"hello"), Err(Broken::BadReply(_))));
-        assert!(matches!(decode_version_reply(br#"{"cniVersion":"1.0.0"}"#), Err(Broken::BadReply(_))));
+        assert!(matches!(
+            decode_version_reply(b"hello"),
+            Err(Broken::BadReply(_))
+        ));
+        assert!(matches!(
+            decode_version_reply(br#"{"cniVersion":"1.0.0"}"#),
+            Err(Broken::BadReply(_))
+        ));
     }
 
     proptest! {

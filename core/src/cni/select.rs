@@ -130,9 +130,7 @@ fn load(entry: &DirEntry, siblings: &[DirEntry]) -> Result<(NetConfList, Vec<Str
             };
             let mut confs: Vec<&DirEntry> = files
                 .iter()
-                .filter(|f| {
-                    f.name.ends_with(".conf") && !matches!(f.kind, EntryKind::Directory(_))
-                })
+                .filter(|f| f.name.ends_with(".conf") && !matches!(f.kind, EntryKind::Directory(_)))
                 .collect();
             confs.sort_by(|a, b| a.name.cmp(&b.name));
             for f in confs {

@@ -145,7 +145,11 @@ pub fn verify(
                 format!(
                     "no {} file in {}",
                     CONFIG_EXTENSIONS.join(", "),
-                    if opts.conf_dir.is_empty() { "the CNI config directory" } else { &opts.conf_dir }
+                    if opts.conf_dir.is_empty() {
+                        "the CNI config directory"
+                    } else {
+                        &opts.conf_dir
+                    }
                 ),
                 None,
                 Vec::new(),
@@ -212,7 +216,11 @@ pub fn verify(
     if let Some((reason, first)) = problems.first().cloned() {
         let more = match problems.len() {
             1 => String::new(),
-            n => format!(" (and {} more plugin problem{})", n - 1, if n > 2 { "s" } else { "" }),
+            n => format!(
+                " (and {} more plugin problem{})",
+                n - 1,
+                if n > 2 { "s" } else { "" }
+            ),
         };
         return verdict(reason, format!("{first}{more}"), Some(file), plugins);
     }
@@ -230,7 +238,11 @@ pub fn verify(
     if !eff.skipped.is_empty() {
         message.push_str(&format!(
             "; skipped invalid: {}",
-            eff.skipped.iter().map(|(f, _)| f.as_str()).collect::<Vec<_>>().join(", ")
+            eff.skipped
+                .iter()
+                .map(|(f, _)| f.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
         ));
     }
     verdict(Reason::Verified, message, Some(file), plugins)
@@ -243,7 +255,12 @@ fn check_structure(
     file: &str,
     chain: &str,
 ) -> Result<(), (Reason, String)> {
-    let types: Vec<&str> = eff.list.plugins.iter().map(|p| p.plugin_type.as_str()).collect();
+    let types: Vec<&str> = eff
+        .list
+        .plugins
+        .iter()
+        .map(|p| p.plugin_type.as_str())
+        .collect();
     let missing: Vec<&str> = required
         .iter()
         .map(String::as_str)
@@ -260,7 +277,9 @@ fn check_structure(
     }
     for r in required {
         // `missing` is empty, so every required type is present.
-        let Some(at) = types.iter().position(|t| t == r) else { continue };
+        let Some(at) = types.iter().position(|t| t == r) else {
+            continue;
+        };
         let has_primary = types[..at]
             .iter()
             .any(|t| !INTERFACE_LESS_PLUGINS.contains(t) && !required.iter().any(|q| q == t));

@@ -75,8 +75,10 @@ pub fn locate<K: Clone>(
         ));
     }
     if let Some(u) = &uid {
-        let confirmed: Vec<&&NetnsFacts<K>> =
-            plausible.iter().filter(|c| c.pod_uids.contains(u)).collect();
+        let confirmed: Vec<&&NetnsFacts<K>> = plausible
+            .iter()
+            .filter(|c| c.pod_uids.contains(u))
+            .collect();
         if let [one] = confirmed.as_slice() {
             return Located::Found(one.key.clone());
         }
@@ -189,7 +191,10 @@ mod tests {
             UID.replace('-', "_")
         );
         assert_eq!(pod_uid_from_cgroup(&systemd).as_deref(), Some(UID));
-        let guaranteed = format!("0::/kubepods.slice/kubepods-pod{}.slice/x.scope", UID.replace('-', "_"));
+        let guaranteed = format!(
+            "0::/kubepods.slice/kubepods-pod{}.slice/x.scope",
+            UID.replace('-', "_")
+        );
         assert_eq!(pod_uid_from_cgroup(&guaranteed).as_deref(), Some(UID));
         // cgroup v1 with several hierarchies: the first pod path is taken.
         let v1 = format!(
@@ -242,12 +247,12 @@ mod tests {
             Located::Unknown(_)
         ));
         // Two namespaces with the IP: the UID-confirmed one wins (systemd spelling too).
-        let c = [
-            ns(1, &["10.0.0.1"], &[]),
-            ns(2, &["10.0.0.1"], &[UID]),
-        ];
+        let c = [ns(1, &["10.0.0.1"], &[]), ns(2, &["10.0.0.1"], &[UID])];
         let systemd_uid = UID.replace('-', "_");
-        assert_eq!(locate(&c, &[ip("10.0.0.1")], Some(&systemd_uid)), Located::Found(2));
+        assert_eq!(
+            locate(&c, &[ip("10.0.0.1")], Some(&systemd_uid)),
+            Located::Found(2)
+        );
         // Two unconfirmed namespaces: ambiguous, so unknown.
         let c = [ns(1, &["10.0.0.1"], &[]), ns(2, &["10.0.0.1"], &[])];
         assert!(matches!(

@@ -428,7 +428,7 @@ mod tests {
                 Chain::regular(
                     "ISTIO_OUTPUT",
                     vec![
-                        Rule::all(Action::Return).when(), // -s 127.0.0.6/32 -o lo
+                        Rule::all(Action::Return).when(),            // -s 127.0.0.6/32 -o lo
                         Rule::all(jump("ISTIO_IN_REDIRECT")).when(), // ! -d 127.0.0.1/32 -o lo -m owner --uid-owner 1337
                         Rule::all(Action::Return).when(), // -o lo -m owner ! --uid-owner 1337
                         Rule::all(Action::Return).when(), // -m owner --uid-owner 1337
@@ -536,7 +536,9 @@ mod tests {
         // One inet path covers IPv4 and IPv6: reported once.
         assert_eq!(
             got.inbound.via.as_deref(),
-            Some("inet istio-proxy-nat prerouting -> istio-inbound -> istio-in-redirect (nftables)")
+            Some(
+                "inet istio-proxy-nat prerouting -> istio-inbound -> istio-in-redirect (nftables)"
+            )
         );
         assert_eq!(
             got.outbound.via.as_deref(),
@@ -580,7 +582,12 @@ mod tests {
                     -100,
                     vec![Rule::tcp(redirect(4140))],
                 ),
-                Chain::nat_base("OUTPUT", Hook::Output, -100, vec![Rule::tcp(redirect(4143))]),
+                Chain::nat_base(
+                    "OUTPUT",
+                    Hook::Output,
+                    -100,
+                    vec![Rule::tcp(redirect(4143))],
+                ),
             ],
         );
         assert_eq!(
@@ -781,7 +788,12 @@ mod tests {
             "nat",
             Source::IptablesNft,
             vec![
-                Chain::nat_base("PREROUTING", Hook::Prerouting, 0, vec![Rule::all(jump("X"))]),
+                Chain::nat_base(
+                    "PREROUTING",
+                    Hook::Prerouting,
+                    0,
+                    vec![Rule::all(jump("X"))],
+                ),
                 Chain::regular("X", vec![Rule::all(goto("Y"))]),
                 Chain::regular("Y", vec![Rule::all(jump("X"))]),
             ],
@@ -867,7 +879,13 @@ mod tests {
         }
         let got = check(&set(vec![empty, istio_nft()]), &profile("istio"), V4);
         assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
-        assert!(got.inbound.via.as_deref().unwrap_or("").contains("istio-proxy-nat"));
+        assert!(
+            got.inbound
+                .via
+                .as_deref()
+                .unwrap_or("")
+                .contains("istio-proxy-nat")
+        );
     }
 
     #[test]
@@ -877,13 +895,23 @@ mod tests {
                 Family::Ip,
                 "late",
                 Source::Nftables,
-                vec![Chain::nat_base("pre", Hook::Prerouting, 100, vec![Rule::tcp(redirect(1))])],
+                vec![Chain::nat_base(
+                    "pre",
+                    Hook::Prerouting,
+                    100,
+                    vec![Rule::tcp(redirect(1))],
+                )],
             ),
             table(
                 Family::Ip,
                 "early",
                 Source::Nftables,
-                vec![Chain::nat_base("pre", Hook::Prerouting, -100, vec![Rule::tcp(redirect(1))])],
+                vec![Chain::nat_base(
+                    "pre",
+                    Hook::Prerouting,
+                    -100,
+                    vec![Rule::tcp(redirect(1))],
+                )],
             ),
         ]);
         let p = find_redirect(&rs, Hook::Prerouting, 1, IpFamily::V4).expect("found");
@@ -901,7 +929,10 @@ mod tests {
         assert!(v["inbound"]["via"].is_string());
         assert!(v["inbound"].get("missing_families").is_none());
         let unknown = Inspection::unknown(&profile("istio"), "no netns");
-        assert_eq!(serde_json::to_value(&unknown).expect("ser")["verdict"], "unknown");
+        assert_eq!(
+            serde_json::to_value(&unknown).expect("ser")["verdict"],
+            "unknown"
+        );
     }
 
     mod arbitrary {
@@ -923,7 +954,11 @@ mod tests {
 
         fn rule() -> impl Strategy<Value = Rule> {
             (
-                prop_oneof![Just(Protocol::Any), Just(Protocol::Tcp), Just(Protocol::Other)],
+                prop_oneof![
+                    Just(Protocol::Any),
+                    Just(Protocol::Tcp),
+                    Just(Protocol::Other)
+                ],
                 any::<bool>(),
                 action(),
             )

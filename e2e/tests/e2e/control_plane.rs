@@ -33,7 +33,13 @@ fn api_code(e: &kube::Error) -> Option<u16> {
 }
 
 fn taint_keys(node: &Node) -> Vec<String> {
-    node.spec.as_ref().and_then(|s| s.taints.clone()).unwrap_or_default().into_iter().map(|t| t.key).collect()
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|t| t.key)
+        .collect()
 }
 
 /// A Deployment of `replicas` pause pods restricted to nodes labelled `TEST_LABEL=group`.
@@ -57,7 +63,10 @@ fn deployment(name: &str, group: &str, replicas: i32) -> anyhow::Result<Deployme
 
 async fn pods_with_label(client: &Client, ns: &str, app: &str) -> anyhow::Result<Vec<Pod>> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    Ok(pods.list(&ListParams::default().labels(&format!("app={app}"))).await?.items)
+    Ok(pods
+        .list(&ListParams::default().labels(&format!("app={app}")))
+        .await?
+        .items)
 }
 
 fn node_of(pod: &Pod) -> Option<&str> {
@@ -65,9 +74,15 @@ fn node_of(pod: &Pod) -> Option<&str> {
 }
 
 fn is_running_ready(pod: &Pod) -> bool {
-    let Some(status) = pod.status.as_ref() else { return false };
+    let Some(status) = pod.status.as_ref() else {
+        return false;
+    };
     status.phase.as_deref() == Some("Running")
-        && status.conditions.iter().flatten().any(|c| c.type_ == "Ready" && c.status == "True")
+        && status
+            .conditions
+            .iter()
+            .flatten()
+            .any(|c| c.type_ == "Ready" && c.status == "True")
 }
 
 #[tokio::test]
@@ -75,8 +90,14 @@ async fn version_reports_the_pinned_release() -> anyhow::Result<()> {
     let cp = cp().await;
     let info = cp.client()?.apiserver_version().await?;
     let pinned = meshgate_e2e::kubernetes_version()?;
-    assert_eq!(info.git_version, pinned, "/version must report the release install-deps.sh built");
-    assert_eq!(format!("v{}.{}", info.major, info.minor), pinned.rsplit_once('.').context("version")?.0);
+    assert_eq!(
+        info.git_version, pinned,
+        "/version must report the release install-deps.sh built"
+    );
+    assert_eq!(
+        format!("v{}.{}", info.major, info.minor),
+        pinned.rsplit_once('.').context("version")?.0
+    );
     Ok(())
 }
 
@@ -85,17 +106,32 @@ async fn registered_node_is_ready_and_its_lease_is_renewed() -> anyhow::Result<(
     let cp = cp().await;
     let client = cp.client()?;
     let name = unique_name("cp-lease");
-    cp.register_node(&client, &NodeSpec::new(&name).pods(7)).await?;
+    cp.register_node(&client, &NodeSpec::new(&name).pods(7))
+        .await?;
 
     let node = Api::<Node>::all(client.clone()).get(&name).await?;
     let status = node.status.clone().context("node status")?;
     assert_eq!(status.allocatable.context("allocatable")?["pods"].0, "7");
-    let ready = status.conditions.unwrap_or_default().into_iter().find(|c| c.type_ == "Ready");
+    let ready = status
+        .conditions
+        .unwrap_or_default()
+        .into_iter()
+        .find(|c| c.type_ == "Ready");
     assert_eq!(ready.map(|c| c.status).as_deref(), Some("True"));
-    assert!(taint_keys(&node).is_empty(), "the lifecycle controller lifted its taints: {:?}", taint_keys(&node));
+    assert!(
+        taint_keys(&node).is_empty(),
+        "the lifecycle controller lifted its taints: {:?}",
+        taint_keys(&node)
+    );
 
     let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-node-lease");
-    let first = leases.get(&name).await?.spec.context("lease spec")?.renew_time.context("renewTime")?;
+    let first = leases
+        .get(&name)
+        .await?
+        .spec
+        .context("lease spec")?
+        .renew_time
+        .context("renewTime")?;
     // The background renewer runs every 10 s; a new renewTime proves it outlives this call.
     poll_until("the node lease to be renewed", WAIT, || async {
         let renewed = leases.get(&name).await?.spec.and_then(|s| s.renew_time);
@@ -106,7 +142,8 @@ async fn registered_node_is_ready_and_its_lease_is_renewed() -> anyhow::Result<(
 }
 
 #[tokio::test]
-async fn taint_patch_with_stale_resource_version_conflicts_and_retry_succeeds() -> anyhow::Result<()> {
+async fn taint_patch_with_stale_resource_version_conflicts_and_retry_succeeds() -> anyhow::Result<()>
+{
     let cp = cp().await;
     let client = cp.client()?;
     let name = unique_name("cp-taints");
@@ -122,15 +159,22 @@ async fn taint_patch_with_stale_resource_version_conflicts_and_retry_succeeds() 
         { "op": "test", "path": "/metadata/resourceVersion", "value": stale_rv },
         { "op": "add", "path": "/spec/taints", "value": [{ "key": TAINT_KEY, "effect": "NoSchedule" }] }
     ]);
-    nodes.patch(&name, &pp, &Patch::<()>::Json(serde_json::from_value(a)?)).await?;
+    nodes
+        .patch(&name, &pp, &Patch::<()>::Json(serde_json::from_value(a)?))
+        .await?;
 
     // Writer B still holds the old read: a merge patch carrying that resourceVersion is a
     // conflict (409), not a silent overwrite of A's taint.
-    let b = |rv: &str, taints: serde_json::Value| {
-        json!({ "metadata": { "resourceVersion": rv }, "spec": { "taints": taints } })
-    };
+    let b = |rv: &str, taints: serde_json::Value| json!({ "metadata": { "resourceVersion": rv }, "spec": { "taints": taints } });
     let err = nodes
-        .patch(&name, &pp, &Patch::Merge(b(&stale_rv, json!([{ "key": "writer-b", "effect": "NoSchedule" }]))))
+        .patch(
+            &name,
+            &pp,
+            &Patch::Merge(b(
+                &stale_rv,
+                json!([{ "key": "writer-b", "effect": "NoSchedule" }]),
+            )),
+        )
         .await
         .expect_err("a stale merge patch must not apply");
     assert_eq!(api_code(&err), Some(409), "{err}");
@@ -151,11 +195,20 @@ async fn taint_patch_with_stale_resource_version_conflicts_and_retry_succeeds() 
     let fresh_rv = fresh.resource_version().context("resourceVersion")?;
     assert_ne!(fresh_rv, stale_rv);
     let mut taints = serde_json::to_value(fresh.spec.and_then(|s| s.taints).unwrap_or_default())?;
-    taints.as_array_mut().context("taints")?.push(json!({ "key": "writer-b", "effect": "NoSchedule" }));
-    nodes.patch(&name, &pp, &Patch::Merge(b(&fresh_rv, taints))).await?;
+    taints
+        .as_array_mut()
+        .context("taints")?
+        .push(json!({ "key": "writer-b", "effect": "NoSchedule" }));
+    nodes
+        .patch(&name, &pp, &Patch::Merge(b(&fresh_rv, taints)))
+        .await?;
 
     let keys = taint_keys(&nodes.get(&name).await?);
-    assert_eq!(keys, vec![TAINT_KEY.to_owned(), "writer-b".to_owned()], "no update was lost");
+    assert_eq!(
+        keys,
+        vec![TAINT_KEY.to_owned(), "writer-b".to_owned()],
+        "no update was lost"
+    );
     Ok(())
 }
 
@@ -167,58 +220,105 @@ async fn deployment_avoids_the_tainted_node_until_the_taint_is_removed() -> anyh
     let group = ns.clone();
     let tainted = unique_name("cp-sched-tainted");
     let clean = unique_name("cp-sched-clean");
-    cp.register_node(&client, &NodeSpec::new(&tainted).label(TEST_LABEL, &group).taint(TAINT_KEY, "NoSchedule"))
-        .await?;
+    cp.register_node(
+        &client,
+        &NodeSpec::new(&tainted)
+            .label(TEST_LABEL, &group)
+            .taint(TAINT_KEY, "NoSchedule"),
+    )
+    .await?;
     // Room for exactly two pods, so the scheduler must look elsewhere for the rest.
-    cp.register_node(&client, &NodeSpec::new(&clean).label(TEST_LABEL, &group).pods(2)).await?;
+    cp.register_node(
+        &client,
+        &NodeSpec::new(&clean).label(TEST_LABEL, &group).pods(2),
+    )
+    .await?;
 
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
-    deployments.create(&PostParams::default(), &deployment("web", &group, 2)?).await?;
+    deployments
+        .create(&PostParams::default(), &deployment("web", &group, 2)?)
+        .await?;
     let placed = poll_until("2 pods scheduled", WAIT, || async {
         let pods = pods_with_label(&client, &ns, "web").await?;
-        let bound: Vec<String> = pods.iter().filter_map(|p| node_of(p).map(str::to_owned)).collect();
+        let bound: Vec<String> = pods
+            .iter()
+            .filter_map(|p| node_of(p).map(str::to_owned))
+            .collect();
         Ok::<_, anyhow::Error>((pods.len() == 2 && bound.len() == 2).then_some(bound))
     })
     .await?;
-    assert!(placed.iter().all(|n| *n == clean), "pods must avoid the tainted node: {placed:?}");
+    assert!(
+        placed.iter().all(|n| *n == clean),
+        "pods must avoid the tainted node: {placed:?}"
+    );
 
     // Two more replicas: the clean node is full and the other is tainted, so they stay pending,
-    // and the scheduler says the taint is why.
-    deployments.patch("web", &PatchParams::default(), &Patch::Merge(json!({ "spec": { "replicas": 4 } }))).await?;
-    let pending = poll_until("2 pods unschedulable because of the taint", WAIT, || async {
-        let pods = pods_with_label(&client, &ns, "web").await?;
-        let pending: Vec<String> = pods
-            .iter()
-            .filter(|p| node_of(p).is_none())
-            .filter(|p| {
-                let conds = p.status.as_ref().and_then(|s| s.conditions.clone()).unwrap_or_default();
-                conds.iter().any(|c| {
-                    c.type_ == "PodScheduled"
-                        && c.reason.as_deref() == Some("Unschedulable")
-                        && c.message.as_deref().is_some_and(|m| m.contains(TAINT_KEY))
+    // and the scheduler says a taint is one reason (since 1.33 it no longer names the key).
+    deployments
+        .patch(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "replicas": 4 } })),
+        )
+        .await?;
+    let pending = poll_until(
+        "2 pods unschedulable because of the taint",
+        WAIT,
+        || async {
+            let pods = pods_with_label(&client, &ns, "web").await?;
+            let pending: Vec<String> = pods
+                .iter()
+                .filter(|p| node_of(p).is_none())
+                .filter(|p| {
+                    let conds = p
+                        .status
+                        .as_ref()
+                        .and_then(|s| s.conditions.clone())
+                        .unwrap_or_default();
+                    conds.iter().any(|c| {
+                        c.type_ == "PodScheduled"
+                            && c.reason.as_deref() == Some("Unschedulable")
+                            && c.message
+                                .as_deref()
+                                .is_some_and(|m| m.contains("untolerated taint"))
+                    })
                 })
-            })
-            .map(|p| p.name_any())
-            .collect();
-        Ok::<_, anyhow::Error>((pods.len() == 4 && pending.len() == 2).then_some(pending))
-    })
+                .map(|p| p.name_any())
+                .collect();
+            Ok::<_, anyhow::Error>((pods.len() == 4 && pending.len() == 2).then_some(pending))
+        },
+    )
     .await?;
 
     let nodes: Api<Node> = Api::all(client.clone());
-    nodes.patch(&tainted, &PatchParams::default(), &Patch::Merge(json!({ "spec": { "taints": null } }))).await?;
+    nodes
+        .patch(
+            &tainted,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "taints": null } })),
+        )
+        .await?;
 
-    let on_tainted = poll_until("the pending pods to land on the untainted node", WAIT, || async {
-        let pods = pods_with_label(&client, &ns, "web").await?;
-        let moved: BTreeSet<String> = pods
-            .iter()
-            .filter(|p| pending.contains(&p.name_any()) && node_of(p) == Some(tainted.as_str()))
-            .map(|p| p.name_any())
-            .collect();
-        Ok::<_, anyhow::Error>((moved.len() == 2).then_some(moved))
-    })
+    let on_tainted = poll_until(
+        "the pending pods to land on the untainted node",
+        WAIT,
+        || async {
+            let pods = pods_with_label(&client, &ns, "web").await?;
+            let moved: BTreeSet<String> = pods
+                .iter()
+                .filter(|p| pending.contains(&p.name_any()) && node_of(p) == Some(tainted.as_str()))
+                .map(|p| p.name_any())
+                .collect();
+            Ok::<_, anyhow::Error>((moved.len() == 2).then_some(moved))
+        },
+    )
     .await?;
     assert_eq!(on_tainted.len(), 2);
-    let on_clean = pods_with_label(&client, &ns, "web").await?.iter().filter(|p| node_of(p) == Some(&clean)).count();
+    let on_clean = pods_with_label(&client, &ns, "web")
+        .await?
+        .iter()
+        .filter(|p| node_of(p) == Some(&clean))
+        .count();
     assert_eq!(on_clean, 2);
     Ok(())
 }
@@ -230,7 +330,13 @@ async fn bound_pod_is_moved_to_running_through_the_status_subresource() -> anyho
     let ns = cp.create_namespace(&client, "cp-running").await?;
     let node = unique_name("cp-running");
     let node_ip: IpAddr = Ipv4Addr::new(192, 0, 2, 10).into();
-    cp.register_node(&client, &NodeSpec::new(&node).label(TEST_LABEL, &ns).internal_ip(node_ip)).await?;
+    cp.register_node(
+        &client,
+        &NodeSpec::new(&node)
+            .label(TEST_LABEL, &ns)
+            .internal_ip(node_ip),
+    )
+    .await?;
 
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let pod: Pod = serde_json::from_value(json!({
@@ -246,7 +352,10 @@ async fn bound_pod_is_moved_to_running_through_the_status_subresource() -> anyho
     })
     .await?;
     let before = pods.get("solo").await?;
-    assert_eq!(before.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Pending"));
+    assert_eq!(
+        before.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Pending")
+    );
 
     let pod_ip: IpAddr = Ipv4Addr::new(10, 200, 0, 7).into();
     meshgate_e2e::mark_pod_running(&client, &ns, "solo", pod_ip).await?;
@@ -256,7 +365,14 @@ async fn bound_pod_is_moved_to_running_through_the_status_subresource() -> anyho
     let status = after.status.context("status")?;
     assert_eq!(status.pod_ip.as_deref(), Some("10.200.0.7"));
     assert_eq!(status.host_ip.as_deref(), Some("192.0.2.10"));
-    assert_eq!(status.container_statuses.unwrap_or_default().first().map(|c| c.ready), Some(true));
+    assert_eq!(
+        status
+            .container_statuses
+            .unwrap_or_default()
+            .first()
+            .map(|c| c.ready),
+        Some(true)
+    );
     // The status subresource changes status only: the spec's generation did not move.
     assert_eq!(after.metadata.generation, before.metadata.generation);
     Ok(())
@@ -268,8 +384,12 @@ async fn eviction_honours_the_pdb_and_the_replicaset_recreates_the_pod() -> anyh
     let client = cp.client()?;
     let ns = cp.create_namespace(&client, "cp-evict").await?;
     let node = unique_name("cp-evict");
-    cp.register_node(&client, &NodeSpec::new(&node).label(TEST_LABEL, &ns)).await?;
-    let _kubelet = cp.run_pods(&node, meshgate_e2e::sequential_ips(Ipv4Addr::new(10, 201, 0, 1)));
+    cp.register_node(&client, &NodeSpec::new(&node).label(TEST_LABEL, &ns))
+        .await?;
+    let _kubelet = cp.run_pods(
+        &node,
+        meshgate_e2e::sequential_ips(Ipv4Addr::new(10, 201, 0, 1)),
+    );
 
     Api::<Deployment>::namespaced(client.clone(), &ns)
         .create(&PostParams::default(), &deployment("guarded", &ns, 2)?)
@@ -290,13 +410,20 @@ async fn eviction_honours_the_pdb_and_the_replicaset_recreates_the_pod() -> anyh
     let disruptions_allowed = |want: i32| {
         let pdbs = pdbs.clone();
         async move {
-            poll_until(&format!("PDB status disruptionsAllowed={want}"), WAIT, || async {
-                let pdb = pdbs.get("guarded").await?;
-                let generation = pdb.metadata.generation;
-                let status = pdb.status.unwrap_or_default();
-                let current = status.observed_generation == generation && status.current_healthy == 2;
-                Ok::<_, kube::Error>((current && status.disruptions_allowed == want).then_some(()))
-            })
+            poll_until(
+                &format!("PDB status disruptionsAllowed={want}"),
+                WAIT,
+                || async {
+                    let pdb = pdbs.get("guarded").await?;
+                    let generation = pdb.metadata.generation;
+                    let status = pdb.status.unwrap_or_default();
+                    let current =
+                        status.observed_generation == generation && status.current_healthy == 2;
+                    Ok::<_, kube::Error>(
+                        (current && status.disruptions_allowed == want).then_some(()),
+                    )
+                },
+            )
             .await
         }
     };
@@ -304,29 +431,62 @@ async fn eviction_honours_the_pdb_and_the_replicaset_recreates_the_pod() -> anyh
 
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let victim = original[0].name_any();
-    let err = pods.evict(&victim, &EvictParams::default()).await.expect_err("the PDB must refuse");
+    let err = pods
+        .evict(&victim, &EvictParams::default())
+        .await
+        .expect_err("the PDB must refuse");
     assert_eq!(api_code(&err), Some(429), "{err}");
-    assert!(pods.get(&victim).await?.metadata.deletion_timestamp.is_none(), "a refused eviction deletes nothing");
+    assert!(
+        pods.get(&victim)
+            .await?
+            .metadata
+            .deletion_timestamp
+            .is_none(),
+        "a refused eviction deletes nothing"
+    );
 
-    pdbs.patch("guarded", &PatchParams::default(), &Patch::Merge(json!({ "spec": { "minAvailable": 1 } }))).await?;
+    pdbs.patch(
+        "guarded",
+        &PatchParams::default(),
+        &Patch::Merge(json!({ "spec": { "minAvailable": 1 } })),
+    )
+    .await?;
     disruptions_allowed(1).await?;
     pods.evict(&victim, &EvictParams::default()).await?;
 
-    let rs_uid = original[0].owner_references().first().map(|o| o.uid.clone()).context("owner")?;
-    let replacement = poll_until("the ReplicaSet to replace the evicted pod with a Running one", WAIT, || async {
-        let now = pods_with_label(&client, &ns, "guarded").await?;
-        if now.iter().any(|p| p.name_any() == victim) {
-            return Ok(None); // the kubelet stand-in has not finalized the deletion yet
-        }
-        let fresh: Vec<Pod> = now
-            .into_iter()
-            .filter(|p| !original.iter().any(|o| o.name_any() == p.name_any()) && is_running_ready(p))
-            .collect();
-        Ok::<_, anyhow::Error>(fresh.into_iter().next())
-    })
+    let rs_uid = original[0]
+        .owner_references()
+        .first()
+        .map(|o| o.uid.clone())
+        .context("owner")?;
+    let replacement = poll_until(
+        "the ReplicaSet to replace the evicted pod with a Running one",
+        WAIT,
+        || async {
+            let now = pods_with_label(&client, &ns, "guarded").await?;
+            if now.iter().any(|p| p.name_any() == victim) {
+                return Ok(None); // the kubelet stand-in has not finalized the deletion yet
+            }
+            let fresh: Vec<Pod> = now
+                .into_iter()
+                .filter(|p| {
+                    !original.iter().any(|o| o.name_any() == p.name_any()) && is_running_ready(p)
+                })
+                .collect();
+            Ok::<_, anyhow::Error>(fresh.into_iter().next())
+        },
+    )
     .await?;
-    assert_eq!(replacement.owner_references().first().map(|o| o.uid.clone()), Some(rs_uid.clone()));
-    let rs = Api::<ReplicaSet>::namespaced(client.clone(), &ns).list(&ListParams::default()).await?;
+    assert_eq!(
+        replacement
+            .owner_references()
+            .first()
+            .map(|o| o.uid.clone()),
+        Some(rs_uid.clone())
+    );
+    let rs = Api::<ReplicaSet>::namespaced(client.clone(), &ns)
+        .list(&ListParams::default())
+        .await?;
     assert_eq!(rs.items.len(), 1, "the same ReplicaSet, not a new rollout");
     Ok(())
 }
@@ -336,15 +496,30 @@ async fn kubectl_describe_node_shows_the_taint() -> anyhow::Result<()> {
     let cp = cp().await;
     let client = cp.client()?;
     let name = unique_name("cp-kubectl");
-    cp.register_node(&client, &NodeSpec::new(&name).taint(TAINT_KEY, "NoSchedule")).await?;
+    cp.register_node(
+        &client,
+        &NodeSpec::new(&name).taint(TAINT_KEY, "NoSchedule"),
+    )
+    .await?;
 
     let version = cp.kubectl(&["version", "--client", "-o", "json"]).await?;
     let version: serde_json::Value = serde_json::from_str(&version)?;
-    assert_eq!(version["clientVersion"]["gitVersion"], cp.version(), "the kubectl built with the control plane");
+    assert_eq!(
+        version["clientVersion"]["gitVersion"],
+        cp.version(),
+        "the kubectl built with the control plane"
+    );
 
     let out = cp.kubectl(&["describe", "node", &name]).await?;
-    let taints = out.lines().find(|l| l.starts_with("Taints:")).context("no Taints line")?;
-    assert_eq!(taints.split_whitespace().nth(1), Some(format!("{TAINT_KEY}:NoSchedule").as_str()), "{out}");
+    let taints = out
+        .lines()
+        .find(|l| l.starts_with("Taints:"))
+        .context("no Taints line")?;
+    assert_eq!(
+        taints.split_whitespace().nth(1),
+        Some(format!("{TAINT_KEY}:NoSchedule").as_str()),
+        "{out}"
+    );
     Ok(())
 }
 
@@ -354,10 +529,15 @@ async fn service_account_token_carries_node_identity_and_rbac_applies() -> anyho
     let client = cp.client()?;
     let ns = cp.create_namespace(&client, "cp-token").await?;
     let node = unique_name("cp-token");
-    cp.register_node(&client, &NodeSpec::new(&node).label(TEST_LABEL, &ns)).await?;
+    cp.register_node(&client, &NodeSpec::new(&node).label(TEST_LABEL, &ns))
+        .await?;
 
     let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), &ns);
-    sas.create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": "agent" } }))?).await?;
+    sas.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({ "metadata": { "name": "agent" } }))?,
+    )
+    .await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let pod: Pod = serde_json::from_value(json!({
         "metadata": { "name": "agent" },
@@ -374,18 +554,34 @@ async fn service_account_token_carries_node_identity_and_rbac_applies() -> anyho
     })
     .await?;
 
-    let options = TokenOptions { bound_pod: Some(pod), ..Default::default() };
+    let options = TokenOptions {
+        bound_pod: Some(pod),
+        ..Default::default()
+    };
     let token = meshgate_e2e::service_account_token(&client, &ns, "agent", &options).await?;
     let agent = cp.client_for_token(&token)?;
 
     let review: SelfSubjectReview = Api::<SelfSubjectReview>::all(agent.clone())
         .create(&PostParams::default(), &SelfSubjectReview::default())
         .await?;
-    let user = review.status.and_then(|s| s.user_info).context("userInfo")?;
-    assert_eq!(user.username.as_deref(), Some(format!("system:serviceaccount:{ns}:agent").as_str()));
+    let user = review
+        .status
+        .and_then(|s| s.user_info)
+        .context("userInfo")?;
+    assert_eq!(
+        user.username.as_deref(),
+        Some(format!("system:serviceaccount:{ns}:agent").as_str())
+    );
     let extra = user.extra.unwrap_or_default();
-    assert_eq!(extra.get("authentication.kubernetes.io/node-name"), Some(&vec![node.clone()]), "{extra:?}");
-    assert_eq!(extra.get("authentication.kubernetes.io/pod-name"), Some(&vec!["agent".to_owned()]));
+    assert_eq!(
+        extra.get("authentication.kubernetes.io/node-name"),
+        Some(&vec![node.clone()]),
+        "{extra:?}"
+    );
+    assert_eq!(
+        extra.get("authentication.kubernetes.io/pod-name"),
+        Some(&vec!["agent".to_owned()])
+    );
 
     // RBAC is enforced: nothing grants this identity access to Nodes yet...
     let agent_nodes: Api<Node> = Api::all(agent);
@@ -425,10 +621,18 @@ async fn service_account_token_carries_node_identity_and_rbac_applies() -> anyho
     // The same token as a kubeconfig file, for processes under test.
     let path = cp.write_token_kubeconfig(&ns, &token)?;
     let from_file = kube::config::Kubeconfig::read_from(&path)?;
-    let file_client = Client::try_from(kube::Config::from_custom_kubeconfig(from_file, &Default::default()).await?)?;
+    let file_client = Client::try_from(
+        kube::Config::from_custom_kubeconfig(from_file, &Default::default()).await?,
+    )?;
     if Api::<Node>::all(file_client).get(&node).await.is_err() {
-        bail!("the token kubeconfig at {} does not authenticate", path.display());
+        bail!(
+            "the token kubeconfig at {} does not authenticate",
+            path.display()
+        );
     }
-    ensure!(path.starts_with(cp.dir()), "token kubeconfigs live in the control plane's directory");
+    ensure!(
+        path.starts_with(cp.dir()),
+        "token kubeconfigs live in the control plane's directory"
+    );
     Ok(())
 }

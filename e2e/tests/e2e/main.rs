@@ -5,7 +5,9 @@
 //! [`cp`], creates its own namespace and nodes with unique names, and selects only its own
 //! nodes, so tests run in parallel without seeing each other. One module per area.
 
+mod agent;
 mod control_plane;
+mod support;
 mod webhook;
 
 use std::time::Duration;
@@ -20,7 +22,8 @@ pub const WAIT: Duration = Duration::from_secs(60);
 pub async fn cp() -> &'static ControlPlane {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "meshgate_e2e=info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "meshgate_e2e=info".into()),
         )
         .with_test_writer()
         .try_init();

@@ -373,7 +373,12 @@ async fn create_pod(
 }
 
 /// Binds a pod the way kube-scheduler does: `POST pods/{name}/binding`.
-async fn bind(client: &Client, ns: &str, pod: &str, node: &str) -> anyhow::Result<Result<(), String>> {
+async fn bind(
+    client: &Client,
+    ns: &str,
+    pod: &str,
+    node: &str,
+) -> anyhow::Result<Result<(), String>> {
     let api: Api<Pod> = Api::namespaced(client.clone(), ns);
     let binding = json!({
         "apiVersion": "v1", "kind": "Binding",
@@ -442,8 +447,11 @@ async fn gates(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
     let verified = unique_name("whg-ver");
     let pretainted = unique_name("whg-pre");
     for n in [&unverified, &verified] {
-        cp.register_node(c, &NodeSpec::new(n.as_str()).label(SCOPE_KEY, f.tag.as_str()))
-            .await?;
+        cp.register_node(
+            c,
+            &NodeSpec::new(n.as_str()).label(SCOPE_KEY, f.tag.as_str()),
+        )
+        .await?;
     }
     cp.register_node(
         c,
@@ -454,7 +462,11 @@ async fn gates(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
     .await?;
     for n in [&unverified, &verified] {
         let node = tokio::time::timeout(CALL, nodes.get(n)).await??;
-        ensure!(taint_count(&node) == 1, "new node {n} lacks the taint: {:?}", node.spec);
+        ensure!(
+            taint_count(&node) == 1,
+            "new node {n} lacks the taint: {:?}",
+            node.spec
+        );
         ensure!(
             node.labels().get(VERIFIED_LABEL).map(String::as_str) == Some("false"),
             "new node {n} lacks {VERIFIED_LABEL}=false: {:?}",
@@ -462,7 +474,11 @@ async fn gates(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
         );
     }
     let node = tokio::time::timeout(CALL, nodes.get(&pretainted)).await??;
-    ensure!(taint_count(&node) == 1, "taint duplicated on {pretainted}: {:?}", node.spec);
+    ensure!(
+        taint_count(&node) == 1,
+        "taint duplicated on {pretainted}: {:?}",
+        node.spec
+    );
 
     // The agent's part, played by the test: the unverified node gets its condition, the
     // verified one its label.
@@ -503,7 +519,10 @@ async fn gates(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
         "Remedy",
         "linkerd-cni",
     ] {
-        ensure!(message.contains(needle), "refusal lacks {needle:?}: {message}");
+        ensure!(
+            message.contains(needle),
+            "refusal lacks {needle:?}: {message}"
+        );
     }
     tracing::info!(%message, "refusal as the client sees it");
 
@@ -514,14 +533,21 @@ async fn gates(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
 
     // --- Bindings, as the scheduler creates them. The pods name a scheduler that does not
     // run, so only the test binds them.
-    create_pod(c, &ns, &pod("pending", None, true, Some("meshgate-e2e-nobody")), false)
-        .await?
-        .map_err(|m| anyhow::anyhow!("unbound mesh pod refused: {m}"))?;
+    create_pod(
+        c,
+        &ns,
+        &pod("pending", None, true, Some("meshgate-e2e-nobody")),
+        false,
+    )
+    .await?
+    .map_err(|m| anyhow::anyhow!("unbound mesh pod refused: {m}"))?;
     match bind(c, &ns, "pending", &unverified).await? {
         Ok(()) => bail!("binding of a mesh pod to {unverified} admitted"),
         Err(m) => {
             ensure!(
-                m.contains("bindings.validate.meshgate.io") && m.contains(&unverified) && m.contains("tolerate"),
+                m.contains("bindings.validate.meshgate.io")
+                    && m.contains(&unverified)
+                    && m.contains("tolerate"),
                 "binding refusal: {m}"
             );
         }
@@ -554,12 +580,21 @@ async fn gates(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
     };
     tokio::time::sleep(Duration::from_secs(1)).await;
     let rotated = f.ca.issue(&cert, &key)?;
-    ensure!(rotated != before, "the test issued the same certificate twice");
+    ensure!(
+        rotated != before,
+        "the test issued the same certificate twice"
+    );
     // A new connection now gets the new certificate, without a restart.
     let after = f.ca.presented(f.listen).await?;
-    ensure!(after == rotated, "webhook still serves the old certificate after rotation");
+    ensure!(
+        after == rotated,
+        "webhook still serves the old certificate after rotation"
+    );
     let (ok, failed) = load.await?;
-    ensure!(failed.is_empty(), "requests failed across the rotation: {failed:?}");
+    ensure!(
+        failed.is_empty(),
+        "requests failed across the rotation: {failed:?}"
+    );
     ensure!(ok > 10, "too few requests across the rotation: {ok}");
 
     // --- Metrics on the admin port.
@@ -571,7 +606,10 @@ async fn gates(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
         "meshgate_admission_reviews_total{resource=\"pods_binding\",allowed=\"true\"}",
         "meshgate_admission_duration_seconds_bucket",
     ] {
-        ensure!(metrics.contains(needle), "metrics lack {needle}:\n{metrics}");
+        ensure!(
+            metrics.contains(needle),
+            "metrics lack {needle}:\n{metrics}"
+        );
     }
 
     force_delete_pods(c, &ns, &["meshed", "plain", "pending"]).await;
@@ -624,7 +662,14 @@ async fn outage(f: &mut Fixture) -> anyhow::Result<()> {
     // Up: the governed namespace is gated, the exempt ones are not even asked.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        match create_pod(&c, &governed, &pod("probe", Some(&nowhere), true, None), true).await? {
+        match create_pod(
+            &c,
+            &governed,
+            &pod("probe", Some(&nowhere), true, None),
+            true,
+        )
+        .await?
+        {
             Err(m) if m.contains("pods.validate.meshgate.io") => break,
             other => ensure!(
                 Instant::now() < deadline,
@@ -642,7 +687,13 @@ async fn outage(f: &mut Fixture) -> anyhow::Result<()> {
     // Down.
     f.stop_webhook().await?;
     let sys_pod = unique_name("who-sys");
-    let refused = create_pod(&c, &governed, &pod("plain", Some(&nowhere), false, None), false).await?;
+    let refused = create_pod(
+        &c,
+        &governed,
+        &pod("plain", Some(&nowhere), false, None),
+        false,
+    )
+    .await?;
     match refused {
         Ok(_) => bail!("governed namespace admitted a bound pod while the webhook was down"),
         Err(m) => ensure!(
@@ -650,10 +701,28 @@ async fn outage(f: &mut Fixture) -> anyhow::Result<()> {
             "unexpected refusal: {m}"
         ),
     }
-    let created = create_pod(&c, "kube-system", &pod(&sys_pod, Some(&nowhere), false, None), false).await?;
-    let ignored_created = create_pod(&c, &ignored, &pod("plain", Some(&nowhere), false, None), false).await?;
+    let created = create_pod(
+        &c,
+        "kube-system",
+        &pod(&sys_pod, Some(&nowhere), false, None),
+        false,
+    )
+    .await?;
+    let ignored_created = create_pod(
+        &c,
+        &ignored,
+        &pod("plain", Some(&nowhere), false, None),
+        false,
+    )
+    .await?;
     // Unbound pods are still created (matchConditions); they are checked at binding.
-    let unbound = create_pod(&c, &governed, &pod("unbound", None, true, Some("meshgate-e2e-nobody")), false).await?;
+    let unbound = create_pod(
+        &c,
+        &governed,
+        &pod("unbound", None, true, Some("meshgate-e2e-nobody")),
+        false,
+    )
+    .await?;
     let binding = match &unbound {
         Ok(_) => Some(bind(&c, &governed, "unbound", &nowhere).await?),
         Err(_) => None,

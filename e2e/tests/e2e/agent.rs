@@ -1,0 +1,382 @@
+//! The agent daemon (`meshgate-agent run`) as a real process against the real apiserver:
+//! it gates its Node on the verdict, follows drift, keeps every reason, and survives SIGKILL.
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::events::v1::Event;
+use kube::Client;
+use kube::api::{Api, ListParams};
+use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
+use meshgate_e2e::{NodeSpec, unique_name};
+
+use crate::cp;
+use crate::support::{Agent, CniDirs, golden, wait_node};
+
+fn tainted(n: &Node) -> bool {
+    n.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == TAINT_KEY))
+}
+
+fn condition(n: &Node) -> Option<(String, String, String)> {
+    let c = n
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == CONDITION_TYPE)?;
+    Some((
+        c.status.clone(),
+        c.reason.clone().unwrap_or_default(),
+        c.message.clone().unwrap_or_default(),
+    ))
+}
+
+fn label(n: &Node) -> Option<&str> {
+    n.metadata
+        .labels
+        .as_ref()?
+        .get(VERIFIED_LABEL)
+        .map(String::as_str)
+}
+
+/// Gated: tainted, label false, condition False with `reason`.
+fn gated_with(reason: &'static str) -> impl Fn(&Node) -> bool {
+    move |n| {
+        tainted(n)
+            && label(n) == Some("false")
+            && condition(n).is_some_and(|(s, r, _)| s == "False" && r == reason)
+    }
+}
+
+fn open(n: &Node) -> bool {
+    !tainted(n)
+        && label(n) == Some("true")
+        && condition(n).is_some_and(|(s, r, _)| s == "True" && r == "Verified")
+}
+
+/// The reasons of the meshgate Events about `node`, oldest first, each repeated as often as
+/// it was observed: the Recorder folds a repeat of the same Event into a series on one object.
+async fn node_events(client: &Client, node: &str) -> anyhow::Result<Vec<String>> {
+    let events: Api<Event> = Api::namespaced(client.clone(), "default");
+    // Filtered here rather than by field selector, which events.k8s.io supports only in part.
+    let mut list: Vec<Event> = events
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node)
+                && e.reporting_controller.as_deref() == Some("meshgate-agent")
+        })
+        .collect();
+    list.sort_by_key(|e| e.event_time.as_ref().map(|t| t.0));
+    Ok(list
+        .into_iter()
+        .flat_map(|e| {
+            let n = e.series.as_ref().map_or(1, |s| s.count.max(1)) as usize;
+            std::iter::repeat_n(e.reason.unwrap_or_default(), n)
+        })
+        .collect())
+}
+
+/// How many times each Event reason was observed about `node`.
+fn tally(events: &[String]) -> std::collections::BTreeMap<&str, usize> {
+    let mut t = std::collections::BTreeMap::new();
+    for e in events {
+        *t.entry(e.as_str()).or_default() += 1;
+    }
+    t
+}
+
+/// Waits until the Events about `node` are exactly `want`, as counts per reason (a repeat
+/// is folded into the first Event's series, so the order of objects is not the order of
+/// transitions). They are published right after the condition is written.
+async fn wait_events(client: &Client, node: &str, want: &[(&str, usize)]) -> anyhow::Result<()> {
+    let want: std::collections::BTreeMap<&str, usize> = want.iter().copied().collect();
+    let mut seen = Vec::new();
+    for _ in 0..50 {
+        seen = node_events(client, node).await?;
+        if tally(&seen) == want {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    anyhow::bail!("events about {node}: want {want:?}, have {seen:?}")
+}
+
+async fn register(client: &Client, name: &str) -> anyhow::Result<()> {
+    cp().await
+        .register_node(client, &NodeSpec::new(name))
+        .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn s3_then_s1_untaints_and_s4_drift_retaints() -> anyhow::Result<()> {
+    let cp = cp().await;
+    let client = cp.client()?;
+    let node = unique_name("agent-s3s1");
+    register(&client, &node).await?;
+    let dirs = CniDirs::new();
+    dirs.config("10-calico.conflist", &golden("calico.conflist"));
+    let agent = Agent::start(cp, &node, &dirs, &[]);
+
+    // S3: the primary's conflist is there, the mesh plugin is not chained yet.
+    let n = wait_node(
+        &client,
+        &node,
+        "gated with ChainedPluginMissing",
+        gated_with("ChainedPluginMissing"),
+    )
+    .await?;
+    let (_, _, message) = condition(&n).unwrap_or_default();
+    assert!(
+        message.contains("10-calico.conflist"),
+        "condition message names the effective file: {message}"
+    );
+    assert_eq!(
+        agent.admin_get("/ready").await.map(|r| r.0),
+        Some(200),
+        "ready once the verdict is on the Node"
+    );
+
+    // S1: the installer appends linkerd-cni.
+    dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
+    wait_node(&client, &node, "untainted and Verified", open).await?;
+    let describe = cp.kubectl(&["describe", "node", &node]).await?;
+    let line = describe
+        .lines()
+        .find(|l| l.trim_start().starts_with(CONDITION_TYPE))
+        .unwrap_or_default();
+    assert!(
+        line.contains("True") && line.contains("Verified"),
+        "kubectl describe node shows the condition: {describe}"
+    );
+    assert!(
+        describe.contains("Taints:             <none>"),
+        "{describe}"
+    );
+
+    // S4: the primary rewrites its conflist without the mesh plugin.
+    dirs.config("10-calico.conflist", &golden("calico.conflist"));
+    wait_node(
+        &client,
+        &node,
+        "re-tainted with ChainedPluginMissing",
+        gated_with("ChainedPluginMissing"),
+    )
+    .await?;
+    let describe = cp.kubectl(&["describe", "node", &node]).await?;
+    assert!(
+        describe.contains(&format!("{TAINT_KEY}:NoSchedule")),
+        "kubectl describe node shows the taint: {describe}"
+    );
+
+    // Exactly one Event per transition: Unverified, Verified, Unverified.
+    wait_events(
+        &client,
+        &node,
+        &[("CNIChainUnverified", 2), ("CNIChainVerified", 1)],
+    )
+    .await?;
+    assert_eq!(
+        agent
+            .metric("meshgate_taint_transitions_total{action=\"removed\"}")
+            .await,
+        Some(1.0),
+        "{}",
+        agent.log()
+    );
+    assert_eq!(
+        agent
+            .metric("meshgate_taint_transitions_total{action=\"added\"}")
+            .await,
+        Some(2.0)
+    );
+    assert_eq!(agent.metric("meshgate_node_verified").await, Some(0.0));
+    assert_eq!(
+        agent.metric("meshgate_untaint_latency_seconds_count").await,
+        Some(1.0)
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn every_unverified_reason_keeps_the_node_tainted() -> anyhow::Result<()> {
+    let cp = cp().await;
+    let client = cp.client()?;
+    let node = unique_name("agent-reasons");
+    register(&client, &node).await?;
+    let dirs = CniDirs::new();
+    // The config dir does not exist yet: NoConfig, and the agent waits for it.
+    std::fs::remove_dir(&dirs.conf)?;
+    let _agent = Agent::start(cp, &node, &dirs, &["--probe-timeout", "500ms"]);
+    wait_node(&client, &node, "NoConfig", gated_with("NoConfig")).await?;
+    std::fs::create_dir(&dirs.conf)?;
+
+    // S2: a lone mesh plugin config sorts first.
+    dirs.config("01-linkerd-cni.conf", &golden("linkerd-only.conf"));
+    dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
+    let n = wait_node(
+        &client,
+        &node,
+        "PrimaryPluginMissing",
+        gated_with("PrimaryPluginMissing"),
+    )
+    .await?;
+    assert!(
+        condition(&n)
+            .unwrap_or_default()
+            .2
+            .contains("01-linkerd-cni.conf")
+    );
+    dirs.remove_config("01-linkerd-cni.conf");
+    wait_node(&client, &node, "Verified", open).await?;
+
+    // S6: multus sorts before the mesh-owned file; the condition names it.
+    dirs.config("00-multus.conf", &golden("multus.conf"));
+    let n = wait_node(
+        &client,
+        &node,
+        "ChainedPluginMissing via multus",
+        gated_with("ChainedPluginMissing"),
+    )
+    .await?;
+    assert!(
+        condition(&n)
+            .unwrap_or_default()
+            .2
+            .contains("00-multus.conf")
+    );
+    dirs.remove_config("00-multus.conf");
+    wait_node(&client, &node, "Verified", open).await?;
+
+    // S7: the plugin binary disappears, then hangs on VERSION.
+    std::fs::remove_file(dirs.bin.join("linkerd-cni"))?;
+    wait_node(
+        &client,
+        &node,
+        "PluginBinaryMissing",
+        gated_with("PluginBinaryMissing"),
+    )
+    .await?;
+    dirs.plugin("linkerd-cni", "#!/bin/sh\nsleep 30\n");
+    let n = wait_node(
+        &client,
+        &node,
+        "PluginBinaryBroken",
+        gated_with("PluginBinaryBroken"),
+    )
+    .await?;
+    assert!(
+        condition(&n)
+            .unwrap_or_default()
+            .2
+            .contains("within 500 ms")
+    );
+    dirs.plugin("linkerd-cni", crate::support::GOOD_PLUGIN);
+    wait_node(&client, &node, "Verified", open).await?;
+
+    // S8: a truncated file sorts first (containerd semantics).
+    let full = golden("calico-linkerd.conflist");
+    dirs.config("05-partial.conflist", &full[..full.len() / 2]);
+    wait_node(&client, &node, "ConfigInvalid", gated_with("ConfigInvalid")).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_missing_taint_is_restored_at_start_and_after_tampering() -> anyhow::Result<()> {
+    let cp = cp().await;
+    let client = cp.client()?;
+    let node = unique_name("agent-tamper");
+    register(&client, &node).await?;
+    let dirs = CniDirs::new();
+    dirs.config("10-calico.conflist", &golden("calico.conflist"));
+    let _agent = Agent::start(cp, &node, &dirs, &[]);
+    wait_node(
+        &client,
+        &node,
+        "tainted at start",
+        gated_with("ChainedPluginMissing"),
+    )
+    .await?;
+
+    // Someone removes the taint by hand: the Node watch notices and the agent puts it back.
+    let nodes: Api<Node> = Api::all(client.clone());
+    let patch = serde_json::json!({"spec": {"taints": []}});
+    nodes
+        .patch(
+            &node,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await?;
+    wait_node(
+        &client,
+        &node,
+        "taint restored",
+        gated_with("ChainedPluginMissing"),
+    )
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn sigkill_mid_transition_converges_without_duplicate_events() -> anyhow::Result<()> {
+    let cp = cp().await;
+    let client = cp.client()?;
+    let node = unique_name("agent-kill");
+    register(&client, &node).await?;
+    let dirs = CniDirs::new();
+    dirs.config("10-calico.conflist", &golden("calico.conflist"));
+    let mut agent = Agent::start(cp, &node, &dirs, &[]);
+    wait_node(&client, &node, "gated", gated_with("ChainedPluginMissing")).await?;
+
+    // Flip the config and kill the agent at a different moment each round, then restart it.
+    let delays = [0u64, 3, 7, 15, 30, 60];
+    for (i, delay) in delays.iter().enumerate() {
+        let verified = i % 2 == 0;
+        let conf = if verified {
+            "calico-linkerd.conflist"
+        } else {
+            "calico.conflist"
+        };
+        dirs.config("10-calico.conflist", &golden(conf));
+        tokio::time::sleep(Duration::from_millis(*delay)).await;
+        agent.kill9();
+        agent.restart();
+        if verified {
+            wait_node(&client, &node, "converged to Verified after restart", open).await?;
+        } else {
+            wait_node(
+                &client,
+                &node,
+                "converged to gated after restart",
+                gated_with("ChainedPluginMissing"),
+            )
+            .await?;
+        }
+    }
+    // At most one Event per transition: the first Unverified plus one per flip. A kill
+    // between the condition write and the Event may lose one; none may be doubled.
+    let events = node_events(&client, &node).await?;
+    let flips_to = |verified: bool| {
+        delays
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| (i % 2 == 0) == verified)
+            .count()
+    };
+    let t = tally(&events);
+    assert!(
+        t.get("CNIChainVerified").copied().unwrap_or(0) <= flips_to(true)
+            && t.get("CNIChainUnverified").copied().unwrap_or(0) <= 1 + flips_to(false),
+        "duplicate Events: {events:?}\n{}",
+        agent.log()
+    );
+    Ok(())
+}

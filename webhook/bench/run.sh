@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Benchmarks meshgate-webhook on loopback: latency percentiles and throughput per scenario,
+# measured by a load generator in a second process, and the webhook's RSS with an empty node
+# cache and with 5,000 Nodes in it.
+#
+# In: a built Kubernetes (MESHGATE_K8S_BIN_DIR, default the install-deps.sh cache), root.
+# Out: one JSON line per scenario on stdout, RSS figures and the server-side histogram on
+# stderr. Everything it starts (control plane, webhook) is stopped on exit.
+#
+# Usage: webhook/bench/run.sh [NODES_VERIFIED=4500] [NODES_UNVERIFIED=500] [DURATION=10] [CONNECTIONS=8]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+VERIFIED=${1:-4500}
+UNVERIFIED=${2:-500}
+DURATION=${3:-10}
+CONNECTIONS=${4:-8}
+export MESHGATE_K8S_BIN_DIR=${MESHGATE_K8S_BIN_DIR:-/root/.cache/meshgate/kubernetes/v1.35.4/bin}
+
+cargo build --release --locked -p meshgate-webhook --bin meshgate-webhook --example loadgen >&2
+cargo build --release --locked -p meshgate-e2e --bin meshgate-e2e >&2
+WEBHOOK=target/release/meshgate-webhook
+LOADGEN=target/release/examples/loadgen
+E2E=target/release/meshgate-e2e
+
+work=$(mktemp -d /tmp/meshgate-bench.XXXXXX)
+webhook_pid=""
+cleanup() {
+  [[ -n "$webhook_pid" ]] && kill "$webhook_pid" 2>/dev/null && wait "$webhook_pid" 2>/dev/null || true
+  "$E2E" down --dir "$work/cp" >&2 || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+rss_kb() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
+hwm_kb() { awk '/^VmHWM/ {print $2}' "/proc/$1/status"; }
+
+kubeconfig=$("$E2E" up --dir "$work/cp" | tail -n 1)
+"$LOADGEN" certs --dir "$work/pki"
+
+start_webhook() {
+  port=$(free_port); admin=$(free_port)
+  RUST_LOG=${RUST_LOG:-warn,meshgate_webhook::cache=info} "$WEBHOOK" \
+    --listen "127.0.0.1:$port" --tls-cert "$work/pki/tls.crt" --tls-key "$work/pki/tls.key" \
+    --kubeconfig "$kubeconfig" --admin-addr "127.0.0.1:$admin" 2>>"$work/webhook.log" &
+  webhook_pid=$!
+  for _ in $(seq 1 300); do
+    curl -fsS "http://127.0.0.1:$admin/ready" >/dev/null 2>&1 && return 0
+    sleep 0.1
+  done
+  echo "webhook not ready; log:" >&2; cat "$work/webhook.log" >&2; return 1
+}
+stop_webhook() { kill "$webhook_pid"; wait "$webhook_pid" || true; webhook_pid=""; }
+
+# RSS with an empty cache.
+start_webhook
+sleep 1
+echo "rss_empty_cache_kb=$(rss_kb "$webhook_pid")" >&2
+stop_webhook
+
+"$LOADGEN" nodes --kubeconfig "$kubeconfig" --count "$VERIFIED" --unverified "$UNVERIFIED" >&2
+
+start_webhook
+sleep 2
+grep "caches synced" "$work/webhook.log" | tail -n 1 >&2
+echo "rss_${VERIFIED}+${UNVERIFIED}_nodes_idle_kb=$(rss_kb "$webhook_pid")" >&2
+
+for scenario in allowed plain refused binding-allowed binding-refused; do
+  nodes=$VERIFIED
+  [[ $scenario == plain || $scenario == refused || $scenario == binding-refused ]] && nodes=$UNVERIFIED
+  "$LOADGEN" load --url "https://127.0.0.1:$port/validate" --ca "$work/pki/ca.crt" \
+    --scenario "$scenario" --connections "$CONNECTIONS" --duration "$DURATION" --nodes "$nodes"
+done
+echo "rss_after_load_kb=$(rss_kb "$webhook_pid") hwm_kb=$(hwm_kb "$webhook_pid")" >&2
+echo "server-side histogram (meshgate_admission_duration_seconds):" >&2
+curl -fsS "http://127.0.0.1:$admin/metrics" | grep -E '^meshgate_admission_(duration|reviews)' >&2
