@@ -13,6 +13,8 @@ DEPS := e2e/install-deps.sh
 
 ## test: format, lint, and every test (unit, privileged integration, e2e on a real apiserver)
 test: check-root deps lint
+	@echo "==> cargo build --bins (the e2e tests run the real agent and webhook binaries)"
+	$(CARGO) build --workspace --bins --locked
 	@echo "==> cargo test --workspace (unit, integration and e2e)"
 	MESHGATE_K8S_BIN_DIR="$$(bash $(DEPS) | tail -n 1)" $(CARGO) test --workspace --locked
 
@@ -31,6 +33,12 @@ lint:
 	$(CARGO) fmt --all --check
 	@echo "==> cargo clippy --all-targets -D warnings"
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+
+## bench: latency and cost figures on a local control plane (release build; not part of test)
+bench: check-root deps
+	$(CARGO) build --release --workspace --bins --locked
+	MESHGATE_K8S_BIN_DIR="$$(bash $(DEPS) | tail -n 1)" $(CARGO) bench --locked -p meshgate-e2e --bench agent
+	$(CARGO) bench --locked -p meshgate-agent --bench inspect_sweep
 
 ## unit: the tests that need neither root nor a control plane
 unit:

@@ -36,12 +36,22 @@ if ((${#missing[@]})); then
   log "installing Debian packages: ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq >/dev/null
+  # The etcd and prometheus packages start services on install, but meshgate runs its own etcd
+  # on loopback ports it picks. A policy-rc.d that answers 101 is Debian's switch to keep
+  # invoke-rc.d / deb-systemd-invoke from starting anything, so no process has to be hunted
+  # down by name afterwards. Container images often ship one already; otherwise add it for the
+  # duration of the install only.
+  policy=/usr/sbin/policy-rc.d
+  own_policy=0
+  if [[ ! -e $policy ]]; then
+    printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy" && own_policy=1
+    trap '((own_policy)) && rm -f "$policy"' EXIT
+  fi
   # --no-install-recommends keeps prometheus from pulling in its web UI assets and exporters.
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  # The packages start services on install; meshgate runs its own etcd on loopback ports it picks.
-  for svc in etcd prometheus; do systemctl disable --now "$svc" >/dev/null 2>&1 || true; done
-  pkill -x etcd >/dev/null 2>&1 || true
-  pkill -x prometheus >/dev/null 2>&1 || true
+  if ((own_policy)); then rm -f "$policy"; own_policy=0; fi
+  # Nor at the next boot.
+  for svc in etcd prometheus; do systemctl disable "$svc" >/dev/null 2>&1 || true; done
 fi
 
 # --- Kubernetes control-plane binaries -------------------------------------------------------

@@ -87,22 +87,62 @@ fn run(args: &Args) -> anyhow::Result<(PathBuf, Inspection)> {
     Ok((path, inspection))
 }
 
-/// Inspects one namespace for one profile: enters it once to open the sockets, reads its
-/// addresses (IPv6 rules are required only when it has a global IPv6 address) and its
-/// rules, and matches them.
-pub fn inspect_netns(path: &Path, profile: &MeshProfile) -> Result<Inspection, NetnsError> {
+/// What one visit to a namespace reads: its addresses and its rules.
+#[derive(Debug)]
+pub struct NetnsContents {
+    /// Interface addresses.
+    pub addresses: Vec<netns::Address>,
+    /// NAT-relevant rules of every backend.
+    pub ruleset: rules::Ruleset,
+}
+
+impl NetnsContents {
+    /// The IP families of the namespace's global addresses; IPv4 alone when it has none.
+    /// (The daemon uses the pod's `status.podIPs` instead:
+    /// [`meshgate_core::rules::locate::required_families`].)
+    pub fn families(&self) -> Vec<IpFamily> {
+        let mut families = Vec::new();
+        if self
+            .addresses
+            .iter()
+            .any(|a| a.is_global() && a.ip.is_ipv4())
+        {
+            families.push(IpFamily::V4);
+        }
+        if self
+            .addresses
+            .iter()
+            .any(|a| a.is_global() && a.ip.is_ipv6())
+        {
+            families.push(IpFamily::V6);
+        }
+        if families.is_empty() {
+            families.push(IpFamily::V4);
+        }
+        families
+    }
+}
+
+/// Enters `path` once to open the sockets, then reads its addresses and rules. Blocking;
+/// the daemon calls it from a blocking thread, and can match the result against every
+/// profile that selects the pod with [`meshgate_core::rules::check`].
+pub fn read_netns(path: &Path) -> Result<NetnsContents, NetnsError> {
     let opened = netns::open(path, true)?;
-    let addresses = opened.addresses()?;
-    let ruleset = opened.ruleset()?;
-    let mut families = Vec::new();
-    if addresses.iter().any(|a| a.is_global() && a.ip.is_ipv4()) {
-        families.push(IpFamily::V4);
-    }
-    if addresses.iter().any(|a| a.is_global() && a.ip.is_ipv6()) {
-        families.push(IpFamily::V6);
-    }
-    // No global address at all (a namespace with only loopback): IPv4, the matcher's default.
-    Ok(rules::check(&ruleset, profile, &families))
+    Ok(NetnsContents {
+        addresses: opened.addresses()?,
+        ruleset: opened.ruleset()?,
+    })
+}
+
+/// Inspects one namespace for one profile. IPv6 rules are required only when the namespace
+/// has a global IPv6 address.
+pub fn inspect_netns(path: &Path, profile: &MeshProfile) -> Result<Inspection, NetnsError> {
+    let contents = read_netns(path)?;
+    Ok(rules::check(
+        &contents.ruleset,
+        profile,
+        &contents.families(),
+    ))
 }
 
 /// The contract's JSON object.

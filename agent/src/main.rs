@@ -18,7 +18,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the node agent daemon (taint, condition, label, pod inspection, eviction).
-    Run(meshgate_agent::daemon::Args),
+    // Boxed: the daemon's flags dwarf the others, and the enum is built once.
+    Run(Box<meshgate_agent::daemon::Args>),
     /// Verify the node's effective CNI config once and print the verdict.
     Check(meshgate_agent::check::Args),
     /// Inspect one pod network namespace for the mesh's redirect rules.
@@ -29,7 +30,7 @@ fn main() -> ExitCode {
     // clap exits with 2 on usage errors, matching the contract.
     let cli = Cli::parse();
     match cli.command {
-        Command::Run(args) => meshgate_agent::daemon::main(args),
+        Command::Run(args) => meshgate_agent::daemon::main(*args),
         Command::Check(args) => meshgate_agent::check::main(args),
         Command::Inspect(args) => meshgate_agent::inspect::main(args),
     }

@@ -46,6 +46,11 @@ pub const TMPDIR_ENV: &str = "MESHGATE_E2E_TMPDIR";
 /// control plane's directory is removed (for debugging failed runs).
 pub const KEEP_LOGS_ENV: &str = "MESHGATE_E2E_KEEP_LOGS";
 
+/// Prefix of temporary control-plane directories.
+const TMP_PREFIX: &str = "meshgate-e2e-";
+/// File in a temporary control-plane directory naming the process that owns it.
+const OWNER_FILE: &str = "owner";
+
 /// Entries a control plane creates in its directory; `down` removes exactly these.
 const LAYOUT: &[&str] = &[
     "pki",
@@ -158,8 +163,9 @@ impl ControlPlane {
             }
             None => {
                 let base = tmp_base();
+                sweep_stale(&base);
                 let temp = tempfile::Builder::new()
-                    .prefix("meshgate-e2e-")
+                    .prefix(TMP_PREFIX)
                     .tempdir_in(&base)
                     .map_err(|e| {
                         Error::io(
@@ -167,6 +173,7 @@ impl ControlPlane {
                             e,
                         )
                     })?;
+                write_owner(temp.path())?;
                 (temp.path().to_owned(), Some(temp))
             }
         };
@@ -306,6 +313,21 @@ impl ControlPlane {
                 tracing::warn!(dir = %self.dir.display(), error = %e, "cannot remove the control plane directory");
             }
         }
+    }
+
+    /// Freezes (`true`) or thaws (`false`) kube-apiserver with SIGSTOP / SIGCONT, to play an
+    /// API server that stops answering: connections hang instead of being refused, which is
+    /// the harder case for a client. Signals the recorded pid only, after checking it is
+    /// still the process the harness started.
+    pub fn freeze_apiserver(&self, frozen: bool) -> Result<(), Error> {
+        let procs = self.procs.lock().unwrap_or_else(|p| p.into_inner());
+        let proc_ = procs
+            .iter()
+            .find(|p| p.name == "kube-apiserver" && p.alive())
+            .ok_or_else(|| Error::io("signalling kube-apiserver", std::io::Error::other("not running")))?;
+        let signal = if frozen { nix::sys::signal::Signal::SIGSTOP } else { nix::sys::signal::Signal::SIGCONT };
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(proc_.pid), signal)
+            .map_err(|e| Error::io("signalling kube-apiserver", std::io::Error::from(e)))
     }
 
     /// Leaves the processes running (for `up`): this handle forgets them, and its drop will
@@ -774,6 +796,11 @@ impl Boot {
             ),
             format!("--root-ca-file={}", s(&pki.ca_cert)),
             "--use-service-account-credentials=true".into(),
+            // Client-side rate limits sized for one busy test binary rather than a shared
+            // production apiserver: controllers start (and react) without queueing behind the
+            // default 20 QPS.
+            "--kube-api-qps=200".into(),
+            "--kube-api-burst=400".into(),
             // Every default controller: deployment, replicaset, disruption, garbage collector,
             // serviceaccount(-token), namespace, nodelifecycle (kept on: the kubelet stand-in
             // renews Leases, and the controller lifts the not-ready taint admission adds to new
@@ -994,6 +1021,52 @@ fn tmp_base() -> PathBuf {
     std::env::temp_dir()
 }
 
+/// Records this process (pid and start time) as the owner of a temporary directory.
+fn write_owner(dir: &Path) -> Result<(), Error> {
+    let pid = std::process::id() as i32;
+    let start = process::start_time(pid).unwrap_or(0);
+    write_private(&dir.join(OWNER_FILE), &format!("{pid} {start}\n"))
+}
+
+/// Removes temporary control-plane directories whose owner process is gone. A test binary
+/// killed outright (SIGKILL, or SIGINT, which skips atexit) loses its components to
+/// PDEATHSIG but cannot remove its directory; the next run does. Directories of live owners,
+/// and anything without an owner file, are left alone.
+fn sweep_stale(base: &Path) {
+    let Ok(entries) = std::fs::read_dir(base) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let is_ours = entry
+            .file_name()
+            .to_str()
+            .is_some_and(|n| n.starts_with(TMP_PREFIX));
+        let Ok(owner) = std::fs::read_to_string(path.join(OWNER_FILE)) else {
+            continue;
+        };
+        let mut fields = owner.split_whitespace().map(str::parse::<u64>);
+        let (Some(Ok(pid)), Some(Ok(start))) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        let Ok(pid) = i32::try_from(pid) else {
+            continue;
+        };
+        let owner = Proc {
+            name: "owner".into(),
+            pid,
+            start_time: start,
+            log: PathBuf::new(),
+        };
+        if is_ours && !owner.alive() {
+            tracing::info!(dir = %path.display(), "removing the directory of a dead test run");
+            if let Err(e) = std::fs::remove_dir_all(&path) {
+                tracing::warn!(dir = %path.display(), error = %e, "cannot remove a stale directory");
+            }
+        }
+    }
+}
+
 /// For `up`: refuses a directory that already holds a control plane, and clears leftovers of
 /// a crashed `up` (only the entries the harness itself creates).
 fn prepare_dir(dir: &Path) -> Result<(), Error> {
@@ -1111,6 +1184,25 @@ mod tests {
             Err(Error::NotStateDir { .. })
         ));
         assert!(dir.path().join("keep.txt").exists());
+    }
+
+    #[test]
+    fn sweep_removes_only_directories_of_dead_owners() {
+        let base = tempfile::tempdir().unwrap();
+        let dead = base.path().join("meshgate-e2e-dead");
+        let live = base.path().join("meshgate-e2e-live");
+        let foreign = base.path().join("other-dead");
+        let ownerless = base.path().join("meshgate-e2e-noowner");
+        for d in [&dead, &live, &foreign, &ownerless] {
+            std::fs::create_dir(d).unwrap();
+        }
+        // pid 1 with an impossible start time stands for a process that is gone.
+        std::fs::write(dead.join(OWNER_FILE), "1 18446744073709551615\n").unwrap();
+        std::fs::write(foreign.join(OWNER_FILE), "1 18446744073709551615\n").unwrap();
+        write_owner(&live).unwrap();
+        sweep_stale(base.path());
+        assert!(!dead.exists());
+        assert!(live.exists() && foreign.exists() && ownerless.exists());
     }
 
     #[test]

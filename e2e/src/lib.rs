@@ -15,6 +15,7 @@ pub mod control_plane;
 mod error;
 pub mod identity;
 pub mod kubelet;
+pub mod node_sim;
 pub mod paths;
 pub mod pki;
 mod process;

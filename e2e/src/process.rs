@@ -116,7 +116,7 @@ pub(crate) fn spawn(
 }
 
 /// Field 22 (starttime) of `/proc/PID/stat`, or `None` when the process is gone or a zombie.
-fn start_time(pid: i32) -> Option<u64> {
+pub(crate) fn start_time(pid: i32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) is in parentheses and may contain spaces: split after it.
     let rest = &stat[stat.rfind(')')? + 1..];

@@ -16,6 +16,20 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Builds a client from `kubeconfig` if given, else `KUBECONFIG`, else the in-cluster config.
 pub async fn build(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
+    kube::Client::try_from(config(kubeconfig).await?).context("building the Kubernetes client")
+}
+
+/// Like [`build`], but without kube's built-in retry of 429/503/504 responses. For calls
+/// where a 429 is an answer rather than congestion: an eviction refused by a
+/// PodDisruptionBudget must reach the caller at once, not be retried inside the client
+/// until the caller's deadline expires.
+pub async fn build_without_retry(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
+    let mut config = config(kubeconfig).await?;
+    config.default_retry = false;
+    kube::Client::try_from(config).context("building the Kubernetes client")
+}
+
+async fn config(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Config> {
     let mut config = match kubeconfig {
         Some(path) => {
             let kc = Kubeconfig::read_from(path)
@@ -31,7 +45,7 @@ pub async fn build(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
     config.connect_timeout = Some(CONNECT_TIMEOUT);
     // read_timeout stays unset: watches hold a response open for minutes by design. Every
     // non-watch call is bounded by `bounded` instead.
-    kube::Client::try_from(config).context("building the Kubernetes client")
+    Ok(config)
 }
 
 /// An API call that did not finish within its deadline.

@@ -18,10 +18,11 @@ CONNECTIONS=${4:-8}
 export MESHGATE_K8S_BIN_DIR=${MESHGATE_K8S_BIN_DIR:-/root/.cache/meshgate/kubernetes/v1.35.4/bin}
 
 cargo build --release --locked -p meshgate-webhook --bin meshgate-webhook --example loadgen >&2
-cargo build --release --locked -p meshgate-e2e --bin meshgate-e2e >&2
+# The control-plane launcher only starts processes: a debug build is enough.
+cargo build --locked -p meshgate-e2e --bin meshgate-e2e >&2
 WEBHOOK=target/release/meshgate-webhook
 LOADGEN=target/release/examples/loadgen
-E2E=target/release/meshgate-e2e
+E2E=target/debug/meshgate-e2e
 
 work=$(mktemp -d /tmp/meshgate-bench.XXXXXX)
 webhook_pid=""

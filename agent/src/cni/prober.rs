@@ -141,13 +141,11 @@ impl Prober {
             ),
             Err((why, cacheable)) => (broken(why), cacheable),
         };
-        if cacheable {
-            if let Ok(mut cache) = self.cache.lock() {
-                // Drop answers for older versions of this same file, so the cache stays
-                // bounded by the number of binaries rather than by their rewrites.
-                cache.retain(|k, _| k.path != key.path);
-                cache.insert(key, outcome.clone());
-            }
+        if cacheable && let Ok(mut cache) = self.cache.lock() {
+            // Drop answers for older versions of this same file, so the cache stays bounded
+            // by the number of binaries rather than by their rewrites.
+            cache.retain(|k, _| k.path != key.path);
+            cache.insert(key, outcome.clone());
         }
         outcome
     }

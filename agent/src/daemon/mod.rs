@@ -13,6 +13,7 @@
 pub mod fswatch;
 pub mod metrics;
 pub mod node;
+pub mod pods;
 pub mod state;
 
 use std::net::SocketAddr;
@@ -135,7 +136,7 @@ enum Wake {
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let node_name = args.node_name.clone();
     let boot_id = state::boot_id().context("reading the boot id")?;
-    let mut saved = match state::load(&args.state_file, &boot_id) {
+    let saved = match state::load(&args.state_file, &boot_id) {
         Loaded::Restarted(s) => {
             tracing::info!(node = %node_name, last = ?s.last_verdict, evictions = s.evicted.len(), "agent restarted within the same boot; state restored");
             s
@@ -157,6 +158,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     };
+
+    let shared = Arc::new(state::Shared::new(args.state_file.clone(), saved));
 
     let client = meshgate_runtime::client::build(args.kubeconfig.as_deref()).await?;
     let mut registry = Registry::default();
@@ -191,6 +194,17 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     // The Node, as last seen by a watch on it alone: reconciles read it instead of GETting,
     // and a change by someone else (our taint removed by hand) wakes the loop.
     let (node_tx, mut node_rx) = watch::channel::<Option<Node>>(None);
+    // The verdict as the pod inspector sees it: sent only when it changes, so pods are
+    // inspected again after a change, not after every resync.
+    let (verdict_tx, verdict_rx) = watch::channel::<Option<Verdict>>(None);
+    let pods = pods::spawn(
+        &args,
+        verdict_rx,
+        shared.clone(),
+        metrics.clone(),
+        stop_rx.clone(),
+    )
+    .await?;
     let node_watch = tokio::spawn(watch_node(
         Api::all(client.clone()),
         node_name.clone(),
@@ -234,6 +248,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             if verdict.as_ref().map(|o| (o.reason, &o.message)) != Some((v.reason, &v.message)) {
                 tracing::info!(node = %node_name, reason = %v.reason, verified = v.verified, message = %v.message, "verdict");
             }
+            verdict_tx.send_if_modified(|cur| {
+                let changed =
+                    cur.as_ref().map(|c| (c.verified, c.reason)) != Some((v.verified, v.reason));
+                if changed {
+                    *cur = Some(v.clone());
+                }
+                changed
+            });
             verdict = Some(v);
         }
         let Some(v) = verdict.as_ref() else { continue };
@@ -248,7 +270,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                     if added {
                         tracing::warn!(node = %node_name, reason = %v.reason, "node tainted: CNI chain not verified");
                     } else {
-                        let latency = changed_at.elapsed();
+                        let latency = applied
+                            .taint_at
+                            .unwrap_or_else(Instant::now)
+                            .saturating_duration_since(changed_at);
                         metrics.untaint_latency.observe(latency.as_secs_f64());
                         tracing::info!(node = %node_name, latency_ms = latency.as_millis() as u64, "node untainted: CNI chain verified");
                     }
@@ -262,11 +287,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                     reason: v.reason.as_str().to_string(),
                     verified: v.verified,
                 };
-                if saved.last_verdict.as_ref() != Some(&last) {
-                    saved.last_verdict = Some(last);
-                    if let Err(e) = state::save(&args.state_file, &saved) {
-                        tracing::warn!(node = %node_name, error = %e, "cannot save state");
-                    }
+                let saved = shared.update(|s| {
+                    let changed = s.last_verdict.as_ref() != Some(&last);
+                    s.last_verdict = Some(last);
+                    changed
+                });
+                if let Err(e) = saved {
+                    tracing::warn!(node = %node_name, error = %e, "cannot save state");
                 }
             }
             Err(e) => {
@@ -297,7 +324,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let _ = stop_tx.send(true);
     node_watch.abort();
     let _ = admin.await;
-    if let Err(e) = state::save(&args.state_file, &saved) {
+    let _ = pods.await;
+    if let Err(e) = shared.save() {
         tracing::warn!(node = %node_name, error = %e, "cannot save state");
     }
     Ok(())

@@ -86,6 +86,9 @@ pub enum GateError {
 pub struct Applied {
     /// `Some(true)` when the taint was added, `Some(false)` when removed.
     pub taint: Option<bool>,
+    /// When the API accepted the taint change (the end of the untaint-latency measurement,
+    /// before the condition and Event writes that follow it).
+    pub taint_at: Option<std::time::Instant>,
     /// The label value written, if it changed.
     pub label: Option<&'static str>,
     /// True when the condition was written.
@@ -141,13 +144,12 @@ pub fn plan_condition(
 ) -> Option<NodeCondition> {
     let status = if verdict.verified { "True" } else { "False" };
     let reason = verdict.reason.as_str();
-    if let Some(c) = current {
-        if c.status == status
-            && c.reason.as_deref() == Some(reason)
-            && c.message.as_deref() == Some(verdict.message.as_str())
-        {
-            return None;
-        }
+    if let Some(c) = current
+        && c.status == status
+        && c.reason.as_deref() == Some(reason)
+        && c.message.as_deref() == Some(verdict.message.as_str())
+    {
+        return None;
     }
     let transition = match current {
         Some(c) if c.status == status => c.last_transition_time.clone(),
@@ -167,10 +169,11 @@ pub fn plan_condition(
 /// The Event to publish for a condition change, if the status or reason changed.
 pub fn plan_event(current: Option<&NodeCondition>, verdict: &Verdict) -> Option<Event> {
     let status = if verdict.verified { "True" } else { "False" };
-    if let Some(c) = current {
-        if c.status == status && c.reason.as_deref() == Some(verdict.reason.as_str()) {
-            return None;
-        }
+    if let Some(c) = current
+        && c.status == status
+        && c.reason.as_deref() == Some(verdict.reason.as_str())
+    {
+        return None;
     }
     let (type_, reason) = if verdict.verified {
         (EventType::Normal, event_reason::CHAIN_VERIFIED)
@@ -349,6 +352,7 @@ impl NodeGate {
                 Ok(updated) => {
                     if planned_taints.is_some() {
                         applied.taint = Some(!verdict.verified);
+                        applied.taint_at = Some(std::time::Instant::now());
                     }
                     applied.label = planned_label;
                     node = updated;
@@ -690,10 +694,18 @@ mod tests {
                 )
                 .await
                 .unwrap();
+            assert!(
+                applied.taint_at.is_some(),
+                "the moment the taint change was accepted"
+            );
             assert_eq!(
-                applied,
+                Applied {
+                    taint_at: None,
+                    ..applied
+                },
                 Applied {
                     taint: Some(true),
+                    taint_at: None,
                     label: Some("false"),
                     condition: true,
                     event: Some(event_reason::CHAIN_UNVERIFIED)

@@ -12,10 +12,11 @@
 //! - Writes go to a temporary file in the same directory, are fsynced, then renamed over the
 //!   old file, so a crash leaves either the old or the new state, never half of one.
 
-use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
+use meshgate_core::evict::History;
 use serde::{Deserialize, Serialize};
 
 /// The only format version this agent reads and writes.
@@ -34,10 +35,10 @@ pub struct State {
     /// The last verdict written to the Node: reason and whether it was verified.
     #[serde(default)]
     pub last_verdict: Option<LastVerdict>,
-    /// Pods evicted (or reported) per sandbox, so a restart does not repeat an eviction:
-    /// key `<pod uid>/<sandbox id>`, value the RFC 3339 time of the decision.
+    /// Pod sandboxes evicted (pod UID + sandbox identity), so a restart does not repeat an
+    /// eviction. Pruned to the pods still on the node after each full pod list.
     #[serde(default)]
-    pub evicted: BTreeMap<String, String>,
+    pub evicted: History,
 }
 
 /// The verdict last applied to the Node.
@@ -171,6 +172,53 @@ pub fn save(path: &Path, state: &State) -> Result<(), StateError> {
     Ok(())
 }
 
+/// The state as the daemon's tasks share it: the verdict loop writes `last_verdict`, the pod
+/// inspector writes `evicted`. One lock orders the writers, and every change is saved
+/// atomically before the lock is released, so the file never goes back in time.
+#[derive(Debug)]
+pub struct Shared {
+    path: PathBuf,
+    state: Mutex<State>,
+}
+
+impl Shared {
+    /// Shares `state`, saved to `path`.
+    pub fn new(path: PathBuf, state: State) -> Self {
+        Self {
+            path,
+            state: Mutex::new(state),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave a half-applied change worth refusing:
+        // every update is a plain field assignment.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reads the state.
+    pub fn read<T>(&self, f: impl FnOnce(&State) -> T) -> T {
+        f(&self.lock())
+    }
+
+    /// Applies `f`, and saves when it returns true (it changed something). Blocking: the
+    /// save writes and fsyncs a small file. On a failed save the change stays in memory and
+    /// goes to disk with the next successful one.
+    pub fn update(&self, f: impl FnOnce(&mut State) -> bool) -> Result<bool, StateError> {
+        let mut state = self.lock();
+        if !f(&mut state) {
+            return Ok(false);
+        }
+        save(&self.path, &state)?;
+        Ok(true)
+    }
+
+    /// Saves the current state.
+    pub fn save(&self) -> Result<(), StateError> {
+        save(&self.path, &self.lock())
+    }
+}
+
 /// Reads this boot's id.
 pub fn boot_id() -> std::io::Result<String> {
     Ok(std::fs::read_to_string(BOOT_ID_PATH)?.trim().to_string())
@@ -188,7 +236,14 @@ mod tests {
                 reason: "Verified".into(),
                 verified: true,
             }),
-            evicted: BTreeMap::from([("uid-1/sandbox-a".into(), "2026-11-22T00:00:00Z".into())]),
+            evicted: {
+                let mut h = History::default();
+                h.record(meshgate_core::evict::SandboxKey {
+                    pod_uid: "uid-1".into(),
+                    sandbox: "10.0.0.1#0".into(),
+                });
+                h
+            },
         }
     }
 
@@ -212,6 +267,35 @@ mod tests {
             std::fs::read_dir(path.parent().unwrap()).unwrap().count(),
             1
         );
+    }
+
+    #[test]
+    fn shared_updates_save_only_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        let shared = Shared::new(path.clone(), state("b1"));
+        assert!(!shared.update(|_| false).unwrap());
+        assert!(!path.exists(), "nothing changed, nothing written");
+        let key = meshgate_core::evict::SandboxKey {
+            pod_uid: "uid-2".into(),
+            sandbox: "10.0.0.2#1".into(),
+        };
+        assert!(
+            shared
+                .update(|s| {
+                    s.evicted.record(key.clone());
+                    true
+                })
+                .unwrap()
+        );
+        match load(&path, "b1") {
+            Loaded::Restarted(s) => {
+                assert!(s.evicted.contains(&key));
+                assert_eq!(s.evicted.len(), 2);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(shared.read(|s| s.evicted.len()), 2);
     }
 
     #[test]

@@ -120,27 +120,29 @@ fn load(entry: &DirEntry, siblings: &[DirEntry]) -> Result<(NetConfList, Vec<Str
     .map_err(|e| e.to_string())?;
 
     let mut drop_ins = Vec::new();
-    if is_list && !list.load_only_inlined_plugins {
-        if let Some(dir) = siblings.iter().find(|e| e.name == list.name) {
-            let EntryKind::Directory(files) = &dir.kind else {
-                return Err(format!(
-                    "names network {:?}, but {:?} beside it is not a drop-in plugin directory",
-                    list.name, dir.name
-                ));
-            };
-            let mut confs: Vec<&DirEntry> = files
-                .iter()
-                .filter(|f| f.name.ends_with(".conf") && !matches!(f.kind, EntryKind::Directory(_)))
-                .collect();
-            confs.sort_by(|a, b| a.name.cmp(&b.name));
-            for f in confs {
-                let shown = format!("{}/{}", dir.name, f.name);
-                let plugin = readable(&f.kind)
-                    .and_then(|b| PluginConf::from_bytes(b).map_err(|e| e.to_string()))
-                    .map_err(|why| format!("drop-in plugin file {shown} {why}"))?;
-                list.plugins.push(plugin);
-                drop_ins.push(shown);
-            }
+    let drop_in_dir = match is_list && !list.load_only_inlined_plugins {
+        true => siblings.iter().find(|e| e.name == list.name),
+        false => None,
+    };
+    if let Some(dir) = drop_in_dir {
+        let EntryKind::Directory(files) = &dir.kind else {
+            return Err(format!(
+                "names network {:?}, but {:?} beside it is not a drop-in plugin directory",
+                list.name, dir.name
+            ));
+        };
+        let mut confs: Vec<&DirEntry> = files
+            .iter()
+            .filter(|f| f.name.ends_with(".conf") && !matches!(f.kind, EntryKind::Directory(_)))
+            .collect();
+        confs.sort_by(|a, b| a.name.cmp(&b.name));
+        for f in confs {
+            let shown = format!("{}/{}", dir.name, f.name);
+            let plugin = readable(&f.kind)
+                .and_then(|b| PluginConf::from_bytes(b).map_err(|e| e.to_string()))
+                .map_err(|why| format!("drop-in plugin file {shown} {why}"))?;
+            list.plugins.push(plugin);
+            drop_ins.push(shown);
         }
     }
     if list.plugins.is_empty() {

@@ -309,10 +309,8 @@ fn binaries(eff: &EffectiveConfig) -> Vec<(String, &'static str)> {
         }
     }
     for p in &eff.list.plugins {
-        if let Some(ipam) = p.ipam_type() {
-            if !out.iter().any(|(t, _)| t == ipam) {
-                out.push((ipam.to_string(), "IPAM plugin"));
-            }
+        if let Some(ipam) = p.ipam_type().filter(|i| !out.iter().any(|(t, _)| t == i)) {
+            out.push((ipam.to_string(), "IPAM plugin"));
         }
     }
     out

@@ -121,9 +121,9 @@ async fn s3_then_s1_untaints_and_s4_drift_retaints() -> anyhow::Result<()> {
     let client = cp.client()?;
     let node = unique_name("agent-s3s1");
     register(&client, &node).await?;
-    let dirs = CniDirs::new();
-    dirs.config("10-calico.conflist", &golden("calico.conflist"));
-    let agent = Agent::start(cp, &node, &dirs, &[]);
+    let dirs = CniDirs::new()?;
+    dirs.config("10-calico.conflist", &golden("calico.conflist")?)?;
+    let agent = Agent::start(cp, &node, &dirs, &[])?;
 
     // S3: the primary's conflist is there, the mesh plugin is not chained yet.
     let n = wait_node(
@@ -145,7 +145,7 @@ async fn s3_then_s1_untaints_and_s4_drift_retaints() -> anyhow::Result<()> {
     );
 
     // S1: the installer appends linkerd-cni.
-    dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
+    dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist")?)?;
     wait_node(&client, &node, "untainted and Verified", open).await?;
     let describe = cp.kubectl(&["describe", "node", &node]).await?;
     let line = describe
@@ -162,7 +162,7 @@ async fn s3_then_s1_untaints_and_s4_drift_retaints() -> anyhow::Result<()> {
     );
 
     // S4: the primary rewrites its conflist without the mesh plugin.
-    dirs.config("10-calico.conflist", &golden("calico.conflist"));
+    dirs.config("10-calico.conflist", &golden("calico.conflist")?)?;
     wait_node(
         &client,
         &node,
@@ -211,16 +211,16 @@ async fn every_unverified_reason_keeps_the_node_tainted() -> anyhow::Result<()> 
     let client = cp.client()?;
     let node = unique_name("agent-reasons");
     register(&client, &node).await?;
-    let dirs = CniDirs::new();
+    let dirs = CniDirs::new()?;
     // The config dir does not exist yet: NoConfig, and the agent waits for it.
     std::fs::remove_dir(&dirs.conf)?;
-    let _agent = Agent::start(cp, &node, &dirs, &["--probe-timeout", "500ms"]);
+    let _agent = Agent::start(cp, &node, &dirs, &["--probe-timeout", "500ms"])?;
     wait_node(&client, &node, "NoConfig", gated_with("NoConfig")).await?;
     std::fs::create_dir(&dirs.conf)?;
 
     // S2: a lone mesh plugin config sorts first.
-    dirs.config("01-linkerd-cni.conf", &golden("linkerd-only.conf"));
-    dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
+    dirs.config("01-linkerd-cni.conf", &golden("linkerd-only.conf")?)?;
+    dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist")?)?;
     let n = wait_node(
         &client,
         &node,
@@ -234,11 +234,11 @@ async fn every_unverified_reason_keeps_the_node_tainted() -> anyhow::Result<()> 
             .2
             .contains("01-linkerd-cni.conf")
     );
-    dirs.remove_config("01-linkerd-cni.conf");
+    dirs.remove_config("01-linkerd-cni.conf")?;
     wait_node(&client, &node, "Verified", open).await?;
 
     // S6: multus sorts before the mesh-owned file; the condition names it.
-    dirs.config("00-multus.conf", &golden("multus.conf"));
+    dirs.config("00-multus.conf", &golden("multus.conf")?)?;
     let n = wait_node(
         &client,
         &node,
@@ -252,7 +252,7 @@ async fn every_unverified_reason_keeps_the_node_tainted() -> anyhow::Result<()> 
             .2
             .contains("00-multus.conf")
     );
-    dirs.remove_config("00-multus.conf");
+    dirs.remove_config("00-multus.conf")?;
     wait_node(&client, &node, "Verified", open).await?;
 
     // S7: the plugin binary disappears, then hangs on VERSION.
@@ -264,7 +264,7 @@ async fn every_unverified_reason_keeps_the_node_tainted() -> anyhow::Result<()> 
         gated_with("PluginBinaryMissing"),
     )
     .await?;
-    dirs.plugin("linkerd-cni", "#!/bin/sh\nsleep 30\n");
+    dirs.plugin("linkerd-cni", "#!/bin/sh\nsleep 30\n")?;
     let n = wait_node(
         &client,
         &node,
@@ -278,12 +278,12 @@ async fn every_unverified_reason_keeps_the_node_tainted() -> anyhow::Result<()> 
             .2
             .contains("within 500 ms")
     );
-    dirs.plugin("linkerd-cni", crate::support::GOOD_PLUGIN);
+    dirs.plugin("linkerd-cni", crate::support::GOOD_PLUGIN)?;
     wait_node(&client, &node, "Verified", open).await?;
 
     // S8: a truncated file sorts first (containerd semantics).
-    let full = golden("calico-linkerd.conflist");
-    dirs.config("05-partial.conflist", &full[..full.len() / 2]);
+    let full = golden("calico-linkerd.conflist")?;
+    dirs.config("05-partial.conflist", &full[..full.len() / 2])?;
     wait_node(&client, &node, "ConfigInvalid", gated_with("ConfigInvalid")).await?;
     Ok(())
 }
@@ -294,9 +294,9 @@ async fn a_missing_taint_is_restored_at_start_and_after_tampering() -> anyhow::R
     let client = cp.client()?;
     let node = unique_name("agent-tamper");
     register(&client, &node).await?;
-    let dirs = CniDirs::new();
-    dirs.config("10-calico.conflist", &golden("calico.conflist"));
-    let _agent = Agent::start(cp, &node, &dirs, &[]);
+    let dirs = CniDirs::new()?;
+    dirs.config("10-calico.conflist", &golden("calico.conflist")?)?;
+    let _agent = Agent::start(cp, &node, &dirs, &[])?;
     wait_node(
         &client,
         &node,
@@ -331,9 +331,9 @@ async fn sigkill_mid_transition_converges_without_duplicate_events() -> anyhow::
     let client = cp.client()?;
     let node = unique_name("agent-kill");
     register(&client, &node).await?;
-    let dirs = CniDirs::new();
-    dirs.config("10-calico.conflist", &golden("calico.conflist"));
-    let mut agent = Agent::start(cp, &node, &dirs, &[]);
+    let dirs = CniDirs::new()?;
+    dirs.config("10-calico.conflist", &golden("calico.conflist")?)?;
+    let mut agent = Agent::start(cp, &node, &dirs, &[])?;
     wait_node(&client, &node, "gated", gated_with("ChainedPluginMissing")).await?;
 
     // Flip the config and kill the agent at a different moment each round, then restart it.
@@ -345,10 +345,10 @@ async fn sigkill_mid_transition_converges_without_duplicate_events() -> anyhow::
         } else {
             "calico.conflist"
         };
-        dirs.config("10-calico.conflist", &golden(conf));
+        dirs.config("10-calico.conflist", &golden(conf)?)?;
         tokio::time::sleep(Duration::from_millis(*delay)).await;
         agent.kill9();
-        agent.restart();
+        agent.restart()?;
         if verified {
             wait_node(&client, &node, "converged to Verified after restart", open).await?;
         } else {
@@ -378,5 +378,73 @@ async fn sigkill_mid_transition_converges_without_duplicate_events() -> anyhow::
         "duplicate Events: {events:?}\n{}",
         agent.log()
     );
+    Ok(())
+}
+
+/// The API server stops answering (frozen with SIGSTOP, on a control plane of this test's
+/// own) while the config changes. The agent assumes nothing meanwhile, never untaints while
+/// the config is invalid, and catches up within a second once the API server answers again.
+#[tokio::test]
+async fn apiserver_outage_never_untaints_on_stale_information_and_catches_up() -> anyhow::Result<()> {
+    use futures::StreamExt;
+    use meshgate_e2e::{ControlPlane, Options};
+    use std::time::Instant;
+
+    let cp = ControlPlane::start(Options::default()).await?;
+    let client = cp.client()?;
+    let node = unique_name("agent-outage");
+    cp.register_node(&client, &NodeSpec::new(&node)).await?;
+    let dirs = CniDirs::new()?;
+    let invalid = golden("calico.conflist")?;
+    let valid = golden("calico-linkerd.conflist")?;
+    dirs.config("10-calico.conflist", &invalid)?;
+    let agent = Agent::start(&cp, &node, &dirs, &[])?;
+    if let Err(e) = wait_node(&client, &node, "gated", gated_with("ChainedPluginMissing")).await {
+        anyhow::bail!("{e:#}\n{}", agent.log());
+    }
+
+    // Phase 1: valid for a while, then invalid again, all while the API is frozen.
+    cp.freeze_apiserver(true)?;
+    dirs.config("10-calico.conflist", &valid)?;
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    dirs.config("10-calico.conflist", &invalid)?;
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    cp.freeze_apiserver(false)?;
+    // Watch the Node for a while after the return: the taint must never be gone.
+    let nodes: Api<Node> = Api::all(cp.client()?);
+    let mut watch = std::pin::pin!(kube::runtime::watcher::watch_object(nodes.clone(), &node));
+    let until = Instant::now() + Duration::from_secs(3);
+    while let Ok(Some(item)) = tokio::time::timeout_at(until.into(), watch.next()).await {
+        if let Ok(Some(n)) = item {
+            assert!(tainted(&n), "untainted after an outage although the config is invalid\n{}", agent.log());
+        }
+    }
+    assert_eq!(
+        agent.metric("meshgate_taint_transitions_total{action=\"removed\"}").await.unwrap_or(0.0),
+        0.0,
+        "the taint was never removed\n{}",
+        agent.log()
+    );
+
+    // Phase 2: the config becomes valid during an outage: caught up within a second of return.
+    cp.freeze_apiserver(true)?;
+    dirs.config("10-calico.conflist", &valid)?;
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    cp.freeze_apiserver(false)?;
+    let back = Instant::now();
+    let mut watch = std::pin::pin!(kube::runtime::watcher::watch_object(nodes, &node));
+    let untainted_at = loop {
+        match tokio::time::timeout(Duration::from_secs(10), watch.next()).await {
+            Ok(Some(Ok(Some(n)))) if !tainted(&n) => break Instant::now(),
+            Ok(Some(_)) => continue,
+            _ => anyhow::bail!("not untainted within 10 s of the API server's return\n{}", agent.log()),
+        }
+    };
+    let catch_up = untainted_at - back;
+    // The watch itself needs the API server back; both it and the agent start together.
+    assert!(catch_up < Duration::from_millis(1500), "caught up in {catch_up:?}\n{}", agent.log());
+    eprintln!("agent caught up {catch_up:?} after the API server returned");
+    drop(agent);
+    cp.stop();
     Ok(())
 }

@@ -151,17 +151,22 @@ async fn taint_patch_with_stale_resource_version_conflicts_and_retry_succeeds() 
     let nodes: Api<Node> = Api::all(client.clone());
     let pp = PatchParams::default();
 
-    let stale = nodes.get(&name).await?;
-    let stale_rv = stale.resource_version().context("resourceVersion")?;
-
-    // Writer A: JSON patch guarded by a `test` of the resourceVersion it read.
-    let a = json!([
-        { "op": "test", "path": "/metadata/resourceVersion", "value": stale_rv },
-        { "op": "add", "path": "/spec/taints", "value": [{ "key": TAINT_KEY, "effect": "NoSchedule" }] }
-    ]);
-    nodes
-        .patch(&name, &pp, &Patch::<()>::Json(serde_json::from_value(a)?))
-        .await?;
+    // Writer A: JSON patch guarded by a `test` of the resourceVersion it read. The node
+    // lifecycle controller writes the Node too, so A itself may lose a race and retry.
+    let mut attempts = 0;
+    let stale_rv = loop {
+        let read = nodes.get(&name).await?;
+        let rv = read.resource_version().context("resourceVersion")?;
+        let a = json!([
+            { "op": "test", "path": "/metadata/resourceVersion", "value": rv },
+            { "op": "add", "path": "/spec/taints", "value": [{ "key": TAINT_KEY, "effect": "NoSchedule" }] }
+        ]);
+        match nodes.patch(&name, &pp, &Patch::<()>::Json(serde_json::from_value(a)?)).await {
+            Ok(_) => break rv,
+            Err(e) if api_code(&e) == Some(422) && attempts < 10 => attempts += 1,
+            Err(e) => return Err(e.into()),
+        }
+    };
 
     // Writer B still holds the old read: a merge patch carrying that resourceVersion is a
     // conflict (409), not a silent overwrite of A's taint.

@@ -7,6 +7,8 @@
 
 mod agent;
 mod control_plane;
+mod pods;
+mod rbac;
 mod support;
 mod webhook;
 

@@ -1,0 +1,480 @@
+//! Pod inspection and eviction: the backstop for meshed pods that started before the node's
+//! CNI chain was complete.
+//!
+//! In: a watch of this node's pods only (field selector `spec.nodeName`), the node's verdict
+//! (a `watch` channel fed by the verdict loop), the shared state file (eviction history),
+//! the flags `--profile`, `--profile-file`, `--dry-run`, `--no-evict`,
+//! `--max-evictions-per-minute`, `--evict-unowned`, and the shutdown signal. Out: Eviction
+//! API calls, `MeshRedirectMissing` Pod Events, the pod metrics, and the eviction history in
+//! the state file.
+//!
+//! Flow: the watch feeds a [`tracker::Tracker`] (no periodic LIST; the watcher relists only
+//! when its watch breaks). Whenever pods are due — newly running, sandbox changed, node
+//! verdict changed, retry time reached — one batch is inspected on the blocking pool
+//! ([`inspect::run`]: namespace survey, locate, read rules, match). Each `missing` pod goes
+//! through `core::evict::decide` (history, ownership, report-only flags, rate limit), then
+//! the Eviction API ([`eviction::evict`]), and every decision is counted and published as a
+//! Pod Event once per sandbox and outcome.
+//!
+//! Safety: `unknown` (no namespace found, unreadable rules) never evicts. A 429 (PDB) or a
+//! 500 for several PDBs gives the rate-limit token back and retries with backoff. An accepted
+//! eviction is written to the state file before anything else happens, and terminating pods
+//! are never inspected, so neither a restart nor a lagging watch evicts a sandbox twice.
+
+pub mod eviction;
+pub mod inspect;
+pub mod tracker;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use futures::{FutureExt, StreamExt};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::Api;
+use kube::runtime::WatchStreamExt;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::watcher;
+use meshgate_core::cni::{Reason, Verdict as NodeVerdict};
+use meshgate_core::evict::{self, Candidate, Decision, Flags, RateLimiter, SandboxKey, SkipWhy};
+use meshgate_core::profile::ProfileSet;
+use meshgate_core::rules::Verdict;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::Args;
+use super::metrics::AgentMetrics;
+use super::state::Shared;
+use crate::netns::DEFAULT_NETNS_DIR;
+use eviction::{Answer, Outcome};
+use inspect::{Inspected, Job};
+use tracker::{Due, PodInfo, Tracker};
+
+/// The pod inspector's configuration, from the daemon's flags.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    /// This node.
+    pub node: String,
+    /// The profiles whose pods are inspected.
+    pub profiles: ProfileSet,
+    /// `--dry-run`, `--no-evict`, `--evict-unowned`.
+    pub flags: Flags,
+    /// `--max-evictions-per-minute`.
+    pub per_minute: u32,
+    /// Deadline of each API call (eviction, Event).
+    pub api_timeout: Duration,
+    /// Where named network namespaces are bind-mounted, besides `/proc/*/ns/net`.
+    pub netns_dirs: Vec<PathBuf>,
+}
+
+impl Setup {
+    /// Reads the flags; fails on an unreadable profile file or an unknown `--profile`, so a
+    /// typo stops the agent at start instead of silently inspecting nothing.
+    pub fn from_args(args: &Args) -> anyhow::Result<Self> {
+        let mut profiles = ProfileSet::all_builtin();
+        if let Some(file) = &args.profile_file {
+            let text = std::fs::read_to_string(file)
+                .with_context(|| format!("reading profile file {}", file.display()))?;
+            profiles = profiles
+                .with_custom_json(&text)
+                .with_context(|| format!("in profile file {}", file.display()))?;
+        }
+        let profiles = profiles.select(&args.profiles).context("--profile")?;
+        Ok(Self {
+            node: args.node_name.clone(),
+            profiles,
+            flags: Flags {
+                dry_run: args.dry_run,
+                no_evict: args.no_evict,
+                evict_unowned: args.evict_unowned,
+            },
+            per_minute: args.max_evictions_per_minute,
+            api_timeout: args.api_timeout,
+            netns_dirs: vec![PathBuf::from(DEFAULT_NETNS_DIR)],
+        })
+    }
+}
+
+/// Starts the pod inspector for `args`: reads its flags, builds its client (without kube's
+/// 429 retry, so a PDB refusal is seen as one), and spawns it. It stops when `stop` turns
+/// true.
+pub async fn spawn(
+    args: &Args,
+    verdict: watch::Receiver<Option<NodeVerdict>>,
+    state: Arc<Shared>,
+    metrics: AgentMetrics,
+    stop: watch::Receiver<bool>,
+) -> anyhow::Result<JoinHandle<()>> {
+    let setup = Setup::from_args(args)?;
+    let client = meshgate_runtime::client::build_without_retry(args.kubeconfig.as_deref())
+        .await
+        .context("building the pod inspector's client")?;
+    Ok(tokio::spawn(run(
+        setup, client, verdict, state, metrics, stop,
+    )))
+}
+
+/// The inspector's state between wake-ups.
+struct Inspector {
+    setup: Setup,
+    client: kube::Client,
+    recorder: Recorder,
+    state: Arc<Shared>,
+    metrics: AgentMetrics,
+    tracker: Tracker,
+    limiter: RateLimiter,
+    /// The clock origin: `core::evict` and the tracker take durations since it.
+    origin: Instant,
+    /// The node verdict last seen (verified, reason); `None` before the first.
+    last_verdict: Option<(bool, Reason)>,
+    /// The eviction history is pruned after each complete pod list.
+    prune_history: bool,
+}
+
+/// Runs the inspector until `stop` turns true (or its sender is dropped).
+pub async fn run(
+    setup: Setup,
+    client: kube::Client,
+    mut verdict: watch::Receiver<Option<NodeVerdict>>,
+    state: Arc<Shared>,
+    metrics: AgentMetrics,
+    mut stop: watch::Receiver<bool>,
+) {
+    let node = setup.node.clone();
+    let profiles: Vec<&str> = setup.profiles.iter().map(|p| p.name.as_str()).collect();
+    tracing::info!(
+        node = %node,
+        profiles = ?profiles,
+        dry_run = setup.flags.dry_run,
+        no_evict = setup.flags.no_evict,
+        evict_unowned = setup.flags.evict_unowned,
+        max_evictions_per_minute = setup.per_minute,
+        "inspecting this node's meshed pods"
+    );
+    let pods: Api<Pod> = Api::all(client.clone());
+    let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
+    let mut stream = std::pin::pin!(watcher(pods, config).default_backoff());
+    let mut me = Inspector {
+        recorder: Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "meshgate-agent".into(),
+                instance: Some(node.clone()),
+            },
+        ),
+        limiter: RateLimiter::new(setup.per_minute),
+        setup,
+        client,
+        state,
+        metrics,
+        tracker: Tracker::new(),
+        origin: Instant::now(),
+        last_verdict: None,
+        prune_history: false,
+    };
+    me.on_verdict(&verdict.borrow_and_update());
+    let mut verdict_open = true;
+
+    loop {
+        let retry = me
+            .tracker
+            .next_retry()
+            .map(|at| tokio::time::Instant::from_std(me.origin + at));
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => break,
+            item = stream.next() => {
+                let Some(item) = item else { break };
+                me.on_event(item);
+                // Take everything already buffered, so one batch covers a burst.
+                while let Some(Some(item)) = stream.next().now_or_never() {
+                    me.on_event(item);
+                }
+            }
+            changed = verdict.changed(), if verdict_open => match changed {
+                Ok(()) => me.on_verdict(&verdict.borrow_and_update()),
+                Err(_) => verdict_open = false,
+            },
+            _ = sleep_until(retry) => {}
+        }
+        me.work().await;
+    }
+    tracing::info!(node = %node, "pod inspector stopped");
+}
+
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+impl Inspector {
+    fn now(&self) -> Duration {
+        self.origin.elapsed()
+    }
+
+    fn on_verdict(&mut self, v: &Option<NodeVerdict>) {
+        let Some(v) = v else { return };
+        let seen = (v.verified, v.reason);
+        if self.last_verdict.is_some_and(|last| last != seen) {
+            tracing::info!(node = %self.setup.node, reason = %v.reason, verified = v.verified, pods = self.tracker.len(), "node verdict changed; inspecting every meshed pod again");
+            self.tracker.verdict_changed();
+        }
+        self.last_verdict = Some(seen);
+    }
+
+    fn on_event(&mut self, item: Result<watcher::Event<Pod>, watcher::Error>) {
+        let now = self.now();
+        match item {
+            Ok(watcher::Event::Init) => self.tracker.start_list(),
+            Ok(watcher::Event::InitApply(pod) | watcher::Event::Apply(pod)) => {
+                if let Some(info) = PodInfo::from_pod(&pod, &self.setup.profiles) {
+                    self.tracker.apply(info, now);
+                }
+            }
+            Ok(watcher::Event::Delete(pod)) => {
+                if let Some(uid) = pod.metadata.uid.as_deref() {
+                    self.tracker.delete(uid);
+                }
+            }
+            Ok(watcher::Event::InitDone) => {
+                self.tracker.finish_list();
+                self.prune_history = true;
+                tracing::debug!(node = %self.setup.node, pods = self.tracker.len(), "pod list complete");
+            }
+            Err(e) => {
+                tracing::warn!(node = %self.setup.node, error = %e, "pod watch error; retrying with backoff")
+            }
+        }
+    }
+
+    /// Prunes the history, then inspects and decides for every pod due.
+    async fn work(&mut self) {
+        if self.prune_history && self.tracker.listed() {
+            self.prune_history = false;
+            let live = self.tracker.uids();
+            let state = self.state.clone();
+            let pruned = tokio::task::spawn_blocking(move || {
+                state.update(|s| {
+                    let before = s.evicted.len();
+                    s.evicted.retain_pods(&live);
+                    s.evicted.len() != before
+                })
+            })
+            .await;
+            match pruned {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(node = %self.setup.node, error = %e, "cannot save the pruned eviction history")
+                }
+                Err(e) => {
+                    tracing::warn!(node = %self.setup.node, error = %e, "history pruning failed")
+                }
+            }
+        }
+
+        let due = self.tracker.due(self.now());
+        if due.is_empty() {
+            return;
+        }
+        let jobs: Vec<Job> = due
+            .iter()
+            .map(|d| Job {
+                uid: d.info.uid.clone(),
+                ips: d.info.ips.clone(),
+                profiles: d
+                    .info
+                    .profiles
+                    .iter()
+                    .filter_map(|n| self.setup.profiles.get(n).cloned())
+                    .collect(),
+            })
+            .collect();
+        let dirs = self.setup.netns_dirs.clone();
+        let count = jobs.len();
+        let batch = tokio::task::spawn_blocking(move || inspect::run(&jobs, &dirs)).await;
+        let batch = match batch {
+            Ok(b) => b,
+            Err(e) => {
+                // A panic in a reader: treat the batch as unknown (no eviction) and retry
+                // later, rather than spinning on the same pods.
+                tracing::error!(node = %self.setup.node, error = %e, pods = count, "pod inspection batch failed");
+                let now = self.now();
+                for d in &due {
+                    self.tracker
+                        .inspected(&d.info.uid, &d.info.sandbox(), d.generation);
+                    self.tracker.unknown(&d.info.uid, now);
+                }
+                return;
+            }
+        };
+        for e in &batch.survey_errors {
+            tracing::debug!(node = %self.setup.node, error = %e, "a network namespace could not be surveyed");
+        }
+        tracing::debug!(
+            node = %self.setup.node,
+            pods = count,
+            namespaces = batch.namespaces,
+            survey_us = batch.survey.as_micros() as u64,
+            "inspection batch"
+        );
+        for (d, inspected) in due.into_iter().zip(batch.pods) {
+            self.decide(d, inspected).await;
+        }
+    }
+
+    /// Counts one pod's inspection, decides, evicts when decided, and reports.
+    async fn decide(&mut self, d: Due, inspected: Inspected) {
+        let info = &d.info;
+        let (node, pod) = (self.setup.node.clone(), info.key());
+        let sandbox = info.sandbox();
+        self.tracker.inspected(&info.uid, &sandbox, d.generation);
+        for i in &inspected.inspections {
+            self.metrics.inspected(&i.profile, i.verdict.as_str());
+        }
+        self.metrics
+            .pod_inspection_seconds
+            .observe(inspected.elapsed.as_secs_f64());
+        let Some(decided) = inspect::combine(&inspected.inspections) else {
+            return;
+        };
+        let summary = inspect::summary(decided, inspected.netns.as_deref());
+        let profile = decided.profile.clone();
+        let now = self.now();
+        match decided.verdict {
+            Verdict::Redirected => {
+                self.tracker.settled(&info.uid);
+                tracing::debug!(node = %node, pod = %pod, %profile, inspect_us = inspected.elapsed.as_micros() as u64, "mesh redirects in place");
+                return;
+            }
+            Verdict::Unknown => {
+                let retry = self.tracker.unknown(&info.uid, now);
+                tracing::info!(node = %node, pod = %pod, %profile, why = %decided.message, retry_in_ms = retry.map(|r| r.as_millis() as u64), "pod's network namespace not inspectable; never evicting on unknown");
+                return;
+            }
+            Verdict::Missing => {}
+        }
+
+        let key = SandboxKey {
+            pod_uid: info.uid.clone(),
+            sandbox: sandbox.clone(),
+        };
+        let candidate = Candidate {
+            verdict: Verdict::Missing,
+            owned: info.owned,
+            key: &key,
+        };
+        let (flags, limiter) = (self.setup.flags, &mut self.limiter);
+        let decision = self
+            .state
+            .read(|s| evict::decide(&candidate, &s.evicted, limiter, flags, now));
+        let detect_ms = now.saturating_sub(d.ready_since).as_millis() as u64;
+        let outcome = match decision {
+            Decision::NotNeeded | Decision::Skip(SkipWhy::Unknown) => return,
+            Decision::Skip(SkipWhy::AlreadyEvicted) => {
+                tracing::debug!(node = %node, pod = %pod, "sandbox already evicted");
+                return;
+            }
+            Decision::Skip(SkipWhy::RateLimit) => {
+                if let Some(at) = self.limiter.next_free(now) {
+                    self.tracker.retry_at(&info.uid, at);
+                }
+                Outcome::Skipped(SkipWhy::RateLimit)
+            }
+            Decision::Skip(why) => Outcome::Skipped(why),
+            Decision::Evict { token } => {
+                tracing::info!(node = %node, pod = %pod, %profile, detect_ms, "evicting: mesh redirects missing");
+                let answer = eviction::evict(
+                    &self.client,
+                    &info.namespace,
+                    &info.name,
+                    &info.uid,
+                    self.setup.api_timeout,
+                )
+                .await;
+                if answer != Answer::Evicted {
+                    // Nothing was disrupted: the token goes back.
+                    self.limiter.refund(token);
+                }
+                match answer {
+                    Answer::Evicted => {
+                        self.record_eviction(key).await;
+                        self.metrics.evicted(&profile);
+                        Outcome::Evicted
+                    }
+                    Answer::Pdb(message) => {
+                        let retry = self.tracker.back_off(&info.uid, now);
+                        tracing::info!(node = %node, pod = %pod, %message, retry_in_ms = retry.map(|r| r.as_millis() as u64), "eviction refused by a PodDisruptionBudget");
+                        Outcome::Skipped(SkipWhy::Pdb)
+                    }
+                    Answer::MultiplePdbs(message) => {
+                        let retry = self.tracker.back_off(&info.uid, now);
+                        tracing::warn!(node = %node, pod = %pod, %message, retry_in_ms = retry.map(|r| r.as_millis() as u64), "eviction refused: several PodDisruptionBudgets match the pod");
+                        Outcome::MultiplePdbs
+                    }
+                    Answer::Gone => {
+                        tracing::debug!(node = %node, pod = %pod, "pod gone before its eviction");
+                        return;
+                    }
+                    Answer::Failed(e) => {
+                        let retry = self.tracker.back_off(&info.uid, now);
+                        tracing::warn!(node = %node, pod = %pod, error = %e, retry_in_ms = retry.map(|r| r.as_millis() as u64), "eviction failed");
+                        Outcome::Failed(e)
+                    }
+                }
+            }
+        };
+        if let Some(why) = outcome.skip_label() {
+            self.metrics.skipped(why);
+        }
+        let what = outcome.describe(self.setup.per_minute);
+        if outcome == Outcome::Evicted {
+            tracing::warn!(node = %node, pod = %pod, %profile, detect_ms, message = %decided.message, "pod evicted: mesh redirects missing");
+        } else {
+            tracing::warn!(node = %node, pod = %pod, %profile, outcome = %what, message = %decided.message, "mesh redirects missing");
+        }
+        if self
+            .tracker
+            .should_publish(&info.uid, &sandbox, outcome.action())
+        {
+            let event = outcome.event(&summary, self.setup.per_minute);
+            let reference = eviction::pod_reference(&info.namespace, &info.name, &info.uid);
+            match tokio::time::timeout(
+                self.setup.api_timeout,
+                self.recorder.publish(&event, &reference),
+            )
+            .await
+            {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(node = %node, pod = %pod, error = %e, "publishing the Pod Event failed")
+                }
+                Err(_) => {
+                    tracing::warn!(node = %node, pod = %pod, "publishing the Pod Event timed out")
+                }
+            }
+        }
+    }
+
+    /// Writes an accepted eviction to the state file before anything else can happen.
+    async fn record_eviction(&self, key: SandboxKey) {
+        let state = self.state.clone();
+        let saved = tokio::task::spawn_blocking(move || {
+            state.update(|s| {
+                s.evicted.record(key);
+                true
+            })
+        })
+        .await;
+        match saved {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(node = %self.setup.node, error = %e, "cannot save the eviction history; it is kept in memory")
+            }
+            Err(e) => {
+                tracing::warn!(node = %self.setup.node, error = %e, "saving the eviction history failed")
+            }
+        }
+    }
+}

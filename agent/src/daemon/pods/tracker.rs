@@ -1,0 +1,666 @@
+//! This node's meshed pods as the pod watch reports them, and which of them need an
+//! inspection now.
+//!
+//! In: `Pod` objects from the node-scoped watch (converted by [`PodInfo::from_pod`], so the
+//! full objects are dropped at once and memory stays flat), the node verdict's generation,
+//! and the results of inspections and eviction attempts. Out: the pods due for inspection
+//! ([`Tracker::due`]) and when the next deferred retry is due ([`Tracker::next_retry`]).
+//!
+//! A pod is inspected once it runs with IPs, and again when its sandbox changes (IPs or
+//! restart count: [`PodInfo::sandbox`]), when the node's verdict changes, or when a deferred
+//! eviction (PDB refusal, rate limit, failed call) or an `unknown` verdict is retried. Pods
+//! that no profile selects, hostNetwork pods (no netns of their own) and terminating pods
+//! are never inspected. Pure: the clock is a `Duration` since an arbitrary origin.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::net::IpAddr;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use meshgate_core::profile::ProfileSet;
+
+/// First retry delay after a refusal or an `unknown` verdict; it doubles per consecutive one.
+pub const RETRY_MIN: Duration = Duration::from_secs(2);
+/// Retry delay cap.
+pub const RETRY_MAX: Duration = Duration::from_secs(30);
+/// How often an `unknown` verdict is retried before the pod is left alone (until its
+/// sandbox or the node verdict changes): a VM-isolated pod stays unknown for good.
+pub const MAX_UNKNOWN_RETRIES: u32 = 3;
+
+/// What the inspector needs to know about one pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodInfo {
+    /// `metadata.namespace`.
+    pub namespace: String,
+    /// `metadata.name`.
+    pub name: String,
+    /// `metadata.uid`.
+    pub uid: String,
+    /// Names of the profiles that select the pod, in profile order.
+    pub profiles: Vec<String>,
+    /// True when an ownerReference has `controller: true`: something recreates the pod.
+    pub owned: bool,
+    /// `spec.hostNetwork`: the pod shares the node's netns, there is nothing to inspect.
+    pub host_network: bool,
+    /// `status.phase == Running`.
+    pub running: bool,
+    /// `metadata.deletionTimestamp` is set.
+    pub terminating: bool,
+    /// `status.podIPs` (or `status.podIP`), parsed; unparsable entries are left out.
+    pub ips: Vec<IpAddr>,
+    /// Sum of the containers' restart counts: a recreated sandbox restarts every container.
+    pub restarts: u32,
+}
+
+impl PodInfo {
+    /// Reads a pod; `None` when it lacks a name, namespace or UID (never from the API).
+    pub fn from_pod(pod: &Pod, profiles: &ProfileSet) -> Option<Self> {
+        let namespace = pod.metadata.namespace.clone()?;
+        let name = pod.metadata.name.clone()?;
+        let uid = pod.metadata.uid.clone()?;
+        let selected = profiles
+            .selecting(pod.labels(), pod.annotations())
+            .map(|p| p.name.clone())
+            .collect();
+        let owned = pod
+            .metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| o.controller == Some(true));
+        let host_network = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.host_network)
+            .unwrap_or(false);
+        let status = pod.status.as_ref();
+        let running = status.and_then(|s| s.phase.as_deref()) == Some("Running");
+        let mut ips: Vec<IpAddr> = status
+            .and_then(|s| s.pod_ips.as_ref())
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p.ip.parse().ok())
+            .collect();
+        if ips.is_empty() {
+            // Older kubelets and some stand-ins fill only the singular field.
+            ips.extend(
+                status
+                    .and_then(|s| s.pod_ip.as_deref())
+                    .and_then(|ip| ip.parse::<IpAddr>().ok()),
+            );
+        }
+        ips.sort();
+        ips.dedup();
+        let restarts = status
+            .and_then(|s| s.container_statuses.as_ref())
+            .into_iter()
+            .flatten()
+            .map(|c| u32::try_from(c.restart_count).unwrap_or(0))
+            .fold(0u32, u32::saturating_add);
+        Some(Self {
+            namespace,
+            name,
+            uid,
+            profiles: selected,
+            owned,
+            host_network,
+            running,
+            terminating: pod.metadata.deletion_timestamp.is_some(),
+            ips,
+            restarts,
+        })
+    }
+
+    /// True when the pod is worth tracking at all: a profile selects it and it has a netns
+    /// of its own.
+    pub fn relevant(&self) -> bool {
+        !self.profiles.is_empty() && !self.host_network
+    }
+
+    /// True when its netns can be inspected now: running with IPs, not being deleted.
+    pub fn inspectable(&self) -> bool {
+        self.relevant() && self.running && !self.terminating && !self.ips.is_empty()
+    }
+
+    /// The sandbox identity: the pod IPs and the restart count. A new sandbox gets new IPs
+    /// (or at least restarts every container), so it is inspected, and may be evicted, anew.
+    pub fn sandbox(&self) -> String {
+        let ips: Vec<String> = self.ips.iter().map(ToString::to_string).collect();
+        format!("{}#{}", ips.join(","), self.restarts)
+    }
+
+    /// `namespace/name`, for logs.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+/// What the tracker remembers about one pod.
+#[derive(Clone, Debug)]
+struct Entry {
+    info: PodInfo,
+    /// Sandbox and verdict generation of the last inspection.
+    inspected: Option<(String, u64)>,
+    /// When a deferred eviction or an unknown verdict is retried.
+    retry_at: Option<Duration>,
+    /// Consecutive refusals / unknowns for this sandbox: the retry backoff exponent.
+    failures: u32,
+    /// When the pod was first seen inspectable in this sandbox (detection latency).
+    ready_since: Option<Duration>,
+    /// The sandbox and Event action last published, so one outcome is published once.
+    published: Option<(String, &'static str)>,
+}
+
+/// True when `entry` must be inspected at `now` under verdict generation `generation`.
+fn needs_inspection(entry: &Entry, generation: u64, now: Duration) -> bool {
+    if !entry.info.inspectable() {
+        return false;
+    }
+    let current = Some((entry.info.sandbox(), generation));
+    entry.inspected != current || entry.retry_at.is_some_and(|t| t <= now)
+}
+
+/// The retry delay after `failures` consecutive refusals: 2 s, 4 s, ... capped at 30 s.
+pub fn retry_delay(failures: u32) -> Duration {
+    let factor = 1u32.checked_shl(failures.min(16)).unwrap_or(u32::MAX);
+    RETRY_MIN.saturating_mul(factor).min(RETRY_MAX)
+}
+
+/// One pod due for inspection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Due {
+    /// The pod as last seen.
+    pub info: PodInfo,
+    /// The verdict generation this inspection answers (pass back to [`Tracker::inspected`]).
+    pub generation: u64,
+    /// When it was first seen inspectable in this sandbox.
+    pub ready_since: Duration,
+}
+
+/// The node's tracked pods.
+#[derive(Debug, Default)]
+pub struct Tracker {
+    pods: HashMap<String, Entry>,
+    generation: u64,
+    /// UIDs listed since the watch (re)started its list; `None` outside a list.
+    relist: Option<HashSet<String>>,
+    listed: bool,
+}
+
+impl Tracker {
+    /// An empty tracker, waiting for the first full list.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// True once a first full list has been applied: only then is the view complete enough
+    /// to inspect (and to prune the eviction history).
+    pub fn listed(&self) -> bool {
+        self.listed
+    }
+
+    /// Number of tracked (selected, non-hostNetwork) pods.
+    pub fn len(&self) -> usize {
+        self.pods.len()
+    }
+
+    /// True when no pod is tracked.
+    pub fn is_empty(&self) -> bool {
+        self.pods.is_empty()
+    }
+
+    /// UIDs of the tracked pods.
+    pub fn uids(&self) -> BTreeSet<String> {
+        self.pods.keys().cloned().collect()
+    }
+
+    /// The node's verdict changed: every pod is inspected again.
+    pub fn verdict_changed(&mut self) {
+        self.generation += 1;
+    }
+
+    /// A pod was added or modified.
+    pub fn apply(&mut self, info: PodInfo, now: Duration) {
+        if let Some(seen) = self.relist.as_mut() {
+            seen.insert(info.uid.clone());
+        }
+        if !info.relevant() {
+            self.pods.remove(&info.uid);
+            return;
+        }
+        let ready = info.inspectable().then_some(now);
+        match self.pods.get_mut(&info.uid) {
+            Some(e) => {
+                if e.info.sandbox() != info.sandbox() {
+                    // A new sandbox starts with a clean slate.
+                    e.retry_at = None;
+                    e.failures = 0;
+                    e.ready_since = ready;
+                } else if e.ready_since.is_none() {
+                    e.ready_since = ready;
+                }
+                e.info = info;
+            }
+            None => {
+                self.pods.insert(
+                    info.uid.clone(),
+                    Entry {
+                        info,
+                        inspected: None,
+                        retry_at: None,
+                        failures: 0,
+                        ready_since: ready,
+                        published: None,
+                    },
+                );
+            }
+        }
+    }
+
+    /// A pod was deleted.
+    pub fn delete(&mut self, uid: &str) {
+        self.pods.remove(uid);
+    }
+
+    /// The watch starts a (re)list: pods not listed again before [`Tracker::finish_list`]
+    /// are gone.
+    pub fn start_list(&mut self) {
+        self.relist = Some(HashSet::new());
+    }
+
+    /// The (re)list is complete: forgets pods it did not list.
+    pub fn finish_list(&mut self) {
+        if let Some(seen) = self.relist.take() {
+            self.pods.retain(|uid, _| seen.contains(uid));
+        }
+        self.listed = true;
+    }
+
+    /// The pods to inspect at `now`. Nothing before the first full list.
+    pub fn due(&self, now: Duration) -> Vec<Due> {
+        if !self.listed {
+            return Vec::new();
+        }
+        let mut due: Vec<Due> = self
+            .pods
+            .values()
+            .filter(|e| needs_inspection(e, self.generation, now))
+            .map(|e| Due {
+                info: e.info.clone(),
+                generation: self.generation,
+                ready_since: e.ready_since.unwrap_or(now),
+            })
+            .collect();
+        // Oldest first: under a rate limit the pods that waited longest go first.
+        due.sort_by(|a, b| {
+            (a.ready_since, &a.info.namespace, &a.info.name).cmp(&(
+                b.ready_since,
+                &b.info.namespace,
+                &b.info.name,
+            ))
+        });
+        due
+    }
+
+    /// Records an inspection of `sandbox` under `generation`; clears any pending retry.
+    /// Ignored when the pod changed sandbox meanwhile (it is due again).
+    pub fn inspected(&mut self, uid: &str, sandbox: &str, generation: u64) {
+        if let Some(e) = self.pods.get_mut(uid)
+            && e.info.sandbox() == sandbox
+        {
+            e.inspected = Some((sandbox.to_owned(), generation));
+            e.retry_at = None;
+        }
+    }
+
+    /// The redirects are in place: forget past refusals.
+    pub fn settled(&mut self, uid: &str) {
+        if let Some(e) = self.pods.get_mut(uid) {
+            e.failures = 0;
+            e.retry_at = None;
+        }
+    }
+
+    /// Retries the pod at `at` (a rate limit says exactly when a token frees up).
+    pub fn retry_at(&mut self, uid: &str, at: Duration) {
+        if let Some(e) = self.pods.get_mut(uid) {
+            e.retry_at = Some(at);
+        }
+    }
+
+    /// Retries the pod after the next backoff step (PDB refusal, failed call). Returns the
+    /// delay chosen.
+    pub fn back_off(&mut self, uid: &str, now: Duration) -> Option<Duration> {
+        let e = self.pods.get_mut(uid)?;
+        let delay = retry_delay(e.failures);
+        e.failures = e.failures.saturating_add(1);
+        e.retry_at = Some(now + delay);
+        Some(delay)
+    }
+
+    /// An `unknown` verdict: retried with backoff a few times, then left alone until the
+    /// sandbox or the node verdict changes. Returns the delay, or `None` when giving up.
+    pub fn unknown(&mut self, uid: &str, now: Duration) -> Option<Duration> {
+        let failures = self.pods.get(uid)?.failures;
+        if failures >= MAX_UNKNOWN_RETRIES {
+            return None;
+        }
+        self.back_off(uid, now)
+    }
+
+    /// True (and remembered) when this outcome was not yet published for this sandbox.
+    pub fn should_publish(&mut self, uid: &str, sandbox: &str, action: &'static str) -> bool {
+        let Some(e) = self.pods.get_mut(uid) else {
+            return false;
+        };
+        let key = (sandbox.to_owned(), action);
+        if e.published.as_ref() == Some(&key) {
+            return false;
+        }
+        e.published = Some(key);
+        true
+    }
+
+    /// The earliest pending retry, for the loop's timer.
+    pub fn next_retry(&self) -> Option<Duration> {
+        self.pods
+            .values()
+            .filter(|e| e.info.inspectable())
+            .filter_map(|e| e.retry_at)
+            .min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(json: serde_json::Value) -> Pod {
+        serde_json::from_value(json).expect("pod json")
+    }
+
+    fn meshed(name: &str, ip: &str) -> Pod {
+        pod(serde_json::json!({
+            "metadata": {
+                "namespace": "ns", "name": name, "uid": format!("uid-{name}"),
+                "labels": { "linkerd.io/control-plane-ns": "linkerd" },
+                "ownerReferences": [{
+                    "apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "rs",
+                    "uid": "rs-uid", "controller": true
+                }]
+            },
+            "spec": { "containers": [{ "name": "app" }] },
+            "status": {
+                "phase": "Running", "podIP": ip, "podIPs": [{ "ip": ip }],
+                "containerStatuses": [{
+                    "name": "app", "image": "x", "imageID": "", "ready": true,
+                    "restartCount": 0
+                }]
+            }
+        }))
+    }
+
+    fn info(p: &Pod) -> PodInfo {
+        PodInfo::from_pod(p, &ProfileSet::all_builtin()).expect("identity")
+    }
+
+    fn secs(s: u64) -> Duration {
+        Duration::from_secs(s)
+    }
+
+    fn listed(pods: &[&Pod]) -> Tracker {
+        let mut t = Tracker::new();
+        t.start_list();
+        for p in pods {
+            t.apply(info(p), secs(0));
+        }
+        t.finish_list();
+        t
+    }
+
+    fn due_names(t: &Tracker, now: Duration) -> Vec<String> {
+        t.due(now).into_iter().map(|d| d.info.name).collect()
+    }
+
+    fn inspect_all(t: &mut Tracker, now: Duration) {
+        for d in t.due(now) {
+            t.inspected(&d.info.uid, &d.info.sandbox(), d.generation);
+        }
+    }
+
+    #[test]
+    fn pod_is_read_into_the_inspector_inputs() {
+        let mut p = meshed("a", "10.1.0.5");
+        let status = p.status.as_mut().unwrap();
+        status.pod_ips = Some(vec![
+            serde_json::from_value(serde_json::json!({"ip": "fd00::5"})).unwrap(),
+            serde_json::from_value(serde_json::json!({"ip": "10.1.0.5"})).unwrap(),
+            serde_json::from_value(serde_json::json!({"ip": "not-an-ip"})).unwrap(),
+        ]);
+        status.container_statuses.as_mut().unwrap()[0].restart_count = 2;
+        let i = info(&p);
+        assert_eq!(i.key(), "ns/a");
+        assert_eq!(i.uid, "uid-a");
+        assert_eq!(i.profiles, ["linkerd"]);
+        assert!(i.owned && i.running && !i.terminating && !i.host_network);
+        assert_eq!(
+            i.ips,
+            [
+                "10.1.0.5".parse::<IpAddr>().unwrap(),
+                "fd00::5".parse().unwrap()
+            ]
+        );
+        assert_eq!(i.sandbox(), "10.1.0.5,fd00::5#2");
+        assert!(i.inspectable());
+
+        // Only the singular podIP: still read.
+        let mut p = meshed("b", "10.1.0.6");
+        p.status.as_mut().unwrap().pod_ips = None;
+        assert_eq!(info(&p).ips, ["10.1.0.6".parse::<IpAddr>().unwrap()]);
+
+        // An owner that is not the controller does not count.
+        let mut p = meshed("c", "10.1.0.7");
+        p.metadata.owner_references.as_mut().unwrap()[0].controller = Some(false);
+        assert!(!info(&p).owned);
+
+        // No identity, no info.
+        let mut p = meshed("d", "10.1.0.8");
+        p.metadata.uid = None;
+        assert_eq!(PodInfo::from_pod(&p, &ProfileSet::all_builtin()), None);
+    }
+
+    #[test]
+    fn only_running_selected_pods_with_their_own_netns_are_inspected() {
+        let ok = meshed("ok", "10.1.0.1");
+        let mut plain = meshed("plain", "10.1.0.2");
+        plain.metadata.labels = None;
+        let mut host = meshed("host", "10.1.0.3");
+        host.spec.as_mut().unwrap().host_network = Some(true);
+        let mut pending = meshed("pending", "10.1.0.4");
+        pending.status.as_mut().unwrap().phase = Some("Pending".into());
+        let mut no_ip = meshed("noip", "10.1.0.5");
+        no_ip.status.as_mut().unwrap().pod_ip = None;
+        no_ip.status.as_mut().unwrap().pod_ips = None;
+        let mut deleting = meshed("deleting", "10.1.0.6");
+        deleting.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+            ));
+        let t = listed(&[&ok, &plain, &host, &pending, &no_ip, &deleting]);
+        // Unselected and hostNetwork pods are not even kept.
+        assert_eq!(t.len(), 4);
+        assert_eq!(due_names(&t, secs(1)), ["ok"]);
+    }
+
+    #[test]
+    fn nothing_is_due_before_the_first_full_list() {
+        let mut t = Tracker::new();
+        t.start_list();
+        t.apply(info(&meshed("a", "10.1.0.1")), secs(0));
+        assert!(t.due(secs(0)).is_empty());
+        t.finish_list();
+        assert_eq!(due_names(&t, secs(0)), ["a"]);
+    }
+
+    #[test]
+    fn inspected_once_then_again_on_sandbox_or_verdict_change() {
+        let a = meshed("a", "10.1.0.1");
+        let mut t = listed(&[&a]);
+        inspect_all(&mut t, secs(1));
+        assert!(t.due(secs(2)).is_empty(), "inspected once");
+
+        // A status update that changes nothing about the sandbox: not due.
+        let mut same = a.clone();
+        same.status.as_mut().unwrap().conditions = Some(vec![]);
+        t.apply(info(&same), secs(3));
+        assert!(t.due(secs(3)).is_empty());
+
+        // Restart count moves: the sandbox may have been recreated.
+        let mut restarted = a.clone();
+        restarted
+            .status
+            .as_mut()
+            .unwrap()
+            .container_statuses
+            .as_mut()
+            .unwrap()[0]
+            .restart_count = 1;
+        t.apply(info(&restarted), secs(4));
+        assert_eq!(due_names(&t, secs(4)), ["a"]);
+        inspect_all(&mut t, secs(4));
+
+        // New IP: new sandbox.
+        t.apply(info(&meshed("a", "10.1.0.9")), secs(5));
+        assert_eq!(due_names(&t, secs(5)), ["a"]);
+        inspect_all(&mut t, secs(5));
+        assert!(t.due(secs(6)).is_empty());
+
+        // The node's verdict changes: everything again, once.
+        t.verdict_changed();
+        assert_eq!(due_names(&t, secs(7)), ["a"]);
+        inspect_all(&mut t, secs(7));
+        assert!(t.due(secs(8)).is_empty());
+    }
+
+    #[test]
+    fn a_verdict_change_during_an_inspection_is_not_lost() {
+        let mut t = listed(&[&meshed("a", "10.1.0.1")]);
+        let batch = t.due(secs(1));
+        t.verdict_changed();
+        for d in batch {
+            t.inspected(&d.info.uid, &d.info.sandbox(), d.generation);
+        }
+        assert_eq!(due_names(&t, secs(2)), ["a"]);
+    }
+
+    #[test]
+    fn refusals_back_off_and_a_new_sandbox_resets() {
+        let mut t = listed(&[&meshed("a", "10.1.0.1")]);
+        inspect_all(&mut t, secs(0));
+        assert_eq!(t.back_off("uid-a", secs(10)), Some(secs(2)));
+        assert_eq!(t.next_retry(), Some(secs(12)));
+        assert!(t.due(secs(11)).is_empty());
+        assert_eq!(due_names(&t, secs(12)), ["a"]);
+        inspect_all(&mut t, secs(12));
+        assert_eq!(t.next_retry(), None, "inspection clears the retry");
+        assert_eq!(t.back_off("uid-a", secs(12)), Some(secs(4)));
+        assert_eq!(t.back_off("uid-a", secs(12)), Some(secs(8)));
+        for _ in 0..10 {
+            t.back_off("uid-a", secs(12));
+        }
+        assert_eq!(t.back_off("uid-a", secs(12)), Some(RETRY_MAX));
+
+        // A new sandbox starts over.
+        t.apply(info(&meshed("a", "10.1.0.2")), secs(13));
+        inspect_all(&mut t, secs(13));
+        assert_eq!(t.back_off("uid-a", secs(13)), Some(secs(2)));
+
+        // Redirects found: the slate is clean.
+        t.settled("uid-a");
+        assert_eq!(t.next_retry(), None);
+        assert_eq!(t.back_off("uid-a", secs(14)), Some(secs(2)));
+    }
+
+    #[test]
+    fn unknown_is_retried_a_few_times_only() {
+        let mut t = listed(&[&meshed("a", "10.1.0.1")]);
+        let mut now = secs(0);
+        let mut retries = 0;
+        loop {
+            inspect_all(&mut t, now);
+            match t.unknown("uid-a", now) {
+                Some(d) => {
+                    retries += 1;
+                    now += d;
+                    assert_eq!(due_names(&t, now), ["a"]);
+                }
+                None => break,
+            }
+        }
+        assert_eq!(retries, MAX_UNKNOWN_RETRIES);
+        assert!(t.due(now + RETRY_MAX).is_empty());
+    }
+
+    #[test]
+    fn rate_limited_pods_retry_when_the_token_frees_up_oldest_first() {
+        let mut t = Tracker::new();
+        t.start_list();
+        t.apply(info(&meshed("late", "10.1.0.2")), secs(5));
+        t.apply(info(&meshed("early", "10.1.0.1")), secs(1));
+        t.finish_list();
+        assert_eq!(due_names(&t, secs(6)), ["early", "late"]);
+        inspect_all(&mut t, secs(6));
+        t.retry_at("uid-late", secs(60));
+        assert_eq!(t.next_retry(), Some(secs(60)));
+        assert_eq!(due_names(&t, secs(60)), ["late"]);
+    }
+
+    #[test]
+    fn a_relist_forgets_pods_that_are_gone_and_keeps_the_rest() {
+        let mut t = listed(&[&meshed("a", "10.1.0.1"), &meshed("b", "10.1.0.2")]);
+        inspect_all(&mut t, secs(0));
+        t.start_list();
+        t.apply(info(&meshed("a", "10.1.0.1")), secs(5));
+        t.finish_list();
+        assert_eq!(t.uids(), BTreeSet::from(["uid-a".to_string()]));
+        assert!(
+            t.due(secs(5)).is_empty(),
+            "a was inspected before the relist"
+        );
+        t.delete("uid-a");
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn a_pod_that_loses_its_mesh_label_is_dropped() {
+        let mut t = listed(&[&meshed("a", "10.1.0.1")]);
+        let mut p = meshed("a", "10.1.0.1");
+        p.metadata.labels = None;
+        t.apply(info(&p), secs(1));
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn each_outcome_is_published_once_per_sandbox() {
+        let mut t = listed(&[&meshed("a", "10.1.0.1")]);
+        assert!(t.should_publish("uid-a", "s1", "DryRun"));
+        assert!(!t.should_publish("uid-a", "s1", "DryRun"));
+        assert!(t.should_publish("uid-a", "s1", "Evict"));
+        assert!(t.should_publish("uid-a", "s2", "Evict"));
+        assert!(!t.should_publish("uid-gone", "s1", "Evict"));
+    }
+
+    #[test]
+    fn ready_since_marks_the_first_inspectable_sighting() {
+        let mut pending = meshed("a", "10.1.0.1");
+        pending.status.as_mut().unwrap().phase = Some("Pending".into());
+        let mut t = Tracker::new();
+        t.start_list();
+        t.apply(info(&pending), secs(1));
+        t.finish_list();
+        t.apply(info(&meshed("a", "10.1.0.1")), secs(7));
+        t.apply(info(&meshed("a", "10.1.0.1")), secs(9));
+        assert_eq!(t.due(secs(10))[0].ready_since, secs(7));
+    }
+}

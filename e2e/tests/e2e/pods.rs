@@ -1,0 +1,882 @@
+//! Pod inspection and eviction by the real agent process against the real apiserver, with
+//! real network namespaces and real netfilter rules on this machine.
+//!
+//! Every pod's IP is the address of a network namespace the test created (`ip netns add`, a
+//! /32 on its loopback from a private /24 of the test's own); some namespaces hold linkerd's
+//! redirect rules (written by `iptables-nft` or `iptables-legacy`), others hold none. Pods are
+//! bound to the test's Node with `spec.nodeName` and moved to Running as the kubelet would.
+//! The agent runs for that Node with a verified CNI config and must: evict only the pods
+//! whose rules are missing (their ReplicaSet recreates them, into namespaces with rules),
+//! respect PodDisruptionBudgets, report bare pods without evicting them, evict nothing in
+//! dry-run, hold its rate limit, and never evict again after a restart.
+//!
+//! Needs root and `ip`, `iptables-nft`, `iptables-legacy` (e2e/install-deps.sh installs them).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::{IpAddr, Ipv4Addr};
+use std::process::Command;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use k8s_openapi::api::apps::v1::ReplicaSet;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use meshgate_e2e::wait::poll_until;
+use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
+use serde_json::json;
+
+use crate::support::{Agent, CniDirs, golden};
+use crate::{WAIT, cp};
+
+const MESH_LABEL: &str = "linkerd.io/control-plane-ns";
+
+// ---------------------------------------------------------------------------------------
+// Network namespaces
+// ---------------------------------------------------------------------------------------
+
+fn sh(args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .with_context(|| format!("cannot run {}", args[0]))?;
+    ensure!(
+        out.status.success(),
+        "`{}` failed ({}): {}",
+        args.join(" "),
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Fails (never skips) when the machine cannot run these tests.
+fn require_privileges() -> anyhow::Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    ensure!(
+        euid == 0,
+        "the pod tests create network namespaces and netfilter rules: run them as root"
+    );
+    for tool in ["ip", "iptables-nft", "iptables-legacy"] {
+        ensure!(
+            std::env::var_os("PATH")
+                .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file())),
+            "{tool} is missing: install iproute2 and iptables (e2e/install-deps.sh)"
+        );
+    }
+    Ok(())
+}
+
+/// A private /24 no other test of this run (nor, very likely, of a concurrent run) uses:
+/// `10.<100 + pid % 100>.<counter>.0/24`. The agent matches pods to namespaces by IP across
+/// the whole machine, so a collision would make both namespaces ambiguous (`unknown`).
+fn subnet() -> [u8; 3] {
+    static NEXT: AtomicU32 = AtomicU32::new(1);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let second = 100 + (std::process::id() % 100) as u8;
+    [10, second, (n % 250) as u8 + 1]
+}
+
+/// What a namespace's NAT table holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Rules {
+    /// linkerd proxy-init's redirects, written by this iptables binary.
+    Linkerd(&'static str),
+    /// Nothing: the pod started before the mesh's CNI plugin was chained.
+    None,
+}
+
+/// A named network namespace whose loopback holds the pod's /32 (scope global, like a pod
+/// IP), deleted on drop (also when the test fails). Loopback only: nothing routes anywhere.
+struct Netns {
+    name: String,
+    ip: Ipv4Addr,
+}
+
+impl Netns {
+    fn new(ip: Ipv4Addr, rules: Rules) -> anyhow::Result<Self> {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "mgp-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        );
+        sh(&["ip", "netns", "add", &name])?;
+        let ns = Self { name, ip };
+        ns.exec(&format!(
+            "ip link set lo up
+             ip addr add {ip}/32 dev lo"
+        ))?;
+        if let Rules::Linkerd(ipt) = rules {
+            ns.exec(&linkerd_rules(ipt))?;
+        }
+        Ok(ns)
+    }
+
+    fn exec(&self, script: &str) -> anyhow::Result<String> {
+        sh(&["ip", "netns", "exec", &self.name, "sh", "-ec", script])
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .output();
+    }
+}
+
+/// linkerd proxy-init's NAT rules: inbound to 4143 from PREROUTING, outbound to 4140 from
+/// OUTPUT, through its own chains.
+fn linkerd_rules(ipt: &str) -> String {
+    format!(
+        "{ipt} -w -t nat -N PROXY_INIT_REDIRECT
+         {ipt} -w -t nat -A PROXY_INIT_REDIRECT -p tcp --match multiport --dports 4190,4191 -j RETURN
+         {ipt} -w -t nat -A PROXY_INIT_REDIRECT -p tcp -j REDIRECT --to-port 4143
+         {ipt} -w -t nat -A PREROUTING -j PROXY_INIT_REDIRECT
+         {ipt} -w -t nat -N PROXY_INIT_OUTPUT
+         {ipt} -w -t nat -A PROXY_INIT_OUTPUT -m owner --uid-owner 2102 -j RETURN
+         {ipt} -w -t nat -A PROXY_INIT_OUTPUT -o lo -j RETURN
+         {ipt} -w -t nat -A PROXY_INIT_OUTPUT -p tcp -j REDIRECT --to-port 4140
+         {ipt} -w -t nat -A OUTPUT -j PROXY_INIT_OUTPUT"
+    )
+}
+
+/// The namespaces of one test, and which pod gets which one.
+struct Plan {
+    subnet: [u8; 3],
+    next_host: u8,
+    netns: Vec<Netns>,
+    /// Per pod group (the `app` label, or the pod name for bare pods): IPs handed out in
+    /// order, so a ReplicaSet's first pods land in one kind of namespace and its
+    /// replacements in another.
+    queues: HashMap<String, VecDeque<IpAddr>>,
+}
+
+impl Plan {
+    fn new() -> anyhow::Result<Self> {
+        require_privileges()?;
+        Ok(Self {
+            subnet: subnet(),
+            next_host: 1,
+            netns: Vec::new(),
+            queues: HashMap::new(),
+        })
+    }
+
+    /// Creates `count` namespaces with `rules` and queues their IPs for `group`.
+    fn add(&mut self, group: &str, count: usize, rules: Rules) -> anyhow::Result<Vec<IpAddr>> {
+        let mut ips = Vec::new();
+        for _ in 0..count {
+            let [a, b, c] = self.subnet;
+            let ip = Ipv4Addr::new(a, b, c, self.next_host);
+            self.next_host += 1;
+            self.netns.push(Netns::new(ip, rules)?);
+            ips.push(IpAddr::V4(ip));
+        }
+        self.queues
+            .entry(group.to_owned())
+            .or_default()
+            .extend(ips.iter().copied());
+        Ok(ips)
+    }
+
+    /// The kubelet stand-in's IP source: each pod gets the next IP of its group, once (a
+    /// pod seen twice before it runs keeps its IP).
+    fn ip_source(&mut self) -> impl Fn(&Pod) -> Option<IpAddr> + Send + Sync + 'static {
+        let queues = Mutex::new(std::mem::take(&mut self.queues));
+        let given: Mutex<HashMap<String, IpAddr>> = Mutex::new(HashMap::new());
+        move |pod: &Pod| {
+            let uid = pod.uid()?;
+            let mut given = given.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(ip) = given.get(&uid) {
+                return Some(*ip);
+            }
+            let group = pod
+                .labels()
+                .get("app")
+                .cloned()
+                .unwrap_or_else(|| pod.name_any());
+            let ip = queues
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_mut(&group)?
+                .pop_front()?;
+            given.insert(uid, ip);
+            Some(ip)
+        }
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.netns
+            .iter()
+            .map(|n| format!("{}={}", n.name, n.ip))
+            .collect()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Cluster objects
+// ---------------------------------------------------------------------------------------
+
+/// A ReplicaSet of `replicas` meshed pause pods bound to `node`.
+fn replica_set(
+    name: &str,
+    node: &str,
+    replicas: i32,
+    host_network: bool,
+) -> anyhow::Result<ReplicaSet> {
+    Ok(serde_json::from_value(json!({
+        "metadata": { "name": name },
+        "spec": {
+            "replicas": replicas,
+            "selector": { "matchLabels": { "app": name } },
+            "template": {
+                "metadata": { "labels": { "app": name, MESH_LABEL: "linkerd" } },
+                "spec": {
+                    "nodeName": node,
+                    "hostNetwork": host_network,
+                    "terminationGracePeriodSeconds": 30,
+                    "containers": [{ "name": "app", "image": "registry.k8s.io/pause:3.10" }]
+                }
+            }
+        }
+    }))?)
+}
+
+/// A bare pod (no owner) bound to `node`, meshed or not.
+fn bare_pod(name: &str, node: &str, meshed: bool) -> anyhow::Result<Pod> {
+    let labels = if meshed {
+        json!({ MESH_LABEL: "linkerd" })
+    } else {
+        json!({ "role": "plain" })
+    };
+    Ok(serde_json::from_value(json!({
+        "metadata": { "name": name, "labels": labels },
+        "spec": {
+            "nodeName": node,
+            "containers": [{ "name": "app", "image": "registry.k8s.io/pause:3.10" }]
+        }
+    }))?)
+}
+
+struct Scene {
+    cp: &'static ControlPlane,
+    client: Client,
+    ns: String,
+    node: String,
+    dirs: CniDirs,
+}
+
+impl Scene {
+    async fn new(prefix: &str) -> anyhow::Result<Self> {
+        let cp = cp().await;
+        let client = cp.client()?;
+        let ns = cp.create_namespace(&client, prefix).await?;
+        let node = unique_name(prefix);
+        cp.register_node(&client, &NodeSpec::new(&node)).await?;
+        let dirs = CniDirs::new()?;
+        dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist")?)?;
+        Ok(Self {
+            cp,
+            client,
+            ns,
+            node,
+            dirs,
+        })
+    }
+
+    fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    async fn create_rs(&self, rs: &ReplicaSet) -> anyhow::Result<()> {
+        Api::<ReplicaSet>::namespaced(self.client.clone(), &self.ns)
+            .create(&PostParams::default(), rs)
+            .await?;
+        Ok(())
+    }
+
+    async fn create_pod(&self, pod: &Pod) -> anyhow::Result<()> {
+        self.pods().create(&PostParams::default(), pod).await?;
+        Ok(())
+    }
+
+    async fn app_pods(&self, app: &str) -> anyhow::Result<Vec<Pod>> {
+        Ok(self
+            .pods()
+            .list(&ListParams::default().labels(&format!("app={app}")))
+            .await?
+            .items)
+    }
+
+    fn start_agent(&self, extra: &[&str]) -> anyhow::Result<Agent> {
+        let mut args = vec!["--profile", "linkerd"];
+        args.extend_from_slice(extra);
+        Ok(Agent::start(self.cp, &self.node, &self.dirs, &args)?)
+    }
+
+    /// The `MeshRedirectMissing` Events about each pod: (action, note, times observed).
+    async fn events(&self) -> anyhow::Result<BTreeMap<String, Vec<(String, String, i32)>>> {
+        let events: Api<Event> = Api::namespaced(self.client.clone(), &self.ns);
+        let mut by_pod: BTreeMap<String, Vec<(String, String, i32)>> = BTreeMap::new();
+        for e in events.list(&ListParams::default()).await?.items {
+            if e.reason.as_deref() != Some("MeshRedirectMissing")
+                || e.reporting_controller.as_deref() != Some("meshgate-agent")
+            {
+                continue;
+            }
+            ensure!(
+                e.type_.as_deref() == Some("Warning"),
+                "MeshRedirectMissing must be a Warning: {e:?}"
+            );
+            let pod = e
+                .regarding
+                .as_ref()
+                .and_then(|r| r.name.clone())
+                .unwrap_or_default();
+            by_pod.entry(pod).or_default().push((
+                e.action.unwrap_or_default(),
+                e.note.unwrap_or_default(),
+                e.series.map_or(1, |s| s.count),
+            ));
+        }
+        Ok(by_pod)
+    }
+
+    /// Waits until every pod in `pods` has an Event with `action` whose note contains `word`.
+    async fn wait_events(&self, pods: &[String], action: &str, word: &str) -> anyhow::Result<()> {
+        poll_until(&format!("{action} Events for {pods:?}"), WAIT, || async {
+            let events = self.events().await?;
+            let all = pods.iter().all(|p| {
+                events.get(p).is_some_and(|es| {
+                    es.iter()
+                        .any(|(a, note, _)| a == action && note.contains(word))
+                })
+            });
+            anyhow::Ok(all.then_some(()))
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+fn terminating(p: &Pod) -> bool {
+    p.metadata.deletion_timestamp.is_some()
+}
+
+fn running(p: &Pod) -> bool {
+    p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running") && !terminating(p)
+}
+
+fn pod_ip(p: &Pod) -> Option<IpAddr> {
+    p.status.as_ref()?.pod_ip.as_deref()?.parse().ok()
+}
+
+/// Waits until the agent's metric `sample` satisfies `ok`; fails with the agent's log.
+async fn wait_metric(agent: &Agent, sample: &str, ok: impl Fn(f64) -> bool) -> anyhow::Result<f64> {
+    let got = poll_until(&format!("metric {sample}"), WAIT, || async {
+        let v = agent.metric(sample).await.unwrap_or(0.0);
+        anyhow::Ok(ok(v).then_some(v))
+    })
+    .await;
+    match got {
+        Ok(v) => Ok(v),
+        Err(e) => bail!("{e}\n--- agent log ---\n{}", tail(&agent.log(), 60)),
+    }
+}
+
+async fn metric(agent: &Agent, sample: &str) -> f64 {
+    agent.metric(sample).await.unwrap_or(0.0)
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+const EVICTED: &str = "meshgate_pods_evicted_total{profile=\"linkerd\"}";
+const MISSING: &str = "meshgate_pod_inspections_total{profile=\"linkerd\",verdict=\"missing\"}";
+const REDIRECTED: &str =
+    "meshgate_pod_inspections_total{profile=\"linkerd\",verdict=\"redirected\"}";
+const UNKNOWN: &str = "meshgate_pod_inspections_total{profile=\"linkerd\",verdict=\"unknown\"}";
+
+fn skipped(why: &str) -> String {
+    format!("meshgate_evictions_skipped_total{{why=\"{why}\"}}")
+}
+
+/// Pod Running (as a watcher of the API sees it) → pod being deleted, per pod name.
+#[derive(Default)]
+struct Latency {
+    running: HashMap<String, Instant>,
+    evicted: HashMap<String, Duration>,
+}
+
+impl Latency {
+    fn observe(&mut self, pods: &[Pod]) {
+        for p in pods {
+            let name = p.name_any();
+            if running(p) {
+                self.running
+                    .entry(name.clone())
+                    .or_insert_with(Instant::now);
+            }
+            if terminating(p) && !self.evicted.contains_key(&name) {
+                if let Some(t) = self.running.get(&name) {
+                    self.evicted.insert(name, t.elapsed());
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn only_pods_without_redirects_are_evicted_and_their_replicaset_replaces_them()
+-> anyhow::Result<()> {
+    let scene = Scene::new("pods-evict").await?;
+    let mut plan = Plan::new()?;
+    plan.add("web", 2, Rules::None)?;
+    // The replacements land in namespaces the (now chained) CNI plugin set up.
+    let fixed = plan.add("web", 2, Rules::Linkerd("iptables-nft"))?;
+    plan.add("ok", 1, Rules::Linkerd("iptables-nft"))?;
+    plan.add("ok", 1, Rules::Linkerd("iptables-legacy"))?;
+    plan.add("bare", 1, Rules::None)?;
+    plan.add("plain", 1, Rules::None)?;
+    plan.add("hostnet", 1, Rules::None)?;
+    let _kubelet = cp().await.run_pods(&scene.node, plan.ip_source());
+
+    // The agent watches first, so the latency measured below is detection, not start-up.
+    let agent = scene.start_agent(&[])?;
+    poll_until("the agent to be ready", WAIT, || async {
+        anyhow::Ok(agent.admin_get("/ready").await.filter(|r| r.0 == 200))
+    })
+    .await?;
+
+    let started = Instant::now();
+    scene
+        .create_rs(&replica_set("web", &scene.node, 2, false)?)
+        .await?;
+    scene
+        .create_rs(&replica_set("ok", &scene.node, 2, false)?)
+        .await?;
+    // Selected by no profile, and sharing the node's netns: never inspected.
+    scene
+        .create_pod(&bare_pod("plain", &scene.node, false)?)
+        .await?;
+    scene
+        .create_rs(&replica_set("hostnet", &scene.node, 1, true)?)
+        .await?;
+    scene
+        .create_pod(&bare_pod("bare", &scene.node, true)?)
+        .await?;
+
+    // Both web pods are evicted and replaced by Running pods in namespaces with rules.
+    // Polled every 20 ms to time each pod from Running to evicted as the API shows it.
+    let mut latency = Latency::default();
+    let mut original_web: Vec<String> = Vec::new();
+    let deadline = Instant::now() + WAIT;
+    let replaced = loop {
+        let pods = scene.app_pods("web").await?;
+        latency.observe(&pods);
+        if original_web.is_empty() && pods.len() == 2 {
+            original_web = pods.iter().map(ResourceExt::name_any).collect();
+        }
+        let fresh: Vec<String> = pods
+            .iter()
+            .filter(|p| !original_web.contains(&p.name_any()) && running(p))
+            .map(ResourceExt::name_any)
+            .collect();
+        let originals_left = pods
+            .iter()
+            .filter(|p| original_web.contains(&p.name_any()))
+            .count();
+        if !original_web.is_empty() && originals_left == 0 && fresh.len() == 2 {
+            break fresh;
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "the web pods were not evicted and replaced: {:?}\n--- agent log ---\n{}",
+                pods.iter()
+                    .map(|p| (p.name_any(), running(p), terminating(p)))
+                    .collect::<Vec<_>>(),
+                tail(&agent.log(), 60)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let evict_seconds = started.elapsed();
+
+    // Every selected pod with its own namespace was inspected exactly once: 2 web + 1 bare
+    // missing; 2 ok + 2 replacements redirected. plain and hostnet never.
+    wait_metric(&agent, REDIRECTED, |v| v >= 4.0).await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(metric(&agent, REDIRECTED).await, 4.0, "{}", agent.log());
+    assert_eq!(metric(&agent, MISSING).await, 3.0, "{}", agent.log());
+    assert_eq!(metric(&agent, UNKNOWN).await, 0.0, "{}", agent.log());
+    assert_eq!(metric(&agent, EVICTED).await, 2.0);
+    assert_eq!(metric(&agent, &skipped("unowned")).await, 1.0);
+    assert!(
+        agent
+            .metric("meshgate_pod_inspection_seconds_count")
+            .await
+            .is_some_and(|c| c == 7.0),
+        "one histogram sample per inspected pod"
+    );
+
+    // The replacements, the ok pods and the bare pod are still there and running.
+    let pods = scene.pods().list(&ListParams::default()).await?.items;
+    let alive = |name: &str| pods.iter().any(|p| p.name_any() == name && running(p));
+    for name in &replaced {
+        assert!(alive(name), "replacement {name} must not be evicted");
+        let ip = pods.iter().find(|p| &p.name_any() == name).and_then(pod_ip);
+        assert!(
+            ip.is_some_and(|ip| fixed.contains(&ip)),
+            "{name} runs in a namespace with rules: {ip:?}"
+        );
+    }
+    let ok: Vec<String> = scene
+        .app_pods("ok")
+        .await?
+        .iter()
+        .map(ResourceExt::name_any)
+        .collect();
+    assert_eq!(ok.len(), 2);
+    for name in ok
+        .iter()
+        .chain(["bare".to_string(), "plain".to_string()].iter())
+    {
+        assert!(alive(name), "{name} must not be evicted");
+    }
+    let hostnet = scene.app_pods("hostnet").await?;
+    assert!(hostnet.len() == 1 && !terminating(&hostnet[0]));
+
+    // Events: evicted for the web pods, skipped as unowned for the bare pod, none else.
+    scene.wait_events(&original_web, "Evict", "evicted").await?;
+    scene
+        .wait_events(&["bare".into()], "ReportUnowned", "skipped as unowned")
+        .await?;
+    let events = scene.events().await?;
+    let mut about: Vec<&String> = events.keys().collect();
+    about.sort();
+    let mut want: Vec<&String> = original_web.iter().collect();
+    let bare = "bare".to_string();
+    want.push(&bare);
+    want.sort();
+    assert_eq!(
+        about, want,
+        "Events only about the pods without rules: {events:?}"
+    );
+    for (pod, es) in &events {
+        assert_eq!(es.len(), 1, "one Event per pod: {pod}: {es:?}");
+        assert!(
+            es[0].1.contains("4143"),
+            "the note says what is missing: {es:?}"
+        );
+    }
+
+    let rss = agent.rss_kib();
+    let mut detect: Vec<u128> = latency.evicted.values().map(Duration::as_millis).collect();
+    detect.sort();
+    eprintln!(
+        "[pods] evicted 2 of 7 meshed pods in {:.1}s from agent start; pod Running -> evicted (API view): {detect:?} ms; agent RSS {rss:?} KiB; netns {:?}",
+        evict_seconds.as_secs_f64(),
+        plan.names()
+    );
+    let log = agent.log();
+    let detect_lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("pod evicted"))
+        .filter_map(|l| l.split("detect_ms=").nth(1)?.split_whitespace().next())
+        .collect();
+    eprintln!(
+        "[pods] agent-side detection latency (Running seen -> eviction requested): {detect_lines:?} ms"
+    );
+    drop(plan);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_pdb_that_forbids_disruption_blocks_the_eviction_until_it_allows_it() -> anyhow::Result<()>
+{
+    let scene = Scene::new("pods-pdb").await?;
+    let mut plan = Plan::new()?;
+    plan.add("guarded", 2, Rules::None)?;
+    plan.add("guarded", 2, Rules::Linkerd("iptables-nft"))?;
+    let _kubelet = cp().await.run_pods(&scene.node, plan.ip_source());
+
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(scene.client.clone(), &scene.ns);
+    let pdb: PodDisruptionBudget = serde_json::from_value(json!({
+        "metadata": { "name": "guarded" },
+        "spec": { "minAvailable": 2, "selector": { "matchLabels": { "app": "guarded" } } }
+    }))?;
+    pdbs.create(&PostParams::default(), &pdb).await?;
+    scene
+        .create_rs(&replica_set("guarded", &scene.node, 2, false)?)
+        .await?;
+    let original: Vec<String> = poll_until("2 guarded pods running", WAIT, || async {
+        let pods = scene.app_pods("guarded").await?;
+        let names: Vec<String> = pods
+            .iter()
+            .filter(|p| running(p))
+            .map(ResourceExt::name_any)
+            .collect();
+        anyhow::Ok((names.len() == 2).then_some(names))
+    })
+    .await?;
+
+    let agent = scene.start_agent(&[])?;
+    // Refused, and retried: at least two refusals per pod.
+    wait_metric(&agent, &skipped("pdb"), |v| v >= 4.0).await?;
+    let pods = scene.app_pods("guarded").await?;
+    assert_eq!(pods.len(), 2, "nothing evicted while the PDB forbids it");
+    assert!(
+        pods.iter()
+            .all(|p| running(p) && original.contains(&p.name_any()))
+    );
+    assert_eq!(metric(&agent, EVICTED).await, 0.0);
+    scene
+        .wait_events(
+            &original,
+            "EvictBlocked",
+            "blocked by a PodDisruptionBudget",
+        )
+        .await?;
+    let events = scene.events().await?;
+    for pod in &original {
+        assert_eq!(
+            events.get(pod).map(Vec::len),
+            Some(1),
+            "one Warning Event per pod, however often the PDB refuses: {events:?}"
+        );
+    }
+
+    // The budget now allows one disruption at a time: both are evicted in turn.
+    pdbs.patch(
+        "guarded",
+        &PatchParams::default(),
+        &Patch::Merge(json!({ "spec": { "minAvailable": 1 } })),
+    )
+    .await?;
+    poll_until(
+        "both guarded pods evicted and replaced",
+        Duration::from_secs(150),
+        || async {
+            let pods = scene.app_pods("guarded").await?;
+            let originals = pods
+                .iter()
+                .filter(|p| original.contains(&p.name_any()))
+                .count();
+            let fresh = pods
+                .iter()
+                .filter(|p| !original.contains(&p.name_any()) && running(p))
+                .count();
+            anyhow::Ok((originals == 0 && fresh == 2).then_some(()))
+        },
+    )
+    .await
+    .with_context(|| format!("--- agent log ---\n{}", tail(&agent.log(), 60)))?;
+    assert_eq!(metric(&agent, EVICTED).await, 2.0);
+    scene.wait_events(&original, "Evict", "evicted").await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn dry_run_evicts_nothing_reports_and_reinspects_on_verdict_and_sandbox_changes()
+-> anyhow::Result<()> {
+    let scene = Scene::new("pods-dry").await?;
+    let mut plan = Plan::new()?;
+    plan.add("web", 2, Rules::None)?;
+    let _kubelet = cp().await.run_pods(&scene.node, plan.ip_source());
+    scene
+        .create_rs(&replica_set("web", &scene.node, 2, false)?)
+        .await?;
+    let agent = scene.start_agent(&["--dry-run"])?;
+
+    wait_metric(&agent, &skipped("dry_run"), |v| v >= 2.0).await?;
+    let pods = scene.app_pods("web").await?;
+    let names: Vec<String> = pods.iter().map(ResourceExt::name_any).collect();
+    scene.wait_events(&names, "DryRun", "dry-run").await?;
+    assert_eq!(metric(&agent, MISSING).await, 2.0);
+
+    // The node's verdict changes (the mesh plugin is dropped from the chain): every pod is
+    // inspected again; still nothing evicted, and no duplicate Event.
+    scene
+        .dirs
+        .config("10-calico.conflist", &golden("calico.conflist")?)?;
+    wait_metric(&agent, MISSING, |v| v >= 4.0).await?;
+
+    // One pod's sandbox changes (its containers restarted): that pod alone again.
+    let status = json!({ "status": { "containerStatuses": [{
+        "name": "app", "image": "registry.k8s.io/pause:3.10", "imageID": "",
+        "ready": true, "restartCount": 1, "started": true,
+        "state": { "running": { "startedAt": "2026-01-01T00:00:00Z" } }
+    }] } });
+    scene
+        .pods()
+        .patch_status(
+            &names[0],
+            &PatchParams::default(),
+            &Patch::Strategic(status),
+        )
+        .await?;
+    wait_metric(&agent, MISSING, |v| v >= 5.0).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(metric(&agent, MISSING).await, 5.0, "{}", agent.log());
+    assert_eq!(metric(&agent, &skipped("dry_run")).await, 5.0);
+    assert_eq!(metric(&agent, EVICTED).await, 0.0);
+
+    let pods = scene.app_pods("web").await?;
+    assert_eq!(pods.len(), 2);
+    assert!(
+        pods.iter()
+            .all(|p| running(p) && names.contains(&p.name_any())),
+        "dry-run evicts nothing"
+    );
+    let events = scene.events().await?;
+    // One Event per sandbox: the restarted pod got a second one for its new sandbox (the
+    // Recorder folds it into the first Event's series).
+    let observed = |pod: &str| {
+        events
+            .get(pod)
+            .map_or(0, |es| es.iter().map(|e| e.2).sum::<i32>())
+    };
+    assert_eq!(observed(&names[0]), 2, "{events:?}");
+    assert_eq!(observed(&names[1]), 1, "{events:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_rate_limit_holds() -> anyhow::Result<()> {
+    let scene = Scene::new("pods-rate").await?;
+    let mut plan = Plan::new()?;
+    plan.add("web", 4, Rules::None)?;
+    plan.add("web", 4, Rules::Linkerd("iptables-nft"))?;
+    let _kubelet = cp().await.run_pods(&scene.node, plan.ip_source());
+    scene
+        .create_rs(&replica_set("web", &scene.node, 4, false)?)
+        .await?;
+    let original: Vec<String> = poll_until("4 web pods running", WAIT, || async {
+        let pods = scene.app_pods("web").await?;
+        let names: Vec<String> = pods
+            .iter()
+            .filter(|p| running(p))
+            .map(ResourceExt::name_any)
+            .collect();
+        anyhow::Ok((names.len() == 4).then_some(names))
+    })
+    .await?;
+
+    let agent = scene.start_agent(&["--max-evictions-per-minute", "2"])?;
+    let started = Instant::now();
+    wait_metric(&agent, EVICTED, |v| v >= 2.0).await?;
+    wait_metric(&agent, &skipped("rate_limit"), |v| v >= 2.0).await?;
+    // Give a third eviction every chance to happen (well within the minute).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let pods = scene.app_pods("web").await?;
+    let left: Vec<&Pod> = pods
+        .iter()
+        .filter(|p| original.contains(&p.name_any()))
+        .collect();
+    let untouched = left.iter().filter(|p| !terminating(p)).count();
+    ensure!(
+        started.elapsed() < Duration::from_secs(55),
+        "the test outlived the rate-limit window; its result would say nothing"
+    );
+    assert_eq!(metric(&agent, EVICTED).await, 2.0, "{}", agent.log());
+    assert_eq!(
+        untouched, 2,
+        "exactly 2 of the 4 pods evicted within a minute"
+    );
+    let deferred: Vec<String> = left
+        .iter()
+        .filter(|p| !terminating(p))
+        .map(|p| p.name_any())
+        .collect();
+    scene
+        .wait_events(&deferred, "EvictDeferred", "rate limit (2 per minute)")
+        .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_restarted_agent_does_not_evict_again() -> anyhow::Result<()> {
+    let scene = Scene::new("pods-restart").await?;
+    let mut plan = Plan::new()?;
+    let bad = plan.add("web", 2, Rules::None)?;
+    let good = plan.add("good", 1, Rules::Linkerd("iptables-legacy"))?;
+    // No kubelet stand-in: pods are moved to Running by hand, and evicted pods stay
+    // terminating (nothing finalizes them), as on a node whose kubelet is slow.
+    scene
+        .create_rs(&replica_set("web", &scene.node, 2, false)?)
+        .await?;
+    let web: Vec<String> = poll_until("2 web pods", WAIT, || async {
+        let pods = scene.app_pods("web").await?;
+        let names: Vec<String> = pods.iter().map(ResourceExt::name_any).collect();
+        anyhow::Ok((names.len() == 2).then_some(names))
+    })
+    .await?;
+    for (name, ip) in web.iter().zip(&bad) {
+        meshgate_e2e::mark_pod_running(&scene.client, &scene.ns, name, *ip).await?;
+    }
+    scene
+        .create_pod(&bare_pod("good", &scene.node, true)?)
+        .await?;
+    meshgate_e2e::mark_pod_running(&scene.client, &scene.ns, "good", good[0]).await?;
+
+    let mut agent = scene.start_agent(&[])?;
+    wait_metric(&agent, EVICTED, |v| v >= 2.0).await?;
+    let uids: Vec<String> = scene
+        .pods()
+        .list(&ListParams::default())
+        .await?
+        .items
+        .iter()
+        .filter(|p| web.contains(&p.name_any()))
+        .inspect(|p| assert!(terminating(p), "{} is being evicted", p.name_any()))
+        .filter_map(ResourceExt::uid)
+        .collect();
+    assert_eq!(uids.len(), 2);
+    let state = std::fs::read_to_string(scene.dirs.scratch().join("state/state.json"))?;
+    for uid in &uids {
+        assert!(
+            state.contains(uid.as_str()),
+            "eviction of {uid} recorded: {state}"
+        );
+    }
+
+    agent.kill9();
+    agent.restart()?;
+    // The new process inspected what is inspectable (the good pod) ...
+    wait_metric(&agent, REDIRECTED, |v| v >= 1.0).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // ... and evicted nothing, published nothing new.
+    assert_eq!(metric(&agent, EVICTED).await, 0.0, "{}", agent.log());
+    assert_eq!(
+        metric(&agent, MISSING).await,
+        0.0,
+        "terminating pods are not inspected"
+    );
+    let events = scene.events().await?;
+    for pod in &web {
+        let seen: i32 = events.get(pod).map_or(0, |es| es.iter().map(|e| e.2).sum());
+        assert_eq!(
+            seen, 1,
+            "one eviction Event for {pod}, none after the restart: {events:?}"
+        );
+    }
+    assert!(
+        agent.log().contains("evictions=2"),
+        "the history was restored from the state file:\n{}",
+        tail(&agent.log(), 40)
+    );
+    Ok(())
+}

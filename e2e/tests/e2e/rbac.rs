@@ -1,0 +1,1169 @@
+//! The install manifests on a real apiserver, and least privilege proven with the components'
+//! real ServiceAccount tokens.
+//!
+//! In: `manifests/` (copied, with TLS material made by `manifests/tls/generate.sh`), a
+//! dedicated control plane, the built `meshgate-agent` and `meshgate-webhook`. Out: pass/fail:
+//! - `kubectl apply -k manifests/` passes server-side validation, the DaemonSet and Deployment
+//!   get their pods, the caBundles carry the generated CA, the policies type-check, and the
+//!   cert-manager overlay's built-in objects pass a server-side dry run;
+//! - the agent, run with the DaemonSet's own command line and environment and a token bound to
+//!   its DaemonSet pod, gates and ungates its own Node; the same token may not modify another
+//!   Node, nor evict a pod on another node, nor read Secrets; a token that names no node may
+//!   write nothing at all;
+//! - the webhook, run with the Deployment's command line and its own token, gets ready (its
+//!   caches list under its RBAC) and serves the generated certificate for the Service's DNS
+//!   name; its token can write nothing;
+//! - the alert rules pass `promtool check rules` and `promtool test rules`.
+//!
+//! Why a dedicated control plane: the base registers a fail-closed pod webhook for a Service
+//! that nothing serves here, a DaemonSet that would put pods on every test's nodes, and a
+//! mutating webhook on every Node creation. Applied to the shared control plane, they would
+//! change what the other modules' tests see. This one starts in about 5 s and is stopped when
+//! the test binary exits.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use anyhow::{Context as _, bail, ensure};
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingAdmissionPolicy, ValidatingWebhookConfiguration,
+};
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::authorization::v1::{SelfSubjectRulesReview, SelfSubjectRulesReviewSpec};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Namespace, Node, Pod, PodSpec, Secret, Service, ServiceAccount,
+};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{
+    Api, DeleteParams, EvictParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams,
+};
+use kube::{Client, ResourceExt};
+use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
+use meshgate_e2e::node_sim::{CniDirs, free_port, golden, workspace_bin};
+use meshgate_e2e::wait::poll_until;
+use meshgate_e2e::{ControlPlane, NodeSpec, Options, TokenOptions, unique_name};
+use rustls::pki_types::CertificateDer;
+use rustls::pki_types::pem::PemObject;
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::WAIT;
+
+const NS: &str = "meshgate-system";
+const AGENT: &str = "meshgate-agent";
+const WEBHOOK: &str = "meshgate-webhook";
+/// The name the apiserver verifies the webhook's certificate against (Service DNS name).
+const SERVICE_DNS: &str = "meshgate-webhook.meshgate-system.svc";
+/// The user extra a Pod-bound token carries, which the policies key on.
+const NODE_EXTRA: &str = "authentication.kubernetes.io/node-name";
+
+/// What every test of this module shares: the control plane with the base applied, two
+/// registered nodes, and the two components' tokens.
+struct Fixture {
+    cp: &'static ControlPlane,
+    /// The copy of `manifests/` that was applied (inside the control plane's directory).
+    manifests: PathBuf,
+    /// The node the agent's token is bound to (through its DaemonSet pod there).
+    node_a: String,
+    /// Another node.
+    node_b: String,
+    /// meshgate-agent's token, bound to its DaemonSet pod on `node_a`.
+    agent_token: String,
+    /// meshgate-webhook's token, bound to one of its Deployment's pods.
+    webhook_token: String,
+}
+
+static FIXTURE: tokio::sync::OnceCell<Result<Fixture, String>> =
+    tokio::sync::OnceCell::const_new();
+static DEDICATED: OnceLock<&'static ControlPlane> = OnceLock::new();
+
+extern "C" fn stop_dedicated_at_exit() {
+    if let Some(cp) = DEDICATED.get() {
+        cp.stop();
+    }
+}
+
+/// The fixture, set up by the first test that asks; a failed setup fails every test with its
+/// reason (and is not retried, so no second control plane is started).
+async fn fixture() -> &'static Fixture {
+    let f = FIXTURE
+        .get_or_init(|| async { setup().await.map_err(|e| format!("{e:#}")) })
+        .await;
+    match f {
+        Ok(f) => f,
+        Err(e) => panic!("rbac fixture setup failed: {e}"),
+    }
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+async fn setup() -> anyhow::Result<Fixture> {
+    let cp = ControlPlane::start(Options::default())
+        .await
+        .context("starting a dedicated control plane")?;
+    let cp: &'static ControlPlane = Box::leak(Box::new(cp));
+    if DEDICATED.set(cp).is_ok() {
+        // SAFETY: registers a plain extern "C" fn without arguments, run once during exit().
+        let rc = unsafe { libc::atexit(stop_dedicated_at_exit) };
+        ensure!(rc == 0, "atexit registration failed");
+    }
+    let client = cp.client()?;
+
+    // The operator's steps: generate the TLS material, then apply the kustomization.
+    let manifests = cp.dir().join("manifests");
+    copy_tree(&repo_root().join("manifests"), &manifests)?;
+    let out = Command::new("bash")
+        .arg(manifests.join("tls/generate.sh"))
+        .output()
+        .context("running manifests/tls/generate.sh")?;
+    ensure!(
+        out.status.success(),
+        "generate.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let path = manifests.to_str().context("manifests path")?;
+    let applied = cp
+        .kubectl(&["apply", "-k", path])
+        .await
+        .context("kubectl apply -k manifests/")?;
+    tracing::info!(%applied, "applied the kustomize base");
+
+    // Nodes register tainted, as with kubelet --register-with-taints (no webhook serves the
+    // mutating registration here; it fails open, as designed).
+    let node_a = unique_name("rbac-a");
+    let node_b = unique_name("rbac-b");
+    for n in [&node_a, &node_b] {
+        cp.register_node(&client, &NodeSpec::new(n).taint(TAINT_KEY, "NoSchedule"))
+            .await?;
+    }
+
+    // The DaemonSet controller and the scheduler place an agent pod on each node; the tokens
+    // are bound to real pods of the workloads, as the kubelet's projected tokens are.
+    let agent_a = scheduled_pod(&client, AGENT, Some(&node_a)).await?;
+    let agent_b = scheduled_pod(&client, AGENT, Some(&node_b)).await?;
+    let webhook_pod = scheduled_pod(&client, WEBHOOK, None).await?;
+    let agent_token = bound_token(&client, AGENT, agent_a).await?;
+    let webhook_token = bound_token(&client, WEBHOOK, webhook_pod).await?;
+
+    // Policies and bindings reach the apiserver's admission through informers: wait until
+    // both refuse (dry-run probes, so nothing changes if they do not yet).
+    let agent = cp.client_for_token(&agent_token)?;
+    let nodes: Api<Node> = Api::all(agent.clone());
+    poll_until(
+        "the node policy to refuse the agent another Node",
+        WAIT,
+        || async {
+            let r = nodes
+                .patch(
+                    &node_b,
+                    &PatchParams::default().dry_run(),
+                    &Patch::Merge(json!({"metadata": {"labels": {"probe": "x"}}})),
+                )
+                .await;
+            anyhow::Ok(refused_by_policy(&r, "meshgate-agent-own-node").then_some(()))
+        },
+    )
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(agent, NS);
+    poll_until(
+        "the eviction policy to refuse the agent a pod on another node",
+        WAIT,
+        || async {
+            let r = pods.evict(&agent_b.name_any(), &dry_run_eviction()).await;
+            anyhow::Ok(refused_by_policy(&r, "meshgate-agent-own-node-evictions").then_some(()))
+        },
+    )
+    .await?;
+
+    Ok(Fixture {
+        cp,
+        manifests,
+        node_a,
+        node_b,
+        agent_token,
+        webhook_token,
+    })
+}
+
+/// Copies `from` to `to`, leaving out TLS material a developer generated in the tree.
+fn copy_tree(from: &Path, to: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from).with_context(|| format!("reading {}", from.display()))? {
+        let entry = entry?;
+        let (src, dst) = (entry.path(), to.join(entry.file_name()));
+        if entry.file_type()?.is_dir() {
+            copy_tree(&src, &dst)?;
+        } else if !matches!(
+            src.extension().and_then(|e| e.to_str()),
+            Some("crt" | "key")
+        ) {
+            std::fs::copy(&src, &dst).with_context(|| format!("copying {}", src.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// A pod of the workload `app` (its `app.kubernetes.io/name`) bound to `node` (any node when
+/// `None`).
+async fn scheduled_pod(client: &Client, app: &str, node: Option<&str>) -> anyhow::Result<Pod> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let lp = ListParams::default().labels(&format!("app.kubernetes.io/name={app}"));
+    let what = format!("a {app} pod scheduled on {}", node.unwrap_or("any node"));
+    Ok(poll_until(&what, WAIT, || async {
+        let list = pods.list(&lp).await?;
+        anyhow::Ok(list.items.into_iter().find(|p| {
+            let bound = p.spec.as_ref().and_then(|s| s.node_name.as_deref());
+            bound.is_some() && (node.is_none() || bound == node)
+        }))
+    })
+    .await?)
+}
+
+async fn bound_token(client: &Client, sa: &str, pod: Pod) -> anyhow::Result<String> {
+    let options = TokenOptions {
+        bound_pod: Some(pod),
+        ..Default::default()
+    };
+    Ok(meshgate_e2e::service_account_token(client, NS, sa, &options).await?)
+}
+
+fn dry_run_eviction() -> EvictParams {
+    EvictParams {
+        post_options: PostParams {
+            dry_run: true,
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+fn status_of<T>(r: &Result<T, kube::Error>) -> Option<(u16, &str)> {
+    match r {
+        Err(kube::Error::Api(s)) => Some((s.code, s.message.as_str())),
+        _ => None,
+    }
+}
+
+/// True when `r` is a 403 from the named ValidatingAdmissionPolicy (not from RBAC).
+fn refused_by_policy<T>(r: &Result<T, kube::Error>, policy: &str) -> bool {
+    status_of(r).is_some_and(|(code, msg)| {
+        code == 403 && msg.contains(&format!("ValidatingAdmissionPolicy '{policy}'"))
+    })
+}
+
+/// True when `r` is a 403 from RBAC.
+fn refused_by_rbac<T>(r: &Result<T, kube::Error>) -> bool {
+    status_of(r).is_some_and(|(code, msg)| code == 403 && msg.contains("cannot "))
+}
+
+fn describe<T: std::fmt::Debug>(r: &Result<T, kube::Error>) -> String {
+    match r {
+        Ok(v) => format!("allowed: {v:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn tainted(n: &Node) -> bool {
+    n.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == TAINT_KEY))
+}
+
+fn label(n: &Node) -> Option<&str> {
+    n.labels().get(VERIFIED_LABEL).map(String::as_str)
+}
+
+fn condition(n: &Node) -> Option<(String, String)> {
+    let c = n
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == CONDITION_TYPE)?;
+    Some((c.status.clone(), c.reason.clone().unwrap_or_default()))
+}
+
+/// The (apiGroup, resource, verb) triples the apiserver resolves for `client` in `namespace`,
+/// minus the self-review rules every authenticated user has (system:basic-user).
+async fn effective_rules(
+    client: &Client,
+    namespace: &str,
+) -> anyhow::Result<BTreeSet<(String, String, String)>> {
+    let review = SelfSubjectRulesReview {
+        spec: SelfSubjectRulesReviewSpec {
+            namespace: Some(namespace.to_owned()),
+        },
+        ..Default::default()
+    };
+    let answer = Api::<SelfSubjectRulesReview>::all(client.clone())
+        .create(&PostParams::default(), &review)
+        .await?;
+    let status = answer.status.context("no status in SelfSubjectRulesReview")?;
+    ensure!(
+        !status.incomplete,
+        "rules review incomplete: {:?}",
+        status.evaluation_error
+    );
+    let mut out = BTreeSet::new();
+    for rule in status.resource_rules {
+        ensure!(
+            rule.resource_names.as_ref().is_none_or(Vec::is_empty),
+            "unexpected resourceNames rule {rule:?}"
+        );
+        for g in rule.api_groups.iter().flatten() {
+            for r in rule.resources.iter().flatten() {
+                let self_review = (g == "authorization.k8s.io" || g == "authentication.k8s.io")
+                    && r.starts_with("selfsubject");
+                if self_review {
+                    continue;
+                }
+                for v in &rule.verbs {
+                    out.insert((g.clone(), r.clone(), v.clone()));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn triples(rules: &[(&str, &[&str], &[&str])]) -> BTreeSet<(String, String, String)> {
+    let mut out = BTreeSet::new();
+    for (group, resources, verbs) in rules {
+        for r in *resources {
+            for v in *verbs {
+                out.insert((group.to_string(), r.to_string(), v.to_string()));
+            }
+        }
+    }
+    out
+}
+
+/// A namespace exempt from the (unserved, fail-closed) pod webhook, with `pods` created in it:
+/// (name, node). Creation is retried until the namespace label and its default
+/// ServiceAccount have reached admission.
+async fn exempt_namespace_with_pods(
+    client: &Client,
+    prefix: &str,
+    pods: &[(&str, &str)],
+) -> anyhow::Result<String> {
+    let name = unique_name(prefix);
+    let ns = Namespace {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            labels: Some(BTreeMap::from([(
+                "meshgate.io/ignore".to_owned(),
+                "true".to_owned(),
+            )])),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await?;
+    let api: Api<Pod> = Api::namespaced(client.clone(), &name);
+    for (pod, node) in pods {
+        let p: Pod = serde_json::from_value(json!({
+            "metadata": { "name": pod },
+            "spec": {
+                "nodeName": node,
+                "containers": [{ "name": "app", "image": "registry.k8s.io/pause:3.10" }]
+            }
+        }))?;
+        poll_until(&format!("creating pod {name}/{pod}"), WAIT, || async {
+            api.create(&PostParams::default(), &p).await.map(Some)
+        })
+        .await?;
+    }
+    Ok(name)
+}
+
+// ---------------------------------------------------------------------------------------
+// Running a workload's container as a local process
+
+/// A container of a workload, run as a local process with the workload's own command line
+/// and environment; killed on drop.
+struct Workload {
+    child: Child,
+    log: PathBuf,
+    /// Local addresses substituted for `--admin-addr` and `--listen`.
+    addrs: BTreeMap<String, SocketAddr>,
+    /// Local directories standing in for each volume mount (mountPath → dir).
+    mounts: BTreeMap<String, PathBuf>,
+}
+
+impl Workload {
+    /// Starts the first container of `spec` (as the apiserver stored it) on behalf of `node`:
+    /// - each volume mount becomes a local directory holding what the volume would: a hostPath
+    ///   from `host_dirs` (else an empty scratch dir), a ConfigMap's or Secret's keys as files;
+    /// - the binary is the workspace build of the command's file name;
+    /// - every absolute path in the arguments must lie under a volume mount and is mapped to
+    ///   its local directory (a path no volume provides is a manifest bug and fails here);
+    /// - `--admin-addr` and `--listen` get free loopback ports; `--kubeconfig` is added;
+    /// - the environment is exactly the container's `env` (the Downward API's spec.nodeName
+    ///   is `node`) and `envFrom` ConfigMaps.
+    async fn start(
+        admin: &Client,
+        spec: &PodSpec,
+        node: &str,
+        kubeconfig: &Path,
+        host_dirs: &BTreeMap<&str, PathBuf>,
+        scratch: &Path,
+    ) -> anyhow::Result<Self> {
+        let container = spec.containers.first().context("no container")?;
+        let configmaps: Api<ConfigMap> = Api::namespaced(admin.clone(), NS);
+        let secrets: Api<Secret> = Api::namespaced(admin.clone(), NS);
+
+        let mut mounts = BTreeMap::new();
+        for vm in container.volume_mounts.iter().flatten() {
+            let vol = spec
+                .volumes
+                .iter()
+                .flatten()
+                .find(|v| v.name == vm.name)
+                .with_context(|| format!("volumeMount {} has no volume", vm.name))?;
+            let local = scratch.join("volumes").join(&vol.name);
+            let dir = if let Some(hp) = &vol.host_path {
+                match host_dirs.get(hp.path.as_str()) {
+                    Some(d) => d.clone(),
+                    None => {
+                        std::fs::create_dir_all(&local)?;
+                        local
+                    }
+                }
+            } else if let Some(cm) = &vol.config_map {
+                let data = configmaps.get(&cm.name).await?.data.unwrap_or_default();
+                std::fs::create_dir_all(&local)?;
+                for (k, v) in data {
+                    std::fs::write(local.join(k), v)?;
+                }
+                local
+            } else if let Some(s) = &vol.secret {
+                let name = s.secret_name.as_deref().context("secret volume without name")?;
+                let data = secrets.get(name).await?.data.unwrap_or_default();
+                std::fs::create_dir_all(&local)?;
+                for (k, v) in data {
+                    std::fs::write(local.join(k), v.0)?;
+                }
+                local
+            } else {
+                bail!("volume {} is of a kind this test does not map", vol.name);
+            };
+            mounts.insert(vm.mount_path.clone(), dir);
+        }
+
+        let mut argv: Vec<String> = container.command.clone().unwrap_or_default();
+        argv.extend(container.args.clone().unwrap_or_default());
+        ensure!(!argv.is_empty(), "the container names no command");
+        let bin_name = Path::new(&argv[0])
+            .file_name()
+            .and_then(|n| n.to_str())
+            .context("command")?
+            .to_owned();
+        let mut cmd = Command::new(workspace_bin(&bin_name)?);
+        let mut addrs = BTreeMap::new();
+        for arg in &argv[1..] {
+            let Some((flag, value)) = arg.split_once('=') else {
+                cmd.arg(arg);
+                continue;
+            };
+            if flag == "--admin-addr" || flag == "--listen" {
+                let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+                addrs.insert(flag.to_owned(), addr);
+                cmd.arg(format!("{flag}={addr}"));
+            } else if value.starts_with('/') {
+                let (mount, dir) = mounts
+                    .iter()
+                    .filter(|(m, _)| {
+                        value == m.as_str() || value.starts_with(&format!("{}/", m))
+                    })
+                    .max_by_key(|(m, _)| m.len())
+                    .with_context(|| format!("{arg}: no volume is mounted at that path"))?;
+                let rest = value[mount.len()..].trim_start_matches('/');
+                let local = if rest.is_empty() {
+                    dir.clone()
+                } else {
+                    dir.join(rest)
+                };
+                cmd.arg(format!("{flag}={}", local.display()));
+            } else {
+                cmd.arg(arg);
+            }
+        }
+        cmd.arg(format!("--kubeconfig={}", kubeconfig.display()));
+
+        cmd.env_clear();
+        cmd.env("RUST_LOG", "info");
+        for e in container.env.iter().flatten() {
+            if let Some(v) = &e.value {
+                cmd.env(&e.name, v);
+            } else if let Some(src) = &e.value_from {
+                match src.field_ref.as_ref().map(|f| f.field_path.as_str()) {
+                    Some("spec.nodeName") => {
+                        cmd.env(&e.name, node);
+                    }
+                    other => bail!("env {} from {other:?} is not mapped", e.name),
+                }
+            }
+        }
+        for from in container.env_from.iter().flatten() {
+            let cm = from
+                .config_map_ref
+                .as_ref()
+                .context("envFrom other than a ConfigMap")?;
+            for (k, v) in configmaps.get(&cm.name).await?.data.unwrap_or_default() {
+                cmd.env(k, v);
+            }
+        }
+
+        let log = scratch.join(format!("{bin_name}.log"));
+        let file = std::fs::File::create(&log)?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(file.try_clone()?)
+            .stderr(file)
+            .spawn()
+            .with_context(|| format!("starting {bin_name}"))?;
+        Ok(Self {
+            child,
+            log,
+            addrs,
+            mounts,
+        })
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A plain HTTP/1.0 GET: the status code, or `None` while nothing answers.
+async fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
+    let mut s = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr))
+        .await
+        .ok()?
+        .ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut out = String::new();
+    tokio::time::timeout(Duration::from_secs(2), s.read_to_string(&mut out))
+        .await
+        .ok()?
+        .ok()?;
+    out.split_whitespace().nth(1)?.parse().ok()
+}
+
+// ---------------------------------------------------------------------------------------
+// Tests
+
+#[tokio::test]
+async fn install_manifests_apply_and_are_wired() -> anyhow::Result<()> {
+    let f = fixture().await;
+    let client = f.cp.client()?;
+
+    // The DaemonSet wants a pod on every node, and got them; the priority class resolved.
+    let ds: Api<DaemonSet> = Api::namespaced(client.clone(), NS);
+    let desired = poll_until("the DaemonSet to count both nodes", WAIT, || async {
+        let s = ds.get(AGENT).await?.status.unwrap_or_default();
+        anyhow::Ok((s.desired_number_scheduled == 2).then_some(s.desired_number_scheduled))
+    })
+    .await?;
+    assert_eq!(desired, 2);
+    for node in [&f.node_a, &f.node_b] {
+        let pod = scheduled_pod(&client, AGENT, Some(node)).await?;
+        let spec = pod.spec.context("spec")?;
+        assert_eq!(
+            spec.priority,
+            Some(2_000_001_000),
+            "system-node-critical resolved"
+        );
+        assert_eq!(
+            spec.service_account_name.as_deref(),
+            Some(AGENT),
+            "the agent runs as its own ServiceAccount"
+        );
+    }
+
+    // The webhook Deployment's two replicas exist and were scheduled despite the node taint.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let lp = ListParams::default().labels(&format!("app.kubernetes.io/name={WEBHOOK}"));
+    poll_until("2 webhook pods scheduled", WAIT, || async {
+        let list = pods.list(&lp).await?.items;
+        let bound = list
+            .iter()
+            .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some())
+            .count();
+        anyhow::Ok((bound == 2).then_some(()))
+    })
+    .await?;
+    let pdb = Api::<PodDisruptionBudget>::namespaced(client.clone(), NS)
+        .get(WEBHOOK)
+        .await?;
+    assert!(pdb.spec.and_then(|s| s.min_available).is_some());
+    let svc = Api::<Service>::namespaced(client.clone(), NS)
+        .get(WEBHOOK)
+        .await?;
+    let port = svc
+        .spec
+        .and_then(|s| s.ports)
+        .and_then(|p| p.into_iter().next())
+        .context("service port")?;
+    assert_eq!(port.port, 443);
+
+    // Every webhook trusts exactly the CA generate.sh made.
+    let ca = std::fs::read(f.manifests.join("tls/ca.crt"))?;
+    let vwc = Api::<ValidatingWebhookConfiguration>::all(client.clone())
+        .get("meshgate")
+        .await?;
+    let validating = vwc.webhooks.unwrap_or_default();
+    assert_eq!(validating.len(), 2);
+    let mwc = Api::<MutatingWebhookConfiguration>::all(client.clone())
+        .get("meshgate")
+        .await?;
+    let mutating = mwc.webhooks.unwrap_or_default();
+    assert_eq!(mutating.len(), 1);
+    let bundles: Vec<(&str, Option<&Vec<u8>>)> = validating
+        .iter()
+        .map(|w| (w.name.as_str(), w.client_config.ca_bundle.as_ref().map(|b| &b.0)))
+        .chain(
+            mutating
+                .iter()
+                .map(|w| (w.name.as_str(), w.client_config.ca_bundle.as_ref().map(|b| &b.0))),
+        )
+        .collect();
+    for (name, bundle) in bundles {
+        assert_eq!(bundle, Some(&ca), "caBundle of {name}");
+    }
+
+    // The policies' CEL type-checks against the real schemas.
+    for name in [
+        "meshgate-agent-own-node",
+        "meshgate-agent-own-node-evictions",
+    ] {
+        let vap = Api::<ValidatingAdmissionPolicy>::all(client.clone())
+            .get(name)
+            .await?;
+        let status = vap.status.context("policy status")?;
+        let warnings = status
+            .type_checking
+            .and_then(|t| t.expression_warnings)
+            .unwrap_or_default();
+        assert!(warnings.is_empty(), "{name}: {warnings:?}");
+    }
+
+    // The cert-manager overlay: its built-in objects pass the server's validation (a dry run);
+    // cert-manager's own kinds cannot (no CRDs here), so they are checked by content only.
+    let overlay = f.manifests.join("cert-manager");
+    let built = f
+        .cp
+        .kubectl(&["kustomize", overlay.to_str().context("path")?])
+        .await?;
+    let (cm_docs, builtin_docs): (Vec<&str>, Vec<&str>) = built
+        .split("\n---\n")
+        .partition(|d| d.contains("apiVersion: cert-manager.io/"));
+    assert_eq!(cm_docs.len(), 4, "2 Issuers, 2 Certificates");
+    assert!(
+        cm_docs
+            .iter()
+            .any(|d| d.contains("secretName: meshgate-webhook-tls\n")
+                && d.contains(&format!("- {SERVICE_DNS}\n"))),
+        "a Certificate for the Service name into the Secret the Deployment mounts"
+    );
+    let injected = builtin_docs
+        .iter()
+        .filter(|d| d.contains("cert-manager.io/inject-ca-from: meshgate-system/meshgate-webhook"))
+        .count();
+    assert_eq!(injected, 2, "both webhook configurations get the CA injected");
+    let path = f.cp.dir().join("cert-manager-builtin.yaml");
+    std::fs::write(&path, builtin_docs.join("\n---\n"))?;
+    let dry = f
+        .cp
+        .kubectl(&[
+            "apply",
+            "--dry-run=server",
+            "-f",
+            path.to_str().context("path")?,
+        ])
+        .await?;
+    assert!(dry.contains("daemonset.apps/meshgate-agent"), "{dry}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn agent_runs_with_its_token_and_gates_only_its_own_node() -> anyhow::Result<()> {
+    let f = fixture().await;
+    let admin = f.cp.client()?;
+    let nodes: Api<Node> = Api::all(admin.clone());
+
+    // The agent exactly as the DaemonSet runs it, with the token bound to its pod on node A.
+    let ds = Api::<DaemonSet>::namespaced(admin.clone(), NS)
+        .get(AGENT)
+        .await?;
+    let spec = ds
+        .spec
+        .and_then(|s| s.template.spec)
+        .context("pod template")?;
+    let dirs = CniDirs::new()?;
+    let scratch = tempfile::tempdir()?;
+    let host_dirs = BTreeMap::from([
+        ("/etc/cni/net.d", dirs.conf.clone()),
+        ("/opt/cni/bin", dirs.bin.clone()),
+    ]);
+    let kubeconfig = f.cp.write_token_kubeconfig("rbac-agent", &f.agent_token)?;
+    let mut agent = Workload::start(
+        &admin,
+        &spec,
+        &f.node_a,
+        &kubeconfig,
+        &host_dirs,
+        scratch.path(),
+    )
+    .await?;
+    ensure!(
+        agent.mounts.contains_key("/var/run/meshgate"),
+        "the state dir is a volume"
+    );
+
+    // No config yet: the node stays gated, and the condition says why.
+    let gated = poll_until("node A gated with reason NoConfig", WAIT, || async {
+        let n = nodes.get(&f.node_a).await?;
+        let ok = tainted(&n)
+            && label(&n) == Some("false")
+            && condition(&n) == Some(("False".into(), "NoConfig".into()));
+        anyhow::Ok(ok.then_some(()))
+    })
+    .await;
+    if let Err(e) = gated {
+        bail!("{e}; exit: {:?}; agent log:\n{}", agent.exited(), agent.log());
+    }
+
+    // The mesh plugin is chained: the agent's own token untaints its own node.
+    dirs.config("10-calico-linkerd.conflist", &golden("calico-linkerd.conflist")?)?;
+    let open = poll_until("node A untainted and verified", WAIT, || async {
+        let n = nodes.get(&f.node_a).await?;
+        let ok = !tainted(&n)
+            && label(&n) == Some("true")
+            && condition(&n) == Some(("True".into(), "Verified".into()));
+        anyhow::Ok(ok.then_some(()))
+    })
+    .await;
+    if let Err(e) = open {
+        bail!("{e}; agent log:\n{}", agent.log());
+    }
+    let ready = agent.addrs.get("--admin-addr").copied().context("admin")?;
+    assert_eq!(http_status(ready, "/ready").await, Some(200));
+
+    // Its Events were accepted (events.k8s.io create under its RBAC).
+    let events: Api<Event> = Api::namespaced(admin.clone(), "default");
+    let verified_event = poll_until("the CNIChainVerified Event", WAIT, || async {
+        let list = events.list(&ListParams::default()).await?;
+        anyhow::Ok(list.items.into_iter().find(|e| {
+            e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(f.node_a.as_str())
+                && e.reason.as_deref() == Some("CNIChainVerified")
+        }))
+    })
+    .await?;
+    assert_eq!(
+        verified_event.reporting_controller.as_deref(),
+        Some("meshgate-agent")
+    );
+
+    // The same token is refused node B: the taint, the label, and the condition.
+    let as_agent: Api<Node> = Api::all(f.cp.client_for_token(&f.agent_token)?);
+    let untaint_b = as_agent
+        .patch(
+            &f.node_b,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"taints": null}})),
+        )
+        .await;
+    assert!(
+        refused_by_policy(&untaint_b, "meshgate-agent-own-node"),
+        "{}",
+        describe(&untaint_b)
+    );
+    let msg = status_of(&untaint_b).map(|(_, m)| m.to_owned()).unwrap_or_default();
+    assert!(
+        msg.contains(&format!("on node {} may not modify Node {}", f.node_a, f.node_b)),
+        "{msg}"
+    );
+    let label_b = as_agent
+        .patch(
+            &f.node_b,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}})),
+        )
+        .await;
+    assert!(
+        refused_by_policy(&label_b, "meshgate-agent-own-node"),
+        "{}",
+        describe(&label_b)
+    );
+    let status_b = as_agent
+        .patch_status(
+            &f.node_b,
+            &PatchParams::default(),
+            &Patch::Strategic(json!({"status": {"conditions": [{
+                "type": CONDITION_TYPE, "status": "True", "reason": "Verified", "message": "forged"
+            }]}})),
+        )
+        .await;
+    assert!(
+        refused_by_policy(&status_b, "meshgate-agent-own-node"),
+        "{}",
+        describe(&status_b)
+    );
+    let b = nodes.get(&f.node_b).await?;
+    assert!(tainted(&b), "node B keeps its taint");
+    assert_eq!(label(&b), None);
+    assert_eq!(condition(&b), None);
+
+    // A hand-made write to its own node passes the policy (dry run): the refusals above are
+    // about the node, not the kind of write.
+    let own = as_agent
+        .patch(
+            &f.node_a,
+            &PatchParams::default().dry_run(),
+            &Patch::Merge(json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}})),
+        )
+        .await;
+    assert!(own.is_ok(), "{}", describe(&own));
+    Ok(())
+}
+
+#[tokio::test]
+async fn agent_token_cannot_evict_a_pod_on_another_node() -> anyhow::Result<()> {
+    let f = fixture().await;
+    let admin = f.cp.client()?;
+    let ns = exempt_namespace_with_pods(
+        &admin,
+        "rbac-evict",
+        &[("on-a", &f.node_a), ("on-b", &f.node_b)],
+    )
+    .await?;
+    let as_agent: Api<Pod> = Api::namespaced(f.cp.client_for_token(&f.agent_token)?, &ns);
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
+
+    let foreign = as_agent.evict("on-b", &EvictParams::default()).await;
+    assert!(
+        refused_by_policy(&foreign, "meshgate-agent-own-node-evictions"),
+        "{}",
+        describe(&foreign)
+    );
+    let msg = status_of(&foreign).map(|(_, m)| m.to_owned()).unwrap_or_default();
+    assert!(
+        msg.contains(&format!("may not evict pod {ns}/on-b, which is on node {}", f.node_b)),
+        "{msg}"
+    );
+    assert!(
+        pods.get("on-b").await?.metadata.deletion_timestamp.is_none(),
+        "a refused eviction deletes nothing"
+    );
+
+    // Its own node's pod: RBAC and the policy both allow it, and the pod is being deleted.
+    as_agent
+        .evict("on-a", &EvictParams::default())
+        .await
+        .context("evicting a pod on the agent's own node")?;
+    let gone = pods.get_opt("on-a").await?;
+    assert!(
+        gone.is_none_or(|p| p.metadata.deletion_timestamp.is_some()),
+        "the evicted pod is terminating"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn agent_token_without_a_node_may_write_nothing() -> anyhow::Result<()> {
+    let f = fixture().await;
+    let admin = f.cp.client()?;
+    let ns = exempt_namespace_with_pods(&admin, "rbac-nonode", &[("on-a", &f.node_a)]).await?;
+
+    // A token of the same ServiceAccount not bound to a pod (like a legacy Secret token).
+    let token =
+        meshgate_e2e::service_account_token(&admin, NS, AGENT, &TokenOptions::default()).await?;
+    let client = f.cp.client_for_token(&token)?;
+    let review = Api::<k8s_openapi::api::authentication::v1::SelfSubjectReview>::all(
+        client.clone(),
+    )
+    .create(&PostParams::default(), &Default::default())
+    .await?;
+    let extra = review
+        .status
+        .and_then(|s| s.user_info)
+        .and_then(|u| u.extra)
+        .unwrap_or_default();
+    assert!(!extra.contains_key(NODE_EXTRA), "{extra:?}");
+
+    let nodes: Api<Node> = Api::all(client.clone());
+    let patch = nodes
+        .patch(
+            &f.node_a,
+            &PatchParams::default().dry_run(),
+            &Patch::Merge(json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}})),
+        )
+        .await;
+    assert!(
+        refused_by_policy(&patch, "meshgate-agent-own-node"),
+        "{}",
+        describe(&patch)
+    );
+    let evict = Api::<Pod>::namespaced(client, &ns)
+        .evict("on-a", &dry_run_eviction())
+        .await;
+    assert!(
+        refused_by_policy(&evict, "meshgate-agent-own-node-evictions"),
+        "{}",
+        describe(&evict)
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn agent_token_cannot_read_secrets_and_has_exactly_its_rules() -> anyhow::Result<()> {
+    let f = fixture().await;
+    let admin = f.cp.client()?;
+    let agent = f.cp.client_for_token(&f.agent_token)?;
+
+    let tls_secret = Api::<Secret>::namespaced(admin.clone(), NS)
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .map(|s| s.name_any())
+        .find(|n| n.starts_with("meshgate-webhook-tls"))
+        .context("the webhook's TLS Secret")?;
+    let get = Api::<Secret>::namespaced(agent.clone(), NS)
+        .get(&tls_secret)
+        .await;
+    assert!(refused_by_rbac(&get), "{}", describe(&get));
+    let list = Api::<Secret>::all(agent.clone())
+        .list(&ListParams::default())
+        .await;
+    assert!(refused_by_rbac(&list), "{}", describe(&list));
+    let sa_token = Api::<ServiceAccount>::namespaced(agent.clone(), NS)
+        .create_subresource::<
+            k8s_openapi::api::authentication::v1::TokenRequest,
+            k8s_openapi::api::authentication::v1::TokenRequest,
+        >(
+            "token",
+            WEBHOOK,
+            &PostParams::default(),
+            &Default::default(),
+        )
+        .await;
+    assert!(refused_by_rbac(&sa_token), "{}", describe(&sa_token));
+
+    let want = triples(&[
+        ("", &["nodes"], &["get", "list", "watch", "patch"]),
+        ("", &["nodes/status"], &["patch"]),
+        ("", &["pods"], &["list", "watch"]),
+        ("", &["pods/eviction"], &["create"]),
+        ("events.k8s.io", &["events"], &["create", "patch"]),
+    ]);
+    for ns in [NS, "default", "kube-system"] {
+        let have = effective_rules(&agent, ns).await?;
+        assert_eq!(have, want, "the agent's rules in namespace {ns}");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Result<()> {
+    let f = fixture().await;
+    let admin = f.cp.client()?;
+    let webhook = f.cp.client_for_token(&f.webhook_token)?;
+
+    let want = triples(&[("", &["nodes", "pods"], &["get", "list", "watch"])]);
+    for ns in [NS, "default", "kube-system"] {
+        let have = effective_rules(&webhook, ns).await?;
+        assert_eq!(have, want, "the webhook's rules in namespace {ns}");
+    }
+
+    // Every kind of write it might be tempted to make is refused by RBAC (dry runs, so a
+    // wrongly granted write would change nothing and still fail the test).
+    let dry = PatchParams::default().dry_run();
+    let dry_post = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let nodes: Api<Node> = Api::all(webhook.clone());
+    let pods: Api<Pod> = Api::namespaced(webhook.clone(), NS);
+    let victim = scheduled_pod(&admin, AGENT, Some(&f.node_a)).await?.name_any();
+    let mut attempts: Vec<(&str, String, bool)> = Vec::new();
+    let r = nodes
+        .patch(
+            &f.node_a,
+            &dry,
+            &Patch::Merge(json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}})),
+        )
+        .await;
+    attempts.push(("patch node", describe(&r), refused_by_rbac(&r)));
+    let r = nodes
+        .patch_status(
+            &f.node_a,
+            &dry,
+            &Patch::Merge(json!({"status": {"conditions": []}})),
+        )
+        .await;
+    attempts.push(("patch node status", describe(&r), refused_by_rbac(&r)));
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": { "name": "forged" },
+        "spec": { "containers": [{ "name": "c", "image": "registry.k8s.io/pause:3.10" }] }
+    }))?;
+    let r = pods.create(&dry_post, &pod).await;
+    attempts.push(("create pod", describe(&r), refused_by_rbac(&r)));
+    let r = pods
+        .delete(
+            &victim,
+            &DeleteParams {
+                dry_run: true,
+                ..Default::default()
+            },
+        )
+        .await;
+    attempts.push(("delete pod", describe(&r), refused_by_rbac(&r)));
+    let r = pods.evict(&victim, &dry_run_eviction()).await;
+    attempts.push(("evict pod", describe(&r), refused_by_rbac(&r)));
+    let r = Api::<Secret>::namespaced(webhook.clone(), NS)
+        .create(&dry_post, &Secret::default())
+        .await;
+    attempts.push(("create secret", describe(&r), refused_by_rbac(&r)));
+    let event: Event = serde_json::from_value(json!({
+        "metadata": { "name": "forged" },
+        "eventTime": "2026-01-01T00:00:00.000000Z",
+        "reportingController": "meshgate-webhook", "reportingInstance": "x", "action": "x",
+        "reason": "x", "type": "Normal"
+    }))?;
+    let r = Api::<Event>::namespaced(webhook.clone(), NS)
+        .create(&dry_post, &event)
+        .await;
+    attempts.push(("create event", describe(&r), refused_by_rbac(&r)));
+    let cm = Api::<ConfigMap>::namespaced(admin.clone(), NS)
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .map(|c| c.name_any())
+        .find(|n| n.starts_with("meshgate-profiles"))
+        .context("the profiles ConfigMap")?;
+    let r = Api::<ConfigMap>::namespaced(webhook.clone(), NS)
+        .patch(&cm, &dry, &Patch::Merge(json!({"data": {"x": "y"}})))
+        .await;
+    attempts.push(("patch configmap", describe(&r), refused_by_rbac(&r)));
+    let allowed: Vec<_> = attempts.iter().filter(|(_, _, refused)| !refused).collect();
+    assert!(allowed.is_empty(), "writes not refused by RBAC: {allowed:#?}");
+
+    // Enough to work: the webhook as the Deployment runs it, with this token, gets ready
+    // (both metadata caches listed under its RBAC) and serves the Secret's certificate for
+    // the Service's DNS name, trusted through the caBundle the apiserver uses.
+    let deployment = Api::<Deployment>::namespaced(admin.clone(), NS)
+        .get(WEBHOOK)
+        .await?;
+    let spec = deployment
+        .spec
+        .and_then(|s| s.template.spec)
+        .context("pod template")?;
+    let scratch = tempfile::tempdir()?;
+    let kubeconfig = f.cp.write_token_kubeconfig("rbac-webhook", &f.webhook_token)?;
+    let mut server = Workload::start(
+        &admin,
+        &spec,
+        &f.node_a,
+        &kubeconfig,
+        &BTreeMap::new(),
+        scratch.path(),
+    )
+    .await?;
+    let admin_addr = server.addrs.get("--admin-addr").copied().context("admin")?;
+    let ready = poll_until("the webhook to be ready", WAIT, || async {
+        anyhow::Ok((http_status(admin_addr, "/ready").await == Some(200)).then_some(()))
+    })
+    .await;
+    if let Err(e) = ready {
+        bail!("{e}; exit: {:?}; webhook log:\n{}", server.exited(), server.log());
+    }
+
+    let vwc = Api::<ValidatingWebhookConfiguration>::all(admin.clone())
+        .get("meshgate")
+        .await?;
+    let bundle = vwc
+        .webhooks
+        .unwrap_or_default()
+        .into_iter()
+        .next()
+        .and_then(|w| w.client_config.ca_bundle)
+        .context("caBundle")?;
+    let mut roots = rustls::RootCertStore::empty();
+    for der in CertificateDer::pem_slice_iter(&bundle.0) {
+        roots.add(der?)?;
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let listen = server.addrs.get("--listen").copied().context("listen")?;
+    let tcp = tokio::net::TcpStream::connect(listen).await?;
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(
+            rustls::pki_types::ServerName::try_from(SERVICE_DNS)?,
+            tcp,
+        )
+        .await
+        .context("TLS handshake as the apiserver makes it")?;
+    let presented = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .context("no certificate presented")?
+        .to_vec();
+    let mounted = std::fs::read(f.manifests.join("tls/tls.crt"))?;
+    let expected = CertificateDer::pem_slice_iter(&mounted)
+        .next()
+        .context("tls.crt")??;
+    assert_eq!(presented, expected.to_vec(), "the generated serving certificate");
+    Ok(())
+}
+
+#[test]
+fn alert_rules_pass_promtool() -> anyhow::Result<()> {
+    let script = repo_root().join("manifests/monitoring/test.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .output()
+        .with_context(|| format!("running {}", script.display()))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        out.status.success(),
+        "{} failed ({}):\n{stdout}\n{stderr}",
+        script.display(),
+        out.status
+    );
+    assert!(stdout.contains("SUCCESS"), "{stdout}");
+    Ok(())
+}
