@@ -130,6 +130,8 @@ pub struct ControlPlane {
     nodes: Arc<Mutex<BTreeSet<String>>>,
     background: Background,
     started_in: Duration,
+    apiserver_args: Vec<String>,
+    mode: Mode,
 }
 
 impl std::fmt::Debug for ControlPlane {
@@ -223,6 +225,8 @@ impl ControlPlane {
             admin_kubeconfig_path: booted.admin_kubeconfig_path,
             admin_kubeconfig: booted.admin_kubeconfig,
             procs: Mutex::new(booted.procs),
+            apiserver_args: booted.apiserver_args,
+            mode,
             nodes: Arc::new(Mutex::new(BTreeSet::new())),
             background,
             started_in: begun.elapsed(),
@@ -328,6 +332,35 @@ impl ControlPlane {
         let signal = if frozen { nix::sys::signal::Signal::SIGSTOP } else { nix::sys::signal::Signal::SIGCONT };
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(proc_.pid), signal)
             .map_err(|e| Error::io("signalling kube-apiserver", std::io::Error::from(e)))
+    }
+
+    /// Stops kube-apiserver (SIGTERM, then SIGKILL), leaving etcd and the other components
+    /// running: clients then get "connection refused", as during an apiserver restart.
+    pub fn stop_apiserver(&self) {
+        let stopped: Vec<Proc> = {
+            let mut procs = self.procs.lock().unwrap_or_else(|p| p.into_inner());
+            let (apiserver, rest): (Vec<Proc>, Vec<Proc>) =
+                std::mem::take(&mut *procs).into_iter().partition(|p| p.name == "kube-apiserver");
+            *procs = rest;
+            apiserver
+        };
+        process::stop_all(&stopped, STOP_GRACE);
+    }
+
+    /// Starts kube-apiserver again with the same flags and port, and returns once `/readyz`
+    /// answers. The process is spawned from the background thread, like the first one.
+    pub async fn start_apiserver(&self) -> Result<(), Error> {
+        let (bin, args, mode) = (self.binaries.kube_apiserver.clone(), self.apiserver_args.clone(), self.mode);
+        let log = self.dir.join("logs").join("kube-apiserver.log");
+        let proc_ = self
+            .background
+            .handle
+            .spawn(async move { process::spawn("kube-apiserver", &bin, &args, &log, mode) })
+            .await
+            .map_err(|_| Error::StartPanicked)??;
+        self.procs.lock().unwrap_or_else(|p| p.into_inner()).push(proc_.clone());
+        let admin = client_from(self.admin_kubeconfig.clone(), "admin")?;
+        wait_healthy(&proc_, Instant::now() + Duration::from_secs(60), || get_text(&admin, "/readyz")).await
     }
 
     /// Leaves the processes running (for `up`): this handle forgets them, and its drop will
@@ -650,6 +683,8 @@ impl Background {
 /// What the boot sequence produced.
 struct Booted {
     procs: Vec<Proc>,
+    /// kube-apiserver's command line, to start it again after [`ControlPlane::stop_apiserver`].
+    apiserver_args: Vec<String>,
     ports: Ports,
     pki: Pki,
     admin_kubeconfig_path: PathBuf,
@@ -729,10 +764,7 @@ impl Boot {
         started.0.push(etcd.clone());
         wait_healthy(&etcd, deadline, || etcd_health(ports.etcd_client)).await?;
 
-        let apiserver = self.spawn(
-            "kube-apiserver",
-            &self.binaries.kube_apiserver,
-            vec![
+        let apiserver_args: Vec<String> = vec![
                 format!("--etcd-servers={etcd_url}"),
                 "--bind-address=127.0.0.1".into(),
                 "--advertise-address=127.0.0.1".into(),
@@ -765,8 +797,8 @@ impl Boot {
                 "--endpoint-reconciler-type=none".into(),
                 format!("--cert-dir={}", s(&self.dir.join("pki"))),
                 "--profiling=false".into(),
-            ],
-        )?;
+            ];
+        let apiserver = self.spawn("kube-apiserver", &self.binaries.kube_apiserver, apiserver_args.clone())?;
         started.0.push(apiserver.clone());
         let admin = client_from(admin_kubeconfig.clone(), "admin")?;
         wait_healthy(&apiserver, deadline, || get_text(&admin, "/readyz")).await?;
@@ -839,6 +871,7 @@ impl Boot {
         let procs = std::mem::take(&mut started.0);
         Ok(Booted {
             procs,
+            apiserver_args,
             ports,
             pki,
             admin_kubeconfig_path,

@@ -67,12 +67,33 @@ sleep 2
 grep "caches synced" "$work/webhook.log" | tail -n 1 >&2
 echo "rss_${VERIFIED}+${UNVERIFIED}_nodes_idle_kb=$(rss_kb "$webhook_pid")" >&2
 
+# Server-side percentiles of one scenario, from the difference of two scrapes of the
+# meshgate_admission_duration_seconds histogram: the upper bound of the bucket holding p50/p99.
+histogram() { curl -fsS "http://127.0.0.1:$admin/metrics" | grep '^meshgate_admission_duration_seconds_bucket' > "$1"; }
+server_pct() {
+  python3 - "$1" "$2" "$3" <<'PY'
+import re, sys
+def read(p):
+    return [(float('inf') if m.group(1) == '+Inf' else float(m.group(1)), int(m.group(2)))
+            for m in (re.search(r'le="([^"]+)"\} (\d+)', l) for l in open(p)) if m]
+a, b = read(sys.argv[1]), read(sys.argv[2])
+d = [(le, nb - na) for (le, na), (_, nb) in zip(a, b)]
+total = d[-1][1]
+def q(p):
+    return next(le for le, c in d if c >= p * total)
+fmt = lambda s: "inf" if s == float('inf') else f"{s * 1000:.3f}"
+print(f'{{"scenario":"{sys.argv[3]}","server_reviews":{total},"server_p50_ms_le":{fmt(q(0.5))},"server_p99_ms_le":{fmt(q(0.99))}}}')
+PY
+}
+
 for scenario in allowed plain refused binding-allowed binding-refused; do
   nodes=$VERIFIED
   [[ $scenario == plain || $scenario == refused || $scenario == binding-refused ]] && nodes=$UNVERIFIED
+  histogram "$work/before"
   "$LOADGEN" load --url "https://127.0.0.1:$port/validate" --ca "$work/pki/ca.crt" \
     --scenario "$scenario" --connections "$CONNECTIONS" --duration "$DURATION" --nodes "$nodes"
+  histogram "$work/after"
+  server_pct "$work/before" "$work/after" "$scenario"
 done
 echo "rss_after_load_kb=$(rss_kb "$webhook_pid") hwm_kb=$(hwm_kb "$webhook_pid")" >&2
-echo "server-side histogram (meshgate_admission_duration_seconds):" >&2
-curl -fsS "http://127.0.0.1:$admin/metrics" | grep -E '^meshgate_admission_(duration|reviews)' >&2
+curl -fsS "http://127.0.0.1:$admin/metrics" | grep -E '^meshgate_admission_reviews' >&2

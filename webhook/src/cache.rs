@@ -76,7 +76,10 @@ impl Caches {
         let (pods, pod_writer) = reflector::store::<PartialObjectMeta<Pod>>();
 
         let node_api: Api<PartialObjectMeta<Node>> = Api::all(client.clone());
-        let node_watch = watcher(node_api, watcher::Config::default().any_semantic())
+        // The default (most recent) list semantic lists in pages of 500: with thousands of
+        // nodes, one unpaginated `resourceVersion=0` list would be buffered whole, and that
+        // buffer sets the process's peak memory.
+        let node_watch = watcher(node_api, watcher::Config::default())
             .default_backoff()
             .modify(|n| slim(n, false))
             .reflect(node_writer)
@@ -88,21 +91,16 @@ impl Caches {
             });
 
         let pod_api: Api<PartialObjectMeta<Pod>> = Api::all(client.clone());
-        let pod_watch = watcher(
-            pod_api,
-            watcher::Config::default()
-                .any_semantic()
-                .fields("spec.nodeName="),
-        )
-        .default_backoff()
-        .modify(|p| slim(p, true))
-        .reflect(pod_writer)
-        .for_each(|ev| {
-            if let Err(e) = ev {
-                tracing::warn!(error = %e, "pod watch failed; retrying with backoff");
-            }
-            futures::future::ready(())
-        });
+        let pod_watch = watcher(pod_api, watcher::Config::default().fields("spec.nodeName="))
+            .default_backoff()
+            .modify(|p| slim(p, true))
+            .reflect(pod_writer)
+            .for_each(|ev| {
+                if let Err(e) = ev {
+                    tracing::warn!(error = %e, "pod watch failed; retrying with backoff");
+                }
+                futures::future::ready(())
+            });
 
         let (n, p) = (nodes.clone(), pods.clone());
         let synced = async move {

@@ -381,18 +381,52 @@ async fn sigkill_mid_transition_converges_without_duplicate_events() -> anyhow::
     Ok(())
 }
 
-/// The API server stops answering (frozen with SIGSTOP, on a control plane of this test's
-/// own) while the config changes. The agent assumes nothing meanwhile, never untaints while
-/// the config is invalid, and catches up within a second once the API server answers again.
-#[tokio::test]
-async fn apiserver_outage_never_untaints_on_stale_information_and_catches_up() -> anyhow::Result<()> {
+/// Follows the Node for `window` and returns how long, in total, it was seen untainted.
+async fn untainted_time(nodes: Api<Node>, node: &str, window: Duration) -> Duration {
     use futures::StreamExt;
+    use std::time::Instant;
+    let mut watch = std::pin::pin!(kube::runtime::watcher::watch_object(nodes, node));
+    let end = Instant::now() + window;
+    let (mut total, mut since) = (Duration::ZERO, None::<Instant>);
+    while let Ok(Some(item)) = tokio::time::timeout_at(end.into(), watch.next()).await {
+        if let Ok(Some(n)) = item {
+            match (tainted(&n), since) {
+                (false, None) => since = Some(Instant::now()),
+                (true, Some(t)) => {
+                    total += t.elapsed();
+                    since = None;
+                }
+                _ => {}
+            }
+        }
+    }
+    total + since.map(|t| t.elapsed()).unwrap_or_default()
+}
+
+/// Waits for the Node to be untainted; returns when the watch saw it.
+async fn untainted_at(nodes: Api<Node>, node: &str) -> anyhow::Result<std::time::Instant> {
+    use futures::StreamExt;
+    let mut watch = std::pin::pin!(kube::runtime::watcher::watch_object(nodes, node));
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), watch.next()).await {
+            Ok(Some(Ok(Some(n)))) if !tainted(&n) => return Ok(std::time::Instant::now()),
+            Ok(Some(_)) => continue,
+            _ => anyhow::bail!("not untainted within 10 s"),
+        }
+    }
+}
+
+/// The API server is stopped for 20 s while the config changes (valid, then invalid, then
+/// valid), on a control plane of this test's own. The agent assumes nothing meanwhile, never
+/// untaints while the config is invalid, and catches up within a second of the return.
+#[tokio::test]
+async fn apiserver_down_never_untaints_on_stale_information_and_catches_up() -> anyhow::Result<()> {
     use meshgate_e2e::{ControlPlane, Options};
     use std::time::Instant;
 
     let cp = ControlPlane::start(Options::default()).await?;
     let client = cp.client()?;
-    let node = unique_name("agent-outage");
+    let node = unique_name("agent-down");
     cp.register_node(&client, &NodeSpec::new(&node)).await?;
     let dirs = CniDirs::new()?;
     let invalid = golden("calico.conflist")?;
@@ -402,48 +436,66 @@ async fn apiserver_outage_never_untaints_on_stale_information_and_catches_up() -
     if let Err(e) = wait_node(&client, &node, "gated", gated_with("ChainedPluginMissing")).await {
         anyhow::bail!("{e:#}\n{}", agent.log());
     }
+    let nodes: Api<Node> = Api::all(client.clone());
 
-    // Phase 1: valid for a while, then invalid again, all while the API is frozen.
+    // Phase 1: valid for a while, then invalid again, all while the API server is down.
+    cp.stop_apiserver();
+    dirs.config("10-calico.conflist", &valid)?;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    dirs.config("10-calico.conflist", &invalid)?;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    cp.start_apiserver().await?;
+    let open = untainted_time(nodes.clone(), &node, Duration::from_secs(3)).await;
+    assert_eq!(open, Duration::ZERO, "untainted on stale information\n{}", agent.log());
+    assert_eq!(agent.metric("meshgate_taint_transitions_total{action=\"removed\"}").await, None, "{}", agent.log());
+
+    // Phase 2: the config becomes valid while the API server is down.
+    cp.stop_apiserver();
+    dirs.config("10-calico.conflist", &valid)?;
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    cp.start_apiserver().await?;
+    let back = Instant::now();
+    let at = untainted_at(nodes, &node).await.map_err(|e| anyhow::anyhow!("{e}\n{}", agent.log()))?;
+    let catch_up = at - back;
+    assert!(catch_up < Duration::from_secs(1), "caught up {catch_up:?} after the API server was ready\n{}", agent.log());
+    eprintln!("agent caught up {catch_up:?} after the API server was ready again");
+    drop(agent);
+    cp.stop();
+    Ok(())
+}
+
+/// A harsher outage: the API server is frozen (SIGSTOP), so requests are not refused but
+/// sit in its socket buffers. An untaint the agent gave up on (timed out) can then still be
+/// applied when the API server thaws, after the config turned invalid again: no client-side
+/// timeout can withdraw a request already sent. The agent must notice and restore the taint
+/// within a second; docs/reliability.md records this window as a known gap.
+#[tokio::test]
+async fn frozen_apiserver_late_stale_untaint_is_corrected_within_a_second() -> anyhow::Result<()> {
+    use meshgate_e2e::{ControlPlane, Options};
+
+    let cp = ControlPlane::start(Options::default()).await?;
+    let client = cp.client()?;
+    let node = unique_name("agent-frozen");
+    cp.register_node(&client, &NodeSpec::new(&node)).await?;
+    let dirs = CniDirs::new()?;
+    let invalid = golden("calico.conflist")?;
+    let valid = golden("calico-linkerd.conflist")?;
+    dirs.config("10-calico.conflist", &invalid)?;
+    let agent = Agent::start(&cp, &node, &dirs, &[])?;
+    if let Err(e) = wait_node(&client, &node, "gated", gated_with("ChainedPluginMissing")).await {
+        anyhow::bail!("{e:#}\n{}", agent.log());
+    }
     cp.freeze_apiserver(true)?;
     dirs.config("10-calico.conflist", &valid)?;
     tokio::time::sleep(Duration::from_secs(8)).await;
     dirs.config("10-calico.conflist", &invalid)?;
-    tokio::time::sleep(Duration::from_secs(12)).await;
+    tokio::time::sleep(Duration::from_secs(8)).await;
     cp.freeze_apiserver(false)?;
-    // Watch the Node for a while after the return: the taint must never be gone.
-    let nodes: Api<Node> = Api::all(cp.client()?);
-    let mut watch = std::pin::pin!(kube::runtime::watcher::watch_object(nodes.clone(), &node));
-    let until = Instant::now() + Duration::from_secs(3);
-    while let Ok(Some(item)) = tokio::time::timeout_at(until.into(), watch.next()).await {
-        if let Ok(Some(n)) = item {
-            assert!(tainted(&n), "untainted after an outage although the config is invalid\n{}", agent.log());
-        }
-    }
-    assert_eq!(
-        agent.metric("meshgate_taint_transitions_total{action=\"removed\"}").await.unwrap_or(0.0),
-        0.0,
-        "the taint was never removed\n{}",
-        agent.log()
-    );
-
-    // Phase 2: the config becomes valid during an outage: caught up within a second of return.
-    cp.freeze_apiserver(true)?;
-    dirs.config("10-calico.conflist", &valid)?;
-    tokio::time::sleep(Duration::from_secs(20)).await;
-    cp.freeze_apiserver(false)?;
-    let back = Instant::now();
-    let mut watch = std::pin::pin!(kube::runtime::watcher::watch_object(nodes, &node));
-    let untainted_at = loop {
-        match tokio::time::timeout(Duration::from_secs(10), watch.next()).await {
-            Ok(Some(Ok(Some(n)))) if !tainted(&n) => break Instant::now(),
-            Ok(Some(_)) => continue,
-            _ => anyhow::bail!("not untainted within 10 s of the API server's return\n{}", agent.log()),
-        }
-    };
-    let catch_up = untainted_at - back;
-    // The watch itself needs the API server back; both it and the agent start together.
-    assert!(catch_up < Duration::from_millis(1500), "caught up in {catch_up:?}\n{}", agent.log());
-    eprintln!("agent caught up {catch_up:?} after the API server returned");
+    let nodes: Api<Node> = Api::all(client.clone());
+    let open = untainted_time(nodes, &node, Duration::from_secs(4)).await;
+    assert!(open < Duration::from_secs(1), "stale untaint stood for {open:?}\n{}", agent.log());
+    wait_node(&client, &node, "gated after the thaw", gated_with("ChainedPluginMissing")).await?;
+    eprintln!("a late stale untaint stood for {open:?}");
     drop(agent);
     cp.stop();
     Ok(())

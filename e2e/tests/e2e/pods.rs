@@ -395,6 +395,24 @@ async fn metric(agent: &Agent, sample: &str) -> f64 {
     agent.metric(sample).await.unwrap_or(0.0)
 }
 
+/// The agent's log without terminal colour codes (`ESC [ ... m`), for matching fields.
+fn plain(log: &str) -> String {
+    let mut out = String::with_capacity(log.len());
+    let mut chars = log.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
@@ -591,7 +609,7 @@ async fn only_pods_without_redirects_are_evicted_and_their_replicaset_replaces_t
         evict_seconds.as_secs_f64(),
         plan.names()
     );
-    let log = agent.log();
+    let log = plain(&agent.log());
     let detect_lines: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("pod evicted"))
@@ -599,6 +617,12 @@ async fn only_pods_without_redirects_are_evicted_and_their_replicaset_replaces_t
         .collect();
     eprintln!(
         "[pods] agent-side detection latency (Running seen -> eviction requested): {detect_lines:?} ms"
+    );
+    let sum = metric(&agent, "meshgate_pod_inspection_seconds_sum").await;
+    let count = metric(&agent, "meshgate_pod_inspection_seconds_count").await;
+    eprintln!(
+        "[pods] mean inspection time per pod (locate + read rules + match): {:.0} µs over {count} pods",
+        sum / count.max(1.0) * 1e6
     );
     drop(plan);
     Ok(())
@@ -874,9 +898,106 @@ async fn a_restarted_agent_does_not_evict_again() -> anyhow::Result<()> {
         );
     }
     assert!(
-        agent.log().contains("evictions=2"),
+        plain(&agent.log()).contains("state restored node=")
+            && plain(&agent.log()).contains("evictions=2"),
         "the history was restored from the state file:\n{}",
         tail(&agent.log(), 40)
     );
+    Ok(())
+}
+
+#[tokio::test]
+async fn no_evict_reports_every_pod_of_a_busy_node() -> anyhow::Result<()> {
+    const PODS: usize = 60;
+    let scene = Scene::new("pods-busy").await?;
+    let mut plan = Plan::new()?;
+    let missing = plan.add("busy", PODS / 2, Rules::None)?;
+    plan.add("busy", PODS / 4, Rules::Linkerd("iptables-nft"))?;
+    plan.add("busy", PODS / 4, Rules::Linkerd("iptables-legacy"))?;
+    let agent = scene.start_agent(&["--no-evict"])?;
+    let idle_rss = poll_until("the agent to be ready", WAIT, || async {
+        anyhow::Ok(
+            agent
+                .admin_get("/ready")
+                .await
+                .filter(|r| r.0 == 200)
+                .map(|_| agent.rss_kib()),
+        )
+    })
+    .await?;
+    let _kubelet = cp().await.run_pods(&scene.node, plan.ip_source());
+    let started = Instant::now();
+    scene
+        .create_rs(&replica_set("busy", &scene.node, PODS as i32, false)?)
+        .await?;
+
+    let half = (PODS / 2) as f64;
+    wait_metric(&agent, MISSING, |v| v >= half).await?;
+    wait_metric(&agent, REDIRECTED, |v| v >= half).await?;
+    let all_seen = started.elapsed();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(metric(&agent, MISSING).await, half, "{}", agent.log());
+    assert_eq!(metric(&agent, REDIRECTED).await, half);
+    assert_eq!(metric(&agent, UNKNOWN).await, 0.0);
+    assert_eq!(
+        metric(&agent, EVICTED).await,
+        0.0,
+        "--no-evict evicts nothing"
+    );
+    for why in ["pdb", "rate_limit", "dry_run", "unowned"] {
+        assert_eq!(
+            metric(&agent, &skipped(why)).await,
+            0.0,
+            "report-only is no skip: {why}"
+        );
+    }
+    let pods = scene.app_pods("busy").await?;
+    assert_eq!(pods.len(), PODS);
+    assert!(pods.iter().all(running), "nothing evicted");
+    let reported: Vec<String> = pods
+        .iter()
+        .filter(|p| pod_ip(p).is_some_and(|ip| missing.contains(&ip)))
+        .map(ResourceExt::name_any)
+        .collect();
+    assert_eq!(reported.len(), PODS / 2);
+    scene
+        .wait_events(&reported, "ReportOnly", "report only")
+        .await?;
+    assert_eq!(
+        scene.events().await?.len(),
+        PODS / 2,
+        "Events only about the pods without rules"
+    );
+
+    let rss = agent.rss_kib();
+    let sum = metric(&agent, "meshgate_pod_inspection_seconds_sum").await;
+    let log = plain(&agent.log());
+    let surveys: Vec<u64> = log
+        .lines()
+        .filter(|l| l.contains("inspection batch"))
+        .filter_map(|l| {
+            l.split("survey_us=")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    eprintln!(
+        "[pods] busy node: {PODS} meshed pods inspected within {:.1}s of the ReplicaSet's creation; \
+         mean inspection {:.0} µs per pod; {} batches, namespace survey per batch p50 {} µs max {} µs; \
+         agent RSS idle {idle_rss:?} KiB -> loaded {rss:?} KiB",
+        all_seen.as_secs_f64(),
+        sum / PODS as f64 * 1e6,
+        surveys.len(),
+        {
+            let mut s = surveys.clone();
+            s.sort_unstable();
+            s.get(s.len() / 2).copied().unwrap_or(0)
+        },
+        surveys.iter().max().copied().unwrap_or(0),
+    );
+    drop(plan);
     Ok(())
 }

@@ -78,8 +78,7 @@ struct Fixture {
     webhook_token: String,
 }
 
-static FIXTURE: tokio::sync::OnceCell<Result<Fixture, String>> =
-    tokio::sync::OnceCell::const_new();
+static FIXTURE: tokio::sync::OnceCell<Result<Fixture, String>> = tokio::sync::OnceCell::const_new();
 static DEDICATED: OnceLock<&'static ControlPlane> = OnceLock::new();
 
 extern "C" fn stop_dedicated_at_exit() {
@@ -307,7 +306,9 @@ async fn effective_rules(
     let answer = Api::<SelfSubjectRulesReview>::all(client.clone())
         .create(&PostParams::default(), &review)
         .await?;
-    let status = answer.status.context("no status in SelfSubjectRulesReview")?;
+    let status = answer
+        .status
+        .context("no status in SelfSubjectRulesReview")?;
     ensure!(
         !status.incomplete,
         "rules review incomplete: {:?}",
@@ -448,7 +449,10 @@ impl Workload {
                 }
                 local
             } else if let Some(s) = &vol.secret {
-                let name = s.secret_name.as_deref().context("secret volume without name")?;
+                let name = s
+                    .secret_name
+                    .as_deref()
+                    .context("secret volume without name")?;
                 let data = secrets.get(name).await?.data.unwrap_or_default();
                 std::fs::create_dir_all(&local)?;
                 for (k, v) in data {
@@ -483,9 +487,7 @@ impl Workload {
             } else if value.starts_with('/') {
                 let (mount, dir) = mounts
                     .iter()
-                    .filter(|(m, _)| {
-                        value == m.as_str() || value.starts_with(&format!("{}/", m))
-                    })
+                    .filter(|(m, _)| value == m.as_str() || value.starts_with(&format!("{}/", m)))
                     .max_by_key(|(m, _)| m.len())
                     .with_context(|| format!("{arg}: no volume is mounted at that path"))?;
                 let rest = value[mount.len()..].trim_start_matches('/');
@@ -645,12 +647,18 @@ async fn install_manifests_apply_and_are_wired() -> anyhow::Result<()> {
     assert_eq!(mutating.len(), 1);
     let bundles: Vec<(&str, Option<&Vec<u8>>)> = validating
         .iter()
-        .map(|w| (w.name.as_str(), w.client_config.ca_bundle.as_ref().map(|b| &b.0)))
-        .chain(
-            mutating
-                .iter()
-                .map(|w| (w.name.as_str(), w.client_config.ca_bundle.as_ref().map(|b| &b.0))),
-        )
+        .map(|w| {
+            (
+                w.name.as_str(),
+                w.client_config.ca_bundle.as_ref().map(|b| &b.0),
+            )
+        })
+        .chain(mutating.iter().map(|w| {
+            (
+                w.name.as_str(),
+                w.client_config.ca_bundle.as_ref().map(|b| &b.0),
+            )
+        }))
         .collect();
     for (name, bundle) in bundles {
         assert_eq!(bundle, Some(&ca), "caBundle of {name}");
@@ -675,10 +683,9 @@ async fn install_manifests_apply_and_are_wired() -> anyhow::Result<()> {
     // The cert-manager overlay: its built-in objects pass the server's validation (a dry run);
     // cert-manager's own kinds cannot (no CRDs here), so they are checked by content only.
     let overlay = f.manifests.join("cert-manager");
-    let built = f
-        .cp
-        .kubectl(&["kustomize", overlay.to_str().context("path")?])
-        .await?;
+    let built =
+        f.cp.kubectl(&["kustomize", overlay.to_str().context("path")?])
+            .await?;
     let (cm_docs, builtin_docs): (Vec<&str>, Vec<&str>) = built
         .split("\n---\n")
         .partition(|d| d.contains("apiVersion: cert-manager.io/"));
@@ -694,12 +701,14 @@ async fn install_manifests_apply_and_are_wired() -> anyhow::Result<()> {
         .iter()
         .filter(|d| d.contains("cert-manager.io/inject-ca-from: meshgate-system/meshgate-webhook"))
         .count();
-    assert_eq!(injected, 2, "both webhook configurations get the CA injected");
+    assert_eq!(
+        injected, 2,
+        "both webhook configurations get the CA injected"
+    );
     let path = f.cp.dir().join("cert-manager-builtin.yaml");
     std::fs::write(&path, builtin_docs.join("\n---\n"))?;
-    let dry = f
-        .cp
-        .kubectl(&[
+    let dry =
+        f.cp.kubectl(&[
             "apply",
             "--dry-run=server",
             "-f",
@@ -755,11 +764,18 @@ async fn agent_runs_with_its_token_and_gates_only_its_own_node() -> anyhow::Resu
     })
     .await;
     if let Err(e) = gated {
-        bail!("{e}; exit: {:?}; agent log:\n{}", agent.exited(), agent.log());
+        bail!(
+            "{e}; exit: {:?}; agent log:\n{}",
+            agent.exited(),
+            agent.log()
+        );
     }
 
     // The mesh plugin is chained: the agent's own token untaints its own node.
-    dirs.config("10-calico-linkerd.conflist", &golden("calico-linkerd.conflist")?)?;
+    dirs.config(
+        "10-calico-linkerd.conflist",
+        &golden("calico-linkerd.conflist")?,
+    )?;
     let open = poll_until("node A untainted and verified", WAIT, || async {
         let n = nodes.get(&f.node_a).await?;
         let ok = !tainted(&n)
@@ -803,9 +819,14 @@ async fn agent_runs_with_its_token_and_gates_only_its_own_node() -> anyhow::Resu
         "{}",
         describe(&untaint_b)
     );
-    let msg = status_of(&untaint_b).map(|(_, m)| m.to_owned()).unwrap_or_default();
+    let msg = status_of(&untaint_b)
+        .map(|(_, m)| m.to_owned())
+        .unwrap_or_default();
     assert!(
-        msg.contains(&format!("on node {} may not modify Node {}", f.node_a, f.node_b)),
+        msg.contains(&format!(
+            "on node {} may not modify Node {}",
+            f.node_a, f.node_b
+        )),
         "{msg}"
     );
     let label_b = as_agent
@@ -871,13 +892,22 @@ async fn agent_token_cannot_evict_a_pod_on_another_node() -> anyhow::Result<()> 
         "{}",
         describe(&foreign)
     );
-    let msg = status_of(&foreign).map(|(_, m)| m.to_owned()).unwrap_or_default();
+    let msg = status_of(&foreign)
+        .map(|(_, m)| m.to_owned())
+        .unwrap_or_default();
     assert!(
-        msg.contains(&format!("may not evict pod {ns}/on-b, which is on node {}", f.node_b)),
+        msg.contains(&format!(
+            "may not evict pod {ns}/on-b, which is on node {}",
+            f.node_b
+        )),
         "{msg}"
     );
     assert!(
-        pods.get("on-b").await?.metadata.deletion_timestamp.is_none(),
+        pods.get("on-b")
+            .await?
+            .metadata
+            .deletion_timestamp
+            .is_none(),
         "a refused eviction deletes nothing"
     );
 
@@ -904,11 +934,10 @@ async fn agent_token_without_a_node_may_write_nothing() -> anyhow::Result<()> {
     let token =
         meshgate_e2e::service_account_token(&admin, NS, AGENT, &TokenOptions::default()).await?;
     let client = f.cp.client_for_token(&token)?;
-    let review = Api::<k8s_openapi::api::authentication::v1::SelfSubjectReview>::all(
-        client.clone(),
-    )
-    .create(&PostParams::default(), &Default::default())
-    .await?;
+    let review =
+        Api::<k8s_openapi::api::authentication::v1::SelfSubjectReview>::all(client.clone())
+            .create(&PostParams::default(), &Default::default())
+            .await?;
     let extra = review
         .status
         .and_then(|s| s.user_info)
@@ -1010,7 +1039,9 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
     };
     let nodes: Api<Node> = Api::all(webhook.clone());
     let pods: Api<Pod> = Api::namespaced(webhook.clone(), NS);
-    let victim = scheduled_pod(&admin, AGENT, Some(&f.node_a)).await?.name_any();
+    let victim = scheduled_pod(&admin, AGENT, Some(&f.node_a))
+        .await?
+        .name_any();
     let mut attempts: Vec<(&str, String, bool)> = Vec::new();
     let r = nodes
         .patch(
@@ -1073,7 +1104,10 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
         .await;
     attempts.push(("patch configmap", describe(&r), refused_by_rbac(&r)));
     let allowed: Vec<_> = attempts.iter().filter(|(_, _, refused)| !refused).collect();
-    assert!(allowed.is_empty(), "writes not refused by RBAC: {allowed:#?}");
+    assert!(
+        allowed.is_empty(),
+        "writes not refused by RBAC: {allowed:#?}"
+    );
 
     // Enough to work: the webhook as the Deployment runs it, with this token, gets ready
     // (both metadata caches listed under its RBAC) and serves the Secret's certificate for
@@ -1086,7 +1120,8 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
         .and_then(|s| s.template.spec)
         .context("pod template")?;
     let scratch = tempfile::tempdir()?;
-    let kubeconfig = f.cp.write_token_kubeconfig("rbac-webhook", &f.webhook_token)?;
+    let kubeconfig =
+        f.cp.write_token_kubeconfig("rbac-webhook", &f.webhook_token)?;
     let mut server = Workload::start(
         &admin,
         &spec,
@@ -1102,7 +1137,11 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
     })
     .await;
     if let Err(e) = ready {
-        bail!("{e}; exit: {:?}; webhook log:\n{}", server.exited(), server.log());
+        bail!(
+            "{e}; exit: {:?}; webhook log:\n{}",
+            server.exited(),
+            server.log()
+        );
     }
 
     let vwc = Api::<ValidatingWebhookConfiguration>::all(admin.clone())
@@ -1128,10 +1167,7 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
     let listen = server.addrs.get("--listen").copied().context("listen")?;
     let tcp = tokio::net::TcpStream::connect(listen).await?;
     let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
-        .connect(
-            rustls::pki_types::ServerName::try_from(SERVICE_DNS)?,
-            tcp,
-        )
+        .connect(rustls::pki_types::ServerName::try_from(SERVICE_DNS)?, tcp)
         .await
         .context("TLS handshake as the apiserver makes it")?;
     let presented = tls
@@ -1145,7 +1181,11 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
     let expected = CertificateDer::pem_slice_iter(&mounted)
         .next()
         .context("tls.crt")??;
-    assert_eq!(presented, expected.to_vec(), "the generated serving certificate");
+    assert_eq!(
+        presented,
+        expected.to_vec(),
+        "the generated serving certificate"
+    );
     Ok(())
 }
 

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use futures::{FutureExt, StreamExt};
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 use kube::runtime::WatchStreamExt;
@@ -50,6 +50,11 @@ use crate::netns::DEFAULT_NETNS_DIR;
 use eviction::{Answer, Outcome};
 use inspect::{Inspected, Job};
 use tracker::{Due, PodInfo, Tracker};
+
+/// A burst of pod events ends after this much quiet; then its pods are inspected together.
+const BURST_QUIET: Duration = Duration::from_millis(20);
+/// ... or after this long, however busy the stream: detection is never delayed further.
+const BURST_MAX: Duration = Duration::from_millis(250);
 
 /// The pod inspector's configuration, from the daemon's flags.
 #[derive(Clone, Debug)]
@@ -181,21 +186,34 @@ pub async fn run(
             .tracker
             .next_retry()
             .map(|at| tokio::time::Instant::from_std(me.origin + at));
-        tokio::select! {
+        let burst = tokio::select! {
             _ = stop.wait_for(|s| *s) => break,
             item = stream.next() => {
                 let Some(item) = item else { break };
                 me.on_event(item);
-                // Take everything already buffered, so one batch covers a burst.
-                while let Some(Some(item)) = stream.next().now_or_never() {
-                    me.on_event(item);
+                true
+            }
+            changed = verdict.changed(), if verdict_open => {
+                match changed {
+                    Ok(()) => me.on_verdict(&verdict.borrow_and_update()),
+                    Err(_) => verdict_open = false,
+                }
+                false
+            }
+            _ = sleep_until(retry) => false,
+        };
+        if burst {
+            // Coalesce a burst (pods starting one after another, a relist), so one
+            // namespace survey serves many pods: take events until the stream is quiet for
+            // BURST_QUIET, for at most BURST_MAX.
+            let until = tokio::time::Instant::now() + BURST_MAX;
+            loop {
+                let quiet = (tokio::time::Instant::now() + BURST_QUIET).min(until);
+                match tokio::time::timeout_at(quiet, stream.next()).await {
+                    Ok(Some(item)) => me.on_event(item),
+                    Ok(None) | Err(_) => break,
                 }
             }
-            changed = verdict.changed(), if verdict_open => match changed {
-                Ok(()) => me.on_verdict(&verdict.borrow_and_update()),
-                Err(_) => verdict_open = false,
-            },
-            _ = sleep_until(retry) => {}
         }
         me.work().await;
     }
