@@ -21,8 +21,8 @@ test: check-root deps lint
 ## demo: the main job end to end on a local control plane
 demo: check-root deps
 	@echo "==> building meshgate"
-	$(CARGO) build --locked --bins
-	MESHGATE_K8S_BIN_DIR="$$(bash $(DEPS) | tail -n 1)" ./demo/run.sh
+	$(CARGO) build --workspace --locked --bins
+	MESHGATE_K8S_BIN_DIR="$$(bash $(DEPS) | tail -n 1)" ./target/debug/meshgate-e2e demo
 
 ## deps: install Debian packages and build/reuse the Kubernetes binaries
 deps:

@@ -12,14 +12,17 @@
 //! ([`unique_name`]).
 
 pub mod control_plane;
+pub mod demo;
 mod error;
 pub mod identity;
 pub mod kubelet;
+pub mod netns_sim;
 pub mod node_sim;
 pub mod paths;
 pub mod pki;
 mod process;
 pub mod wait;
+pub mod webhook_sim;
 
 pub use control_plane::{ControlPlane, Options, Ports, unique_name};
 pub use error::Error;

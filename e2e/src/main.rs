@@ -30,6 +30,8 @@ enum Command {
     Up(UpArgs),
     /// Stop the control plane `up` started in DIR and remove its files.
     Down(DownArgs),
+    /// Play meshgate's main job end to end on a local control plane (what `make demo` runs).
+    Demo,
 }
 
 #[derive(Args)]
@@ -58,17 +60,38 @@ struct DownArgs {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    // The demo tells its own story on stdout; only warnings go to stderr meanwhile.
+    let default_filter = if matches!(cli.command, Command::Demo) { "warn,kube_client=off" } else { "meshgate_e2e=info" };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "meshgate_e2e=info".into()),
+                .unwrap_or_else(|_| default_filter.into()),
         )
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
+    match cli.command {
+        Command::Demo => demo().await,
         Command::Up(args) => up(args).await,
         Command::Down(args) => ControlPlane::down(&args.dir)
             .with_context(|| format!("stopping the control plane in {}", args.dir.display())),
+    }
+}
+
+/// Runs the demo; Ctrl-C (or SIGTERM) stops it, and everything it started is torn down as
+/// the demo's future is dropped.
+async fn demo() -> anyhow::Result<()> {
+    let outcome = tokio::select! {
+        r = meshgate_e2e::demo::run() => r,
+        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+    };
+    println!("\ntorn down: agent, webhook, network namespaces, control plane");
+    match outcome {
+        Ok(summary) => {
+            println!("{summary}");
+            Ok(())
+        }
+        Err(e) => Err(e.context("demo failed")),
     }
 }
 

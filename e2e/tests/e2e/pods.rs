@@ -444,10 +444,11 @@ impl Latency {
                     .entry(name.clone())
                     .or_insert_with(Instant::now);
             }
-            if terminating(p) && !self.evicted.contains_key(&name) {
-                if let Some(t) = self.running.get(&name) {
-                    self.evicted.insert(name, t.elapsed());
-                }
+            if terminating(p)
+                && !self.evicted.contains_key(&name)
+                && let Some(t) = self.running.get(&name)
+            {
+                self.evicted.insert(name, t.elapsed());
             }
         }
     }
@@ -999,5 +1000,43 @@ async fn no_evict_reports_every_pod_of_a_busy_node() -> anyhow::Result<()> {
         surveys.iter().max().copied().unwrap_or(0),
     );
     drop(plan);
+    Ok(())
+}
+
+#[tokio::test]
+async fn several_pdbs_on_one_pod_are_reported_and_nothing_is_evicted() -> anyhow::Result<()> {
+    let scene = Scene::new("pods-pdbs").await?;
+    let mut plan = Plan::new()?;
+    plan.add("double", 1, Rules::None)?;
+    let _kubelet = cp().await.run_pods(&scene.node, plan.ip_source());
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(scene.client.clone(), &scene.ns);
+    for name in ["first", "second"] {
+        // Each alone would allow the eviction; together the Eviction API refuses (500).
+        let pdb: PodDisruptionBudget = serde_json::from_value(json!({
+            "metadata": { "name": name },
+            "spec": { "maxUnavailable": 1, "selector": { "matchLabels": { "app": "double" } } }
+        }))?;
+        pdbs.create(&PostParams::default(), &pdb).await?;
+    }
+    scene
+        .create_rs(&replica_set("double", &scene.node, 1, false)?)
+        .await?;
+    let agent = scene.start_agent(&[])?;
+    wait_metric(&agent, &skipped("pdb"), |v| v >= 1.0).await?;
+    let pods = scene.app_pods("double").await?;
+    let names: Vec<String> = pods.iter().map(ResourceExt::name_any).collect();
+    assert!(
+        pods.len() == 1 && running(&pods[0]),
+        "not evicted: {names:?}"
+    );
+    scene
+        .wait_events(&names, "EvictBlocked", "more than one PodDisruptionBudget")
+        .await?;
+    assert_eq!(metric(&agent, EVICTED).await, 0.0);
+    assert!(
+        plain(&agent.log()).contains("several PodDisruptionBudgets match the pod"),
+        "{}",
+        agent.log()
+    );
     Ok(())
 }
