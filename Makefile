@@ -9,10 +9,10 @@ SHELL := /bin/bash
 CARGO ?= cargo
 DEPS := e2e/install-deps.sh
 
-.PHONY: test demo deps lint unit check-root bench
+.PHONY: test demo deps lint alerts unit check-root bench
 
 ## test: format, lint, and every test (unit, privileged integration, e2e on a real apiserver)
-test: check-root deps lint
+test: check-root deps lint alerts
 	@echo "==> cargo build --bins (the e2e tests run the real agent and webhook binaries)"
 	$(CARGO) build --workspace --bins --locked
 	@echo "==> cargo test --workspace (unit, integration and e2e)"
@@ -27,6 +27,11 @@ demo: check-root deps
 ## deps: install Debian packages and build/reuse the Kubernetes binaries
 deps:
 	@bash $(DEPS) >/dev/null
+
+## alerts: promtool checks and unit tests of the PrometheusRule
+alerts:
+	@echo "==> promtool check rules / test rules"
+	bash manifests/monitoring/test.sh
 
 lint:
 	@echo "==> cargo fmt --check"

@@ -5,8 +5,8 @@
 //! caches have listed.
 //!
 //! - Nodes: a metadata-only watch (`PartialObjectMetadata`), with everything but the name and
-//!   labels dropped before it is stored. The verdict is in a label, so the node's status (the
-//!   bulk of a Node object) is never transferred, and thousands of nodes stay a few MB.
+//!   the `meshgate.io/cni-verified` label dropped before it is stored. The verdict is in a
+//!   label, so the node's status (the bulk of a Node object) is never transferred.
 //! - Pods: a metadata-only watch limited to *unscheduled* pods (`spec.nodeName=`). A binding
 //!   is only ever created for an unscheduled pod, so this is exactly the set the binding path
 //!   needs, and it stays small however many pods run. A pod the watch has not delivered yet
@@ -44,15 +44,29 @@ pub struct Caches {
     reasons: Mutex<HashMap<String, (Instant, Option<String>)>>,
 }
 
-/// Drops what the webhook never reads, so the cache holds little more than names and labels.
-fn slim<K>(obj: &mut PartialObjectMeta<K>, keep_annotations: bool) {
+/// Drops what the webhook never reads from a cached object's metadata.
+fn slim_common<K>(obj: &mut PartialObjectMeta<K>) {
     let m = &mut obj.metadata;
     m.managed_fields = None;
     m.owner_references = None;
     m.finalizers = None;
-    if !keep_annotations {
-        m.annotations = None;
+    m.creation_timestamp = None;
+    m.generate_name = None;
+}
+
+/// A cached Node keeps its name and the one label the decision reads: cloud nodes carry a
+/// dozen labels, and with thousands of nodes they would be most of the cache.
+fn slim_node(node: &mut PartialObjectMeta<Node>) {
+    slim_common(node);
+    node.metadata.annotations = None;
+    if let Some(labels) = node.metadata.labels.as_mut() {
+        labels.retain(|k, _| k == meshgate_core::VERIFIED_LABEL);
     }
+}
+
+/// A cached Pod keeps labels and annotations: mesh profiles select on both.
+fn slim_pod(pod: &mut PartialObjectMeta<Pod>) {
+    slim_common(pod);
 }
 
 /// The futures that keep the caches filled; spawn them. They run until dropped.
@@ -81,7 +95,7 @@ impl Caches {
         // buffer sets the process's peak memory.
         let node_watch = watcher(node_api, watcher::Config::default())
             .default_backoff()
-            .modify(|n| slim(n, false))
+            .modify(slim_node)
             .reflect(node_writer)
             .for_each(|ev| {
                 if let Err(e) = ev {
@@ -93,7 +107,7 @@ impl Caches {
         let pod_api: Api<PartialObjectMeta<Pod>> = Api::all(client.clone());
         let pod_watch = watcher(pod_api, watcher::Config::default().fields("spec.nodeName="))
             .default_backoff()
-            .modify(|p| slim(p, true))
+            .modify(slim_pod)
             .reflect(pod_writer)
             .for_each(|ev| {
                 if let Err(e) = ev {
@@ -213,5 +227,63 @@ impl Cluster for Caches {
         }
         reasons.insert(name.to_string(), (now, reason.clone()));
         reason
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::api::ObjectMeta;
+
+    #[test]
+    fn cached_nodes_keep_only_name_and_verdict_label() {
+        let mut node: PartialObjectMeta<Node> = PartialObjectMeta {
+            types: None,
+            metadata: ObjectMeta {
+                name: Some("n1".into()),
+                labels: Some(
+                    [
+                        ("kubernetes.io/hostname", "n1"),
+                        ("topology.kubernetes.io/zone", "a"),
+                        (meshgate_core::VERIFIED_LABEL, "true"),
+                    ]
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+                ),
+                annotations: Some([("a".to_string(), "b".to_string())].into()),
+                managed_fields: Some(vec![Default::default()]),
+                ..ObjectMeta::default()
+            },
+            _phantom: std::marker::PhantomData,
+        };
+        slim_node(&mut node);
+        assert_eq!(node.metadata.name.as_deref(), Some("n1"));
+        assert_eq!(
+            node.metadata
+                .labels
+                .as_ref()
+                .map(|l| l.keys().collect::<Vec<_>>()),
+            Some(vec![&meshgate_core::VERIFIED_LABEL.to_string()])
+        );
+        assert!(node.metadata.annotations.is_none() && node.metadata.managed_fields.is_none());
+
+        let mut pod: PartialObjectMeta<Pod> = PartialObjectMeta {
+            types: None,
+            metadata: ObjectMeta {
+                labels: Some([("app".to_string(), "x".to_string())].into()),
+                annotations: Some(
+                    [(
+                        "ambient.istio.io/redirection".to_string(),
+                        "enabled".to_string(),
+                    )]
+                    .into(),
+                ),
+                ..ObjectMeta::default()
+            },
+            _phantom: std::marker::PhantomData,
+        };
+        slim_pod(&mut pod);
+        assert!(pod.metadata.labels.is_some() && pod.metadata.annotations.is_some());
     }
 }

@@ -500,3 +500,30 @@ async fn frozen_apiserver_late_stale_untaint_is_corrected_within_a_second() -> a
     cp.stop();
     Ok(())
 }
+
+#[tokio::test]
+async fn sigterm_exits_cleanly_and_leaves_the_node_as_it_is() -> anyhow::Result<()> {
+    let cp = cp().await;
+    let client = cp.client()?;
+    let node = unique_name("agent-term");
+    register(&client, &node).await?;
+    let dirs = CniDirs::new()?;
+    dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist")?)?;
+    let mut agent = Agent::start(cp, &node, &dirs, &[])?;
+    wait_node(&client, &node, "Verified", open).await?;
+
+    // A stopping agent must not re-taint a verified node (nor untaint a gated one).
+    assert_eq!(agent.terminate(Duration::from_secs(10)), Some(0), "clean exit on SIGTERM\n{}", agent.log());
+    dirs.config("10-calico.conflist", &golden("calico.conflist")?)?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let n = wait_node(&client, &node, "still open after the agent stopped", open).await?;
+    assert!(!tainted(&n));
+
+    // Restarted, it re-verifies and gates the node on what the disk says now.
+    agent.restart()?;
+    wait_node(&client, &node, "gated after restart", gated_with("ChainedPluginMissing")).await?;
+    assert_eq!(agent.terminate(Duration::from_secs(10)), Some(0));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_node(&client, &node, "still gated after the agent stopped", gated_with("ChainedPluginMissing")).await?;
+    Ok(())
+}

@@ -14,9 +14,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr};
-use std::process::Command;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
@@ -26,6 +24,7 @@ use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
+use meshgate_e2e::netns_sim::{PodNetns, Rules, private_subnet, require_privileges};
 use meshgate_e2e::wait::poll_until;
 use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
 use serde_json::json;
@@ -39,119 +38,11 @@ const MESH_LABEL: &str = "linkerd.io/control-plane-ns";
 // Network namespaces
 // ---------------------------------------------------------------------------------------
 
-fn sh(args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .with_context(|| format!("cannot run {}", args[0]))?;
-    ensure!(
-        out.status.success(),
-        "`{}` failed ({}): {}",
-        args.join(" "),
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-/// Fails (never skips) when the machine cannot run these tests.
-fn require_privileges() -> anyhow::Result<()> {
-    // SAFETY: geteuid has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    ensure!(
-        euid == 0,
-        "the pod tests create network namespaces and netfilter rules: run them as root"
-    );
-    for tool in ["ip", "iptables-nft", "iptables-legacy"] {
-        ensure!(
-            std::env::var_os("PATH")
-                .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file())),
-            "{tool} is missing: install iproute2 and iptables (e2e/install-deps.sh)"
-        );
-    }
-    Ok(())
-}
-
-/// A private /24 no other test of this run (nor, very likely, of a concurrent run) uses:
-/// `10.<100 + pid % 100>.<counter>.0/24`. The agent matches pods to namespaces by IP across
-/// the whole machine, so a collision would make both namespaces ambiguous (`unknown`).
-fn subnet() -> [u8; 3] {
-    static NEXT: AtomicU32 = AtomicU32::new(1);
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let second = 100 + (std::process::id() % 100) as u8;
-    [10, second, (n % 250) as u8 + 1]
-}
-
-/// What a namespace's NAT table holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Rules {
-    /// linkerd proxy-init's redirects, written by this iptables binary.
-    Linkerd(&'static str),
-    /// Nothing: the pod started before the mesh's CNI plugin was chained.
-    None,
-}
-
-/// A named network namespace whose loopback holds the pod's /32 (scope global, like a pod
-/// IP), deleted on drop (also when the test fails). Loopback only: nothing routes anywhere.
-struct Netns {
-    name: String,
-    ip: Ipv4Addr,
-}
-
-impl Netns {
-    fn new(ip: Ipv4Addr, rules: Rules) -> anyhow::Result<Self> {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let name = format!(
-            "mgp-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        );
-        sh(&["ip", "netns", "add", &name])?;
-        let ns = Self { name, ip };
-        ns.exec(&format!(
-            "ip link set lo up
-             ip addr add {ip}/32 dev lo"
-        ))?;
-        if let Rules::Linkerd(ipt) = rules {
-            ns.exec(&linkerd_rules(ipt))?;
-        }
-        Ok(ns)
-    }
-
-    fn exec(&self, script: &str) -> anyhow::Result<String> {
-        sh(&["ip", "netns", "exec", &self.name, "sh", "-ec", script])
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .output();
-    }
-}
-
-/// linkerd proxy-init's NAT rules: inbound to 4143 from PREROUTING, outbound to 4140 from
-/// OUTPUT, through its own chains.
-fn linkerd_rules(ipt: &str) -> String {
-    format!(
-        "{ipt} -w -t nat -N PROXY_INIT_REDIRECT
-         {ipt} -w -t nat -A PROXY_INIT_REDIRECT -p tcp --match multiport --dports 4190,4191 -j RETURN
-         {ipt} -w -t nat -A PROXY_INIT_REDIRECT -p tcp -j REDIRECT --to-port 4143
-         {ipt} -w -t nat -A PREROUTING -j PROXY_INIT_REDIRECT
-         {ipt} -w -t nat -N PROXY_INIT_OUTPUT
-         {ipt} -w -t nat -A PROXY_INIT_OUTPUT -m owner --uid-owner 2102 -j RETURN
-         {ipt} -w -t nat -A PROXY_INIT_OUTPUT -o lo -j RETURN
-         {ipt} -w -t nat -A PROXY_INIT_OUTPUT -p tcp -j REDIRECT --to-port 4140
-         {ipt} -w -t nat -A OUTPUT -j PROXY_INIT_OUTPUT"
-    )
-}
-
 /// The namespaces of one test, and which pod gets which one.
 struct Plan {
     subnet: [u8; 3],
     next_host: u8,
-    netns: Vec<Netns>,
+    netns: Vec<PodNetns>,
     /// Per pod group (the `app` label, or the pod name for bare pods): IPs handed out in
     /// order, so a ReplicaSet's first pods land in one kind of namespace and its
     /// replacements in another.
@@ -162,7 +53,7 @@ impl Plan {
     fn new() -> anyhow::Result<Self> {
         require_privileges()?;
         Ok(Self {
-            subnet: subnet(),
+            subnet: private_subnet(),
             next_host: 1,
             netns: Vec::new(),
             queues: HashMap::new(),
@@ -176,7 +67,7 @@ impl Plan {
             let [a, b, c] = self.subnet;
             let ip = Ipv4Addr::new(a, b, c, self.next_host);
             self.next_host += 1;
-            self.netns.push(Netns::new(ip, rules)?);
+            self.netns.push(PodNetns::new(ip, rules)?);
             ips.push(IpAddr::V4(ip));
         }
         self.queues
@@ -606,7 +497,7 @@ async fn only_pods_without_redirects_are_evicted_and_their_replicaset_replaces_t
     let mut detect: Vec<u128> = latency.evicted.values().map(Duration::as_millis).collect();
     detect.sort();
     eprintln!(
-        "[pods] evicted 2 of 7 meshed pods in {:.1}s from agent start; pod Running -> evicted (API view): {detect:?} ms; agent RSS {rss:?} KiB; netns {:?}",
+        "[pods] evicted 2 of 7 meshed pods {:.1}s after their creation; pod Running -> evicted (API view): {detect:?} ms; agent RSS {rss:?} KiB; netns {:?}",
         evict_seconds.as_secs_f64(),
         plan.names()
     );
