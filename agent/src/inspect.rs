@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context as _;
-use meshgate_core::profile::{MeshProfile, ProfileSet};
+use meshgate_core::profile::MeshProfile;
 use meshgate_core::rules::{self, Inspection, IpFamily, Verdict};
 
 use crate::Output;
@@ -64,14 +64,7 @@ pub fn main(args: Args) -> ExitCode {
 }
 
 fn run(args: &Args) -> anyhow::Result<(PathBuf, Inspection)> {
-    let mut profiles = ProfileSet::all_builtin();
-    if let Some(file) = &args.profile_file {
-        let text = std::fs::read_to_string(file)
-            .with_context(|| format!("cannot read profile file {}", file.display()))?;
-        profiles = profiles
-            .with_custom_json(&text)
-            .with_context(|| format!("in profile file {}", file.display()))?;
-    }
+    let profiles = meshgate_runtime::profiles::load(&[], args.profile_file.as_deref())?;
     let profile = profiles
         .select(std::slice::from_ref(&args.profile))
         .context("--profile")?

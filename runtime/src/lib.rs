@@ -4,9 +4,11 @@
 //! - [`client`]: a `kube::Client` from `--kubeconfig` / `KUBECONFIG` / in-cluster config, with
 //!   connect and request timeouts, plus [`client::bounded`] for per-call deadlines.
 //! - [`logging`]: tracing subscriber setup (`--log-format text|json`, `RUST_LOG`).
+//! - [`profiles`]: the mesh profiles from `--profile` and `--profile-file`.
 //! - [`shutdown`]: a future resolving on SIGTERM or SIGINT.
 
 pub mod admin;
 pub mod client;
 pub mod logging;
+pub mod profiles;
 pub mod shutdown;

@@ -77,15 +77,7 @@ impl Setup {
     /// Reads the flags; fails on an unreadable profile file or an unknown `--profile`, so a
     /// typo stops the agent at start instead of silently inspecting nothing.
     pub fn from_args(args: &Args) -> anyhow::Result<Self> {
-        let mut profiles = ProfileSet::all_builtin();
-        if let Some(file) = &args.profile_file {
-            let text = std::fs::read_to_string(file)
-                .with_context(|| format!("reading profile file {}", file.display()))?;
-            profiles = profiles
-                .with_custom_json(&text)
-                .with_context(|| format!("in profile file {}", file.display()))?;
-        }
-        let profiles = profiles.select(&args.profiles).context("--profile")?;
+        let profiles = meshgate_runtime::profiles::load(&args.profiles, args.profile_file.as_deref())?;
         Ok(Self {
             node: args.node_name.clone(),
             profiles,

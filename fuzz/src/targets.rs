@@ -1,0 +1,537 @@
+//! The decoders under test, each wrapped as a `fn(&[u8]) -> u64` for the runner.
+//!
+//! In: one input's bytes. Out: a signature of what the decoder concluded (error kind,
+//! verdict, counts), used only to tell new outcomes from known ones. Every target drives
+//! the *whole* pure path behind the decoder, not just the first parse, because a panic in
+//! selection, assembly or matching on strange-but-decodable input is as fatal to the agent:
+//!
+//! - [`conflist`]: `NetConfList`/`PluginConf` parsing, `select_effective` for containerd and
+//!   CRI-O (with the input as the first file, as a `.conf`, as a CNI 1.1 drop-in plugin, and
+//!   behind an invalid file), then `verify` with a deterministic fake prober; plus the
+//!   VERSION reply decoder on the same bytes.
+//! - [`netlink`]: `nftables::decode_buffer` on arbitrary nf_tables dump bytes, then
+//!   `assemble` of every table, chain and rule it decoded, then the reachability matcher for
+//!   every built-in profile and IP family; plus `redirect_port` on the raw bytes.
+//! - [`getsockopt`]: `legacy::decode_info` and `legacy::decode_table` on arbitrary
+//!   `IPT_SO_GET_INFO` / `IPT_SO_GET_ENTRIES` answers (both families, several table names),
+//!   then the matcher.
+//! - [`admission`]: the webhook's `Reviewer::validate` and `mutate_node` on arbitrary request
+//!   bodies, over a fake cluster view with a verified and an unverified node.
+//! - [`profiles`]: the custom mesh-profile file (`--profile-file`), then pod selection.
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+
+use meshgate_agent::netfilter::{legacy, nftables, redirect_port};
+use meshgate_core::cni::probe::decode_version_reply;
+use meshgate_core::cni::select::{Selection, select_effective};
+use meshgate_core::cni::{
+    Broken, DirEntry, NetConfList, PluginConf, ProbeOutcome, Runtime, VerifyOptions, verify,
+};
+use meshgate_core::profile::ProfileSet;
+use meshgate_core::rules::{self, Family, IpFamily, Ruleset, Verdict};
+use meshgate_webhook::review::{Cluster, Outcome, PodMeta, Reviewer};
+
+use crate::mutate::Mutator;
+use crate::runner::Target;
+
+/// Every target, in the order the test runs them.
+pub fn all() -> Vec<Target> {
+    vec![conflist(), netlink(), getsockopt(), admission(), profiles()]
+}
+
+fn tokens(list: &[&str]) -> Vec<Vec<u8>> {
+    list.iter().map(|t| t.as_bytes().to_vec()).collect()
+}
+
+/// Order-sensitive mixing of small facts into a signature.
+#[derive(Default)]
+struct Sig(u64);
+
+impl Sig {
+    fn add(&mut self, v: u64) -> &mut Self {
+        self.0 = (self.0 ^ v).wrapping_mul(0x100_0000_01b3).rotate_left(7);
+        self
+    }
+    fn str(&mut self, s: &str) -> &mut Self {
+        for b in s.bytes() {
+            self.add(u64::from(b));
+        }
+        self.add(0xff)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// CNI configuration
+// ---------------------------------------------------------------------------------------
+
+/// The conflist target.
+pub fn conflist() -> Target {
+    Target {
+        name: "conflist",
+        mutator: Mutator {
+            dictionary: tokens(&[
+                "\"cniVersion\"",
+                "\"cniVersions\"",
+                "\"plugins\"",
+                "\"type\"",
+                "\"name\"",
+                "\"ipam\"",
+                "\"linkerd-cni\"",
+                "\"istio-cni\"",
+                "\"calico\"",
+                "\"portmap\"",
+                "\"1.0.0\"",
+                "\"0.3.1\"",
+                "\"0.4.0\"",
+                "\"1.1.0\"",
+                "\"99.0.0\"",
+                "\"loadOnlyInlinedPlugins\"",
+                "\"disableCheck\"",
+                "\"disableGC\"",
+                "\"true\"",
+                "true",
+                "null",
+                "[]",
+                "{}",
+                "\"supportedVersions\"",
+                "1e999",
+                "-0",
+                "\"a/b\"",
+                "\"\\u0000\"",
+                "\u{feff}",
+            ]),
+            json: true,
+            max_len: 64 * 1024,
+        },
+        exec: conflist_exec,
+    }
+}
+
+/// What the fake prober answers for a plugin type: decided by the type's bytes, so the same
+/// input always meets the same binaries.
+fn fake_probe(plugin: &str, version: &str) -> ProbeOutcome {
+    let h = plugin.bytes().fold(7u32, |h, b| h.wrapping_mul(31) ^ u32::from(b));
+    let path = format!("/opt/cni/bin/{plugin}");
+    match h % 8 {
+        0 => ProbeOutcome::Missing {
+            searched: vec!["/opt/cni/bin".into()],
+        },
+        1 => ProbeOutcome::Broken {
+            path,
+            why: Broken::TimedOut { after_ms: 2000 },
+        },
+        2 => ProbeOutcome::Answered {
+            path,
+            supported: vec!["0.3.1".into()],
+        },
+        _ => ProbeOutcome::Answered {
+            path,
+            supported: vec!["0.3.0".into(), "0.3.1".into(), "0.4.0".into(), "1.0.0".into(), version.into()],
+        },
+    }
+}
+
+const DROP_IN_BASE: &str = r#"{"cniVersion":"1.1.0","name":"mg","plugins":[{"type":"calico","ipam":{"type":"calico-ipam"}}]}"#;
+const GOOD: &str = r#"{"cniVersion":"0.3.1","name":"k8s","plugins":[{"type":"calico"},{"type":"linkerd-cni"}]}"#;
+
+fn conflist_exec(input: &[u8]) -> u64 {
+    let mut sig = Sig::default();
+    sig.add(u64::from(NetConfList::from_conflist_bytes(input).is_ok()));
+    if let Ok(list) = NetConfList::from_conf_bytes(input) {
+        sig.add(list.plugin_types().len() as u64);
+        sig.add(u64::from(
+            meshgate_core::cni::config::parse_version(list.effective_version()).is_some(),
+        ));
+    }
+    sig.add(u64::from(PluginConf::from_bytes(input).is_ok()));
+    sig.add(u64::from(decode_version_reply(input).is_ok()));
+
+    let listings: [Vec<DirEntry>; 4] = [
+        vec![DirEntry::file("10-net.conflist", input)],
+        vec![
+            DirEntry::file("10-net.conf", input),
+            DirEntry::file("20-good.conflist", GOOD),
+        ],
+        vec![
+            DirEntry::file("10-mg.conflist", DROP_IN_BASE),
+            DirEntry::dir("mg", vec![DirEntry::file("50-plugin.conf", input)]),
+        ],
+        vec![
+            DirEntry::file("00-broken.json", &input[..input.len() / 2]),
+            DirEntry::file("05-net.json", input),
+            DirEntry::file("10-good.conflist", GOOD),
+        ],
+    ];
+    for entries in &listings {
+        for runtime in [Runtime::Containerd, Runtime::Crio] {
+            match select_effective(entries, runtime) {
+                Selection::Found(eff) => {
+                    sig.add(1).add(eff.list.plugins.len().min(8) as u64);
+                }
+                Selection::NoConfig => {
+                    sig.add(2);
+                }
+                Selection::Invalid { .. } => {
+                    sig.add(3);
+                }
+            }
+            let opts = VerifyOptions {
+                conf_dir: "/etc/cni/net.d".into(),
+                runtime,
+                required: vec!["linkerd-cni".into()],
+            };
+            let v = verify(entries, &opts, fake_probe);
+            // The verdict's own invariant: `verified` exactly when the reason is Verified.
+            assert_eq!(
+                v.verified,
+                v.reason == meshgate_core::cni::Reason::Verified,
+                "{v:?}"
+            );
+            sig.str(v.reason.as_str());
+        }
+    }
+    sig.0
+}
+
+// ---------------------------------------------------------------------------------------
+// Netfilter
+// ---------------------------------------------------------------------------------------
+
+fn check_all(ruleset: &Ruleset, sig: &mut Sig) {
+    static PROFILES: OnceLock<ProfileSet> = OnceLock::new();
+    let profiles = PROFILES.get_or_init(ProfileSet::all_builtin);
+    for p in profiles.iter() {
+        for fams in [&[IpFamily::V4][..], &[IpFamily::V6], &[IpFamily::V4, IpFamily::V6]] {
+            let i = rules::check(ruleset, p, fams);
+            sig.add(match i.verdict {
+                Verdict::Redirected => 1,
+                Verdict::Missing => 2,
+                Verdict::Unknown => 3,
+            });
+        }
+    }
+}
+
+/// The nf_tables netlink target.
+pub fn netlink() -> Target {
+    Target {
+        name: "netlink",
+        mutator: Mutator {
+            dictionary: tokens(&[
+                "nat\0",
+                "filter\0",
+                "PREROUTING\0",
+                "OUTPUT\0",
+                "INPUT\0",
+                "POSTROUTING\0",
+                "PROXY_INIT_REDIRECT\0",
+                "istio-proxy-nat\0",
+                "immediate\0",
+                "redir\0",
+                "target\0",
+                "match\0",
+                "REDIRECT\0",
+                "payload\0",
+                "cmp\0",
+                "meta\0",
+                "lookup\0",
+                "counter\0",
+                "bitwise\0",
+                "multiport\0",
+                "owner\0",
+                "\x03\x00\x00\x00",
+                "\xff\xff\xff\xff",
+            ]),
+            json: false,
+            max_len: 64 * 1024,
+        },
+        exec: netlink_exec,
+    }
+}
+
+fn netlink_exec(input: &[u8]) -> u64 {
+    use nftables::Body;
+    let mut sig = Sig::default();
+    for fam in [Family::Ip, Family::Ip6, Family::Inet] {
+        sig.add(u64::from(redirect_port(fam, input).is_some()));
+    }
+    match nftables::decode_buffer(input) {
+        Err(_) => {
+            sig.add(0xdead);
+        }
+        Ok(messages) => {
+            let (mut tables, mut chains, mut rules) = (Vec::new(), Vec::new(), Vec::new());
+            for m in messages {
+                sig.add(u64::from(m.dump_intr));
+                match m.body {
+                    b @ Body::Table(_) => tables.push(b),
+                    b @ Body::Chain(_) => chains.push(b),
+                    b @ Body::Rule(_) => rules.push(b),
+                    Body::Gen(_) => {
+                        sig.add(4);
+                    }
+                    Body::Done => {
+                        sig.add(5);
+                    }
+                    Body::Error(e) => {
+                        sig.add(6).add(u64::from(e == 0));
+                    }
+                    Body::Other => {
+                        sig.add(7);
+                    }
+                }
+            }
+            sig.add(tables.len().min(4) as u64)
+                .add(chains.len().min(8) as u64)
+                .add(rules.len().min(16) as u64);
+            let ruleset = nftables::assemble(tables, chains, rules);
+            sig.add(ruleset.tables.len() as u64);
+            check_all(&ruleset, &mut sig);
+        }
+    }
+    sig.0
+}
+
+/// The legacy `getsockopt` target. Input layout: byte 0 picks the family (even: IPv4, odd:
+/// IPv6), byte 1 the table name, the next 84 bytes are the `ipt_getinfo` answer, and the
+/// rest is the entries blob.
+pub fn getsockopt() -> Target {
+    Target {
+        name: "getsockopt",
+        mutator: Mutator {
+            dictionary: tokens(&[
+                "REDIRECT\0",
+                "ERROR\0",
+                "PREROUTING\0",
+                "OUTPUT\0",
+                "PROXY_INIT_REDIRECT\0",
+                "tcp\0",
+                "udp\0",
+                "multiport\0",
+                "owner\0",
+                "comment\0",
+                "DNAT\0",
+                "RETURN\0",
+                "\xfb\xff\xff\xff",
+                "\xfe\xff\xff\xff",
+                "\x98\x00",
+                "\xb0\x00",
+            ]),
+            json: false,
+            max_len: 64 * 1024,
+        },
+        exec: getsockopt_exec,
+    }
+}
+
+/// Length of `struct ipt_getinfo`.
+pub const GETINFO_LEN: usize = 84;
+
+fn getsockopt_exec(input: &[u8]) -> u64 {
+    let mut sig = Sig::default();
+    let (Some(&fam), Some(&table)) = (input.first(), input.get(1)) else {
+        return sig.add(1).0;
+    };
+    let family = if fam % 2 == 0 { Family::Ip } else { Family::Ip6 };
+    let name = ["nat", "filter", "mangle", "raw"][usize::from(table % 4)];
+    let rest = &input[2..];
+    // Short answers are decoded too: the kernel's answer length is not trusted.
+    let info = legacy::decode_info(rest);
+    sig.add(u64::from(info.is_some()));
+    let Some(info) = info else { return sig.0 };
+    let blob = rest.get(GETINFO_LEN..).unwrap_or_default();
+    match legacy::decode_table(family, name, &info, blob) {
+        Err(_) => {
+            sig.add(2);
+        }
+        Ok(t) => {
+            sig.add(3).add(t.chains.len().min(8) as u64);
+            let rules: usize = t.chains.iter().map(|c| c.rules.len()).sum();
+            sig.add(rules.min(16) as u64);
+            check_all(&Ruleset { tables: vec![t] }, &mut sig);
+        }
+    }
+    sig.0
+}
+
+// ---------------------------------------------------------------------------------------
+// Webhook
+// ---------------------------------------------------------------------------------------
+
+/// A fixed cluster view: node `good` verified, `bad` not, a few pods for bindings.
+struct FakeCluster {
+    nodes: BTreeMap<String, BTreeMap<String, String>>,
+    pods: BTreeMap<(String, String), PodMeta>,
+}
+
+impl Cluster for FakeCluster {
+    fn node_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
+        self.nodes.get(name).cloned()
+    }
+    async fn pod_meta(&self, namespace: &str, name: &str) -> Option<PodMeta> {
+        self.pods
+            .get(&(namespace.to_string(), name.to_string()))
+            .cloned()
+    }
+    async fn node_reason(&self, name: &str) -> Option<String> {
+        (name == "bad").then(|| "ChainedPluginMissing".to_string())
+    }
+}
+
+fn reviewer() -> &'static Reviewer<FakeCluster> {
+    static R: OnceLock<Reviewer<FakeCluster>> = OnceLock::new();
+    R.get_or_init(|| {
+        let label = |v: &str| {
+            BTreeMap::from([(meshgate_core::VERIFIED_LABEL.to_string(), v.to_string())])
+        };
+        let mut pods = BTreeMap::new();
+        pods.insert(
+            ("default".to_string(), "meshed".to_string()),
+            PodMeta {
+                labels: BTreeMap::from([(
+                    "linkerd.io/control-plane-ns".to_string(),
+                    "linkerd".to_string(),
+                )]),
+                annotations: BTreeMap::new(),
+            },
+        );
+        pods.insert(
+            ("default".to_string(), "plain".to_string()),
+            PodMeta::default(),
+        );
+        let cluster = FakeCluster {
+            nodes: BTreeMap::from([
+                ("good".to_string(), label("true")),
+                ("bad".to_string(), label("false")),
+            ]),
+            pods,
+        };
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = meshgate_webhook::metrics::Metrics::register(&mut registry);
+        Reviewer::new(cluster, ProfileSet::all_builtin(), metrics)
+    })
+}
+
+/// The AdmissionReview target.
+pub fn admission() -> Target {
+    Target {
+        name: "admission",
+        mutator: Mutator {
+            dictionary: tokens(&[
+                "\"request\"",
+                "\"uid\"",
+                "\"object\"",
+                "\"oldObject\"",
+                "\"spec\"",
+                "\"nodeName\"",
+                "\"metadata\"",
+                "\"labels\"",
+                "\"annotations\"",
+                "\"linkerd.io/control-plane-ns\"",
+                "\"security.istio.io/tlsMode\"",
+                "\"istio\"",
+                "\"ambient.istio.io/redirection\"",
+                "\"enabled\"",
+                "\"binding\"",
+                "\"subResource\"",
+                "\"target\"",
+                "\"pods\"",
+                "\"nodes\"",
+                "\"CREATE\"",
+                "\"UPDATE\"",
+                "\"AdmissionReview\"",
+                "\"admission.k8s.io/v1\"",
+                "\"good\"",
+                "\"bad\"",
+                "\"meshed\"",
+                "\"meshgate.io/cni-verified\"",
+                "\"taints\"",
+                "\"dryRun\"",
+            ]),
+            json: true,
+            max_len: 256 * 1024,
+        },
+        exec: admission_exec,
+    }
+}
+
+fn admission_exec(input: &[u8]) -> u64 {
+    let mut sig = Sig::default();
+    let r = reviewer();
+    let outcome = |o: &Outcome| -> u64 {
+        match o {
+            Outcome::Malformed(_) => 1,
+            Outcome::Answer(review) => match review.response.as_ref() {
+                None => 2,
+                Some(resp) => {
+                    3 + u64::from(resp.allowed) * 2 + u64::from(resp.patch.is_some()) * 4
+                }
+            },
+        }
+    };
+    sig.add(u64::from(meshgate_webhook::review::decode(input).is_ok()));
+    let v = futures::executor::block_on(r.validate(input));
+    sig.add(outcome(&v));
+    let m = r.mutate_node(input);
+    sig.add(outcome(&m));
+    // The review must echo the request's uid whenever it answers one.
+    if let (Ok(req), Outcome::Answer(review)) = (meshgate_webhook::review::decode(input), &v)
+        && let Some(resp) = review.response.as_ref()
+    {
+        assert_eq!(resp.uid, req.uid, "the answer's uid is the request's");
+    }
+    sig.0
+}
+
+// ---------------------------------------------------------------------------------------
+// Mesh profile files
+// ---------------------------------------------------------------------------------------
+
+/// The `--profile-file` target.
+pub fn profiles() -> Target {
+    Target {
+        name: "profiles",
+        mutator: Mutator {
+            dictionary: tokens(&[
+                "\"name\"",
+                "\"selector\"",
+                "\"labels\"",
+                "\"annotations\"",
+                "\"pluginType\"",
+                "\"inboundPort\"",
+                "\"outboundPort\"",
+                "65535",
+                "65536",
+                "0",
+                "\"linkerd\"",
+                "\"\"",
+            ]),
+            json: true,
+            max_len: 64 * 1024,
+        },
+        exec: profiles_exec,
+    }
+}
+
+fn profiles_exec(input: &[u8]) -> u64 {
+    let mut sig = Sig::default();
+    let text = String::from_utf8_lossy(input);
+    match ProfileSet::all_builtin().with_custom_json(&text) {
+        Err(_) => {
+            sig.add(1);
+        }
+        Ok(set) => {
+            let labels =
+                BTreeMap::from([("linkerd.io/control-plane-ns".to_string(), "x".to_string())]);
+            let annotations = BTreeMap::new();
+            let n = set.selecting(&labels, &annotations).count();
+            sig.add(2).add(n as u64);
+            for p in set.iter() {
+                let i = rules::check(&Ruleset::default(), p, &[IpFamily::V4]);
+                assert_eq!(i.verdict, Verdict::Missing, "no rules can redirect: {i:?}");
+            }
+        }
+    }
+    sig.0
+}
