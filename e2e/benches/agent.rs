@@ -12,14 +12,9 @@ use anyhow::{Context, bail};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::Api;
-use meshgate_core::TAINT_KEY;
-use meshgate_e2e::node_sim::{Agent, CniDirs, golden};
+use meshgate_e2e::node_sim::{Agent, CniDirs, golden, tainted};
 use meshgate_e2e::{ControlPlane, NodeSpec, Options};
 use tokio::sync::mpsc;
-
-fn tainted(n: &Node) -> bool {
-    n.spec.as_ref().and_then(|s| s.taints.as_ref()).is_some_and(|t| t.iter().any(|t| t.key == TAINT_KEY))
-}
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;

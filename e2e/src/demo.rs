@@ -31,7 +31,7 @@ use meshgate_core::{CONDITION_TYPE, TAINT_KEY};
 use serde_json::json;
 
 use crate::netns_sim::{PodNetns, Rules, private_subnet, require_privileges};
-use crate::node_sim::{Agent, CniDirs, free_port, golden, workspace_bin};
+use crate::node_sim::{Agent, CniDirs, free_port, gate_condition as condition, golden, tainted, workspace_bin};
 use crate::webhook_sim::{Scope, TestCa, register};
 use crate::{ControlPlane, NodeSpec, Options};
 
@@ -262,15 +262,6 @@ async fn wait_http_ok(addr: SocketAddr, path: &str) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     bail!("{addr}{path} did not answer 200 within 15 s")
-}
-
-fn tainted(n: &Node) -> bool {
-    n.spec.as_ref().and_then(|s| s.taints.as_ref()).is_some_and(|t| t.iter().any(|t| t.key == TAINT_KEY))
-}
-
-fn condition(n: &Node) -> Option<(String, String)> {
-    let c = n.status.as_ref()?.conditions.as_ref()?.iter().find(|c| c.type_ == CONDITION_TYPE)?;
-    Some((c.status.clone(), c.reason.clone().unwrap_or_default()))
 }
 
 fn pod_ip(p: &Pod) -> Option<String> {

@@ -310,3 +310,22 @@ impl Drop for Agent {
         self.kill9();
     }
 }
+
+/// Whether the Node carries meshgate's taint.
+pub fn tainted(n: &k8s_openapi::api::core::v1::Node) -> bool {
+    n.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == meshgate_core::TAINT_KEY))
+}
+
+/// The Node's `MeshCNIVerified` condition as (status, reason, message).
+pub fn gate_condition(n: &k8s_openapi::api::core::v1::Node) -> Option<(String, String, String)> {
+    let c = n.status.as_ref()?.conditions.as_ref()?.iter().find(|c| c.type_ == meshgate_core::CONDITION_TYPE)?;
+    Some((c.status.clone(), c.reason.clone().unwrap_or_default(), c.message.clone().unwrap_or_default()))
+}
+
+/// The Node's `meshgate.io/cni-verified` label.
+pub fn verified_label(n: &k8s_openapi::api::core::v1::Node) -> Option<&str> {
+    n.metadata.labels.as_ref()?.get(meshgate_core::VERIFIED_LABEL).map(String::as_str)
+}

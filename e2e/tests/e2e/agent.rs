@@ -7,41 +7,12 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::events::v1::Event;
 use kube::Client;
 use kube::api::{Api, ListParams};
-use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
+use meshgate_core::{CONDITION_TYPE, TAINT_KEY};
 use meshgate_e2e::{NodeSpec, unique_name};
 
 use crate::cp;
 use crate::support::{Agent, CniDirs, golden, wait_node};
-
-fn tainted(n: &Node) -> bool {
-    n.spec
-        .as_ref()
-        .and_then(|s| s.taints.as_ref())
-        .is_some_and(|t| t.iter().any(|t| t.key == TAINT_KEY))
-}
-
-fn condition(n: &Node) -> Option<(String, String, String)> {
-    let c = n
-        .status
-        .as_ref()?
-        .conditions
-        .as_ref()?
-        .iter()
-        .find(|c| c.type_ == CONDITION_TYPE)?;
-    Some((
-        c.status.clone(),
-        c.reason.clone().unwrap_or_default(),
-        c.message.clone().unwrap_or_default(),
-    ))
-}
-
-fn label(n: &Node) -> Option<&str> {
-    n.metadata
-        .labels
-        .as_ref()?
-        .get(VERIFIED_LABEL)
-        .map(String::as_str)
-}
+use meshgate_e2e::node_sim::{gate_condition as condition, tainted, verified_label as label};
 
 /// Gated: tainted, label false, condition False with `reason`.
 fn gated_with(reason: &'static str) -> impl Fn(&Node) -> bool {

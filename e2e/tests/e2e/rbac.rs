@@ -45,6 +45,7 @@ use kube::api::{
 use kube::{Client, ResourceExt};
 use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
 use meshgate_e2e::node_sim::{CniDirs, free_port, golden, workspace_bin};
+use meshgate_e2e::node_sim::{gate_condition, tainted, verified_label as label};
 use meshgate_e2e::wait::poll_until;
 use meshgate_e2e::{ControlPlane, NodeSpec, Options, TokenOptions, unique_name};
 use rustls::pki_types::CertificateDer;
@@ -269,26 +270,9 @@ fn describe<T: std::fmt::Debug>(r: &Result<T, kube::Error>) -> String {
     }
 }
 
-fn tainted(n: &Node) -> bool {
-    n.spec
-        .as_ref()
-        .and_then(|s| s.taints.as_ref())
-        .is_some_and(|t| t.iter().any(|t| t.key == TAINT_KEY))
-}
-
-fn label(n: &Node) -> Option<&str> {
-    n.labels().get(VERIFIED_LABEL).map(String::as_str)
-}
-
+/// The condition's (status, reason).
 fn condition(n: &Node) -> Option<(String, String)> {
-    let c = n
-        .status
-        .as_ref()?
-        .conditions
-        .as_ref()?
-        .iter()
-        .find(|c| c.type_ == CONDITION_TYPE)?;
-    Some((c.status.clone(), c.reason.clone().unwrap_or_default()))
+    gate_condition(n).map(|(status, reason, _)| (status, reason))
 }
 
 /// The (apiGroup, resource, verb) triples the apiserver resolves for `client` in `namespace`,
