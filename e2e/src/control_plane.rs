@@ -63,6 +63,25 @@ const LAYOUT: &[&str] = &[
     STATE_FILE,
 ];
 
+/// kube-apiserver's audit log, in the control plane's `logs/` directory.
+pub const AUDIT_LOG: &str = "audit.log";
+
+/// Audit policy: metadata of every request made by an identity under test. The harness's
+/// admin (`system:masters`), the control-plane components, kube-system's controllers and
+/// health probes are left out, so the log stays small and holds only what tests count.
+const AUDIT_POLICY: &str = r#"apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: ["RequestReceived"]
+rules:
+- level: None
+  userGroups: ["system:masters", "system:nodes", "system:serviceaccounts:kube-system"]
+- level: None
+  users: ["system:kube-controller-manager", "system:kube-scheduler", "system:apiserver", "system:anonymous"]
+- level: None
+  nonResourceURLs: ["/healthz*", "/readyz*", "/livez*", "/version", "/openapi*", "/api", "/apis"]
+- level: Metadata
+"#;
+
 /// How long a component gets to exit after SIGTERM before SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(10);
 
@@ -443,6 +462,13 @@ impl ControlPlane {
         &self.dir
     }
 
+    /// kube-apiserver's audit log (JSON lines; see [`crate::audit`]): the metadata of every
+    /// request by a ServiceAccount outside kube-system, so a component run under its own
+    /// token can be counted and timed.
+    pub fn audit_log(&self) -> PathBuf {
+        self.dir.join("logs").join(AUDIT_LOG)
+    }
+
     /// The ports the components listen on.
     pub fn ports(&self) -> Ports {
         self.ports
@@ -764,6 +790,8 @@ impl Boot {
         started.0.push(etcd.clone());
         wait_healthy(&etcd, deadline, || etcd_health(ports.etcd_client)).await?;
 
+        let audit_policy = logs.join("audit-policy.yaml");
+        write_private(&audit_policy, AUDIT_POLICY)?;
         let apiserver_args: Vec<String> = vec![
                 format!("--etcd-servers={etcd_url}"),
                 "--bind-address=127.0.0.1".into(),
@@ -797,6 +825,11 @@ impl Boot {
                 "--endpoint-reconciler-type=none".into(),
                 format!("--cert-dir={}", s(&self.dir.join("pki"))),
                 "--profiling=false".into(),
+                // Requests by identities under test (ServiceAccounts outside kube-system),
+                // for the fault suite and the benchmarks: see [`ControlPlane::audit_log`].
+                format!("--audit-policy-file={}", s(&audit_policy)),
+                format!("--audit-log-path={}", s(&logs.join(AUDIT_LOG))),
+                "--audit-log-format=json".into(),
             ];
         let apiserver = self.spawn("kube-apiserver", &self.binaries.kube_apiserver, apiserver_args.clone())?;
         started.0.push(apiserver.clone());

@@ -11,6 +11,7 @@
 //! themselves with their own namespace ([`ControlPlane::create_namespace`]) and node names
 //! ([`unique_name`]).
 
+pub mod audit;
 pub mod control_plane;
 pub mod demo;
 mod error;
@@ -21,6 +22,7 @@ pub mod node_sim;
 pub mod paths;
 pub mod pki;
 mod process;
+pub mod review_load;
 pub mod wait;
 pub mod webhook_sim;
 

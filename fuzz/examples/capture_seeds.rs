@@ -38,7 +38,7 @@ table inet istio-proxy-nat {
   chain output { type nat hook output priority -100; policy accept; jump istio-output; }
   chain istio-output { oifname \"lo\" return; meta skuid 1337 return; ip daddr 127.0.0.1 return; ip6 daddr ::1 return; meta l4proto tcp redirect to :15001; }
 }
-table ip dormant-test { flags dormant; chain c { type nat hook output priority 0; redirect to :1; }; }
+table ip dormant-test { flags dormant; chain c { type nat hook output priority 0; meta l4proto tcp redirect to :1; }; }
 ";
 
 fn sh(script: &str) -> io::Result<()> {

@@ -262,26 +262,23 @@ fn netlink_exec(input: &[u8]) -> u64 {
         }
         Ok(messages) => {
             let (mut tables, mut chains, mut rules) = (Vec::new(), Vec::new(), Vec::new());
+            // Which other kinds of message were seen (a set, not a count, so the signature
+            // stays coarse enough for the corpus to mean something).
+            let mut kinds = 0u64;
             for m in messages {
-                sig.add(u64::from(m.dump_intr));
+                kinds |= u64::from(m.dump_intr);
                 match m.body {
                     b @ Body::Table(_) => tables.push(b),
                     b @ Body::Chain(_) => chains.push(b),
                     b @ Body::Rule(_) => rules.push(b),
-                    Body::Gen(_) => {
-                        sig.add(4);
-                    }
-                    Body::Done => {
-                        sig.add(5);
-                    }
-                    Body::Error(e) => {
-                        sig.add(6).add(u64::from(e == 0));
-                    }
-                    Body::Other => {
-                        sig.add(7);
-                    }
+                    Body::Gen(_) => kinds |= 2,
+                    Body::Done => kinds |= 4,
+                    Body::Error(0) => kinds |= 8,
+                    Body::Error(_) => kinds |= 16,
+                    Body::Other => kinds |= 32,
                 }
             }
+            sig.add(kinds);
             sig.add(tables.len().min(4) as u64)
                 .add(chains.len().min(8) as u64)
                 .add(rules.len().min(16) as u64);
@@ -470,7 +467,30 @@ fn admission_exec(input: &[u8]) -> u64 {
             },
         }
     };
-    sig.add(u64::from(meshgate_webhook::review::decode(input).is_ok()));
+    match meshgate_webhook::review::decode(input) {
+        Ok(req) => {
+            sig.add(1).str(req.resource.resource.as_str());
+            sig.add(u64::from(req.sub_resource.is_some()));
+        }
+        Err(e) => {
+            // The kind of refusal, without the details that vary with every input.
+            let kinds = [
+                "missing field",
+                "invalid type",
+                "unknown variant",
+                "EOF",
+                "recursion limit",
+                "expected",
+                "kind is",
+                "no request",
+                "uid is empty",
+                "trailing",
+                "invalid",
+            ];
+            let k = kinds.iter().position(|k| e.contains(k)).unwrap_or(kinds.len());
+            sig.add(100 + k as u64);
+        }
+    }
     let v = futures::executor::block_on(r.validate(input));
     sig.add(outcome(&v));
     let m = r.mutate_node(input);

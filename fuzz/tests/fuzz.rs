@@ -55,7 +55,10 @@ fn seeds_reach_past_the_first_parse() {
     let conf = load_dir(&dir.join("conflist")).expect("conflist corpus");
     let parsed = conf
         .iter()
-        .filter(|(_, b)| meshgate_core::cni::NetConfList::from_conf_bytes(b).is_ok())
+        .filter(|(_, b)| {
+            meshgate_core::cni::NetConfList::from_conflist_bytes(b).is_ok()
+                || meshgate_core::cni::NetConfList::from_conf_bytes(b).is_ok()
+        })
         .count();
     assert!(parsed * 2 >= conf.len(), "{parsed} of {} conflist seeds parse", conf.len());
 
@@ -95,4 +98,55 @@ fn seeds_reach_past_the_first_parse() {
         .filter(|(_, b)| meshgate_webhook::review::decode(b).is_ok())
         .count();
     assert!(decoded * 2 >= adm.len(), "{decoded} of {} reviews decode", adm.len());
+}
+
+/// The captured netfilter seeds are what their names say: the real kernel's bytes for the
+/// meshes' rules, which the agent's decoders turn into redirected verdicts.
+#[test]
+fn captured_netfilter_seeds_decode_to_the_meshes_redirects() {
+    use meshgate_agent::netfilter::{legacy, nftables};
+    use meshgate_core::profile::ProfileSet;
+    use meshgate_core::rules::{Family, IpFamily, Ruleset, Verdict, check};
+    let dir = meshgate_fuzz::runner::crate_dir().join("corpus");
+    let profiles = ProfileSet::all_builtin();
+    let verdict = |rs: &Ruleset, profile: &str, fam: IpFamily| {
+        let p = profiles.get(profile).expect("built-in profile");
+        check(rs, p, &[fam]).verdict
+    };
+    let assembled = |file: &str| -> Ruleset {
+        let bytes = std::fs::read(dir.join("netlink").join(file)).expect("seed");
+        let (mut t, mut c, mut r) = (Vec::new(), Vec::new(), Vec::new());
+        for m in nftables::decode_buffer(&bytes).expect("decodes") {
+            match m.body {
+                b @ nftables::Body::Table(_) => t.push(b),
+                b @ nftables::Body::Chain(_) => c.push(b),
+                b @ nftables::Body::Rule(_) => r.push(b),
+                _ => {}
+            }
+        }
+        nftables::assemble(t, c, r)
+    };
+    let rs = assembled("linkerd-iptables-nft-all.bin");
+    assert_eq!(verdict(&rs, "linkerd", IpFamily::V4), Verdict::Redirected);
+    assert_eq!(verdict(&rs, "linkerd", IpFamily::V6), Verdict::Redirected);
+    assert_eq!(verdict(&rs, "istio", IpFamily::V4), Verdict::Missing);
+    let rs = assembled("istio-nft-all.bin");
+    assert_eq!(verdict(&rs, "istio", IpFamily::V4), Verdict::Redirected);
+    assert_eq!(verdict(&rs, "linkerd", IpFamily::V4), Verdict::Missing);
+    let rs = assembled("empty-all.bin");
+    assert_eq!(verdict(&rs, "linkerd", IpFamily::V4), Verdict::Missing);
+
+    for (file, fam, ip) in [
+        ("linkerd-legacy-ip-nat.bin", Family::Ip, IpFamily::V4),
+        ("linkerd-legacy-ip6-nat.bin", Family::Ip6, IpFamily::V6),
+    ] {
+        let b = std::fs::read(dir.join("getsockopt").join(file)).expect("seed");
+        let info = legacy::decode_info(&b[2..]).expect("info");
+        let blob = &b[2 + meshgate_fuzz::targets::GETINFO_LEN..];
+        let table = legacy::decode_table(fam, "nat", &info, blob).expect("table");
+        let rs = Ruleset {
+            tables: vec![table],
+        };
+        assert_eq!(verdict(&rs, "linkerd", ip), Verdict::Redirected, "{file}");
+    }
 }

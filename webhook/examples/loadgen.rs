@@ -221,7 +221,7 @@ async fn nodes(
     unverified: usize,
     parallel: usize,
 ) -> anyhow::Result<()> {
-    let client = meshgate_webhook::client(Some(&kubeconfig)).await?;
+    let client = meshgate_runtime::client::build(Some(&kubeconfig)).await?;
     let api: Api<Node> = Api::all(client.clone());
     let names = (0..count)
         .map(|i| (format!("bench-v-{i}"), "true"))

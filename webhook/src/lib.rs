@@ -9,24 +9,25 @@
 //! - [`cache`]: the real cluster view (metadata watches, bounded API fallbacks).
 //! - [`server`]: routes, limits, TLS accept loop, graceful shutdown; [`tls`]: certificates
 //!   re-read on change.
-//! - [`admin`]: the generic admin server; [`metrics`]: the contract metrics.
+//! - [`metrics`]: the contract metrics, served by `meshgate_runtime::admin` with the agent's
+//!   admin server; logging, client, profiles and signals come from `meshgate_runtime` too.
 
-pub mod admin;
 pub mod cache;
 pub mod metrics;
 pub mod review;
 pub mod server;
 pub mod tls;
 
+/// `--log-format` values (shared with the agent).
+pub use meshgate_runtime::logging::LogFormat;
+
 use std::future::Future;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::{Client, Config};
 use meshgate_core::profile::ProfileSet;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
@@ -58,7 +59,7 @@ pub struct Args {
     pub admin_addr: Option<SocketAddr>,
     /// Mesh profiles whose pods are gated (repeatable or comma-separated); default: all
     /// built-in and file-defined profiles.
-    #[arg(long = "profile", env = "MESHGATE_PROFILE", value_delimiter = ',')]
+    #[arg(long = "profile", env = "MESHGATE_PROFILES", value_delimiter = ',')]
     pub profiles: Vec<String>,
     /// JSON file of custom mesh profiles, added to the built-in ones.
     #[arg(long, env = "MESHGATE_PROFILE_FILE")]
@@ -76,6 +77,9 @@ pub struct Args {
     /// How long in-flight requests may take to finish after SIGTERM.
     #[arg(long, env = "MESHGATE_SHUTDOWN_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,
+    /// Log format on stderr (`RUST_LOG` filters, default `info`).
+    #[arg(long, env = "MESHGATE_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
 }
 
 /// Parses `1.5s`, `500ms` or plain seconds.
@@ -100,49 +104,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 
 /// The profile set from `--profile-file` and `--profile`.
 pub fn load_profiles(args: &Args) -> anyhow::Result<ProfileSet> {
-    let mut set = ProfileSet::all_builtin();
-    if let Some(path) = &args.profile_file {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading profile file {}", path.display()))?;
-        set = set
-            .with_custom_json(&text)
-            .with_context(|| format!("profile file {}", path.display()))?;
-    }
-    Ok(set.select(&args.profiles)?)
-}
-
-/// A kube client from `--kubeconfig`, else `KUBECONFIG`, else in-cluster.
-pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
-    let config = match kubeconfig {
-        Some(path) => {
-            let kc = Kubeconfig::read_from(path)
-                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
-            Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-                .await
-                .with_context(|| format!("kubeconfig {}", path.display()))?
-        }
-        None => Config::infer()
-            .await
-            .context("no kubeconfig and not in a cluster")?,
-    };
-    Client::try_from(config).context("building the kube client")
-}
-
-/// Resolves on SIGTERM or SIGINT.
-pub async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => tracing::info!("SIGTERM received"),
-                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
-            }
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot listen for SIGTERM; only SIGINT stops the webhook");
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
+    meshgate_runtime::profiles::load(&args.profiles, args.profile_file.as_deref())
 }
 
 /// Runs the webhook until SIGTERM/SIGINT.
@@ -150,7 +112,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
-    run_on(args, listener, shutdown_signal()).await
+    run_on(args, listener, meshgate_runtime::shutdown::signal()).await
 }
 
 /// Runs the webhook on an already-bound listener until `shutdown` resolves (tests and
@@ -162,7 +124,7 @@ pub async fn run_on(
 ) -> anyhow::Result<()> {
     let profiles = load_profiles(&args)?;
     let tls = tls::server_config(&args.tls_cert, &args.tls_key)?;
-    let client = client(args.kubeconfig.as_deref()).await?;
+    let client = meshgate_runtime::client::build(args.kubeconfig.as_deref()).await?;
 
     let mut registry = Registry::default();
     let metrics = metrics::Metrics::register(&mut registry);
@@ -195,7 +157,7 @@ pub async fn run_on(
                 .await
                 .with_context(|| format!("binding admin address {addr}"))?;
             tracing::info!(addr = %l.local_addr()?, "admin server listening");
-            Some(tokio::spawn(admin::serve(
+            Some(tokio::spawn(meshgate_runtime::admin::serve(
                 l,
                 registry.clone(),
                 ready_rx.clone(),

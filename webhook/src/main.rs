@@ -5,16 +5,10 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
     let args = meshgate_webhook::Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    meshgate_runtime::logging::init(args.log_format);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -17,8 +17,9 @@ use meshgate_core::cni::{DirEntry, EntryKind};
 /// Default cap on one config file: real conflists are a few KiB.
 pub const DEFAULT_MAX_FILE_BYTES: u64 = 1 << 20;
 
-/// At most this many entries are looked at per directory, so a directory flooded with files
-/// costs bounded time and memory. The runtime would load the first file anyway.
+/// At most this many candidates (config-named entries and possible drop-in directories, in
+/// name order) are opened per directory, so a directory flooded with configs costs bounded
+/// time and memory. The runtime loads the first file by name anyway.
 pub const MAX_ENTRIES: usize = 4096;
 
 /// Lists `dir`. A missing directory yields no entries (the runtime treats it the same way:
@@ -38,11 +39,25 @@ fn read_dir(
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(e),
     };
-    let mut out = Vec::new();
-    for entry in listing.take(MAX_ENTRIES) {
+    // Names first, without a stat: only entries the runtime could load (or that may be a
+    // drop-in directory) are candidates, and the cap applies to them in name order. Capping
+    // the raw listing instead would let a directory flooded with other files hide the file
+    // the runtime really loads: readdir order is arbitrary.
+    let mut candidates: Vec<(String, std::path::PathBuf)> = Vec::new();
+    for entry in listing {
         let entry = entry?;
         let name = entry.file_name().to_string_lossy().into_owned();
-        let path = entry.path();
+        let maybe_dir = descend
+            && entry
+                .file_type()
+                .is_ok_and(|t| t.is_dir() || t.is_symlink());
+        if wanted(&name) || maybe_dir {
+            candidates.push((name, entry.path()));
+        }
+    }
+    candidates.sort();
+    let mut out = Vec::new();
+    for (name, path) in candidates.into_iter().take(MAX_ENTRIES) {
         // fs::metadata follows symlinks: a symlinked config counts as its target.
         let kind = match fs::metadata(&path) {
             Err(e) => {

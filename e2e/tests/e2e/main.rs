@@ -7,6 +7,7 @@
 
 mod agent;
 mod control_plane;
+mod faults;
 mod pods;
 mod rbac;
 mod support;

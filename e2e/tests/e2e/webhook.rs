@@ -13,18 +13,16 @@
 //! the configurations are deleted at the end even when the test fails.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
-use k8s_openapi::api::admissionregistration::v1::{
-    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
-};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
+use meshgate_e2e::webhook_sim::{self, Scope, TestCa};
 use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -37,70 +35,27 @@ const SCOPE_KEY: &str = "e2e.meshgate.io/webhook";
 /// Bound on one API call made by the test itself.
 const CALL: Duration = Duration::from_secs(20);
 
-/// A test CA that signs loopback serving certificates.
-struct Ca {
-    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
-    pem: String,
-    der: rustls::pki_types::CertificateDer<'static>,
-}
-
-impl Ca {
-    fn new() -> anyhow::Result<Self> {
-        let mut params = rcgen::CertificateParams::new(Vec::<String>::new())?;
-        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "meshgate e2e webhook CA");
-        params.key_usages = vec![
-            rcgen::KeyUsagePurpose::KeyCertSign,
-            rcgen::KeyUsagePurpose::DigitalSignature,
-        ];
-        let key = rcgen::KeyPair::generate()?;
-        let cert = params.self_signed(&key)?;
-        Ok(Self {
-            pem: cert.pem(),
-            der: cert.der().clone(),
-            issuer: rcgen::Issuer::new(params, key),
-        })
-    }
-
-    /// Issues a serving certificate for 127.0.0.1 and writes key then certificate, as a
-    /// rotation tool would; returns the certificate's DER.
-    fn issue(&self, cert: &Path, key: &Path) -> anyhow::Result<Vec<u8>> {
-        let kp = rcgen::KeyPair::generate()?;
-        let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()])?;
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "meshgate-webhook");
-        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
-        let c = params.signed_by(&kp, &self.issuer)?;
-        std::fs::write(key, kp.serialize_pem())?;
-        std::fs::write(cert, c.pem())?;
-        Ok(c.der().to_vec())
-    }
-
-    /// The certificate the server at `addr` presents to a client trusting this CA.
-    async fn presented(&self, addr: SocketAddr) -> anyhow::Result<Vec<u8>> {
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(self.der.clone())?;
-        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-        let tcp = tokio::net::TcpStream::connect(addr).await?;
-        let name = rustls::pki_types::ServerName::try_from("127.0.0.1")?;
-        let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
-            .connect(name, tcp)
-            .await?;
-        let certs = tls
-            .get_ref()
-            .1
-            .peer_certificates()
-            .context("no peer certificate")?;
-        Ok(certs[0].to_vec())
-    }
+/// The certificate the server at `addr` presents to a client trusting `ca`.
+async fn presented(ca: &TestCa, addr: SocketAddr) -> anyhow::Result<Vec<u8>> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(rustls::pki_types::CertificateDer::from(ca.der().to_vec()))?;
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1")?;
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, tcp)
+        .await?;
+    let certs = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .context("no peer certificate")?;
+    Ok(certs[0].to_vec())
 }
 
 /// A free loopback port (bound and released; the webhook binds it right after).
@@ -130,7 +85,7 @@ struct Fixture {
     client: Client,
     /// Value of [`SCOPE_KEY`] that selects this test's objects.
     tag: String,
-    ca: Ca,
+    ca: TestCa,
     dir: tempfile::TempDir,
     listen: SocketAddr,
     admin: SocketAddr,
@@ -150,7 +105,7 @@ impl Fixture {
     async fn start(cp: &ControlPlane, prefix: &str) -> anyhow::Result<Self> {
         let client = cp.client()?;
         let tag = unique_name(prefix);
-        let ca = Ca::new()?;
+        let ca = TestCa::new()?;
         let dir = tempfile::tempdir()?;
         let (listen, admin) = (free_port()?, free_port()?);
         let mut f = Self {
@@ -178,6 +133,7 @@ impl Fixture {
             lookup_timeout: Duration::from_secs(1),
             max_body_bytes: 3 * 1024 * 1024,
             shutdown_timeout: Duration::from_secs(5),
+            log_format: meshgate_webhook::LogFormat::Text,
         };
         let listener = tokio::net::TcpListener::bind(listen).await?;
         let (stop_tx, stop_rx) = oneshot::channel();
@@ -205,76 +161,13 @@ impl Fixture {
         Ok(f)
     }
 
-    /// The production namespaceSelector (docs/webhook.md) plus this test's scope label.
-    fn namespace_selector(&self) -> Value {
-        json!({
-            "matchExpressions": [
-                {"key": "kubernetes.io/metadata.name", "operator": "NotIn",
-                 "values": ["kube-system", "meshgate"]},
-                {"key": "meshgate.io/ignore", "operator": "NotIn", "values": ["true"]},
-                {"key": SCOPE_KEY, "operator": "In", "values": [self.tag]}
-            ]
-        })
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("https://127.0.0.1:{}{path}", self.listen.port())
+    /// This test's scope: its namespaces and nodes carry `SCOPE_KEY=<tag>`.
+    fn scope(&self) -> Scope {
+        Scope { label: Some((SCOPE_KEY.to_string(), self.tag.clone())) }
     }
 
     async fn register(&self) -> anyhow::Result<()> {
-        use k8s_openapi::ByteString;
-        let ca_bundle = serde_json::to_value(ByteString(self.ca.pem.clone().into_bytes()))?;
-        let common = |name: &str, path: &str| {
-            json!({
-                "name": name,
-                "clientConfig": {"url": self.url(path), "caBundle": ca_bundle},
-                "sideEffects": "None",
-                "admissionReviewVersions": ["v1"],
-                "timeoutSeconds": 5,
-            })
-        };
-        let mut pods = common("pods.validate.meshgate.io", "/validate");
-        pods["rules"] = json!([{"apiGroups": [""], "apiVersions": ["v1"],
-                                "operations": ["CREATE"], "resources": ["pods"], "scope": "Namespaced"}]);
-        pods["failurePolicy"] = json!("Fail");
-        pods["namespaceSelector"] = self.namespace_selector();
-        // Unbound pods are checked when they are bound; skipping them keeps pod creation
-        // (Deployments, Jobs) working through a webhook outage.
-        pods["matchConditions"] = json!([{"name": "bound-at-creation",
-            "expression": "has(object.spec.nodeName) && object.spec.nodeName != ''"}]);
-        let mut bindings = common("bindings.validate.meshgate.io", "/validate");
-        bindings["rules"] = json!([{"apiGroups": [""], "apiVersions": ["v1"],
-                                    "operations": ["CREATE"], "resources": ["pods/binding"],
-                                    "scope": "Namespaced"}]);
-        bindings["failurePolicy"] = json!("Fail");
-        bindings["namespaceSelector"] = self.namespace_selector();
-        let validating: ValidatingWebhookConfiguration = serde_json::from_value(json!({
-            "apiVersion": "admissionregistration.k8s.io/v1",
-            "kind": "ValidatingWebhookConfiguration",
-            "metadata": {"name": format!("meshgate-{}", self.tag)},
-            "webhooks": [pods, bindings],
-        }))?;
-
-        let mut nodes = common("nodes.mutate.meshgate.io", "/mutate-node");
-        nodes["rules"] = json!([{"apiGroups": [""], "apiVersions": ["v1"],
-                                 "operations": ["CREATE"], "resources": ["nodes"], "scope": "Cluster"}]);
-        // Node registration must never depend on the webhook.
-        nodes["failurePolicy"] = json!("Ignore");
-        nodes["reinvocationPolicy"] = json!("Never");
-        nodes["objectSelector"] = json!({"matchLabels": {SCOPE_KEY: self.tag}});
-        let mutating: MutatingWebhookConfiguration = serde_json::from_value(json!({
-            "apiVersion": "admissionregistration.k8s.io/v1",
-            "kind": "MutatingWebhookConfiguration",
-            "metadata": {"name": format!("meshgate-{}", self.tag)},
-            "webhooks": [nodes],
-        }))?;
-
-        let pp = PostParams::default();
-        let v: Api<ValidatingWebhookConfiguration> = Api::all(self.client.clone());
-        tokio::time::timeout(CALL, v.create(&pp, &validating)).await??;
-        let m: Api<MutatingWebhookConfiguration> = Api::all(self.client.clone());
-        tokio::time::timeout(CALL, m.create(&pp, &mutating)).await??;
-        Ok(())
+        webhook_sim::register(&self.client, &self.tag, self.listen.port(), self.ca.pem(), &self.scope()).await
     }
 
     /// Creates a namespace in this test's scope, with extra labels.
@@ -314,16 +207,7 @@ impl Fixture {
 
     /// Deletes the configurations and stops the webhook; run whatever the test's outcome.
     async fn teardown(mut self) {
-        let name = format!("meshgate-{}", self.tag);
-        let dp = DeleteParams::default();
-        let v: Api<ValidatingWebhookConfiguration> = Api::all(self.client.clone());
-        let m: Api<MutatingWebhookConfiguration> = Api::all(self.client.clone());
-        if let Err(e) = tokio::time::timeout(CALL, v.delete(&name, &dp)).await {
-            tracing::warn!(error = %e, "deleting ValidatingWebhookConfiguration timed out");
-        }
-        if let Err(e) = tokio::time::timeout(CALL, m.delete(&name, &dp)).await {
-            tracing::warn!(error = %e, "deleting MutatingWebhookConfiguration timed out");
-        }
+        webhook_sim::unregister(&self.client, &self.tag).await;
         if let Err(e) = self.stop_webhook().await {
             tracing::warn!(error = %e, "stopping the webhook");
         }
@@ -561,7 +445,7 @@ async fn gates(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
 
     // --- Rotation: the certificate changes on disk while requests keep flowing.
     let (cert, key) = f.cert_paths();
-    let before = f.ca.presented(f.listen).await?;
+    let before = presented(&f.ca, f.listen).await?;
     let load = {
         let (c, ns, verified) = (c.clone(), ns.clone(), verified.clone());
         tokio::spawn(async move {
@@ -585,7 +469,7 @@ async fn gates(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
         "the test issued the same certificate twice"
     );
     // A new connection now gets the new certificate, without a restart.
-    let after = f.ca.presented(f.listen).await?;
+    let after = presented(&f.ca, f.listen).await?;
     ensure!(
         after == rotated,
         "webhook still serves the old certificate after rotation"

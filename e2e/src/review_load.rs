@@ -1,0 +1,552 @@
+//! An open-loop AdmissionReview load generator for `meshgate-webhook`, over real TLS on
+//! loopback: what the benchmarks and the fault suite drive the webhook with.
+//!
+//! In: the webhook's address, the CA that signed its certificate, a set of [`Review`]s with
+//! the answers they must get, a rate, a duration and a number of keep-alive connections.
+//! Out: one [`Sample`] per request (when it was due, sent and answered, and whether the answer
+//! was right), summarized by [`Report`].
+//!
+//! Open loop: request `k` is due at `start + k / rate`, whatever happened to earlier ones, and
+//! its latency is measured from when it was *due*, so a stall shows up as the queueing it
+//! causes instead of silently lowering the offered rate (coordinated omission). Requests are
+//! spread round-robin over the connections; each connection sends its next request when it is
+//! due or, if it is still busy, as soon as the previous answer arrives. A broken connection is
+//! re-established for the next request; the request that hit it is counted as failed.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+
+/// One request body and the answer it must get.
+#[derive(Clone, Debug)]
+pub struct Review {
+    /// The serialized AdmissionReview.
+    pub body: Bytes,
+    /// Its `request.uid`, which the answer must echo.
+    pub uid: String,
+    /// The `response.allowed` it must get.
+    pub allowed: bool,
+}
+
+/// A pod CREATE review with `spec.nodeName` set: a meshed (linkerd) or plain pod, about the
+/// size of a real injected pod.
+pub fn pod_review(uid: &str, node: &str, meshed: bool, allowed: bool) -> Review {
+    let mut labels = json!({"app": "web", "pod-template-hash": "5d8f7c9b4d"});
+    if meshed {
+        labels["linkerd.io/control-plane-ns"] = json!("linkerd");
+        labels["linkerd.io/proxy-deployment"] = json!("web");
+    }
+    let container = |name: &str, image: &str| {
+        json!({"name": name, "image": image,
+               "ports": [{"containerPort": 8080, "protocol": "TCP"}],
+               "env": (0..8).map(|k| json!({"name": format!("VAR_{k}"), "value": "some-value"})).collect::<Vec<_>>(),
+               "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
+               "terminationMessagePath": "/dev/termination-log", "imagePullPolicy": "IfNotPresent"})
+    };
+    let v = json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid,
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+            "name": format!("web-{uid}"),
+            "namespace": "load",
+            "operation": "CREATE",
+            "userInfo": {"username": "system:serviceaccount:kube-system:replicaset-controller"},
+            "object": {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": format!("web-{uid}"), "namespace": "load", "labels": labels,
+                             "annotations": {"linkerd.io/inject": "enabled"},
+                             "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                                                  "name": "web-5d8f7c9b4d", "uid": "1b2c3d4e", "controller": true}]},
+                "spec": {
+                    "nodeName": node,
+                    "initContainers": [container("linkerd-init", "cr.l5d.io/linkerd/proxy-init:v2.2.3")],
+                    "containers": [container("app", "registry.example/web:1.2.3"),
+                                   container("linkerd-proxy", "cr.l5d.io/linkerd/proxy:stable-2.14.10")],
+                    "restartPolicy": "Always", "serviceAccountName": "default"
+                },
+                "status": {}
+            },
+            "oldObject": null,
+            "dryRun": false,
+            "options": {"kind": "CreateOptions", "apiVersion": "meta.k8s.io/v1"}
+        }
+    });
+    Review {
+        body: Bytes::from(v.to_string()),
+        uid: uid.to_string(),
+        allowed,
+    }
+}
+
+/// A `pods/binding` CREATE review of pod `namespace/pod` to `node`.
+pub fn binding_review(uid: &str, namespace: &str, pod: &str, node: &str, allowed: bool) -> Review {
+    let v = json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid,
+            "kind": {"group": "", "version": "v1", "kind": "Binding"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "subResource": "binding",
+            "name": pod,
+            "namespace": namespace,
+            "operation": "CREATE",
+            "userInfo": {"username": "system:kube-scheduler"},
+            "object": {"apiVersion": "v1", "kind": "Binding",
+                       "metadata": {"name": pod, "namespace": namespace},
+                       "target": {"apiVersion": "v1", "kind": "Node", "name": node}},
+            "dryRun": false
+        }
+    });
+    Review {
+        body: Bytes::from(v.to_string()),
+        uid: uid.to_string(),
+        allowed,
+    }
+}
+
+/// A TLS client config trusting only `ca_der`.
+pub fn tls_connector(ca_der: &[u8]) -> anyhow::Result<tokio_rustls::TlsConnector> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(rustls::pki_types::CertificateDer::from(ca_der.to_vec()))?;
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+}
+
+/// What to send.
+#[derive(Clone)]
+pub struct Spec {
+    /// The webhook's HTTPS address.
+    pub addr: SocketAddr,
+    /// Path to POST to (`/validate`).
+    pub path: String,
+    /// Trusts the webhook's certificate.
+    pub connector: tokio_rustls::TlsConnector,
+    /// Bodies, sent in turn.
+    pub reviews: Arc<Vec<Review>>,
+    /// Requests per second offered.
+    pub rate: f64,
+    /// How long to offer them.
+    pub duration: Duration,
+    /// Keep-alive connections.
+    pub connections: usize,
+}
+
+/// How one request ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// HTTP 200 with the expected `allowed` and the request's uid.
+    Right,
+    /// An answer, but not the expected one (status, allowed or uid).
+    Wrong(String),
+    /// No answer: the connection could not be made or broke.
+    Failed(String),
+}
+
+/// One request.
+#[derive(Clone, Debug)]
+pub struct Sample {
+    /// When it was due.
+    pub due: Instant,
+    /// When its bytes were handed to the connection.
+    pub sent: Instant,
+    /// When the answer (or the failure) arrived.
+    pub done: Instant,
+    /// How it ended.
+    pub outcome: Outcome,
+    /// The connection it used (for diagnosis).
+    pub connection: usize,
+}
+
+/// All samples of a run.
+#[derive(Debug, Default)]
+pub struct Report {
+    /// Every request, in no particular order.
+    pub samples: Vec<Sample>,
+    /// When the first request was due.
+    pub start: Option<Instant>,
+}
+
+fn pct(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+impl Report {
+    /// Requests answered right.
+    pub fn right(&self) -> usize {
+        self.samples
+            .iter()
+            .filter(|s| s.outcome == Outcome::Right)
+            .count()
+    }
+
+    /// Requests answered wrong or not at all.
+    pub fn errors(&self) -> Vec<&Sample> {
+        self.samples
+            .iter()
+            .filter(|s| s.outcome != Outcome::Right)
+            .collect()
+    }
+
+    /// Latency (due → answered) of the right answers, sorted.
+    pub fn latencies(&self) -> Vec<Duration> {
+        let mut v: Vec<Duration> = self
+            .samples
+            .iter()
+            .filter(|s| s.outcome == Outcome::Right)
+            .map(|s| s.done.saturating_duration_since(s.due))
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Service time (sent → answered) of the right answers, sorted.
+    pub fn service_times(&self) -> Vec<Duration> {
+        let mut v: Vec<Duration> = self
+            .samples
+            .iter()
+            .filter(|s| s.outcome == Outcome::Right)
+            .map(|s| s.done.saturating_duration_since(s.sent))
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// The `p` quantile (0..=1) of [`Self::latencies`].
+    pub fn latency(&self, p: f64) -> Duration {
+        pct(&self.latencies(), p)
+    }
+
+    /// Right answers per second over the span from the first due time to the last answer.
+    pub fn throughput(&self) -> f64 {
+        let (Some(start), Some(end)) = (self.start, self.samples.iter().map(|s| s.done).max())
+        else {
+            return 0.0;
+        };
+        self.right() as f64 / end.saturating_duration_since(start).as_secs_f64().max(1e-9)
+    }
+
+    /// A one-line summary.
+    pub fn summary(&self) -> String {
+        let lat = self.latencies();
+        let svc = self.service_times();
+        format!(
+            "{} requests, {} right, {} errors, {:.0}/s; latency p50 {:.2} ms p99 {:.2} ms max {:.2} ms; service p50 {:.2} ms p99 {:.2} ms",
+            self.samples.len(),
+            self.right(),
+            self.errors().len(),
+            self.throughput(),
+            pct(&lat, 0.5).as_secs_f64() * 1e3,
+            pct(&lat, 0.99).as_secs_f64() * 1e3,
+            pct(&lat, 1.0).as_secs_f64() * 1e3,
+            pct(&svc, 0.5).as_secs_f64() * 1e3,
+            pct(&svc, 0.99).as_secs_f64() * 1e3,
+        )
+    }
+}
+
+type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+
+async fn connect(spec: &Spec) -> anyhow::Result<Sender> {
+    let tcp = tokio::net::TcpStream::connect(spec.addr).await?;
+    tcp.set_nodelay(true)?;
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1")?;
+    let tls = spec.connector.connect(name, tcp).await?;
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok(sender)
+}
+
+fn judge(review: &Review, status: u16, body: &[u8]) -> Outcome {
+    if status != 200 {
+        return Outcome::Wrong(format!(
+            "HTTP {status}: {}",
+            String::from_utf8_lossy(&body[..body.len().min(200)])
+        ));
+    }
+    let Ok(v) = serde_json::from_slice::<Value>(body) else {
+        return Outcome::Wrong("answer is not JSON".into());
+    };
+    let resp = &v["response"];
+    if resp["uid"].as_str() != Some(review.uid.as_str()) {
+        return Outcome::Wrong(format!("uid {} for {}", resp["uid"], review.uid));
+    }
+    if resp["allowed"].as_bool() != Some(review.allowed) {
+        return Outcome::Wrong(format!(
+            "allowed={} for {} (expected {}): {}",
+            resp["allowed"], review.uid, review.allowed, resp["status"]["message"]
+        ));
+    }
+    Outcome::Right
+}
+
+async fn one(sender: &mut Sender, spec: &Spec, review: &Review) -> Result<Outcome, String> {
+    let req = http::Request::post(spec.path.as_str())
+        .header("host", "127.0.0.1")
+        .header("content-type", "application/json")
+        .body(Full::new(review.body.clone()))
+        .map_err(|e| e.to_string())?;
+    sender.ready().await.map_err(|e| e.to_string())?;
+    let resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
+    let status = resp.status().as_u16();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    Ok(judge(review, status, &body))
+}
+
+async fn connection_loop(spec: Arc<Spec>, index: usize, start: Instant) -> Vec<Sample> {
+    let interval = Duration::from_secs_f64(spec.connections as f64 / spec.rate);
+    let offset = Duration::from_secs_f64(index as f64 / spec.rate);
+    let end = start + spec.duration;
+    let mut out = Vec::new();
+    let mut sender: Option<Sender> = None;
+    let mut k: u32 = 0;
+    loop {
+        let due = start + offset + interval * k;
+        if due >= end {
+            break;
+        }
+        k += 1;
+        tokio::time::sleep_until(due.into()).await;
+        let review = &spec.reviews[(index + (k as usize) * spec.connections) % spec.reviews.len()];
+        let sent = Instant::now();
+        if sender.as_ref().is_none_or(|s| s.is_closed()) {
+            sender = match connect(&spec).await {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    out.push(Sample {
+                        due,
+                        sent,
+                        done: Instant::now(),
+                        outcome: Outcome::Failed(format!("connect: {e}")),
+                        connection: index,
+                    });
+                    continue;
+                }
+            };
+        }
+        let Some(s) = sender.as_mut() else { continue };
+        let outcome = match one(s, &spec, review).await {
+            Ok(o) => o,
+            Err(e) => {
+                sender = None;
+                Outcome::Failed(e)
+            }
+        };
+        out.push(Sample {
+            due,
+            sent,
+            done: Instant::now(),
+            outcome,
+            connection: index,
+        });
+    }
+    out
+}
+
+/// Offers the load and returns every sample once the last request finished.
+pub async fn run(spec: Spec) -> Report {
+    let spec = Arc::new(spec);
+    // A little head start so every connection's first request is due after it was spawned.
+    let start = Instant::now() + Duration::from_millis(20);
+    let tasks: Vec<_> = (0..spec.connections.max(1))
+        .map(|i| tokio::spawn(connection_loop(spec.clone(), i, start)))
+        .collect();
+    let mut report = Report {
+        samples: Vec::new(),
+        start: Some(start),
+    };
+    for t in tasks {
+        if let Ok(samples) = t.await {
+            report.samples.extend(samples);
+        }
+    }
+    report
+}
+
+/// `meshgate-webhook` as a real process with a test CA's loopback certificate, pointed at a
+/// kubeconfig; killed on drop.
+pub struct WebhookProcess {
+    child: Option<std::process::Child>,
+    /// The HTTPS address (`/validate`).
+    pub listen: SocketAddr,
+    /// The admin address (`/ready`, `/metrics`).
+    pub admin: SocketAddr,
+    /// The CA (DER) that signed its serving certificate.
+    pub ca_der: Vec<u8>,
+    log: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl WebhookProcess {
+    /// Starts the webhook binary (from the workspace target dir) with `extra` flags.
+    pub fn start(kubeconfig: &std::path::Path, extra: &[&str]) -> anyhow::Result<Self> {
+        use anyhow::Context;
+        let dir = tempfile::tempdir()?;
+        let ca = crate::webhook_sim::TestCa::new()?;
+        let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+        ca.issue(&cert, &key)?;
+        let listen = SocketAddr::from(([127, 0, 0, 1], crate::node_sim::free_port()?));
+        let admin = SocketAddr::from(([127, 0, 0, 1], crate::node_sim::free_port()?));
+        let log = dir.path().join("webhook.log");
+        let out = std::fs::File::create(&log)?;
+        let child = std::process::Command::new(crate::node_sim::workspace_bin("meshgate-webhook")?)
+            .arg("--listen")
+            .arg(listen.to_string())
+            .arg("--admin-addr")
+            .arg(admin.to_string())
+            .arg("--tls-cert")
+            .arg(&cert)
+            .arg("--tls-key")
+            .arg(&key)
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .args(extra)
+            .env(
+                "RUST_LOG",
+                std::env::var("MESHGATE_WEBHOOK_LOG").unwrap_or_else(|_| "warn,meshgate_webhook=info".into()),
+            )
+            .stdin(std::process::Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .context("starting meshgate-webhook")?;
+        Ok(Self {
+            child: Some(child),
+            listen,
+            admin,
+            ca_der: ca.der().to_vec(),
+            log,
+            _dir: dir,
+        })
+    }
+
+    /// Waits until `/ready` answers 200 (caches synced), up to `timeout`.
+    pub async fn wait_ready(&mut self, timeout: Duration) -> anyhow::Result<Duration> {
+        let begun = Instant::now();
+        while begun.elapsed() < timeout {
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                anyhow::bail!("meshgate-webhook exited ({status}) before it was ready:\n{}", self.log());
+            }
+            if self.admin_get("/ready").await.is_some_and(|(code, _)| code == 200) {
+                return Ok(begun.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        anyhow::bail!("meshgate-webhook not ready within {timeout:?}:\n{}", self.log())
+    }
+
+    /// GETs an admin path: (status, body).
+    pub async fn admin_get(&self, path: &str) -> Option<(u16, String)> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(self.admin))
+            .await
+            .ok()?
+            .ok()?;
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: webhook\r\n\r\n").as_bytes()).await.ok()?;
+        let mut buf = Vec::new();
+        tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut buf)).await.ok()?.ok()?;
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        let code = text.split_whitespace().nth(1)?.parse().ok()?;
+        let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+        Some((code, body))
+    }
+
+    /// The process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(std::process::Child::id)
+    }
+
+    /// Resident set size in KiB (and the peak, `VmHWM`), from /proc.
+    pub fn rss_kib(&self) -> Option<(u64, u64)> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()?)).ok()?;
+        let field = |name: &str| {
+            status.lines().find_map(|l| l.strip_prefix(name)?.trim().strip_suffix("kB")?.trim().parse().ok())
+        };
+        Some((field("VmRSS:")?, field("VmHWM:")?))
+    }
+
+    /// Sends SIGTERM; returns when it was sent.
+    pub fn sigterm(&self) -> Option<Instant> {
+        let pid = self.pid()?;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM).ok()?;
+        Some(Instant::now())
+    }
+
+    /// Waits up to `timeout` for the process to exit; its exit code (None: killed or still
+    /// running, then killed).
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
+        let mut c = self.child.take()?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = c.try_wait() {
+                return status.code();
+            }
+            if Instant::now() >= deadline {
+                let _ = c.kill();
+                let _ = c.wait();
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// The webhook's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for WebhookProcess {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_are_judged_by_status_uid_and_allowed() {
+        let r = pod_review("u1", "n", true, false);
+        let ok = br#"{"response":{"uid":"u1","allowed":false}}"#;
+        assert_eq!(judge(&r, 200, ok), Outcome::Right);
+        assert!(matches!(judge(&r, 503, b"busy"), Outcome::Wrong(_)));
+        let other = br#"{"response":{"uid":"u2","allowed":false}}"#;
+        assert!(matches!(judge(&r, 200, other), Outcome::Wrong(_)));
+        let allowed = br#"{"response":{"uid":"u1","allowed":true}}"#;
+        assert!(matches!(judge(&r, 200, allowed), Outcome::Wrong(_)));
+        let body: Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(body["request"]["object"]["spec"]["nodeName"], "n");
+        assert!(r.body.len() > 2000, "about the size of an injected pod");
+    }
+}
