@@ -96,7 +96,7 @@ struct Status {
 /// (`2026-01-02T03:04:05.123456Z`).
 fn parse_time(s: &str) -> Option<SystemTime> {
     let ts: k8s_openapi::jiff::Timestamp = s.parse().ok()?;
-    SystemTime::try_from(ts).ok()
+    Some(SystemTime::from(ts))
 }
 
 /// Every audited request in the log, in the order they were received. Lines that are not
@@ -150,6 +150,87 @@ pub fn service_account_user(namespace: &str, name: &str) -> String {
     format!("system:serviceaccount:{namespace}:{name}")
 }
 
+/// A ServiceAccount bound to `cluster-admin`, with a token kubeconfig, so a component run
+/// under it has requests of its own in the audit log. (Least-privilege RBAC is tested on its
+/// own; this identity is for counting and timing requests.)
+pub struct AuditedIdentity {
+    /// Kubeconfig with the ServiceAccount's token (in the control plane's `tokens/` dir).
+    pub kubeconfig: std::path::PathBuf,
+    /// The user name its requests carry in the audit log.
+    pub user: String,
+    binding: String,
+}
+
+impl AuditedIdentity {
+    /// Creates ServiceAccount `namespace/name`, binds it to `cluster-admin` with a uniquely
+    /// named ClusterRoleBinding, and writes a kubeconfig with a one-hour token.
+    pub async fn new(
+        cp: &crate::ControlPlane,
+        client: &kube::Client,
+        namespace: &str,
+        name: &str,
+    ) -> anyhow::Result<Self> {
+        use k8s_openapi::api::core::v1::ServiceAccount;
+        use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
+        use kube::api::{Api, PostParams};
+        let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
+        let sa: ServiceAccount =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
+        crate::wait::api(
+            "creating a ServiceAccount",
+            sas.create(&PostParams::default(), &sa),
+        )
+        .await?;
+        let binding = crate::unique_name("audited");
+        let crb: ClusterRoleBinding = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": binding},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]
+        }))?;
+        let crbs: Api<ClusterRoleBinding> = Api::all(client.clone());
+        crate::wait::api(
+            "binding the ServiceAccount",
+            crbs.create(&PostParams::default(), &crb),
+        )
+        .await?;
+        let token =
+            crate::service_account_token(client, namespace, name, &crate::TokenOptions::default())
+                .await?;
+        let kubeconfig = cp.write_token_kubeconfig(&format!("{namespace}-{name}"), &token)?;
+        Ok(Self {
+            kubeconfig,
+            user: service_account_user(namespace, name),
+            binding,
+        })
+    }
+
+    /// Its requests received since `from`.
+    pub fn requests(
+        &self,
+        cp: &crate::ControlPlane,
+        from: SystemTime,
+    ) -> std::io::Result<Vec<Request>> {
+        let all = read(&cp.audit_log())?;
+        Ok(by_user(
+            &all,
+            &self.user,
+            from,
+            SystemTime::now() + std::time::Duration::from_secs(3600),
+        ))
+    }
+
+    /// Deletes the ClusterRoleBinding (best effort).
+    pub async fn remove(self, client: &kube::Client) {
+        use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
+        let crbs: kube::api::Api<ClusterRoleBinding> = kube::api::Api::all(client.clone());
+        let _ = tokio::time::timeout(
+            crate::wait::API_TIMEOUT,
+            crbs.delete(&self.binding, &kube::api::DeleteParams::default()),
+        )
+        .await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -175,7 +256,10 @@ mod tests {
         let d = all[1].received.duration_since(all[0].received).unwrap();
         assert_eq!(d.as_micros(), 500_100);
         let user = service_account_user("x", "agent");
-        assert_eq!(by_user(&all, &user, SystemTime::UNIX_EPOCH, SystemTime::now()).len(), 2);
+        assert_eq!(
+            by_user(&all, &user, SystemTime::UNIX_EPOCH, SystemTime::now()).len(),
+            2
+        );
         assert!(read(&dir.path().join("missing")).unwrap().is_empty());
     }
 }

@@ -343,14 +343,31 @@ impl ControlPlane {
     /// the harder case for a client. Signals the recorded pid only, after checking it is
     /// still the process the harness started.
     pub fn freeze_apiserver(&self, frozen: bool) -> Result<(), Error> {
+        self.freeze_component("kube-apiserver", frozen)
+    }
+
+    /// Freezes (`true`) or thaws (`false`) one component (`etcd`, `kube-apiserver`,
+    /// `kube-controller-manager`, `kube-scheduler`) with SIGSTOP / SIGCONT. The benchmarks
+    /// freeze the controller manager while they measure something it has no part in, so its
+    /// work on thousands of kubelet-less Nodes does not share the CPUs with the measurement.
+    pub fn freeze_component(&self, component: &str, frozen: bool) -> Result<(), Error> {
         let procs = self.procs.lock().unwrap_or_else(|p| p.into_inner());
         let proc_ = procs
             .iter()
-            .find(|p| p.name == "kube-apiserver" && p.alive())
-            .ok_or_else(|| Error::io("signalling kube-apiserver", std::io::Error::other("not running")))?;
-        let signal = if frozen { nix::sys::signal::Signal::SIGSTOP } else { nix::sys::signal::Signal::SIGCONT };
+            .find(|p| p.name == component && p.alive())
+            .ok_or_else(|| {
+                Error::io(
+                    format!("signalling {component}"),
+                    std::io::Error::other("not running"),
+                )
+            })?;
+        let signal = if frozen {
+            nix::sys::signal::Signal::SIGSTOP
+        } else {
+            nix::sys::signal::Signal::SIGCONT
+        };
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(proc_.pid), signal)
-            .map_err(|e| Error::io("signalling kube-apiserver", std::io::Error::from(e)))
+            .map_err(|e| Error::io(format!("signalling {component}"), std::io::Error::from(e)))
     }
 
     /// Stops kube-apiserver (SIGTERM, then SIGKILL), leaving etcd and the other components
@@ -358,8 +375,9 @@ impl ControlPlane {
     pub fn stop_apiserver(&self) {
         let stopped: Vec<Proc> = {
             let mut procs = self.procs.lock().unwrap_or_else(|p| p.into_inner());
-            let (apiserver, rest): (Vec<Proc>, Vec<Proc>) =
-                std::mem::take(&mut *procs).into_iter().partition(|p| p.name == "kube-apiserver");
+            let (apiserver, rest): (Vec<Proc>, Vec<Proc>) = std::mem::take(&mut *procs)
+                .into_iter()
+                .partition(|p| p.name == "kube-apiserver");
             *procs = rest;
             apiserver
         };
@@ -369,7 +387,11 @@ impl ControlPlane {
     /// Starts kube-apiserver again with the same flags and port, and returns once `/readyz`
     /// answers. The process is spawned from the background thread, like the first one.
     pub async fn start_apiserver(&self) -> Result<(), Error> {
-        let (bin, args, mode) = (self.binaries.kube_apiserver.clone(), self.apiserver_args.clone(), self.mode);
+        let (bin, args, mode) = (
+            self.binaries.kube_apiserver.clone(),
+            self.apiserver_args.clone(),
+            self.mode,
+        );
         let log = self.dir.join("logs").join("kube-apiserver.log");
         let proc_ = self
             .background
@@ -377,9 +399,15 @@ impl ControlPlane {
             .spawn(async move { process::spawn("kube-apiserver", &bin, &args, &log, mode) })
             .await
             .map_err(|_| Error::StartPanicked)??;
-        self.procs.lock().unwrap_or_else(|p| p.into_inner()).push(proc_.clone());
+        self.procs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(proc_.clone());
         let admin = client_from(self.admin_kubeconfig.clone(), "admin")?;
-        wait_healthy(&proc_, Instant::now() + Duration::from_secs(60), || get_text(&admin, "/readyz")).await
+        wait_healthy(&proc_, Instant::now() + Duration::from_secs(60), || {
+            get_text(&admin, "/readyz")
+        })
+        .await
     }
 
     /// Leaves the processes running (for `up`): this handle forgets them, and its drop will
@@ -793,45 +821,49 @@ impl Boot {
         let audit_policy = logs.join("audit-policy.yaml");
         write_private(&audit_policy, AUDIT_POLICY)?;
         let apiserver_args: Vec<String> = vec![
-                format!("--etcd-servers={etcd_url}"),
-                "--bind-address=127.0.0.1".into(),
-                "--advertise-address=127.0.0.1".into(),
-                format!("--secure-port={}", ports.apiserver),
-                format!("--tls-cert-file={}", s(&pki.apiserver.cert)),
-                format!("--tls-private-key-file={}", s(&pki.apiserver.key)),
-                format!("--client-ca-file={}", s(&pki.ca_cert)),
-                format!("--requestheader-client-ca-file={}", s(&pki.front_proxy_ca)),
-                format!("--requestheader-allowed-names={}", pki::FRONT_PROXY_CLIENT),
-                "--requestheader-username-headers=X-Remote-User".into(),
-                "--requestheader-group-headers=X-Remote-Group".into(),
-                "--requestheader-extra-headers-prefix=X-Remote-Extra-".into(),
-                format!(
-                    "--proxy-client-cert-file={}",
-                    s(&pki.front_proxy_client.cert)
-                ),
-                format!("--proxy-client-key-file={}", s(&pki.front_proxy_client.key)),
-                "--authorization-mode=Node,RBAC".into(),
-                "--enable-admission-plugins=NodeRestriction".into(),
-                "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
-                format!("--service-account-key-file={}", s(&pki.service_account_pub)),
-                format!(
-                    "--service-account-signing-key-file={}",
-                    s(&pki.service_account_key)
-                ),
-                format!("--service-cluster-ip-range={}", pki::SERVICE_CIDR),
-                "--allow-privileged=true".into(),
-                // No kube-proxy and a loopback advertise address: the `kubernetes` Service's
-                // endpoints would be invalid (loopback), so do not reconcile them.
-                "--endpoint-reconciler-type=none".into(),
-                format!("--cert-dir={}", s(&self.dir.join("pki"))),
-                "--profiling=false".into(),
-                // Requests by identities under test (ServiceAccounts outside kube-system),
-                // for the fault suite and the benchmarks: see [`ControlPlane::audit_log`].
-                format!("--audit-policy-file={}", s(&audit_policy)),
-                format!("--audit-log-path={}", s(&logs.join(AUDIT_LOG))),
-                "--audit-log-format=json".into(),
-            ];
-        let apiserver = self.spawn("kube-apiserver", &self.binaries.kube_apiserver, apiserver_args.clone())?;
+            format!("--etcd-servers={etcd_url}"),
+            "--bind-address=127.0.0.1".into(),
+            "--advertise-address=127.0.0.1".into(),
+            format!("--secure-port={}", ports.apiserver),
+            format!("--tls-cert-file={}", s(&pki.apiserver.cert)),
+            format!("--tls-private-key-file={}", s(&pki.apiserver.key)),
+            format!("--client-ca-file={}", s(&pki.ca_cert)),
+            format!("--requestheader-client-ca-file={}", s(&pki.front_proxy_ca)),
+            format!("--requestheader-allowed-names={}", pki::FRONT_PROXY_CLIENT),
+            "--requestheader-username-headers=X-Remote-User".into(),
+            "--requestheader-group-headers=X-Remote-Group".into(),
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-".into(),
+            format!(
+                "--proxy-client-cert-file={}",
+                s(&pki.front_proxy_client.cert)
+            ),
+            format!("--proxy-client-key-file={}", s(&pki.front_proxy_client.key)),
+            "--authorization-mode=Node,RBAC".into(),
+            "--enable-admission-plugins=NodeRestriction".into(),
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
+            format!("--service-account-key-file={}", s(&pki.service_account_pub)),
+            format!(
+                "--service-account-signing-key-file={}",
+                s(&pki.service_account_key)
+            ),
+            format!("--service-cluster-ip-range={}", pki::SERVICE_CIDR),
+            "--allow-privileged=true".into(),
+            // No kube-proxy and a loopback advertise address: the `kubernetes` Service's
+            // endpoints would be invalid (loopback), so do not reconcile them.
+            "--endpoint-reconciler-type=none".into(),
+            format!("--cert-dir={}", s(&self.dir.join("pki"))),
+            "--profiling=false".into(),
+            // Requests by identities under test (ServiceAccounts outside kube-system),
+            // for the fault suite and the benchmarks: see [`ControlPlane::audit_log`].
+            format!("--audit-policy-file={}", s(&audit_policy)),
+            format!("--audit-log-path={}", s(&logs.join(AUDIT_LOG))),
+            "--audit-log-format=json".into(),
+        ];
+        let apiserver = self.spawn(
+            "kube-apiserver",
+            &self.binaries.kube_apiserver,
+            apiserver_args.clone(),
+        )?;
         started.0.push(apiserver.clone());
         let admin = client_from(admin_kubeconfig.clone(), "admin")?;
         wait_healthy(&apiserver, deadline, || get_text(&admin, "/readyz")).await?;

@@ -31,7 +31,9 @@ use meshgate_core::{CONDITION_TYPE, TAINT_KEY};
 use serde_json::json;
 
 use crate::netns_sim::{PodNetns, Rules, private_subnet, require_privileges};
-use crate::node_sim::{Agent, CniDirs, free_port, gate_condition as condition, golden, tainted, workspace_bin};
+use crate::node_sim::{
+    Agent, CniDirs, free_port, gate_condition as condition, golden, tainted, workspace_bin,
+};
 use crate::webhook_sim::{Scope, TestCa, register};
 use crate::{ControlPlane, NodeSpec, Options};
 
@@ -44,7 +46,11 @@ struct Timeline(Instant);
 
 impl Timeline {
     fn say(&self, what: impl AsRef<str>) {
-        println!("[{:>7.3}s] {}", self.0.elapsed().as_secs_f64(), what.as_ref());
+        println!(
+            "[{:>7.3}s] {}",
+            self.0.elapsed().as_secs_f64(),
+            what.as_ref()
+        );
     }
     fn detail(&self, what: impl AsRef<str>) {
         for line in what.as_ref().lines() {
@@ -72,7 +78,11 @@ pub async fn run() -> anyhow::Result<String> {
     t.say("starting etcd, kube-apiserver, kube-controller-manager and kube-scheduler on loopback");
     let cp = ControlPlane::start(Options::default()).await?;
     let client = cp.client()?;
-    t.say(format!("control plane healthy in {:.1}s (Kubernetes {})", cp.started_in().as_secs_f64(), cp.version()));
+    t.say(format!(
+        "control plane healthy in {:.1}s (Kubernetes {})",
+        cp.started_in().as_secs_f64(),
+        cp.version()
+    ));
 
     // --- 1. before meshgate: S3 -------------------------------------------------------------
     let dirs = CniDirs::new()?;
@@ -96,8 +106,17 @@ pub async fn run() -> anyhow::Result<String> {
             if let Some(ip) = ips.get(&uid) {
                 return Some(*ip);
             }
-            let ip = Ipv4Addr::new(subnet[0], subnet[1], subnet[2], next_host.fetch_add(1, Ordering::Relaxed));
-            let rules = if chained.load(Ordering::Acquire) { Rules::Linkerd("iptables-legacy") } else { Rules::None };
+            let ip = Ipv4Addr::new(
+                subnet[0],
+                subnet[1],
+                subnet[2],
+                next_host.fetch_add(1, Ordering::Relaxed),
+            );
+            let rules = if chained.load(Ordering::Acquire) {
+                Rules::Linkerd("iptables-legacy")
+            } else {
+                Rules::None
+            };
             let ns = PodNetns::new(ip, rules).ok()?;
             netns.lock().ok()?.push(ns);
             ips.insert(uid, IpAddr::V4(ip));
@@ -106,7 +125,12 @@ pub async fn run() -> anyhow::Result<String> {
     };
     create_namespace(&client).await?;
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), NAMESPACE);
-    deployments.create(&PostParams::default(), &serde_json::from_value(web_deployment())?).await?;
+    deployments
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(web_deployment())?,
+        )
+        .await?;
     let first = wait_running_web(&client, None).await?;
     t.say(format!(
         "meshed pod {}/{} is Running on {NODE} with IP {} — its network namespace has NO redirect rules: it talks plaintext",
@@ -123,13 +147,20 @@ pub async fn run() -> anyhow::Result<String> {
     ca.issue(&cert, &key)?;
     let (listen, admin) = (free_port()?, free_port()?);
     let _webhook = start_webhook(&cp, listen, admin, &cert, &key)?;
-    wait_http_ok(SocketAddr::from(([127, 0, 0, 1], admin)), "/ready").await.context("the webhook never became ready")?;
+    wait_http_ok(SocketAddr::from(([127, 0, 0, 1], admin)), "/ready")
+        .await
+        .context("the webhook never became ready")?;
     register(&client, "demo", listen, ca.pem(), &Scope::default()).await?;
 
     let agent = Agent::start(&cp, NODE, &dirs, &[])?;
-    let gated = wait_node(&client, NODE, |n| tainted(n) && condition(n).is_some_and(|c| c.0 == "False")).await?;
+    let gated = wait_node(&client, NODE, |n| {
+        tainted(n) && condition(n).is_some_and(|c| c.0 == "False")
+    })
+    .await?;
     let reason = condition(&gated).map(|c| c.1).unwrap_or_default();
-    t.say(format!("agent: {NODE} gated — taint {TAINT_KEY}:NoSchedule, {CONDITION_TYPE}=False ({reason})"));
+    t.say(format!(
+        "agent: {NODE} gated — taint {TAINT_KEY}:NoSchedule, {CONDITION_TYPE}=False ({reason})"
+    ));
     t.detail(describe_excerpt(&cp).await?);
 
     let second = NodeSpec::new("demo-node-2");
@@ -160,7 +191,10 @@ pub async fn run() -> anyhow::Result<String> {
     dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist")?)?;
     wait_node(&client, NODE, |n| !tainted(n)).await?;
     let untaint = written.elapsed();
-    t.say(format!("agent: {NODE} untainted {} ms after the write — {CONDITION_TYPE}=True (Verified)", untaint.as_millis()));
+    t.say(format!(
+        "agent: {NODE} untainted {} ms after the write — {CONDITION_TYPE}=True (Verified)",
+        untaint.as_millis()
+    ));
     t.detail(describe_excerpt(&cp).await?);
 
     let replacement = wait_running_web(&client, Some(&first.name_any())).await?;
@@ -173,7 +207,11 @@ pub async fn run() -> anyhow::Result<String> {
         replacement.name_any(),
         pod_ip(&replacement).unwrap_or_default()
     ));
-    wait_metric(&agent, "meshgate_pod_inspections_total{profile=\"linkerd\",verdict=\"redirected\"}").await?;
+    wait_metric(
+        &agent,
+        "meshgate_pod_inspections_total{profile=\"linkerd\",verdict=\"redirected\"}",
+    )
+    .await?;
 
     // --- 4. drift: S4 ----------------------------------------------------------------------------
     t.say("Calico restarts and rewrites its conflist without linkerd-cni (scenario S4)");
@@ -194,7 +232,12 @@ pub async fn run() -> anyhow::Result<String> {
             .collect::<Vec<_>>()
             .join("\n"),
     );
-    let evicted = metrics.lines().find_map(|l| l.strip_prefix("meshgate_pods_evicted_total{profile=\"linkerd\"} ")).unwrap_or("0").trim().to_string();
+    let evicted = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("meshgate_pods_evicted_total{profile=\"linkerd\"} "))
+        .unwrap_or("0")
+        .trim()
+        .to_string();
     Ok(format!(
         "demo OK: node gated until verified, untainted in {} ms, re-tainted on drift in {} ms, {evicted} un-redirected pod evicted, 1 meshed pod refused",
         untaint.as_millis(),
@@ -222,11 +265,21 @@ fn web_deployment() -> serde_json::Value {
 
 async fn create_namespace(client: &Client) -> anyhow::Result<()> {
     let nss: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
-    nss.create(&PostParams::default(), &serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))?).await?;
+    nss.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))?,
+    )
+    .await?;
     Ok(())
 }
 
-fn start_webhook(cp: &ControlPlane, listen: u16, admin: u16, cert: &std::path::Path, key: &std::path::Path) -> anyhow::Result<WebhookProcess> {
+fn start_webhook(
+    cp: &ControlPlane,
+    listen: u16,
+    admin: u16,
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> anyhow::Result<WebhookProcess> {
     let log = cp.dir().join("logs").join("meshgate-webhook.log");
     let out = std::fs::File::create(&log)?;
     let child = Command::new(workspace_bin("meshgate-webhook")?)
@@ -252,7 +305,9 @@ async fn wait_http_ok(addr: SocketAddr, path: &str) -> anyhow::Result<()> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     for _ in 0..150 {
         if let Ok(mut s) = tokio::net::TcpStream::connect(addr).await {
-            let _ = s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes()).await;
+            let _ = s
+                .write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+                .await;
             let mut buf = String::new();
             let _ = s.read_to_string(&mut buf).await;
             if buf.starts_with("HTTP/1.0 200") || buf.starts_with("HTTP/1.1 200") {
@@ -268,7 +323,11 @@ fn pod_ip(p: &Pod) -> Option<String> {
     p.status.as_ref()?.pod_ip.clone()
 }
 
-async fn wait_node(client: &Client, name: &str, pred: impl Fn(&Node) -> bool) -> anyhow::Result<Node> {
+async fn wait_node(
+    client: &Client,
+    name: &str,
+    pred: impl Fn(&Node) -> bool,
+) -> anyhow::Result<Node> {
     let nodes: Api<Node> = Api::all(client.clone());
     for _ in 0..600 {
         let n = nodes.get(name).await?;
@@ -313,7 +372,11 @@ async fn describe_excerpt(cp: &ControlPlane) -> anyhow::Result<String> {
     let text = cp.kubectl(&["describe", "node", NODE]).await?;
     Ok(text
         .lines()
-        .filter(|l| l.starts_with("Taints:") || l.contains(CONDITION_TYPE) || l.contains("meshgate.io/cni-verified"))
+        .filter(|l| {
+            l.starts_with("Taints:")
+                || l.contains(CONDITION_TYPE)
+                || l.contains("meshgate.io/cni-verified")
+        })
         .map(|l| format!("kubectl describe node │ {}", l.trim_end()))
         .collect::<Vec<_>>()
         .join("\n"))

@@ -62,7 +62,11 @@ struct DownArgs {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // The demo tells its own story on stdout; only warnings go to stderr meanwhile.
-    let default_filter = if matches!(cli.command, Command::Demo) { "warn,kube_client=off" } else { "meshgate_e2e=info" };
+    let default_filter = if matches!(cli.command, Command::Demo) {
+        "warn,kube_client=off"
+    } else {
+        "meshgate_e2e=info"
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

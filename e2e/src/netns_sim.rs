@@ -23,7 +23,10 @@ pub enum Rules {
 /// Runs a command; its stdout, or an error with its stderr.
 pub fn sh(args: &[&str]) -> anyhow::Result<String> {
     let (cmd, rest) = args.split_first().context("empty command")?;
-    let out = Command::new(cmd).args(rest).output().with_context(|| format!("cannot run {cmd}"))?;
+    let out = Command::new(cmd)
+        .args(rest)
+        .output()
+        .with_context(|| format!("cannot run {cmd}"))?;
     ensure!(
         out.status.success(),
         "`{}` failed ({}): {}",
@@ -36,10 +39,14 @@ pub fn sh(args: &[&str]) -> anyhow::Result<String> {
 
 /// Fails (never skips) when this machine cannot create namespaces and rules.
 pub fn require_privileges() -> anyhow::Result<()> {
-    ensure!(nix::unistd::geteuid().is_root(), "pod network namespaces need root");
+    ensure!(
+        nix::unistd::geteuid().is_root(),
+        "pod network namespaces need root"
+    );
     for tool in ["ip", "iptables-nft", "iptables-legacy"] {
         ensure!(
-            std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file())),
+            std::env::var_os("PATH")
+                .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file())),
             "{tool} is missing: install iproute2 and iptables (e2e/install-deps.sh)"
         );
     }
@@ -52,7 +59,11 @@ pub fn require_privileges() -> anyhow::Result<()> {
 pub fn private_subnet() -> [u8; 3] {
     static NEXT: AtomicU32 = AtomicU32::new(1);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    [10, 100 + (std::process::id() % 100) as u8, (n % 250) as u8 + 1]
+    [
+        10,
+        100 + (std::process::id() % 100) as u8,
+        (n % 250) as u8 + 1,
+    ]
 }
 
 /// linkerd proxy-init's NAT rules: inbound to 4143 from PREROUTING, outbound to 4140 from
@@ -85,7 +96,11 @@ impl PodNetns {
     /// Creates the namespace with `ip` and `rules`.
     pub fn new(ip: Ipv4Addr, rules: Rules) -> anyhow::Result<Self> {
         static N: AtomicU32 = AtomicU32::new(0);
-        let name = format!("mgp-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
+        let name = format!(
+            "mgp-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        );
         sh(&["ip", "netns", "add", &name])?;
         let ns = Self { name, ip };
         ns.exec(&format!("ip link set lo up\nip addr add {ip}/32 dev lo"))?;
@@ -103,6 +118,8 @@ impl PodNetns {
 
 impl Drop for PodNetns {
     fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .output();
     }
 }

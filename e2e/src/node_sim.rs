@@ -321,11 +321,25 @@ pub fn tainted(n: &k8s_openapi::api::core::v1::Node) -> bool {
 
 /// The Node's `MeshCNIVerified` condition as (status, reason, message).
 pub fn gate_condition(n: &k8s_openapi::api::core::v1::Node) -> Option<(String, String, String)> {
-    let c = n.status.as_ref()?.conditions.as_ref()?.iter().find(|c| c.type_ == meshgate_core::CONDITION_TYPE)?;
-    Some((c.status.clone(), c.reason.clone().unwrap_or_default(), c.message.clone().unwrap_or_default()))
+    let c = n
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == meshgate_core::CONDITION_TYPE)?;
+    Some((
+        c.status.clone(),
+        c.reason.clone().unwrap_or_default(),
+        c.message.clone().unwrap_or_default(),
+    ))
 }
 
 /// The Node's `meshgate.io/cni-verified` label.
 pub fn verified_label(n: &k8s_openapi::api::core::v1::Node) -> Option<&str> {
-    n.metadata.labels.as_ref()?.get(meshgate_core::VERIFIED_LABEL).map(String::as_str)
+    n.metadata
+        .labels
+        .as_ref()?
+        .get(meshgate_core::VERIFIED_LABEL)
+        .map(String::as_str)
 }

@@ -429,7 +429,8 @@ impl WebhookProcess {
             .args(extra)
             .env(
                 "RUST_LOG",
-                std::env::var("MESHGATE_WEBHOOK_LOG").unwrap_or_else(|_| "warn,meshgate_webhook=info".into()),
+                std::env::var("MESHGATE_WEBHOOK_LOG")
+                    .unwrap_or_else(|_| "warn,meshgate_webhook=info".into()),
             )
             .stdin(std::process::Stdio::null())
             .stdout(out.try_clone()?)
@@ -450,30 +451,55 @@ impl WebhookProcess {
     pub async fn wait_ready(&mut self, timeout: Duration) -> anyhow::Result<Duration> {
         let begun = Instant::now();
         while begun.elapsed() < timeout {
-            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
-                anyhow::bail!("meshgate-webhook exited ({status}) before it was ready:\n{}", self.log());
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                anyhow::bail!(
+                    "meshgate-webhook exited ({status}) before it was ready:\n{}",
+                    self.log()
+                );
             }
-            if self.admin_get("/ready").await.is_some_and(|(code, _)| code == 200) {
+            if self
+                .admin_get("/ready")
+                .await
+                .is_some_and(|(code, _)| code == 200)
+            {
                 return Ok(begun.elapsed());
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        anyhow::bail!("meshgate-webhook not ready within {timeout:?}:\n{}", self.log())
+        anyhow::bail!(
+            "meshgate-webhook not ready within {timeout:?}:\n{}",
+            self.log()
+        )
     }
 
     /// GETs an admin path: (status, body).
     pub async fn admin_get(&self, path: &str) -> Option<(u16, String)> {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut s = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(self.admin))
+        let mut s = tokio::time::timeout(
+            Duration::from_secs(2),
+            tokio::net::TcpStream::connect(self.admin),
+        )
+        .await
+        .ok()?
+        .ok()?;
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: webhook\r\n\r\n").as_bytes())
+            .await
+            .ok()?;
+        let mut buf = Vec::new();
+        tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut buf))
             .await
             .ok()?
             .ok()?;
-        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: webhook\r\n\r\n").as_bytes()).await.ok()?;
-        let mut buf = Vec::new();
-        tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut buf)).await.ok()?.ok()?;
         let text = String::from_utf8_lossy(&buf).into_owned();
         let code = text.split_whitespace().nth(1)?.parse().ok()?;
-        let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+        let body = text
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
         Some((code, body))
     }
 
@@ -486,7 +512,14 @@ impl WebhookProcess {
     pub fn rss_kib(&self) -> Option<(u64, u64)> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()?)).ok()?;
         let field = |name: &str| {
-            status.lines().find_map(|l| l.strip_prefix(name)?.trim().strip_suffix("kB")?.trim().parse().ok())
+            status.lines().find_map(|l| {
+                l.strip_prefix(name)?
+                    .trim()
+                    .strip_suffix("kB")?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
         };
         Some((field("VmRSS:")?, field("VmHWM:")?))
     }
@@ -494,7 +527,11 @@ impl WebhookProcess {
     /// Sends SIGTERM; returns when it was sent.
     pub fn sigterm(&self) -> Option<Instant> {
         let pid = self.pid()?;
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM).ok()?;
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .ok()?;
         Some(Instant::now())
     }
 

@@ -9,7 +9,9 @@ use std::path::Path;
 
 use anyhow::Context;
 use k8s_openapi::ByteString;
-use k8s_openapi::api::admissionregistration::v1::{MutatingWebhookConfiguration, ValidatingWebhookConfiguration};
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
 use kube::Client;
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::{Value, json};
@@ -31,11 +33,20 @@ impl TestCa {
     pub fn new() -> anyhow::Result<Self> {
         let mut params = rcgen::CertificateParams::new(Vec::<String>::new())?;
         params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        params.distinguished_name.push(rcgen::DnType::CommonName, "meshgate e2e webhook CA");
-        params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::DigitalSignature];
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "meshgate e2e webhook CA");
+        params.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
         let key = rcgen::KeyPair::generate()?;
         let cert = params.self_signed(&key)?;
-        Ok(Self { pem: cert.pem(), der: cert.der().to_vec(), issuer: rcgen::Issuer::new(params, key) })
+        Ok(Self {
+            pem: cert.pem(),
+            der: cert.der().to_vec(),
+            issuer: rcgen::Issuer::new(params, key),
+        })
     }
 
     /// The CA certificate (PEM): the webhook configurations' `caBundle`.
@@ -53,10 +64,13 @@ impl TestCa {
     pub fn issue(&self, cert: &Path, key: &Path) -> anyhow::Result<Vec<u8>> {
         let kp = rcgen::KeyPair::generate()?;
         let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()])?;
-        params.distinguished_name.push(rcgen::DnType::CommonName, "meshgate-webhook");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "meshgate-webhook");
         params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
         let c = params.signed_by(&kp, &self.issuer)?;
-        std::fs::write(key, kp.serialize_pem()).with_context(|| format!("writing {}", key.display()))?;
+        std::fs::write(key, kp.serialize_pem())
+            .with_context(|| format!("writing {}", key.display()))?;
         std::fs::write(cert, c.pem()).with_context(|| format!("writing {}", cert.display()))?;
         Ok(c.der().to_vec())
     }
@@ -86,7 +100,13 @@ pub fn namespace_selector(scope: &Scope) -> Value {
 /// Registers `meshgate-<name>` Validating (pods and pods/binding CREATE, failurePolicy Fail)
 /// and Mutating (nodes CREATE, failurePolicy Ignore) webhook configurations for a webhook
 /// listening on `https://127.0.0.1:<port>`.
-pub async fn register(client: &Client, name: &str, port: u16, ca_pem: &str, scope: &Scope) -> anyhow::Result<()> {
+pub async fn register(
+    client: &Client,
+    name: &str,
+    port: u16,
+    ca_pem: &str,
+    scope: &Scope,
+) -> anyhow::Result<()> {
     let ca_bundle = serde_json::to_value(ByteString(ca_pem.as_bytes().to_vec()))?;
     let common = |hook: &str, path: &str| {
         json!({
@@ -128,9 +148,13 @@ pub async fn register(client: &Client, name: &str, port: u16, ca_pem: &str, scop
 
     let pp = PostParams::default();
     let v: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
-    tokio::time::timeout(API_TIMEOUT, v.create(&pp, &validating)).await.context("registering the validating webhook")??;
+    tokio::time::timeout(API_TIMEOUT, v.create(&pp, &validating))
+        .await
+        .context("registering the validating webhook")??;
     let m: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
-    tokio::time::timeout(API_TIMEOUT, m.create(&pp, &mutating)).await.context("registering the mutating webhook")??;
+    tokio::time::timeout(API_TIMEOUT, m.create(&pp, &mutating))
+        .await
+        .context("registering the mutating webhook")??;
     Ok(())
 }
 

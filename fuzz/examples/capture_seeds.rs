@@ -171,11 +171,22 @@ fn nft_dumps() -> io::Result<Vec<(&'static str, Vec<u8>)>> {
     Ok(out)
 }
 
-fn getsockopt(fd: &OwnedFd, level: libc::c_int, opt: libc::c_int, buf: &mut [u8]) -> io::Result<()> {
+fn getsockopt(
+    fd: &OwnedFd,
+    level: libc::c_int,
+    opt: libc::c_int,
+    buf: &mut [u8],
+) -> io::Result<()> {
     let mut len = buf.len() as libc::socklen_t;
     // SAFETY: buf is valid for len bytes.
     let rc = unsafe {
-        libc::getsockopt(fd.as_raw_fd(), level, opt, buf.as_mut_ptr().cast(), &mut len)
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            level,
+            opt,
+            buf.as_mut_ptr().cast(),
+            &mut len,
+        )
     };
     if rc < 0 {
         Err(io::Error::last_os_error())
@@ -230,7 +241,12 @@ fn main() -> io::Result<()> {
             "linkerd-iptables-nft",
             format!("{}\n{}", nft("iptables-nft"), nft("ip6tables-nft")),
         ),
-        ("istio-nft", format!("cat > /tmp/mgfuzz-istio.nft <<'EOF'\n{ISTIO_NFT}\nEOF\nnft -f /tmp/mgfuzz-istio.nft")),
+        (
+            "istio-nft",
+            format!(
+                "cat > /tmp/mgfuzz-istio.nft <<'EOF'\n{ISTIO_NFT}\nEOF\nnft -f /tmp/mgfuzz-istio.nft"
+            ),
+        ),
     ];
     for (tag, script) in scenarios {
         let ns = Netns::new(tag, &script)?;
@@ -245,11 +261,22 @@ fn main() -> io::Result<()> {
     let legacy = format!("{}\n{}", nft("iptables-legacy"), nft("ip6tables-legacy"));
     let ns = Netns::new("linkerd-legacy", &legacy)?;
     for (what, bytes) in in_netns(&ns.0, legacy_tables)? {
-        write(&corpus.join("getsockopt"), &format!("linkerd-legacy-{what}-nat.bin"), &bytes)?;
+        write(
+            &corpus.join("getsockopt"),
+            &format!("linkerd-legacy-{what}-nat.bin"),
+            &bytes,
+        )?;
     }
-    let empty = Netns::new("legacy-empty", "iptables-legacy -t nat -L >/dev/null\nip6tables-legacy -t nat -L >/dev/null")?;
+    let empty = Netns::new(
+        "legacy-empty",
+        "iptables-legacy -t nat -L >/dev/null\nip6tables-legacy -t nat -L >/dev/null",
+    )?;
     for (what, bytes) in in_netns(&empty.0, legacy_tables)? {
-        write(&corpus.join("getsockopt"), &format!("empty-legacy-{what}-nat.bin"), &bytes)?;
+        write(
+            &corpus.join("getsockopt"),
+            &format!("empty-legacy-{what}-nat.bin"),
+            &bytes,
+        )?;
     }
     Ok(())
 }

@@ -113,13 +113,14 @@ impl Mutator {
     /// A child of `parent`: one to five stacked mutations (a JSON mutation counts as one).
     pub fn mutate(&self, rng: &mut Rng, parent: &[u8], corpus: &[Vec<u8>]) -> Vec<u8> {
         let mut data = parent.to_vec();
-        if self.json && rng.one_in(3) {
-            if let Some(child) = self.mutate_json(rng, &data) {
-                data = child;
-                if rng.one_in(2) {
-                    self.cap(&mut data);
-                    return data;
-                }
+        if self.json
+            && rng.one_in(3)
+            && let Some(child) = self.mutate_json(rng, &data)
+        {
+            data = child;
+            if rng.one_in(2) {
+                self.cap(&mut data);
+                return data;
             }
         }
         let rounds = 1 + rng.below(5);
@@ -449,7 +450,10 @@ mod tests {
             assert!(child.len() <= 300);
             changed += usize::from(child != seed);
         }
-        assert!(changed > 900, "{changed} of 1000 children differ from the seed");
+        assert!(
+            changed > 900,
+            "{changed} of 1000 children differ from the seed"
+        );
     }
 
     #[test]

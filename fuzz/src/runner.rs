@@ -68,9 +68,9 @@ pub fn seed_for(target: &str) -> u64 {
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
         .unwrap_or(0x6d65_7368_6761_7465);
-    target
-        .bytes()
-        .fold(base, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+    target.bytes().fold(base, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
 }
 
 /// What one target's run did.
@@ -422,7 +422,14 @@ mod tests {
             slow: Duration::from_secs(5),
             hang: Duration::from_secs(60),
         };
-        let got = run(&target, vec![b"hello".to_vec()], vec![], 1, &budget, &artifacts);
+        let got = run(
+            &target,
+            vec![b"hello".to_vec()],
+            vec![],
+            1,
+            &budget,
+            &artifacts,
+        );
         match got {
             Err(Failure::Panic {
                 artifact, message, ..

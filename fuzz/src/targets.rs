@@ -111,7 +111,9 @@ pub fn conflist() -> Target {
 /// What the fake prober answers for a plugin type: decided by the type's bytes, so the same
 /// input always meets the same binaries.
 fn fake_probe(plugin: &str, version: &str) -> ProbeOutcome {
-    let h = plugin.bytes().fold(7u32, |h, b| h.wrapping_mul(31) ^ u32::from(b));
+    let h = plugin
+        .bytes()
+        .fold(7u32, |h, b| h.wrapping_mul(31) ^ u32::from(b));
     let path = format!("/opt/cni/bin/{plugin}");
     match h % 8 {
         0 => ProbeOutcome::Missing {
@@ -127,13 +129,20 @@ fn fake_probe(plugin: &str, version: &str) -> ProbeOutcome {
         },
         _ => ProbeOutcome::Answered {
             path,
-            supported: vec!["0.3.0".into(), "0.3.1".into(), "0.4.0".into(), "1.0.0".into(), version.into()],
+            supported: vec![
+                "0.3.0".into(),
+                "0.3.1".into(),
+                "0.4.0".into(),
+                "1.0.0".into(),
+                version.into(),
+            ],
         },
     }
 }
 
 const DROP_IN_BASE: &str = r#"{"cniVersion":"1.1.0","name":"mg","plugins":[{"type":"calico","ipam":{"type":"calico-ipam"}}]}"#;
-const GOOD: &str = r#"{"cniVersion":"0.3.1","name":"k8s","plugins":[{"type":"calico"},{"type":"linkerd-cni"}]}"#;
+const GOOD: &str =
+    r#"{"cniVersion":"0.3.1","name":"k8s","plugins":[{"type":"calico"},{"type":"linkerd-cni"}]}"#;
 
 fn conflist_exec(input: &[u8]) -> u64 {
     let mut sig = Sig::default();
@@ -202,7 +211,11 @@ fn check_all(ruleset: &Ruleset, sig: &mut Sig) {
     static PROFILES: OnceLock<ProfileSet> = OnceLock::new();
     let profiles = PROFILES.get_or_init(ProfileSet::all_builtin);
     for p in profiles.iter() {
-        for fams in [&[IpFamily::V4][..], &[IpFamily::V6], &[IpFamily::V4, IpFamily::V6]] {
+        for fams in [
+            &[IpFamily::V4][..],
+            &[IpFamily::V6],
+            &[IpFamily::V4, IpFamily::V6],
+        ] {
             let i = rules::check(ruleset, p, fams);
             sig.add(match i.verdict {
                 Verdict::Redirected => 1,
@@ -330,7 +343,11 @@ fn getsockopt_exec(input: &[u8]) -> u64 {
     let (Some(&fam), Some(&table)) = (input.first(), input.get(1)) else {
         return sig.add(1).0;
     };
-    let family = if fam % 2 == 0 { Family::Ip } else { Family::Ip6 };
+    let family = if fam % 2 == 0 {
+        Family::Ip
+    } else {
+        Family::Ip6
+    };
     let name = ["nat", "filter", "mangle", "raw"][usize::from(table % 4)];
     let rest = &input[2..];
     // Short answers are decoded too: the kernel's answer length is not trusted.
@@ -379,9 +396,8 @@ impl Cluster for FakeCluster {
 fn reviewer() -> &'static Reviewer<FakeCluster> {
     static R: OnceLock<Reviewer<FakeCluster>> = OnceLock::new();
     R.get_or_init(|| {
-        let label = |v: &str| {
-            BTreeMap::from([(meshgate_core::VERIFIED_LABEL.to_string(), v.to_string())])
-        };
+        let label =
+            |v: &str| BTreeMap::from([(meshgate_core::VERIFIED_LABEL.to_string(), v.to_string())]);
         let mut pods = BTreeMap::new();
         pods.insert(
             ("default".to_string(), "meshed".to_string()),
@@ -461,9 +477,7 @@ fn admission_exec(input: &[u8]) -> u64 {
             Outcome::Malformed(_) => 1,
             Outcome::Answer(review) => match review.response.as_ref() {
                 None => 2,
-                Some(resp) => {
-                    3 + u64::from(resp.allowed) * 2 + u64::from(resp.patch.is_some()) * 4
-                }
+                Some(resp) => 3 + u64::from(resp.allowed) * 2 + u64::from(resp.patch.is_some()) * 4,
             },
         }
     };
@@ -487,7 +501,10 @@ fn admission_exec(input: &[u8]) -> u64 {
                 "trailing",
                 "invalid",
             ];
-            let k = kinds.iter().position(|k| e.contains(k)).unwrap_or(kinds.len());
+            let k = kinds
+                .iter()
+                .position(|k| e.contains(k))
+                .unwrap_or(kinds.len());
             sig.add(100 + k as u64);
         }
     }

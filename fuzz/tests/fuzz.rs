@@ -60,7 +60,11 @@ fn seeds_reach_past_the_first_parse() {
                 || meshgate_core::cni::NetConfList::from_conf_bytes(b).is_ok()
         })
         .count();
-    assert!(parsed * 2 >= conf.len(), "{parsed} of {} conflist seeds parse", conf.len());
+    assert!(
+        parsed * 2 >= conf.len(),
+        "{parsed} of {} conflist seeds parse",
+        conf.len()
+    );
 
     let nl = load_dir(&dir.join("netlink")).expect("netlink corpus");
     let with_rules = nl
@@ -72,7 +76,10 @@ fn seeds_reach_past_the_first_parse() {
             })
         })
         .count();
-    assert!(with_rules >= 2, "{with_rules} netlink seeds carry decodable rules");
+    assert!(
+        with_rules >= 2,
+        "{with_rules} netlink seeds carry decodable rules"
+    );
 
     let gs = load_dir(&dir.join("getsockopt")).expect("getsockopt corpus");
     let tables = gs
@@ -97,7 +104,11 @@ fn seeds_reach_past_the_first_parse() {
         .iter()
         .filter(|(_, b)| meshgate_webhook::review::decode(b).is_ok())
         .count();
-    assert!(decoded * 2 >= adm.len(), "{decoded} of {} reviews decode", adm.len());
+    assert!(
+        decoded * 2 >= adm.len(),
+        "{decoded} of {} reviews decode",
+        adm.len()
+    );
 }
 
 /// The captured netfilter seeds are what their names say: the real kernel's bytes for the

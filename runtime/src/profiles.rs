@@ -13,8 +13,11 @@ use meshgate_core::profile::ProfileSet;
 pub fn load(names: &[String], file: Option<&Path>) -> anyhow::Result<ProfileSet> {
     let mut set = ProfileSet::all_builtin();
     if let Some(path) = file {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading profile file {}", path.display()))?;
-        set = set.with_custom_json(&text).with_context(|| format!("in profile file {}", path.display()))?;
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading profile file {}", path.display()))?;
+        set = set
+            .with_custom_json(&text)
+            .with_context(|| format!("in profile file {}", path.display()))?;
     }
     set.select(names).context("--profile")
 }
@@ -33,9 +36,15 @@ mod tests {
         )
         .unwrap();
         let set = load(&["kuma".into(), "linkerd".into()], Some(&path)).unwrap();
-        assert_eq!(set.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), ["kuma", "linkerd"]);
+        assert_eq!(
+            set.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(),
+            ["kuma", "linkerd"]
+        );
         assert_eq!(load(&[], None).unwrap().iter().count(), 3);
-        let err = format!("{:#}", load(&[], Some(&dir.path().join("missing.json"))).unwrap_err());
+        let err = format!(
+            "{:#}",
+            load(&[], Some(&dir.path().join("missing.json"))).unwrap_err()
+        );
         assert!(err.contains("missing.json"), "{err}");
         let err = format!("{:#}", load(&["consul".into()], None).unwrap_err());
         assert!(err.contains("consul"), "{err}");

@@ -387,8 +387,8 @@ async fn untainted_at(nodes: Api<Node>, node: &str) -> anyhow::Result<std::time:
     }
 }
 
-/// The API server is stopped for 20 s while the config changes (valid, then invalid, then
-/// valid), on a control plane of this test's own. The agent assumes nothing meanwhile, never
+/// The API server is stopped for 30 s, twice, while the config changes (valid, then invalid;
+/// then valid), on a control plane of this test's own. The agent assumes nothing meanwhile, never
 /// untaints while the config is invalid, and catches up within a second of the return.
 #[tokio::test]
 async fn apiserver_down_never_untaints_on_stale_information_and_catches_up() -> anyhow::Result<()> {
@@ -412,23 +412,41 @@ async fn apiserver_down_never_untaints_on_stale_information_and_catches_up() -> 
     // Phase 1: valid for a while, then invalid again, all while the API server is down.
     cp.stop_apiserver();
     dirs.config("10-calico.conflist", &valid)?;
-    tokio::time::sleep(Duration::from_secs(10)).await;
+    tokio::time::sleep(Duration::from_secs(15)).await;
     dirs.config("10-calico.conflist", &invalid)?;
-    tokio::time::sleep(Duration::from_secs(10)).await;
+    tokio::time::sleep(Duration::from_secs(15)).await;
     cp.start_apiserver().await?;
     let open = untainted_time(nodes.clone(), &node, Duration::from_secs(3)).await;
-    assert_eq!(open, Duration::ZERO, "untainted on stale information\n{}", agent.log());
-    assert_eq!(agent.metric("meshgate_taint_transitions_total{action=\"removed\"}").await, None, "{}", agent.log());
+    assert_eq!(
+        open,
+        Duration::ZERO,
+        "untainted on stale information\n{}",
+        agent.log()
+    );
+    assert_eq!(
+        agent
+            .metric("meshgate_taint_transitions_total{action=\"removed\"}")
+            .await,
+        None,
+        "{}",
+        agent.log()
+    );
 
     // Phase 2: the config becomes valid while the API server is down.
     cp.stop_apiserver();
     dirs.config("10-calico.conflist", &valid)?;
-    tokio::time::sleep(Duration::from_secs(20)).await;
+    tokio::time::sleep(Duration::from_secs(30)).await;
     cp.start_apiserver().await?;
     let back = Instant::now();
-    let at = untainted_at(nodes, &node).await.map_err(|e| anyhow::anyhow!("{e}\n{}", agent.log()))?;
+    let at = untainted_at(nodes, &node)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}\n{}", agent.log()))?;
     let catch_up = at - back;
-    assert!(catch_up < Duration::from_secs(1), "caught up {catch_up:?} after the API server was ready\n{}", agent.log());
+    assert!(
+        catch_up < Duration::from_secs(1),
+        "caught up {catch_up:?} after the API server was ready\n{}",
+        agent.log()
+    );
     eprintln!("agent caught up {catch_up:?} after the API server was ready again");
     drop(agent);
     cp.stop();
@@ -464,8 +482,18 @@ async fn frozen_apiserver_late_stale_untaint_is_corrected_within_a_second() -> a
     cp.freeze_apiserver(false)?;
     let nodes: Api<Node> = Api::all(client.clone());
     let open = untainted_time(nodes, &node, Duration::from_secs(4)).await;
-    assert!(open < Duration::from_secs(1), "stale untaint stood for {open:?}\n{}", agent.log());
-    wait_node(&client, &node, "gated after the thaw", gated_with("ChainedPluginMissing")).await?;
+    assert!(
+        open < Duration::from_secs(1),
+        "stale untaint stood for {open:?}\n{}",
+        agent.log()
+    );
+    wait_node(
+        &client,
+        &node,
+        "gated after the thaw",
+        gated_with("ChainedPluginMissing"),
+    )
+    .await?;
     eprintln!("a late stale untaint stood for {open:?}");
     drop(agent);
     cp.stop();
@@ -484,7 +512,12 @@ async fn sigterm_exits_cleanly_and_leaves_the_node_as_it_is() -> anyhow::Result<
     wait_node(&client, &node, "Verified", open).await?;
 
     // A stopping agent must not re-taint a verified node (nor untaint a gated one).
-    assert_eq!(agent.terminate(Duration::from_secs(10)), Some(0), "clean exit on SIGTERM\n{}", agent.log());
+    assert_eq!(
+        agent.terminate(Duration::from_secs(10)),
+        Some(0),
+        "clean exit on SIGTERM\n{}",
+        agent.log()
+    );
     dirs.config("10-calico.conflist", &golden("calico.conflist")?)?;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let n = wait_node(&client, &node, "still open after the agent stopped", open).await?;
@@ -492,9 +525,21 @@ async fn sigterm_exits_cleanly_and_leaves_the_node_as_it_is() -> anyhow::Result<
 
     // Restarted, it re-verifies and gates the node on what the disk says now.
     agent.restart()?;
-    wait_node(&client, &node, "gated after restart", gated_with("ChainedPluginMissing")).await?;
+    wait_node(
+        &client,
+        &node,
+        "gated after restart",
+        gated_with("ChainedPluginMissing"),
+    )
+    .await?;
     assert_eq!(agent.terminate(Duration::from_secs(10)), Some(0));
     tokio::time::sleep(Duration::from_millis(500)).await;
-    wait_node(&client, &node, "still gated after the agent stopped", gated_with("ChainedPluginMissing")).await?;
+    wait_node(
+        &client,
+        &node,
+        "still gated after the agent stopped",
+        gated_with("ChainedPluginMissing"),
+    )
+    .await?;
     Ok(())
 }

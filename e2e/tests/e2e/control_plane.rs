@@ -161,7 +161,10 @@ async fn taint_patch_with_stale_resource_version_conflicts_and_retry_succeeds() 
             { "op": "test", "path": "/metadata/resourceVersion", "value": rv },
             { "op": "add", "path": "/spec/taints", "value": [{ "key": TAINT_KEY, "effect": "NoSchedule" }] }
         ]);
-        match nodes.patch(&name, &pp, &Patch::<()>::Json(serde_json::from_value(a)?)).await {
+        match nodes
+            .patch(&name, &pp, &Patch::<()>::Json(serde_json::from_value(a)?))
+            .await
+        {
             Ok(_) => break rv,
             Err(e) if api_code(&e) == Some(422) && attempts < 10 => attempts += 1,
             Err(e) => return Err(e.into()),

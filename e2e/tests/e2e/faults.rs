@@ -27,15 +27,14 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, bail, ensure};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
-use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
-use meshgate_e2e::audit;
+use meshgate_e2e::audit::AuditedIdentity;
 use meshgate_e2e::netns_sim::{PodNetns, Rules, private_subnet, require_privileges};
 use meshgate_e2e::node_sim::{Agent, CniDirs, GOOD_PLUGIN, gate_condition, golden, tainted};
 use meshgate_e2e::review_load::{self, Outcome, Review, WebhookProcess};
-use meshgate_e2e::{ControlPlane, NodeSpec, TokenOptions, service_account_token, unique_name};
+use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
 use serde_json::json;
 
 use crate::{WAIT, cp};
@@ -131,7 +130,11 @@ struct NodeLog {
 impl NodeLog {
     fn start(client: &Client, node: &str) -> Self {
         let seen = Arc::new(Mutex::new(Vec::new()));
-        let (api, name, log) = (Api::<Node>::all(client.clone()), node.to_string(), seen.clone());
+        let (api, name, log) = (
+            Api::<Node>::all(client.clone()),
+            node.to_string(),
+            seen.clone(),
+        );
         let task = tokio::spawn(async move {
             let mut watch = std::pin::pin!(kube::runtime::watcher::watch_object(api, &name));
             while let Some(item) = watch.next().await {
@@ -149,7 +152,11 @@ impl NodeLog {
     }
 
     fn last(&self) -> Option<Seen> {
-        self.seen.lock().unwrap_or_else(|p| p.into_inner()).last().cloned()
+        self.seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .last()
+            .cloned()
     }
 
     fn all(&self) -> Vec<Seen> {
@@ -157,7 +164,12 @@ impl NodeLog {
     }
 
     /// Waits until the last state satisfies `ok`; returns when it did.
-    async fn wait(&self, what: &str, timeout: Duration, ok: impl Fn(&Seen) -> bool) -> anyhow::Result<Instant> {
+    async fn wait(
+        &self,
+        what: &str,
+        timeout: Duration,
+        ok: impl Fn(&Seen) -> bool,
+    ) -> anyhow::Result<Instant> {
         let end = Instant::now() + timeout;
         loop {
             if let Some(s) = self.last()
@@ -166,7 +178,10 @@ impl NodeLog {
                 return Ok(s.at);
             }
             if Instant::now() > end {
-                bail!("node not {what} within {timeout:?}; last seen {:?}", self.last());
+                bail!(
+                    "node not {what} within {timeout:?}; last seen {:?}",
+                    self.last()
+                );
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -185,61 +200,6 @@ fn verified(s: &Seen) -> bool {
 
 fn gated(reason: &'static str) -> impl Fn(&Seen) -> bool {
     move |s| s.tainted && s.reason.as_deref() == Some(reason)
-}
-
-/// A ServiceAccount bound to cluster-admin and a kubeconfig with its token, so the agent's
-/// requests are its own in the audit log (RBAC itself is tested in `rbac.rs`).
-struct Identity {
-    kubeconfig: PathBuf,
-    user: String,
-    binding: String,
-    client: Client,
-}
-
-impl Identity {
-    async fn new(cp: &ControlPlane, client: &Client, ns: &str) -> anyhow::Result<Self> {
-        let name = "meshgate-agent";
-        let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
-        sas.create(&PostParams::default(), &serde_json::from_value(json!({"metadata": {"name": name}}))?)
-            .await?;
-        let binding = unique_name("faults-agent");
-        let crbs: Api<ClusterRoleBinding> = Api::all(client.clone());
-        crbs.create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "metadata": {"name": binding},
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
-                "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]
-            }))?,
-        )
-        .await?;
-        let token = service_account_token(client, ns, name, &TokenOptions::default()).await?;
-        let kubeconfig = cp.write_token_kubeconfig(&format!("{ns}-agent"), &token)?;
-        Ok(Self {
-            kubeconfig,
-            user: audit::service_account_user(ns, name),
-            binding,
-            client: client.clone(),
-        })
-    }
-
-    /// The identity's requests received since `from`, from the apiserver's audit log.
-    fn requests(&self, cp: &ControlPlane, from: SystemTime) -> anyhow::Result<Vec<audit::Request>> {
-        let all = audit::read(&cp.audit_log())?;
-        Ok(audit::by_user(&all, &self.user, from, SystemTime::now() + Duration::from_secs(3600)))
-    }
-}
-
-impl Drop for Identity {
-    fn drop(&mut self) {
-        let (client, name) = (self.client.clone(), self.binding.clone());
-        // Best effort, without blocking the (possibly ending) test runtime.
-        if let Ok(h) = tokio::runtime::Handle::try_current() {
-            h.spawn(async move {
-                let _ = Api::<ClusterRoleBinding>::all(client).delete(&name, &DeleteParams::default()).await;
-            });
-        }
-    }
 }
 
 /// A bare meshed pause pod bound to `node`.
@@ -274,7 +234,8 @@ const SLOW_GOOD_PLUGIN: &str = "#!/bin/sh\nsleep 0.05\ncat >/dev/null\necho '{\"
 /// disk has been invalid for longer than the verify-to-patch race allows; and the apiserver's
 /// audit log must show at most one successful eviction per pod, none for pods with rules.
 #[tokio::test]
-async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified() -> anyhow::Result<()> {
+async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified()
+-> anyhow::Result<()> {
     require_privileges()?;
     let cp = cp().await;
     let client = cp.client()?;
@@ -282,7 +243,7 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
     let ns = cp.create_namespace(&client, "faults-kill").await?;
     let node = unique_name("faults-kill");
     cp.register_node(&client, &NodeSpec::new(&node)).await?;
-    let id = Identity::new(cp, &client, &ns).await?;
+    let id = AuditedIdentity::new(cp, &client, &ns, "meshgate-agent").await?;
     let dirs = CniDirs::new()?;
     for p in ["calico", "linkerd-cni"] {
         dirs.plugin(p, SLOW_GOOD_PLUGIN)?;
@@ -294,14 +255,24 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
     let ips: Arc<Mutex<HashMap<String, IpAddr>>> = Arc::default();
     let source = ips.clone();
     let _kubelet = cp.run_pods(&node, move |p: &Pod| {
-        source.lock().unwrap_or_else(|e| e.into_inner()).get(&p.name_any()).copied()
+        source
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&p.name_any())
+            .copied()
     });
     let started = SystemTime::now();
     let mut agent = Agent::start_with_kubeconfig(
         &id.kubeconfig,
         &node,
         &dirs,
-        &["--profile", "linkerd", "--evict-unowned", "--max-evictions-per-minute", "100000"],
+        &[
+            "--profile",
+            "linkerd",
+            "--evict-unowned",
+            "--max-evictions-per-minute",
+            "100000",
+        ],
     )?;
     let log = NodeLog::start(&client, &node);
     log.wait("gated at start", WAIT, gated("ChainedPluginMissing"))
@@ -321,21 +292,35 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
     let mut host = 1u8;
     for round in 0..rounds {
         let flip = round == 0 || rng.below(10) < 6;
-        let new_pods = if host < 240 && rng.below(2) == 0 { 1 + rng.below(2) } else { 0 };
+        let new_pods = if host < 240 && rng.below(2) == 0 {
+            1 + rng.below(2)
+        } else {
+            0
+        };
         if flip {
             valid_now = !valid_now;
-            dirs.config("10-calico.conflist", if valid_now { &valid } else { &invalid })?;
+            dirs.config(
+                "10-calico.conflist",
+                if valid_now { &valid } else { &invalid },
+            )?;
             timeline.push((Instant::now(), valid_now));
         }
         for _ in 0..new_pods {
             let redirected = rng.below(4) == 0;
             let ip = ip_of(subnet, host);
             host += 1;
-            let rules = if redirected { Rules::Linkerd("iptables-legacy") } else { Rules::None };
+            let rules = if redirected {
+                Rules::Linkerd("iptables-legacy")
+            } else {
+                Rules::None
+            };
             netns.push(PodNetns::new(ip, rules)?);
             let name = format!("p{round}-{host}");
-            ips.lock().unwrap_or_else(|e| e.into_inner()).insert(name.clone(), IpAddr::V4(ip));
-            api.create(&PostParams::default(), &meshed_pod(&name, &node)?).await?;
+            ips.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(name.clone(), IpAddr::V4(ip));
+            api.create(&PostParams::default(), &meshed_pod(&name, &node)?)
+                .await?;
             pods.insert(name, redirected);
         }
         let delay = Duration::from_millis(rng.below(250));
@@ -349,7 +334,11 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
         let deadline = restarted + Duration::from_secs(10);
         let took = loop {
             let right = log.last().is_some_and(|s| {
-                if want_verified { verified(&s) } else { gated("ChainedPluginMissing")(&s) }
+                if want_verified {
+                    verified(&s)
+                } else {
+                    gated("ChainedPluginMissing")(&s)
+                }
             });
             if right && agent.admin_get("/ready").await.is_some_and(|r| r.0 == 200) {
                 break restarted.elapsed();
@@ -364,7 +353,9 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
         if took > Duration::from_secs(2) {
-            slow_rounds.push(format!("round {round}: {took:?} (flip {flip}, pods {new_pods}, kill after {delay:?})"));
+            slow_rounds.push(format!(
+                "round {round}: {took:?} (flip {flip}, pods {new_pods}, kill after {delay:?})"
+            ));
         }
         converge.push(took);
     }
@@ -385,7 +376,12 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
     tokio::time::sleep(Duration::from_secs(2)).await;
     let requests = id.requests(cp, started)?;
     let mut evictions: BTreeMap<String, (usize, usize)> = BTreeMap::new();
-    for r in requests.iter().filter(|r| r.subresource == "eviction" && r.verb == "create") {
+    let mut codes: BTreeMap<Option<u16>, usize> = BTreeMap::new();
+    for r in requests
+        .iter()
+        .filter(|r| r.subresource == "eviction" && r.verb == "create")
+    {
+        *codes.entry(r.code).or_default() += 1;
         let e = evictions.entry(r.name.clone()).or_default();
         e.0 += 1;
         if r.code.is_some_and(|c| (200..300).contains(&c)) {
@@ -393,8 +389,14 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
         }
     }
     let twice: Vec<_> = evictions.iter().filter(|(_, (_, ok))| *ok > 1).collect();
-    let wrongly: Vec<_> = evictions.keys().filter(|n| pods.get(*n) == Some(&true)).collect();
-    let missing: Vec<_> = bad.iter().filter(|n| evictions.get(**n).is_none_or(|e| e.1 == 0)).collect();
+    let wrongly: Vec<_> = evictions
+        .keys()
+        .filter(|n| pods.get(*n) == Some(&true))
+        .collect();
+    let missing: Vec<_> = bad
+        .iter()
+        .filter(|n| evictions.get(**n).is_none_or(|e| e.1 == 0))
+        .collect();
 
     // The continuous check: an untainted state seen while the config has been invalid for
     // longer than GRACE (one verify-to-patch race plus watch delivery) is a wrong untaint.
@@ -402,9 +404,14 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
     let seen = log.all();
     let mut wrong = Vec::new();
     for s in seen.iter().filter(|s| !s.tainted) {
-        let Some(&(since, valid)) = timeline.iter().rev().find(|(t, _)| *t <= s.at) else { continue };
+        let Some(&(since, valid)) = timeline.iter().rev().find(|(t, _)| *t <= s.at) else {
+            continue;
+        };
         if !valid && s.at.duration_since(since) > GRACE {
-            wrong.push(format!("untainted {:?} after the config turned invalid", s.at.duration_since(since)));
+            wrong.push(format!(
+                "untainted {:?} after the config turned invalid",
+                s.at.duration_since(since)
+            ));
         }
     }
 
@@ -412,7 +419,8 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
     let attempts: usize = evictions.values().map(|e| e.0).sum();
     eprintln!(
         "[faults] sigkill: {rounds} kills; converged after restart p50 {:.0} ms p90 {:.0} ms max {:.0} ms; \
-         {} node states watched, {} config flips; {} pods ({} without rules), {} eviction requests, {} accepted",
+         {} node states watched, {} config flips; {} pods ({} without rules), {} eviction requests, {} accepted; \
+         answers by HTTP code {codes:?}",
         ms(percentile(&converge, 0.5)),
         ms(percentile(&converge, 0.9)),
         ms(percentile(&converge, 1.0)),
@@ -423,12 +431,26 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
         attempts,
         evictions.values().map(|e| e.1).sum::<usize>(),
     );
-    ensure!(wrong.is_empty(), "wrong untaints: {wrong:?}\n{}", tail(&agent.log(), 80));
-    ensure!(slow_rounds.is_empty(), "converged later than 2 s after restart: {slow_rounds:?}");
+    ensure!(
+        wrong.is_empty(),
+        "wrong untaints: {wrong:?}\n{}",
+        tail(&agent.log(), 80)
+    );
+    ensure!(
+        slow_rounds.is_empty(),
+        "converged later than 2 s after restart: {slow_rounds:?}"
+    );
     ensure!(twice.is_empty(), "pods evicted twice: {twice:?}");
-    ensure!(wrongly.is_empty(), "pods with redirect rules evicted: {wrongly:?}");
-    ensure!(missing.is_empty(), "pods without rules never evicted: {missing:?}");
+    ensure!(
+        wrongly.is_empty(),
+        "pods with redirect rules evicted: {wrongly:?}"
+    );
+    ensure!(
+        missing.is_empty(),
+        "pods without rules never evicted: {missing:?}"
+    );
     drop(netns);
+    id.remove(&client).await;
     Ok(())
 }
 
@@ -449,19 +471,24 @@ async fn config_flapping_keeps_cpu_bounded_and_ends_right() -> anyhow::Result<()
     let ns = cp.create_namespace(&client, "faults-flap").await?;
     let node = unique_name("faults-flap");
     cp.register_node(&client, &NodeSpec::new(&node)).await?;
-    let id = Identity::new(cp, &client, &ns).await?;
+    let id = AuditedIdentity::new(cp, &client, &ns, "meshgate-agent").await?;
     let dirs = CniDirs::new()?;
     let (valid, invalid) = (golden(VALID)?, golden(INVALID)?);
     dirs.config("10-calico.conflist", &valid)?;
     let agent = Agent::start_with_kubeconfig(&id.kubeconfig, &node, &dirs, &[])?;
     let log = NodeLog::start(&client, &node);
-    log.wait("verified at start", WAIT, verified).await.with_context(|| tail(&agent.log(), 40))?;
+    log.wait("verified at start", WAIT, verified)
+        .await
+        .with_context(|| tail(&agent.log(), 40))?;
     let pid = agent.pid().context("agent pid")?;
     tokio::time::sleep(Duration::from_secs(1)).await;
 
     let duration = Duration::from_secs(if soak() { 60 } else { 20 });
     let period = Duration::from_millis(60);
-    let (cpu0, rss0) = (cpu_seconds(pid).context("cpu")?, agent.rss_kib().unwrap_or(0));
+    let (cpu0, rss0) = (
+        cpu_seconds(pid).context("cpu")?,
+        agent.rss_kib().unwrap_or(0),
+    );
     let from = SystemTime::now();
     let begun = Instant::now();
     let live = dirs.conf.join("10-calico.conflist");
@@ -498,7 +525,11 @@ async fn config_flapping_keeps_cpu_bounded_and_ends_right() -> anyhow::Result<()
     dirs.config("10-calico.conflist", &valid)?;
     let last_write = Instant::now();
     let settled = log
-        .wait("verified after the last write", Duration::from_secs(10), verified)
+        .wait(
+            "verified after the last write",
+            Duration::from_secs(10),
+            verified,
+        )
         .await
         .with_context(|| tail(&agent.log(), 40))?;
     let settle = settled.saturating_duration_since(last_write);
@@ -510,8 +541,15 @@ async fn config_flapping_keeps_cpu_bounded_and_ends_right() -> anyhow::Result<()
     for r in &requests {
         *kinds.entry(r.kind()).or_default() += 1;
     }
-    let writes_api: usize = requests.iter().filter(|r| matches!(r.verb.as_str(), "patch" | "update" | "create")).count();
-    let transitions = log.all().windows(2).filter(|w| w[0].tainted != w[1].tainted).count();
+    let writes_api: usize = requests
+        .iter()
+        .filter(|r| matches!(r.verb.as_str(), "patch" | "update" | "create"))
+        .count();
+    let transitions = log
+        .all()
+        .windows(2)
+        .filter(|w| w[0].tainted != w[1].tainted)
+        .count();
     let rss1 = agent.rss_kib().unwrap_or(0);
     let cpu_share = cpu / flapped.as_secs_f64();
     eprintln!(
@@ -525,18 +563,37 @@ async fn config_flapping_keeps_cpu_bounded_and_ends_right() -> anyhow::Result<()
         requests.len(),
         ms(settle),
     );
-    ensure!(alive(pid) && agent.pid() == Some(pid), "the agent died:\n{}", tail(&agent.log(), 60));
-    ensure!(!agent.log().contains("panicked"), "the agent panicked:\n{}", agent.log());
+    ensure!(
+        alive(pid) && agent.pid() == Some(pid),
+        "the agent died:\n{}",
+        tail(&agent.log(), 60)
+    );
+    ensure!(
+        !agent.log().contains("panicked"),
+        "the agent panicked:\n{}",
+        agent.log()
+    );
     ensure!(verified(&last), "final state {last:?}");
-    ensure!(settle < Duration::from_secs(1), "final state only {settle:?} after the last write");
+    ensure!(
+        settle < Duration::from_secs(1),
+        "final state only {settle:?} after the last write"
+    );
     // Bounds with a wide margin over what was measured (docs/reliability.md): a debug build,
     // a 2-core machine shared with the control plane and the other tests.
-    ensure!(cpu_share < 0.5, "the agent used {:.0}% of a core while flapping", cpu_share * 100.0);
-    ensure!(rss1 < rss0 + 16 * 1024, "RSS grew from {rss0} KiB to {rss1} KiB");
+    ensure!(
+        cpu_share < 0.5,
+        "the agent used {:.0}% of a core while flapping",
+        cpu_share * 100.0
+    );
+    ensure!(
+        rss1 < rss0 + 16 * 1024,
+        "RSS grew from {rss0} KiB to {rss1} KiB"
+    );
     ensure!(
         writes_api <= 3 * writes as usize,
         "{writes_api} API writes for {writes} rewrites: writes are not bounded by changes"
     );
+    id.remove(&client).await;
     Ok(())
 }
 
@@ -557,7 +614,9 @@ async fn hostile_entries_in_the_cni_dirs_never_hang_or_bloat_the_daemon() -> any
     dirs.config("10-calico.conflist", &golden(VALID)?)?;
     let agent = Agent::start(cp, &node, &dirs, &["--probe-timeout", "500ms"])?;
     let log = NodeLog::start(&client, &node);
-    log.wait("verified at start", WAIT, verified).await.with_context(|| tail(&agent.log(), 40))?;
+    log.wait("verified at start", WAIT, verified)
+        .await
+        .with_context(|| tail(&agent.log(), 40))?;
     let pid = agent.pid().context("pid")?;
     let rss0 = agent.rss_kib().unwrap_or(0);
     let conf = dirs.conf.clone();
@@ -565,41 +624,52 @@ async fn hostile_entries_in_the_cni_dirs_never_hang_or_bloat_the_daemon() -> any
     let mut rss_max = rss0;
 
     // (name, set up, expected reason while present, remove)
-    type Step = (&'static str, Box<dyn Fn(&Path) -> std::io::Result<()>>, &'static str, Box<dyn Fn(&Path) -> std::io::Result<()>>);
-    let rm = |name: &'static str| -> Box<dyn Fn(&Path) -> std::io::Result<()>> {
+    type Action = Box<dyn Fn(&Path) -> std::io::Result<()>>;
+    type Step = (&'static str, Action, &'static str, Action);
+    let rm = |name: &'static str| -> Action {
         Box::new(move |d: &Path| std::fs::remove_file(d.join(name)))
     };
-    let bin = dirs.bin.clone();
     let steps: Vec<Step> = vec![
         (
             "a sparse 8 GiB file sorting first",
-            Box::new(|d: &Path| std::fs::File::create(d.join("00-huge.conflist"))?.set_len(8 << 30)),
+            Box::new(|d: &Path| {
+                std::fs::File::create(d.join("00-huge.conflist"))?.set_len(8 << 30)
+            }),
             "ConfigInvalid",
             rm("00-huge.conflist"),
         ),
         (
             "a sparse 8 GiB file sorting last",
-            Box::new(|d: &Path| std::fs::File::create(d.join("99-huge.conflist"))?.set_len(8 << 30)),
+            Box::new(|d: &Path| {
+                std::fs::File::create(d.join("99-huge.conflist"))?.set_len(8 << 30)
+            }),
             "Verified",
             rm("99-huge.conflist"),
         ),
         (
             "a symlink loop sorting first",
-            Box::new(|d: &Path| std::os::unix::fs::symlink("00-loop.conflist", d.join("00-loop.conflist"))),
+            Box::new(|d: &Path| {
+                std::os::unix::fs::symlink("00-loop.conflist", d.join("00-loop.conflist"))
+            }),
             "ConfigInvalid",
             rm("00-loop.conflist"),
         ),
         (
             "a symlink to /dev/zero sorting first",
-            Box::new(|d: &Path| std::os::unix::fs::symlink("/dev/zero", d.join("00-zero.conflist"))),
+            Box::new(|d: &Path| {
+                std::os::unix::fs::symlink("/dev/zero", d.join("00-zero.conflist"))
+            }),
             "ConfigInvalid",
             rm("00-zero.conflist"),
         ),
         (
             "a FIFO sorting first",
             Box::new(|d: &Path| {
-                nix::unistd::mkfifo(&d.join("00-fifo.conflist"), nix::sys::stat::Mode::from_bits_truncate(0o644))
-                    .map_err(std::io::Error::from)
+                nix::unistd::mkfifo(
+                    &d.join("00-fifo.conflist"),
+                    nix::sys::stat::Mode::from_bits_truncate(0o644),
+                )
+                .map_err(std::io::Error::from)
             }),
             "ConfigInvalid",
             rm("00-fifo.conflist"),
@@ -637,30 +707,55 @@ async fn hostile_entries_in_the_cni_dirs_never_hang_or_bloat_the_daemon() -> any
         let took = if want == "Verified" {
             // Nothing changes: give the agent time to look, then check it still says so.
             tokio::time::sleep(Duration::from_secs(1)).await;
-            log.wait(what, Duration::from_secs(5), verified).await.with_context(|| tail(&agent.log(), 40))?;
-            Duration::ZERO
-        } else {
-            log.wait(what, Duration::from_secs(10), move |s: &Seen| s.tainted && s.reason.as_deref() == Some(want))
+            log.wait(what, Duration::from_secs(5), verified)
                 .await
                 .with_context(|| tail(&agent.log(), 40))?;
+            Duration::ZERO
+        } else {
+            log.wait(what, Duration::from_secs(10), move |s: &Seen| {
+                s.tainted && s.reason.as_deref() == Some(want)
+            })
+            .await
+            .with_context(|| tail(&agent.log(), 40))?;
             t0.elapsed()
         };
         rss_max = rss_max.max(agent.rss_kib().unwrap_or(0));
         remove(&conf)?;
         let t1 = Instant::now();
-        log.wait(&format!("verified after removing {what}"), Duration::from_secs(10), verified)
-            .await
-            .with_context(|| tail(&agent.log(), 40))?;
-        report.push(format!("{what}: {want} in {:.0} ms, repaired in {:.0} ms", ms(took), ms(t1.elapsed())));
-        ensure!(alive(pid), "the agent died on {what}:\n{}", tail(&agent.log(), 60));
+        log.wait(
+            &format!("verified after removing {what}"),
+            Duration::from_secs(10),
+            verified,
+        )
+        .await
+        .with_context(|| tail(&agent.log(), 40))?;
+        report.push(format!(
+            "{what}: {want} in {:.0} ms, repaired in {:.0} ms",
+            ms(took),
+            ms(t1.elapsed())
+        ));
+        ensure!(
+            alive(pid),
+            "the agent died on {what}:\n{}",
+            tail(&agent.log(), 60)
+        );
     }
 
     // Plugins: one floods stdout forever, one floods stderr and exits 1, one exits at once
     // but leaves a child holding its stdout open.
     let plugins = [
-        ("floods stdout forever", "#!/bin/sh\nexec yes 0123456789abcdef0123456789abcdef\n"),
-        ("floods stderr, then fails", "#!/bin/sh\nhead -c 50000000 /dev/zero | tr '\\0' x >&2\nexit 1\n"),
-        ("leaves a child holding stdout", "#!/bin/sh\nsleep 60 &\necho '{\"cniVersion\":\"1.0.0\",\"supportedVersions\":[\"0.3.1\"]}'\nexit 0\n"),
+        (
+            "floods stdout forever",
+            "#!/bin/sh\nexec yes 0123456789abcdef0123456789abcdef\n",
+        ),
+        (
+            "floods stderr, then fails",
+            "#!/bin/sh\nhead -c 50000000 /dev/zero | tr '\\0' x >&2\nexit 1\n",
+        ),
+        (
+            "leaves a child holding stdout",
+            "#!/bin/sh\nsleep 60 &\necho '{\"cniVersion\":\"1.0.0\",\"supportedVersions\":[\"0.3.1\"]}'\nexit 0\n",
+        ),
     ];
     for (what, script) in plugins {
         let t0 = Instant::now();
@@ -672,15 +767,32 @@ async fn hostile_entries_in_the_cni_dirs_never_hang_or_bloat_the_daemon() -> any
         rss_max = rss_max.max(agent.rss_kib().unwrap_or(0));
         dirs.plugin("linkerd-cni", GOOD_PLUGIN)?;
         let t1 = Instant::now();
-        log.wait("verified after the plugin was fixed", Duration::from_secs(10), verified)
-            .await
-            .with_context(|| tail(&agent.log(), 40))?;
-        report.push(format!("plugin that {what}: PluginBinaryBroken in {:.0} ms, repaired in {:.0} ms", ms(took), ms(t1.elapsed())));
-        ensure!(alive(pid), "the agent died on a plugin that {what}:\n{}", tail(&agent.log(), 60));
+        log.wait(
+            "verified after the plugin was fixed",
+            Duration::from_secs(10),
+            verified,
+        )
+        .await
+        .with_context(|| tail(&agent.log(), 40))?;
+        report.push(format!(
+            "plugin that {what}: PluginBinaryBroken in {:.0} ms, repaired in {:.0} ms",
+            ms(took),
+            ms(t1.elapsed())
+        ));
+        ensure!(
+            alive(pid),
+            "the agent died on a plugin that {what}:\n{}",
+            tail(&agent.log(), 60)
+        );
     }
-    let _ = std::fs::remove_file(bin.join(".none"));
-    eprintln!("[faults] hostile entries (agent RSS {rss0} KiB at start, max {rss_max} KiB):\n  {}", report.join("\n  "));
-    ensure!(rss_max < rss0 + 32 * 1024, "the agent's RSS grew from {rss0} KiB to {rss_max} KiB");
+    eprintln!(
+        "[faults] hostile entries (agent RSS {rss0} KiB at start, max {rss_max} KiB):\n  {}",
+        report.join("\n  ")
+    );
+    ensure!(
+        rss_max < rss0 + 32 * 1024,
+        "the agent's RSS grew from {rss0} KiB to {rss_max} KiB"
+    );
     ensure!(!agent.log().contains("panicked"), "{}", agent.log());
     Ok(())
 }
@@ -704,7 +816,18 @@ async fn vanishing_netns_and_unmatched_ips_are_never_evicted_blindly() -> anyhow
     cp.register_node(&client, &NodeSpec::new(&node)).await?;
     let dirs = CniDirs::new()?;
     dirs.config("10-calico.conflist", &golden(VALID)?)?;
-    let agent = Agent::start(cp, &node, &dirs, &["--profile", "linkerd", "--evict-unowned", "--max-evictions-per-minute", "100000"])?;
+    let agent = Agent::start(
+        cp,
+        &node,
+        &dirs,
+        &[
+            "--profile",
+            "linkerd",
+            "--evict-unowned",
+            "--max-evictions-per-minute",
+            "100000",
+        ],
+    )?;
     meshgate_e2e::wait::poll_until("the agent to be ready", WAIT, || async {
         anyhow::Ok(agent.admin_get("/ready").await.filter(|r| r.0 == 200))
     })
@@ -719,18 +842,28 @@ async fn vanishing_netns_and_unmatched_ips_are_never_evicted_blindly() -> anyhow
     let mut vanishing: Vec<(String, Ipv4Addr, Option<PodNetns>)> = Vec::new();
     for i in 0..n_vanish {
         let ip = ip_of(subnet, (i + 1) as u8);
-        vanishing.push((format!("vanish-{i}"), ip, Some(PodNetns::new(ip, Rules::None)?)));
+        vanishing.push((
+            format!("vanish-{i}"),
+            ip,
+            Some(PodNetns::new(ip, Rules::None)?),
+        ));
     }
     let control_missing = PodNetns::new(ip_of(subnet, 200), Rules::None)?;
     let control_ok = PodNetns::new(ip_of(subnet, 201), Rules::Linkerd("iptables-nft"))?;
     for (name, _, _) in &vanishing {
-        api.create(&PostParams::default(), &meshed_pod(name, &node)?).await?;
+        api.create(&PostParams::default(), &meshed_pod(name, &node)?)
+            .await?;
     }
     for i in 0..n_ghost {
-        api.create(&PostParams::default(), &meshed_pod(&format!("ghost-{i}"), &node)?).await?;
+        api.create(
+            &PostParams::default(),
+            &meshed_pod(&format!("ghost-{i}"), &node)?,
+        )
+        .await?;
     }
     for name in ["control-missing", "control-ok"] {
-        api.create(&PostParams::default(), &meshed_pod(name, &node)?).await?;
+        api.create(&PostParams::default(), &meshed_pod(name, &node)?)
+            .await?;
     }
     let cpu0 = cpu_seconds(pid).context("cpu")?;
     let begun = Instant::now();
@@ -741,7 +874,11 @@ async fn vanishing_netns_and_unmatched_ips_are_never_evicted_blindly() -> anyhow
     let mut schedule: Vec<(usize, Duration, PodNetns)> = Vec::new();
     for (i, v) in vanishing.iter_mut().enumerate() {
         if let Some(netns) = v.2.take() {
-            schedule.push((i, Duration::from_millis(rng.below(40 * n_vanish as u64)), netns));
+            schedule.push((
+                i,
+                Duration::from_millis(rng.below(20 * n_vanish as u64)),
+                netns,
+            ));
         }
     }
     schedule.sort_by_key(|(_, at, _)| *at);
@@ -768,9 +905,21 @@ async fn vanishing_netns_and_unmatched_ips_are_never_evicted_blindly() -> anyhow
         .map(|(_, v)| v.0.clone())
         .collect();
     for i in 0..n_ghost {
-        meshgate_e2e::mark_pod_running(&client, &ns, &format!("ghost-{i}"), IpAddr::V4(ip_of(ghost, (i + 1) as u8))).await?;
+        meshgate_e2e::mark_pod_running(
+            &client,
+            &ns,
+            &format!("ghost-{i}"),
+            IpAddr::V4(ip_of(ghost, (i + 1) as u8)),
+        )
+        .await?;
     }
-    meshgate_e2e::mark_pod_running(&client, &ns, "control-missing", IpAddr::V4(control_missing.ip)).await?;
+    meshgate_e2e::mark_pod_running(
+        &client,
+        &ns,
+        "control-missing",
+        IpAddr::V4(control_missing.ip),
+    )
+    .await?;
     meshgate_e2e::mark_pod_running(&client, &ns, "control-ok", IpAddr::V4(control_ok.ip)).await?;
 
     // The control pod without rules is evicted: the agent is working.
@@ -798,8 +947,8 @@ async fn vanishing_netns_and_unmatched_ips_are_never_evicted_blindly() -> anyhow
     let evicted_vanished = evicted.iter().filter(|n| n.starts_with("vanish-")).count();
     eprintln!(
         "[faults] vanishing netns: {n_vanish} pods whose namespace was deleted around their start \
-         ({} before Running), {n_ghost} pods with no namespace; evicted: {evicted_vanished} vanished \
-         (their namespace was read without rules first), 0 expected of the rest; {unknown} unknown \
+         ({} before Running), {n_ghost} pods with no namespace; evicted: {evicted_vanished} of the vanishing ones \
+         (whose namespace still existed when the agent read it), none of the rest; {unknown} unknown \
          inspections; agent CPU {:.2} s over {:.1} s",
         gone_before_running.len(),
         cpu,
@@ -809,12 +958,24 @@ async fn vanishing_netns_and_unmatched_ips_are_never_evicted_blindly() -> anyhow
     ensure!(!agent.log().contains("panicked"), "{}", agent.log());
     let blind: Vec<&String> = evicted
         .iter()
-        .filter(|n| n.starts_with("ghost-") || gone_before_running.contains(n) || *n == "control-ok")
+        .filter(|n| {
+            n.starts_with("ghost-") || gone_before_running.contains(n) || *n == "control-ok"
+        })
         .collect();
-    ensure!(blind.is_empty(), "evicted without having read a namespace without rules: {blind:?}\n{}", tail(&agent.log(), 60));
-    ensure!(unknown >= n_ghost as f64, "ghost pods are reported unknown ({unknown})");
+    ensure!(
+        blind.is_empty(),
+        "evicted without having read a namespace without rules: {blind:?}\n{}",
+        tail(&agent.log(), 60)
+    );
+    ensure!(
+        unknown >= n_ghost as f64,
+        "ghost pods are reported unknown ({unknown})"
+    );
     // Backoff, not a busy loop: well under a tenth of a core on average.
-    ensure!(cpu / elapsed.as_secs_f64() < 0.1, "agent CPU {cpu:.2} s in {elapsed:?}: a retry loop?");
+    ensure!(
+        cpu / elapsed.as_secs_f64() < 0.1,
+        "agent CPU {cpu:.2} s in {elapsed:?}: a retry loop?"
+    );
     Ok(())
 }
 
@@ -840,14 +1001,20 @@ impl StallingProxy {
             while let Ok((down, _)) = listener.accept().await {
                 let rx = rx.clone();
                 tokio::spawn(async move {
-                    let Ok(up) = tokio::net::TcpStream::connect(upstream).await else { return };
+                    let Ok(up) = tokio::net::TcpStream::connect(upstream).await else {
+                        return;
+                    };
                     let (dr, dw) = down.into_split();
                     let (ur, uw) = up.into_split();
                     tokio::join!(pump(dr, uw, rx.clone()), pump(ur, dw, rx));
                 });
             }
         });
-        Ok(Self { addr, stalled, task })
+        Ok(Self {
+            addr,
+            stalled,
+            task,
+        })
     }
 
     fn stall(&self, on: bool) {
@@ -903,8 +1070,9 @@ fn admission_total(metrics: &str) -> f64 {
         .sum()
 }
 
-/// 5,000 reviews/s for 10 s (60 s in soak), open loop, over 32 keep-alive TLS connections:
-/// zero errors and every answer right. Then the webhook's API lookups are stalled, 40
+/// 5,000 reviews/s (release build; 1,000/s in the debug build) for 10 s (60 s in soak), open
+/// loop, over 32 keep-alive TLS connections: zero errors, every answer right, served at the
+/// offered rate without a queue building up. Then the webhook's API lookups are stalled, 40
 /// reviews that need a lookup are sent (each now waits for its bounded lookups), and the
 /// webhook gets SIGTERM while they and a background load are in flight: every request sent
 /// before the signal is answered right, and the process exits 0.
@@ -977,7 +1145,13 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
         .await?;
 
         let before = admission_total(&webhook.admin_get("/metrics").await.context("metrics")?.1);
-        let rate = 5000.0;
+        // 5,000/s is the goal for the release build (`make soak` and `make bench` use it). The
+        // debug build `make test` runs is several times slower on both ends of the
+        // connection, so it is offered what it can serve: the same no-error criteria hold.
+        let rate: f64 = std::env::var("MESHGATE_WEBHOOK_LOAD_RATE")
+            .ok()
+            .and_then(|r| r.parse().ok())
+            .unwrap_or(if cfg!(debug_assertions) { 1000.0 } else { 5000.0 });
         let duration = Duration::from_secs(if soak() { 60 } else { 10 });
         let report = review_load::run(review_load::Spec {
             addr: webhook.listen,
@@ -1011,6 +1185,18 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
             report.samples.len()
         );
         ensure!(after - before == report.samples.len() as f64, "the webhook counted {} reviews for {} requests", after - before, report.samples.len());
+        // Kept up: answered at the offered rate, without a queue building up.
+        ensure!(
+            report.throughput() >= rate * 0.95,
+            "served {:.0}/s of the {rate:.0}/s offered: {}",
+            report.throughput(),
+            report.summary()
+        );
+        ensure!(
+            report.latency(0.99) < Duration::from_millis(500),
+            "a queue built up at {rate:.0}/s: {}",
+            report.summary()
+        );
 
         // Drain: stall the API, send reviews that need lookups, SIGTERM while they wait.
         proxy.stall(true);

@@ -163,11 +163,20 @@ impl Fixture {
 
     /// This test's scope: its namespaces and nodes carry `SCOPE_KEY=<tag>`.
     fn scope(&self) -> Scope {
-        Scope { label: Some((SCOPE_KEY.to_string(), self.tag.clone())) }
+        Scope {
+            label: Some((SCOPE_KEY.to_string(), self.tag.clone())),
+        }
     }
 
     async fn register(&self) -> anyhow::Result<()> {
-        webhook_sim::register(&self.client, &self.tag, self.listen.port(), self.ca.pem(), &self.scope()).await
+        webhook_sim::register(
+            &self.client,
+            &self.tag,
+            self.listen.port(),
+            self.ca.pem(),
+            &self.scope(),
+        )
+        .await
     }
 
     /// Creates a namespace in this test's scope, with extra labels.

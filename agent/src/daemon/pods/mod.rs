@@ -77,7 +77,8 @@ impl Setup {
     /// Reads the flags; fails on an unreadable profile file or an unknown `--profile`, so a
     /// typo stops the agent at start instead of silently inspecting nothing.
     pub fn from_args(args: &Args) -> anyhow::Result<Self> {
-        let profiles = meshgate_runtime::profiles::load(&args.profiles, args.profile_file.as_deref())?;
+        let profiles =
+            meshgate_runtime::profiles::load(&args.profiles, args.profile_file.as_deref())?;
         Ok(Self {
             node: args.node_name.clone(),
             profiles,
