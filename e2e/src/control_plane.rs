@@ -18,7 +18,7 @@
 //! tests get a new client per call from [`ControlPlane::client`].
 
 use std::collections::BTreeSet;
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -1042,18 +1042,13 @@ fn client_from(kubeconfig: Kubeconfig, what: &str) -> Result<Client, Error> {
     Client::try_from(config).map_err(|e| Error::kube(format!("building the {what} client"), e))
 }
 
-/// Picks five distinct free loopback ports. The listeners are held together so the kernel
-/// hands out distinct ports, then released just before the components bind them.
+/// Picks five distinct free loopback ports, below the ephemeral range so a component
+/// restarted on its port (`start_apiserver`) finds it free (see `node_sim::free_port`).
 fn free_ports() -> Result<Ports, Error> {
-    let listeners = (0..5)
-        .map(|_| TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))))
+    let ports = (0..5)
+        .map(|_| crate::node_sim::free_port())
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| Error::io("reserving loopback ports", e))?;
-    let ports = listeners
-        .iter()
-        .map(|l| l.local_addr().map(|a| a.port()))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| Error::io("reading reserved ports", e))?;
     Ok(Ports {
         etcd_client: ports[0],
         etcd_peer: ports[1],

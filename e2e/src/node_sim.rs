@@ -50,9 +50,30 @@ pub fn workspace_bin(name: &str) -> io::Result<PathBuf> {
     }
 }
 
-/// A free loopback port (bound, then released for the caller's listener).
+/// A free loopback port for a listener that may be re-bound later (an agent restarted with
+/// the same `--admin-addr`).
+///
+/// It is taken below the kernel's ephemeral range (32768-60999 by default): a port handed out
+/// by binding port 0 lies inside that range, where any outgoing connection's local end can
+/// occupy it between two runs of the same listener and make the restart fail with
+/// "address already in use". Below it, only explicit binds compete, and this picks each
+/// candidate once per process, starting from a pid-dependent offset.
 pub fn free_port() -> io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let offset = std::process::id().wrapping_mul(7_919) % SPAN;
+    for _ in 0..SPAN {
+        let port = FIRST + (offset + NEXT.fetch_add(1, Ordering::Relaxed)) % SPAN;
+        if TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+            return Ok(port as u16);
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::AddrInUse,
+        "no free loopback port below the ephemeral range",
+    ))
 }
 
 /// A golden config from `core/testdata`, read from the source tree so the tests, the demo and

@@ -58,10 +58,12 @@ async fn presented(ca: &TestCa, addr: SocketAddr) -> anyhow::Result<Vec<u8>> {
     Ok(certs[0].to_vec())
 }
 
-/// A free loopback port (bound and released; the webhook binds it right after).
+/// A free loopback port the webhook can bind again after a restart.
 fn free_port() -> anyhow::Result<SocketAddr> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(l.local_addr()?)
+    Ok(SocketAddr::from((
+        [127, 0, 0, 1],
+        meshgate_e2e::node_sim::free_port()?,
+    )))
 }
 
 /// A plain HTTP/1.0 GET on the admin port: (status code, body).
