@@ -9,7 +9,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 DEPS := e2e/install-deps.sh
 
-.PHONY: test demo deps lint alerts unit check-root bench
+.PHONY: test demo deps lint alerts unit check-root bench soak
 
 ## test: format, lint, and every test (unit, privileged integration, e2e on a real apiserver)
 test: check-root deps lint alerts
@@ -42,8 +42,12 @@ lint:
 ## bench: latency and cost figures on a local control plane (release build; not part of test)
 bench: check-root deps
 	$(CARGO) build --release --workspace --bins --locked
-	MESHGATE_K8S_BIN_DIR="$$(bash $(DEPS) | tail -n 1)" $(CARGO) bench --locked -p meshgate-e2e --bench agent
+	MESHGATE_K8S_BIN_DIR="$$(bash $(DEPS) | tail -n 1)" $(CARGO) bench --locked -p meshgate-e2e --bench compare
 	$(CARGO) bench --locked -p meshgate-agent --bench inspect_sweep
+
+## soak: the long fault-suite variants and longer fuzzing (not part of test)
+soak: check-root deps
+	MESHGATE_K8S_BIN_DIR="$$(bash $(DEPS) | tail -n 1)" bash e2e/soak.sh
 
 ## unit: the tests that need neither root nor a control plane
 unit:

@@ -24,7 +24,7 @@ echo "==> release build (the e2e tests run the real agent and webhook binaries)"
 $CARGO build --release --workspace --bins --locked
 
 echo "==> fault suite, soak variants (MESHGATE_SOAK=1)"
-MESHGATE_SOAK=1 $CARGO test --release --locked -p meshgate-e2e --test e2e faults:: -- --test-threads=1 --nocapture
+MESHGATE_SOAK=1 $CARGO test --release --locked -p meshgate-e2e --test e2e faults:: -- --include-ignored --test-threads=1 --nocapture
 
 echo "==> fuzzing, ${MESHGATE_FUZZ_SECONDS:-120} s per target"
 MESHGATE_FUZZ_SECONDS=${MESHGATE_FUZZ_SECONDS:-120} MESHGATE_FUZZ_ITERATIONS=${MESHGATE_FUZZ_ITERATIONS:-1000000000} \
