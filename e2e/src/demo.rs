@@ -302,17 +302,12 @@ fn start_webhook(
 }
 
 async fn wait_http_ok(addr: SocketAddr, path: &str) -> anyhow::Result<()> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     for _ in 0..150 {
-        if let Ok(mut s) = tokio::net::TcpStream::connect(addr).await {
-            let _ = s
-                .write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
-                .await;
-            let mut buf = String::new();
-            let _ = s.read_to_string(&mut buf).await;
-            if buf.starts_with("HTTP/1.0 200") || buf.starts_with("HTTP/1.1 200") {
-                return Ok(());
-            }
+        if crate::node_sim::http_get(addr, path)
+            .await
+            .is_some_and(|(code, _)| code == 200)
+        {
+            return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

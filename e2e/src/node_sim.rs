@@ -291,26 +291,7 @@ impl Agent {
 
     /// GETs an admin path; `None` while the server is not up.
     pub async fn admin_get(&self, path: &str) -> Option<(u16, String)> {
-        let connect = tokio::net::TcpStream::connect(self.admin);
-        let mut s = tokio::time::timeout(Duration::from_secs(2), connect)
-            .await
-            .ok()?
-            .ok()?;
-        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: agent\r\n\r\n").as_bytes())
-            .await
-            .ok()?;
-        let mut buf = Vec::new();
-        tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut buf))
-            .await
-            .ok()?
-            .ok()?;
-        let text = String::from_utf8_lossy(&buf).into_owned();
-        let code = text.split_whitespace().nth(1)?.parse().ok()?;
-        let body = text
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .unwrap_or_default();
-        Some((code, body))
+        http_get(self.admin, path).await
     }
 
     /// The value of one sample line of /metrics (`name{labels}` exactly as printed).
@@ -363,4 +344,29 @@ pub fn verified_label(n: &k8s_openapi::api::core::v1::Node) -> Option<&str> {
         .as_ref()?
         .get(meshgate_core::VERIFIED_LABEL)
         .map(String::as_str)
+}
+
+/// A plain HTTP/1.0 GET on an admin port, each step bounded by 2 s: (status, body), or
+/// `None` while nothing answers.
+pub async fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    let connect = tokio::net::TcpStream::connect(addr);
+    let mut s = tokio::time::timeout(Duration::from_secs(2), connect)
+        .await
+        .ok()?
+        .ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut buf))
+        .await
+        .ok()?
+        .ok()?;
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let code = text.split_whitespace().nth(1)?.parse().ok()?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Some((code, body))
 }

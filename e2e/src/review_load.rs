@@ -478,29 +478,7 @@ impl WebhookProcess {
 
     /// GETs an admin path: (status, body).
     pub async fn admin_get(&self, path: &str) -> Option<(u16, String)> {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut s = tokio::time::timeout(
-            Duration::from_secs(2),
-            tokio::net::TcpStream::connect(self.admin),
-        )
-        .await
-        .ok()?
-        .ok()?;
-        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: webhook\r\n\r\n").as_bytes())
-            .await
-            .ok()?;
-        let mut buf = Vec::new();
-        tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut buf))
-            .await
-            .ok()?
-            .ok()?;
-        let text = String::from_utf8_lossy(&buf).into_owned();
-        let code = text.split_whitespace().nth(1)?.parse().ok()?;
-        let body = text
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .unwrap_or_default();
-        Some((code, body))
+        crate::node_sim::http_get(self.admin, path).await
     }
 
     /// The process id, while it runs.

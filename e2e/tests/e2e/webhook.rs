@@ -25,7 +25,6 @@ use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
 use meshgate_e2e::webhook_sim::{self, Scope, TestCa};
 use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::oneshot;
 
 use crate::cp;
@@ -68,18 +67,9 @@ fn free_port() -> anyhow::Result<SocketAddr> {
 
 /// A plain HTTP/1.0 GET on the admin port: (status code, body).
 async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
-        .await?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).await?;
-    let code = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .context("no status line")?;
-    let body = out.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-    Ok((code, body.to_string()))
+    meshgate_e2e::node_sim::http_get(addr, path)
+        .await
+        .with_context(|| format!("no answer from {addr}{path}"))
 }
 
 /// One webhook instance, its configurations and their scope label.
