@@ -109,7 +109,7 @@ import (
 )
 GO
 log "building Kubernetes $k8s_version with Go $go_have ($n_replaced staging modules replaced)."
-log "A cold build takes roughly 15-30 minutes on 2 cores; it is cached in $bin_dir afterwards."
+log "A cold build takes about 9 minutes on 2 idle cores (more when the machine is busy); it is cached in $bin_dir afterwards."
 ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$k8s_version -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
 i=0
 for c in "${components[@]}"; do
