@@ -236,7 +236,6 @@ const SLOW_GOOD_PLUGIN: &str = "#!/bin/sh\nsleep 0.05\ncat >/dev/null\necho '{\"
 /// request may reach the apiserver (its audit log) after the pod was already terminating
 /// (this test's pod watch): an agent acting on stale knowledge of its own eviction.
 #[tokio::test]
-#[ignore = "soak only until its checks have a record of clean runs under the whole suite's load; make soak runs it"]
 async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified()
 -> anyhow::Result<()> {
     require_privileges()?;
