@@ -1,5 +1,5 @@
-//! Privileged integration tests of pod inspection: real network namespaces (`ip netns add`,
-//! a veth pair, addresses), real rules written by `iptables-nft`, `iptables-legacy`,
+//! Privileged integration tests of pod inspection: real network namespaces (`ip netns add`
+//! through the e2e harness's `netns_sim`, a veth pair, addresses), real rules written by `iptables-nft`, `iptables-legacy`,
 //! `ip6tables-*` and `nft -f`, read back by the library and by the built `inspect` binary.
 //!
 //! These tests need root and the `ip`, `iptables-*`, `ip6tables-*` and `nft` tools
@@ -8,14 +8,14 @@
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::process::Command;
 
 use meshgate_agent::inspect::inspect_netns;
 use meshgate_agent::netns;
 use meshgate_core::profile::{MeshProfile, ProfileSet};
 use meshgate_core::rules::locate::{Located, locate};
 use meshgate_core::rules::{Inspection, Verdict};
+use meshgate_e2e::netns_sim;
 
 const TOOLS: &[&str] = &[
     "ip",
@@ -26,84 +26,35 @@ const TOOLS: &[&str] = &[
     "nft",
 ];
 
-fn on_path(tool: &str) -> bool {
-    std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
-        .unwrap_or(false)
-}
-
-/// Fails (never skips) when the environment cannot run these tests.
-fn require_privileges() {
-    // SAFETY: geteuid has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    assert_eq!(
-        euid, 0,
-        "these tests create network namespaces and netfilter rules: run them as root \
-         (e.g. `sudo -E cargo test -p meshgate-agent --test inspect_netns`)"
-    );
-    let missing: Vec<&str> = TOOLS.iter().copied().filter(|t| !on_path(t)).collect();
-    assert!(
-        missing.is_empty(),
-        "missing tools {missing:?}: install iproute2, iptables and nftables (e2e/install-deps.sh)"
-    );
-}
-
-fn check(out: Output, what: &str) -> String {
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\nstdout: {}\nstderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn run(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new(cmd)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd}: {e}"));
-    check(out, &format!("{cmd} {}", args.join(" ")))
-}
-
-static COUNTER: AtomicUsize = AtomicUsize::new(0);
-
-/// A named network namespace, deleted on drop (also when the test panics).
-struct Netns {
-    name: String,
-    sleeper: Option<Child>,
-}
+/// A pod-like namespace for these tests: the harness's [`netns_sim::Netns`] (loopback up,
+/// deleted on drop) plus a veth pair (eth0 ↔ peer0) to hold addresses. Every step panics
+/// with the tool's error, so the tests read as plain steps.
+struct Netns(netns_sim::Netns);
 
 impl Netns {
-    /// A fresh namespace with loopback up and a veth pair (eth0 ↔ peer0) inside it.
+    /// A fresh namespace; fails (never skips) without root or one of [`TOOLS`].
     fn new(tag: &str) -> Self {
-        require_privileges();
-        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
-        let name = format!("mgt-{tag}-{}-{n}", std::process::id());
-        run("ip", &["netns", "add", &name]);
-        let ns = Self {
-            name,
-            sleeper: None,
-        };
-        ns.sh("ip link set lo up
-               ip link add eth0 type veth peer name peer0
+        netns_sim::require_tools(TOOLS).unwrap_or_else(|e| panic!("{e:#}"));
+        let ns = Self(netns_sim::Netns::new(tag).unwrap_or_else(|e| panic!("{e:#}")));
+        ns.sh("ip link add eth0 type veth peer name peer0
                ip link set eth0 up
                ip link set peer0 up");
         ns
     }
 
+    fn name(&self) -> &str {
+        &self.0.name
+    }
+
     fn path(&self) -> PathBuf {
-        PathBuf::from(format!("/var/run/netns/{}", self.name))
+        self.0.path()
     }
 
     /// Runs a shell script inside the namespace; every line must succeed.
     fn sh(&self, script: &str) -> String {
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.name, "sh", "-ec", script])
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run ip netns exec: {e}"));
-        check(out, &format!("in {}: {script}", self.name))
+        self.0
+            .exec(script)
+            .unwrap_or_else(|e| panic!("in {}: {e:#}", self.name()))
     }
 
     fn addr(&self, cidr: &str) {
@@ -114,49 +65,12 @@ impl Netns {
 
     /// Loads an nft script with `nft -f`.
     fn nft(&self, script: &str) {
-        let file = std::env::temp_dir().join(format!("{}.nft", self.name));
-        std::fs::write(&file, script).expect("write nft script");
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.name, "nft", "-f"])
-            .arg(&file)
-            .output()
-            .expect("run nft");
-        let _ = std::fs::remove_file(&file);
-        check(out, &format!("nft -f in {}:\n{script}", self.name));
+        self.0.nft(script).unwrap_or_else(|e| panic!("{e:#}"));
     }
 
     /// Starts a process inside the namespace and returns its pid.
     fn spawn_sleeper(&mut self) -> u32 {
-        let child = Command::new("ip")
-            .args(["netns", "exec", &self.name, "sleep", "300"])
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("spawn sleeper");
-        let pid = child.id();
-        self.sleeper = Some(child);
-        // `ip netns exec` execs sleep in place; wait until the switch happened.
-        let want = std::fs::metadata(self.path()).map(|m| std::os::unix::fs::MetadataExt::ino(&m));
-        for _ in 0..200 {
-            let got = std::fs::metadata(format!("/proc/{pid}/ns/net"))
-                .map(|m| std::os::unix::fs::MetadataExt::ino(&m));
-            if got.is_ok() && got.as_ref().ok() == want.as_ref().ok() {
-                return pid;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        panic!("sleeper {pid} never entered {}", self.name);
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.sleeper.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .output();
+        self.0.spawn_sleeper().unwrap_or_else(|e| panic!("{e:#}"))
     }
 }
 
@@ -168,7 +82,7 @@ fn profile(name: &str) -> MeshProfile {
 }
 
 fn inspect(ns: &Netns, p: &str) -> Inspection {
-    inspect_netns(&ns.path(), &profile(p)).unwrap_or_else(|e| panic!("inspect {}: {e}", ns.name))
+    inspect_netns(&ns.path(), &profile(p)).unwrap_or_else(|e| panic!("inspect {}: {e}", ns.name()))
 }
 
 /// linkerd proxy-init's rules, as its iptables mode writes them.
@@ -244,6 +158,27 @@ table inet istio-proxy-nat {
 }
 ";
 
+/// linkerd's rules are found for IPv4 and IPv6, through proxy-init's chains as `backend`
+/// (`iptables-nft`, `iptables-legacy`) wrote them.
+fn assert_linkerd_redirected_in_both_families(ns: &Netns, backend: &str) {
+    let got = inspect(ns, "linkerd");
+    assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+    assert_eq!(
+        got.inbound.via,
+        Some(format!(
+            "ip nat PREROUTING -> PROXY_INIT_REDIRECT ({backend}); \
+             ip6 nat PREROUTING -> PROXY_INIT_REDIRECT ({backend})"
+        ))
+    );
+    assert_eq!(
+        got.outbound.via,
+        Some(format!(
+            "ip nat OUTPUT -> PROXY_INIT_OUTPUT ({backend}); \
+             ip6 nat OUTPUT -> PROXY_INIT_OUTPUT ({backend})"
+        ))
+    );
+}
+
 #[test]
 fn linkerd_iptables_nft_dual_stack() {
     let ns = Netns::new("lnft");
@@ -255,22 +190,7 @@ fn linkerd_iptables_nft_dual_stack() {
     assert_eq!(half.verdict, Verdict::Missing, "{}", half.message);
     assert!(half.message.contains("IPv6"), "{}", half.message);
     ns.sh(&linkerd_rules("ip6tables-nft", 4143));
-    let got = inspect(&ns, "linkerd");
-    assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
-    assert_eq!(
-        got.inbound.via.as_deref(),
-        Some(
-            "ip nat PREROUTING -> PROXY_INIT_REDIRECT (iptables-nft); \
-             ip6 nat PREROUTING -> PROXY_INIT_REDIRECT (iptables-nft)"
-        )
-    );
-    assert_eq!(
-        got.outbound.via.as_deref(),
-        Some(
-            "ip nat OUTPUT -> PROXY_INIT_OUTPUT (iptables-nft); \
-             ip6 nat OUTPUT -> PROXY_INIT_OUTPUT (iptables-nft)"
-        )
-    );
+    assert_linkerd_redirected_in_both_families(&ns, "iptables-nft");
     // Istio's ports are elsewhere.
     assert_eq!(inspect(&ns, "istio").verdict, Verdict::Missing);
 }
@@ -282,22 +202,7 @@ fn linkerd_iptables_legacy_dual_stack() {
     ns.addr("fd00:10:244:1::6/64");
     ns.sh(&linkerd_rules("iptables-legacy", 4143));
     ns.sh(&linkerd_rules("ip6tables-legacy", 4143));
-    let got = inspect(&ns, "linkerd");
-    assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
-    assert_eq!(
-        got.inbound.via.as_deref(),
-        Some(
-            "ip nat PREROUTING -> PROXY_INIT_REDIRECT (iptables-legacy); \
-             ip6 nat PREROUTING -> PROXY_INIT_REDIRECT (iptables-legacy)"
-        )
-    );
-    assert_eq!(
-        got.outbound.via.as_deref(),
-        Some(
-            "ip nat OUTPUT -> PROXY_INIT_OUTPUT (iptables-legacy); \
-             ip6 nat OUTPUT -> PROXY_INIT_OUTPUT (iptables-legacy)"
-        )
-    );
+    assert_linkerd_redirected_in_both_families(&ns, "iptables-legacy");
 }
 
 #[test]
@@ -472,7 +377,7 @@ fn inspect_binary_text_json_and_exit_codes() {
     assert_eq!(code, 2);
 
     // A custom profile from --profile-file.
-    let file = std::env::temp_dir().join(format!("{}-profiles.json", ns.name));
+    let file = std::env::temp_dir().join(format!("{}-profiles.json", ns.name()));
     std::fs::write(
         &file,
         r#"[{"name":"custom","selector":{"labels":{"mesh":"custom"}},"pluginType":"custom-cni","inboundPort":4143,"outboundPort":4140}]"#,
@@ -619,7 +524,7 @@ fn concurrent_rule_changes_never_yield_a_torn_read() {
     let ns = Netns::new("churn");
     ns.addr("10.244.9.16/24");
     ns.nft(ISTIO_NFT);
-    let name = ns.name.clone();
+    let name = ns.name().to_owned();
     // A writer adds and flushes a table in a loop while the reader reads.
     let writer = std::thread::spawn(move || {
         for i in 0..40 {

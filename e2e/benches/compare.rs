@@ -41,13 +41,14 @@ use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams, 
 use kube::{Client, ResourceExt};
 use meshgate_e2e::audit::AuditedIdentity;
 use meshgate_e2e::netns_sim::{PodNetns, Rules, private_subnet, require_privileges};
-use meshgate_e2e::node_sim::{Agent, CniDirs, golden, workspace_bin};
+use meshgate_e2e::node_sim::{Agent, CniDirs, golden, plain, workspace_bin};
+use meshgate_e2e::pod_sim::{MESH_LABEL, meshed_pod, pending_meshed_pod};
 use meshgate_e2e::review_load::{self, Review, WebhookProcess};
+use meshgate_e2e::stats::quantile;
 use meshgate_e2e::{ControlPlane, NodeSpec, Options, mark_pod_running};
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
 
-const MESH_LABEL: &str = "linkerd.io/control-plane-ns";
 const NRC_TAINT: &str = "bench.meshgate.io/nrc-unverified";
 const NRC_CONDITION: &str = "BenchNRCReady";
 
@@ -60,14 +61,6 @@ fn env_num(name: &str, default: u64) -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
 }
 
 /// A deterministic uniform delay in `0..max`, so writes land at every phase of a polling
@@ -101,7 +94,7 @@ fn modeled(interval: Duration, work: &[Duration], p: f64) -> Duration {
         })
         .collect();
     all.sort();
-    pct(&all, p)
+    quantile(&all, p)
 }
 
 fn ratio(theirs: Duration, ours: Duration) -> String {
@@ -181,15 +174,10 @@ fn agent_log(filter: &str) {
     unsafe { std::env::set_var("MESHGATE_AGENT_LOG", filter) };
 }
 
-fn meshed_pod(name: &str, node: &str) -> anyhow::Result<Pod> {
-    Ok(serde_json::from_value(json!({
-        "metadata": { "name": name, "labels": { MESH_LABEL: "linkerd", "bench": "yes" } },
-        "spec": {
-            "nodeName": node,
-            "terminationGracePeriodSeconds": 0,
-            "containers": [{ "name": "app", "image": "registry.k8s.io/pause:3.10" }]
-        }
-    }))?)
+/// A bare meshed pod the bench's deletion watch follows (`bench=yes`), gone at once when
+/// evicted.
+fn bench_pod(name: &str, node: &str) -> Pod {
+    meshed_pod(name, node, &[("bench", "yes")], Some(0))
 }
 
 /// Records when each pod of the namespace was first seen with a deletion timestamp.
@@ -505,7 +493,7 @@ async fn gating(cp: &ControlPlane, client: &Client, table: &mut Table) -> anyhow
     ] {
         for (q, label) in [(0.5, "p50"), (0.99, "p99")] {
             let theirs = modeled(real, work, q);
-            let o = pct(ours, q);
+            let o = quantile(ours, q);
             table.row(
                 &format!("{name}, {label}"),
                 human(o),
@@ -519,22 +507,22 @@ async fn gating(cp: &ControlPlane, client: &Client, table: &mut Table) -> anyhow
     }
     table.note(format!(
         "Gating: {n} transitions each way, from the write on disk to a Node watch seeing the taint change. meshgate max untaint {}, max re-taint {}; agent RSS after {:.1} MiB.",
-        human(pct(&untaint, 1.0)),
-        human(pct(&retaint, 1.0)),
+        human(quantile(&untaint, 1.0)),
+        human(quantile(&retaint, 1.0)),
         rss as f64 / 1024.0
     ));
     table.note(format!(
         "NRC model run for real at a {} poll interval ({} transitions): measured phase p50 {} (expected {} = interval/2), work after the poll (check + condition patch + controller's taint patch + watch) p50 {} p99 {}; measured end-to-end at that interval p50 {} / p99 {} (untaint), {} / {} (re-taint). Modeled at the real 30 s interval: U(0, 30 s) + measured work.",
         human(interval),
         2 * n,
-        human(pct(&phase, 0.5)),
+        human(quantile(&phase, 0.5)),
         human(interval / 2),
-        human(pct(&work_un, 0.5)),
-        human(pct(&work_un, 0.99)),
-        human(pct(&total_un, 0.5)),
-        human(pct(&total_un, 0.99)),
-        human(pct(&total_re, 0.5)),
-        human(pct(&total_re, 0.99)),
+        human(quantile(&work_un, 0.5)),
+        human(quantile(&work_un, 0.99)),
+        human(quantile(&total_un, 0.5)),
+        human(quantile(&total_un, 0.99)),
+        human(quantile(&total_re, 0.5)),
+        human(quantile(&total_re, 0.99)),
     ));
     Ok(())
 }
@@ -626,7 +614,7 @@ async fn run_detection(
     let mut seed = 0x6465_7465u64;
     for i in 0..n {
         let name = format!("{prefix}-{i}");
-        api.create(&PostParams::default(), &meshed_pod(&name, node)?)
+        api.create(&PostParams::default(), &bench_pod(&name, node))
             .await?;
         // The pod is seen by the agent's watch before it runs; and it starts at a random
         // phase of a polling driver's interval (up to `phase_spread`).
@@ -693,7 +681,7 @@ async fn detection(
             "1000000",
         ],
     )?;
-    wait_for_ready(&agent).await?;
+    agent.wait_ready(Duration::from_secs(60)).await?;
     let ips: Vec<Ipv4Addr> = ours_ns.iter().map(|n| n.ip).collect();
     let ours = run_detection(client, ns, node, "d", &ips, n, Duration::ZERO, &deleted).await?;
     let requests = id.requests(cp, SystemTime::now() - Duration::from_secs(3600))?;
@@ -747,7 +735,7 @@ async fn detection(
     let real_sweep = Duration::from_secs(15);
     let validator = Duration::from_secs(10);
     for (q, label) in [(0.5, "p50"), (0.99, "p99")] {
-        let o = pct(&seen, q);
+        let o = quantile(&seen, q);
         let sweep = modeled(real_sweep, &work, q);
         table.row(
             &format!("detection: un-redirected pod Running → evicted, {label}"),
@@ -770,33 +758,22 @@ async fn detection(
     }
     table.note(format!(
         "Detection: {n} bare meshed pods, one at a time, each marked Running (status patch) with the IP of a real network namespace without redirect rules; timed from just before the status patch to a pod watch seeing the eviction's deletion timestamp. By the apiserver's clock (audit log), the eviction request arrived p50 {} / p99 {} after the status patch was sent ({} requests matched).",
-        human(pct(&requested, 0.5)),
-        human(pct(&requested, 0.99)),
+        human(quantile(&requested, 0.5)),
+        human(quantile(&requested, 0.99)),
         requested.len()
     ));
     table.note(format!(
         "Sweep model run for real at a {} interval: list the node's pods, `meshgate-agent inspect` each Running meshed pod, evict: phase p50 {} (expected {}), work after the sweep started p50 {} p99 {}, end to end at that interval p50 {} p99 {}. Modeled at 15 s: U(0, 15 s) + work. Cilium's watcher also skips pods younger than 30 s (unmanagedPodMinimalAge), which would add 30 s; not counted.",
         human(interval),
-        human(pct(&phase, 0.5)),
+        human(quantile(&phase, 0.5)),
         human(interval / 2),
-        human(pct(&work, 0.5)),
-        human(pct(&work, 0.99)),
-        human(pct(&total, 0.5)),
-        human(pct(&total, 0.99)),
+        human(quantile(&work, 0.5)),
+        human(quantile(&work, 0.99)),
+        human(quantile(&total, 0.5)),
+        human(quantile(&total, 0.99)),
     ));
     table.note("Linkerd's validator is modeled as its 10 s timeout alone (a lower bound; container start, crash-loop backoff or the repair controller's deletion come on top). It is fail-closed: the app container never starts without redirects, whereas a pod meshgate evicts ran unredirected for the detection time plus its termination grace period.".to_string());
     id.remove(client).await;
-    Ok(())
-}
-
-async fn wait_for_ready(agent: &Agent) -> anyhow::Result<()> {
-    let end = Instant::now() + Duration::from_secs(60);
-    while agent.admin_get("/ready").await.is_none_or(|r| r.0 != 200) {
-        if Instant::now() > end {
-            bail!("agent not ready:\n{}", agent.log());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     Ok(())
 }
 
@@ -809,23 +786,7 @@ fn log_values(log: &str, marker: &str, key: &str) -> Vec<u64> {
     log.lines()
         .filter(|l| l.contains(marker))
         .filter_map(|l| {
-            let plain: String = {
-                let mut out = String::new();
-                let mut chars = l.chars();
-                while let Some(c) = chars.next() {
-                    if c == '\u{1b}' {
-                        for c in chars.by_ref() {
-                            if c == 'm' {
-                                break;
-                            }
-                        }
-                    } else {
-                        out.push(c);
-                    }
-                }
-                out
-            };
-            plain
+            plain(l)
                 .split(&format!("{key}="))
                 .nth(1)?
                 .split_whitespace()
@@ -926,7 +887,7 @@ async fn sweep(
         &dirs,
         &["--profile", "linkerd", "--no-evict"],
     )?;
-    wait_for_ready(&agent).await?;
+    agent.wait_ready(Duration::from_secs(60)).await?;
     let rss_idle = agent.rss_kib().unwrap_or(0);
     let ips: HashMap<String, IpAddr> = (0..count)
         .map(|i| (format!("p-{i}"), IpAddr::V4(plan[i].0)))
@@ -938,11 +899,8 @@ async fn sweep(
         .map(|i| {
             let api = api.clone();
             async move {
-                api.create(
-                    &PostParams::default(),
-                    &meshed_pod(&format!("p-{i}"), node)?,
-                )
-                .await?;
+                api.create(&PostParams::default(), &bench_pod(&format!("p-{i}"), node))
+                    .await?;
                 anyhow::Ok(())
             }
         })
@@ -1056,8 +1014,8 @@ async fn sweep(
     let rss_end = agent.rss_kib().unwrap_or(0);
     drop(agent);
 
-    let p50 = pct(&per_pod, 0.5);
-    let p99 = pct(&per_pod, 0.99);
+    let p50 = quantile(&per_pod, 0.5);
+    let p99 = quantile(&per_pod, 0.99);
     table.row(
         "inspection cost per pod, p50",
         human(p50),
@@ -1076,7 +1034,7 @@ async fn sweep(
         "≤ 200 µs per pod",
         Some(p99 <= Duration::from_micros(200)),
     );
-    let sweep_p50 = pct(&sweeps, 0.5);
+    let sweep_p50 = quantile(&sweeps, 0.5);
     table.row(
         &format!("full sweep of {count} pods (in the daemon), p50 of {flips}"),
         human(sweep_p50),
@@ -1110,15 +1068,15 @@ async fn sweep(
         count - missing,
         first_pass.as_secs_f64(),
         per_pod.len(),
-        human(pct(&per_pod, 0.9)),
+        human(quantile(&per_pod, 0.9)),
         human(Duration::from_secs_f64(sum_h / count_h.max(1.0))),
     ));
     table.note(format!(
         "Full sweep: the config flipped {flips} times; each verdict change re-inspects every pod in one batch. Sweep = the batch's namespace survey + the sum of its per-pod inspections: p50 {} max {}; survey alone p50 {} max {}. `cargo bench -p meshgate-agent --bench inspect_sweep` measures the same work outside the daemon.",
         human(sweep_p50),
-        human(pct(&sweeps, 1.0)),
-        human(pct(&surveys, 0.5)),
-        human(pct(&surveys, 1.0)),
+        human(quantile(&sweeps, 1.0)),
+        human(quantile(&surveys, 0.5)),
+        human(quantile(&surveys, 1.0)),
     ));
     table.note(format!(
         "Agent RSS: {:.1} MiB ready with no pods, {:.1} MiB after the first pass over {count} pods, {:.1} MiB after the sweeps, {:.1} MiB after the idle window.",
@@ -1140,44 +1098,6 @@ async fn sweep(
 // ---------------------------------------------------------------------------------------
 // Webhook: 5,000 cached Nodes, latency and throughput on loopback
 // ---------------------------------------------------------------------------------------
-
-async fn create_nodes(
-    client: &Client,
-    verified: usize,
-    unverified: usize,
-) -> anyhow::Result<Duration> {
-    let api: Api<Node> = Api::all(client.clone());
-    let started = Instant::now();
-    let names = (0..verified)
-        .map(|i| (format!("wh-v-{i}"), "true"))
-        .chain((0..unverified).map(|i| (format!("wh-u-{i}"), "false")));
-    let results: Vec<anyhow::Result<()>> = futures::stream::iter(names)
-        .map(|(name, v)| {
-            let api = api.clone();
-            async move {
-                let node: Node = serde_json::from_value(json!({
-                    "metadata": {"name": name, "labels": {
-                        "kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
-                        "node.kubernetes.io/instance-type": "m6i.2xlarge",
-                        "topology.kubernetes.io/region": "eu-west-1", "topology.kubernetes.io/zone": "eu-west-1a",
-                        "eks.amazonaws.com/nodegroup": "general-purpose",
-                        meshgate_core::VERIFIED_LABEL: v,
-                    }},
-                    "spec": {"providerID": format!("aws:///eu-west-1a/i-{name}")}
-                }))?;
-                match api.create(&PostParams::default(), &node).await {
-                    Ok(_) => Ok(()),
-                    Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
-                    Err(e) => Err(e.into()),
-                }
-            }
-        })
-        .buffer_unordered(32)
-        .collect()
-        .await;
-    results.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
-    Ok(started.elapsed())
-}
 
 /// `meshgate_admission_duration_seconds` buckets as (upper bound, cumulative count).
 fn histogram(metrics: &str) -> Vec<(f64, f64)> {
@@ -1225,11 +1145,8 @@ async fn webhook(
 ) -> anyhow::Result<()> {
     eprintln!("webhook: 5,000 cached nodes, load at 2,000/s, 5,000/s and saturation ...");
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let pending: Pod = serde_json::from_value(json!({
-        "metadata": {"name": "pending", "labels": {MESH_LABEL: "linkerd"}},
-        "spec": {"schedulerName": "nobody", "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]}
-    }))?;
-    pods.create(&PostParams::default(), &pending).await?;
+    pods.create(&PostParams::default(), &pending_meshed_pod("pending"))
+        .await?;
     // SAFETY of set_var: see agent_log.
     unsafe { std::env::set_var("MESHGATE_WEBHOOK_LOG", "warn") };
     let mut hook = WebhookProcess::start(cp.admin_kubeconfig_path(), &[])?;
@@ -1392,7 +1309,7 @@ async fn main() -> anyhow::Result<()> {
         // The controller manager has no part in admission, but with 5,000 kubelet-less Nodes
         // its node-lifecycle work would share the 2 CPUs with the measurement: frozen.
         cp.freeze_component("kube-controller-manager", true)?;
-        let measured = match create_nodes(&client, 4500, 500).await {
+        let measured = match review_load::create_nodes(&client, "wh", 4500, 500, 32).await {
             Ok(created) => webhook(&cp, &client, &ns, created, &mut table).await,
             Err(e) => Err(e),
         };

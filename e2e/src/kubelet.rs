@@ -21,8 +21,8 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{
-    Node, NodeAddress, NodeCondition, NodeDaemonEndpoints, NodeSpec as K8sNodeSpec, NodeStatus,
-    NodeSystemInfo, Pod, Taint,
+    Container, Node, NodeAddress, NodeCondition, NodeDaemonEndpoints, NodeSpec as K8sNodeSpec,
+    NodeStatus, NodeSystemInfo, Pod, Taint,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, OwnerReference, Time};
@@ -395,37 +395,37 @@ fn running_status_patch(
     .iter()
     .map(|t| json!({ "type": t, "status": "True", "lastTransitionTime": now }))
     .collect();
+    // App containers run; init containers ran to completion before them.
+    let container_status = |c: &Container, running: bool| {
+        let state = if running {
+            json!({ "running": { "startedAt": now } })
+        } else {
+            json!({ "terminated": { "exitCode": 0, "reason": "Completed", "startedAt": now, "finishedAt": now } })
+        };
+        let mut status = json!({
+            "name": c.name,
+            "image": c.image.clone().unwrap_or_default(),
+            "imageID": "",
+            "containerID": format!("meshgate-e2e://{uid}/{}", c.name),
+            "ready": true,
+            "restartCount": 0,
+            "state": state,
+        });
+        if running {
+            status["started"] = json!(true);
+        }
+        status
+    };
     let containers: Vec<_> = spec
         .containers
         .iter()
-        .map(|c| {
-            json!({
-                "name": c.name,
-                "image": c.image.clone().unwrap_or_default(),
-                "imageID": "",
-                "containerID": format!("meshgate-e2e://{uid}/{}", c.name),
-                "ready": true,
-                "started": true,
-                "restartCount": 0,
-                "state": { "running": { "startedAt": now } },
-            })
-        })
+        .map(|c| container_status(c, true))
         .collect();
     let init: Vec<_> = spec
         .init_containers
         .unwrap_or_default()
         .iter()
-        .map(|c| {
-            json!({
-                "name": c.name,
-                "image": c.image.clone().unwrap_or_default(),
-                "imageID": "",
-                "containerID": format!("meshgate-e2e://{uid}/{}", c.name),
-                "ready": true,
-                "restartCount": 0,
-                "state": { "terminated": { "exitCode": 0, "reason": "Completed", "startedAt": now, "finishedAt": now } },
-            })
-        })
+        .map(|c| container_status(c, false))
         .collect();
     let mut status = json!({
         "phase": "Running",
@@ -587,6 +587,8 @@ mod tests {
         assert_eq!(s["containerStatuses"][0]["name"], "app");
         assert_eq!(s["containerStatuses"][0]["ready"], true);
         assert!(s["containerStatuses"][0]["state"]["running"]["startedAt"].is_string());
+        assert_eq!(s["containerStatuses"][0]["started"], true);
+        assert!(s["initContainerStatuses"][0].get("started").is_none());
         assert_eq!(
             s["initContainerStatuses"][0]["state"]["terminated"]["exitCode"],
             0

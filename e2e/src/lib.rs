@@ -7,6 +7,11 @@
 //! `kube::Client`s; a kubelet stand-in ([`kubelet`]) that registers Nodes and runs their pods;
 //! and ServiceAccount tokens ([`identity`]) so components run under their real identities.
 //!
+//! Beside it, the simulated pieces the tests, the demo and the benchmarks share: a node's CNI
+//! dirs and agent ([`node_sim`]), pods ([`pod_sim`]), pod network namespaces ([`netns_sim`]),
+//! the webhook's wiring ([`webhook_sim`]), a load generator for it ([`review_load`]) and the
+//! quantiles the benchmarks report ([`stats`]).
+//!
 //! Tests share one control plane per test binary through [`ControlPlane::shared`] and isolate
 //! themselves with their own namespace ([`ControlPlane::create_namespace`]) and node names
 //! ([`unique_name`]).
@@ -21,8 +26,10 @@ pub mod netns_sim;
 pub mod node_sim;
 pub mod paths;
 pub mod pki;
+pub mod pod_sim;
 mod process;
 pub mod review_load;
+pub mod stats;
 pub mod wait;
 pub mod webhook_sim;
 

@@ -1,14 +1,19 @@
-//! Pod network namespaces for the e2e tests and the demo: real `ip netns` namespaces whose
-//! loopback holds the pod's IP, with or without linkerd proxy-init's real redirect rules.
+//! Network namespaces for the e2e tests, the demo, the benchmarks and the agent's privileged
+//! tests: real `ip netns` namespaces, and pod namespaces whose loopback holds the pod's IP,
+//! with or without linkerd proxy-init's real redirect rules.
 //!
-//! In: an IPv4 address and the rules to install. Out: a [`PodNetns`] that the agent finds by
-//! address, deleted on drop. Loopback only: nothing routes anywhere, no traffic leaves.
+//! In: a name tag, scripts to run inside (addresses, iptables, `nft -f`); for a pod, an IPv4
+//! address and the rules to install. Out: a [`Netns`] (its path, a process inside it on
+//! request) or a [`PodNetns`] that the agent finds by address, deleted on drop.
+//! Loopback only, unless a script adds more: nothing routes anywhere, no traffic leaves.
 
 use std::net::Ipv4Addr;
-use std::process::Command;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
 
-use anyhow::{Context, ensure};
+use anyhow::{Context, bail, ensure};
 
 /// What a namespace's NAT table holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,19 +42,27 @@ pub fn sh(args: &[&str]) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// Fails (never skips) when this machine cannot create namespaces and rules.
+/// Fails (never skips) when this machine cannot create pod namespaces and their rules.
 pub fn require_privileges() -> anyhow::Result<()> {
+    require_tools(&["ip", "iptables-nft", "iptables-legacy"])
+}
+
+/// Fails (never skips) unless this runs as root with every one of `tools` on PATH.
+pub fn require_tools(tools: &[&str]) -> anyhow::Result<()> {
     ensure!(
         nix::unistd::geteuid().is_root(),
-        "pod network namespaces need root"
+        "network namespaces and netfilter rules need root (e.g. `sudo -E cargo test ...`)"
     );
-    for tool in ["ip", "iptables-nft", "iptables-legacy"] {
-        ensure!(
-            std::env::var_os("PATH")
-                .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file())),
-            "{tool} is missing: install iproute2 and iptables (e2e/install-deps.sh)"
-        );
-    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let missing: Vec<&str> = tools
+        .iter()
+        .copied()
+        .filter(|t| !std::env::split_paths(&path).any(|d| d.join(t).is_file()))
+        .collect();
+    ensure!(
+        missing.is_empty(),
+        "missing tools {missing:?}: install iproute2, iptables and nftables (e2e/install-deps.sh)"
+    );
     Ok(())
 }
 
@@ -82,12 +95,91 @@ pub fn linkerd_rules(ipt: &str) -> String {
     )
 }
 
-/// A named network namespace whose loopback holds the pod's /32 (scope global, like a pod
-/// IP); deleted on drop, also when a test fails.
+/// A named network namespace with its loopback up; deleted on drop (also when a test fails),
+/// after the process [`Netns::spawn_sleeper`] started in it, if any.
 #[derive(Debug)]
-pub struct PodNetns {
+pub struct Netns {
     /// The `ip netns` name.
     pub name: String,
+    sleeper: Option<Child>,
+}
+
+impl Netns {
+    /// Creates `mg-<tag>-<pid>-<n>`: unique in this process, and across concurrent runs.
+    pub fn new(tag: &str) -> anyhow::Result<Self> {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "mg-{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        );
+        sh(&["ip", "netns", "add", &name])?;
+        let ns = Self {
+            name,
+            sleeper: None,
+        };
+        ns.exec("ip link set lo up")?;
+        Ok(ns)
+    }
+
+    /// Its bind mount under `/var/run/netns`: what the agent opens.
+    pub fn path(&self) -> PathBuf {
+        PathBuf::from(format!("/var/run/netns/{}", self.name))
+    }
+
+    /// Runs a shell script inside the namespace (`sh -e`: every line must succeed); its stdout.
+    pub fn exec(&self, script: &str) -> anyhow::Result<String> {
+        sh(&["ip", "netns", "exec", &self.name, "sh", "-ec", script])
+    }
+
+    /// Loads an nftables script inside the namespace with `nft -f`.
+    pub fn nft(&self, script: &str) -> anyhow::Result<()> {
+        self.exec(&format!(
+            "nft -f - <<'MESHGATE_NFT'\n{script}\nMESHGATE_NFT"
+        ))
+        .with_context(|| format!("nft -f in {}:\n{script}", self.name))?;
+        Ok(())
+    }
+
+    /// Starts a long sleep inside the namespace and returns its pid once the process is in
+    /// it (`ip netns exec` switches namespaces, then execs in place). Killed on drop.
+    pub fn spawn_sleeper(&mut self) -> anyhow::Result<u32> {
+        use std::os::unix::fs::MetadataExt;
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.name, "sleep", "300"])
+            .stdin(Stdio::null())
+            .spawn()
+            .context("spawning a process in the namespace")?;
+        let pid = child.id();
+        self.sleeper = Some(child);
+        let want = std::fs::metadata(self.path())?.ino();
+        for _ in 0..200 {
+            if std::fs::metadata(format!("/proc/{pid}/ns/net")).is_ok_and(|m| m.ino() == want) {
+                return Ok(pid);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        bail!("process {pid} never entered {}", self.name)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.sleeper.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .output();
+    }
+}
+
+/// A pod's network namespace: its loopback holds the pod's /32 (scope global, like a pod
+/// IP), with the rules asked for; deleted on drop.
+#[derive(Debug)]
+pub struct PodNetns {
+    netns: Netns,
     /// The pod IP it holds.
     pub ip: Ipv4Addr,
 }
@@ -95,31 +187,22 @@ pub struct PodNetns {
 impl PodNetns {
     /// Creates the namespace with `ip` and `rules`.
     pub fn new(ip: Ipv4Addr, rules: Rules) -> anyhow::Result<Self> {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let name = format!(
-            "mgp-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        );
-        sh(&["ip", "netns", "add", &name])?;
-        let ns = Self { name, ip };
-        ns.exec(&format!("ip link set lo up\nip addr add {ip}/32 dev lo"))?;
+        let ns = Self {
+            netns: Netns::new("pod")?,
+            ip,
+        };
+        ns.exec(&format!("ip addr add {ip}/32 dev lo"))?;
         if let Rules::Linkerd(ipt) = rules {
             ns.exec(&linkerd_rules(ipt))?;
         }
         Ok(ns)
     }
-
-    /// Runs a shell script inside the namespace.
-    pub fn exec(&self, script: &str) -> anyhow::Result<String> {
-        sh(&["ip", "netns", "exec", &self.name, "sh", "-ec", script])
-    }
 }
 
-impl Drop for PodNetns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .output();
+impl std::ops::Deref for PodNetns {
+    type Target = Netns;
+
+    fn deref(&self) -> &Netns {
+        &self.netns
     }
 }

@@ -2,7 +2,8 @@
 //! plugins, and `meshgate-agent run` as a real process against a control plane.
 //!
 //! In: a [`ControlPlane`], a node name, flags. Out: handles to rewrite configs and plugins
-//! atomically (as installers do), kill and restart the agent, and read its admin endpoints.
+//! atomically (as installers do), kill and restart the agent, and read its admin endpoints
+//! and its log; the Node's gate as the agent writes it (taint, condition, label).
 //! Shared by the e2e tests, the demo and the benchmarks.
 
 use std::fs;
@@ -294,6 +295,18 @@ impl Agent {
         http_get(self.admin, path).await
     }
 
+    /// Waits until `/ready` answers 200, up to `timeout`; the error carries the agent's log.
+    pub async fn wait_ready(&self, timeout: Duration) -> anyhow::Result<()> {
+        let end = std::time::Instant::now() + timeout;
+        while self.admin_get("/ready").await.is_none_or(|r| r.0 != 200) {
+            if std::time::Instant::now() > end {
+                anyhow::bail!("agent not ready within {timeout:?}:\n{}", self.log());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
+
     /// The value of one sample line of /metrics (`name{labels}` exactly as printed).
     pub async fn metric(&self, sample: &str) -> Option<f64> {
         let (_, body) = self.admin_get("/metrics").await?;
@@ -311,6 +324,31 @@ impl Drop for Agent {
     fn drop(&mut self) {
         self.kill9();
     }
+}
+
+/// `text` without terminal colour codes (`ESC [ ... m`): the agent's log as its fields read,
+/// for matching `key=value`.
+pub fn plain(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The last `lines` lines of `text` (a log, for assertion messages).
+pub fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
 }
 
 /// Whether the Node carries meshgate's taint.

@@ -1,26 +1,38 @@
-//! An open-loop AdmissionReview load generator for `meshgate-webhook`, over real TLS on
-//! loopback: what the benchmarks and the fault suite drive the webhook with.
+//! An AdmissionReview load generator for `meshgate-webhook`, over real TLS on loopback: what
+//! the benchmarks (`make bench`, `webhook/bench/run.sh`) and the fault suite drive the webhook
+//! with, and the cluster objects those reviews name.
 //!
 //! In: the webhook's address, the CA that signed its certificate, a set of [`Review`]s with
 //! the answers they must get, a rate, a duration and a number of keep-alive connections.
 //! Out: one [`Sample`] per request (when it was due, sent and answered, and whether the answer
-//! was right), summarized by [`Report`].
+//! was right), summarized by [`Report`]. Beside it, [`create_nodes`] registers the verified and
+//! unverified Nodes the reviews name, labelled as cloud nodes are, for the webhook's cache.
 //!
-//! Open loop: request `k` is due at `start + k / rate`, whatever happened to earlier ones, and
-//! its latency is measured from when it was *due*, so a stall shows up as the queueing it
-//! causes instead of silently lowering the offered rate (coordinated omission). Requests are
-//! spread round-robin over the connections; each connection sends its next request when it is
-//! due or, if it is still busy, as soon as the previous answer arrives. A broken connection is
-//! re-established for the next request; the request that hit it is counted as failed.
+//! Open loop (a finite rate): request `k` is due at `start + k / rate`, whatever happened to
+//! earlier ones, and its latency is measured from when it was *due*, so a stall shows up as the
+//! queueing it causes instead of silently lowering the offered rate (coordinated omission).
+//! Requests are spread round-robin over the connections; each connection sends its next
+//! request when it is due or, if it is still busy, as soon as the previous answer arrives.
+//! Closed loop (`rate` = infinity): each connection sends its next request as soon as the
+//! previous answer arrives, which measures throughput at saturation and the service time.
+//! A broken connection is re-established for the next request; the request that hit it is
+//! counted as failed.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
+use k8s_openapi::api::core::v1::Node;
+use kube::Client;
+use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
+
+use crate::stats::quantile;
+use crate::wait::API_TIMEOUT;
 
 /// One request body and the answer it must get.
 #[derive(Clone, Debug)]
@@ -139,7 +151,8 @@ pub struct Spec {
     pub connector: tokio_rustls::TlsConnector,
     /// Bodies, sent in turn.
     pub reviews: Arc<Vec<Review>>,
-    /// Requests per second offered.
+    /// Requests per second offered; `f64::INFINITY` for a closed loop (each connection
+    /// sends as soon as its previous answer arrived).
     pub rate: f64,
     /// How long to offer them.
     pub duration: Duration,
@@ -182,14 +195,6 @@ pub struct Report {
     pub start: Option<Instant>,
 }
 
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
-
 impl Report {
     /// Requests answered right.
     pub fn right(&self) -> usize {
@@ -209,23 +214,21 @@ impl Report {
 
     /// Latency (due → answered) of the right answers, sorted.
     pub fn latencies(&self) -> Vec<Duration> {
-        let mut v: Vec<Duration> = self
-            .samples
-            .iter()
-            .filter(|s| s.outcome == Outcome::Right)
-            .map(|s| s.done.saturating_duration_since(s.due))
-            .collect();
-        v.sort();
-        v
+        self.right_since(|s| s.due)
     }
 
     /// Service time (sent → answered) of the right answers, sorted.
     pub fn service_times(&self) -> Vec<Duration> {
+        self.right_since(|s| s.sent)
+    }
+
+    /// For each right answer, the time from `from(sample)` to the answer, sorted.
+    fn right_since(&self, from: impl Fn(&Sample) -> Instant) -> Vec<Duration> {
         let mut v: Vec<Duration> = self
             .samples
             .iter()
             .filter(|s| s.outcome == Outcome::Right)
-            .map(|s| s.done.saturating_duration_since(s.sent))
+            .map(|s| s.done.saturating_duration_since(from(s)))
             .collect();
         v.sort();
         v
@@ -233,7 +236,7 @@ impl Report {
 
     /// The `p` quantile (0..=1) of [`Self::latencies`].
     pub fn latency(&self, p: f64) -> Duration {
-        pct(&self.latencies(), p)
+        quantile(&self.latencies(), p)
     }
 
     /// Right answers per second over the span from the first due time to the last answer.
@@ -255,11 +258,11 @@ impl Report {
             self.right(),
             self.errors().len(),
             self.throughput(),
-            pct(&lat, 0.5).as_secs_f64() * 1e3,
-            pct(&lat, 0.99).as_secs_f64() * 1e3,
-            pct(&lat, 1.0).as_secs_f64() * 1e3,
-            pct(&svc, 0.5).as_secs_f64() * 1e3,
-            pct(&svc, 0.99).as_secs_f64() * 1e3,
+            quantile(&lat, 0.5).as_secs_f64() * 1e3,
+            quantile(&lat, 0.99).as_secs_f64() * 1e3,
+            quantile(&lat, 1.0).as_secs_f64() * 1e3,
+            quantile(&svc, 0.5).as_secs_f64() * 1e3,
+            quantile(&svc, 0.99).as_secs_f64() * 1e3,
         )
     }
 }
@@ -327,7 +330,11 @@ async fn connection_loop(spec: Arc<Spec>, index: usize, start: Instant) -> Vec<S
     let mut sender: Option<Sender> = None;
     let mut k: u32 = 0;
     loop {
-        let due = start + offset + interval * k;
+        let due = if spec.rate.is_finite() {
+            start + offset + interval * k
+        } else {
+            Instant::now().max(start)
+        };
         if due >= end {
             break;
         }
@@ -335,7 +342,15 @@ async fn connection_loop(spec: Arc<Spec>, index: usize, start: Instant) -> Vec<S
         tokio::time::sleep_until(due.into()).await;
         let review = &spec.reviews[(index + (k as usize) * spec.connections) % spec.reviews.len()];
         let sent = Instant::now();
-        if sender.as_ref().is_none_or(|s| s.is_closed()) {
+        // A connection the server closed, or said it would close (`Connection: close` on the
+        // last answer, as a stopping webhook does), is not reused: `ready` waits for the
+        // connection's state to settle instead of racing the close (RFC 9112 §9.6).
+        if let Some(s) = sender.as_mut()
+            && s.ready().await.is_err()
+        {
+            sender = None;
+        }
+        if sender.is_none() {
             sender = match connect(&spec).await {
                 Ok(s) => Some(s),
                 Err(e) => {
@@ -387,6 +402,61 @@ pub async fn run(spec: Spec) -> Report {
         }
     }
     report
+}
+
+/// A Node named `name` with the labels a cloud node carries (hostname, os, arch, instance
+/// type, region, zone, node group) and meshgate's verified label, as the webhook caches it.
+pub fn cloud_node(name: &str, verified: bool) -> anyhow::Result<Node> {
+    Ok(serde_json::from_value(json!({
+        "metadata": {"name": name, "labels": {
+            "kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
+            "node.kubernetes.io/instance-type": "m6i.2xlarge",
+            "topology.kubernetes.io/region": "eu-west-1", "topology.kubernetes.io/zone": "eu-west-1a",
+            "eks.amazonaws.com/nodegroup": "general-purpose",
+            meshgate_core::VERIFIED_LABEL: if verified { "true" } else { "false" },
+        }},
+        "spec": {"providerID": format!("aws:///eu-west-1a/i-{name}")}
+    }))?)
+}
+
+/// Creates `verified` [`cloud_node`]s named `<prefix>-v-<i>` and `unverified` ones named
+/// `<prefix>-u-<i>`, `parallel` creates at a time, each bounded by [`API_TIMEOUT`]; a Node
+/// that already exists counts as created. Returns how long it took.
+pub async fn create_nodes(
+    client: &Client,
+    prefix: &str,
+    verified: usize,
+    unverified: usize,
+    parallel: usize,
+) -> anyhow::Result<Duration> {
+    let api: Api<Node> = Api::all(client.clone());
+    let started = Instant::now();
+    let names = (0..verified)
+        .map(|i| (format!("{prefix}-v-{i}"), true))
+        .chain((0..unverified).map(|i| (format!("{prefix}-u-{i}"), false)));
+    let results: Vec<anyhow::Result<()>> = futures::stream::iter(names)
+        .map(|(name, v)| {
+            let api = api.clone();
+            async move {
+                let node = cloud_node(&name, v)?;
+                match tokio::time::timeout(API_TIMEOUT, api.create(&PostParams::default(), &node))
+                    .await
+                {
+                    Ok(Ok(_)) => Ok(()),
+                    Ok(Err(kube::Error::Api(s))) if s.code == 409 => Ok(()),
+                    Ok(Err(e)) => Err(anyhow::Error::new(e).context(format!("creating {name}"))),
+                    Err(_) => anyhow::bail!("creating {name}: no answer within {API_TIMEOUT:?}"),
+                }
+            }
+        })
+        .buffer_unordered(parallel.max(1))
+        .collect()
+        .await;
+    let failed: Vec<anyhow::Error> = results.into_iter().filter_map(Result::err).collect();
+    if let Some(first) = failed.first() {
+        anyhow::bail!("{} node creates failed, first: {first:#}", failed.len());
+    }
+    Ok(started.elapsed())
 }
 
 /// `meshgate-webhook` as a real process with a test CA's loopback certificate, pointed at a
@@ -549,6 +619,99 @@ impl Drop for WebhookProcess {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+    /// A TLS server on loopback that answers every review after `delay`, right for the
+    /// reviews built below: allowed unless the uid starts with `refuse`.
+    async fn answering_server(
+        ca: &crate::webhook_sim::TestCa,
+        delay: Duration,
+    ) -> anyhow::Result<SocketAddr> {
+        let dir = tempfile::tempdir()?;
+        let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+        ca.issue(&cert, &key)?;
+        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![CertificateDer::from_pem_file(&cert)?],
+            PrivateKeyDer::from_pem_file(&key)?,
+        )?;
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    // As the webhook does: no Nagle delay on small answers.
+                    let _ = tcp.set_nodelay(true);
+                    let Ok(tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let answer = hyper::service::service_fn(
+                        move |req: http::Request<hyper::body::Incoming>| async move {
+                            let body = req.into_body().collect().await?.to_bytes();
+                            let review: Value = serde_json::from_slice(&body).unwrap_or_default();
+                            let uid = review["request"]["uid"].as_str().unwrap_or_default();
+                            let allowed = !uid.starts_with("refuse");
+                            tokio::time::sleep(delay).await;
+                            let out = json!({"response": {"uid": uid, "allowed": allowed}});
+                            Ok::<_, hyper::Error>(http::Response::new(Full::new(Bytes::from(
+                                out.to_string(),
+                            ))))
+                        },
+                    );
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(tls), answer)
+                        .await;
+                });
+            }
+        });
+        Ok(addr)
+    }
+
+    #[tokio::test]
+    async fn open_loop_paces_requests_and_closed_loop_sends_back_to_back() {
+        let ca = crate::webhook_sim::TestCa::new().unwrap();
+        let service = Duration::from_millis(2);
+        let addr = answering_server(&ca, service).await.unwrap();
+        let reviews = Arc::new(vec![
+            pod_review("allow-1", "n", true, true),
+            pod_review("refuse-1", "n", true, false),
+            binding_review("refuse-2", "ns", "p", "n", false),
+        ]);
+        let spec = |rate: f64| Spec {
+            addr,
+            path: "/validate".into(),
+            connector: tls_connector(ca.der()).unwrap(),
+            reviews: reviews.clone(),
+            rate,
+            duration: Duration::from_millis(500),
+            connections: 2,
+        };
+
+        // Open loop, 100/s for 0.5 s over 2 connections: exactly 50 requests, one every
+        // 20 ms per connection, every answer right.
+        let open = run(spec(100.0)).await;
+        assert_eq!(open.samples.len(), 50);
+        assert_eq!(open.right(), 50, "{:?}", open.errors().first());
+
+        // Closed loop: each connection sends as soon as its answer is back: far more than the
+        // paced run's 50 (at most one per service time and connection), all right.
+        let closed = run(spec(f64::INFINITY)).await;
+        assert!(closed.errors().is_empty(), "{:?}", closed.errors().first());
+        let most = 2 * (500 / service.as_millis() as usize);
+        assert!(
+            (51..=most).contains(&closed.samples.len()),
+            "at most {most} possible in 0.5 s: {}",
+            closed.summary()
+        );
+        assert!(closed.latency(0.5) >= service);
+    }
 
     #[test]
     fn answers_are_judged_by_status_uid_and_allowed() {

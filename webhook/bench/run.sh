@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Benchmarks meshgate-webhook on loopback: latency percentiles and throughput per scenario,
-# measured by a load generator in a second process, and the webhook's RSS with an empty node
-# cache and with 5,000 Nodes in it.
+# measured by a load generator in a second process (the e2e harness's review_load, as the
+# example e2e/examples/webhook_load.rs), and the webhook's RSS with an empty node cache and
+# with 5,000 Nodes in it.
 #
 # In: a built Kubernetes (MESHGATE_K8S_BIN_DIR, default the install-deps.sh cache), root.
 # Out: one JSON line per scenario on stdout, RSS figures and the server-side histogram on
@@ -17,11 +18,12 @@ DURATION=${3:-10}
 CONNECTIONS=${4:-8}
 export MESHGATE_K8S_BIN_DIR=${MESHGATE_K8S_BIN_DIR:-/root/.cache/meshgate/kubernetes/v1.35.4/bin}
 
-cargo build --release --locked -p meshgate-webhook --bin meshgate-webhook --example loadgen >&2
+cargo build --release --locked -p meshgate-webhook --bin meshgate-webhook >&2
+cargo build --release --locked -p meshgate-e2e --example webhook_load >&2
 # The control-plane launcher only starts processes: a debug build is enough.
 cargo build --locked -p meshgate-e2e --bin meshgate-e2e >&2
 WEBHOOK=target/release/meshgate-webhook
-LOADGEN=target/release/examples/loadgen
+LOADGEN=target/release/examples/webhook_load
 E2E=target/debug/meshgate-e2e
 
 work=$(mktemp -d /tmp/meshgate-bench.XXXXXX)

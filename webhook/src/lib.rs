@@ -9,13 +9,16 @@
 //! - [`cache`]: the real cluster view (metadata watches, bounded API fallbacks).
 //! - [`server`]: routes, limits, TLS accept loop, graceful shutdown; [`tls`]: certificates
 //!   re-read on change.
+//! - [`shutdown`]: the stop sequence (signal → not ready but serving for `--shutdown-delay`
+//!   → drain within `--shutdown-timeout` → admin server stops).
 //! - [`metrics`]: the contract metrics, served by `meshgate_runtime::admin` with the agent's
-//!   admin server; logging, client, profiles and signals come from `meshgate_runtime` too.
+//!   admin server; logging, client and profiles come from `meshgate_runtime` too.
 
 pub mod cache;
 pub mod metrics;
 pub mod review;
 pub mod server;
+pub mod shutdown;
 pub mod tls;
 
 /// `--log-format` values (shared with the agent).
@@ -31,7 +34,7 @@ use anyhow::Context as _;
 use meshgate_core::profile::ProfileSet;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, oneshot, watch};
 
 /// `meshgate-webhook` command line (contract: `--listen --tls-cert --tls-key [--kubeconfig]
 /// [--admin-addr] [--profile ...]`).
@@ -74,7 +77,14 @@ pub struct Args {
     /// Largest accepted request body in bytes.
     #[arg(long, env = "MESHGATE_MAX_BODY_BYTES", default_value_t = 3 * 1024 * 1024)]
     pub max_body_bytes: usize,
-    /// How long in-flight requests may take to finish after SIGTERM.
+    /// How long to keep accepting and answering after SIGTERM, with `/ready` answering 503,
+    /// before the listener closes. The default, 5 s, covers the endpoint removal reaching the
+    /// apiserver: a readiness probe failing twice 1 s apart (or the pod's deletion), then the
+    /// EndpointSlice update and kube-proxy's sync (1 s minimum period), with room to spare;
+    /// it adds only 5 s to a rollout. A second SIGTERM/SIGINT ends the delay early.
+    #[arg(long, env = "MESHGATE_SHUTDOWN_DELAY", default_value = "5s", value_parser = parse_duration)]
+    pub shutdown_delay: Duration,
+    /// How long in-flight requests may take to finish once the shutdown delay is over.
     #[arg(long, env = "MESHGATE_SHUTDOWN_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,
     /// Log format on stderr (`RUST_LOG` filters, default `info`).
@@ -107,20 +117,37 @@ pub fn load_profiles(args: &Args) -> anyhow::Result<ProfileSet> {
     meshgate_runtime::profiles::load(&args.profiles, args.profile_file.as_deref())
 }
 
-/// Runs the webhook until SIGTERM/SIGINT.
+/// Runs the webhook until SIGTERM/SIGINT (and the shutdown delay and drain after it).
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
-    run_on(args, listener, meshgate_runtime::shutdown::signal()).await
+    let (requests, signals) =
+        shutdown::signals().context("installing the SIGTERM and SIGINT handlers")?;
+    let result = run_with(args, listener, requests).await;
+    signals.abort();
+    result
 }
 
-/// Runs the webhook on an already-bound listener until `shutdown` resolves (tests and
-/// embedders pick their own port and stop condition).
+/// Runs the webhook on an already-bound listener until `shutdown` resolves, then keeps
+/// serving for `--shutdown-delay` and drains (tests and embedders pick their own port and
+/// stop condition).
 pub async fn run_on(
     args: Args,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let (requests, feeder) = shutdown::once(shutdown);
+    let result = run_with(args, listener, requests).await;
+    feeder.abort();
+    result
+}
+
+/// Builds the client, caches and servers, and serves until the stop sequence has run.
+async fn run_with(
+    args: Args,
+    listener: TcpListener,
+    requests: mpsc::Receiver<()>,
 ) -> anyhow::Result<()> {
     let profiles = load_profiles(&args)?;
     let tls = tls::server_config(&args.tls_cert, &args.tls_key)?;
@@ -138,31 +165,13 @@ pub async fn run_on(
         tokio::spawn(watches.synced),
     ];
 
-    // One shutdown signal fanned out to the admin server and the TLS server.
-    let (stop_tx, stop_rx) = watch::channel(false);
-    tokio::spawn(async move {
-        shutdown.await;
-        let _ = stop_tx.send(true);
-    });
-    let stopped = move || {
-        let mut rx = stop_rx.clone();
-        async move {
-            let _ = rx.wait_for(|s| *s).await;
-        }
-    };
-
     let admin = match args.admin_addr {
         Some(addr) => {
             let l = TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("binding admin address {addr}"))?;
             tracing::info!(addr = %l.local_addr()?, "admin server listening");
-            Some(tokio::spawn(meshgate_runtime::admin::serve(
-                l,
-                registry.clone(),
-                ready_rx.clone(),
-                stopped(),
-            )))
+            Some(l)
         }
         None => None,
     };
@@ -172,6 +181,7 @@ pub async fn run_on(
         addr = %listener.local_addr()?,
         profiles = ?profile_names,
         request_timeout = ?args.request_timeout,
+        shutdown_delay = ?args.shutdown_delay,
         "webhook listening"
     );
     let reviewer = Arc::new(review::Reviewer::new(caches, profiles, metrics));
@@ -179,12 +189,76 @@ pub async fn run_on(
         max_body_bytes: args.max_body_bytes,
         request_timeout: args.request_timeout,
     };
-    let app = server::router(reviewer, ready_rx, limits);
-    server::serve_tls(listener, tls, app, stopped(), args.shutdown_timeout).await;
+    let servers = Servers {
+        listener,
+        tls,
+        app: server::router(reviewer, ready_rx.clone(), limits),
+        admin,
+        registry,
+        synced: ready_rx,
+    };
+    let stop = Stop {
+        requests,
+        delay: args.shutdown_delay,
+        drain: args.shutdown_timeout,
+    };
+    serve_until_stopped(servers, stop).await;
 
     for t in watch_tasks {
         t.abort();
     }
+    tracing::info!("webhook stopped");
+    Ok(())
+}
+
+/// The bound sockets and what they serve.
+struct Servers {
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    app: axum::Router,
+    admin: Option<TcpListener>,
+    registry: Arc<Registry>,
+    /// True once the caches have synced.
+    synced: watch::Receiver<bool>,
+}
+
+/// When and how to stop.
+struct Stop {
+    requests: mpsc::Receiver<()>,
+    delay: Duration,
+    drain: Duration,
+}
+
+/// Serves until the stop sequence has run: a stop request turns `/ready` to 503 while the
+/// TLS server keeps serving for `delay`; then the TLS server drains (at most `drain`); the
+/// admin server stops last, so `/live` stays 200 (the kubelet must not restart a draining
+/// pod) and `/metrics` can be scraped to the end.
+async fn serve_until_stopped(servers: Servers, stop: Stop) {
+    let (phase_tx, phase) = shutdown::phase_channel();
+    let sequence = tokio::spawn(shutdown::sequence(stop.requests, stop.delay, phase_tx));
+    let (admin_stop, admin_stopped) = oneshot::channel::<()>();
+    let admin = servers.admin.map(|l| {
+        tokio::spawn(meshgate_runtime::admin::serve(
+            l,
+            servers.registry.clone(),
+            shutdown::Readiness::new(servers.synced.clone(), phase.clone()),
+            async move {
+                let _ = admin_stopped.await;
+            },
+        ))
+    });
+
+    server::serve_tls(
+        servers.listener,
+        servers.tls,
+        servers.app,
+        phase,
+        stop.drain,
+    )
+    .await;
+    sequence.abort();
+
+    drop(admin_stop);
     if let Some(a) = admin {
         match tokio::time::timeout(Duration::from_secs(2), a).await {
             Ok(Ok(Ok(()))) => {}
@@ -193,8 +267,6 @@ pub async fn run_on(
             Err(_) => tracing::warn!("admin server did not stop in time"),
         }
     }
-    tracing::info!("webhook stopped");
-    Ok(())
 }
 
 #[cfg(test)]
@@ -251,5 +323,186 @@ mod tests {
         .unwrap();
         assert!(load_profiles(&bad).is_err());
         assert!(Args::try_parse_from(["meshgate-webhook", "--listen", "x"]).is_err());
+    }
+
+    /// A plain HTTP/1.0 GET on the admin port: the status, or `None` when nothing answers.
+    async fn admin_status(addr: SocketAddr, path: &str) -> Option<u16> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+            .await
+            .ok()?;
+        let mut out = String::new();
+        tokio::time::timeout(Duration::from_secs(2), s.read_to_string(&mut out))
+            .await
+            .ok()?
+            .ok()?;
+        out.split_whitespace().nth(1)?.parse().ok()
+    }
+
+    struct Running {
+        pki: server::tests::Pki,
+        addr: SocketAddr,
+        admin: SocketAddr,
+        requests: mpsc::Sender<()>,
+        task: tokio::task::JoinHandle<()>,
+        _synced: watch::Sender<bool>,
+        _dir: tempfile::TempDir,
+    }
+
+    /// The TLS and admin servers over a fake cluster whose pod lookups take `lookup`, with
+    /// synced caches, as `run_with` assembles them.
+    async fn running(lookup: Duration, delay: Duration) -> Running {
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+        let pki = server::tests::Pki::new();
+        pki.issue(&cert, &key);
+        let mut cluster = review::tests::fake_cluster();
+        cluster.delay = Some(lookup);
+        let (app, synced_tx) = server::tests::app(cluster, true, server::Limits::default());
+        let synced = synced_tx.subscribe();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let admin_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let admin = admin_listener.local_addr().unwrap();
+        let (requests, rx) = mpsc::channel(4);
+        let servers = Servers {
+            listener,
+            tls: tls::server_config(&cert, &key).unwrap(),
+            app,
+            admin: Some(admin_listener),
+            registry: Arc::new(Registry::default()),
+            synced,
+        };
+        let stop = Stop {
+            requests: rx,
+            delay,
+            drain: Duration::from_secs(5),
+        };
+        let task = tokio::spawn(serve_until_stopped(servers, stop));
+        assert_eq!(admin_status(admin, "/ready").await, Some(200));
+        Running {
+            pki,
+            addr,
+            admin,
+            requests,
+            task,
+            _synced: synced_tx,
+            _dir: dir,
+        }
+    }
+
+    /// SIGTERM as the kubelet sends it: `/ready` turns 503 at once while `/live` stays 200 and
+    /// new connections are still accepted and answered for the delay; then the listener
+    /// closes, a review in flight finishes, and the admin server outlives the TLS server.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn after_a_stop_request_it_serves_unready_for_the_delay_then_drains() {
+        let delay = Duration::from_millis(1000);
+        let r = running(Duration::from_millis(1500), delay).await;
+        let review = review::tests::pod_review("web", Some("bad"), true);
+
+        r.requests.send(()).await.unwrap();
+        let stop_requested = std::time::Instant::now();
+        // A binding whose 1.5 s pod lookup outlasts the 1 s delay.
+        let (mut c, _) = server::tests::connect(&r.pki, r.addr).await.unwrap();
+        let binding = review::tests::binding_review("meshed", "bad");
+        let in_flight =
+            tokio::spawn(async move { server::tests::try_send(&mut c, &binding).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(admin_status(r.admin, "/ready").await, Some(503));
+        assert_eq!(admin_status(r.admin, "/live").await, Some(200));
+        // Still serving: new connections, every one answered right.
+        for _ in 0..3 {
+            let (mut c, _) = server::tests::connect(&r.pki, r.addr)
+                .await
+                .expect("accepting during the delay");
+            let a = server::tests::try_send(&mut c, &review).await.unwrap();
+            assert_eq!(a.status, http::StatusCode::OK);
+            assert_eq!(a.body["response"]["allowed"], false);
+            assert!(a.close);
+            assert_eq!(admin_status(r.admin, "/ready").await, Some(503));
+        }
+        assert!(
+            stop_requested.elapsed() < delay,
+            "the checks above took longer than the delay; the test proves nothing"
+        );
+
+        tokio::time::sleep(
+            (delay + Duration::from_millis(150)).saturating_sub(stop_requested.elapsed()),
+        )
+        .await;
+        assert!(
+            server::tests::connect(&r.pki, r.addr).await.is_err(),
+            "the listener is closed after the delay"
+        );
+        assert_eq!(
+            admin_status(r.admin, "/live").await,
+            Some(200),
+            "the admin server serves while the TLS server drains"
+        );
+        assert!(!in_flight.is_finished(), "the lookup outlasts the delay");
+        let a = in_flight
+            .await
+            .unwrap()
+            .expect("the in-flight review drained");
+        assert_eq!(a.status, http::StatusCode::OK);
+        assert_eq!(a.body["response"]["allowed"], false);
+        tokio::time::timeout(Duration::from_secs(5), r.task)
+            .await
+            .expect("stopped after the drain")
+            .unwrap();
+        assert_eq!(
+            admin_status(r.admin, "/live").await,
+            None,
+            "admin stopped last"
+        );
+    }
+
+    /// A second SIGTERM/SIGINT during the delay ends it: the listener closes at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_second_stop_request_skips_the_rest_of_the_delay() {
+        let r = running(Duration::from_millis(10), Duration::from_secs(60)).await;
+        r.requests.send(()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (mut c, _) = server::tests::connect(&r.pki, r.addr)
+            .await
+            .expect("serving during the delay");
+        let review = review::tests::pod_review("web", Some("bad"), true);
+        assert_eq!(
+            server::tests::try_send(&mut c, &review)
+                .await
+                .unwrap()
+                .status,
+            http::StatusCode::OK
+        );
+        assert!(!r.task.is_finished());
+        r.requests.send(()).await.unwrap();
+        tokio::time::timeout(Duration::from_secs(5), r.task)
+            .await
+            .expect("the second request ended the 60 s delay")
+            .unwrap();
+        assert!(server::tests::connect(&r.pki, r.addr).await.is_err());
+    }
+
+    #[test]
+    fn shutdown_flags_parse() {
+        let base = [
+            "meshgate-webhook",
+            "--listen",
+            "127.0.0.1:8443",
+            "--tls-cert",
+            "/c",
+            "--tls-key",
+            "/k",
+        ];
+        let a = Args::try_parse_from(base).unwrap();
+        assert_eq!(a.shutdown_delay, Duration::from_secs(5));
+        assert_eq!(a.shutdown_timeout, Duration::from_secs(20));
+        let a = Args::try_parse_from(base.iter().copied().chain(["--shutdown-delay", "500ms"]))
+            .unwrap();
+        assert_eq!(a.shutdown_delay, Duration::from_millis(500));
+        assert!(
+            Args::try_parse_from(base.iter().copied().chain(["--shutdown-delay", "-1s"])).is_err()
+        );
     }
 }

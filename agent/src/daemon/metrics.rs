@@ -10,7 +10,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-use prometheus_client::registry::{Registry, Unit};
+use prometheus_client::registry::{Metric, Registry, Unit};
 
 /// `reason` label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -70,64 +70,83 @@ pub struct AgentMetrics {
     pub evictions_skipped: Family<WhyLabel, Counter>,
 }
 
+/// Registers each metric and hands back the handle the agent records into (the registry
+/// keeps a clone; both share the same storage).
+struct Registrar<'a>(&'a mut Registry);
+
+impl Registrar<'_> {
+    /// Registers `metric` as `name` (with `unit`, whose suffix prometheus-client appends).
+    fn add<M: Metric + Clone>(
+        &mut self,
+        name: &str,
+        unit: Option<Unit>,
+        help: &str,
+        metric: M,
+    ) -> M {
+        match unit {
+            Some(unit) => self.0.register_with_unit(name, help, unit, metric.clone()),
+            None => self.0.register(name, help, metric.clone()),
+        }
+        metric
+    }
+}
+
 impl AgentMetrics {
     /// Creates the metrics and registers them in `registry`.
     pub fn register(registry: &mut Registry) -> Self {
-        let m = Self {
-            node_verified: Gauge::default(),
-            verifications: Family::default(),
-            taint_transitions: Family::default(),
-            // 1 ms .. ~16 s
-            untaint_latency: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
-            pod_inspections: Family::default(),
-            // 10 µs .. ~2.6 s: one netns is read in well under a millisecond.
-            pod_inspection_seconds: Histogram::new(exponential_buckets(0.00001, 2.0, 18)),
-            pods_evicted: Family::default(),
-            evictions_skipped: Family::default(),
-        };
-        registry.register(
-            "meshgate_node_verified",
-            "1 while this node's CNI chain is verified and applied, else 0",
-            m.node_verified.clone(),
-        );
-        registry.register(
-            "meshgate_verifications",
-            "CNI chain verifications, by verdict reason",
-            m.verifications.clone(),
-        );
-        registry.register(
-            "meshgate_taint_transitions",
-            "Taint changes on this node, by action (added/removed)",
-            m.taint_transitions.clone(),
-        );
-        registry.register_with_unit(
-            "meshgate_untaint_latency",
-            "Time from the config change that made the chain valid to the API accepting the taint removal",
-            Unit::Seconds,
-            m.untaint_latency.clone(),
-        );
-        registry.register(
-            "meshgate_pod_inspections",
-            "Meshed pod network namespaces checked, by profile and verdict (redirected/missing/unknown)",
-            m.pod_inspections.clone(),
-        );
-        registry.register_with_unit(
-            "meshgate_pod_inspection",
-            "Time to read one pod network namespace's addresses and NAT rules and match them",
-            Unit::Seconds,
-            m.pod_inspection_seconds.clone(),
-        );
-        registry.register(
-            "meshgate_pods_evicted",
-            "Pods evicted because their redirect rules were missing, by profile",
-            m.pods_evicted.clone(),
-        );
-        registry.register(
-            "meshgate_evictions_skipped",
-            "Evictions not done for a pod with missing redirects, by why (pdb/rate_limit/dry_run/unowned)",
-            m.evictions_skipped.clone(),
-        );
-        m
+        let mut reg = Registrar(registry);
+        Self {
+            node_verified: reg.add(
+                "meshgate_node_verified",
+                None,
+                "1 while this node's CNI chain is verified and applied, else 0",
+                Gauge::default(),
+            ),
+            verifications: reg.add(
+                "meshgate_verifications",
+                None,
+                "CNI chain verifications, by verdict reason",
+                Family::default(),
+            ),
+            taint_transitions: reg.add(
+                "meshgate_taint_transitions",
+                None,
+                "Taint changes on this node, by action (added/removed)",
+                Family::default(),
+            ),
+            untaint_latency: reg.add(
+                "meshgate_untaint_latency",
+                Some(Unit::Seconds),
+                "Time from the config change that made the chain valid to the API accepting the taint removal",
+                // 1 ms .. ~16 s
+                Histogram::new(exponential_buckets(0.001, 2.0, 15)),
+            ),
+            pod_inspections: reg.add(
+                "meshgate_pod_inspections",
+                None,
+                "Meshed pod network namespaces checked, by profile and verdict (redirected/missing/unknown)",
+                Family::default(),
+            ),
+            pod_inspection_seconds: reg.add(
+                "meshgate_pod_inspection",
+                Some(Unit::Seconds),
+                "Time to read one pod network namespace's addresses and NAT rules and match them",
+                // 10 µs .. ~2.6 s: one netns is read in well under a millisecond.
+                Histogram::new(exponential_buckets(0.00001, 2.0, 18)),
+            ),
+            pods_evicted: reg.add(
+                "meshgate_pods_evicted",
+                None,
+                "Pods evicted because their redirect rules were missing, by profile",
+                Family::default(),
+            ),
+            evictions_skipped: reg.add(
+                "meshgate_evictions_skipped",
+                None,
+                "Evictions not done for a pod with missing redirects, by why (pdb/rate_limit/dry_run/unowned)",
+                Family::default(),
+            ),
+        }
     }
 
     /// Counts one verification.
@@ -183,9 +202,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn pod_metrics_have_the_contract_names() {
+    fn every_metric_has_its_contract_name() {
         let mut registry = Registry::default();
         let m = AgentMetrics::register(&mut registry);
+        m.verified("Verified");
+        m.taint(true);
         m.inspected("linkerd", "missing");
         m.pod_inspection_seconds.observe(0.0002);
         m.evicted("linkerd");
@@ -193,6 +214,10 @@ mod tests {
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
         for sample in [
+            "meshgate_node_verified 0",
+            "meshgate_verifications_total{reason=\"Verified\"} 1",
+            "meshgate_taint_transitions_total{action=\"added\"} 1",
+            "meshgate_untaint_latency_seconds_count 0",
             "meshgate_pod_inspections_total{profile=\"linkerd\",verdict=\"missing\"} 1",
             "meshgate_pod_inspection_seconds_count 1",
             "meshgate_pods_evicted_total{profile=\"linkerd\"} 1",

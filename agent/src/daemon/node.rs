@@ -584,6 +584,28 @@ mod tests {
                 .unwrap()
         }
 
+        /// The gate of node `n1` (NoSchedule, 5 s API timeout), sending through `svc`.
+        fn gate_for_n1(
+            svc: mock::Mock<Request<Body>, Response<Body>>,
+            instance: Option<&str>,
+        ) -> NodeGate {
+            let client = kube::Client::new(svc, "default");
+            let recorder = Recorder::new(
+                client.clone(),
+                Reporter {
+                    controller: "meshgate-agent".into(),
+                    instance: instance.map(str::to_owned),
+                },
+            );
+            NodeGate::new(
+                client,
+                "n1".into(),
+                TaintEffect::NoSchedule,
+                Duration::from_secs(5),
+                recorder,
+            )
+        }
+
         async fn body_json(req: Request<Body>) -> Value {
             let bytes = req.into_body().collect().await.unwrap().to_bytes();
             serde_json::from_slice(&bytes).unwrap()
@@ -668,21 +690,7 @@ mod tests {
                     );
                 }
             });
-            let client = kube::Client::new(svc, "default");
-            let recorder = Recorder::new(
-                client.clone(),
-                Reporter {
-                    controller: "meshgate-agent".into(),
-                    instance: Some("n1".into()),
-                },
-            );
-            let gate = NodeGate::new(
-                client,
-                "n1".into(),
-                TaintEffect::NoSchedule,
-                Duration::from_secs(5),
-                recorder,
-            );
+            let gate = gate_for_n1(svc, Some("n1"));
             let seen: Node = serde_json::from_value(node("1", json!([]))).unwrap();
             let applied = gate
                 .reconcile(
@@ -717,21 +725,7 @@ mod tests {
         #[tokio::test]
         async fn a_node_already_in_step_costs_no_request() {
             let (svc, handle) = mock::pair::<Request<Body>, Response<Body>>();
-            let client = kube::Client::new(svc, "default");
-            let recorder = Recorder::new(
-                client.clone(),
-                Reporter {
-                    controller: "meshgate-agent".into(),
-                    instance: None,
-                },
-            );
-            let gate = NodeGate::new(
-                client,
-                "n1".into(),
-                TaintEffect::NoSchedule,
-                Duration::from_secs(5),
-                recorder,
-            );
+            let gate = gate_for_n1(svc, None);
             let v = verdict(Reason::Verified, "ok");
             let mut seen: Node = serde_json::from_value(node("9", json!([]))).unwrap();
             seen.metadata

@@ -8,7 +8,7 @@ use k8s_openapi::api::events::v1::Event;
 use kube::Client;
 use kube::api::{Api, ListParams};
 use meshgate_core::{CONDITION_TYPE, TAINT_KEY};
-use meshgate_e2e::{NodeSpec, unique_name};
+use meshgate_e2e::{ControlPlane, NodeSpec, Options, unique_name};
 
 use crate::cp;
 use crate::support::{Agent, CniDirs, golden, wait_node};
@@ -21,6 +21,33 @@ fn gated_with(reason: &'static str) -> impl Fn(&Node) -> bool {
             && label(n) == Some("false")
             && condition(n).is_some_and(|(s, r, _)| s == "False" && r == reason)
     }
+}
+
+/// Waits until the Node is gated with `reason`.
+async fn wait_gated(
+    client: &Client,
+    node: &str,
+    what: &str,
+    reason: &'static str,
+) -> anyhow::Result<Node> {
+    wait_node(client, node, what, gated_with(reason)).await
+}
+
+/// Waits until the Node is gated with `reason`, then asserts that the condition's message
+/// names `needle` (the file that decided, or the probe's limit).
+async fn wait_gated_naming(
+    client: &Client,
+    node: &str,
+    reason: &'static str,
+    needle: &str,
+) -> anyhow::Result<()> {
+    let n = wait_gated(client, node, reason, reason).await?;
+    let (_, _, message) = condition(&n).unwrap_or_default();
+    assert!(
+        message.contains(needle),
+        "the {reason} condition's message names {needle}: {message}"
+    );
+    Ok(())
 }
 
 fn open(n: &Node) -> bool {
@@ -79,36 +106,36 @@ async fn wait_events(client: &Client, node: &str, want: &[(&str, usize)]) -> any
     anyhow::bail!("events about {node}: want {want:?}, have {seen:?}")
 }
 
-async fn register(client: &Client, name: &str) -> anyhow::Result<()> {
-    cp().await
-        .register_node(client, &NodeSpec::new(name))
-        .await?;
-    Ok(())
+/// Registers a node named after `prefix` on `cp`, with a CNI config dir holding the golden
+/// `conf` as `10-calico.conflist` (none when `conf` is `None`), and starts its agent with
+/// `extra` flags.
+async fn start_node(
+    cp: &ControlPlane,
+    client: &Client,
+    prefix: &str,
+    conf: Option<&str>,
+    extra: &[&str],
+) -> anyhow::Result<(String, CniDirs, Agent)> {
+    let node = unique_name(prefix);
+    cp.register_node(client, &NodeSpec::new(&node)).await?;
+    let dirs = CniDirs::new()?;
+    match conf {
+        Some(conf) => dirs.config("10-calico.conflist", &golden(conf)?)?,
+        None => std::fs::remove_dir(&dirs.conf)?,
+    }
+    let agent = Agent::start(cp, &node, &dirs, extra)?;
+    Ok((node, dirs, agent))
 }
 
 #[tokio::test]
 async fn s3_then_s1_untaints_and_s4_drift_retaints() -> anyhow::Result<()> {
     let cp = cp().await;
     let client = cp.client()?;
-    let node = unique_name("agent-s3s1");
-    register(&client, &node).await?;
-    let dirs = CniDirs::new()?;
-    dirs.config("10-calico.conflist", &golden("calico.conflist")?)?;
-    let agent = Agent::start(cp, &node, &dirs, &[])?;
+    let (node, dirs, agent) =
+        start_node(cp, &client, "agent-s3s1", Some("calico.conflist"), &[]).await?;
 
     // S3: the primary's conflist is there, the mesh plugin is not chained yet.
-    let n = wait_node(
-        &client,
-        &node,
-        "gated with ChainedPluginMissing",
-        gated_with("ChainedPluginMissing"),
-    )
-    .await?;
-    let (_, _, message) = condition(&n).unwrap_or_default();
-    assert!(
-        message.contains("10-calico.conflist"),
-        "condition message names the effective file: {message}"
-    );
+    wait_gated_naming(&client, &node, "ChainedPluginMissing", "10-calico.conflist").await?;
     assert_eq!(
         agent.admin_get("/ready").await.map(|r| r.0),
         Some(200),
@@ -134,11 +161,11 @@ async fn s3_then_s1_untaints_and_s4_drift_retaints() -> anyhow::Result<()> {
 
     // S4: the primary rewrites its conflist without the mesh plugin.
     dirs.config("10-calico.conflist", &golden("calico.conflist")?)?;
-    wait_node(
+    wait_gated(
         &client,
         &node,
         "re-tainted with ChainedPluginMissing",
-        gated_with("ChainedPluginMissing"),
+        "ChainedPluginMissing",
     )
     .await?;
     let describe = cp.kubectl(&["describe", "node", &node]).await?;
@@ -180,82 +207,49 @@ async fn s3_then_s1_untaints_and_s4_drift_retaints() -> anyhow::Result<()> {
 async fn every_unverified_reason_keeps_the_node_tainted() -> anyhow::Result<()> {
     let cp = cp().await;
     let client = cp.client()?;
-    let node = unique_name("agent-reasons");
-    register(&client, &node).await?;
-    let dirs = CniDirs::new()?;
     // The config dir does not exist yet: NoConfig, and the agent waits for it.
-    std::fs::remove_dir(&dirs.conf)?;
-    let _agent = Agent::start(cp, &node, &dirs, &["--probe-timeout", "500ms"])?;
-    wait_node(&client, &node, "NoConfig", gated_with("NoConfig")).await?;
+    let (node, dirs, _agent) = start_node(
+        cp,
+        &client,
+        "agent-reasons",
+        None,
+        &["--probe-timeout", "500ms"],
+    )
+    .await?;
+    wait_gated(&client, &node, "NoConfig", "NoConfig").await?;
     std::fs::create_dir(&dirs.conf)?;
 
     // S2: a lone mesh plugin config sorts first.
     dirs.config("01-linkerd-cni.conf", &golden("linkerd-only.conf")?)?;
     dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist")?)?;
-    let n = wait_node(
+    wait_gated_naming(
         &client,
         &node,
         "PrimaryPluginMissing",
-        gated_with("PrimaryPluginMissing"),
+        "01-linkerd-cni.conf",
     )
     .await?;
-    assert!(
-        condition(&n)
-            .unwrap_or_default()
-            .2
-            .contains("01-linkerd-cni.conf")
-    );
     dirs.remove_config("01-linkerd-cni.conf")?;
     wait_node(&client, &node, "Verified", open).await?;
 
     // S6: multus sorts before the mesh-owned file; the condition names it.
     dirs.config("00-multus.conf", &golden("multus.conf")?)?;
-    let n = wait_node(
-        &client,
-        &node,
-        "ChainedPluginMissing via multus",
-        gated_with("ChainedPluginMissing"),
-    )
-    .await?;
-    assert!(
-        condition(&n)
-            .unwrap_or_default()
-            .2
-            .contains("00-multus.conf")
-    );
+    wait_gated_naming(&client, &node, "ChainedPluginMissing", "00-multus.conf").await?;
     dirs.remove_config("00-multus.conf")?;
     wait_node(&client, &node, "Verified", open).await?;
 
     // S7: the plugin binary disappears, then hangs on VERSION.
     std::fs::remove_file(dirs.bin.join("linkerd-cni"))?;
-    wait_node(
-        &client,
-        &node,
-        "PluginBinaryMissing",
-        gated_with("PluginBinaryMissing"),
-    )
-    .await?;
+    wait_gated(&client, &node, "PluginBinaryMissing", "PluginBinaryMissing").await?;
     dirs.plugin("linkerd-cni", "#!/bin/sh\nsleep 30\n")?;
-    let n = wait_node(
-        &client,
-        &node,
-        "PluginBinaryBroken",
-        gated_with("PluginBinaryBroken"),
-    )
-    .await?;
-    assert!(
-        condition(&n)
-            .unwrap_or_default()
-            .2
-            .contains("within 500 ms")
-    );
+    wait_gated_naming(&client, &node, "PluginBinaryBroken", "within 500 ms").await?;
     dirs.plugin("linkerd-cni", crate::support::GOOD_PLUGIN)?;
     wait_node(&client, &node, "Verified", open).await?;
 
     // S8: a truncated file sorts first (containerd semantics).
     let full = golden("calico-linkerd.conflist")?;
     dirs.config("05-partial.conflist", &full[..full.len() / 2])?;
-    wait_node(&client, &node, "ConfigInvalid", gated_with("ConfigInvalid")).await?;
+    wait_gated(&client, &node, "ConfigInvalid", "ConfigInvalid").await?;
     Ok(())
 }
 
@@ -263,18 +257,9 @@ async fn every_unverified_reason_keeps_the_node_tainted() -> anyhow::Result<()> 
 async fn a_missing_taint_is_restored_at_start_and_after_tampering() -> anyhow::Result<()> {
     let cp = cp().await;
     let client = cp.client()?;
-    let node = unique_name("agent-tamper");
-    register(&client, &node).await?;
-    let dirs = CniDirs::new()?;
-    dirs.config("10-calico.conflist", &golden("calico.conflist")?)?;
-    let _agent = Agent::start(cp, &node, &dirs, &[])?;
-    wait_node(
-        &client,
-        &node,
-        "tainted at start",
-        gated_with("ChainedPluginMissing"),
-    )
-    .await?;
+    let (node, _dirs, _agent) =
+        start_node(cp, &client, "agent-tamper", Some("calico.conflist"), &[]).await?;
+    wait_gated(&client, &node, "tainted at start", "ChainedPluginMissing").await?;
 
     // Someone removes the taint by hand: the Node watch notices and the agent puts it back.
     let nodes: Api<Node> = Api::all(client.clone());
@@ -286,13 +271,7 @@ async fn a_missing_taint_is_restored_at_start_and_after_tampering() -> anyhow::R
             &kube::api::Patch::Merge(&patch),
         )
         .await?;
-    wait_node(
-        &client,
-        &node,
-        "taint restored",
-        gated_with("ChainedPluginMissing"),
-    )
-    .await?;
+    wait_gated(&client, &node, "taint restored", "ChainedPluginMissing").await?;
     Ok(())
 }
 
@@ -300,12 +279,9 @@ async fn a_missing_taint_is_restored_at_start_and_after_tampering() -> anyhow::R
 async fn sigkill_mid_transition_converges_without_duplicate_events() -> anyhow::Result<()> {
     let cp = cp().await;
     let client = cp.client()?;
-    let node = unique_name("agent-kill");
-    register(&client, &node).await?;
-    let dirs = CniDirs::new()?;
-    dirs.config("10-calico.conflist", &golden("calico.conflist")?)?;
-    let mut agent = Agent::start(cp, &node, &dirs, &[])?;
-    wait_node(&client, &node, "gated", gated_with("ChainedPluginMissing")).await?;
+    let (node, dirs, mut agent) =
+        start_node(cp, &client, "agent-kill", Some("calico.conflist"), &[]).await?;
+    wait_gated(&client, &node, "gated", "ChainedPluginMissing").await?;
 
     // Flip the config and kill the agent at a different moment each round, then restart it.
     let delays = [0u64, 3, 7, 15, 30, 60];
@@ -323,11 +299,11 @@ async fn sigkill_mid_transition_converges_without_duplicate_events() -> anyhow::
         if verified {
             wait_node(&client, &node, "converged to Verified after restart", open).await?;
         } else {
-            wait_node(
+            wait_gated(
                 &client,
                 &node,
                 "converged to gated after restart",
-                gated_with("ChainedPluginMissing"),
+                "ChainedPluginMissing",
             )
             .await?;
         }
@@ -392,19 +368,17 @@ async fn untainted_at(nodes: Api<Node>, node: &str) -> anyhow::Result<std::time:
 /// untaints while the config is invalid, and catches up within a second of the return.
 #[tokio::test]
 async fn apiserver_down_never_untaints_on_stale_information_and_catches_up() -> anyhow::Result<()> {
-    use meshgate_e2e::{ControlPlane, Options};
     use std::time::Instant;
 
     let cp = ControlPlane::start(Options::default()).await?;
     let client = cp.client()?;
-    let node = unique_name("agent-down");
-    cp.register_node(&client, &NodeSpec::new(&node)).await?;
-    let dirs = CniDirs::new()?;
-    let invalid = golden("calico.conflist")?;
-    let valid = golden("calico-linkerd.conflist")?;
-    dirs.config("10-calico.conflist", &invalid)?;
-    let agent = Agent::start(&cp, &node, &dirs, &[])?;
-    if let Err(e) = wait_node(&client, &node, "gated", gated_with("ChainedPluginMissing")).await {
+    let (node, dirs, agent) =
+        start_node(&cp, &client, "agent-down", Some("calico.conflist"), &[]).await?;
+    let (invalid, valid) = (
+        golden("calico.conflist")?,
+        golden("calico-linkerd.conflist")?,
+    );
+    if let Err(e) = wait_gated(&client, &node, "gated", "ChainedPluginMissing").await {
         anyhow::bail!("{e:#}\n{}", agent.log());
     }
     let nodes: Api<Node> = Api::all(client.clone());
@@ -460,18 +434,15 @@ async fn apiserver_down_never_untaints_on_stale_information_and_catches_up() -> 
 /// within a second; docs/reliability.md records this window as a known gap.
 #[tokio::test]
 async fn frozen_apiserver_late_stale_untaint_is_corrected_within_a_second() -> anyhow::Result<()> {
-    use meshgate_e2e::{ControlPlane, Options};
-
     let cp = ControlPlane::start(Options::default()).await?;
     let client = cp.client()?;
-    let node = unique_name("agent-frozen");
-    cp.register_node(&client, &NodeSpec::new(&node)).await?;
-    let dirs = CniDirs::new()?;
-    let invalid = golden("calico.conflist")?;
-    let valid = golden("calico-linkerd.conflist")?;
-    dirs.config("10-calico.conflist", &invalid)?;
-    let agent = Agent::start(&cp, &node, &dirs, &[])?;
-    if let Err(e) = wait_node(&client, &node, "gated", gated_with("ChainedPluginMissing")).await {
+    let (node, dirs, agent) =
+        start_node(&cp, &client, "agent-frozen", Some("calico.conflist"), &[]).await?;
+    let (invalid, valid) = (
+        golden("calico.conflist")?,
+        golden("calico-linkerd.conflist")?,
+    );
+    if let Err(e) = wait_gated(&client, &node, "gated", "ChainedPluginMissing").await {
         anyhow::bail!("{e:#}\n{}", agent.log());
     }
     cp.freeze_apiserver(true)?;
@@ -487,11 +458,11 @@ async fn frozen_apiserver_late_stale_untaint_is_corrected_within_a_second() -> a
         "stale untaint stood for {open:?}\n{}",
         agent.log()
     );
-    wait_node(
+    wait_gated(
         &client,
         &node,
         "gated after the thaw",
-        gated_with("ChainedPluginMissing"),
+        "ChainedPluginMissing",
     )
     .await?;
     eprintln!("a late stale untaint stood for {open:?}");
@@ -504,11 +475,14 @@ async fn frozen_apiserver_late_stale_untaint_is_corrected_within_a_second() -> a
 async fn sigterm_exits_cleanly_and_leaves_the_node_as_it_is() -> anyhow::Result<()> {
     let cp = cp().await;
     let client = cp.client()?;
-    let node = unique_name("agent-term");
-    register(&client, &node).await?;
-    let dirs = CniDirs::new()?;
-    dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist")?)?;
-    let mut agent = Agent::start(cp, &node, &dirs, &[])?;
+    let (node, dirs, mut agent) = start_node(
+        cp,
+        &client,
+        "agent-term",
+        Some("calico-linkerd.conflist"),
+        &[],
+    )
+    .await?;
     wait_node(&client, &node, "Verified", open).await?;
 
     // A stopping agent must not re-taint a verified node (nor untaint a gated one).
@@ -525,20 +499,20 @@ async fn sigterm_exits_cleanly_and_leaves_the_node_as_it_is() -> anyhow::Result<
 
     // Restarted, it re-verifies and gates the node on what the disk says now.
     agent.restart()?;
-    wait_node(
+    wait_gated(
         &client,
         &node,
         "gated after restart",
-        gated_with("ChainedPluginMissing"),
+        "ChainedPluginMissing",
     )
     .await?;
     assert_eq!(agent.terminate(Duration::from_secs(10)), Some(0));
     tokio::time::sleep(Duration::from_millis(500)).await;
-    wait_node(
+    wait_gated(
         &client,
         &node,
         "still gated after the agent stopped",
-        gated_with("ChainedPluginMissing"),
+        "ChainedPluginMissing",
     )
     .await?;
     Ok(())

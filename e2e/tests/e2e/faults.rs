@@ -13,7 +13,8 @@
 //! - Pod network namespaces that vanish while the agent inspects, and pods whose IP matches
 //!   no namespace: never evicted, never a crash.
 //! - The webhook under a sustained open-loop load, then SIGTERM while requests whose API
-//!   lookups are stalled are in flight: every one of them is answered.
+//!   lookups are stalled are in flight: it keeps answering, unready, for its shutdown delay,
+//!   then drains, and every one of them is answered.
 //!
 //! The apiserver outage (30 s, during transitions) lives with the other agent tests in
 //! `agent.rs`. `MESHGATE_SOAK=1` (`make soak`) runs the long variants; `MESHGATE_FAULT_SEED`
@@ -32,14 +33,15 @@ use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
 use meshgate_e2e::audit::AuditedIdentity;
 use meshgate_e2e::netns_sim::{PodNetns, Rules, private_subnet, require_privileges};
-use meshgate_e2e::node_sim::{Agent, CniDirs, GOOD_PLUGIN, gate_condition, golden, tainted};
+use meshgate_e2e::node_sim::{Agent, CniDirs, GOOD_PLUGIN, gate_condition, golden, tail, tainted};
+use meshgate_e2e::pod_sim::{self, MESH_LABEL};
 use meshgate_e2e::review_load::{self, Outcome, Review, WebhookProcess};
+use meshgate_e2e::stats::quantile as percentile;
 use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
 use serde_json::json;
 
 use crate::{WAIT, cp};
 
-const MESH_LABEL: &str = "linkerd.io/control-plane-ns";
 const VALID: &str = "calico-linkerd.conflist";
 const INVALID: &str = "calico.conflist";
 
@@ -78,21 +80,8 @@ impl Rng {
     }
 }
 
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
-
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
-}
-
-fn tail(text: &str, lines: usize) -> String {
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
 }
 
 /// User and system CPU time of a process, in seconds, from /proc/<pid>/stat.
@@ -202,16 +191,44 @@ fn gated(reason: &'static str) -> impl Fn(&Seen) -> bool {
     move |s| s.tainted && s.reason.as_deref() == Some(reason)
 }
 
+/// A registered Node whose CNI dirs hold a valid config, and its running agent.
+struct Rig {
+    node: String,
+    dirs: CniDirs,
+    agent: Agent,
+}
+
+impl Rig {
+    /// Registers a Node named after `prefix`, writes a valid config and starts the agent with
+    /// `start` (which picks the flags and the identity).
+    async fn start(
+        client: &Client,
+        prefix: &str,
+        start: impl FnOnce(&str, &CniDirs) -> std::io::Result<Agent>,
+    ) -> anyhow::Result<Self> {
+        let node = unique_name(prefix);
+        cp().await
+            .register_node(client, &NodeSpec::new(&node))
+            .await?;
+        let dirs = CniDirs::new()?;
+        dirs.config("10-calico.conflist", &golden(VALID)?)?;
+        let agent = start(&node, &dirs)?;
+        Ok(Self { node, dirs, agent })
+    }
+
+    /// Starts a watch on the Node and waits until it shows the Node verified.
+    async fn watch_verified(&self, client: &Client) -> anyhow::Result<NodeLog> {
+        let log = NodeLog::start(client, &self.node);
+        log.wait("verified at start", WAIT, verified)
+            .await
+            .with_context(|| tail(&self.agent.log(), 40))?;
+        Ok(log)
+    }
+}
+
 /// A bare meshed pause pod bound to `node`.
 fn meshed_pod(name: &str, node: &str) -> anyhow::Result<Pod> {
-    Ok(serde_json::from_value(json!({
-        "metadata": { "name": name, "labels": { MESH_LABEL: "linkerd" } },
-        "spec": {
-            "nodeName": node,
-            "terminationGracePeriodSeconds": 1,
-            "containers": [{ "name": "app", "image": "registry.k8s.io/pause:3.10" }]
-        }
-    }))?)
+    Ok(pod_sim::meshed_pod(name, node, &[], Some(1)))
 }
 
 fn ip_of(subnet: [u8; 3], host: u8) -> Ipv4Addr {
@@ -537,17 +554,14 @@ async fn config_flapping_keeps_cpu_bounded_and_ends_right() -> anyhow::Result<()
     let client = cp.client()?;
     let mut rng = Rng::new("flapping");
     let ns = cp.create_namespace(&client, "faults-flap").await?;
-    let node = unique_name("faults-flap");
-    cp.register_node(&client, &NodeSpec::new(&node)).await?;
     let id = AuditedIdentity::new(cp, &client, &ns, "meshgate-agent").await?;
-    let dirs = CniDirs::new()?;
+    let rig = Rig::start(&client, "faults-flap", |node, dirs| {
+        Agent::start_with_kubeconfig(&id.kubeconfig, node, dirs, &[])
+    })
+    .await?;
+    let log = rig.watch_verified(&client).await?;
+    let Rig { dirs, agent, .. } = rig;
     let (valid, invalid) = (golden(VALID)?, golden(INVALID)?);
-    dirs.config("10-calico.conflist", &valid)?;
-    let agent = Agent::start_with_kubeconfig(&id.kubeconfig, &node, &dirs, &[])?;
-    let log = NodeLog::start(&client, &node);
-    log.wait("verified at start", WAIT, verified)
-        .await
-        .with_context(|| tail(&agent.log(), 40))?;
     let pid = agent.pid().context("agent pid")?;
     tokio::time::sleep(Duration::from_secs(1)).await;
 
@@ -676,15 +690,12 @@ async fn config_flapping_keeps_cpu_bounded_and_ends_right() -> anyhow::Result<()
 async fn hostile_entries_in_the_cni_dirs_never_hang_or_bloat_the_daemon() -> anyhow::Result<()> {
     let cp = cp().await;
     let client = cp.client()?;
-    let node = unique_name("faults-hostile");
-    cp.register_node(&client, &NodeSpec::new(&node)).await?;
-    let dirs = CniDirs::new()?;
-    dirs.config("10-calico.conflist", &golden(VALID)?)?;
-    let agent = Agent::start(cp, &node, &dirs, &["--probe-timeout", "500ms"])?;
-    let log = NodeLog::start(&client, &node);
-    log.wait("verified at start", WAIT, verified)
-        .await
-        .with_context(|| tail(&agent.log(), 40))?;
+    let rig = Rig::start(&client, "faults-hostile", |node, dirs| {
+        Agent::start(cp, node, dirs, &["--probe-timeout", "500ms"])
+    })
+    .await?;
+    let log = rig.watch_verified(&client).await?;
+    let Rig { dirs, agent, .. } = rig;
     let pid = agent.pid().context("pid")?;
     let rss0 = agent.rss_kib().unwrap_or(0);
     let conf = dirs.conf.clone();
@@ -880,26 +891,23 @@ async fn vanishing_netns_and_unmatched_ips_are_never_evicted_blindly() -> anyhow
     let client = cp.client()?;
     let mut rng = Rng::new("vanishing");
     let ns = cp.create_namespace(&client, "faults-netns").await?;
-    let node = unique_name("faults-netns");
-    cp.register_node(&client, &NodeSpec::new(&node)).await?;
-    let dirs = CniDirs::new()?;
-    dirs.config("10-calico.conflist", &golden(VALID)?)?;
-    let agent = Agent::start(
-        cp,
-        &node,
-        &dirs,
-        &[
+    // `_dirs` keeps the CNI dirs (and so the valid config) for the whole test.
+    let Rig {
+        node,
+        agent,
+        dirs: _dirs,
+    } = Rig::start(&client, "faults-netns", |node, dirs| {
+        let flags = [
             "--profile",
             "linkerd",
             "--evict-unowned",
             "--max-evictions-per-minute",
             "100000",
-        ],
-    )?;
-    meshgate_e2e::wait::poll_until("the agent to be ready", WAIT, || async {
-        anyhow::Ok(agent.admin_get("/ready").await.filter(|r| r.0 == 200))
+        ];
+        Agent::start(cp, node, dirs, &flags)
     })
     .await?;
+    agent.wait_ready(WAIT).await?;
     let pid = agent.pid().context("pid")?;
     let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let subnet = private_subnet();
@@ -1142,8 +1150,11 @@ fn admission_total(metrics: &str) -> f64 {
 /// loop, over 32 keep-alive TLS connections: zero errors, every answer right, served at the
 /// offered rate without a queue building up. Then the webhook's API lookups are stalled, 40
 /// reviews that need a lookup are sent (each now waits for its bounded lookups), and the
-/// webhook gets SIGTERM while they and a background load are in flight: every request sent
-/// before the signal is answered right, and the process exits 0.
+/// webhook (`--shutdown-delay 500ms`) gets SIGTERM while they and a background load are in
+/// flight: `/ready` answers 503 at once while the background reviews are still answered for
+/// the delay; every background review sent up to the drain (SIGTERM + delay, less a small
+/// margin) is answered right; the stalled reviews, still in flight when the drain starts, are
+/// answered right; and the process exits 0.
 #[tokio::test]
 async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> anyhow::Result<()> {
     let cp = cp().await;
@@ -1174,7 +1185,9 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
     let apiserver: SocketAddr = cp.apiserver_url().trim_start_matches("https://").parse()?;
     let proxy = StallingProxy::start(apiserver).await?;
     let kubeconfig = kubeconfig_via(cp, proxy.addr, dir.path())?;
-    let mut webhook = WebhookProcess::start(&kubeconfig, &[])?;
+    // Short, so the test stays short; long enough to see `/ready` turn and reviews answered.
+    let delay = Duration::from_millis(500);
+    let mut webhook = WebhookProcess::start(&kubeconfig, &["--shutdown-delay", "500ms"])?;
     let cleanup = async {
         for n in good.iter().chain(&bad) {
             let _ = nodes.delete(n, &DeleteParams::default()).await;
@@ -1289,49 +1302,94 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
             duration: Duration::from_millis(100),
             connections: 40,
         }));
+        // Allowed reviews only: a refusal looks up the node's condition reason (its message
+        // names it), which now stalls for the 1 s lookup timeout and would hold a background
+        // connection through most of the delay.
+        let allowed: Vec<Review> = reviews.iter().filter(|r| r.allowed).cloned().collect();
         let background = tokio::spawn(review_load::run(review_load::Spec {
             addr: webhook.listen,
             path: "/validate".into(),
             connector: connector.clone(),
-            reviews: reviews.clone(),
+            reviews: Arc::new(allowed),
             rate: 1000.0,
             duration: Duration::from_secs(3),
             connections: 8,
         }));
         tokio::time::sleep(Duration::from_millis(400)).await;
         let term = webhook.sigterm().context("SIGTERM")?;
+        // The kubelet's readiness probe, polled right after the signal: 503 within the delay,
+        // while the process still lives (`/live`).
+        let mut unready = None;
+        while unready.is_none() && term.elapsed() < delay {
+            if let Some((503, _)) = webhook.admin_get("/ready").await {
+                unready = Some(Instant::now());
+            } else {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        let live_in_delay = webhook.admin_get("/live").await.map(|(code, _)| code);
+        let live_checked = term.elapsed();
         let slow = slow_load.await?;
         let background = background.await?;
         let exit = webhook.wait_exit(Duration::from_secs(30)).await;
         let exited = term.elapsed();
         proxy.stall(false);
 
+        // The drain starts at SIGTERM + delay (a little later, counting the signal's delivery).
+        let drain = term + delay;
         let in_flight: Vec<_> = slow.samples.iter().filter(|s| s.sent < term).collect();
         let slow_wrong: Vec<_> = in_flight.iter().filter(|s| s.outcome != Outcome::Right).collect();
         let slowest = in_flight.iter().map(|s| s.done.saturating_duration_since(s.sent)).max().unwrap_or_default();
-        // Background requests sent at least 5 ms before the signal had surely been read by
-        // the server; later ones race the listener's close and are reported, not judged.
-        let margin = Duration::from_millis(5);
-        let bg_before: Vec<_> = background.samples.iter().filter(|s| s.sent + margin < term).collect();
-        let bg_before_wrong: Vec<_> = bg_before.iter().filter(|s| s.outcome != Outcome::Right).collect();
-        let bg_after: Vec<_> = background.samples.iter().filter(|s| s.sent >= term).collect();
+        // Answered 100 ms or more after the drain began: they were in flight when it did.
+        let answered_in_drain = in_flight.iter().filter(|s| s.done > drain + Duration::from_millis(100)).count();
+        let first_slow_answer = in_flight.iter().map(|s| s.done.saturating_duration_since(drain)).min().unwrap_or_default();
+        // Background requests sent at least `margin` before the drain reached the server
+        // before the listener closed (the client still has to connect, since every answer
+        // during the delay closes its connection); later ones race the close and are
+        // reported, not judged.
+        let margin = Duration::from_millis(20);
+        let bg_judged: Vec<_> = background.samples.iter().filter(|s| s.sent + margin < drain).collect();
+        let bg_judged_wrong: Vec<_> = bg_judged.iter().filter(|s| s.outcome != Outcome::Right).collect();
+        let bg_in_delay = bg_judged.iter().filter(|s| s.sent >= term).count();
+        let bg_while_unready = unready.map_or(0, |u| {
+            bg_judged.iter().filter(|s| s.sent >= u && s.outcome == Outcome::Right).count()
+        });
+        let bg_after: Vec<_> = background.samples.iter().filter(|s| s.sent >= drain).collect();
         let bg_after_failed = bg_after.iter().filter(|s| matches!(s.outcome, Outcome::Failed(_))).count();
+        let signed_ms = |t: Instant| if t >= drain { ms(t - drain) } else { -ms(drain - t) };
+        let last_right = background.samples.iter().filter(|s| s.outcome == Outcome::Right).map(|s| s.sent).max();
+        let first_failed = background.samples.iter().filter(|s| s.outcome != Outcome::Right).map(|s| s.sent).min();
         eprintln!(
-            "[faults] webhook drain: {} reviews waiting on stalled lookups at SIGTERM, answered after up to {:.0} ms, {} wrong; \
-             background: {} sent before the signal ({} wrong), {} after ({} refused by the closed listener); exit {:?} {:.0} ms after SIGTERM",
+            "[faults] webhook drain (--shutdown-delay {delay:?}): /ready 503 {} after SIGTERM, /live {live_in_delay:?} at {:.0} ms; \
+             {} reviews waiting on stalled lookups at SIGTERM, answered after up to {:.0} ms (the first {:.0} ms after the drain began, {} of them ≥ 100 ms after), {} wrong; \
+             background: {} sent before the drain less {margin:?} ({} wrong; {} of them during the delay, {} answered right after /ready turned 503), \
+             last answered one sent {} ms from the drain, first failure sent {} ms from it; {} sent after the drain ({} refused by the closed listener); \
+             exit {:?} {:.0} ms after SIGTERM",
+            unready.map_or("never".to_string(), |u| format!("{:.0} ms", ms(u - term))),
+            ms(live_checked),
             in_flight.len(),
             ms(slowest),
+            ms(first_slow_answer),
+            answered_in_drain,
             slow_wrong.len(),
-            bg_before.len(),
-            bg_before_wrong.len(),
+            bg_judged.len(),
+            bg_judged_wrong.len(),
+            bg_in_delay,
+            bg_while_unready,
+            last_right.map_or("-".to_string(), |t| format!("{:+.0}", signed_ms(t))),
+            first_failed.map_or("-".to_string(), |t| format!("{:+.0}", signed_ms(t))),
             bg_after.len(),
             bg_after_failed,
             exit,
             ms(exited),
         );
+        ensure!(unready.is_some(), "/ready did not answer 503 within the {delay:?} delay\n{}", tail(&webhook.log(), 30));
+        ensure!(live_in_delay == Some(200), "/live answered {live_in_delay:?} during the delay");
+        ensure!(bg_while_unready > 0, "no review was answered while /ready said 503: the webhook stopped serving at the signal");
         ensure!(in_flight.len() == 40, "all 40 slow reviews were sent before SIGTERM: {}", in_flight.len());
         ensure!(slow_wrong.is_empty(), "in-flight reviews failed during the drain: {slow_wrong:?}\n{}", tail(&webhook.log(), 30));
-        ensure!(bg_before_wrong.is_empty(), "reviews sent before SIGTERM failed: {:?}", bg_before_wrong.first());
+        ensure!(answered_in_drain == 40, "only {answered_in_drain} of 40 stalled reviews were still in flight when the drain began");
+        ensure!(bg_judged_wrong.is_empty(), "{} of {} reviews sent before the drain failed; first: {:?}", bg_judged_wrong.len(), bg_judged.len(), bg_judged_wrong.first());
         ensure!(exit == Some(0), "webhook exit status {exit:?}\n{}", tail(&webhook.log(), 30));
         anyhow::Ok(())
     }

@@ -25,14 +25,14 @@ use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use meshgate_e2e::netns_sim::{PodNetns, Rules, private_subnet, require_privileges};
+use meshgate_e2e::node_sim::{plain, tail};
+use meshgate_e2e::pod_sim::{self, MESH_LABEL, meshed_pod};
 use meshgate_e2e::wait::poll_until;
 use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
 use serde_json::json;
 
 use crate::support::{Agent, CniDirs, golden};
 use crate::{WAIT, cp};
-
-const MESH_LABEL: &str = "linkerd.io/control-plane-ns";
 
 // ---------------------------------------------------------------------------------------
 // Network namespaces
@@ -141,19 +141,12 @@ fn replica_set(
 }
 
 /// A bare pod (no owner) bound to `node`, meshed or not.
-fn bare_pod(name: &str, node: &str, meshed: bool) -> anyhow::Result<Pod> {
-    let labels = if meshed {
-        json!({ MESH_LABEL: "linkerd" })
+fn bare_pod(name: &str, node: &str, meshed: bool) -> Pod {
+    if meshed {
+        meshed_pod(name, node, &[], None)
     } else {
-        json!({ "role": "plain" })
-    };
-    Ok(serde_json::from_value(json!({
-        "metadata": { "name": name, "labels": labels },
-        "spec": {
-            "nodeName": node,
-            "containers": [{ "name": "app", "image": "registry.k8s.io/pause:3.10" }]
-        }
-    }))?)
+        pod_sim::bare_pod(name, Some(node), &[("role", "plain")], None)
+    }
 }
 
 struct Scene {
@@ -286,29 +279,6 @@ async fn metric(agent: &Agent, sample: &str) -> f64 {
     agent.metric(sample).await.unwrap_or(0.0)
 }
 
-/// The agent's log without terminal colour codes (`ESC [ ... m`), for matching fields.
-fn plain(log: &str) -> String {
-    let mut out = String::with_capacity(log.len());
-    let mut chars = log.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c == 'm' {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
-fn tail(text: &str, lines: usize) -> String {
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
-}
-
 const EVICTED: &str = "meshgate_pods_evicted_total{profile=\"linkerd\"}";
 const MISSING: &str = "meshgate_pod_inspections_total{profile=\"linkerd\",verdict=\"missing\"}";
 const REDIRECTED: &str =
@@ -366,10 +336,7 @@ async fn only_pods_without_redirects_are_evicted_and_their_replicaset_replaces_t
 
     // The agent watches first, so the latency measured below is detection, not start-up.
     let agent = scene.start_agent(&[])?;
-    poll_until("the agent to be ready", WAIT, || async {
-        anyhow::Ok(agent.admin_get("/ready").await.filter(|r| r.0 == 200))
-    })
-    .await?;
+    agent.wait_ready(WAIT).await?;
 
     let started = Instant::now();
     scene
@@ -380,13 +347,13 @@ async fn only_pods_without_redirects_are_evicted_and_their_replicaset_replaces_t
         .await?;
     // Selected by no profile, and sharing the node's netns: never inspected.
     scene
-        .create_pod(&bare_pod("plain", &scene.node, false)?)
+        .create_pod(&bare_pod("plain", &scene.node, false))
         .await?;
     scene
         .create_rs(&replica_set("hostnet", &scene.node, 1, true)?)
         .await?;
     scene
-        .create_pod(&bare_pod("bare", &scene.node, true)?)
+        .create_pod(&bare_pod("bare", &scene.node, true))
         .await?;
 
     // Both web pods are evicted and replaced by Running pods in namespaces with rules.
@@ -744,7 +711,7 @@ async fn a_restarted_agent_does_not_evict_again() -> anyhow::Result<()> {
         meshgate_e2e::mark_pod_running(&scene.client, &scene.ns, name, *ip).await?;
     }
     scene
-        .create_pod(&bare_pod("good", &scene.node, true)?)
+        .create_pod(&bare_pod("good", &scene.node, true))
         .await?;
     meshgate_e2e::mark_pod_running(&scene.client, &scene.ns, "good", good[0]).await?;
 

@@ -26,7 +26,6 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
 
 use anyhow::{Context as _, bail, ensure};
 use k8s_openapi::api::admissionregistration::v1::{
@@ -51,7 +50,6 @@ use meshgate_e2e::{ControlPlane, NodeSpec, Options, TokenOptions, unique_name};
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 use serde_json::json;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::WAIT;
 
@@ -545,19 +543,9 @@ impl Drop for Workload {
 
 /// A plain HTTP/1.0 GET: the status code, or `None` while nothing answers.
 async fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
-    let mut s = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr))
+    meshgate_e2e::node_sim::http_get(addr, path)
         .await
-        .ok()?
-        .ok()?;
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
-        .await
-        .ok()?;
-    let mut out = String::new();
-    tokio::time::timeout(Duration::from_secs(2), s.read_to_string(&mut out))
-        .await
-        .ok()?
-        .ok()?;
-    out.split_whitespace().nth(1)?.parse().ok()
+        .map(|(code, _)| code)
 }
 
 // ---------------------------------------------------------------------------------------

@@ -124,6 +124,8 @@ impl Fixture {
             request_timeout: Duration::from_secs(3),
             lookup_timeout: Duration::from_secs(1),
             max_body_bytes: 3 * 1024 * 1024,
+            // Stopped by the test, not by a kubelet: no endpoint removal to wait for.
+            shutdown_delay: Duration::ZERO,
             shutdown_timeout: Duration::from_secs(5),
             log_format: meshgate_webhook::LogFormat::Text,
         };

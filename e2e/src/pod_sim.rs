@@ -1,0 +1,95 @@
+//! The pods the e2e tests, the demo and the benchmarks create: bare pause pods bound to a
+//! simulated node, meshed (labelled as linkerd's injector labels them) or plain, and a meshed
+//! pod that stays Pending for binding reviews.
+//!
+//! In: names, a node, labels. Out: `Pod` objects to create through the real API; nothing is
+//! sent from here. The kubelet stand-in ([`crate::kubelet`]) then runs the bound ones.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
+use kube::api::ObjectMeta;
+
+/// The label linkerd's injector puts on a meshed pod: what the built-in `linkerd` profile
+/// selects.
+pub const MESH_LABEL: &str = "linkerd.io/control-plane-ns";
+
+/// The one container image of every pod here; nothing pulls it (no kubelet runs).
+pub const PAUSE_IMAGE: &str = "registry.k8s.io/pause:3.10";
+
+/// A bare pause pod (no owner) with `labels`; bound to `node` when one is given.
+/// `grace` is its `terminationGracePeriodSeconds` (the API's default, 30 s, when `None`).
+pub fn bare_pod(
+    name: &str,
+    node: Option<&str>,
+    labels: &[(&str, &str)],
+    grace: Option<i64>,
+) -> Pod {
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            labels: Some(
+                labels
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect::<BTreeMap<_, _>>(),
+            ),
+            ..ObjectMeta::default()
+        },
+        spec: Some(PodSpec {
+            node_name: node.map(str::to_owned),
+            termination_grace_period_seconds: grace,
+            containers: vec![Container {
+                name: "app".into(),
+                image: Some(PAUSE_IMAGE.into()),
+                ..Container::default()
+            }],
+            ..PodSpec::default()
+        }),
+        ..Pod::default()
+    }
+}
+
+/// A bare meshed (linkerd) pause pod bound to `node`, with `extra` labels.
+pub fn meshed_pod(name: &str, node: &str, extra: &[(&str, &str)], grace: Option<i64>) -> Pod {
+    let mut labels = vec![(MESH_LABEL, "linkerd")];
+    labels.extend_from_slice(extra);
+    bare_pod(name, Some(node), &labels, grace)
+}
+
+/// A meshed pod no scheduler binds (`schedulerName: nobody`), so it stays Pending and the
+/// webhook's pod cache holds it: the pod that binding reviews bind.
+pub fn pending_meshed_pod(name: &str) -> Pod {
+    let mut pod = bare_pod(name, None, &[(MESH_LABEL, "linkerd")], None);
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.scheduler_name = Some("nobody".into());
+    }
+    pod
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fixtures_serialize_as_the_api_expects() {
+        let pod = serde_json::to_value(meshed_pod("p", "n", &[("bench", "yes")], Some(0))).unwrap();
+        assert_eq!(
+            pod,
+            serde_json::json!({
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": { "name": "p", "labels": { MESH_LABEL: "linkerd", "bench": "yes" } },
+                "spec": {
+                    "nodeName": "n",
+                    "terminationGracePeriodSeconds": 0,
+                    "containers": [{ "name": "app", "image": PAUSE_IMAGE }]
+                }
+            })
+        );
+        let pending = serde_json::to_value(pending_meshed_pod("pending")).unwrap();
+        assert_eq!(pending["spec"]["schedulerName"], "nobody");
+        assert!(pending["spec"].get("nodeName").is_none());
+        assert_eq!(pending["metadata"]["labels"][MESH_LABEL], "linkerd");
+    }
+}
