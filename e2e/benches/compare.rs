@@ -1188,7 +1188,7 @@ async fn webhook(
             connections,
         };
     // Warm up (connections, first refusal-reason lookups).
-    let warm = review_load::run(spec(&refusals, 500.0, 2.0, 8)).await;
+    let warm = review_load::run(spec(&refusals, 500.0, 2.0, 8)).await?;
     if !warm.errors().is_empty() {
         bail!(
             "webhook warm-up errors: {:?}\n{}",
@@ -1213,7 +1213,7 @@ async fn webhook(
         ("refusal-heavy mix at 2,000/s", &refusals, 2000.0, 16),
     ] {
         let before = scrape().await;
-        let r = review_load::run(spec(reviews, rate, secs, connections)).await;
+        let r = review_load::run(spec(reviews, rate, secs, connections)).await?;
         let after = scrape().await;
         let server = format!(
             "server-side handling p50 {}, p99 {}",
@@ -1223,7 +1223,7 @@ async fn webhook(
         eprintln!("  {name}: {}; {server}", r.summary());
         runs.push((name, r, server));
     }
-    let sat = review_load::run(spec(&typical, 30000.0, 5.0, 64)).await;
+    let sat = review_load::run(spec(&typical, 30000.0, 5.0, 64)).await?;
     let (rss_after, hwm) = hook.rss_kib().unwrap_or((0, 0));
     drop(hook);
 

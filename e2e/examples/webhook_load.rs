@@ -25,6 +25,7 @@ use kube::api::{Api, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use meshgate_e2e::pod_sim::pending_meshed_pod;
 use meshgate_e2e::review_load::{self, Outcome, Review};
+use meshgate_e2e::wait::API_TIMEOUT;
 use meshgate_e2e::webhook_sim::TestCa;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
@@ -147,23 +148,38 @@ async fn nodes(
     );
 
     let ns: Api<Namespace> = Api::all(client.clone());
-    let _ = ns
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))?,
-        )
-        .await;
+    let namespace = serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))?;
+    match tokio::time::timeout(API_TIMEOUT, ns.create(&PostParams::default(), &namespace)).await {
+        Ok(Ok(_)) => {}
+        // Already there from an earlier run: fine.
+        Ok(Err(kube::Error::Api(s))) if s.code == 409 => {}
+        Ok(Err(e)) => {
+            return Err(anyhow::Error::new(e).context(format!("creating namespace {NAMESPACE}")));
+        }
+        Err(_) => bail!("creating namespace {NAMESPACE}: no answer within {API_TIMEOUT:?}"),
+    }
     let pods: Api<Pod> = Api::namespaced(client, NAMESPACE);
     let pending = pending_meshed_pod("pending");
-    // The namespace's default ServiceAccount appears a moment after the namespace.
-    for _ in 0..100 {
-        match pods.create(&PostParams::default(), &pending).await {
-            Ok(_) => return Ok(()),
-            Err(kube::Error::Api(s)) if s.code == 409 => return Ok(()),
-            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+    // The namespace's default ServiceAccount appears a moment after the namespace, so the
+    // create is retried, every attempt and all of them together bounded.
+    const CREATE_WITHIN: Duration = Duration::from_secs(30);
+    let deadline = std::time::Instant::now() + CREATE_WITHIN;
+    let mut last = String::from("no attempt");
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            bail!(
+                "the pending pod {NAMESPACE}/pending could not be created within {CREATE_WITHIN:?}; last error: {last}"
+            );
         }
+        match tokio::time::timeout(left, pods.create(&PostParams::default(), &pending)).await {
+            Ok(Ok(_)) => return Ok(()),
+            Ok(Err(kube::Error::Api(s))) if s.code == 409 => return Ok(()),
+            Ok(Err(e)) => last = e.to_string(),
+            Err(_) => last = format!("no answer within {left:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    bail!("the pending pod {NAMESPACE}/pending could not be created within 20 s")
 }
 
 async fn load(
@@ -201,9 +217,9 @@ async fn load(
 
     // Warm-up: one second on one connection, not measured (connection setup, first cache
     // lookups).
-    review_load::run(spec(1, 1)?).await;
+    review_load::run(spec(1, 1)?).await?;
 
-    let report = review_load::run(spec(connections.max(1), duration)?).await;
+    let report = review_load::run(spec(connections.max(1), duration)?).await?;
     let (mut answered, mut unexpected, mut errors) = (0usize, 0usize, 0usize);
     for s in &report.samples {
         match s.outcome {

@@ -141,12 +141,18 @@ impl Netns {
         Ok(())
     }
 
-    /// Starts a long sleep inside the namespace and returns its pid once the process is in
-    /// it (`ip netns exec` switches namespaces, then execs in place). Killed on drop.
+    /// Starts a sleep inside the namespace and returns its pid once the process is in it
+    /// (`ip netns exec` switches namespaces, then execs in place). It sleeps until killed
+    /// (`sleep infinity`), so the pid stays valid however long a test runs; killed on drop.
+    /// Called again, it kills and reaps the previous sleeper first (one per namespace).
     pub fn spawn_sleeper(&mut self) -> anyhow::Result<u32> {
         use std::os::unix::fs::MetadataExt;
+        if let Some(mut old) = self.sleeper.take() {
+            let _ = old.kill();
+            old.wait().context("reaping the previous sleeper")?;
+        }
         let child = Command::new("ip")
-            .args(["netns", "exec", &self.name, "sleep", "300"])
+            .args(["netns", "exec", &self.name, "sleep", "infinity"])
             .stdin(Stdio::null())
             .spawn()
             .context("spawning a process in the namespace")?;

@@ -14,7 +14,8 @@ use kube::api::ObjectMeta;
 /// selects.
 pub const MESH_LABEL: &str = "linkerd.io/control-plane-ns";
 
-/// The one container image of every pod here; nothing pulls it (no kubelet runs).
+/// The one container image of every pod here; nothing pulls it (no container runtime runs:
+/// the kubelet stand-in only reports the pods running).
 pub const PAUSE_IMAGE: &str = "registry.k8s.io/pause:3.10";
 
 /// A bare pause pod (no owner) with `labels`; bound to `node` when one is given.

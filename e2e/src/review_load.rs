@@ -16,7 +16,14 @@
 //! Closed loop (`rate` = infinity): each connection sends its next request as soon as the
 //! previous answer arrives, which measures throughput at saturation and the service time.
 //! A broken connection is re-established for the next request; the request that hit it is
-//! counted as failed.
+//! counted as failed. Connecting (TCP, TLS and HTTP handshakes) and each request are bounded
+//! by [`STEP_TIMEOUT`], so a stalled server ends the run with failed samples instead of
+//! hanging it. A [`Spec`] that cannot be run (no connections, no reviews, a rate that is not a
+//! positive number) is refused with a [`SpecError`] before anything is sent.
+//!
+//! [`WebhookProcess`] runs the real `meshgate-webhook` binary to point the load at: in, a
+//! kubeconfig and extra flags; out, its HTTPS and admin addresses, the CA that signed its
+//! certificate, its log, its memory use, SIGTERM and its exit code.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -33,6 +40,51 @@ use serde_json::{Value, json};
 
 use crate::stats::quantile;
 use crate::wait::API_TIMEOUT;
+
+/// Bound on connecting (TCP connect, TLS and HTTP handshakes) and on one request (from
+/// sending it to the end of the answer's body). Well above the webhook's own request deadline
+/// (3 s by default), so it only fires when the server stalls.
+pub const STEP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why [`run`] refused a [`Spec`] or could not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    /// `rate` must be a positive number of requests per second (or infinity for a closed
+    /// loop), and large enough that one connection's interval fits in a [`Duration`].
+    #[error("rate {0} is not a usable positive number of requests per second")]
+    InvalidRate(f64),
+    /// At least one connection is needed to send anything.
+    #[error("connections must be at least 1")]
+    NoConnections,
+    /// At least one review is needed to send anything.
+    #[error("no reviews to send")]
+    NoReviews,
+    /// A connection task was cancelled before it returned its samples (the runtime is
+    /// shutting down), so the report would be incomplete.
+    #[error("a connection task did not finish: {0}")]
+    TaskCancelled(String),
+}
+
+impl Spec {
+    /// Checks what [`run`] needs: at least one connection and one review, and a rate that
+    /// is positive (infinity: closed loop) with an interval per connection that fits in a
+    /// [`Duration`].
+    pub fn validate(&self) -> Result<(), SpecError> {
+        if self.connections == 0 {
+            return Err(SpecError::NoConnections);
+        }
+        if self.reviews.is_empty() {
+            return Err(SpecError::NoReviews);
+        }
+        let usable = self.rate > 0.0
+            && (self.rate == f64::INFINITY
+                || Duration::try_from_secs_f64(self.connections as f64 / self.rate).is_ok());
+        if !usable {
+            return Err(SpecError::InvalidRate(self.rate));
+        }
+        Ok(())
+    }
+}
 
 /// One request body and the answer it must get.
 #[derive(Clone, Debug)]
@@ -269,7 +321,14 @@ impl Report {
 
 type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
 
-async fn connect(spec: &Spec) -> anyhow::Result<Sender> {
+/// [`connect_unbounded`] within `step` ([`STEP_TIMEOUT`]).
+async fn connect(spec: &Spec, step: Duration) -> anyhow::Result<Sender> {
+    tokio::time::timeout(step, connect_unbounded(spec))
+        .await
+        .map_err(|_| anyhow::anyhow!("timeout: not connected within {step:?}"))?
+}
+
+async fn connect_unbounded(spec: &Spec) -> anyhow::Result<Sender> {
     let tcp = tokio::net::TcpStream::connect(spec.addr).await?;
     tcp.set_nodelay(true)?;
     let name = rustls::pki_types::ServerName::try_from("127.0.0.1")?;
@@ -304,7 +363,24 @@ fn judge(review: &Review, status: u16, body: &[u8]) -> Outcome {
     Outcome::Right
 }
 
-async fn one(sender: &mut Sender, spec: &Spec, review: &Review) -> Result<Outcome, String> {
+/// [`one_unbounded`] within `step` ([`STEP_TIMEOUT`]); a timeout is an error (the
+/// connection is then dropped: its answer may still come).
+async fn one(
+    sender: &mut Sender,
+    spec: &Spec,
+    review: &Review,
+    step: Duration,
+) -> Result<Outcome, String> {
+    tokio::time::timeout(step, one_unbounded(sender, spec, review))
+        .await
+        .map_err(|_| format!("timeout: no answer within {step:?}"))?
+}
+
+async fn one_unbounded(
+    sender: &mut Sender,
+    spec: &Spec,
+    review: &Review,
+) -> Result<Outcome, String> {
     let req = http::Request::post(spec.path.as_str())
         .header("host", "127.0.0.1")
         .header("content-type", "application/json")
@@ -322,36 +398,64 @@ async fn one(sender: &mut Sender, spec: &Spec, review: &Review) -> Result<Outcom
     Ok(judge(review, status, &body))
 }
 
-async fn connection_loop(spec: Arc<Spec>, index: usize, start: Instant) -> Vec<Sample> {
-    let interval = Duration::from_secs_f64(spec.connections as f64 / spec.rate);
-    let offset = Duration::from_secs_f64(index as f64 / spec.rate);
-    let end = start + spec.duration;
+/// One connection's requests. `spec` was validated by [`run`]: at least one connection and
+/// review, a positive rate; the arithmetic is checked all the same, and ends the loop rather
+/// than panicking.
+async fn connection_loop(
+    spec: Arc<Spec>,
+    index: usize,
+    start: Instant,
+    step: Duration,
+) -> Vec<Sample> {
     let mut out = Vec::new();
+    let (connections, reviews) = (spec.connections.max(1), spec.reviews.len());
+    if reviews == 0 {
+        return out;
+    }
+    // Zero for a closed loop (infinite rate); `None` if the rate is unusable.
+    let interval = Duration::try_from_secs_f64(connections as f64 / spec.rate);
+    let offset = Duration::try_from_secs_f64(index as f64 / spec.rate);
+    let (Ok(interval), Ok(offset), Some(end)) =
+        (interval, offset, start.checked_add(spec.duration))
+    else {
+        return out;
+    };
     let mut sender: Option<Sender> = None;
     let mut k: u32 = 0;
     loop {
         let due = if spec.rate.is_finite() {
-            start + offset + interval * k
+            match interval
+                .checked_mul(k)
+                .and_then(|d| d.checked_add(offset))
+                .and_then(|d| start.checked_add(d))
+            {
+                Some(due) => due,
+                None => break,
+            }
         } else {
             Instant::now().max(start)
         };
         if due >= end {
             break;
         }
-        k += 1;
+        k = match k.checked_add(1) {
+            Some(k) => k,
+            None => break,
+        };
         tokio::time::sleep_until(due.into()).await;
-        let review = &spec.reviews[(index + (k as usize) * spec.connections) % spec.reviews.len()];
+        let review =
+            &spec.reviews[index.wrapping_add((k as usize).wrapping_mul(connections)) % reviews];
         let sent = Instant::now();
         // A connection the server closed, or said it would close (`Connection: close` on the
         // last answer, as a stopping webhook does), is not reused: `ready` waits for the
         // connection's state to settle instead of racing the close (RFC 9112 §9.6).
         if let Some(s) = sender.as_mut()
-            && s.ready().await.is_err()
+            && !matches!(tokio::time::timeout(step, s.ready()).await, Ok(Ok(())))
         {
             sender = None;
         }
         if sender.is_none() {
-            sender = match connect(&spec).await {
+            sender = match connect(&spec, step).await {
                 Ok(s) => Some(s),
                 Err(e) => {
                     out.push(Sample {
@@ -366,7 +470,7 @@ async fn connection_loop(spec: Arc<Spec>, index: usize, start: Instant) -> Vec<S
             };
         }
         let Some(s) = sender.as_mut() else { continue };
-        let outcome = match one(s, &spec, review).await {
+        let outcome = match one(s, &spec, review, step).await {
             Ok(o) => o,
             Err(e) => {
                 sender = None;
@@ -384,24 +488,36 @@ async fn connection_loop(spec: Arc<Spec>, index: usize, start: Instant) -> Vec<S
     out
 }
 
-/// Offers the load and returns every sample once the last request finished.
-pub async fn run(spec: Spec) -> Report {
+/// Offers the load and returns every sample once the last request finished; refuses a spec
+/// [`Spec::validate`] rejects. A connection task that panicked (a bug in this module) panics
+/// the caller too, rather than silently dropping its samples.
+pub async fn run(spec: Spec) -> Result<Report, SpecError> {
+    run_bounded(spec, STEP_TIMEOUT).await
+}
+
+/// [`run`] with each connect and request bounded by `step`.
+async fn run_bounded(spec: Spec, step: Duration) -> Result<Report, SpecError> {
+    spec.validate()?;
     let spec = Arc::new(spec);
     // A little head start so every connection's first request is due after it was spawned.
     let start = Instant::now() + Duration::from_millis(20);
-    let tasks: Vec<_> = (0..spec.connections.max(1))
-        .map(|i| tokio::spawn(connection_loop(spec.clone(), i, start)))
+    let tasks: Vec<_> = (0..spec.connections)
+        .map(|i| tokio::spawn(connection_loop(spec.clone(), i, start, step)))
         .collect();
     let mut report = Report {
         samples: Vec::new(),
         start: Some(start),
     };
     for t in tasks {
-        if let Ok(samples) = t.await {
-            report.samples.extend(samples);
+        match t.await {
+            Ok(samples) => report.samples.extend(samples),
+            Err(e) => match e.try_into_panic() {
+                Ok(panic) => std::panic::resume_unwind(panic),
+                Err(e) => return Err(SpecError::TaskCancelled(e.to_string())),
+            },
         }
     }
-    report
+    Ok(report)
 }
 
 /// A Node named `name` with the labels a cloud node carries (hostname, os, arch, instance
@@ -696,13 +812,13 @@ mod tests {
 
         // Open loop, 100/s for 0.5 s over 2 connections: exactly 50 requests, one every
         // 20 ms per connection, every answer right.
-        let open = run(spec(100.0)).await;
+        let open = run(spec(100.0)).await.unwrap();
         assert_eq!(open.samples.len(), 50);
         assert_eq!(open.right(), 50, "{:?}", open.errors().first());
 
         // Closed loop: each connection sends as soon as its answer is back: far more than the
         // paced run's 50 (at most one per service time and connection), all right.
-        let closed = run(spec(f64::INFINITY)).await;
+        let closed = run(spec(f64::INFINITY)).await.unwrap();
         assert!(closed.errors().is_empty(), "{:?}", closed.errors().first());
         let most = 2 * (500 / service.as_millis() as usize);
         assert!(
@@ -711,6 +827,79 @@ mod tests {
             closed.summary()
         );
         assert!(closed.latency(0.5) >= service);
+    }
+
+    #[tokio::test]
+    async fn unusable_specs_are_refused_before_anything_is_sent() {
+        let ca = crate::webhook_sim::TestCa::new().unwrap();
+        // Nothing listens there: a spec that got past validation would record failures.
+        let spec = |rate: f64, connections: usize, reviews: Vec<Review>| Spec {
+            addr: SocketAddr::from(([127, 0, 0, 1], 9)),
+            path: "/validate".into(),
+            connector: tls_connector(ca.der()).unwrap(),
+            reviews: Arc::new(reviews),
+            rate,
+            duration: Duration::from_millis(50),
+            connections,
+        };
+        let one = || vec![pod_review("u1", "n", true, true)];
+        for rate in [0.0, -1.0, f64::NAN, f64::NEG_INFINITY, 1e-300] {
+            assert!(
+                matches!(
+                    run(spec(rate, 2, one())).await,
+                    Err(SpecError::InvalidRate(_))
+                ),
+                "rate {rate}"
+            );
+        }
+        assert!(matches!(
+            run(spec(100.0, 0, one())).await,
+            Err(SpecError::NoConnections)
+        ));
+        assert!(matches!(
+            run(spec(100.0, 2, Vec::new())).await,
+            Err(SpecError::NoReviews)
+        ));
+        assert!(spec(f64::INFINITY, 1, one()).validate().is_ok());
+        assert!(spec(0.5, 1, one()).validate().is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_stalled_server_ends_the_run_with_timeouts_instead_of_hanging() {
+        let ca = crate::webhook_sim::TestCa::new().unwrap();
+        // Accepts TCP connections and never says a word: the TLS handshake stalls.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let silent = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((tcp, _)) = listener.accept().await {
+                held.push(tcp);
+            }
+        });
+        let spec = Spec {
+            addr,
+            path: "/validate".into(),
+            connector: tls_connector(ca.der()).unwrap(),
+            reviews: Arc::new(vec![pod_review("u1", "n", true, true)]),
+            rate: 20.0,
+            duration: Duration::from_millis(100),
+            connections: 2,
+        };
+        let step = Duration::from_millis(200);
+        let report = tokio::time::timeout(Duration::from_secs(5), run_bounded(spec, step))
+            .await
+            .expect("the run ends although the server stalls")
+            .unwrap();
+        silent.abort();
+        assert_eq!(report.samples.len(), 2, "one due request per connection");
+        for s in &report.samples {
+            assert!(
+                matches!(&s.outcome, Outcome::Failed(e) if e.contains("timeout")),
+                "{:?}",
+                s.outcome
+            );
+            assert!(s.done.duration_since(s.sent) >= step);
+        }
     }
 
     #[test]

@@ -501,8 +501,15 @@ mod tests {
         let a = Args::try_parse_from(base.iter().copied().chain(["--shutdown-delay", "500ms"]))
             .unwrap();
         assert_eq!(a.shutdown_delay, Duration::from_millis(500));
+        // With `=`, so clap hands "-1s" to the parser instead of taking it for a flag.
+        let err = Args::try_parse_from(base.iter().copied().chain(["--shutdown-delay=-1s"]))
+            .expect_err("a negative delay is refused");
         assert!(
-            Args::try_parse_from(base.iter().copied().chain(["--shutdown-delay", "-1s"])).is_err()
+            err.to_string().contains("must be a positive number"),
+            "refused by parse_duration: {err}"
         );
+        let err = Args::try_parse_from(base.iter().copied().chain(["--shutdown-timeout=soon"]))
+            .expect_err("a malformed timeout is refused");
+        assert!(err.to_string().contains("use e.g. 3s"), "{err}");
     }
 }

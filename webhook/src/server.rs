@@ -17,9 +17,10 @@
 //!   onto a connection the server is closing.
 //! - [`Phase::Draining`]: the listener closes (connections already waiting in its backlog are
 //!   still accepted), keep-alive connections still idle (they carried no request during the
-//!   whole delay) are closed, and requests in flight finish, bounded by the drain timeout.
-//!   A connection accepted after the stop request answers its one request even if that
-//!   request arrives after the drain started.
+//!   whole delay) are closed, and requests in flight finish, bounded by the drain timeout;
+//!   connections still open when it expires are aborted. A connection whose TLS handshake
+//!   ended after the stop request answers its one request even if that request arrives
+//!   after the drain started.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,6 +37,7 @@ use hyper_util::service::TowerToHyperService;
 use rustls::ServerConfig;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 use tower_http::timeout::TimeoutLayer;
 
@@ -122,8 +124,9 @@ pub fn router<C: Cluster>(
 }
 
 /// Serves `app` over TLS on `listener` until `phase` reaches [`Phase::Draining`], then drains
-/// for at most `drain`. From [`Phase::Delaying`] on, responses carry `Connection: close`.
-/// Accept and handshake errors are logged, never fatal.
+/// for at most `drain`; connections still open when the drain times out are aborted (their
+/// sockets closed), so nothing outlives the returned future. From [`Phase::Delaying`] on,
+/// responses carry `Connection: close`. Accept and handshake errors are logged, never fatal.
 pub async fn serve_tls(
     listener: TcpListener,
     tls: Arc<ServerConfig>,
@@ -131,8 +134,6 @@ pub async fn serve_tls(
     phase: watch::Receiver<Phase>,
     drain: Duration,
 ) {
-    let acceptor = TlsAcceptor::from(tls);
-    let graceful = GracefulShutdown::new();
     let stopping = phase.clone();
     // Decided when the response is written, so a request in flight when the delay starts is
     // answered with the close too.
@@ -145,6 +146,13 @@ pub async fn serve_tls(
             resp
         },
     ));
+    let mut conns = Connections {
+        acceptor: TlsAcceptor::from(tls),
+        app,
+        phase: phase.clone(),
+        graceful: GracefulShutdown::new(),
+        tasks: JoinSet::new(),
+    };
     let mut draining = phase.clone();
     // A dropped sender also ends serving: nobody could ask for the drain any more.
     let draining = async move {
@@ -166,24 +174,97 @@ pub async fn serve_tls(
                 }
             },
         };
-        let serving = *phase.borrow() == Phase::Serving;
-        let watcher = graceful.watcher();
-        spawn_connection(tcp, peer, &acceptor, &app, watcher, serving);
+        conns.reap();
+        conns.spawn(tcp, peer);
     }
     // Connections the kernel completed before the close are served, not reset by it (each
     // answers one request and closes). Accepted with the plain socket call: the async
     // listener only retries once the reactor reported readiness, which may not have happened.
-    let late = accept_backlog(listener, |tcp, peer| {
-        spawn_connection(tcp, peer, &acceptor, &app, graceful.watcher(), false);
-    });
+    let late = accept_backlog(listener, |tcp, peer| conns.spawn(tcp, peer));
     tracing::info!(
-        connections = graceful.count(),
+        connections = conns.graceful.count(),
         accepted_at_close = late,
         "shutting down: listener closed, draining in-flight requests"
     );
+    let graceful = std::mem::take(&mut conns.graceful);
     tokio::select! {
         () = graceful.shutdown() => tracing::info!("drained"),
-        () = tokio::time::sleep(drain) => tracing::warn!(?drain, "drain timed out; closing remaining connections"),
+        () = tokio::time::sleep(drain) => tracing::warn!(
+            ?drain,
+            connections = conns.tasks.len(),
+            "drain timed out; closing remaining connections"
+        ),
+    }
+    // After a timeout, aborts what is left (dropping a task closes its socket); after a
+    // complete drain, only tasks past their last byte remain. Waits for them either way, so
+    // an embedder's runtime holds no connection of ours once this returns.
+    conns.tasks.shutdown().await;
+}
+
+/// The accepted connections: what serves them, and their tasks (aborted if the drain times
+/// out).
+struct Connections {
+    acceptor: TlsAcceptor,
+    app: Router,
+    phase: watch::Receiver<Phase>,
+    graceful: GracefulShutdown,
+    tasks: JoinSet<()>,
+}
+
+impl Connections {
+    /// Forgets the tasks that have ended, so the set holds only live connections.
+    fn reap(&mut self) {
+        while let Some(ended) = self.tasks.try_join_next() {
+            if let Err(e) = ended
+                && e.is_panic()
+            {
+                tracing::error!(error = %e, "connection task panicked");
+            }
+        }
+    }
+
+    /// Handshakes and serves one connection in a task of the set.
+    ///
+    /// Whether the drain may close the connection while it is idle is decided after the TLS
+    /// handshake, from the phase then: one still [`Phase::Serving`] is told to finish at the
+    /// drain (its idle keep-alive is closed, a request in flight completes). One whose
+    /// handshake ended after the stop request is not: its answers carry `Connection: close`,
+    /// so it ends by itself after one request, whereas told to shut down before its request
+    /// was read (the drain having started during, or just after, its handshake) it would be
+    /// closed unanswered. Its watcher is held all the same, so the drain waits for it.
+    fn spawn(&mut self, tcp: tokio::net::TcpStream, peer: std::net::SocketAddr) {
+        let _ = tcp.set_nodelay(true);
+        let acceptor = self.acceptor.clone();
+        let app = self.app.clone();
+        let phase = self.phase.clone();
+        let watcher = self.graceful.watcher();
+        self.tasks.spawn(async move {
+            let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(%peer, "TLS handshake timed out");
+                    return;
+                }
+            };
+            let serving = *phase.borrow() == Phase::Serving;
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .serve_connection(TokioIo::new(tls), TowerToHyperService::new(app));
+            let result = if serving {
+                watcher.watch(conn).await
+            } else {
+                let _counted = watcher;
+                conn.await
+            };
+            if let Err(e) = result {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+        });
     }
 }
 
@@ -223,50 +304,6 @@ fn accept_backlog(
         }
     }
     n
-}
-
-/// Handshakes and serves one connection. One accepted while `serving` is told to finish at the
-/// drain (its idle keep-alive is closed, a request in flight completes). One accepted after the
-/// stop request is not: its answers carry `Connection: close`, so it ends by itself after one
-/// request, and told to shut down before its request was read (the drain starting during its
-/// TLS handshake) it would be closed unanswered. Its watcher is held so the drain waits for it.
-fn spawn_connection(
-    tcp: tokio::net::TcpStream,
-    peer: std::net::SocketAddr,
-    acceptor: &TlsAcceptor,
-    app: &Router,
-    watcher: hyper_util::server::graceful::Watcher,
-    serving: bool,
-) {
-    let _ = tcp.set_nodelay(true);
-    let acceptor = acceptor.clone();
-    let app = app.clone();
-    tokio::spawn(async move {
-        let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => {
-                tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                return;
-            }
-            Err(_) => {
-                tracing::debug!(%peer, "TLS handshake timed out");
-                return;
-            }
-        };
-        let conn = hyper::server::conn::http1::Builder::new()
-            .timer(TokioTimer::new())
-            .header_read_timeout(HEADER_READ_TIMEOUT)
-            .serve_connection(TokioIo::new(tls), TowerToHyperService::new(app));
-        let result = if serving {
-            watcher.watch(conn).await
-        } else {
-            let _counted = watcher;
-            conn.await
-        };
-        if let Err(e) = result {
-            tracing::debug!(%peer, error = %e, "connection ended with an error");
-        }
-    });
 }
 
 #[cfg(test)]
@@ -480,6 +517,8 @@ pub(crate) mod tests {
     }
 
     /// Waits up to 2 s for the server to close a connection (the client side sees it closed).
+    /// Only meaningful while the answers said nothing of closing: after a `Connection: close`
+    /// answer hyper's client closes by itself (use [`read_until_closed`] there).
     pub(crate) async fn closed_by_server(sender: &mut Sender) -> bool {
         tokio::time::timeout(Duration::from_secs(2), async {
             while !sender.is_closed() {
@@ -490,10 +529,114 @@ pub(crate) mod tests {
         .is_ok()
     }
 
+    /// A TLS stream spoken to byte by byte: unlike hyper's client, it does not close its own
+    /// side on a `Connection: close` answer, so it shows whether the server closed.
+    pub(crate) type Raw = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+    /// TLS over an open TCP connection to the test server.
+    pub(crate) async fn handshake_raw(
+        pki: &Pki,
+        tcp: tokio::net::TcpStream,
+    ) -> std::io::Result<Raw> {
+        let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+        pki.connector().connect(name, tcp).await
+    }
+
+    pub(crate) async fn connect_raw(pki: &Pki, addr: std::net::SocketAddr) -> std::io::Result<Raw> {
+        handshake_raw(pki, tokio::net::TcpStream::connect(addr).await?).await
+    }
+
+    /// Writes `POST /validate` with `body` as HTTP/1.1 (keep-alive unless the server says
+    /// otherwise).
+    pub(crate) async fn write_review(stream: &mut Raw, body: &serde_json::Value) {
+        use tokio::io::AsyncWriteExt;
+        let body = serde_json::to_vec(body).unwrap();
+        let head = format!(
+            "POST /validate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n",
+            body.len()
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        stream.write_all(&body).await.unwrap();
+        stream.flush().await.unwrap();
+    }
+
+    /// Reads one answer (head, then a `Content-Length` body) within 5 s; panics if the
+    /// connection ends first.
+    pub(crate) async fn read_answer(stream: &mut Raw) -> Answer {
+        use tokio::io::AsyncReadExt;
+        async fn more(stream: &mut Raw, buf: &mut Vec<u8>) {
+            let mut chunk = [0u8; 4096];
+            let n = stream.read(&mut chunk).await.expect("reading the answer");
+            assert!(
+                n > 0,
+                "closed mid-answer: {:?}",
+                String::from_utf8_lossy(buf)
+            );
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        let read = async {
+            let mut buf = Vec::new();
+            let body_at = loop {
+                if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                    break i + 4;
+                }
+                more(stream, &mut buf).await;
+            };
+            let head = String::from_utf8(buf[..body_at].to_vec()).unwrap();
+            let status: u16 = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+            let field = |name: &str| {
+                head.lines().skip(1).find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.trim()
+                        .eq_ignore_ascii_case(name)
+                        .then(|| v.trim().to_string())
+                })
+            };
+            let len: usize = field("content-length")
+                .expect("a Content-Length answer")
+                .parse()
+                .unwrap();
+            while buf.len() < body_at + len {
+                more(stream, &mut buf).await;
+            }
+            assert_eq!(buf.len(), body_at + len, "bytes after the answer");
+            Answer {
+                status: StatusCode::from_u16(status).unwrap(),
+                body: serde_json::from_slice(&buf[body_at..]).unwrap_or_default(),
+                close: field("connection").is_some_and(|v| v.eq_ignore_ascii_case("close")),
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), read)
+            .await
+            .expect("an answer within 5 s")
+    }
+
+    /// Reads until the server closes the connection (end of stream, or an error such as a
+    /// reset or a TCP close without TLS `close_notify`), for at most `within`: the bytes read
+    /// before the close, or `None` if the connection is still open.
+    pub(crate) async fn read_until_closed(stream: &mut Raw, within: Duration) -> Option<Vec<u8>> {
+        use tokio::io::AsyncReadExt;
+        let mut out = Vec::new();
+        let closed = tokio::time::timeout(within, async {
+            let mut chunk = [0u8; 4096];
+            loop {
+                match stream.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => out.extend_from_slice(&chunk[..n]),
+                }
+            }
+        })
+        .await
+        .is_ok();
+        closed.then_some(out)
+    }
+
     /// Serves `app` on a fresh loopback listener; the phase sender drives its shutdown.
     pub(crate) async fn start(
         app: Router,
         tls: Arc<ServerConfig>,
+        drain: Duration,
     ) -> (
         std::net::SocketAddr,
         watch::Sender<Phase>,
@@ -502,7 +645,7 @@ pub(crate) mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (phase_tx, phase) = crate::shutdown::phase_channel();
-        let server = tokio::spawn(serve_tls(listener, tls, app, phase, Duration::from_secs(5)));
+        let server = tokio::spawn(serve_tls(listener, tls, app, phase, drain));
         (addr, phase_tx, server)
     }
 
@@ -518,13 +661,28 @@ pub(crate) mod tests {
         watch::Sender<Phase>,
         tokio::task::JoinHandle<()>,
     ) {
+        start_tls_with(cluster, Limits::default(), Duration::from_secs(5)).await
+    }
+
+    /// [`start_tls`] with the given limits and drain timeout.
+    pub(crate) async fn start_tls_with(
+        cluster: crate::review::tests::FakeCluster,
+        limits: Limits,
+        drain: Duration,
+    ) -> (
+        tempfile::TempDir,
+        Pki,
+        std::net::SocketAddr,
+        watch::Sender<Phase>,
+        tokio::task::JoinHandle<()>,
+    ) {
         let dir = tempfile::tempdir().unwrap();
         let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
         let pki = Pki::new();
         pki.issue(&cert, &key);
-        let (app, _tx) = app(cluster, true, Limits::default());
+        let (app, _tx) = app(cluster, true, limits);
         let tls = crate::tls::server_config(&cert, &key).unwrap();
-        let (addr, phase, server) = start(app, tls).await;
+        let (addr, phase, server) = start(app, tls, drain).await;
         (dir, pki, addr, phase, server)
     }
 
@@ -541,7 +699,7 @@ pub(crate) mod tests {
         cluster.delay = Some(Duration::from_millis(400));
         let (app, _tx) = app(cluster, true, Limits::default());
         let tls = crate::tls::server_config(&cert, &key).unwrap();
-        let (addr, phase, server) = start(app, tls).await;
+        let (addr, phase, server) = start(app, tls, Duration::from_secs(5)).await;
 
         let (mut old_conn, presented) = connect(&pki, addr).await.unwrap();
         assert_eq!(presented, first);
@@ -586,82 +744,86 @@ pub(crate) mod tests {
     /// accepted and answered, every answer from the delay on says `Connection: close` and the
     /// server then closes that connection, a request in flight when the delay starts is
     /// answered with the close too; at the drain the listener closes, a connection idle
-    /// through the whole delay is closed, and a request in flight still finishes.
+    /// through the whole delay is closed, and a request in flight still finishes. The closes
+    /// after `Connection: close` answers are read on raw TLS streams, which do not close by
+    /// themselves.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_delay_keeps_serving_and_moves_clients_off_then_the_drain_closes() {
         let mut cluster = fake_cluster();
         cluster.delay = Some(Duration::from_millis(600));
         let (_dir, pki, addr, phase, server) = start_tls(cluster).await;
         let meshed_on_bad = pod_review("web", Some("bad"), true);
+        let closed = |bytes: Option<Vec<u8>>| bytes.as_deref() == Some(&[][..]);
 
         // Serving: keep-alive as usual.
         let (mut idle, _) = connect(&pki, addr).await.unwrap();
         let a = try_send(&mut idle, &meshed_on_bad).await.unwrap();
         assert_eq!(a.status, StatusCode::OK);
         assert!(!a.close, "no close while serving");
-        let (mut busy, _) = connect(&pki, addr).await.unwrap();
-        assert!(!try_send(&mut busy, &meshed_on_bad).await.unwrap().close);
+        let mut busy = connect_raw(&pki, addr).await.unwrap();
+        write_review(&mut busy, &meshed_on_bad).await;
+        assert!(!read_answer(&mut busy).await.close);
 
         // A binding whose lookup takes 600 ms is in flight when the delay starts.
-        let (mut slow, _) = connect(&pki, addr).await.unwrap();
-        let binding = binding_review("meshed", "bad");
-        let in_flight = tokio::spawn(async move {
-            let a = try_send(&mut slow, &binding).await;
-            (a, slow)
-        });
+        let mut slow = connect_raw(&pki, addr).await.unwrap();
+        write_review(&mut slow, &binding_review("meshed", "bad")).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         phase.send_replace(Phase::Delaying);
 
         // A new connection during the delay: accepted, answered right, then closed by the
         // server after it told the client so.
-        let (mut fresh, _) = connect(&pki, addr)
+        let mut fresh = connect_raw(&pki, addr)
             .await
             .expect("the listener still accepts during the delay");
-        let a = try_send(&mut fresh, &meshed_on_bad).await.unwrap();
+        write_review(&mut fresh, &meshed_on_bad).await;
+        let a = read_answer(&mut fresh).await;
         assert_eq!(a.status, StatusCode::OK);
         assert_eq!(a.body["response"]["allowed"], false);
         assert!(a.close, "answers during the delay carry Connection: close");
         assert!(
-            closed_by_server(&mut fresh).await,
-            "closed after the answer"
+            closed(read_until_closed(&mut fresh, Duration::from_secs(2)).await),
+            "closed by the server after the answer"
         );
         // An existing keep-alive connection is answered once more, then retired the same way.
-        let a = try_send(&mut busy, &meshed_on_bad).await.unwrap();
+        write_review(&mut busy, &meshed_on_bad).await;
+        let a = read_answer(&mut busy).await;
         assert_eq!(a.status, StatusCode::OK);
         assert!(a.close);
-        assert!(closed_by_server(&mut busy).await);
+        assert!(closed(
+            read_until_closed(&mut busy, Duration::from_secs(2)).await
+        ));
         // The request in flight when the delay began: answered right, with the close.
-        let (a, mut slow) = in_flight.await.unwrap();
-        let a = a.unwrap();
+        let a = read_answer(&mut slow).await;
         assert_eq!(a.status, StatusCode::OK);
         assert_eq!(a.body["response"]["allowed"], false);
         assert!(a.close);
-        assert!(closed_by_server(&mut slow).await);
+        assert!(closed(
+            read_until_closed(&mut slow, Duration::from_secs(2)).await
+        ));
         // The connection that carried no request during the delay is still open.
         assert!(!idle.is_closed());
 
         // Another lookup in flight when the drain starts.
-        let (mut last, _) = connect(&pki, addr).await.unwrap();
-        let binding = binding_review("meshed", "bad");
-        let in_flight = tokio::spawn(async move { try_send(&mut last, &binding).await });
+        let mut last = connect_raw(&pki, addr).await.unwrap();
+        write_review(&mut last, &binding_review("meshed", "bad")).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         phase.send_replace(Phase::Draining);
-        assert!(!in_flight.is_finished(), "in flight when the drain starts");
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(
             connect(&pki, addr).await.is_err(),
             "the listener closes when the drain starts"
         );
+        // Its answer carried nothing about closing, so hyper's client sees the server's close.
         assert!(
             closed_by_server(&mut idle).await,
             "an idle keep-alive connection is closed at the drain"
         );
-        let a = in_flight
-            .await
-            .unwrap()
-            .expect("the in-flight request drained");
-        assert_eq!(a.status, StatusCode::OK);
+        let a = read_answer(&mut last).await;
+        assert_eq!(a.status, StatusCode::OK, "the in-flight request drained");
         assert_eq!(a.body["response"]["allowed"], false);
+        assert!(closed(
+            read_until_closed(&mut last, Duration::from_secs(2)).await
+        ));
         tokio::time::timeout(Duration::from_secs(5), server)
             .await
             .expect("the server stops once drained")
@@ -722,5 +884,64 @@ pub(crate) mod tests {
             .await
             .expect("the server stops")
             .unwrap();
+    }
+
+    /// A connection the server accepted while serving whose TLS handshake only ends after the
+    /// drain started (a slow client) is answered, not closed before its request is read.
+    /// Single-threaded, so the server has accepted it before the phase changes.
+    #[tokio::test]
+    async fn a_handshake_that_ends_after_the_drain_started_is_answered() {
+        let (_dir, pki, addr, phase, server) = start_tls(fake_cluster()).await;
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        // The server accepts it now and waits for the ClientHello, still serving.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        phase.send_replace(Phase::Delaying);
+        phase.send_replace(Phase::Draining);
+        // The server runs into the drain and signals its connections to finish.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!server.is_finished(), "the drain waits for the connection");
+        let mut late = handshake_raw(&pki, tcp).await.expect("handshake");
+        write_review(&mut late, &pod_review("web", Some("good"), true)).await;
+        let a = read_answer(&mut late).await;
+        assert_eq!(a.status, StatusCode::OK);
+        assert_eq!(a.body["response"]["allowed"], true);
+        assert!(a.close);
+        tokio::time::timeout(Duration::from_secs(5), server)
+            .await
+            .expect("the server stops once that connection is done")
+            .unwrap();
+    }
+
+    /// A request stalled past the drain timeout: the server returns within the bound and its
+    /// connection is closed (the connection task aborted), not left running behind it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_drain_timeout_closes_the_connections_left() {
+        let mut cluster = fake_cluster();
+        cluster.delay = Some(Duration::from_secs(30));
+        let limits = Limits {
+            request_timeout: Duration::from_secs(60),
+            ..Limits::default()
+        };
+        let drain = Duration::from_millis(300);
+        let (_dir, pki, addr, phase, server) = start_tls_with(cluster, limits, drain).await;
+        let mut stalled = connect_raw(&pki, addr).await.unwrap();
+        write_review(&mut stalled, &binding_review("meshed", "bad")).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        phase.send_replace(Phase::Draining);
+        let begun = std::time::Instant::now();
+        tokio::time::timeout(Duration::from_secs(5), server)
+            .await
+            .expect("the server stops at the drain timeout")
+            .unwrap();
+        assert!(
+            begun.elapsed() >= drain,
+            "returned before the drain timeout"
+        );
+        // Left running, the connection would stay open until the 30 s lookup ended.
+        assert_eq!(
+            read_until_closed(&mut stalled, Duration::from_secs(2)).await,
+            Some(Vec::new()),
+            "the stalled connection is closed, unanswered"
+        );
     }
 }

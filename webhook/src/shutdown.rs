@@ -98,6 +98,11 @@ pub fn once(
 
 /// A stop-request channel fed by every SIGTERM and SIGINT the process receives, from now on.
 ///
+/// Once the drain has started, [`sequence`] has returned and dropped the receiver: a signal
+/// then (the third, or the second after a full delay) is not swallowed but ends the process
+/// at once with exit code 1, cutting the drain short. Only for the binary: embedders stop
+/// through [`once`].
+///
 /// # Errors
 /// When a signal handler cannot be installed: then the kubelet's SIGTERM would kill the
 /// process at once, without the delay or the drain, so the webhook refuses to start.
@@ -105,21 +110,36 @@ pub fn signals() -> std::io::Result<(mpsc::Receiver<()>, tokio::task::JoinHandle
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
+    let names = futures::stream::select(
+        futures::stream::poll_fn(move |cx| term.poll_recv(cx).map(|s| s.map(|()| "SIGTERM"))),
+        futures::stream::poll_fn(move |cx| int.poll_recv(cx).map(|s| s.map(|()| "SIGINT"))),
+    );
     let (tx, rx) = mpsc::channel(4);
-    let task = tokio::spawn(async move {
-        loop {
-            let name = tokio::select! {
-                Some(()) = term.recv() => "SIGTERM",
-                Some(()) = int.recv() => "SIGINT",
-                else => return,
-            };
-            tracing::info!(signal = name, "stop signal received");
-            if tx.send(()).await.is_err() {
-                return;
-            }
-        }
-    });
+    let task = tokio::spawn(forward(names, tx, |name| {
+        tracing::warn!(
+            signal = name,
+            "stop signal received while draining: exiting now, requests in flight are cut"
+        );
+        std::process::exit(1)
+    }));
     Ok((rx, task))
+}
+
+/// Turns each signal of `names` into a stop request on `tx`; the first signal that finds the
+/// receiver gone (the drain already started) goes to `gone` instead, and forwarding ends.
+async fn forward(
+    mut names: impl futures::Stream<Item = &'static str> + Unpin,
+    tx: mpsc::Sender<()>,
+    gone: impl FnOnce(&'static str),
+) {
+    use futures::StreamExt as _;
+    while let Some(name) = names.next().await {
+        tracing::info!(signal = name, "stop signal received");
+        if tx.send(()).await.is_err() {
+            gone(name);
+            return;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -185,9 +205,12 @@ mod tests {
         assert!(!seq.is_finished());
         seq.abort();
 
-        // Stopped once through `once`, whose future finished at once: the full delay runs.
+        // One request, then the sender is dropped: the channel is closed during the whole
+        // delay, and the full delay runs.
         let (phase_tx, phase) = phase_channel();
-        let (rx, _feeder) = once(async {});
+        let (tx, rx) = mpsc::channel(4);
+        tx.send(()).await.unwrap();
+        drop(tx);
         let seq = tokio::spawn(sequence(rx, Duration::from_millis(400), phase_tx));
         reaches(&phase, Phase::Delaying, Duration::from_secs(1)).await;
         let took = reaches(&phase, Phase::Draining, Duration::from_secs(5)).await;
@@ -196,6 +219,37 @@ mod tests {
             "delay cut short: {took:?}"
         );
         seq.await.unwrap();
+    }
+
+    /// Signals become stop requests while `sequence` listens; the first one after it returned
+    /// (its receiver dropped when the drain started) goes to the exit path, not nowhere.
+    #[tokio::test]
+    async fn a_signal_after_the_drain_started_takes_the_exit_path() {
+        let (names_tx, names) = futures::channel::mpsc::unbounded();
+        let (tx, mut rx) = mpsc::channel(4);
+        let (gone_tx, mut gone) = tokio::sync::oneshot::channel();
+        let fwd = tokio::spawn(forward(names, tx, move |name| {
+            let _ = gone_tx.send(name);
+        }));
+        names_tx.unbounded_send("SIGTERM").unwrap();
+        names_tx.unbounded_send("SIGINT").unwrap();
+        for _ in 0..2 {
+            let got = tokio::time::timeout(Duration::from_secs(1), rx.recv()).await;
+            assert_eq!(got, Ok(Some(())), "forwarded as a stop request");
+        }
+        assert!(gone.try_recv().is_err(), "not while the receiver listens");
+        drop(rx);
+        names_tx.unbounded_send("SIGTERM").unwrap();
+        let exited = tokio::time::timeout(Duration::from_secs(1), gone).await;
+        assert_eq!(
+            exited,
+            Ok(Ok("SIGTERM")),
+            "the third signal is not swallowed"
+        );
+        tokio::time::timeout(Duration::from_secs(1), fwd)
+            .await
+            .expect("forwarding ends after the exit path")
+            .unwrap();
     }
 
     #[test]

@@ -37,6 +37,7 @@ use meshgate_e2e::node_sim::{Agent, CniDirs, GOOD_PLUGIN, gate_condition, golden
 use meshgate_e2e::pod_sim::{self, MESH_LABEL};
 use meshgate_e2e::review_load::{self, Outcome, Review, WebhookProcess};
 use meshgate_e2e::stats::quantile as percentile;
+use meshgate_e2e::wait::API_TIMEOUT;
 use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
 use serde_json::json;
 
@@ -285,15 +286,26 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
     // clock pair to compare those instants with the audit log's wall-clock times.
     let clock = (Instant::now(), SystemTime::now());
     let terminating: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    // Watch errors: after one the watcher relists, and a pod deleted in the gap is never
+    // seen terminating; the check below then fails, naming these.
+    let watch_errors: Arc<Mutex<Vec<String>>> = Arc::default();
     let term_watch = {
-        let (api, seen) = (
+        let (api, seen, errors) = (
             Api::<Pod>::namespaced(client.clone(), &ns),
             terminating.clone(),
+            watch_errors.clone(),
         );
         tokio::spawn(async move {
             let mut s = std::pin::pin!(kube::runtime::watcher(api, Default::default()));
             while let Some(ev) = s.next().await {
                 let p = match ev {
+                    Err(e) => {
+                        errors
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push(e.to_string());
+                        continue;
+                    }
                     Ok(
                         kube::runtime::watcher::Event::Apply(p)
                         | kube::runtime::watcher::Event::InitApply(p),
@@ -464,6 +476,16 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
             .or_default()
             .push((r.received, r.code));
     }
+    // Every evicted pod must have been seen terminating, or the re-eviction check below
+    // could not judge it.
+    let unwatched: Vec<&String> = by_pod
+        .keys()
+        .filter(|p| bad.contains(p) && !terminating.contains_key(*p))
+        .collect();
+    let watch_errors = watch_errors
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
     let twice: Vec<String> = by_pod
         .iter()
         .filter_map(|(pod, reqs)| {
@@ -520,6 +542,11 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
     ensure!(
         slow_rounds.is_empty(),
         "converged later than 2 s after restart: {slow_rounds:?}"
+    );
+    ensure!(
+        unwatched.is_empty(),
+        "evicted pods never seen terminating by the test's watch, so whether they were \
+         evicted again cannot be judged: {unwatched:?} (watch errors: {watch_errors:?})"
     );
     ensure!(
         twice.is_empty(),
@@ -1154,7 +1181,8 @@ fn admission_total(metrics: &str) -> f64 {
 /// flight: `/ready` answers 503 at once while the background reviews are still answered for
 /// the delay; every background review sent up to the drain (SIGTERM + delay, less a small
 /// margin) is answered right; the stalled reviews, still in flight when the drain starts, are
-/// answered right; and the process exits 0.
+/// answered right; and the process exits 0 once they are answered (within 1.5 s of the last),
+/// its log saying the drain completed rather than timed out.
 #[tokio::test]
 async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> anyhow::Result<()> {
     let cp = cp().await;
@@ -1162,38 +1190,40 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
     let ns = cp.create_namespace(&client, "faults-load").await?;
     let tag = unique_name("load");
     let nodes: Api<Node> = Api::all(client.clone());
-    let (mut good, mut bad) = (Vec::new(), Vec::new());
-    for i in 0..20 {
-        for (verified, list) in [("true", &mut good), ("false", &mut bad)] {
-            let name = format!("{tag}-{}-{i}", if verified == "true" { "v" } else { "u" });
-            let n: Node = serde_json::from_value(json!({
-                "metadata": {"name": name, "labels": {meshgate_core::VERIFIED_LABEL: verified}}
-            }))?;
-            nodes.create(&PostParams::default(), &n).await?;
-            list.push(name);
-        }
-    }
-    // A pending meshed pod: bindings of it are answered from the webhook's pod cache.
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let pending: Pod = serde_json::from_value(json!({
-        "metadata": {"name": "pending", "labels": {MESH_LABEL: "linkerd"}},
-        "spec": {"schedulerName": "nobody", "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]}
-    }))?;
-    pods.create(&PostParams::default(), &pending).await?;
-
-    let dir = tempfile::tempdir()?;
-    let apiserver: SocketAddr = cp.apiserver_url().trim_start_matches("https://").parse()?;
-    let proxy = StallingProxy::start(apiserver).await?;
-    let kubeconfig = kubeconfig_via(cp, proxy.addr, dir.path())?;
+    // The names `review_load::create_nodes` gives: known up front, so the cleanup below deletes
+    // whichever of them were created, even when a step fails half-way.
+    let good: Vec<String> = (0..20).map(|i| format!("{tag}-v-{i}")).collect();
+    let bad: Vec<String> = (0..20).map(|i| format!("{tag}-u-{i}")).collect();
     // Short, so the test stays short; long enough to see `/ready` turn and reviews answered.
     let delay = Duration::from_millis(500);
-    let mut webhook = WebhookProcess::start(&kubeconfig, &["--shutdown-delay", "500ms"])?;
     let cleanup = async {
         for n in good.iter().chain(&bad) {
-            let _ = nodes.delete(n, &DeleteParams::default()).await;
+            let _ =
+                tokio::time::timeout(API_TIMEOUT, nodes.delete(n, &DeleteParams::default())).await;
         }
     };
     let result = async {
+        review_load::create_nodes(&client, &tag, good.len(), bad.len(), 8).await?;
+        // A pending meshed pod: bindings of it are answered from the webhook's pod cache.
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+        let pending: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "pending", "labels": {MESH_LABEL: "linkerd"}},
+            "spec": {"schedulerName": "nobody", "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]}
+        }))?;
+        meshgate_e2e::wait::api("creating the pending pod", pods.create(&PostParams::default(), &pending)).await?;
+
+        let dir = tempfile::tempdir()?;
+        let apiserver: SocketAddr = cp.apiserver_url().trim_start_matches("https://").parse()?;
+        let proxy = StallingProxy::start(apiserver).await?;
+        let kubeconfig = kubeconfig_via(cp, proxy.addr, dir.path())?;
+        // Each stalled review waits for a bounded lookup: 2 s (not the default 1 s) so they
+        // are still in flight, with a second to spare, when the drain starts at SIGTERM +
+        // delay. The request deadline stays above two lookups (a refusal may look up the node
+        // too).
+        let mut webhook = WebhookProcess::start(
+            &kubeconfig,
+            &["--shutdown-delay", "500ms", "--lookup-timeout", "2s", "--request-timeout", "6s"],
+        )?;
         webhook.wait_ready(Duration::from_secs(60)).await?;
         // The cache has every node once its labels answer as expected.
         let connector = review_load::tls_connector(&webhook.ca_der)?;
@@ -1220,7 +1250,7 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
                 duration: Duration::from_millis(250),
                 connections: 4,
             })
-            .await;
+            .await?;
             anyhow::Ok((r.errors().is_empty() && !r.samples.is_empty()).then_some(()))
         })
         .await?;
@@ -1243,7 +1273,7 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
             duration,
             connections: 32,
         })
-        .await;
+        .await?;
         let after = admission_total(&webhook.admin_get("/metrics").await.context("metrics")?.1);
         let (rss, hwm) = webhook.rss_kib().unwrap_or((0, 0));
         eprintln!(
@@ -1290,7 +1320,7 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
         for i in 0..40 {
             let uid = format!("{tag}-slow-{i}");
             // A binding of a pod the cache does not hold, to an unverified node: the pod is
-            // looked up (stalled, bounded by --lookup-timeout 1 s), then refused.
+            // looked up (stalled, bounded by --lookup-timeout 2 s), then refused.
             slow.push(review_load::binding_review(&uid, &ns, &format!("absent-{i}"), &bad[i % bad.len()], false));
         }
         let slow_load = tokio::spawn(review_load::run(review_load::Spec {
@@ -1303,7 +1333,7 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
             connections: 40,
         }));
         // Allowed reviews only: a refusal looks up the node's condition reason (its message
-        // names it), which now stalls for the 1 s lookup timeout and would hold a background
+        // names it), which now stalls for the 2 s lookup timeout and would hold a background
         // connection through most of the delay.
         let allowed: Vec<Review> = reviews.iter().filter(|r| r.allowed).cloned().collect();
         let background = tokio::spawn(review_load::run(review_load::Spec {
@@ -1329,20 +1359,30 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
         }
         let live_in_delay = webhook.admin_get("/live").await.map(|(code, _)| code);
         let live_checked = term.elapsed();
-        let slow = slow_load.await?;
-        let background = background.await?;
+        // The exit is awaited while the loads still run in their own tasks (the background
+        // one outlasts the drain), so `exited` is the process's exit, polled every 10 ms.
         let exit = webhook.wait_exit(Duration::from_secs(30)).await;
         let exited = term.elapsed();
+        let slow = slow_load.await??;
+        let background = background.await??;
         proxy.stall(false);
+        let log = webhook.log();
 
         // The drain starts at SIGTERM + delay (a little later, counting the signal's delivery).
         let drain = term + delay;
         let in_flight: Vec<_> = slow.samples.iter().filter(|s| s.sent < term).collect();
         let slow_wrong: Vec<_> = in_flight.iter().filter(|s| s.outcome != Outcome::Right).collect();
         let slowest = in_flight.iter().map(|s| s.done.saturating_duration_since(s.sent)).max().unwrap_or_default();
-        // Answered 100 ms or more after the drain began: they were in flight when it did.
-        let answered_in_drain = in_flight.iter().filter(|s| s.done > drain + Duration::from_millis(100)).count();
+        // Answered 500 ms or more after the drain began: they were in flight when it did.
+        // Each waits for the 2 s lookup timeout from when it was sent, ≥ 400 ms before
+        // SIGTERM, so they are answered ~1 s after the drain began.
+        let answered_in_drain = in_flight.iter().filter(|s| s.done > drain + Duration::from_millis(500)).count();
         let first_slow_answer = in_flight.iter().map(|s| s.done.saturating_duration_since(drain)).min().unwrap_or_default();
+        let last_slow_answer = in_flight.iter().map(|s| s.done.saturating_duration_since(drain)).max().unwrap_or_default();
+        // The process exits once the drain is done: when the last in-flight review is answered
+        // (after the delay), plus its shutdown, within a margin for a loaded machine. A drain
+        // that waited for its 20 s timeout instead fails this (and the log check below).
+        let exit_bound = delay + last_slow_answer + Duration::from_millis(1500);
         // Background requests sent at least `margin` before the drain reached the server
         // before the listener closed (the client still has to connect, since every answer
         // during the delay closes its connection); later ones race the close and are
@@ -1361,15 +1401,16 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
         let first_failed = background.samples.iter().filter(|s| s.outcome != Outcome::Right).map(|s| s.sent).min();
         eprintln!(
             "[faults] webhook drain (--shutdown-delay {delay:?}): /ready 503 {} after SIGTERM, /live {live_in_delay:?} at {:.0} ms; \
-             {} reviews waiting on stalled lookups at SIGTERM, answered after up to {:.0} ms (the first {:.0} ms after the drain began, {} of them ≥ 100 ms after), {} wrong; \
+             {} reviews waiting on stalled lookups at SIGTERM, each answered up to {:.0} ms after it was sent (the first {:.0} ms and the last {:.0} ms after the drain began, {} of them ≥ 500 ms after), {} wrong; \
              background: {} sent before the drain less {margin:?} ({} wrong; {} of them during the delay, {} answered right after /ready turned 503), \
              last answered one sent {} ms from the drain, first failure sent {} ms from it; {} sent after the drain ({} refused by the closed listener); \
-             exit {:?} {:.0} ms after SIGTERM",
+             exit {:?} {:.0} ms after SIGTERM (bound {:.0} ms), log drained: {}, drain timed out: {}",
             unready.map_or("never".to_string(), |u| format!("{:.0} ms", ms(u - term))),
             ms(live_checked),
             in_flight.len(),
             ms(slowest),
             ms(first_slow_answer),
+            ms(last_slow_answer),
             answered_in_drain,
             slow_wrong.len(),
             bg_judged.len(),
@@ -1382,15 +1423,27 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
             bg_after_failed,
             exit,
             ms(exited),
+            ms(exit_bound),
+            log.contains("drained"),
+            log.contains("drain timed out"),
         );
         ensure!(unready.is_some(), "/ready did not answer 503 within the {delay:?} delay\n{}", tail(&webhook.log(), 30));
         ensure!(live_in_delay == Some(200), "/live answered {live_in_delay:?} during the delay");
+        ensure!(live_checked < delay, "/live was checked {:.0} ms after SIGTERM, after the {delay:?} delay ended", ms(live_checked));
         ensure!(bg_while_unready > 0, "no review was answered while /ready said 503: the webhook stopped serving at the signal");
         ensure!(in_flight.len() == 40, "all 40 slow reviews were sent before SIGTERM: {}", in_flight.len());
         ensure!(slow_wrong.is_empty(), "in-flight reviews failed during the drain: {slow_wrong:?}\n{}", tail(&webhook.log(), 30));
-        ensure!(answered_in_drain == 40, "only {answered_in_drain} of 40 stalled reviews were still in flight when the drain began");
+        ensure!(answered_in_drain == 40, "only {answered_in_drain} of 40 stalled reviews were answered ≥ 500 ms after the drain began");
         ensure!(bg_judged_wrong.is_empty(), "{} of {} reviews sent before the drain failed; first: {:?}", bg_judged_wrong.len(), bg_judged.len(), bg_judged_wrong.first());
-        ensure!(exit == Some(0), "webhook exit status {exit:?}\n{}", tail(&webhook.log(), 30));
+        ensure!(exit == Some(0), "webhook exit status {exit:?}\n{}", tail(&log, 30));
+        ensure!(
+            exited <= exit_bound,
+            "exited {:.0} ms after SIGTERM, later than the delay + the last stalled answer + 1.5 s ({:.0} ms)\n{}",
+            ms(exited),
+            ms(exit_bound),
+            tail(&log, 30)
+        );
+        ensure!(log.contains("drained") && !log.contains("drain timed out"), "the drain did not complete\n{}", tail(&log, 30));
         anyhow::Ok(())
     }
     .await;
