@@ -463,7 +463,14 @@ pub(crate) mod tests {
         pki: &Pki,
         addr: std::net::SocketAddr,
     ) -> std::io::Result<(Sender, Vec<u8>)> {
-        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        connect_over(pki, tokio::net::TcpStream::connect(addr).await?).await
+    }
+
+    /// [`connect`] over a TCP connection already made.
+    pub(crate) async fn connect_over(
+        pki: &Pki,
+        tcp: tokio::net::TcpStream,
+    ) -> std::io::Result<(Sender, Vec<u8>)> {
         let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
         let tls = pki.connector().connect(name, tcp).await?;
         let presented = tls.get_ref().1.peer_certificates().unwrap()[0].to_vec();
@@ -867,12 +874,7 @@ pub(crate) mod tests {
         for tcp in waiting {
             tcp.set_nonblocking(true).unwrap();
             let tcp = tokio::net::TcpStream::from_std(tcp).unwrap();
-            let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
-            let tls = pki.connector().connect(name, tcp).await.expect("not reset");
-            let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-                .await
-                .unwrap();
-            tokio::spawn(conn);
+            let (mut sender, _) = connect_over(&pki, tcp).await.expect("not reset");
             let a = try_send(&mut sender, &pod_review("web", Some("bad"), true))
                 .await
                 .expect("answered");

@@ -163,6 +163,16 @@ mod tests {
         begun.elapsed()
     }
 
+    /// `phase` goes to Delaying, then stays there for (nearly) the 400 ms delay the tests use.
+    async fn runs_the_whole_delay(phase: &watch::Receiver<Phase>) {
+        reaches(phase, Phase::Delaying, Duration::from_secs(1)).await;
+        let took = reaches(phase, Phase::Draining, Duration::from_secs(5)).await;
+        assert!(
+            took >= Duration::from_millis(350),
+            "delay cut short: {took:?}"
+        );
+    }
+
     #[tokio::test]
     async fn the_first_request_delays_then_the_drain_starts() {
         let (tx, rx) = mpsc::channel(4);
@@ -171,12 +181,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(*phase.borrow(), Phase::Serving, "no request yet");
         tx.send(()).await.unwrap();
-        reaches(&phase, Phase::Delaying, Duration::from_secs(1)).await;
-        let took = reaches(&phase, Phase::Draining, Duration::from_secs(5)).await;
-        assert!(
-            took >= Duration::from_millis(350),
-            "delay cut short: {took:?}"
-        );
+        runs_the_whole_delay(&phase).await;
         seq.await.unwrap();
     }
 
@@ -212,12 +217,7 @@ mod tests {
         tx.send(()).await.unwrap();
         drop(tx);
         let seq = tokio::spawn(sequence(rx, Duration::from_millis(400), phase_tx));
-        reaches(&phase, Phase::Delaying, Duration::from_secs(1)).await;
-        let took = reaches(&phase, Phase::Draining, Duration::from_secs(5)).await;
-        assert!(
-            took >= Duration::from_millis(350),
-            "delay cut short: {took:?}"
-        );
+        runs_the_whole_delay(&phase).await;
         seq.await.unwrap();
     }
 
