@@ -442,7 +442,11 @@ async fn connection_loop(
             Some(k) => k,
             None => break,
         };
-        tokio::time::sleep_until(due.into()).await;
+        // Only when the request is not due yet: tokio's timer rounds even an elapsed deadline
+        // up to its next 1 ms tick, which would pace a closed loop at one request per tick.
+        if due > Instant::now() {
+            tokio::time::sleep_until(due.into()).await;
+        }
         let review =
             &spec.reviews[index.wrapping_add((k as usize).wrapping_mul(connections)) % reviews];
         let sent = Instant::now();
