@@ -284,9 +284,9 @@ mod tests {
         assert!(parse_duration("NaNs").is_err());
     }
 
-    #[test]
-    fn contract_flags_parse() {
-        let a = Args::try_parse_from([
+    /// Parses the required flags plus `extra`.
+    fn parse(extra: &[&str]) -> Result<Args, clap::Error> {
+        let required = [
             "meshgate-webhook",
             "--listen",
             "127.0.0.1:8443",
@@ -294,6 +294,13 @@ mod tests {
             "/c",
             "--tls-key",
             "/k",
+        ];
+        Args::try_parse_from(required.iter().chain(extra))
+    }
+
+    #[test]
+    fn contract_flags_parse() {
+        let a = parse(&[
             "--kubeconfig",
             "/kc",
             "--admin-addr",
@@ -309,18 +316,7 @@ mod tests {
         let set = load_profiles(&a).unwrap();
         assert_eq!(set.iter().count(), 2);
 
-        let bad = Args::try_parse_from([
-            "meshgate-webhook",
-            "--listen",
-            "127.0.0.1:8443",
-            "--tls-cert",
-            "/c",
-            "--tls-key",
-            "/k",
-            "--profile",
-            "consul",
-        ])
-        .unwrap();
+        let bad = parse(&["--profile", "consul"]).unwrap();
         assert!(load_profiles(&bad).is_err());
         assert!(Args::try_parse_from(["meshgate-webhook", "--listen", "x"]).is_err());
     }
@@ -486,30 +482,18 @@ mod tests {
 
     #[test]
     fn shutdown_flags_parse() {
-        let base = [
-            "meshgate-webhook",
-            "--listen",
-            "127.0.0.1:8443",
-            "--tls-cert",
-            "/c",
-            "--tls-key",
-            "/k",
-        ];
-        let a = Args::try_parse_from(base).unwrap();
+        let a = parse(&[]).unwrap();
         assert_eq!(a.shutdown_delay, Duration::from_secs(5));
         assert_eq!(a.shutdown_timeout, Duration::from_secs(20));
-        let a = Args::try_parse_from(base.iter().copied().chain(["--shutdown-delay", "500ms"]))
-            .unwrap();
+        let a = parse(&["--shutdown-delay", "500ms"]).unwrap();
         assert_eq!(a.shutdown_delay, Duration::from_millis(500));
         // With `=`, so clap hands "-1s" to the parser instead of taking it for a flag.
-        let err = Args::try_parse_from(base.iter().copied().chain(["--shutdown-delay=-1s"]))
-            .expect_err("a negative delay is refused");
+        let err = parse(&["--shutdown-delay=-1s"]).expect_err("a negative delay is refused");
         assert!(
             err.to_string().contains("must be a positive number"),
             "refused by parse_duration: {err}"
         );
-        let err = Args::try_parse_from(base.iter().copied().chain(["--shutdown-timeout=soon"]))
-            .expect_err("a malformed timeout is refused");
+        let err = parse(&["--shutdown-timeout=soon"]).expect_err("a malformed timeout is refused");
         assert!(err.to_string().contains("use e.g. 3s"), "{err}");
     }
 }

@@ -656,6 +656,20 @@ pub(crate) mod tests {
         (addr, phase_tx, server)
     }
 
+    /// The server task ends within 5 s (`why` names what it waited for), without a panic.
+    pub(crate) async fn stops(server: tokio::task::JoinHandle<()>, why: &str) {
+        tokio::time::timeout(Duration::from_secs(5), server)
+            .await
+            .unwrap_or_else(|_| panic!("{why}: not within 5 s"))
+            .unwrap();
+    }
+
+    /// A 200 answer whose review says `allowed`.
+    pub(crate) fn assert_answered(a: &Answer, allowed: bool) {
+        assert_eq!(a.status, StatusCode::OK);
+        assert_eq!(a.body["response"]["allowed"], allowed);
+    }
+
     /// A TLS server over `cluster` with a fresh CA and certificate: the CA (to connect), the
     /// address, the phase sender and the server task. The directory holding the key lives as
     /// long as the returned guard.
@@ -737,10 +751,7 @@ pub(crate) mod tests {
         let (status, v) = in_flight.await.unwrap();
         assert_eq!(status, StatusCode::OK, "in-flight request drained");
         assert_eq!(v["response"]["allowed"], false);
-        tokio::time::timeout(Duration::from_secs(5), server)
-            .await
-            .expect("server stops after draining")
-            .unwrap();
+        stops(server, "server stops after draining").await;
         assert!(
             connect(&pki, addr).await.is_err(),
             "listener closed after shutdown"
@@ -784,8 +795,7 @@ pub(crate) mod tests {
             .expect("the listener still accepts during the delay");
         write_review(&mut fresh, &meshed_on_bad).await;
         let a = read_answer(&mut fresh).await;
-        assert_eq!(a.status, StatusCode::OK);
-        assert_eq!(a.body["response"]["allowed"], false);
+        assert_answered(&a, false);
         assert!(a.close, "answers during the delay carry Connection: close");
         assert!(
             closed(read_until_closed(&mut fresh, Duration::from_secs(2)).await),
@@ -801,8 +811,7 @@ pub(crate) mod tests {
         ));
         // The request in flight when the delay began: answered right, with the close.
         let a = read_answer(&mut slow).await;
-        assert_eq!(a.status, StatusCode::OK);
-        assert_eq!(a.body["response"]["allowed"], false);
+        assert_answered(&a, false);
         assert!(a.close);
         assert!(closed(
             read_until_closed(&mut slow, Duration::from_secs(2)).await
@@ -831,10 +840,7 @@ pub(crate) mod tests {
         assert!(closed(
             read_until_closed(&mut last, Duration::from_secs(2)).await
         ));
-        tokio::time::timeout(Duration::from_secs(5), server)
-            .await
-            .expect("the server stops once drained")
-            .unwrap();
+        stops(server, "the server stops once drained").await;
     }
 
     /// A connection accepted during the delay whose request only comes after the drain
@@ -850,13 +856,9 @@ pub(crate) mod tests {
         let a = try_send(&mut quiet, &pod_review("web", Some("good"), true))
             .await
             .expect("answered after the drain started");
-        assert_eq!(a.status, StatusCode::OK);
-        assert_eq!(a.body["response"]["allowed"], true);
+        assert_answered(&a, true);
         assert!(a.close);
-        tokio::time::timeout(Duration::from_secs(5), server)
-            .await
-            .expect("the server stops once that connection is done")
-            .unwrap();
+        stops(server, "the server stops once that connection is done").await;
     }
 
     /// Connections the kernel completed before the listener closed are served, not reset.
@@ -878,14 +880,10 @@ pub(crate) mod tests {
             let a = try_send(&mut sender, &pod_review("web", Some("bad"), true))
                 .await
                 .expect("answered");
-            assert_eq!(a.status, StatusCode::OK);
-            assert_eq!(a.body["response"]["allowed"], false);
+            assert_answered(&a, false);
         }
         assert!(connect(&pki, addr).await.is_err(), "listener closed");
-        tokio::time::timeout(Duration::from_secs(5), server)
-            .await
-            .expect("the server stops")
-            .unwrap();
+        stops(server, "the server stops").await;
     }
 
     /// A connection the server accepted while serving whose TLS handshake only ends after the
@@ -905,13 +903,9 @@ pub(crate) mod tests {
         let mut late = handshake_raw(&pki, tcp).await.expect("handshake");
         write_review(&mut late, &pod_review("web", Some("good"), true)).await;
         let a = read_answer(&mut late).await;
-        assert_eq!(a.status, StatusCode::OK);
-        assert_eq!(a.body["response"]["allowed"], true);
+        assert_answered(&a, true);
         assert!(a.close);
-        tokio::time::timeout(Duration::from_secs(5), server)
-            .await
-            .expect("the server stops once that connection is done")
-            .unwrap();
+        stops(server, "the server stops once that connection is done").await;
     }
 
     /// A request stalled past the drain timeout: the server returns within the bound and its
@@ -931,10 +925,7 @@ pub(crate) mod tests {
         tokio::time::sleep(Duration::from_millis(100)).await;
         phase.send_replace(Phase::Draining);
         let begun = std::time::Instant::now();
-        tokio::time::timeout(Duration::from_secs(5), server)
-            .await
-            .expect("the server stops at the drain timeout")
-            .unwrap();
+        stops(server, "the server stops at the drain timeout").await;
         assert!(
             begun.elapsed() >= drain,
             "returned before the drain timeout"
