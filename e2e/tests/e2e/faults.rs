@@ -710,6 +710,53 @@ async fn config_flapping_keeps_cpu_bounded_and_ends_right() -> anyhow::Result<()
 // Hostile config and bin dir entries
 // ---------------------------------------------------------------------------------------
 
+/// One hostile input the agent has answered: what it was, the verdict it showed, and how long
+/// that took to show on the Node.
+struct Hostile<'a> {
+    what: &'a str,
+    want: &'a str,
+    took: Duration,
+}
+
+impl Hostile<'_> {
+    /// Undoes the input with `repair`, waits for the Node to say Verified again, records both
+    /// times in `report` and the agent's RSS in `rss_max`, and requires the agent's process
+    /// `pid` (the one started before the first input) alive.
+    async fn repair(
+        &self,
+        log: &NodeLog,
+        agent: &Agent,
+        pid: u32,
+        repair: impl FnOnce() -> std::io::Result<()>,
+        rss_max: &mut u64,
+        report: &mut Vec<String>,
+    ) -> anyhow::Result<()> {
+        let what = self.what;
+        *rss_max = (*rss_max).max(agent.rss_kib().unwrap_or(0));
+        repair()?;
+        let t1 = Instant::now();
+        log.wait(
+            &format!("verified after removing {what}"),
+            Duration::from_secs(10),
+            verified,
+        )
+        .await
+        .with_context(|| tail(&agent.log(), 40))?;
+        report.push(format!(
+            "{what}: {} in {:.0} ms, repaired in {:.0} ms",
+            self.want,
+            ms(self.took),
+            ms(t1.elapsed())
+        ));
+        ensure!(
+            alive(pid),
+            "the agent died on {what}:\n{}",
+            tail(&agent.log(), 60)
+        );
+        Ok(())
+    }
+}
+
 /// Hostile entries against the running daemon, one after the other, each followed by the
 /// repair: the node must show the expected reason quickly, return to Verified once the entry
 /// is gone, and the agent must stay up with bounded memory.
@@ -825,26 +872,17 @@ async fn hostile_entries_in_the_cni_dirs_never_hang_or_bloat_the_daemon() -> any
             .with_context(|| tail(&agent.log(), 40))?;
             t0.elapsed()
         };
-        rss_max = rss_max.max(agent.rss_kib().unwrap_or(0));
-        remove(&conf)?;
-        let t1 = Instant::now();
-        log.wait(
-            &format!("verified after removing {what}"),
-            Duration::from_secs(10),
-            verified,
-        )
-        .await
-        .with_context(|| tail(&agent.log(), 40))?;
-        report.push(format!(
-            "{what}: {want} in {:.0} ms, repaired in {:.0} ms",
-            ms(took),
-            ms(t1.elapsed())
-        ));
-        ensure!(
-            alive(pid),
-            "the agent died on {what}:\n{}",
-            tail(&agent.log(), 60)
-        );
+        let hostile = Hostile { what, want, took };
+        hostile
+            .repair(
+                &log,
+                &agent,
+                pid,
+                || remove(&conf),
+                &mut rss_max,
+                &mut report,
+            )
+            .await?;
     }
 
     // Plugins: one floods stdout forever, one floods stderr and exits 1, one exits at once
@@ -869,27 +907,16 @@ async fn hostile_entries_in_the_cni_dirs_never_hang_or_bloat_the_daemon() -> any
         log.wait(what, Duration::from_secs(10), gated("PluginBinaryBroken"))
             .await
             .with_context(|| format!("plugin that {what}\n{}", tail(&agent.log(), 40)))?;
-        let took = t0.elapsed();
-        rss_max = rss_max.max(agent.rss_kib().unwrap_or(0));
-        dirs.plugin("linkerd-cni", GOOD_PLUGIN)?;
-        let t1 = Instant::now();
-        log.wait(
-            "verified after the plugin was fixed",
-            Duration::from_secs(10),
-            verified,
-        )
-        .await
-        .with_context(|| tail(&agent.log(), 40))?;
-        report.push(format!(
-            "plugin that {what}: PluginBinaryBroken in {:.0} ms, repaired in {:.0} ms",
-            ms(took),
-            ms(t1.elapsed())
-        ));
-        ensure!(
-            alive(pid),
-            "the agent died on a plugin that {what}:\n{}",
-            tail(&agent.log(), 60)
-        );
+        let what = format!("a plugin that {what}");
+        let hostile = Hostile {
+            what: &what,
+            want: "PluginBinaryBroken",
+            took: t0.elapsed(),
+        };
+        let fix = || dirs.plugin("linkerd-cni", GOOD_PLUGIN).map(drop);
+        hostile
+            .repair(&log, &agent, pid, fix, &mut rss_max, &mut report)
+            .await?;
     }
     eprintln!(
         "[faults] hostile entries (agent RSS {rss0} KiB at start, max {rss_max} KiB):\n  {}",
