@@ -408,10 +408,7 @@ async fn connection_loop(
     step: Duration,
 ) -> Vec<Sample> {
     let mut out = Vec::new();
-    let (connections, reviews) = (spec.connections.max(1), spec.reviews.len());
-    if reviews == 0 {
-        return out;
-    }
+    let (connections, reviews) = (spec.connections, spec.reviews.len());
     // Zero for a closed loop (infinite rate); `None` if the rate is unusable.
     let interval = Duration::try_from_secs_f64(connections as f64 / spec.rate);
     let offset = Duration::try_from_secs_f64(index as f64 / spec.rate);
