@@ -57,6 +57,14 @@ pub struct MeshProfile {
     pub inbound_port: u16,
     /// TCP port outbound traffic must be redirected to (from nat OUTPUT).
     pub outbound_port: u16,
+    /// True when the mesh writes IPv6 rules for dual-stack pods (Istio with
+    /// `ISTIO_DUAL_STACK`, Linkerd with `disableIPv6: false`). Off by default, as in both
+    /// meshes: a dual-stack pod then needs IPv4 rules only. See [`crate::rules::expect`].
+    #[serde(default)]
+    pub dual_stack: bool,
+    /// Whose pod annotations narrow the expected rules (opt-outs of a direction or family).
+    #[serde(default)]
+    pub annotation_dialect: crate::rules::AnnotationDialect,
 }
 
 /// Errors from building a profile set.
@@ -92,6 +100,8 @@ pub fn builtin() -> Vec<MeshProfile> {
             plugin_type: "linkerd-cni".into(),
             inbound_port: 4143,
             outbound_port: 4140,
+            dual_stack: false,
+            annotation_dialect: crate::rules::AnnotationDialect::Linkerd,
         },
         MeshProfile {
             name: "istio".into(),
@@ -102,6 +112,8 @@ pub fn builtin() -> Vec<MeshProfile> {
             plugin_type: "istio-cni".into(),
             inbound_port: 15006,
             outbound_port: 15001,
+            dual_stack: false,
+            annotation_dialect: crate::rules::AnnotationDialect::Istio,
         },
         MeshProfile {
             name: "istio-ambient".into(),
@@ -112,6 +124,9 @@ pub fn builtin() -> Vec<MeshProfile> {
             plugin_type: "istio-cni".into(),
             inbound_port: 15006,
             outbound_port: 15001,
+            // Ambient pods carry no sidecar annotations istio-cni would honour.
+            dual_stack: false,
+            annotation_dialect: crate::rules::AnnotationDialect::None,
         },
     ]
 }

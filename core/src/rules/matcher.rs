@@ -1,41 +1,58 @@
-//! Reachability of a TCP redirect from a nat hook, through jump/goto edges.
+//! Reachability of the mesh's interception from a netfilter hook, through jump/goto edges and
+//! across base chains, as the kernel evaluates a new TCP connection.
 //!
 //! In: a [`Ruleset`], the hook, the expected port and an IP family. Out: the first [`Path`]
-//! from a nat base chain on that hook to a rule redirecting every TCP packet it sees to the
-//! port, or `None`. [`check`] runs that for both directions of a [`MeshProfile`] and every
-//! family the pod uses, and turns it into an [`Inspection`].
+//! from a base chain on that hook to a rule intercepting TCP packets to the port, or why none
+//! is reached. [`check_expected`] runs that for both directions of an [`Expectation`] and
+//! every family it requires, and turns it into an [`Inspection`]; [`check_pod`] and [`check`]
+//! derive the expectation first.
 //!
-//! Semantics, kept to what the kernel does with a TCP packet:
-//! - Entry points are base chains of type nat on the hook, in every table whose family the
-//!   packet traverses (iptables' `nat` PREROUTING/OUTPUT is such a chain, and so is any native
-//!   `type nat hook prerouting` chain, whatever the table's name).
-//! - Rules are walked in order. A rule restricted to another protocol is skipped. A rule that
-//!   applies to every TCP packet and ends evaluation (accept, drop, return, another NAT
-//!   action, a redirect elsewhere, or an unconditional goto) hides every rule after it; a
-//!   conditional one does not.
-//! - A redirect counts when it targets the expected port, even if conditional: a mesh that
-//!   skips some ports (Linkerd's ignored ports, Istio's 15008) is still redirecting.
-//! - A jump explores the target chain and comes back; an unconditional jump into a chain that
-//!   always terminates also hides the rest of the caller. A goto does not come back.
-//! - Jumps stay inside their table. Every chain is explored at most once per search, which
-//!   both bounds the work and breaks cycles.
+//! Semantics, kept to what the kernel does with the first packet of a TCP connection:
+//! - **What intercepts.** Outbound: a redirect to the port in a chain reached from a base
+//!   chain of type nat on OUTPUT (the kernel runs REDIRECT / `redirect` only there). Inbound:
+//!   the same from nat PREROUTING, or a TPROXY to the port in a chain reached from any
+//!   PREROUTING base chain (Istio's `TPROXY` mode: mangle PREROUTING → ISTIO_INBOUND →
+//!   ISTIO_TPROXY). A redirect or TPROXY counts even when conditional: a mesh that skips some
+//!   ports (Linkerd's ignored ports, Istio's 15008) is still intercepting.
+//! - **Within a chain.** Rules are walked in order. A rule restricted to another protocol is
+//!   skipped. A rule that applies to every TCP packet and ends evaluation (accept, drop,
+//!   return, a NAT action, a redirect elsewhere, an xt TPROXY elsewhere, an unconditional
+//!   goto) hides every rule after it; a conditional one does not. A jump explores the target
+//!   and comes back; an unconditional jump into a chain that always ends evaluation ends the
+//!   caller the same way. Jumps stay inside their table; every chain is explored at most once
+//!   per search, which bounds the work and breaks cycles.
+//! - **Across base chains.** Every base chain on the hook in a table of the packet's family
+//!   runs, in priority order. An accept ends only its own base chain: the next one still
+//!   runs. A drop ends everything. NAT chains are not hooked one by one: the kernel's nf_nat
+//!   hook (`nf_nat_inet_fn`, priority -100 on PREROUTING/OUTPUT, 100 on INPUT/POSTROUTING)
+//!   runs every nat chain of that hook and family in their own priority order, and stops at
+//!   the first one that sets up a NAT binding for the connection. So an unconditional DNAT,
+//!   masquerade or redirect elsewhere in an earlier nat chain (of any table, iptables' or
+//!   native) means no later nat chain's redirect is ever reached.
+//!
+//! The search leans towards finding a path: a conditional drop or NAT never hides anything,
+//! because a false `missing` evicts a healthy pod.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use super::{Action, ChainType, Family, Hook, IpFamily, Protocol, Ruleset, Source, Table, Verdict};
+use super::expect::{Expectation, Expected, expectation};
+use super::{
+    Action, ChainType, DumpLimits, Family, Hook, IpFamily, Protocol, Ruleset, Source, Table,
+    Verdict,
+};
 use crate::profile::MeshProfile;
 
-/// Where a redirect was found: the chain path from the hook's base chain to the redirect.
+/// Where an interception was found: the chain path from the hook's base chain to it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Path {
     /// Family of the table.
     pub family: Family,
     /// Table name.
     pub table: String,
-    /// Chains from the base chain to the one holding the redirect.
+    /// Chains from the base chain to the one holding the redirect / TPROXY.
     pub chains: Vec<String>,
     /// Which tool wrote the table.
     pub source: Source,
@@ -55,176 +72,286 @@ impl fmt::Display for Path {
     }
 }
 
-/// Finds a TCP redirect to `port` reachable from the nat base chains on `hook` for packets of
-/// family `ip`. Base chains are tried in priority order, then in reading order.
-pub fn find_redirect(ruleset: &Ruleset, hook: Hook, port: u16, ip: IpFamily) -> Option<Path> {
-    let mut entries: Vec<(i32, usize, &Table, &str)> = Vec::new();
+/// Why a search found nothing.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NotFound {
+    /// An earlier base chain that stops every TCP packet (drop) or every new connection's
+    /// NAT (a binding set up first) before any interception could be reached.
+    pub blocked_by: Option<String>,
+}
+
+/// The nf_nat hook's priority on `hook`: where every nat chain of that hook runs.
+fn nat_hook_priority(hook: Hook) -> i32 {
+    match hook {
+        Hook::Prerouting | Hook::Output => -100,
+        _ => 100,
+    }
+}
+
+/// Finds a TCP interception to `port` on `hook` for packets of family `ip`: a redirect from a
+/// nat chain, or (on PREROUTING) a TPROXY from any chain. See the module docs for the order.
+pub fn find_interception(
+    ruleset: &Ruleset,
+    hook: Hook,
+    port: u16,
+    ip: IpFamily,
+) -> Result<Path, NotFound> {
+    struct Entry<'a> {
+        key: (i32, u8, i32, usize),
+        table: usize,
+        name: &'a str,
+        nat: bool,
+    }
+    let mut entries: Vec<Entry<'_>> = Vec::new();
     for (i, table) in ruleset.tables.iter().enumerate() {
         if !table.family.covers(ip) {
             continue;
         }
         for chain in &table.chains {
-            if let Some(base) = chain.base
-                && base.hook == hook
-                && base.chain_type == ChainType::Nat
-            {
-                entries.push((base.priority, i, table, chain.name.as_str()));
+            let Some(base) = chain.base else { continue };
+            if base.hook != hook {
+                continue;
             }
-        }
-    }
-    entries.sort_by_key(|(prio, i, _, _)| (*prio, *i));
-    // One walker per table: chains explored from one base chain need no second visit from
-    // another base chain of the same table.
-    let mut walkers: HashMap<usize, Walker<'_>> = HashMap::new();
-    for (_, i, table, name) in entries {
-        let walker = walkers.entry(i).or_insert_with(|| Walker::new(table, port));
-        if let Outcome::Found(chains) = walker.chain(name) {
-            return Some(Path {
-                family: table.family,
-                table: table.name.clone(),
-                chains: chains.into_iter().map(str::to_owned).collect(),
-                source: table.source,
+            let nat = base.chain_type == ChainType::Nat;
+            let key = if nat {
+                (nat_hook_priority(hook), 1, base.priority, i)
+            } else {
+                (base.priority, 0, 0, i)
+            };
+            entries.push(Entry {
+                key,
+                table: i,
+                name: chain.name.as_str(),
+                nat,
             });
         }
     }
-    None
+    entries.sort_by_key(|e| e.key);
+    // One walker per table and chain kind: chains explored from one base chain need no
+    // second visit from another base chain of the same kind in the same table.
+    let mut walkers: HashMap<(usize, bool), Walker<'_>> = HashMap::new();
+    let mut nat_bound: Option<String> = None;
+    for e in entries {
+        if e.nat && nat_bound.is_some() {
+            continue;
+        }
+        let Some(table) = ruleset.tables.get(e.table) else {
+            continue;
+        };
+        let walker = walkers.entry((e.table, e.nat)).or_insert_with(|| Walker {
+            table,
+            port,
+            redirect_counts: e.nat,
+            tproxy_counts: hook == Hook::Prerouting,
+            memo: HashMap::new(),
+            stack: Vec::new(),
+        });
+        let here = || format!("{} {} {}", table.family, table.name, e.name);
+        match walker.chain(e.name) {
+            Outcome::Found(chains) => {
+                return Ok(Path {
+                    family: table.family,
+                    table: table.name.clone(),
+                    chains: chains.into_iter().map(str::to_owned).collect(),
+                    source: table.source,
+                });
+            }
+            Outcome::NotFound(End::Drop) => {
+                return Err(NotFound {
+                    blocked_by: Some(format!("every TCP packet is dropped in {}", here())),
+                });
+            }
+            Outcome::NotFound(End::Nat) if e.nat => {
+                nat_bound = Some(format!(
+                    "every new TCP connection gets its NAT binding in {} first",
+                    here()
+                ));
+            }
+            Outcome::NotFound(_) => {}
+        }
+    }
+    Err(NotFound {
+        blocked_by: nat_bound,
+    })
+}
+
+/// Finds a TCP interception to `port` reachable from `hook` for packets of family `ip`
+/// ([`find_interception`] without the reason).
+pub fn find_redirect(ruleset: &Ruleset, hook: Hook, port: u16, ip: IpFamily) -> Option<Path> {
+    find_interception(ruleset, hook, port, ip).ok()
+}
+
+/// How evaluation of a chain ends for every TCP packet, when no interception was found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum End {
+    /// Some packets fall off the end (or return): the caller goes on.
+    Falls,
+    /// Every packet is accepted: this base chain ends, the next base chain runs.
+    Accept,
+    /// Every packet is dropped: nothing after runs.
+    Drop,
+    /// Every new connection gets a NAT binding: no later nat chain runs.
+    Nat,
 }
 
 enum Outcome<'a> {
-    /// The chain path to the redirect.
+    /// The chain path to the interception.
     Found(Vec<&'a str>),
-    /// No redirect; `terminates` is true when every TCP packet entering the chain is
-    /// accepted, dropped or NATed there (so an unconditional jump to it never comes back).
-    NotFound { terminates: bool },
+    /// No interception; how every TCP packet entering the chain leaves it.
+    NotFound(End),
 }
 
 #[derive(Clone, Copy)]
 enum Memo {
     InProgress,
-    Done { terminates: bool },
+    Done(End),
 }
 
 struct Walker<'a> {
     table: &'a Table,
     port: u16,
+    /// Redirects count (the walk started from a nat base chain).
+    redirect_counts: bool,
+    /// TPROXY counts (the walk started from a PREROUTING base chain).
+    tproxy_counts: bool,
     memo: HashMap<&'a str, Memo>,
     stack: Vec<&'a str>,
 }
 
 impl<'a> Walker<'a> {
-    fn new(table: &'a Table, port: u16) -> Self {
-        Self {
-            table,
-            port,
-            memo: HashMap::new(),
-            stack: Vec::new(),
-        }
-    }
-
     fn chain(&mut self, name: &'a str) -> Outcome<'a> {
         match self.memo.get(name) {
             // A cycle: the kernel refuses loops, but a model built from odd data may have
             // one. Re-entering adds nothing that the first visit will not find.
-            Some(Memo::InProgress) => return Outcome::NotFound { terminates: false },
-            Some(Memo::Done { terminates }) => {
-                return Outcome::NotFound {
-                    terminates: *terminates,
-                };
-            }
+            Some(Memo::InProgress) => return Outcome::NotFound(End::Falls),
+            Some(Memo::Done(end)) => return Outcome::NotFound(*end),
             None => {}
         }
         let table = self.table;
         let Some(chain) = table.chain(name) else {
             // A jump to a chain that does not exist: the kernel would not load it. Treat the
             // edge as leading nowhere.
-            return Outcome::NotFound { terminates: false };
+            return Outcome::NotFound(End::Falls);
         };
         self.memo.insert(name, Memo::InProgress);
         self.stack.push(name);
-        let mut terminates = false;
+        let mut end = End::Falls;
         for rule in &chain.rules {
             if rule.protocol == Protocol::Other {
                 continue;
             }
             let always = rule.applies_to_all_tcp();
-            match &rule.action {
-                Action::Continue => {}
-                Action::Redirect { port: Some(p) } if *p == self.port => {
+            let ends = match &rule.action {
+                Action::Continue => None,
+                Action::Redirect { port: Some(p) } if *p == self.port && self.redirect_counts => {
                     return Outcome::Found(self.stack.clone());
                 }
-                Action::Redirect { .. } | Action::Accept | Action::Drop | Action::Nat => {
-                    if always {
-                        terminates = true;
-                        break;
-                    }
+                Action::Tproxy { port: Some(p) } if *p == self.port && self.tproxy_counts => {
+                    return Outcome::Found(self.stack.clone());
                 }
-                Action::Return => {
-                    if always {
-                        break;
-                    }
-                }
+                Action::Redirect { .. } | Action::Nat => Some(End::Nat),
+                // xt TPROXY accepts the packet when a socket listens and drops it otherwise;
+                // accept is the reading that hides less.
+                Action::Tproxy { .. } | Action::Accept => Some(End::Accept),
+                Action::Drop => Some(End::Drop),
+                Action::Return => Some(End::Falls),
                 Action::Jump(target) => match self.chain(target) {
                     found @ Outcome::Found(_) => return found,
-                    Outcome::NotFound { terminates: t } => {
-                        if always && t {
-                            terminates = true;
-                            break;
-                        }
-                    }
+                    // A jump into a chain that lets packets fall back continues here.
+                    Outcome::NotFound(End::Falls) => None,
+                    Outcome::NotFound(e) => Some(e),
                 },
                 Action::Goto(target) => match self.chain(target) {
                     found @ Outcome::Found(_) => return found,
-                    Outcome::NotFound { terminates: t } => {
-                        if always {
-                            // Control never comes back here: when the target returns, this
-                            // chain has returned too.
-                            terminates = t;
-                            break;
-                        }
-                    }
+                    // Control never comes back here: when the target returns, this chain
+                    // has returned too.
+                    Outcome::NotFound(e) => Some(e),
                 },
+            };
+            if let Some(e) = ends
+                && always
+            {
+                end = e;
+                break;
             }
         }
         self.stack.pop();
-        self.memo.insert(name, Memo::Done { terminates });
-        Outcome::NotFound { terminates }
+        self.memo.insert(name, Memo::Done(end));
+        Outcome::NotFound(end)
     }
 }
 
-/// The result for one direction, serialized as the contract's `{"port", "found", "via"}`.
+/// The result for one direction, serialized as the contract's `{"port", "found", "via"}`,
+/// plus `"expected": false` when the pod's mesh writes no interception for it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DirectionResult {
-    /// Expected redirect port.
+    /// Expected interception port.
     pub port: u16,
-    /// True when the redirect is reachable for every required family.
+    /// Expected direction: true when the interception is reachable for every required
+    /// family. Direction not expected: true when it is reachable for some family of the pod.
     pub found: bool,
     /// The paths found (one per distinct path, `; `-separated), `null` when none was found.
     pub via: Option<String>,
-    /// Families for which no path was found (empty when `found`).
+    /// False when the mesh writes no interception for this direction for this pod (its
+    /// annotations opted out); such a direction never makes the verdict `missing`.
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub expected: bool,
+    /// Required families for which no path was found (empty when `found`).
     #[serde(skip)]
     pub missing_families: Vec<IpFamily>,
+    /// Why a family or the direction is not required, and what blocked a search.
+    #[serde(skip)]
+    pub notes: Vec<String>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 impl DirectionResult {
-    fn compute(ruleset: &Ruleset, hook: Hook, port: u16, families: &[IpFamily]) -> Self {
+    fn compute(ruleset: &Ruleset, hook: Hook, exp: &Expected, pod: &[IpFamily]) -> Self {
         let mut via: Vec<String> = Vec::new();
         let mut missing_families = Vec::new();
-        for &ip in families {
-            match find_redirect(ruleset, hook, port, ip) {
-                Some(path) => {
+        let mut notes = exp.exempt.clone();
+        let mut any = false;
+        for &ip in pod {
+            let required = exp.families.contains(&ip);
+            match find_interception(ruleset, hook, exp.port, ip) {
+                Ok(path) => {
+                    any = true;
                     let text = path.to_string();
                     if !via.contains(&text) {
                         via.push(text);
                     }
                 }
-                None => missing_families.push(ip),
+                Err(nf) => {
+                    if required {
+                        missing_families.push(ip);
+                        if let Some(b) = nf.blocked_by
+                            && !notes.contains(&b)
+                        {
+                            notes.push(b);
+                        }
+                    }
+                }
             }
         }
+        let expected = exp.is_expected();
         Self {
-            port,
-            found: missing_families.is_empty(),
+            port: exp.port,
+            found: if expected {
+                missing_families.is_empty()
+            } else {
+                any
+            },
             via: (!via.is_empty()).then(|| via.join("; ")),
+            expected,
             missing_families,
+            notes,
         }
     }
 }
@@ -234,12 +361,12 @@ impl DirectionResult {
 pub struct Inspection {
     /// Profile name.
     pub profile: String,
-    /// `redirected` when both directions are found, else `missing` (or `unknown`, built by
-    /// [`Inspection::unknown`]).
+    /// `redirected` when every expected direction is found, else `missing` (or `unknown`,
+    /// built by [`Inspection::unknown`] or for a ruleset beyond [`DumpLimits`]).
     pub verdict: Verdict,
-    /// Inbound: redirect reachable from nat PREROUTING.
+    /// Inbound: redirect from nat PREROUTING or TPROXY from PREROUTING.
     pub inbound: DirectionResult,
-    /// Outbound: redirect reachable from nat OUTPUT.
+    /// Outbound: redirect from nat OUTPUT.
     pub outbound: DirectionResult,
     /// One line for operators (Event notes, `inspect` output).
     pub message: String,
@@ -252,7 +379,9 @@ impl Inspection {
             port,
             found: false,
             via: None,
+            expected: true,
             missing_families: Vec::new(),
+            notes: Vec::new(),
         };
         Self {
             profile: profile.name.clone(),
@@ -264,48 +393,58 @@ impl Inspection {
     }
 }
 
-/// Checks one namespace's rules against a profile. `families` are the IP families the pod
-/// has addresses in; an empty slice means IPv4 only.
+/// Checks one namespace's rules against a profile for a pod without annotations. `families`
+/// are the IP families the pod has addresses in; an empty slice means IPv4 only. Kept for
+/// callers that have no pod context; [`check_pod`] is the daemon's entry point.
 pub fn check(ruleset: &Ruleset, profile: &MeshProfile, families: &[IpFamily]) -> Inspection {
-    let mut fams: Vec<IpFamily> = families.to_vec();
-    if fams.is_empty() {
-        fams.push(IpFamily::V4);
+    check_pod(ruleset, profile, families, &BTreeMap::new())
+}
+
+/// Checks one namespace's rules against what `profile`'s mesh writes for a pod with these IP
+/// families (empty: IPv4 only) and annotations ([`expectation`]).
+pub fn check_pod(
+    ruleset: &Ruleset,
+    profile: &MeshProfile,
+    families: &[IpFamily],
+    annotations: &BTreeMap<String, String>,
+) -> Inspection {
+    let exp = expectation(profile, families, annotations);
+    check_expected(ruleset, profile, families, &exp)
+}
+
+/// Checks one namespace's rules against an [`Expectation`]. `families` are the pod's IP
+/// families (paths are reported for all of them; only the expectation's are required). A
+/// ruleset beyond [`DumpLimits::DEFAULT`] is `unknown`.
+pub fn check_expected(
+    ruleset: &Ruleset,
+    profile: &MeshProfile,
+    families: &[IpFamily],
+    exp: &Expectation,
+) -> Inspection {
+    if let Some(why) = DumpLimits::DEFAULT.exceeded_by(ruleset) {
+        return Inspection::unknown(
+            profile,
+            &format!(
+                "{}: the namespace holds {why}: too many to judge",
+                profile.name
+            ),
+        );
     }
-    fams.sort();
-    fams.dedup();
-    let inbound = DirectionResult::compute(ruleset, Hook::Prerouting, profile.inbound_port, &fams);
-    let outbound = DirectionResult::compute(ruleset, Hook::Output, profile.outbound_port, &fams);
-    let verdict = if inbound.found && outbound.found {
+    let mut pod: Vec<IpFamily> = families.to_vec();
+    if pod.is_empty() {
+        pod.push(IpFamily::V4);
+    }
+    pod.sort();
+    pod.dedup();
+    let inbound = DirectionResult::compute(ruleset, Hook::Prerouting, &exp.inbound, &pod);
+    let outbound = DirectionResult::compute(ruleset, Hook::Output, &exp.outbound, &pod);
+    let ok = |d: &DirectionResult| !d.expected || d.found;
+    let verdict = if ok(&inbound) && ok(&outbound) {
         Verdict::Redirected
     } else {
         Verdict::Missing
     };
-    let mut problems = Vec::new();
-    for (dir, hook, res) in [
-        ("inbound", "PREROUTING", &inbound),
-        ("outbound", "OUTPUT", &outbound),
-    ] {
-        if !res.found {
-            let fam = res
-                .missing_families
-                .iter()
-                .map(|f| f.as_str())
-                .collect::<Vec<_>>()
-                .join(" and ");
-            problems.push(format!(
-                "no {dir} TCP redirect to port {} reachable from nat {hook} ({fam})",
-                res.port
-            ));
-        }
-    }
-    let message = if problems.is_empty() {
-        format!(
-            "{}: inbound ({}) and outbound ({}) TCP redirects are in place",
-            profile.name, profile.inbound_port, profile.outbound_port
-        )
-    } else {
-        format!("{}: {}", profile.name, problems.join("; "))
-    };
+    let message = message(profile, &inbound, &outbound);
     Inspection {
         profile: profile.name.clone(),
         verdict,
@@ -315,11 +454,58 @@ pub fn check(ruleset: &Ruleset, profile: &MeshProfile, families: &[IpFamily]) ->
     }
 }
 
+fn message(profile: &MeshProfile, inbound: &DirectionResult, outbound: &DirectionResult) -> String {
+    if inbound.expected && outbound.expected && inbound.found && outbound.found {
+        return format!(
+            "{}: inbound ({}) and outbound ({}) TCP redirects are in place",
+            profile.name, inbound.port, outbound.port
+        );
+    }
+    let mut parts = Vec::new();
+    for (dir, hook, res) in [
+        ("inbound", "PREROUTING", inbound),
+        ("outbound", "OUTPUT", outbound),
+    ] {
+        if !res.expected {
+            parts.push(format!(
+                "{dir} not expected ({})",
+                res.notes.first().map_or("opted out", String::as_str)
+            ));
+        } else if res.found {
+            parts.push(format!("{dir} ({}) in place", res.port));
+        } else {
+            let fam = res
+                .missing_families
+                .iter()
+                .map(|f| f.as_str())
+                .collect::<Vec<_>>()
+                .join(" and ");
+            let what = if hook == "PREROUTING" {
+                "TCP redirect or TPROXY"
+            } else {
+                "TCP redirect"
+            };
+            let mut p = format!(
+                "no {dir} {what} to port {} reachable from {hook} ({fam})",
+                res.port
+            );
+            for n in &res.notes {
+                if n.starts_with("every ") {
+                    p.push_str(&format!(": {n}"));
+                }
+            }
+            parts.push(p);
+        }
+    }
+    format!("{}: {}", profile.name, parts.join("; "))
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::{Chain, Rule, Table};
     use super::*;
     use crate::profile::ProfileSet;
+    use std::collections::BTreeMap;
 
     fn profile(name: &str) -> MeshProfile {
         ProfileSet::all_builtin()
@@ -837,7 +1023,16 @@ mod tests {
             check(&rs, &profile("linkerd"), V4).verdict,
             Verdict::Redirected
         );
-        let dual = check(&rs, &profile("linkerd"), DUAL);
+        // On the mesh's default (disableIPv6) a dual-stack pod gets IPv4 rules only, and that
+        // is what Linkerd writes: redirected. (This used to be `missing`, which evicted every
+        // meshed pod of a dual-stack cluster in a loop.)
+        let default = check(&rs, &profile("linkerd"), DUAL);
+        assert_eq!(default.verdict, Verdict::Redirected, "{}", default.message);
+        assert!(default.inbound.missing_families.is_empty());
+        // With a profile configured dual-stack, the forgotten ip6tables rules are missing.
+        let mut dual_profile = profile("linkerd");
+        dual_profile.dual_stack = true;
+        let dual = check(&rs, &dual_profile, DUAL);
         assert_eq!(dual.verdict, Verdict::Missing);
         assert_eq!(dual.inbound.missing_families, [IpFamily::V6]);
         assert!(dual.message.contains("IPv6"), "{}", dual.message);
@@ -848,7 +1043,7 @@ mod tests {
             linkerd_nat(Family::Ip, Source::IptablesLegacy),
             linkerd_nat(Family::Ip6, Source::IptablesLegacy),
         ]);
-        let got = check(&both, &profile("linkerd"), DUAL);
+        let got = check(&both, &dual_profile, DUAL);
         assert_eq!(got.verdict, Verdict::Redirected);
         assert_eq!(
             got.inbound.via.as_deref(),
@@ -932,6 +1127,310 @@ mod tests {
         assert_eq!(
             serde_json::to_value(&unknown).expect("ser")["verdict"],
             "unknown"
+        );
+    }
+
+    fn base(
+        name: &str,
+        hook: Hook,
+        chain_type: ChainType,
+        priority: i32,
+        rules: Vec<Rule>,
+    ) -> Chain {
+        Chain {
+            name: name.into(),
+            base: Some(super::super::BaseChain {
+                hook,
+                chain_type,
+                priority,
+            }),
+            rules,
+        }
+    }
+
+    fn tproxy(p: u16) -> Action {
+        Action::Tproxy { port: Some(p) }
+    }
+
+    /// istio-iptables' TPROXY mode (golden `tproxy.golden`), reduced: mangle PREROUTING ->
+    /// ISTIO_INBOUND -> ISTIO_TPROXY, plus nat OUTPUT -> ISTIO_OUTPUT -> ISTIO_REDIRECT, and
+    /// no nat PREROUTING rule at all.
+    fn istio_tproxy(family: Family) -> Vec<Table> {
+        let mangle = table(
+            family,
+            "mangle",
+            Source::IptablesLegacy,
+            vec![
+                base(
+                    "PREROUTING",
+                    Hook::Prerouting,
+                    ChainType::Filter,
+                    -150,
+                    vec![
+                        Rule::tcp(jump("ISTIO_INBOUND")),
+                        // -p tcp -m mark --mark 1337 -j CONNMARK --save-mark
+                        Rule::tcp(Action::Continue).when(),
+                    ],
+                ),
+                Chain::regular(
+                    "ISTIO_INBOUND",
+                    vec![
+                        Rule::tcp(Action::Return).when(),       // -m mark --mark 1337
+                        Rule::tcp(Action::Return).when(),       // -s 127.0.0.6/32 -i lo
+                        Rule::tcp(Action::Return).when(),       // -i lo -m mark ! --mark 1338
+                        Rule::tcp(Action::Return).when(),       // --dport 15008
+                        Rule::tcp(jump("ISTIO_DIVERT")).when(), // --ctstate RELATED,ESTABLISHED
+                        Rule::tcp(jump("ISTIO_TPROXY")),
+                    ],
+                ),
+                Chain::regular(
+                    "ISTIO_DIVERT",
+                    vec![
+                        Rule::all(Action::Continue), // MARK --set-mark 1337
+                        Rule::all(Action::Accept),
+                    ],
+                ),
+                // ! -d 127.0.0.1/32 -p tcp -j TPROXY --on-port 15006
+                Chain::regular("ISTIO_TPROXY", vec![Rule::tcp(tproxy(15006)).when()]),
+            ],
+        );
+        let mut nat = istio_nat(family, Source::IptablesLegacy);
+        for c in &mut nat.chains {
+            if c.name == "PREROUTING" {
+                c.rules.clear();
+            }
+        }
+        vec![mangle, nat]
+    }
+
+    #[test]
+    fn istio_tproxy_mode_is_redirected() {
+        let rs = set(istio_tproxy(Family::Ip));
+        let got = check(&rs, &profile("istio"), V4);
+        assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+        assert_eq!(
+            got.inbound.via.as_deref(),
+            Some("ip mangle PREROUTING -> ISTIO_INBOUND -> ISTIO_TPROXY (iptables-legacy)")
+        );
+        // A TPROXY to another port, or reached only from OUTPUT, does not count.
+        let mut wrong = rs.clone();
+        wrong.tables[0].chains[3].rules[0].action = tproxy(15007);
+        assert!(!check(&wrong, &profile("istio"), V4).inbound.found);
+        let mut out = rs.clone();
+        if let Some(b) = &mut out.tables[0].chains[0].base {
+            b.hook = Hook::Output;
+        }
+        assert!(!check(&out, &profile("istio"), V4).inbound.found);
+        // A TPROXY never stands in for the outbound redirect.
+        let t = table(
+            Family::Ip,
+            "mangle",
+            Source::Nftables,
+            vec![base(
+                "pre",
+                Hook::Prerouting,
+                ChainType::Filter,
+                -150,
+                vec![Rule::tcp(tproxy(15001))],
+            )],
+        );
+        assert_eq!(
+            find_redirect(&set(vec![t]), Hook::Output, 15001, IpFamily::V4),
+            None
+        );
+    }
+
+    #[test]
+    fn accept_in_an_earlier_base_chain_does_not_hide_a_later_one() {
+        let mut tables = vec![table(
+            Family::Inet,
+            "fw",
+            Source::Nftables,
+            vec![base(
+                "pre",
+                Hook::Prerouting,
+                ChainType::Filter,
+                -200,
+                vec![Rule::tcp(Action::Accept)],
+            )],
+        )];
+        tables.push(linkerd_nat(Family::Ip, Source::IptablesNft));
+        let got = check(&set(tables), &profile("linkerd"), V4);
+        assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+    }
+
+    #[test]
+    fn drop_in_an_earlier_base_chain_hides_everything_after_it() {
+        let fw = |priority, rule: Rule| {
+            table(
+                Family::Inet,
+                "fw",
+                Source::Nftables,
+                vec![base(
+                    "pre",
+                    Hook::Prerouting,
+                    ChainType::Filter,
+                    priority,
+                    vec![rule],
+                )],
+            )
+        };
+        let rs = set(vec![
+            fw(-200, Rule::tcp(Action::Drop)),
+            linkerd_nat(Family::Ip, Source::IptablesNft),
+        ]);
+        let got = check(&rs, &profile("linkerd"), V4);
+        assert_eq!(got.verdict, Verdict::Missing);
+        assert!(!got.inbound.found && got.outbound.found);
+        assert!(
+            got.message
+                .contains("every TCP packet is dropped in inet fw pre"),
+            "{}",
+            got.message
+        );
+        // A conditional drop, a UDP drop, or a drop after the nat hook hides nothing. A nat
+        // chain declared at priority 0 still runs inside the nf_nat hook at -100, before a
+        // filter chain at -50.
+        for blocker in [
+            fw(-200, Rule::tcp(Action::Drop).when()),
+            fw(
+                -200,
+                Rule {
+                    protocol: Protocol::Other,
+                    conditional: false,
+                    action: Action::Drop,
+                },
+            ),
+            fw(-50, Rule::tcp(Action::Drop)),
+        ] {
+            let mut nat = linkerd_nat(Family::Ip, Source::IptablesNft);
+            for c in &mut nat.chains {
+                if let Some(b) = &mut c.base {
+                    b.priority = 0;
+                }
+            }
+            let got = check(&set(vec![blocker, nat]), &profile("linkerd"), V4);
+            assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+        }
+    }
+
+    #[test]
+    fn the_first_nat_binding_wins_across_nat_chains() {
+        // A native nat chain at -150 DNATs every TCP connection: iptables' nat PREROUTING
+        // (-100) never runs for it, so Linkerd's inbound redirect is not reached.
+        let dnat = |rule: Rule, priority| {
+            table(
+                Family::Ip,
+                "kube",
+                Source::Nftables,
+                vec![Chain::nat_base(
+                    "pre",
+                    Hook::Prerouting,
+                    priority,
+                    vec![rule],
+                )],
+            )
+        };
+        let got = check(
+            &set(vec![
+                linkerd_nat(Family::Ip, Source::IptablesNft),
+                dnat(Rule::tcp(Action::Nat), -150),
+            ]),
+            &profile("linkerd"),
+            V4,
+        );
+        assert_eq!(got.verdict, Verdict::Missing);
+        assert!(!got.inbound.found && got.outbound.found);
+        assert!(
+            got.message.contains("NAT binding in ip kube pre first"),
+            "{}",
+            got.message
+        );
+        // A redirect to another port binds too.
+        let got = check(
+            &set(vec![
+                linkerd_nat(Family::Ip, Source::IptablesNft),
+                dnat(Rule::tcp(redirect(9999)), -150),
+            ]),
+            &profile("linkerd"),
+            V4,
+        );
+        assert!(!got.inbound.found);
+        // Conditional NAT, an accept (no binding), or NAT after the redirect hide nothing.
+        for other in [
+            dnat(Rule::tcp(Action::Nat).when(), -150),
+            dnat(Rule::tcp(Action::Accept), -150),
+            dnat(Rule::tcp(Action::Nat), -50),
+        ] {
+            let got = check(
+                &set(vec![linkerd_nat(Family::Ip, Source::IptablesNft), other]),
+                &profile("linkerd"),
+                V4,
+            );
+            assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+        }
+        // Another family's NAT is irrelevant.
+        let mut v6 = dnat(Rule::tcp(Action::Nat), -150);
+        v6.family = Family::Ip6;
+        let got = check(
+            &set(vec![linkerd_nat(Family::Ip, Source::IptablesNft), v6]),
+            &profile("linkerd"),
+            V4,
+        );
+        assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+    }
+
+    #[test]
+    fn opted_out_directions_are_not_required() {
+        // istio-iptables with includeInboundPorts "" writes no PREROUTING jump (golden
+        // `ipv6-empty-inbound-ports`): missing without the annotation, redirected with it.
+        let mut t = istio_nat(Family::Ip, Source::IptablesNft);
+        for c in &mut t.chains {
+            if c.name == "PREROUTING" {
+                c.rules.clear();
+            }
+        }
+        let rs = set(vec![t]);
+        assert_eq!(check(&rs, &profile("istio"), V4).verdict, Verdict::Missing);
+        let ann: BTreeMap<String, String> = [(
+            "traffic.sidecar.istio.io/includeInboundPorts".to_string(),
+            String::new(),
+        )]
+        .into();
+        let got = check_pod(&rs, &profile("istio"), V4, &ann);
+        assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+        assert!(!got.inbound.expected && !got.inbound.found);
+        assert!(got.outbound.expected && got.outbound.found);
+        assert!(
+            got.message.contains("inbound not expected"),
+            "{}",
+            got.message
+        );
+        let v = serde_json::to_value(&got).expect("json");
+        assert_eq!(v["inbound"]["expected"], false);
+        assert!(v["outbound"].get("expected").is_none());
+        // The direction it kept is still checked.
+        let got = check_pod(&Ruleset::default(), &profile("istio"), V4, &ann);
+        assert_eq!(got.verdict, Verdict::Missing);
+    }
+
+    #[test]
+    fn rulesets_beyond_the_limits_are_unknown() {
+        let mut t = linkerd_nat(Family::Ip, Source::IptablesNft);
+        let filler = Chain::regular(
+            "FILLER",
+            vec![Rule::all(Action::Continue); DumpLimits::DEFAULT.max_rules],
+        );
+        t.chains.push(filler);
+        let got = check(&set(vec![t]), &profile("linkerd"), V4);
+        assert_eq!(got.verdict, Verdict::Unknown);
+        assert!(got.message.contains("rules (limit"), "{}", got.message);
+        let many = Ruleset {
+            tables: vec![table(Family::Ip, "t", Source::Nftables, vec![]); 300],
+        };
+        assert_eq!(
+            check(&many, &profile("linkerd"), V4).verdict,
+            Verdict::Unknown
         );
     }
 

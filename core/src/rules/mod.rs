@@ -1,12 +1,14 @@
-//! The normalized NAT rule model, and the reachability matcher that decides whether a pod's
-//! network namespace redirects its traffic to the mesh proxy.
+//! The normalized netfilter rule model, and the reachability matcher that decides whether a
+//! pod's network namespace sends its traffic to the mesh proxy.
 //!
 //! In: a [`Ruleset`] built by the agent's netfilter readers from whatever the kernel holds in
 //! the pod's namespace (nf_tables rules written by `iptables-nft` or by native `nft`, and the
-//! legacy `ip_tables`/`ip6_tables` blobs written by `iptables-legacy`), a [`MeshProfile`] and
-//! the IP families the pod uses. Out: an [`Inspection`] with one [`DirectionResult`] per
-//! direction and a [`Verdict`] (`redirected` / `missing`; `unknown` is for callers that could
-//! not find the namespace at all).
+//! legacy `ip_tables`/`ip6_tables` blobs written by `iptables-legacy`), a
+//! [`MeshProfile`](crate::profile::MeshProfile), and what the mesh is expected to have written
+//! for this pod ([`expect::Expectation`], derived from the profile, the pod's IP families and
+//! its annotations). Out: an [`Inspection`] with one [`DirectionResult`] per direction and a
+//! [`Verdict`] (`redirected` / `missing`; `unknown` when the rules could not be read or were
+//! too large to judge, see [`DumpLimits`]).
 //!
 //! The model keeps only what the decision needs: per rule, whether it applies to every TCP
 //! packet ([`Rule::protocol`], [`Rule::conditional`]) and what it does ([`Action`]). Readers
@@ -17,6 +19,7 @@
 //! [`locate`] holds the other pure half of inspection: which of a node's network namespaces
 //! belongs to a pod.
 
+pub mod expect;
 pub mod locate;
 mod matcher;
 
@@ -24,7 +27,11 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-pub use matcher::{DirectionResult, Inspection, Path, check, find_redirect};
+pub use expect::{AnnotationDialect, Expectation, Expected, expectation};
+pub use matcher::{
+    DirectionResult, Inspection, Path, check, check_expected, check_pod, find_interception,
+    find_redirect,
+};
 
 /// The IP family a pod uses. IPv6 rules are required only when the pod has an IPv6 address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -188,6 +195,15 @@ pub enum Action {
     },
     /// Another terminal NAT action (DNAT, SNAT, MASQUERADE, an nft `dnat`).
     Nat,
+    /// Transparent proxying to a local port (`TPROXY --on-port N` in mangle PREROUTING, nft
+    /// `tproxy to :N`): the inbound interception Istio's `TPROXY` mode uses. The kernel only
+    /// accepts it in a prerouting chain. The xt target ends evaluation (accept when a socket
+    /// was found, else drop); the nft statement lets the rule go on, and breaks off the rule
+    /// when no socket listens, so readers mark an nft `tproxy` rule conditional.
+    Tproxy {
+        /// Target port; `None` when not given or not decodable.
+        port: Option<u16>,
+    },
 }
 
 /// One rule, reduced to its effect on a TCP packet.
@@ -296,15 +312,86 @@ pub struct Ruleset {
     pub tables: Vec<Table>,
 }
 
+impl Ruleset {
+    /// Total number of chains in every table.
+    pub fn chain_count(&self) -> usize {
+        self.tables.iter().map(|t| t.chains.len()).sum()
+    }
+
+    /// Total number of rules in every chain.
+    pub fn rule_count(&self) -> usize {
+        self.tables
+            .iter()
+            .flat_map(|t| &t.chains)
+            .map(|c| c.rules.len())
+            .sum()
+    }
+}
+
+/// How much of a namespace's rules meshgate is willing to read and judge.
+///
+/// A pod's own rules are a few dozen; a namespace holding more than these caps is either
+/// hostile (a pod with `NET_ADMIN` filling its namespace to make the agent allocate) or not a
+/// pod the mesh set up. Past a cap the readers stop reading and the verdict is `unknown`:
+/// never `missing`, because a partial read could miss the redirect and evict a healthy pod.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DumpLimits {
+    /// Bytes of netlink messages (nf_tables) plus legacy entry blobs read for one namespace.
+    pub max_bytes: usize,
+    /// Tables, across every reader.
+    pub max_tables: usize,
+    /// Chains, across every table.
+    pub max_chains: usize,
+    /// Rules, across every chain.
+    pub max_rules: usize,
+}
+
+impl DumpLimits {
+    /// The defaults: about 100 times what istio-iptables writes in its largest configuration
+    /// (TPROXY + DNS capture + dual stack: under 150 rules in 30 chains).
+    pub const DEFAULT: Self = Self {
+        max_bytes: 4 << 20,
+        max_tables: 256,
+        max_chains: 4096,
+        max_rules: 16_384,
+    };
+
+    /// Why `ruleset` is beyond these limits, or `None` when it is within them.
+    pub fn exceeded_by(&self, ruleset: &Ruleset) -> Option<String> {
+        let (t, c, r) = (
+            ruleset.tables.len(),
+            ruleset.chain_count(),
+            ruleset.rule_count(),
+        );
+        if t > self.max_tables {
+            Some(format!("{t} tables (limit {})", self.max_tables))
+        } else if c > self.max_chains {
+            Some(format!("{c} chains (limit {})", self.max_chains))
+        } else if r > self.max_rules {
+            Some(format!("{r} rules (limit {})", self.max_rules))
+        } else {
+            None
+        }
+    }
+}
+
+impl Default for DumpLimits {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
 /// The outcome of inspecting one pod for one profile (metric label `verdict`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Verdict {
-    /// Both expected redirects are reachable, for every required family.
+    /// Every expected interception (redirect, or TPROXY inbound) is reachable, for every
+    /// family the [`Expectation`] requires. A direction the pod opted out of is not expected.
     Redirected,
-    /// At least one expected redirect is not reachable.
+    /// At least one expected interception is not reachable.
     Missing,
-    /// The pod's namespace or rules could not be read: never a reason to evict.
+    /// The pod's namespace or rules could not be read (or were beyond [`DumpLimits`]): never
+    /// a reason to evict.
     Unknown,
 }
 
