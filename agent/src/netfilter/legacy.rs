@@ -19,7 +19,7 @@ use meshgate_core::rules::{
     Action, BaseChain, Chain, ChainType, Family, Hook, Protocol, Rule, Source, Table,
 };
 
-use super::{ReadError, redirect_port, xt_target_action};
+use super::{ReadError, redirect_port, tproxy_port, xt_target_action};
 
 /// `IPT_SO_GET_INFO` / `IP6T_SO_GET_INFO`.
 const SO_GET_INFO: libc::c_int = 64;
@@ -184,9 +184,14 @@ impl LegacyTables {
         &self.names
     }
 
-    /// Reads and decodes every listed table.
-    pub fn read(&self) -> Result<Vec<Table>, ReadError> {
-        self.names.iter().map(|n| self.read_table(n)).collect()
+    /// Reads and decodes every listed table. `budget` is how many bytes of entry blobs may
+    /// still be read for this namespace; a table that would pass it is not read at all
+    /// ([`ReadError::TooLarge`]), so the allocation stays bounded.
+    pub fn read(&self, budget: &mut usize) -> Result<Vec<Table>, ReadError> {
+        self.names
+            .iter()
+            .map(|n| self.read_table(n, budget))
+            .collect()
     }
 
     fn level(&self) -> libc::c_int {
@@ -215,7 +220,7 @@ impl LegacyTables {
         }
     }
 
-    fn read_table(&self, name: &str) -> Result<Table, ReadError> {
+    fn read_table(&self, name: &str, budget: &mut usize) -> Result<Table, ReadError> {
         let err = |source| ReadError::Legacy {
             family: self.family,
             table: name.to_owned(),
@@ -229,7 +234,16 @@ impl LegacyTables {
                 what: "ipt_getinfo",
                 why: "short answer".into(),
             })?;
-            let mut buf = vec![0u8; GET_ENTRIES_HDR + info.size as usize];
+            let size = info.size as usize;
+            if size > *budget {
+                return Err(ReadError::TooLarge {
+                    what: format!(
+                        "legacy table {} {name} holds {size} bytes of entries, past the budget",
+                        self.family
+                    ),
+                });
+            }
+            let mut buf = vec![0u8; GET_ENTRIES_HDR + size];
             buf[..name.len()].copy_from_slice(name.as_bytes());
             buf[TABLE_MAXNAMELEN..TABLE_MAXNAMELEN + 4].copy_from_slice(&info.size.to_ne_bytes());
             match self.getsockopt(SO_GET_ENTRIES, &mut buf) {
@@ -238,6 +252,7 @@ impl LegacyTables {
                 Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => continue,
                 Err(e) => return Err(err(e)),
             }
+            *budget -= size;
             let blob = buf.get(GET_ENTRIES_HDR..).unwrap_or_default();
             return decode_table(self.family, name, &info, blob);
         }
@@ -389,6 +404,23 @@ fn decode_entries<'a>(l: &Layout, blob: &'a [u8]) -> Result<Vec<Entry<'a>>, Read
     Ok(out)
 }
 
+/// The hook priority the kernel registers a legacy table's built-in chains at
+/// (`NF_IP_PRI_*`, the same for IPv6): raw -300, mangle -150, nat -100 on PREROUTING and
+/// OUTPUT (destination NAT) and 100 on INPUT and POSTROUTING (source NAT), filter 0,
+/// security 50. The matcher orders base chains of every table and backend by it.
+fn table_priority(table: &str, hook: Hook) -> i32 {
+    match table {
+        "raw" => -300,
+        "mangle" => -150,
+        "nat" => match hook {
+            Hook::Prerouting | Hook::Output => -100,
+            _ => 100,
+        },
+        "security" => 50,
+        _ => 0,
+    }
+}
+
 /// Decodes a table's entries blob (`ipt_get_entries.entrytable`) into a [`Table`].
 pub fn decode_table(
     family: Family,
@@ -425,11 +457,7 @@ pub fn decode_table(
                 } else {
                     ChainType::Filter
                 },
-                // NF_IP_PRI_NAT_DST / NF_IP_PRI_NAT_SRC for nat; other tables do not matter.
-                priority: match HOOKS[h] {
-                    Hook::Prerouting | Hook::Output => -100,
-                    _ => 100,
-                },
+                priority: table_priority(name, HOOKS[h]),
             }),
             rules: Vec::new(),
         });
@@ -486,6 +514,9 @@ pub fn decode_table(
             }
             "REDIRECT" => Action::Redirect {
                 port: redirect_port(family, e.data),
+            },
+            "TPROXY" => Action::Tproxy {
+                port: tproxy_port(e.data),
             },
             other => xt_target_action(other),
         };
@@ -709,6 +740,59 @@ mod tests {
                 Some(format!("{fam} nat OUTPUT -> PROXY_INIT_OUTPUT (iptables-legacy)").as_str())
             );
         }
+    }
+
+    #[test]
+    fn built_in_chains_get_their_tables_hook_priority() {
+        assert_eq!(table_priority("mangle", Hook::Prerouting), -150);
+        assert_eq!(table_priority("raw", Hook::Prerouting), -300);
+        assert_eq!(table_priority("nat", Hook::Output), -100);
+        assert_eq!(table_priority("nat", Hook::Postrouting), 100);
+        assert_eq!(table_priority("filter", Hook::Input), 0);
+        assert_eq!(table_priority("security", Hook::Output), 50);
+    }
+
+    /// A mangle table whose PREROUTING TPROXYs every TCP packet to 15006 (rev 1 info).
+    #[test]
+    fn decodes_tproxy_in_mangle() {
+        let mut b = Blob::new(&IPV4);
+        let mut info = TableInfo {
+            valid_hooks: 0b00001,
+            ..TableInfo::default()
+        };
+        info.hook_entry[0] = 0;
+        let at = b.push(6, 0, &[], Target::Standard(0));
+        info.underflow[0] = b.push(0, 0, &[], Target::Standard(ACCEPT)) as u32;
+        b.push(0, 0, &[], Target::Error("ERROR"));
+        // Turn the first entry's standard target into `-j TPROXY --on-port 15006`.
+        let t = at + u16_at(&b.bytes, at + IPV4.target_offset).unwrap_or(0) as usize;
+        b.bytes[t + 2..t + 8].copy_from_slice(b"TPROXY");
+        let data = t + XT_HDR;
+        b.bytes[data..data + 8].fill(0);
+        let mut tproxy = vec![0u8; 32];
+        tproxy[24..26].copy_from_slice(&15006u16.to_be_bytes());
+        // Rebuild the entry with a 32-byte target payload.
+        let mut blob = b.bytes[..t + XT_HDR].to_vec();
+        blob[t..t + 2].copy_from_slice(&((XT_HDR + 32) as u16).to_ne_bytes());
+        blob.extend_from_slice(&tproxy);
+        let next = blob.len() - at;
+        blob[at + IPV4.next_offset..at + IPV4.next_offset + 2]
+            .copy_from_slice(&(next as u16).to_ne_bytes());
+        let rest_from = at + u16_at(&b.bytes, at + IPV4.next_offset).unwrap_or(0) as usize;
+        let shift = blob.len() - rest_from;
+        blob.extend_from_slice(&b.bytes[rest_from..]);
+        info.underflow[0] += shift as u32;
+        info.size = blob.len() as u32;
+        let table = decode_table(Family::Ip, "mangle", &info, &blob).expect("decodes");
+        let pre = table.chain("PREROUTING").expect("chain");
+        assert_eq!(
+            pre.base.map(|b| (b.chain_type, b.priority)),
+            Some((ChainType::Filter, -150))
+        );
+        assert_eq!(
+            pre.rules[0],
+            Rule::tcp(Action::Tproxy { port: Some(15006) })
+        );
     }
 
     #[test]

@@ -16,7 +16,7 @@ pub mod nftables;
 
 use std::io;
 
-use meshgate_core::rules::{Family, Ruleset};
+use meshgate_core::rules::{DumpLimits, Family, Ruleset};
 
 /// Failures reading one namespace's rules.
 #[derive(Debug, thiserror::Error)]
@@ -85,6 +85,13 @@ pub enum ReadError {
         /// Table name.
         table: String,
     },
+    /// The namespace holds more than [`DumpLimits`] allow: reading stopped there, and the
+    /// verdict is `unknown` (a partial read could miss the redirect).
+    #[error("the netfilter rules are too large to judge: {what}")]
+    TooLarge {
+        /// Which limit, and how far it was passed.
+        what: String,
+    },
 }
 
 /// Handles bound to one namespace; create them with [`Sockets::open_here`] from inside it.
@@ -123,11 +130,23 @@ impl Sockets {
         Ok(Self { nft, legacy })
     }
 
-    /// Reads every table: nf_tables first, then legacy.
+    /// Reads every table (nf_tables first, then legacy) within [`DumpLimits::DEFAULT`].
     pub fn read(&self) -> Result<Ruleset, ReadError> {
-        let mut ruleset = nftables::Dumper::new(&self.nft).dump()?;
+        self.read_within(DumpLimits::DEFAULT)
+    }
+
+    /// Reads every table, stopping with [`ReadError::TooLarge`] as soon as the bytes read or
+    /// the tables, chains or rules decoded pass `limits`: memory stays bounded whatever a
+    /// pod with `NET_ADMIN` loads into its namespace.
+    pub fn read_within(&self, limits: DumpLimits) -> Result<Ruleset, ReadError> {
+        let mut dumper = nftables::Dumper::new(&self.nft).with_limits(limits);
+        let mut ruleset = dumper.dump()?;
+        let mut budget = limits.max_bytes.saturating_sub(dumper.bytes_read());
         for t in &self.legacy {
-            ruleset.tables.extend(t.read()?);
+            ruleset.tables.extend(t.read(&mut budget)?);
+        }
+        if let Some(what) = limits.exceeded_by(&ruleset) {
+            return Err(ReadError::TooLarge { what });
         }
         Ok(ruleset)
     }
@@ -197,6 +216,17 @@ pub fn redirect_port(family: Family, info: &[u8]) -> Option<u16> {
     (port != 0).then_some(port)
 }
 
+/// The port of an xt `TPROXY` target's info. Revision 1 (`xt_tproxy_target_info_v1`, what
+/// iptables writes for both families): `mark_mask`, `mark_value`, a 16-byte `laddr`, then
+/// `lport` (big-endian) at byte 24; 32 bytes once aligned. Revision 0 (IPv4 only, 16 bytes):
+/// `lport` at byte 12. `None` for port 0 (`--on-port 0` keeps the packet's own port) or short
+/// info.
+pub fn tproxy_port(info: &[u8]) -> Option<u16> {
+    let at = if info.len() >= 26 { 24 } else { 12 };
+    let port = u16::from_be_bytes(info.get(at..at + 2)?.try_into().ok()?);
+    (port != 0).then_some(port)
+}
+
 /// The [`Action`](meshgate_core::rules::Action) of an xt target other than REDIRECT and the
 /// standard verdicts: other NAT targets terminate, REJECT drops, the rest (LOG, MARK, ...)
 /// let evaluation continue.
@@ -204,6 +234,8 @@ pub(crate) fn xt_target_action(name: &str) -> meshgate_core::rules::Action {
     use meshgate_core::rules::Action;
     match name {
         "DNAT" | "SNAT" | "MASQUERADE" | "NETMAP" => Action::Nat,
+        // The xt target ends evaluation: accept when a socket was found, else drop.
+        "TPROXY" => Action::Tproxy { port: None },
         "REJECT" | "DROP" => Action::Drop,
         "ACCEPT" => Action::Accept,
         "RETURN" => Action::Return,
@@ -246,6 +278,21 @@ mod tests {
         assert_eq!(redirect_port(Family::Ip6, &[]), None);
     }
 
+    /// `-j TPROXY --tproxy-mark 1337/0xffffffff --on-port 15006`, revision 1 and 0.
+    #[test]
+    fn tproxy_port_reads_both_revisions() {
+        let mut v1 = vec![0u8; 32];
+        v1[0..4].copy_from_slice(&u32::MAX.to_ne_bytes());
+        v1[4..8].copy_from_slice(&1337u32.to_ne_bytes());
+        v1[24..26].copy_from_slice(&15006u16.to_be_bytes());
+        assert_eq!(tproxy_port(&v1), Some(15006));
+        let mut v0 = vec![0u8; 16];
+        v0[12..14].copy_from_slice(&15006u16.to_be_bytes());
+        assert_eq!(tproxy_port(&v0), Some(15006));
+        assert_eq!(tproxy_port(&[0u8; 32]), None);
+        assert_eq!(tproxy_port(&[0u8; 5]), None);
+    }
+
     #[test]
     fn split_messages_handles_padding_and_bad_lengths() {
         let mut b = vec![0u8; 17 + 3 + 16];
@@ -268,6 +315,11 @@ mod tests {
         fn split_messages_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
             let total: usize = split_messages(&bytes).filter_map(Result::ok).map(<[u8]>::len).sum();
             prop_assert!(total <= bytes.len());
+        }
+
+        #[test]
+        fn tproxy_port_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..64)) {
+            let _ = tproxy_port(&bytes);
         }
 
         #[test]

@@ -20,10 +20,11 @@ use std::collections::HashMap;
 use std::io;
 
 use meshgate_core::rules::{
-    Action, BaseChain, Chain, ChainType, Family, Hook, Protocol, Rule, Ruleset, Source, Table,
+    Action, BaseChain, Chain, ChainType, DumpLimits, Family, Hook, Protocol, Rule, Ruleset, Source,
+    Table,
 };
 
-use super::{ReadError, redirect_port, split_messages, xt_target_action};
+use super::{ReadError, redirect_port, split_messages, tproxy_port, xt_target_action};
 
 /// Dumps retried before giving up on a ruleset that keeps changing.
 const MAX_ATTEMPTS: u32 = 5;
@@ -58,6 +59,9 @@ pub struct Dumper<'a> {
     sock: &'a mnl::Socket,
     seq: u32,
     buf: Box<AlignedBuf>,
+    limits: DumpLimits,
+    /// Bytes received in the current dump attempt.
+    bytes: usize,
 }
 
 /// A table header from `NFT_MSG_NEWTABLE`.
@@ -140,12 +144,26 @@ impl<'a> Dumper<'a> {
             sock,
             seq: 0,
             buf: Box::new(AlignedBuf([0; BUF_LEN])),
+            limits: DumpLimits::DEFAULT,
+            bytes: 0,
         }
+    }
+
+    /// The same dumper, stopping at `limits` instead of [`DumpLimits::DEFAULT`].
+    pub fn with_limits(mut self, limits: DumpLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Bytes received by the last dump attempt.
+    pub fn bytes_read(&self) -> usize {
+        self.bytes
     }
 
     /// Reads every nf_tables table of the socket's namespace, retrying interrupted dumps.
     pub fn dump(&mut self) -> Result<Ruleset, ReadError> {
         for _ in 0..MAX_ATTEMPTS {
+            self.bytes = 0;
             let before = match self.generation() {
                 Ok(g) => g,
                 Err(ReadError::Kernel { source, .. }) if unsupported(&source) => {
@@ -154,9 +172,9 @@ impl<'a> Dumper<'a> {
                 }
                 Err(e) => return Err(e),
             };
-            let (tables, i1) = self.collect(MSG_GETTABLE, "table dump")?;
-            let (chains, i2) = self.collect(MSG_GETCHAIN, "chain dump")?;
-            let (rules, i3) = self.collect(MSG_GETRULE, "rule dump")?;
+            let (tables, i1) = self.collect(MSG_GETTABLE, "table dump", self.limits.max_tables)?;
+            let (chains, i2) = self.collect(MSG_GETCHAIN, "chain dump", self.limits.max_chains)?;
+            let (rules, i3) = self.collect(MSG_GETRULE, "rule dump", self.limits.max_rules)?;
             let after = self.generation()?;
             if i1 || i2 || i3 || before != after {
                 continue;
@@ -182,16 +200,34 @@ impl<'a> Dumper<'a> {
             })
     }
 
-    fn collect(&mut self, msg: u16, what: &'static str) -> Result<(Vec<Body>, bool), ReadError> {
-        self.exchange(msg, NLM_F_REQUEST | NLM_F_DUMP, what)
+    /// One dump, stopping once it carried more than `max` objects or the attempt's bytes
+    /// passed the byte limit.
+    fn collect(
+        &mut self,
+        msg: u16,
+        what: &'static str,
+        max: usize,
+    ) -> Result<(Vec<Body>, bool), ReadError> {
+        let (bodies, intr) = self.exchange_capped(msg, NLM_F_REQUEST | NLM_F_DUMP, what, max)?;
+        Ok((bodies, intr))
     }
 
-    /// Sends one request and reads messages until the dump ends (or the ack arrives).
     fn exchange(
         &mut self,
         msg: u16,
         flags: u16,
         what: &'static str,
+    ) -> Result<(Vec<Body>, bool), ReadError> {
+        self.exchange_capped(msg, flags, what, usize::MAX)
+    }
+
+    /// Sends one request and reads messages until the dump ends (or the ack arrives).
+    fn exchange_capped(
+        &mut self,
+        msg: u16,
+        flags: u16,
+        what: &'static str,
+        max: usize,
     ) -> Result<(Vec<Body>, bool), ReadError> {
         self.seq = self.seq.wrapping_add(1);
         let seq = self.seq;
@@ -211,6 +247,15 @@ impl<'a> Dumper<'a> {
                     what: "recv",
                     source,
                 })?;
+            self.bytes = self.bytes.saturating_add(n);
+            if self.bytes > self.limits.max_bytes {
+                return Err(ReadError::TooLarge {
+                    what: format!(
+                        "more than {} bytes of nf_tables messages (during the {what})",
+                        self.limits.max_bytes
+                    ),
+                });
+            }
             let messages = decode_buffer(&self.buf.0[..n.min(BUF_LEN)])?;
             let mut finished = false;
             for m in messages {
@@ -232,7 +277,14 @@ impl<'a> Dumper<'a> {
                             source: io::Error::from_raw_os_error(errno.saturating_neg()),
                         });
                     }
-                    body => out.push(body),
+                    body => {
+                        if out.len() >= max {
+                            return Err(ReadError::TooLarge {
+                                what: format!("more than {max} objects in the {what}"),
+                            });
+                        }
+                        out.push(body);
+                    }
                 }
             }
             if finished {
@@ -531,6 +583,11 @@ pub enum Expr {
         /// Register of proto_min.
         proto_min_reg: Option<u32>,
     },
+    /// `tproxy` with the register holding the port, if any.
+    Tproxy {
+        /// Register of the port.
+        port_reg: Option<u32>,
+    },
     /// Another expression, by name.
     Named(String),
 }
@@ -638,12 +695,14 @@ pub fn summarize(family: Family, exprs: &[Expr]) -> (Rule, bool) {
             }
             Expr::XtTarget { name, info } => {
                 uses_xt = true;
-                let a = if name == "REDIRECT" {
-                    Action::Redirect {
+                let a = match name.as_str() {
+                    "REDIRECT" => Action::Redirect {
                         port: redirect_port(family, info),
-                    }
-                } else {
-                    xt_target_action(name)
+                    },
+                    "TPROXY" => Action::Tproxy {
+                        port: tproxy_port(info),
+                    },
+                    _ => xt_target_action(name),
                 };
                 if a != Action::Continue {
                     action = a;
@@ -659,6 +718,21 @@ pub fn summarize(family: Family, exprs: &[Expr]) -> (Rule, bool) {
                     _ => None,
                 });
                 action = Action::Redirect { port };
+                break;
+            }
+            Expr::Tproxy { port_reg } => {
+                let port = port_reg.and_then(|r| match regs.get(&r) {
+                    Some(Reg::Const(d)) if d.len() >= 2 => {
+                        let p = u16::from_be_bytes([d[0], d[1]]);
+                        (p != 0).then_some(p)
+                    }
+                    _ => None,
+                });
+                // nft's tproxy breaks off the rule when no socket listens, and lets it go on
+                // (to `accept`, `meta mark set`) when one does: it never ends evaluation by
+                // itself, so the rule hides nothing after it.
+                conditional = true;
+                action = Action::Tproxy { port };
                 break;
             }
             Expr::Named(name) => match name.as_str() {
@@ -792,6 +866,10 @@ fn parse_expr(elem: &[u8]) -> Result<Expr, ReadError> {
         // NFTA_REDIR_REG_PROTO_MIN = 1.
         "redir" => Expr::Redir {
             proto_min_reg: get(1).map(reg_slot),
+        },
+        // NFTA_TPROXY_FAMILY = 1, REG_ADDR = 2, REG_PORT = 3.
+        "tproxy" => Expr::Tproxy {
+            port_reg: get(3).map(reg_slot),
         },
         _ => Expr::Named(name),
     })
@@ -1019,6 +1097,62 @@ mod tests {
             rule,
             Rule::tcp(Action::Redirect { port: Some(15006) }).when()
         );
+    }
+
+    /// `iptables-nft -t mangle -A ISTIO_TPROXY ! -d 127.0.0.1/32 -p tcp -j TPROXY
+    /// --tproxy-mark 1337/0xffffffff --on-port 15006` (xt TPROXY revision 1).
+    #[test]
+    fn iptables_nft_tproxy() {
+        let mut info = vec![0u8; 32];
+        info[0..4].copy_from_slice(&u32::MAX.to_ne_bytes());
+        info[4..8].copy_from_slice(&1337u32.to_ne_bytes());
+        info[24..26].copy_from_slice(&15006u16.to_be_bytes());
+        let exprs = [
+            Expr::Payload {
+                base: 1,
+                offset: 16,
+                len: 4,
+                dreg: 1,
+            },
+            Expr::Cmp {
+                sreg: 1,
+                op: 1, // NFT_CMP_NEQ
+                data: vec![127, 0, 0, 1],
+            },
+            meta_l4(1),
+            cmp_eq(1, &[6]),
+            Expr::XtTarget {
+                name: "TPROXY".into(),
+                info,
+            },
+        ];
+        let (rule, xt) = summarize(Family::Ip, &exprs);
+        assert!(xt);
+        assert_eq!(rule, Rule::tcp(Action::Tproxy { port: Some(15006) }).when());
+    }
+
+    /// `meta l4proto tcp tproxy ip to :15006 meta mark set 0x539 accept` (native nft).
+    #[test]
+    fn native_tproxy_is_conditional() {
+        let exprs = [
+            meta_l4(1),
+            cmp_eq(1, &[6]),
+            Expr::Load {
+                dreg: 1,
+                data: vec![0x3a, 0x9e, 0, 0],
+            },
+            Expr::Tproxy { port_reg: Some(1) },
+            Expr::Named("meta".into()),
+            Expr::Verdict {
+                code: libc::NF_ACCEPT,
+                chain: None,
+            },
+        ];
+        let (rule, xt) = summarize(Family::Inet, &exprs);
+        assert!(!xt);
+        assert_eq!(rule, Rule::tcp(Action::Tproxy { port: Some(15006) }).when());
+        let (rule, _) = summarize(Family::Ip, &[Expr::Tproxy { port_reg: None }]);
+        assert_eq!(rule.action, Action::Tproxy { port: None });
     }
 
     #[test]
@@ -1329,6 +1463,7 @@ mod tests {
                     (0u32..4, prop::collection::vec(any::<u8>(), 0..6)).prop_map(|(sreg, data)| Expr::Cmp { sreg, op: 0, data }),
                     ("[a-zA-Z]{0,10}", prop::collection::vec(any::<u8>(), 0..48)).prop_map(|(name, info)| Expr::XtTarget { name, info }),
                     prop::option::of(0u32..4).prop_map(|proto_min_reg| Expr::Redir { proto_min_reg }),
+                    prop::option::of(0u32..4).prop_map(|port_reg| Expr::Tproxy { port_reg }),
                     "[a-z]{0,8}".prop_map(Expr::Named),
                 ],
                 0..10,
