@@ -1,10 +1,12 @@
 //! The one-shot `inspect` subcommand: one pod network namespace → redirected / missing.
 //!
-//! In: [`Args`] (a namespace path or a pid, a profile name, optionally a profile file). Out:
-//! the verdict on stdout, as text or the contract's JSON object, and the exit code: 0
-//! redirected, 1 missing, 2 usage or I/O error. [`inspect_netns`] is the library half, also
-//! used by the privileged tests and the bench: enter once, read addresses and rules, match.
+//! In: [`Args`] (a namespace path or a pid, a profile name, optionally a profile file and the
+//! pod's annotations). Out: the verdict on stdout, as text or the contract's JSON object, and
+//! the exit code: 0 redirected, 1 missing, 2 unknown, usage or I/O error. [`inspect_netns_pod`]
+//! is the library half, also used by the privileged tests and the bench: enter once, read
+//! addresses and rules, derive what the mesh writes for this pod, match.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -13,6 +15,7 @@ use meshgate_core::profile::MeshProfile;
 use meshgate_core::rules::{self, Inspection, IpFamily, Verdict};
 
 use crate::Output;
+use crate::netfilter::ReadError;
 use crate::netns::{self, NetnsError};
 
 /// `meshgate-agent inspect (--netns PATH | --pid PID) --profile NAME [--output text|json]`
@@ -31,6 +34,21 @@ pub struct Args {
     /// Extra mesh profiles (JSON array), added to the built-in ones.
     #[arg(long, env = "MESHGATE_PROFILE_FILE")]
     pub profile_file: Option<PathBuf>,
+    /// One of the pod's annotations, `KEY=VALUE` (repeatable; the environment variable takes
+    /// one per line). Opt-outs such as `traffic.sidecar.istio.io/includeInboundPorts=` narrow
+    /// what the mesh is expected to have written.
+    #[arg(
+        long = "annotation",
+        env = "MESHGATE_POD_ANNOTATIONS",
+        value_name = "KEY=VALUE",
+        value_delimiter = '\n',
+        value_parser = parse_annotation
+    )]
+    pub annotations: Vec<(String, String)>,
+    /// The pod's annotations as one JSON object (`kubectl get pod -o
+    /// jsonpath='{.metadata.annotations}'`); `--annotation` entries override its keys.
+    #[arg(long, env = "MESHGATE_POD_ANNOTATIONS_JSON", value_name = "JSON")]
+    pub pod_annotations_json: Option<String>,
     /// Output format.
     #[arg(long, env = "MESHGATE_OUTPUT", value_enum, default_value = "text")]
     pub output: Output,
@@ -76,8 +94,30 @@ fn run(args: &Args) -> anyhow::Result<(PathBuf, Inspection)> {
         (None, Some(pid)) => PathBuf::from(format!("/proc/{pid}/ns/net")),
         (None, None) => anyhow::bail!("give --netns PATH or --pid PID"),
     };
-    let inspection = inspect_netns(&path, &profile)?;
+    let annotations = annotations(args)?;
+    let inspection = inspect_netns_pod(&path, &profile, &annotations)?;
     Ok((path, inspection))
+}
+
+/// `KEY=VALUE` → `(KEY, VALUE)`; the value may be empty, the key may not.
+fn parse_annotation(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.to_owned())),
+        _ => Err(format!("expected KEY=VALUE, got {s:?}")),
+    }
+}
+
+/// The pod's annotations from `--pod-annotations-json` and `--annotation`.
+fn annotations(args: &Args) -> anyhow::Result<BTreeMap<String, String>> {
+    let mut out: BTreeMap<String, String> = match &args.pod_annotations_json {
+        Some(text) if !text.trim().is_empty() => serde_json::from_str(text)
+            .context("--pod-annotations-json: not a JSON object of strings")?,
+        _ => BTreeMap::new(),
+    };
+    for (k, v) in &args.annotations {
+        out.insert(k.clone(), v.clone());
+    }
+    Ok(out)
 }
 
 /// What one visit to a namespace reads: its addresses and its rules.
@@ -127,14 +167,38 @@ pub fn read_netns(path: &Path) -> Result<NetnsContents, NetnsError> {
     })
 }
 
-/// Inspects one namespace for one profile. IPv6 rules are required only when the namespace
-/// has a global IPv6 address.
+/// Inspects one namespace for one profile, for a pod without annotations.
 pub fn inspect_netns(path: &Path, profile: &MeshProfile) -> Result<Inspection, NetnsError> {
-    let contents = read_netns(path)?;
-    Ok(rules::check(
+    inspect_netns_pod(path, profile, &BTreeMap::new())
+}
+
+/// Inspects one namespace for one profile and a pod with these annotations. The families
+/// are the namespace's global addresses'; what is required of each follows
+/// [`meshgate_core::rules::expectation`].
+pub fn inspect_netns_pod(
+    path: &Path,
+    profile: &MeshProfile,
+    annotations: &BTreeMap<String, String>,
+) -> Result<Inspection, NetnsError> {
+    let contents = match read_netns(path) {
+        Ok(c) => c,
+        // Past the dump caps the verdict is unknown (exit 2), never missing.
+        Err(NetnsError::Rules {
+            source: e @ ReadError::TooLarge { .. },
+            ..
+        }) => {
+            return Ok(Inspection::unknown(
+                profile,
+                &format!("{}: {e}", profile.name),
+            ));
+        }
+        Err(e) => return Err(e),
+    };
+    Ok(rules::check_pod(
         &contents.ruleset,
         profile,
         &contents.families(),
+        annotations,
     ))
 }
 
@@ -152,10 +216,12 @@ pub fn render_json(path: &Path, i: &Inspection) -> serde_json::Result<String> {
 
 /// Human-readable lines.
 pub fn render_text(path: &Path, i: &Inspection) -> String {
-    let dir = |d: &rules::DirectionResult| match (&d.via, d.found) {
-        (Some(via), true) => format!("{} found via {via}", d.port),
-        (Some(via), false) => format!("{} MISSING (only via {via})", d.port),
-        (None, _) => format!("{} MISSING", d.port),
+    let dir = |d: &rules::DirectionResult| match (&d.via, d.found, d.expected) {
+        (Some(via), _, false) => format!("{} not expected (found via {via})", d.port),
+        (None, _, false) => format!("{} not expected", d.port),
+        (Some(via), true, true) => format!("{} found via {via}", d.port),
+        (Some(via), false, true) => format!("{} MISSING (only via {via})", d.port),
+        (None, _, true) => format!("{} MISSING", d.port),
     };
     format!(
         "verdict:  {}\nprofile:  {}\nnetns:    {}\ninbound:  {}\noutbound: {}\nmessage:  {}\n",

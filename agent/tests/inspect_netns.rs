@@ -10,7 +10,9 @@ use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use meshgate_agent::inspect::inspect_netns;
+use std::collections::BTreeMap;
+
+use meshgate_agent::inspect::{inspect_netns, inspect_netns_pod};
 use meshgate_agent::netns;
 use meshgate_core::profile::{MeshProfile, ProfileSet};
 use meshgate_core::rules::locate::{Located, locate};
@@ -61,6 +63,15 @@ impl Netns {
         // nodad: an IPv6 address is usable (and listed as global) right away.
         let extra = if cidr.contains(':') { " nodad" } else { "" };
         self.sh(&format!("ip addr add {cidr} dev eth0{extra}"));
+    }
+
+    /// Loads an `iptables-save`-format script with `tool` (`iptables-nft-restore`, ...),
+    /// through a file: a large script does not fit in an argument list.
+    fn restore(&self, tool: &str, script: &str) {
+        let file = std::env::temp_dir().join(format!("{}-{tool}.rules", self.name()));
+        std::fs::write(&file, format!("{script}\n")).expect("write rules file");
+        self.sh(&format!("{tool} -w < {}", file.display()));
+        let _ = std::fs::remove_file(&file);
     }
 
     /// Loads an nft script with `nft -f`.
@@ -179,18 +190,31 @@ fn assert_linkerd_redirected_in_both_families(ns: &Netns, backend: &str) {
     );
 }
 
+/// The built-in profile, configured dual-stack (Linkerd `disableIPv6: false`, Istio
+/// `ISTIO_DUAL_STACK`): IPv6 rules are then required for dual-stack pods.
+fn dual_stack(name: &str) -> MeshProfile {
+    let mut p = profile(name);
+    p.dual_stack = true;
+    p
+}
+
 #[test]
 fn linkerd_iptables_nft_dual_stack() {
     let ns = Netns::new("lnft");
     ns.addr("10.244.1.5/24");
     ns.addr("fd00:10:244:1::5/64");
     ns.sh(&linkerd_rules("iptables-nft", 4143));
-    // IPv4 rules only, on a dual-stack pod: missing for IPv6.
-    let half = inspect(&ns, "linkerd");
+    // IPv4 rules only, on a dual-stack pod: what Linkerd writes on its default
+    // (`disableIPv6`), so redirected. Missing for IPv6 only when the mesh is dual-stack.
+    let default = inspect(&ns, "linkerd");
+    assert_eq!(default.verdict, Verdict::Redirected, "{}", default.message);
+    let half = inspect_netns(&ns.path(), &dual_stack("linkerd")).expect("inspect");
     assert_eq!(half.verdict, Verdict::Missing, "{}", half.message);
     assert!(half.message.contains("IPv6"), "{}", half.message);
     ns.sh(&linkerd_rules("ip6tables-nft", 4143));
     assert_linkerd_redirected_in_both_families(&ns, "iptables-nft");
+    let both = inspect_netns(&ns.path(), &dual_stack("linkerd")).expect("inspect");
+    assert_eq!(both.verdict, Verdict::Redirected, "{}", both.message);
     // Istio's ports are elsewhere.
     assert_eq!(inspect(&ns, "istio").verdict, Verdict::Missing);
 }
@@ -549,4 +573,521 @@ fn concurrent_rule_changes_never_yield_a_torn_read() {
     }
     writer.join().expect("writer");
     assert!(reads > 0);
+}
+
+fn annotations(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn inspect_pod(ns: &Netns, p: &MeshProfile, ann: &[(&str, &str)]) -> Inspection {
+    inspect_netns_pod(&ns.path(), p, &annotations(ann))
+        .unwrap_or_else(|e| panic!("inspect {}: {e}", ns.name()))
+}
+
+/// istio-iptables in `TPROXY` mode, IPv4: its golden `tproxy.golden` (tools/istio-iptables/
+/// pkg/capture/testdata; config: interceptionMode TPROXY, includeInboundPorts "*",
+/// outbound include 9.9.0.0/16 exclude 1.1.0.0/16, DNS capture, exclude nic), in
+/// `iptables-save` form. Inbound is intercepted in mangle only: nat PREROUTING has no jump.
+const ISTIO_TPROXY_V4: &str = "*mangle
+-N ISTIO_DIVERT
+-N ISTIO_TPROXY
+-N ISTIO_INBOUND
+-A PREROUTING -i not-istio-nic -j RETURN
+-A OUTPUT -o not-istio-nic -j RETURN
+-A ISTIO_DIVERT -j MARK --set-mark 1337
+-A ISTIO_DIVERT -j ACCEPT
+-A ISTIO_TPROXY ! -d 127.0.0.1/32 -p tcp -j TPROXY --tproxy-mark 1337/0xffffffff --on-port 15006
+-A PREROUTING -p tcp -j ISTIO_INBOUND
+-A ISTIO_INBOUND -p tcp -m conntrack --ctstate RELATED,ESTABLISHED -j ISTIO_DIVERT
+-A ISTIO_INBOUND -p tcp -j ISTIO_TPROXY
+-A PREROUTING -p tcp -m mark --mark 1337 -j CONNMARK --save-mark
+-A OUTPUT -p tcp -o lo -m mark --mark 1337 -j RETURN
+-A OUTPUT ! -d 127.0.0.1/32 -p tcp -o lo -m owner --uid-owner 1337 -j MARK --set-mark 1338
+-A OUTPUT ! -d 127.0.0.1/32 -p tcp -o lo -m owner --gid-owner 1337 -j MARK --set-mark 1338
+-A OUTPUT -p tcp -m connmark --mark 1337 -j CONNMARK --restore-mark
+-I ISTIO_INBOUND 1 -p tcp -m mark --mark 1337 -j RETURN
+-I ISTIO_INBOUND 2 -p tcp -s 127.0.0.6/32 -i lo -j RETURN
+-I ISTIO_INBOUND 3 -p tcp -i lo -m mark ! --mark 1338 -j RETURN
+COMMIT
+*nat
+-N ISTIO_INBOUND
+-N ISTIO_REDIRECT
+-N ISTIO_IN_REDIRECT
+-N ISTIO_OUTPUT
+-N ISTIO_OUTPUT_DNS
+-A PREROUTING -i not-istio-nic -j RETURN
+-A OUTPUT -o not-istio-nic -j RETURN
+-A ISTIO_INBOUND -p tcp --dport 15008 -j RETURN
+-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001
+-A ISTIO_IN_REDIRECT -p tcp -j REDIRECT --to-ports 15006
+-A OUTPUT -j ISTIO_OUTPUT
+-A ISTIO_OUTPUT -o lo -s 127.0.0.6/32 -j RETURN
+-A ISTIO_OUTPUT -o lo ! -d 127.0.0.1/32 -p tcp -m multiport ! --dports 53,15008 -m owner --uid-owner 1337 -j ISTIO_IN_REDIRECT
+-A ISTIO_OUTPUT -o lo -p tcp ! --dport 53 -m owner ! --uid-owner 1337 -j RETURN
+-A ISTIO_OUTPUT -m owner --uid-owner 1337 -j RETURN
+-A ISTIO_OUTPUT -o lo ! -d 127.0.0.1/32 -p tcp ! --dport 15008 -m owner --gid-owner 1337 -j ISTIO_IN_REDIRECT
+-A ISTIO_OUTPUT -o lo -p tcp ! --dport 53 -m owner ! --gid-owner 1337 -j RETURN
+-A ISTIO_OUTPUT -m owner --gid-owner 1337 -j RETURN
+-A ISTIO_OUTPUT -j ISTIO_OUTPUT_DNS
+-A ISTIO_OUTPUT_DNS -p tcp --dport 53 -d 127.0.0.53/32 -j REDIRECT --to-ports 15053
+-A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --uid-owner 1337 -j RETURN
+-A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --gid-owner 1337 -j RETURN
+-A ISTIO_OUTPUT_DNS -p udp --dport 53 -d 127.0.0.53/32 -j REDIRECT --to-port 15053
+-A ISTIO_OUTPUT -d 127.0.0.1/32 -j RETURN
+-A ISTIO_OUTPUT -d 1.1.0.0/16 -j RETURN
+-A ISTIO_OUTPUT -d 9.9.0.0/16 -j ISTIO_REDIRECT
+COMMIT
+*raw
+-N ISTIO_OUTPUT_DNS
+-N ISTIO_INBOUND
+-A OUTPUT -j ISTIO_OUTPUT_DNS
+-A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --uid-owner 1337 -j CT --zone 1
+-A ISTIO_OUTPUT_DNS -p udp --sport 15053 -m owner --uid-owner 1337 -j CT --zone 2
+-A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --gid-owner 1337 -j CT --zone 1
+-A ISTIO_OUTPUT_DNS -p udp --sport 15053 -m owner --gid-owner 1337 -j CT --zone 2
+-A PREROUTING -j ISTIO_INBOUND
+-A ISTIO_OUTPUT_DNS -p udp --dport 53 -d 127.0.0.53/32 -j CT --zone 2
+-A ISTIO_INBOUND -p udp --sport 53 -s 127.0.0.53/32 -j CT --zone 1
+COMMIT";
+
+/// The same golden's IPv6 half (written because that golden sets `EnableIPv6`).
+const ISTIO_TPROXY_V6: &str = "*mangle
+-N ISTIO_DIVERT
+-N ISTIO_TPROXY
+-N ISTIO_INBOUND
+-A PREROUTING -i not-istio-nic -j RETURN
+-A OUTPUT -o not-istio-nic -j RETURN
+-A ISTIO_DIVERT -j MARK --set-mark 1337
+-A ISTIO_DIVERT -j ACCEPT
+-A ISTIO_TPROXY ! -d ::1/128 -p tcp -j TPROXY --tproxy-mark 1337/0xffffffff --on-port 15006
+-A PREROUTING -p tcp -j ISTIO_INBOUND
+-A ISTIO_INBOUND -p tcp -m conntrack --ctstate RELATED,ESTABLISHED -j ISTIO_DIVERT
+-A ISTIO_INBOUND -p tcp -j ISTIO_TPROXY
+-A PREROUTING -p tcp -m mark --mark 1337 -j CONNMARK --save-mark
+-A OUTPUT -p tcp -o lo -m mark --mark 1337 -j RETURN
+-A OUTPUT ! -d ::1/128 -p tcp -o lo -m owner --uid-owner 1337 -j MARK --set-mark 1338
+-A OUTPUT -p tcp -m connmark --mark 1337 -j CONNMARK --restore-mark
+-I ISTIO_INBOUND 1 -p tcp -m mark --mark 1337 -j RETURN
+-I ISTIO_INBOUND 2 -p tcp -s ::6/128 -i lo -j RETURN
+-I ISTIO_INBOUND 3 -p tcp -i lo -m mark ! --mark 1338 -j RETURN
+COMMIT
+*nat
+-N ISTIO_INBOUND
+-N ISTIO_REDIRECT
+-N ISTIO_IN_REDIRECT
+-N ISTIO_OUTPUT
+-A PREROUTING -i not-istio-nic -j RETURN
+-A OUTPUT -o not-istio-nic -j RETURN
+-A ISTIO_INBOUND -p tcp --dport 15008 -j RETURN
+-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001
+-A ISTIO_IN_REDIRECT -p tcp -j REDIRECT --to-ports 15006
+-A OUTPUT -j ISTIO_OUTPUT
+-A ISTIO_OUTPUT -o lo -s ::6/128 -j RETURN
+-A ISTIO_OUTPUT -m owner --uid-owner 1337 -j RETURN
+-A ISTIO_OUTPUT -d ::1/128 -j RETURN
+-A ISTIO_OUTPUT -j ISTIO_REDIRECT
+COMMIT";
+
+#[test]
+fn istio_tproxy_mode_is_redirected_with_both_backends() {
+    for (backend, v4, v6) in [
+        (
+            "iptables-nft",
+            "iptables-nft-restore",
+            "ip6tables-nft-restore",
+        ),
+        (
+            "iptables-legacy",
+            "iptables-legacy-restore",
+            "ip6tables-legacy-restore",
+        ),
+    ] {
+        let ns = Netns::new("tproxy");
+        ns.addr("10.244.10.17/24");
+        ns.addr("fd00:10:244:10::17/64");
+        ns.restore(v4, ISTIO_TPROXY_V4);
+        ns.restore(v6, ISTIO_TPROXY_V6);
+        // The policy routing istio-iptables adds in TPROXY mode (not required by meshgate:
+        // inbound traffic is for the pod's own, local address).
+        ns.sh("ip -4 rule add fwmark 1337 lookup 133
+               ip -4 route add local default dev lo table 133
+               ip -6 rule add fwmark 1337 lookup 133
+               ip -6 route add local default dev lo table 133");
+        let got = inspect_netns(&ns.path(), &dual_stack("istio")).expect("inspect");
+        assert_eq!(
+            got.verdict,
+            Verdict::Redirected,
+            "{backend}: {}",
+            got.message
+        );
+        assert_eq!(
+            got.inbound.via,
+            Some(format!(
+                "ip mangle PREROUTING -> ISTIO_INBOUND -> ISTIO_TPROXY ({backend}); \
+                 ip6 mangle PREROUTING -> ISTIO_INBOUND -> ISTIO_TPROXY ({backend})"
+            ))
+        );
+        assert_eq!(
+            got.outbound.via,
+            Some(format!(
+                "ip nat OUTPUT -> ISTIO_OUTPUT -> ISTIO_REDIRECT ({backend}); \
+                 ip6 nat OUTPUT -> ISTIO_OUTPUT -> ISTIO_REDIRECT ({backend})"
+            ))
+        );
+        // Control: without the TPROXY rule nothing intercepts inbound traffic.
+        let ipt = if backend == "iptables-nft" {
+            "iptables-nft"
+        } else {
+            "iptables-legacy"
+        };
+        ns.sh(&format!("{ipt} -w -t mangle -F ISTIO_TPROXY"));
+        let got = inspect(&ns, "istio");
+        assert_eq!(got.verdict, Verdict::Missing, "{backend}: {}", got.message);
+        assert!(!got.inbound.found && got.outbound.found);
+    }
+}
+
+#[test]
+fn native_nft_tproxy_is_redirected() {
+    let ns = Netns::new("nfttp");
+    ns.addr("10.244.11.18/24");
+    ns.nft(
+        "table inet istio-proxy-mangle {
+            chain prerouting {
+                type filter hook prerouting priority mangle; policy accept;
+                meta l4proto tcp jump istio-inbound
+            }
+            chain istio-inbound {
+                tcp dport 15008 return
+                meta l4proto tcp jump istio-tproxy
+            }
+            chain istio-tproxy {
+                meta l4proto tcp tproxy ip to :15006 meta mark set 0x539 accept
+                meta l4proto tcp tproxy ip6 to :15006 meta mark set 0x539 accept
+            }
+        }
+        table inet istio-proxy-nat {
+            chain output {
+                type nat hook output priority -100; policy accept;
+                meta skuid 1337 return
+                meta l4proto tcp redirect to :15001
+            }
+        }",
+    );
+    let got = inspect(&ns, "istio");
+    assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+    assert_eq!(
+        got.inbound.via.as_deref(),
+        Some("inet istio-proxy-mangle prerouting -> istio-inbound -> istio-tproxy (nftables)")
+    );
+}
+
+#[test]
+fn dual_stack_pods_on_the_meshes_defaults_need_ipv4_rules_only() {
+    // Istio without ISTIO_DUAL_STACK writes iptables only (golden `inbound-ports-wildcard`
+    // has no ip6tables half); Linkerd with disableIPv6 likewise.
+    let ns = Netns::new("dsist");
+    ns.addr("10.244.12.19/24");
+    ns.addr("fd00:10:244:12::19/64");
+    ns.sh(&istio_rules("iptables-nft"));
+    let got = inspect(&ns, "istio");
+    assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+    // Configured dual-stack, the absent ip6tables rules are missing.
+    let dual = inspect_netns(&ns.path(), &dual_stack("istio")).expect("inspect");
+    assert_eq!(dual.verdict, Verdict::Missing, "{}", dual.message);
+    assert!(dual.message.contains("IPv6"), "{}", dual.message);
+
+    let ns = Netns::new("dslnk");
+    ns.addr("10.244.12.20/24");
+    ns.addr("fd00:10:244:12::20/64");
+    ns.sh(&linkerd_rules("iptables-legacy", 4143));
+    assert_eq!(inspect(&ns, "linkerd").verdict, Verdict::Redirected);
+    // An IPv6-only pod still needs IPv6 rules.
+    let v6 = Netns::new("v6only");
+    v6.addr("fd00:10:244:12::21/64");
+    v6.sh(&linkerd_rules("iptables-nft", 4143));
+    assert_eq!(inspect(&v6, "linkerd").verdict, Verdict::Missing);
+}
+
+/// istio-iptables with an empty config (golden `empty.golden`: includeInboundPorts "" and
+/// includeOutboundIPRanges ""), IPv4, as its dry-run prints it.
+const ISTIO_EMPTY: &str = "
+iptables -t nat -N ISTIO_INBOUND
+iptables -t nat -N ISTIO_REDIRECT
+iptables -t nat -N ISTIO_IN_REDIRECT
+iptables -t nat -N ISTIO_OUTPUT
+iptables -t nat -A ISTIO_INBOUND -p tcp --dport 15008 -j RETURN
+iptables -t nat -A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001
+iptables -t nat -A ISTIO_IN_REDIRECT -p tcp -j REDIRECT --to-ports 15006
+iptables -t nat -A OUTPUT -p tcp -j ISTIO_OUTPUT
+iptables -t nat -A ISTIO_OUTPUT -o lo -s 127.0.0.6/32 -j RETURN
+iptables -t nat -A ISTIO_OUTPUT -o lo ! -d 127.0.0.1/32 -m owner --uid-owner 1337 -j ISTIO_IN_REDIRECT
+iptables -t nat -A ISTIO_OUTPUT -o lo -m owner ! --uid-owner 1337 -j RETURN
+iptables -t nat -A ISTIO_OUTPUT -m owner --uid-owner 1337 -j RETURN
+iptables -t nat -A ISTIO_OUTPUT -o lo ! -d 127.0.0.1/32 -m owner --gid-owner 1337 -j ISTIO_IN_REDIRECT
+iptables -t nat -A ISTIO_OUTPUT -o lo -m owner ! --gid-owner 1337 -j RETURN
+iptables -t nat -A ISTIO_OUTPUT -m owner --gid-owner 1337 -j RETURN
+iptables -t nat -A ISTIO_OUTPUT -d 127.0.0.1/32 -j RETURN";
+
+/// Golden `ipv6-outbound-ports` (includeInboundPorts "", includeOutboundPorts
+/// "32000,31000"), IPv4 half: the empty layout plus two per-port outbound redirects.
+const ISTIO_OUTBOUND_PORTS_EXTRA: &str = "
+iptables -t nat -A ISTIO_OUTPUT -p tcp --dport 32000 -j ISTIO_REDIRECT
+iptables -t nat -A ISTIO_OUTPUT -p tcp --dport 31000 -j ISTIO_REDIRECT";
+
+/// Golden `inbound-ports-wildcard` (includeInboundPorts "*", includeOutboundIPRanges "").
+const ISTIO_INBOUND_WILDCARD: &str = "*nat
+-N ISTIO_INBOUND
+-N ISTIO_REDIRECT
+-N ISTIO_IN_REDIRECT
+-N ISTIO_OUTPUT
+-A ISTIO_INBOUND -p tcp --dport 15008 -j RETURN
+-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001
+-A ISTIO_IN_REDIRECT -p tcp -j REDIRECT --to-ports 15006
+-A PREROUTING -p tcp -j ISTIO_INBOUND
+-A ISTIO_INBOUND -p tcp -j ISTIO_IN_REDIRECT
+-A OUTPUT -j ISTIO_OUTPUT
+-A ISTIO_OUTPUT -o lo -s 127.0.0.6/32 -j RETURN
+-A ISTIO_OUTPUT -o lo ! -d 127.0.0.1/32 -p tcp ! --dport 15008 -m owner --uid-owner 1337 -j ISTIO_IN_REDIRECT
+-A ISTIO_OUTPUT -o lo -m owner ! --uid-owner 1337 -j RETURN
+-A ISTIO_OUTPUT -m owner --uid-owner 1337 -j RETURN
+-A ISTIO_OUTPUT -o lo ! -d 127.0.0.1/32 -p tcp ! --dport 15008 -m owner --gid-owner 1337 -j ISTIO_IN_REDIRECT
+-A ISTIO_OUTPUT -o lo -m owner ! --gid-owner 1337 -j RETURN
+-A ISTIO_OUTPUT -m owner --gid-owner 1337 -j RETURN
+-A ISTIO_OUTPUT -d 127.0.0.1/32 -j RETURN
+COMMIT";
+
+const IN_PORTS: &str = "traffic.sidecar.istio.io/includeInboundPorts";
+const OUT_RANGES: &str = "traffic.sidecar.istio.io/includeOutboundIPRanges";
+const OUT_PORTS: &str = "traffic.sidecar.istio.io/includeOutboundPorts";
+
+#[test]
+fn istio_opt_out_pods_match_what_istio_writes_for_their_annotations() {
+    let istio = profile("istio");
+    for ipt in ["iptables-nft", "iptables-legacy"] {
+        // Both directions opted out.
+        let ns = Netns::new("optall");
+        ns.addr("10.244.13.22/24");
+        ns.sh(&ISTIO_EMPTY.replace("iptables ", &format!("{ipt} -w ")));
+        assert_eq!(inspect(&ns, "istio").verdict, Verdict::Missing);
+        let got = inspect_pod(&ns, &istio, &[(IN_PORTS, ""), (OUT_RANGES, "")]);
+        assert_eq!(got.verdict, Verdict::Redirected, "{ipt}: {}", got.message);
+        assert!(!got.inbound.expected && !got.outbound.expected);
+        // Only inbound opted out: outbound must still be there, and is not.
+        let got = inspect_pod(&ns, &istio, &[(IN_PORTS, "")]);
+        assert_eq!(got.verdict, Verdict::Missing, "{ipt}: {}", got.message);
+        assert!(!got.outbound.found);
+
+        // Inbound opted out, outbound limited to two ports.
+        ns.sh(&ISTIO_OUTBOUND_PORTS_EXTRA.replace("iptables ", &format!("{ipt} -w ")));
+        let got = inspect_pod(
+            &ns,
+            &istio,
+            &[(IN_PORTS, ""), (OUT_RANGES, ""), (OUT_PORTS, "32000,31000")],
+        );
+        assert_eq!(got.verdict, Verdict::Redirected, "{ipt}: {}", got.message);
+        assert_eq!(
+            got.outbound.via,
+            Some(format!(
+                "ip nat OUTPUT -> ISTIO_OUTPUT -> ISTIO_REDIRECT ({ipt})"
+            ))
+        );
+    }
+
+    // Outbound opted out (includeOutboundIPRanges ""), inbound for every port.
+    let ns = Netns::new("optout");
+    ns.addr("10.244.13.23/24");
+    ns.restore("iptables-nft-restore", ISTIO_INBOUND_WILDCARD);
+    assert_eq!(inspect(&ns, "istio").verdict, Verdict::Missing);
+    let got = inspect_pod(&ns, &istio, &[(OUT_RANGES, "")]);
+    assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+    assert!(got.inbound.found && !got.outbound.expected);
+}
+
+#[test]
+fn linkerd_opt_out_pods_match_what_proxy_init_writes() {
+    // proxy-init with --subnets-to-ignore 0.0.0.0/0 (config.linkerd.io/skip-subnets): an
+    // unconditional RETURN ahead of the inbound redirect.
+    let ns = Netns::new("lskip");
+    ns.addr("10.244.14.24/24");
+    ns.sh(&linkerd_rules("iptables-nft", 4143).replace(
+        "-A PROXY_INIT_REDIRECT -p tcp -j REDIRECT",
+        "-A PROXY_INIT_REDIRECT -p all -j RETURN -s 0.0.0.0/0 -m comment --comment proxy-init/ignore-subnet-0.0.0.0/0\n\
+         iptables-nft -w -t nat -A PROXY_INIT_REDIRECT -p tcp -j REDIRECT",
+    ));
+    let linkerd = profile("linkerd");
+    let bare = inspect(&ns, "linkerd");
+    assert_eq!(bare.verdict, Verdict::Missing, "{}", bare.message);
+    assert!(!bare.inbound.found && bare.outbound.found);
+    let got = inspect_pod(
+        &ns,
+        &linkerd,
+        &[("config.linkerd.io/skip-subnets", "0.0.0.0/0")],
+    );
+    assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+
+    // skip-inbound-ports covering every port: proxy-init still writes the redirect behind a
+    // multiport RETURN, which the matcher reads as conditional.
+    let ns = Netns::new("lports");
+    ns.addr("10.244.14.25/24");
+    ns.sh(&linkerd_rules("iptables-legacy", 4143).replace("4190,4191,4567,4568", "1:65535"));
+    assert_eq!(inspect(&ns, "linkerd").verdict, Verdict::Redirected);
+    let got = inspect_pod(
+        &ns,
+        &linkerd,
+        &[("config.linkerd.io/skip-inbound-ports", "1-65535")],
+    );
+    assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+    assert!(!got.inbound.expected);
+}
+
+#[test]
+fn inspect_binary_takes_the_pods_annotations() {
+    let ns = Netns::new("binann");
+    ns.addr("10.244.15.26/24");
+    ns.restore("iptables-nft-restore", ISTIO_INBOUND_WILDCARD);
+    let path = ns.path();
+    let path = path.to_str().expect("utf-8 path");
+    let (code, out, err) = binary(&["inspect", "--netns", path, "--profile", "istio"]);
+    assert_eq!(code, 1, "stdout: {out}\nstderr: {err}");
+    let (code, out, err) = binary(&[
+        "inspect",
+        "--netns",
+        path,
+        "--profile",
+        "istio",
+        "--annotation",
+        &format!("{OUT_RANGES}="),
+        "--output",
+        "json",
+    ]);
+    assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("JSON");
+    assert_eq!(v["verdict"], "redirected");
+    assert_eq!(v["outbound"]["expected"], false);
+    assert!(v["inbound"].get("expected").is_none());
+    let (code, out, err) = binary(&[
+        "inspect",
+        "--netns",
+        path,
+        "--profile",
+        "istio",
+        "--pod-annotations-json",
+        &format!("{{\"{OUT_RANGES}\":\"\",\"app\":\"web\"}}"),
+    ]);
+    assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("not expected"), "{out}");
+    let (code, _, err) = binary(&[
+        "inspect",
+        "--netns",
+        path,
+        "--profile",
+        "istio",
+        "--annotation",
+        "no-equals-sign",
+    ]);
+    assert_eq!(code, 2, "{err}");
+}
+
+#[test]
+fn termination_across_base_chains_follows_the_kernel() {
+    let ns = Netns::new("order");
+    ns.addr("10.244.16.27/24");
+    ns.sh(&linkerd_rules("iptables-nft", 4143));
+    assert_eq!(inspect(&ns, "linkerd").verdict, Verdict::Redirected);
+
+    // A filter chain ahead of nat PREROUTING that accepts every TCP packet: the next base
+    // chain still runs.
+    ns.nft(
+        "table inet fw {
+            chain pre { type filter hook prerouting priority -200; policy accept; meta l4proto tcp accept; }
+        }",
+    );
+    assert_eq!(inspect(&ns, "linkerd").verdict, Verdict::Redirected);
+    // One that drops every TCP packet: nothing after it runs.
+    ns.sh("nft flush chain inet fw pre; nft add rule inet fw pre meta l4proto tcp drop");
+    let got = inspect(&ns, "linkerd");
+    assert_eq!(got.verdict, Verdict::Missing, "{}", got.message);
+    assert!(
+        got.message.contains("dropped in inet fw pre"),
+        "{}",
+        got.message
+    );
+    ns.sh("nft delete table inet fw");
+
+    // A native nat chain at -150 that DNATs every TCP connection binds it first: iptables'
+    // nat PREROUTING redirect (-100) is never reached.
+    ns.nft(
+        "table ip kube {
+            chain pre { type nat hook prerouting priority -150; policy accept; meta l4proto tcp dnat to 10.96.0.10; }
+        }",
+    );
+    let got = inspect(&ns, "linkerd");
+    assert_eq!(got.verdict, Verdict::Missing, "{}", got.message);
+    assert!(
+        got.message.contains("NAT binding in ip kube pre"),
+        "{}",
+        got.message
+    );
+    assert!(got.outbound.found);
+    // Limited to one port, it binds only those connections.
+    ns.sh("nft flush chain ip kube pre; nft add rule ip kube pre tcp dport 53 dnat to 10.96.0.10");
+    assert_eq!(inspect(&ns, "linkerd").verdict, Verdict::Redirected);
+}
+
+#[test]
+fn oversized_rule_dumps_are_unknown_never_missing() {
+    // 5000 empty chains: past the chain cap (4096).
+    let ns = Netns::new("bigchains");
+    ns.addr("10.244.17.28/24");
+    let mut script = String::from("table ip big {\n");
+    for i in 0..5000 {
+        script.push_str(&format!("chain c{i} {{ }}\n"));
+    }
+    script.push('}');
+    let file = std::env::temp_dir().join(format!("{}.nft", ns.name()));
+    std::fs::write(&file, &script).expect("write nft file");
+    ns.sh(&format!("nft -f {}", file.display()));
+    let _ = std::fs::remove_file(&file);
+    let got = inspect(&ns, "linkerd");
+    assert_eq!(got.verdict, Verdict::Unknown, "{}", got.message);
+    let path = ns.path();
+    let (code, out, err) = binary(&[
+        "inspect",
+        "--netns",
+        path.to_str().expect("utf-8"),
+        "--profile",
+        "linkerd",
+        "--output",
+        "json",
+    ]);
+    assert_eq!(code, 2, "stdout: {out}\nstderr: {err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("JSON");
+    assert_eq!(v["verdict"], "unknown");
+    assert!(
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("too large")),
+        "{v}"
+    );
+
+    // 17000 legacy rules: past the rule cap (16384), also through the legacy reader.
+    let ns = Netns::new("bigrules");
+    ns.addr("10.244.17.29/24");
+    let mut script = String::from("*filter\n-N FILL\n");
+    for i in 0..17_000u32 {
+        script.push_str(&format!(
+            "-A FILL -s 10.{}.{}.0/24 -j RETURN\n",
+            i / 256,
+            i % 256
+        ));
+    }
+    script.push_str("COMMIT");
+    ns.restore("iptables-legacy-restore", &script);
+    ns.sh(&linkerd_rules("iptables-legacy", 4143));
+    let got = inspect(&ns, "linkerd");
+    assert_eq!(got.verdict, Verdict::Unknown, "{}", got.message);
 }
