@@ -1016,6 +1016,17 @@ fn termination_across_base_chains_follows_the_kernel() {
         "{}",
         got.message
     );
+    // A base chain with `policy drop` and nothing else drops every packet too; one that
+    // accepts a port first lets that port through, so it hides nothing.
+    ns.sh("nft delete table inet fw");
+    ns.nft(
+        "table inet fw {
+            chain pre { type filter hook prerouting priority -200; policy drop; }
+        }",
+    );
+    assert_eq!(inspect(&ns, "linkerd").verdict, Verdict::Missing);
+    ns.sh("nft add rule inet fw pre tcp dport 8080 accept");
+    assert_eq!(inspect(&ns, "linkerd").verdict, Verdict::Redirected);
     ns.sh("nft delete table inet fw");
 
     // A native nat chain at -150 that DNATs every TCP connection binds it first: iptables'

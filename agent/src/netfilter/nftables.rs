@@ -90,6 +90,8 @@ pub struct RawChain {
     pub priority: i32,
     /// Base chain type (`nat`, `filter`, `route`).
     pub chain_type: Option<String>,
+    /// Base chain policy verdict (`NF_ACCEPT` / `NF_DROP`), when given.
+    pub policy: Option<u32>,
 }
 
 /// A rule from `NFT_MSG_NEWRULE`, already summarized.
@@ -449,6 +451,7 @@ const NFTA_TABLE_FLAGS: u16 = 2;
 const NFTA_CHAIN_TABLE: u16 = 1;
 const NFTA_CHAIN_NAME: u16 = 3;
 const NFTA_CHAIN_HOOK: u16 = 4;
+const NFTA_CHAIN_POLICY: u16 = 5;
 const NFTA_CHAIN_TYPE: u16 = 7;
 const NFTA_HOOK_HOOKNUM: u16 = 1;
 const NFTA_HOOK_PRIORITY: u16 = 2;
@@ -485,11 +488,13 @@ fn parse_table(msg: &[u8]) -> Result<RawTable, ReadError> {
 fn parse_chain(msg: &[u8]) -> Result<RawChain, ReadError> {
     let (family, attrs) = nft_payload(msg)?;
     let (mut table, mut name, mut hook, mut priority, mut chain_type) = (None, None, None, 0, None);
+    let mut policy = None;
     for a in Attrs::new(attrs) {
         match a? {
             (NFTA_CHAIN_TABLE, v) => table = Some(text(v)),
             (NFTA_CHAIN_NAME, v) => name = Some(text(v)),
             (NFTA_CHAIN_TYPE, v) => chain_type = Some(text(v)),
+            (NFTA_CHAIN_POLICY, v) => policy = Some(be32(v, "chain policy")?),
             (NFTA_CHAIN_HOOK, v) => {
                 for h in Attrs::new(v) {
                     match h? {
@@ -509,6 +514,7 @@ fn parse_chain(msg: &[u8]) -> Result<RawChain, ReadError> {
         hook,
         priority,
         chain_type,
+        policy,
     })
 }
 
@@ -943,6 +949,8 @@ pub fn assemble(tables: Vec<Body>, chains: Vec<Body>, rules: Vec<Body>) -> Rules
         table: Table,
         uses_xt: bool,
         index: HashMap<String, usize>,
+        /// Base chains with `policy drop`.
+        drops: Vec<usize>,
     }
     let mut order: Vec<(u32, String)> = Vec::new();
     let mut building: HashMap<(u32, String), Building> = HashMap::new();
@@ -970,6 +978,7 @@ pub fn assemble(tables: Vec<Body>, chains: Vec<Body>, rules: Vec<Body>) -> Rules
                 },
                 uses_xt: false,
                 index: HashMap::new(),
+                drops: Vec::new(),
             },
         );
     }
@@ -986,6 +995,9 @@ pub fn assemble(tables: Vec<Body>, chains: Vec<Body>, rules: Vec<Body>) -> Rules
             chain_type: chain_type(c.chain_type.as_deref()),
             priority: c.priority,
         });
+        if base.is_some() && c.policy == Some(libc::NF_DROP as u32) {
+            t.drops.push(t.table.chains.len());
+        }
         t.index.insert(c.name.clone(), t.table.chains.len());
         t.table.chains.push(Chain {
             name: c.name,
@@ -1011,6 +1023,13 @@ pub fn assemble(tables: Vec<Body>, chains: Vec<Body>, rules: Vec<Body>) -> Rules
         let Some(mut b) = building.remove(&key) else {
             continue;
         };
+        // A base chain's policy is the verdict of every packet that reaches its end: the
+        // same as a last rule, which is how legacy tables hold it (the underflow entry).
+        for &i in &b.drops {
+            if let Some(c) = b.table.chains.get_mut(i) {
+                c.rules.push(Rule::all(Action::Drop));
+            }
+        }
         let iptables_shape = matches!(b.table.family, Family::Ip | Family::Ip6)
             && IPTABLES_TABLES.contains(&b.table.name.as_str())
             && b.table
@@ -1263,6 +1282,7 @@ mod tests {
             hook,
             priority: -100,
             chain_type: hook.map(|_| "nat".into()),
+            policy: None,
         })
     }
 

@@ -156,12 +156,12 @@ pub fn find_interception(
                     source: table.source,
                 });
             }
-            Outcome::NotFound(End::Drop) => {
+            Outcome::NotFound(Summary { end: End::Drop, .. }) => {
                 return Err(NotFound {
                     blocked_by: Some(format!("every TCP packet is dropped in {}", here())),
                 });
             }
-            Outcome::NotFound(End::Nat) if e.nat => {
+            Outcome::NotFound(Summary { end: End::Nat, .. }) if e.nat => {
                 nat_bound = Some(format!(
                     "every new TCP connection gets its NAT binding in {} first",
                     here()
@@ -186,25 +186,67 @@ pub fn find_redirect(ruleset: &Ruleset, hook: Hook, port: u16, ip: IpFamily) -> 
 enum End {
     /// Some packets fall off the end (or return): the caller goes on.
     Falls,
-    /// Every packet is accepted: this base chain ends, the next base chain runs.
+    /// Every packet leaves the base chain's evaluation, and at least some are accepted
+    /// without a NAT binding: the next base chain runs for them.
     Accept,
     /// Every packet is dropped: nothing after runs.
     Drop,
-    /// Every new connection gets a NAT binding: no later nat chain runs.
+    /// Every packet that is not dropped gets a NAT binding: no later nat chain runs.
     Nat,
+}
+
+/// What a chain does with the TCP packets entering it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Summary {
+    /// How evaluation ends for every packet.
+    end: End,
+    /// Some packets may leave the whole evaluation accepted, without a NAT binding, before
+    /// the end (a conditional accept, a conditional return from a base chain...).
+    leaks_accept: bool,
+    /// Some packets may leave with a NAT binding before the end (a conditional DNAT).
+    leaks_nat: bool,
+}
+
+impl Summary {
+    const FALLS: Self = Self {
+        end: End::Falls,
+        leaks_accept: false,
+        leaks_nat: false,
+    };
+
+    /// Folds in what some packets do (a conditional rule, or a callee's leaks).
+    fn leak(&mut self, end: End) {
+        match end {
+            End::Accept => self.leaks_accept = true,
+            End::Nat => self.leaks_nat = true,
+            End::Drop | End::Falls => {}
+        }
+    }
+
+    /// The chain ends here for every packet still in it with `end`. A drop that some packets
+    /// escaped (accepted or NATed earlier) does not stop the next base chain for them, and
+    /// a NAT that some escaped unbound does not stop the next nat chain: only an end that no
+    /// packet escapes is reported as such, so nothing is hidden on a guess.
+    fn finish(&mut self, end: End) {
+        self.end = match end {
+            End::Drop if self.leaks_accept || self.leaks_nat => End::Accept,
+            End::Nat if self.leaks_accept => End::Accept,
+            e => e,
+        };
+    }
 }
 
 enum Outcome<'a> {
     /// The chain path to the interception.
     Found(Vec<&'a str>),
-    /// No interception; how every TCP packet entering the chain leaves it.
-    NotFound(End),
+    /// No interception; what the chain does with every TCP packet entering it.
+    NotFound(Summary),
 }
 
 #[derive(Clone, Copy)]
 enum Memo {
     InProgress,
-    Done(End),
+    Done(Summary),
 }
 
 struct Walker<'a> {
@@ -223,19 +265,22 @@ impl<'a> Walker<'a> {
         match self.memo.get(name) {
             // A cycle: the kernel refuses loops, but a model built from odd data may have
             // one. Re-entering adds nothing that the first visit will not find.
-            Some(Memo::InProgress) => return Outcome::NotFound(End::Falls),
-            Some(Memo::Done(end)) => return Outcome::NotFound(*end),
+            Some(Memo::InProgress) => return Outcome::NotFound(Summary::FALLS),
+            Some(Memo::Done(summary)) => return Outcome::NotFound(*summary),
             None => {}
         }
         let table = self.table;
         let Some(chain) = table.chain(name) else {
             // A jump to a chain that does not exist: the kernel would not load it. Treat the
             // edge as leading nowhere.
-            return Outcome::NotFound(End::Falls);
+            return Outcome::NotFound(Summary::FALLS);
         };
+        // A return from a base chain ends its evaluation (the policy applies: accept, or a
+        // drop the readers add as the chain's last rule).
+        let is_base = chain.base.is_some();
         self.memo.insert(name, Memo::InProgress);
         self.stack.push(name);
-        let mut end = End::Falls;
+        let mut summary = Summary::FALLS;
         for rule in &chain.rules {
             if rule.protocol == Protocol::Other {
                 continue;
@@ -254,30 +299,41 @@ impl<'a> Walker<'a> {
                 // accept is the reading that hides less.
                 Action::Tproxy { .. } | Action::Accept => Some(End::Accept),
                 Action::Drop => Some(End::Drop),
+                Action::Return if is_base => Some(End::Accept),
                 Action::Return => Some(End::Falls),
                 Action::Jump(target) => match self.chain(target) {
                     found @ Outcome::Found(_) => return found,
-                    // A jump into a chain that lets packets fall back continues here.
-                    Outcome::NotFound(End::Falls) => None,
-                    Outcome::NotFound(e) => Some(e),
+                    Outcome::NotFound(callee) => {
+                        summary.leaks_accept |= callee.leaks_accept;
+                        summary.leaks_nat |= callee.leaks_nat;
+                        // A jump into a chain that lets packets fall back continues here.
+                        (callee.end != End::Falls).then_some(callee.end)
+                    }
                 },
                 Action::Goto(target) => match self.chain(target) {
                     found @ Outcome::Found(_) => return found,
-                    // Control never comes back here: when the target returns, this chain
-                    // has returned too.
-                    Outcome::NotFound(e) => Some(e),
+                    Outcome::NotFound(callee) => {
+                        summary.leaks_accept |= callee.leaks_accept;
+                        summary.leaks_nat |= callee.leaks_nat;
+                        // Control never comes back here: when the target returns, this
+                        // chain has returned too.
+                        match callee.end {
+                            End::Falls if is_base => Some(End::Accept),
+                            e => Some(e),
+                        }
+                    }
                 },
             };
-            if let Some(e) = ends
-                && always
-            {
-                end = e;
+            let Some(end) = ends else { continue };
+            if always {
+                summary.finish(end);
                 break;
             }
+            summary.leak(end);
         }
         self.stack.pop();
-        self.memo.insert(name, Memo::Done(end));
-        Outcome::NotFound(end)
+        self.memo.insert(name, Memo::Done(summary));
+        Outcome::NotFound(summary)
     }
 }
 
@@ -1312,6 +1368,76 @@ mod tests {
             let got = check(&set(vec![blocker, nat]), &profile("linkerd"), V4);
             assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
         }
+    }
+
+    #[test]
+    fn an_end_some_packets_escape_hides_nothing() {
+        let early = |chain_type, rules: Vec<Rule>| {
+            table(
+                Family::Ip,
+                "early",
+                Source::Nftables,
+                vec![base("pre", Hook::Prerouting, chain_type, -150, rules)],
+            )
+        };
+        let verdict = |t: Table| {
+            check(
+                &set(vec![t, linkerd_nat(Family::Ip, Source::IptablesNft)]),
+                &profile("linkerd"),
+                V4,
+            )
+            .verdict
+        };
+        // `tcp dport 8080 accept; drop` (a firewall with a policy drop): port 8080 passes.
+        assert_eq!(
+            verdict(early(
+                ChainType::Filter,
+                vec![Rule::tcp(Action::Accept).when(), Rule::all(Action::Drop)]
+            )),
+            Verdict::Redirected
+        );
+        // The same escape through a conditional return from the base chain, or through a
+        // jumped-to chain that accepts some packets.
+        assert_eq!(
+            verdict(early(
+                ChainType::Filter,
+                vec![Rule::all(Action::Return).when(), Rule::all(Action::Drop)]
+            )),
+            Verdict::Redirected
+        );
+        let mut t = early(
+            ChainType::Filter,
+            vec![Rule::all(jump("SOME")), Rule::all(Action::Drop)],
+        );
+        t.chains.push(Chain::regular(
+            "SOME",
+            vec![Rule::tcp(Action::Accept).when()],
+        ));
+        assert_eq!(verdict(t), Verdict::Redirected);
+        // Without an escape the drop hides the redirect.
+        let mut t = early(
+            ChainType::Filter,
+            vec![Rule::all(jump("NONE")), Rule::all(Action::Drop)],
+        );
+        t.chains
+            .push(Chain::regular("NONE", vec![Rule::tcp(Action::Drop).when()]));
+        assert_eq!(verdict(t), Verdict::Missing);
+        // NAT: connections accepted unbound go on to the next nat chain; dropped ones do not
+        // matter.
+        assert_eq!(
+            verdict(early(
+                ChainType::Nat,
+                vec![Rule::tcp(Action::Accept).when(), Rule::tcp(Action::Nat)]
+            )),
+            Verdict::Redirected
+        );
+        assert_eq!(
+            verdict(early(
+                ChainType::Nat,
+                vec![Rule::tcp(Action::Drop).when(), Rule::tcp(Action::Nat)]
+            )),
+            Verdict::Missing
+        );
     }
 
     #[test]
