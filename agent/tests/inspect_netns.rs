@@ -1102,3 +1102,153 @@ fn oversized_rule_dumps_are_unknown_never_missing() {
     let got = inspect(&ns, "linkerd");
     assert_eq!(got.verdict, Verdict::Unknown, "{}", got.message);
 }
+
+/// Listeners inside a namespace that answer every connection with their name, until dropped.
+struct Answerers {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Answerers {
+    fn start(ns: &Netns, ports: &[(u16, &'static str)]) -> Self {
+        use std::io::Write as _;
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut threads = Vec::new();
+        for &(port, name) in ports {
+            // A socket belongs to the namespace it was created in, whichever thread uses it.
+            let listener = netns::with_netns(&ns.path(), || {
+                std::net::TcpListener::bind(("0.0.0.0", port))
+            })
+            .expect("enter")
+            .expect("bind");
+            listener.set_nonblocking(true).expect("nonblocking");
+            let stop = stop.clone();
+            threads.push(std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((mut c, _)) => {
+                            let _ = c.write_all(name.as_bytes());
+                        }
+                        Err(_) => std::thread::sleep(std::time::Duration::from_millis(5)),
+                    }
+                }
+            }));
+        }
+        Self { stop, threads }
+    }
+}
+
+impl Drop for Answerers {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Connects from inside the namespace to a remote address and returns who answered, or
+/// `None` when nobody did (dropped, or sent out unNATed to an address nobody holds).
+fn who_answers(ns: &Netns, to: &str) -> Option<String> {
+    use std::io::Read as _;
+    let to: std::net::SocketAddr = to.parse().expect("address");
+    netns::with_netns(&ns.path(), || {
+        let mut c =
+            std::net::TcpStream::connect_timeout(&to, std::time::Duration::from_millis(700))
+                .ok()?;
+        c.set_read_timeout(Some(std::time::Duration::from_millis(700)))
+            .ok()?;
+        let mut s = String::new();
+        c.read_to_string(&mut s).ok()?;
+        Some(s)
+    })
+    .expect("enter")
+}
+
+/// The kernel decides: a real outbound connection from inside the namespace, under Linkerd's
+/// iptables-nft rules plus one competing chain, reaches the proxy port exactly when the
+/// matcher says the outbound redirect is reachable. This pins the order semantics (the first
+/// NAT binding wins, nat chains run at the nf_nat hook priority whatever their own, accept in
+/// one base chain does not stop the next, drop does) to what the kernel does.
+#[test]
+fn the_matcher_agrees_with_the_kernel_on_real_connections() {
+    let ns = Netns::new("kernel");
+    ns.addr("10.244.18.30/24");
+    ns.sh("ip addr add 10.250.0.1/32 dev lo");
+    ns.sh(&linkerd_rules("iptables-nft", 4143));
+    let _answer = Answerers::start(&ns, &[(4140, "proxy"), (9000, "other")]);
+    let dest = "10.244.18.99:80";
+    let cases: &[(&str, &str, bool)] = &[
+        ("proxy-init alone", "", true),
+        (
+            "nat chain at -150 DNATs every TCP connection first",
+            "table ip compete {
+                chain c { type nat hook output priority -150; policy accept; meta l4proto tcp dnat to 10.250.0.1:9000; }
+            }",
+            false,
+        ),
+        (
+            "the same DNAT at -50 comes after proxy-init's binding",
+            "table ip compete {
+                chain c { type nat hook output priority -50; policy accept; meta l4proto tcp dnat to 10.250.0.1:9000; }
+            }",
+            true,
+        ),
+        (
+            "a redirect elsewhere at -150 binds first too",
+            "table ip compete {
+                chain c { type nat hook output priority -150; policy accept; meta l4proto tcp redirect to :9000; }
+            }",
+            false,
+        ),
+        (
+            "accept in a nat chain sets no binding: the next nat chain runs",
+            "table ip compete {
+                chain c { type nat hook output priority -150; policy accept; meta l4proto tcp accept; }
+            }",
+            true,
+        ),
+        (
+            "accept in a filter chain ahead: the next base chain runs",
+            "table ip compete {
+                chain c { type filter hook output priority -200; policy accept; meta l4proto tcp accept; }
+            }",
+            true,
+        ),
+        (
+            "drop in a filter chain ahead: nothing after runs",
+            "table ip compete {
+                chain c { type filter hook output priority -150; policy accept; meta l4proto tcp drop; }
+            }",
+            false,
+        ),
+        (
+            "a nat chain declared at priority 10 still runs inside the nat hook, after -100",
+            "table ip compete {
+                chain c { type nat hook output priority 10; policy accept; meta l4proto tcp redirect to :9000; }
+            }",
+            true,
+        ),
+    ];
+    for (what, script, reaches_proxy) in cases {
+        if !script.is_empty() {
+            ns.nft(script);
+        }
+        let kernel = who_answers(&ns, dest);
+        assert_eq!(
+            kernel.as_deref() == Some("proxy"),
+            *reaches_proxy,
+            "{what}: the kernel sent the connection to {kernel:?}"
+        );
+        let got = inspect(&ns, "linkerd");
+        assert_eq!(
+            got.outbound.found, *reaches_proxy,
+            "{what}: matcher disagrees with the kernel: {}",
+            got.message
+        );
+        if !script.is_empty() {
+            ns.sh("nft delete table ip compete");
+        }
+    }
+}
