@@ -169,17 +169,17 @@ pub fn expectation(
                         }
                     }
                 }
-                if let Some(ex) = get(ISTIO_OUT_EXCLUDE) {
-                    for ip in [IpFamily::V4, IpFamily::V6] {
-                        if list(ex).any(|r| covers_family(r, ip)) {
-                            out.outbound.drop_family(
-                                ip,
-                                format!(
-                                    "{ISTIO_OUT_EXCLUDE} excludes every {} address",
-                                    ip.as_str()
-                                ),
-                            );
-                        }
+            }
+            // A /0 exclusion returns that family's packets ahead of the range redirects; it
+            // removes the family whatever else is set, since dropping a requirement on a
+            // doubt can only spare a pod, never evict one.
+            if let Some(ex) = get(ISTIO_OUT_EXCLUDE) {
+                for ip in [IpFamily::V4, IpFamily::V6] {
+                    if list(ex).any(|r| covers_family(r, ip)) {
+                        out.outbound.drop_family(
+                            ip,
+                            format!("{ISTIO_OUT_EXCLUDE} excludes every {} address", ip.as_str()),
+                        );
                     }
                 }
             }
@@ -341,6 +341,11 @@ mod tests {
                 .is_expected()
         );
         assert!(e(&[(ISTIO_OUT_EXCLUDE, "::/0")]).outbound.is_expected());
+        assert!(
+            !e(&[(ISTIO_OUT_EXCLUDE, "0.0.0.0/0"), (ISTIO_OUT_PORTS, "8080")])
+                .outbound
+                .is_expected()
+        );
         // Mode NONE captures nothing; TPROXY changes nothing here.
         let none = e(&[(ISTIO_MODE, "NONE")]);
         assert!(!none.inbound.is_expected() && !none.outbound.is_expected());
