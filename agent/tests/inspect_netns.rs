@@ -1252,3 +1252,146 @@ fn the_matcher_agrees_with_the_kernel_on_real_connections() {
         }
     }
 }
+
+/// A listener on `0.0.0.0:port` with `IP_TRANSPARENT`, as Envoy's 15006 listener in TPROXY
+/// mode: TPROXY only hands connections to transparent sockets.
+fn transparent_listener(ns: &Netns, port: u16) -> std::net::TcpListener {
+    use std::os::fd::FromRawFd as _;
+    netns::with_netns(&ns.path(), || {
+        // SAFETY: plain socket(2)/setsockopt(2)/bind(2)/listen(2) on a fresh descriptor that
+        // the TcpListener owns from here on; every pointer outlives its call.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0, "socket");
+            let listener = std::net::TcpListener::from_raw_fd(fd);
+            let one: libc::c_int = 1;
+            for (level, opt) in [
+                (libc::SOL_SOCKET, libc::SO_REUSEADDR),
+                (libc::SOL_IP, libc::IP_TRANSPARENT),
+            ] {
+                let rc = libc::setsockopt(
+                    fd,
+                    level,
+                    opt,
+                    (&one as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                );
+                assert_eq!(rc, 0, "setsockopt {opt}");
+            }
+            let addr = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: port.to_be(),
+                sin_addr: libc::in_addr { s_addr: 0 },
+                sin_zero: [0; 8],
+            };
+            let rc = libc::bind(
+                fd,
+                (&addr as *const libc::sockaddr_in).cast(),
+                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+            );
+            assert_eq!(rc, 0, "bind");
+            assert_eq!(libc::listen(fd, 16), 0, "listen");
+            listener
+        }
+    })
+    .expect("enter")
+}
+
+/// Why meshgate does not require istio-iptables' fwmark `ip rule`: a client in another
+/// namespace connects to the pod's own IP under Istio's TPROXY rules, and the kernel hands the
+/// connection to the transparent 15006 listener with and without the policy routing (the
+/// `local` table already delivers the pod's address locally). The verdict is `redirected` in
+/// both cases, and `missing` once the TPROXY rule is gone (then nothing answers).
+#[test]
+fn tproxy_delivers_without_the_fwmark_rule_and_the_verdict_follows() {
+    use std::io::Read as _;
+    let pod = Netns::new("tppod");
+    let client = Netns::new("tpcli");
+    let (a, b) = (
+        format!("tpa{}", std::process::id() % 100_000),
+        format!("tpb{}", std::process::id() % 100_000),
+    );
+    let out = Command::new("ip")
+        .args([
+            "link",
+            "add",
+            &a,
+            "netns",
+            pod.name(),
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &b,
+            "netns",
+            client.name(),
+        ])
+        .output()
+        .expect("ip link add");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    pod.sh(&format!(
+        "ip link set {a} up; ip addr add 10.252.0.2/24 dev {a}"
+    ));
+    client.sh(&format!(
+        "ip link set {b} up; ip addr add 10.252.0.1/24 dev {b}"
+    ));
+    pod.restore("iptables-nft-restore", ISTIO_TPROXY_V4);
+    let listener = transparent_listener(&pod, 15006);
+    listener.set_nonblocking(true).expect("nonblocking");
+
+    let connect = || -> Option<String> {
+        let connected = netns::with_netns(&client.path(), || {
+            std::net::TcpStream::connect_timeout(
+                &"10.252.0.2:8080".parse().expect("addr"),
+                std::time::Duration::from_millis(700),
+            )
+        })
+        .expect("enter");
+        let mut c = connected.ok()?;
+        // Accept on this thread: the connection is queued on the transparent listener.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        let (mut s, _) = loop {
+            match listener.accept() {
+                Ok(x) => break x,
+                Err(_) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(5))
+                }
+                Err(_) => return None,
+            }
+        };
+        // The proxy sees the original destination, as Envoy's inbound listener does.
+        let local = s.local_addr().ok()?;
+        std::io::Write::write_all(&mut s, b"proxy").ok()?;
+        drop(s);
+        let mut got = String::new();
+        c.set_read_timeout(Some(std::time::Duration::from_millis(700)))
+            .ok()?;
+        c.read_to_string(&mut got).ok()?;
+        Some(format!("{got} at {local}"))
+    };
+
+    assert_eq!(
+        connect().as_deref(),
+        Some("proxy at 10.252.0.2:8080"),
+        "without the ip rule"
+    );
+    assert_eq!(inspect(&pod, "istio").verdict, Verdict::Redirected);
+    pod.sh("ip rule add fwmark 1337 lookup 133; ip route add local default dev lo table 133");
+    assert_eq!(
+        connect().as_deref(),
+        Some("proxy at 10.252.0.2:8080"),
+        "with the ip rule"
+    );
+    assert_eq!(inspect(&pod, "istio").verdict, Verdict::Redirected);
+    pod.sh("iptables-nft -w -t mangle -F ISTIO_TPROXY");
+    assert_eq!(
+        connect(),
+        None,
+        "nothing intercepts without the TPROXY rule"
+    );
+    assert_eq!(inspect(&pod, "istio").verdict, Verdict::Missing);
+}
