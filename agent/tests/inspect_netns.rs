@@ -16,7 +16,7 @@ use meshgate_agent::inspect::{inspect_netns, inspect_netns_pod};
 use meshgate_agent::netns;
 use meshgate_core::profile::{MeshProfile, ProfileSet};
 use meshgate_core::rules::locate::{Located, locate};
-use meshgate_core::rules::{Inspection, Verdict};
+use meshgate_core::rules::{Inspection, IpFamily, Verdict};
 use meshgate_e2e::netns_sim;
 
 const TOOLS: &[&str] = &[
@@ -783,6 +783,15 @@ fn native_nft_tproxy_is_redirected() {
         got.inbound.via.as_deref(),
         Some("inet istio-proxy-mangle prerouting -> istio-inbound -> istio-tproxy (nftables)")
     );
+    // `tproxy ip` and `tproxy ip6` each intercept their own family only.
+    ns.addr("fd00:10:244:11::18/64");
+    let dual = inspect_netns(&ns.path(), &dual_stack("istio")).expect("inspect");
+    assert_eq!(dual.verdict, Verdict::Redirected, "{}", dual.message);
+    ns.sh("nft flush chain inet istio-proxy-mangle istio-tproxy
+           nft add rule inet istio-proxy-mangle istio-tproxy meta l4proto tcp tproxy ip to :15006 meta mark set 0x539 accept");
+    let dual = inspect_netns(&ns.path(), &dual_stack("istio")).expect("inspect");
+    assert_eq!(dual.verdict, Verdict::Missing, "{}", dual.message);
+    assert_eq!(dual.inbound.missing_families, [IpFamily::V6]);
 }
 
 #[test]

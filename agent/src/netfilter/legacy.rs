@@ -517,6 +517,7 @@ pub fn decode_table(
             },
             "TPROXY" => Action::Tproxy {
                 port: tproxy_port(e.data),
+                only: None,
             },
             other => xt_target_action(other),
         };
@@ -791,7 +792,10 @@ mod tests {
         );
         assert_eq!(
             pre.rules[0],
-            Rule::tcp(Action::Tproxy { port: Some(15006) })
+            Rule::tcp(Action::Tproxy {
+                port: Some(15006),
+                only: None
+            })
         );
     }
 

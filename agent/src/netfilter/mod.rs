@@ -235,7 +235,10 @@ pub(crate) fn xt_target_action(name: &str) -> meshgate_core::rules::Action {
     match name {
         "DNAT" | "SNAT" | "MASQUERADE" | "NETMAP" => Action::Nat,
         // The xt target ends evaluation: accept when a socket was found, else drop.
-        "TPROXY" => Action::Tproxy { port: None },
+        "TPROXY" => Action::Tproxy {
+            port: None,
+            only: None,
+        },
         "REJECT" | "DROP" => Action::Drop,
         "ACCEPT" => Action::Accept,
         "RETURN" => Action::Return,

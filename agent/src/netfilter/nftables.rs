@@ -20,8 +20,8 @@ use std::collections::HashMap;
 use std::io;
 
 use meshgate_core::rules::{
-    Action, BaseChain, Chain, ChainType, DumpLimits, Family, Hook, Protocol, Rule, Ruleset, Source,
-    Table,
+    Action, BaseChain, Chain, ChainType, DumpLimits, Family, Hook, IpFamily, Protocol, Rule,
+    Ruleset, Source, Table,
 };
 
 use super::{ReadError, redirect_port, split_messages, tproxy_port, xt_target_action};
@@ -591,6 +591,9 @@ pub enum Expr {
     },
     /// `tproxy` with the register holding the port, if any.
     Tproxy {
+        /// NFPROTO_* family it acts on (`tproxy ip` / `tproxy ip6`); unspecified in ip/ip6
+        /// tables.
+        family: Option<u32>,
         /// Register of the port.
         port_reg: Option<u32>,
     },
@@ -707,6 +710,7 @@ pub fn summarize(family: Family, exprs: &[Expr]) -> (Rule, bool) {
                     },
                     "TPROXY" => Action::Tproxy {
                         port: tproxy_port(info),
+                        only: None,
                     },
                     _ => xt_target_action(name),
                 };
@@ -726,7 +730,7 @@ pub fn summarize(family: Family, exprs: &[Expr]) -> (Rule, bool) {
                 action = Action::Redirect { port };
                 break;
             }
-            Expr::Tproxy { port_reg } => {
+            Expr::Tproxy { family, port_reg } => {
                 let port = port_reg.and_then(|r| match regs.get(&r) {
                     Some(Reg::Const(d)) if d.len() >= 2 => {
                         let p = u16::from_be_bytes([d[0], d[1]]);
@@ -738,7 +742,12 @@ pub fn summarize(family: Family, exprs: &[Expr]) -> (Rule, bool) {
                 // (to `accept`, `meta mark set`) when one does: it never ends evaluation by
                 // itself, so the rule hides nothing after it.
                 conditional = true;
-                action = Action::Tproxy { port };
+                let only = match family.map(|f| f as i32) {
+                    Some(libc::NFPROTO_IPV4) => Some(IpFamily::V4),
+                    Some(libc::NFPROTO_IPV6) => Some(IpFamily::V6),
+                    _ => None,
+                };
+                action = Action::Tproxy { port, only };
                 break;
             }
             Expr::Named(name) => match name.as_str() {
@@ -875,6 +884,7 @@ fn parse_expr(elem: &[u8]) -> Result<Expr, ReadError> {
         },
         // NFTA_TPROXY_FAMILY = 1, REG_ADDR = 2, REG_PORT = 3.
         "tproxy" => Expr::Tproxy {
+            family: get(1),
             port_reg: get(3).map(reg_slot),
         },
         _ => Expr::Named(name),
@@ -1147,7 +1157,14 @@ mod tests {
         ];
         let (rule, xt) = summarize(Family::Ip, &exprs);
         assert!(xt);
-        assert_eq!(rule, Rule::tcp(Action::Tproxy { port: Some(15006) }).when());
+        assert_eq!(
+            rule,
+            Rule::tcp(Action::Tproxy {
+                port: Some(15006),
+                only: None
+            })
+            .when()
+        );
     }
 
     /// `meta l4proto tcp tproxy ip to :15006 meta mark set 0x539 accept` (native nft).
@@ -1160,7 +1177,10 @@ mod tests {
                 dreg: 1,
                 data: vec![0x3a, 0x9e, 0, 0],
             },
-            Expr::Tproxy { port_reg: Some(1) },
+            Expr::Tproxy {
+                family: Some(libc::NFPROTO_IPV6 as u32),
+                port_reg: Some(1),
+            },
             Expr::Named("meta".into()),
             Expr::Verdict {
                 code: libc::NF_ACCEPT,
@@ -1169,9 +1189,28 @@ mod tests {
         ];
         let (rule, xt) = summarize(Family::Inet, &exprs);
         assert!(!xt);
-        assert_eq!(rule, Rule::tcp(Action::Tproxy { port: Some(15006) }).when());
-        let (rule, _) = summarize(Family::Ip, &[Expr::Tproxy { port_reg: None }]);
-        assert_eq!(rule.action, Action::Tproxy { port: None });
+        assert_eq!(
+            rule,
+            Rule::tcp(Action::Tproxy {
+                port: Some(15006),
+                only: Some(IpFamily::V6)
+            })
+            .when()
+        );
+        let (rule, _) = summarize(
+            Family::Ip,
+            &[Expr::Tproxy {
+                family: None,
+                port_reg: None,
+            }],
+        );
+        assert_eq!(
+            rule.action,
+            Action::Tproxy {
+                port: None,
+                only: None
+            }
+        );
     }
 
     #[test]
@@ -1483,7 +1522,7 @@ mod tests {
                     (0u32..4, prop::collection::vec(any::<u8>(), 0..6)).prop_map(|(sreg, data)| Expr::Cmp { sreg, op: 0, data }),
                     ("[a-zA-Z]{0,10}", prop::collection::vec(any::<u8>(), 0..48)).prop_map(|(name, info)| Expr::XtTarget { name, info }),
                     prop::option::of(0u32..4).prop_map(|proto_min_reg| Expr::Redir { proto_min_reg }),
-                    prop::option::of(0u32..4).prop_map(|port_reg| Expr::Tproxy { port_reg }),
+                    (prop::option::of(0u32..12), prop::option::of(0u32..4)).prop_map(|(family, port_reg)| Expr::Tproxy { family, port_reg }),
                     "[a-z]{0,8}".prop_map(Expr::Named),
                 ],
                 0..10,

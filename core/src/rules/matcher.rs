@@ -143,6 +143,7 @@ pub fn find_interception(
             port,
             redirect_counts: e.nat,
             tproxy_counts: hook == Hook::Prerouting,
+            ip,
             memo: HashMap::new(),
             stack: Vec::new(),
         });
@@ -256,6 +257,8 @@ struct Walker<'a> {
     redirect_counts: bool,
     /// TPROXY counts (the walk started from a PREROUTING base chain).
     tproxy_counts: bool,
+    /// The packets' family.
+    ip: IpFamily,
     memo: HashMap<&'a str, Memo>,
     stack: Vec<&'a str>,
 }
@@ -291,7 +294,9 @@ impl<'a> Walker<'a> {
                 Action::Redirect { port: Some(p) } if *p == self.port && self.redirect_counts => {
                     return Outcome::Found(self.stack.clone());
                 }
-                Action::Tproxy { port: Some(p) } if *p == self.port && self.tproxy_counts => {
+                // nft's `tproxy ip` breaks off the rule for an IPv6 packet, and vice versa.
+                Action::Tproxy { only: Some(f), .. } if *f != self.ip => None,
+                Action::Tproxy { port: Some(p), .. } if *p == self.port && self.tproxy_counts => {
                     return Outcome::Found(self.stack.clone());
                 }
                 Action::Redirect { .. } | Action::Nat => Some(End::Nat),
@@ -1205,7 +1210,10 @@ mod tests {
     }
 
     fn tproxy(p: u16) -> Action {
-        Action::Tproxy { port: Some(p) }
+        Action::Tproxy {
+            port: Some(p),
+            only: None,
+        }
     }
 
     /// istio-iptables' TPROXY mode (golden `tproxy.golden`), reduced: mangle PREROUTING ->
@@ -1294,6 +1302,39 @@ mod tests {
             find_redirect(&set(vec![t]), Hook::Output, 15001, IpFamily::V4),
             None
         );
+    }
+
+    #[test]
+    fn an_inet_tproxy_for_one_family_does_not_intercept_the_other() {
+        let only = |f| Action::Tproxy {
+            port: Some(15006),
+            only: Some(f),
+        };
+        let t = |rules| {
+            set(vec![table(
+                Family::Inet,
+                "m",
+                Source::Nftables,
+                vec![base(
+                    "pre",
+                    Hook::Prerouting,
+                    ChainType::Filter,
+                    -150,
+                    rules,
+                )],
+            )])
+        };
+        let v4_only = t(vec![Rule::tcp(only(IpFamily::V4)).when()]);
+        assert!(find_redirect(&v4_only, Hook::Prerouting, 15006, IpFamily::V4).is_some());
+        assert_eq!(
+            find_redirect(&v4_only, Hook::Prerouting, 15006, IpFamily::V6),
+            None
+        );
+        let both = t(vec![
+            Rule::tcp(only(IpFamily::V4)).when(),
+            Rule::tcp(only(IpFamily::V6)).when(),
+        ]);
+        assert!(find_redirect(&both, Hook::Prerouting, 15006, IpFamily::V6).is_some());
     }
 
     #[test]

@@ -203,6 +203,10 @@ pub enum Action {
     Tproxy {
         /// Target port; `None` when not given or not decodable.
         port: Option<u16>,
+        /// The one IP family it acts on, for nft's `tproxy ip` / `tproxy ip6` in an `inet`
+        /// table (for the other family the rule breaks off and does nothing); `None`: every
+        /// family of its table.
+        only: Option<IpFamily>,
     },
 }
 
