@@ -76,10 +76,10 @@ pub struct Batch {
 /// (`has_proxy(profile name)`) goes first: a pod without one profile's proxy is still
 /// evicted for another mesh it does belong to. The inspection returned is the one that
 /// decided.
-pub fn combine<'a>(
-    inspections: &'a [Inspection],
+pub fn combine(
+    inspections: &[Inspection],
     has_proxy: impl Fn(&str) -> bool,
-) -> Option<&'a Inspection> {
+) -> Option<&Inspection> {
     inspections
         .iter()
         .find(|i| i.verdict == Verdict::Missing && has_proxy(&i.profile))
