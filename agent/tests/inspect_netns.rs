@@ -79,6 +79,12 @@ impl Netns {
         self.0.nft(script).unwrap_or_else(|e| panic!("{e:#}"));
     }
 
+    /// Runs a shell script inside the named namespace `name`; every line must succeed.
+    fn sh_in(name: &str, script: &str) -> String {
+        netns_sim::sh(&["ip", "netns", "exec", name, "sh", "-ec", script])
+            .unwrap_or_else(|e| panic!("in {name}: {e:#}"))
+    }
+
     /// Starts a process inside the namespace and returns its pid.
     fn spawn_sleeper(&mut self) -> u32 {
         self.0.spawn_sleeper().unwrap_or_else(|e| panic!("{e:#}"))
@@ -1403,4 +1409,317 @@ fn tproxy_delivers_without_the_fwmark_rule_and_the_verdict_follows() {
         "nothing intercepts without the TPROXY rule"
     );
     assert_eq!(inspect(&pod, "istio").verdict, Verdict::Missing);
+}
+
+// ---------------------------------------------------------------------------------------
+// Namespace identity: what the survey found is what is read and what an eviction acts on
+// ---------------------------------------------------------------------------------------
+
+mod identity {
+    use std::collections::BTreeMap;
+    use std::net::{IpAddr, Ipv4Addr};
+    use std::os::unix::fs::MetadataExt;
+    use std::path::PathBuf;
+    use std::process::{Child, Command, Stdio};
+    use std::time::Duration;
+
+    use meshgate_agent::daemon::pods::inspect::{Job, inspect_one};
+    use meshgate_agent::netns::{self, NetnsError};
+    use meshgate_core::rules::Verdict;
+    use meshgate_e2e::netns_sim;
+
+    use super::{TOOLS, profile};
+
+    fn run(args: &[&str]) {
+        let out = Command::new(args[0])
+            .args(&args[1..])
+            .output()
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    fn pod_ip() -> IpAddr {
+        let [a, b, c] = netns_sim::private_subnet();
+        IpAddr::V4(Ipv4Addr::new(a, b, c, 7))
+    }
+
+    /// `ip netns add NAME` with `ip` on its loopback, as a CNI plugin leaves a sandbox.
+    fn add_named(name: &str, ip: IpAddr) {
+        run(&["ip", "netns", "add", name]);
+        run(&["ip", "-n", name, "link", "set", "lo", "up"]);
+        run(&[
+            "ip",
+            "-n",
+            name,
+            "addr",
+            "add",
+            &format!("{ip}/32"),
+            "dev",
+            "lo",
+        ]);
+    }
+
+    struct Named(String);
+    impl Drop for Named {
+        fn drop(&mut self) {
+            let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
+        }
+    }
+
+    struct Killed(Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    fn job(ip: IpAddr) -> Job {
+        Job {
+            uid: "00000000-0000-0000-0000-000000000000".into(),
+            ips: vec![ip],
+            annotations: BTreeMap::new(),
+            profiles: vec![profile("linkerd")],
+        }
+    }
+
+    fn dirs() -> Vec<PathBuf> {
+        vec![PathBuf::from(netns::DEFAULT_NETNS_DIR)]
+    }
+
+    /// The daemon's path (survey → `inspect_one`) judges a pod by what its mesh writes for
+    /// its annotations: an Istio pod with `includeOutboundIPRanges: ""` has no outbound
+    /// capture, and the job's annotations are what keeps it from being `missing`.
+    #[test]
+    fn the_daemon_judges_a_pod_by_the_rules_its_annotations_ask_for() {
+        netns_sim::require_tools(TOOLS).unwrap_or_else(|e| panic!("{e:#}"));
+        let ip = pod_ip();
+        let name = format!("mg-optout-{}", std::process::id());
+        let _guard = Named(name.clone());
+        add_named(&name, ip);
+        let rules = std::env::temp_dir().join(format!("{name}.rules"));
+        std::fs::write(&rules, format!("{}\n", super::ISTIO_INBOUND_WILDCARD)).unwrap();
+        super::Netns::sh_in(
+            &name,
+            &format!("iptables-nft-restore -w < {}", rules.display()),
+        );
+        let _ = std::fs::remove_file(&rules);
+
+        let (facts, _) = netns::survey(&dirs()).expect("survey");
+        let istio = |annotations: &[(&str, &str)]| Job {
+            profiles: vec![profile("istio")],
+            annotations: annotations
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..job(ip)
+        };
+        let bare = inspect_one(&facts, &istio(&[]));
+        assert_eq!(bare.inspections[0].verdict, Verdict::Missing, "{bare:?}");
+        let opted = inspect_one(&facts, &istio(&[(super::OUT_RANGES, "")]));
+        assert_eq!(
+            opted.inspections[0].verdict,
+            Verdict::Redirected,
+            "{opted:?}"
+        );
+        assert!(opted.pinned.is_none(), "nothing to act on");
+    }
+
+    /// A pod's sandbox is deleted and a new sandbox (another pod's) is created under the
+    /// same netns name, holding the same IP. The inspection of the old one must never be
+    /// acted on through the new one, and a stale survey must never read the new one as the
+    /// old one.
+    #[test]
+    fn a_netns_recreated_under_its_name_with_the_pods_ip_is_not_the_one_inspected() {
+        netns_sim::require_tools(TOOLS).unwrap_or_else(|e| panic!("{e:#}"));
+        let ip = pod_ip();
+        let name = format!("mg-reuse-{}", std::process::id());
+        let guard = Named(name.clone());
+        add_named(&name, ip);
+
+        let (facts, _) = netns::survey(&dirs()).expect("survey");
+        let got = inspect_one(&facts, &job(ip));
+        assert_eq!(got.inspections[0].verdict, Verdict::Missing, "{got:?}");
+        let pinned = got.pinned.expect("a missing verdict keeps its namespace");
+        pinned.confirm(&[ip]).expect("nothing changed yet");
+
+        // The sandbox dies; a new one takes its name and its IP (with the rules in place).
+        run(&["ip", "netns", "del", &name]);
+        add_named(&name, ip);
+        super::Netns::sh_in(&name, &super::linkerd_rules("iptables-nft", 4143));
+
+        match pinned.confirm(&[ip]) {
+            Err(NetnsError::Replaced {
+                inode, now_inode, ..
+            }) => assert_ne!(inode, now_inode),
+            other => panic!("the re-created namespace passed for the inspected one: {other:?}"),
+        }
+        // The survey taken before the switch: the new namespace is not read in its place.
+        let stale = inspect_one(&facts, &job(ip));
+        assert_eq!(stale.inspections[0].verdict, Verdict::Unknown, "{stale:?}");
+        assert!(
+            stale.inspections[0]
+                .message
+                .contains("no longer the one surveyed"),
+            "{stale:?}"
+        );
+        // A fresh survey reads the new namespace for what it is.
+        let (fresh, _) = netns::survey(&dirs()).expect("survey");
+        let now = inspect_one(&fresh, &job(ip));
+        assert_eq!(now.inspections[0].verdict, Verdict::Redirected, "{now:?}");
+        assert!(
+            now.pinned.is_none(),
+            "nothing to act on: no descriptor kept"
+        );
+
+        // Gone altogether: not confirmed either.
+        drop(guard);
+        assert!(matches!(
+            pinned.confirm(&[ip]),
+            Err(NetnsError::Open { .. })
+        ));
+    }
+
+    /// The pod IP left the namespace between inspection and eviction (the sandbox is being
+    /// torn down, the IP moved): not confirmed, and a stale survey reads it as unknown.
+    #[test]
+    fn a_namespace_that_no_longer_holds_the_pod_ip_is_not_acted_on() {
+        netns_sim::require_tools(TOOLS).unwrap_or_else(|e| panic!("{e:#}"));
+        let ip = pod_ip();
+        let name = format!("mg-ipgone-{}", std::process::id());
+        let _guard = Named(name.clone());
+        add_named(&name, ip);
+        let (facts, _) = netns::survey(&dirs()).expect("survey");
+        let pinned = inspect_one(&facts, &job(ip))
+            .pinned
+            .expect("missing keeps it");
+        run(&[
+            "ip",
+            "-n",
+            &name,
+            "addr",
+            "del",
+            &format!("{ip}/32"),
+            "dev",
+            "lo",
+        ]);
+        match pinned.confirm(&[ip]) {
+            Err(NetnsError::PodIpGone { ip: gone, .. }) => assert_eq!(gone, ip),
+            other => panic!("confirmed without the pod IP: {other:?}"),
+        }
+        let stale = inspect_one(&facts, &job(ip));
+        assert_eq!(stale.inspections[0].verdict, Verdict::Unknown, "{stale:?}");
+        assert!(
+            stale.inspections[0]
+                .message
+                .contains("no longer holds pod IP"),
+            "{stale:?}"
+        );
+    }
+
+    /// Waits until `/proc/<pid>/ns/net` is the namespace with inode `want`.
+    fn wait_in(pid: u32, want: u64) -> bool {
+        for _ in 0..200 {
+            if std::fs::metadata(format!("/proc/{pid}/ns/net")).is_ok_and(|m| m.ino() == want) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        false
+    }
+
+    /// A namespace reachable only through its process (`/proc/<pid>/ns/net`, as with
+    /// runtimes that do not bind-mount it): the process exits and its pid is handed to a
+    /// process of another pod's namespace holding the same IP (forced with
+    /// `/proc/sys/kernel/ns_last_pid`, a real pid recycle). The pinned descriptor tells them
+    /// apart; the path alone would not.
+    #[test]
+    fn a_recycled_pid_never_gets_the_wrong_namespace_acted_on() {
+        netns_sim::require_tools(TOOLS).unwrap_or_else(|e| panic!("{e:#}"));
+        netns_sim::require_tools(&["unshare", "nsenter"]).unwrap_or_else(|e| panic!("{e:#}"));
+        let ip = pod_ip();
+        let mut first = Killed(
+            Command::new("unshare")
+                .args(["--net", "sleep", "infinity"])
+                .stdin(Stdio::null())
+                .spawn()
+                .expect("unshare"),
+        );
+        let pid = first.0.id();
+        let own = std::fs::metadata("/proc/self/ns/net").expect("stat").ino();
+        for _ in 0..200 {
+            if std::fs::metadata(format!("/proc/{pid}/ns/net")).is_ok_and(|m| m.ino() != own) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let target = pid.to_string();
+        run(&[
+            "nsenter", "-t", &target, "-n", "ip", "link", "set", "lo", "up",
+        ]);
+        run(&[
+            "nsenter",
+            "-t",
+            &target,
+            "-n",
+            "ip",
+            "addr",
+            "add",
+            &format!("{ip}/32"),
+            "dev",
+            "lo",
+        ]);
+
+        let (facts, _) = netns::survey(&dirs()).expect("survey");
+        let got = inspect_one(&facts, &job(ip));
+        assert_eq!(
+            got.netns,
+            Some(PathBuf::from(format!("/proc/{pid}/ns/net"))),
+            "{got:?}"
+        );
+        assert_eq!(got.inspections[0].verdict, Verdict::Missing, "{got:?}");
+        let pinned = got.pinned.expect("missing keeps it");
+        pinned.confirm(&[ip]).expect("nothing changed yet");
+
+        // The pod's sandbox dies; another pod's sandbox gets the same IP and, in it, a
+        // process gets the same pid.
+        let _ = first.0.kill();
+        let _ = first.0.wait();
+        let other = super::Netns::new("recycled");
+        other.sh(&format!("ip addr add {ip}/32 dev lo"));
+        let other_ino = std::fs::metadata(other.path()).expect("stat").ino();
+        let mut recycled = None;
+        for _ in 0..200 {
+            std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string())
+                .expect("ns_last_pid (needs root)");
+            let child = Command::new("nsenter")
+                .arg(format!("--net={}", other.path().display()))
+                .args(["sleep", "infinity"])
+                .stdin(Stdio::null())
+                .spawn()
+                .expect("nsenter");
+            let c = Killed(child);
+            if c.0.id() == pid {
+                recycled = Some(c);
+                break;
+            }
+        }
+        let _recycled = recycled.unwrap_or_else(|| panic!("pid {pid} was never handed out again"));
+        assert!(
+            wait_in(pid, other_ino),
+            "the recycled pid never entered the other namespace"
+        );
+
+        // Through the path, this is now the other pod's namespace, with the pod's IP.
+        match pinned.confirm(&[ip]) {
+            Err(NetnsError::Replaced { .. }) => {}
+            other => panic!("the recycled pid's namespace passed for the inspected one: {other:?}"),
+        }
+        let stale = inspect_one(&facts, &job(ip));
+        assert_eq!(stale.inspections[0].verdict, Verdict::Unknown, "{stale:?}");
+    }
 }

@@ -1,8 +1,8 @@
 //! Admission decisions: may this pod land on this node, and how is a new Node gated?
 //!
 //! In: what is being admitted (a Pod created with `spec.nodeName` set, or a `pods/binding`),
-//! the pod's labels and annotations (or "could not be looked up"), the target node's labels
-//! (or "unknown to the cache"), the node's `MeshCNIVerified` condition reason when known, and
+//! the pod's labels and annotations (or "could not be looked up"), its namespace's labels
+//! (or "unknown to the cache"), the target node's labels (or "unknown to the cache"), the node's `MeshCNIVerified` condition reason when known, and
 //! the [`ProfileSet`]. Out: [`Decision::Allow`] or [`Decision::Refuse`] with a message that
 //! names the node, the reason when known, and the remedy. The message is shown verbatim to the
 //! client (`kubectl`, the scheduler's event), so it is written for an operator.
@@ -17,7 +17,7 @@ use std::fmt::Write as _;
 
 use serde_json::{Value, json};
 
-use crate::profile::ProfileSet;
+use crate::profile::{PodView, ProfileSet, Selected};
 use crate::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
 
 /// Which admission path the request came through. It changes only the remedy: a pod created
@@ -67,6 +67,11 @@ pub struct Input<'a> {
     pub pod_name: &'a str,
     /// Pod labels and annotations.
     pub pod: PodFacts<'a>,
+    /// The labels of the pod's Namespace, `None` when the caller's cache does not have it.
+    /// Only profiles that select on namespace labels (`istio-ambient`) read them; when one
+    /// of those might select the pod and the labels are unknown, the pod counts as meshed
+    /// (fail closed, as for a pod that could not be looked up).
+    pub namespace_labels: Option<&'a BTreeMap<String, String>>,
     /// Target node name (`spec.nodeName` or the Binding's `target.name`).
     pub node_name: &'a str,
     /// Target node labels.
@@ -118,14 +123,25 @@ pub fn decide(input: &Input<'_>, profiles: &ProfileSet) -> Decision {
     {
         return Decision::Allow(AllowReason::NodeVerified);
     }
-    let meshes: Vec<(&str, &str)> = match input.pod {
+    let meshes: Vec<Mesh<'_>> = match input.pod {
         PodFacts::Known {
             labels,
             annotations,
-        } => profiles
-            .selecting(labels, annotations)
-            .map(|p| (p.name.as_str(), p.plugin_type.as_str()))
-            .collect(),
+        } => {
+            let view = PodView {
+                labels,
+                annotations,
+                namespace_labels: input.namespace_labels,
+            };
+            profiles
+                .selection(view)
+                .map(|(p, s)| Mesh {
+                    name: p.name.as_str(),
+                    plugin: p.plugin_type.as_str(),
+                    certain: s == Selected::Yes,
+                })
+                .collect()
+        }
         PodFacts::Unknown => Vec::new(),
     };
     if meshes.is_empty() && input.pod != PodFacts::Unknown {
@@ -136,14 +152,33 @@ pub fn decide(input: &Input<'_>, profiles: &ProfileSet) -> Decision {
     }
 }
 
-fn refusal_message(input: &Input<'_>, meshes: &[(&str, &str)]) -> String {
+/// A profile that selects (or, its namespace's labels unknown, may select) the pod.
+struct Mesh<'a> {
+    name: &'a str,
+    plugin: &'a str,
+    certain: bool,
+}
+
+fn refusal_message(input: &Input<'_>, meshes: &[Mesh<'_>]) -> String {
     let node = input.node_name;
     let mut m = String::with_capacity(512);
     let _ = write!(m, "meshgate: pod {}/{} ", input.namespace, input.pod_name);
     if meshes.is_empty() {
         m.push_str("could not be looked up to tell whether a mesh selects it, and");
+    } else if meshes.iter().all(|x| !x.certain) {
+        let names: Vec<&str> = meshes.iter().map(|x| x.name).collect();
+        let _ = write!(
+            m,
+            "may belong to mesh profile {} (the labels of namespace {} are not known yet), and",
+            names.join(", "),
+            input.namespace
+        );
     } else {
-        let names: Vec<&str> = meshes.iter().map(|(n, _)| *n).collect();
+        let names: Vec<&str> = meshes
+            .iter()
+            .filter(|x| x.certain)
+            .map(|x| x.name)
+            .collect();
         let _ = write!(m, "belongs to mesh profile {}, but", names.join(", "));
     }
     let _ = write!(m, " node {node} is not verified for the mesh CNI chain: ");
@@ -173,7 +208,7 @@ fn refusal_message(input: &Input<'_>, meshes: &[(&str, &str)]) -> String {
     if meshes.is_empty() {
         m.push_str("retry; ");
     }
-    let mut plugins: Vec<&str> = meshes.iter().map(|(_, p)| *p).collect();
+    let mut plugins: Vec<&str> = meshes.iter().map(|x| x.plugin).collect();
     plugins.sort_unstable();
     plugins.dedup();
     if plugins.is_empty() {
@@ -282,6 +317,7 @@ mod tests {
     struct Case {
         pod_labels: BTreeMap<String, String>,
         pod_annotations: BTreeMap<String, String>,
+        namespace_labels: Option<BTreeMap<String, String>>,
         node_labels: Option<BTreeMap<String, String>>,
     }
 
@@ -295,6 +331,7 @@ mod tests {
                     labels: &self.pod_labels,
                     annotations: &self.pod_annotations,
                 },
+                namespace_labels: self.namespace_labels.as_ref(),
                 node_name: "node-a",
                 node: match &self.node_labels {
                     Some(labels) => NodeFacts::Known { labels },
@@ -310,6 +347,7 @@ mod tests {
         Case {
             pod_labels: map(&[("linkerd.io/control-plane-ns", "linkerd"), ("app", "web")]),
             pod_annotations: BTreeMap::new(),
+            namespace_labels: Some(BTreeMap::new()),
             node_labels,
         }
     }
@@ -393,6 +431,7 @@ mod tests {
             let c = Case {
                 pod_labels: map(&[("app", "batch"), ("security.istio.io/tlsMode", "disabled")]),
                 pod_annotations: map(&[("ambient.istio.io/redirection", "disabled")]),
+                namespace_labels: Some(map(&[("kubernetes.io/metadata.name", "shop")])),
                 node_labels: node,
             };
             for kind in [RequestKind::PodCreate, RequestKind::Binding] {
@@ -409,7 +448,8 @@ mod tests {
         let unverified = Some(map(&[(VERIFIED_LABEL, "false")]));
         let istio = Case {
             pod_labels: map(&[("security.istio.io/tlsMode", "istio")]),
-            pod_annotations: BTreeMap::new(),
+            pod_annotations: map(&[("sidecar.istio.io/status", "{}")]),
+            namespace_labels: Some(BTreeMap::new()),
             node_labels: unverified.clone(),
         };
         let m = message(istio.decide(RequestKind::PodCreate, None));
@@ -418,13 +458,79 @@ mod tests {
             "{m}"
         );
 
+        // An ambient pod is known by its namespace's label before istio-cni ever ran (the
+        // redirection annotation comes only after a successful setup).
         let ambient = Case {
-            pod_labels: BTreeMap::new(),
-            pod_annotations: map(&[("ambient.istio.io/redirection", "enabled")]),
-            node_labels: unverified,
+            pod_labels: map(&[("app", "web")]),
+            pod_annotations: BTreeMap::new(),
+            namespace_labels: Some(map(&[("istio.io/dataplane-mode", "ambient")])),
+            node_labels: unverified.clone(),
         };
         let m = message(ambient.decide(RequestKind::Binding, None));
-        assert!(m.contains("mesh profile istio-ambient"), "{m}");
+        assert!(m.contains("belongs to mesh profile istio-ambient"), "{m}");
+        assert!(m.contains("chains istio-cni"), "{m}");
+
+        // The pod opted out of its ambient namespace: not meshed.
+        let opted_out = Case {
+            pod_labels: map(&[("istio.io/dataplane-mode", "none")]),
+            ..ambient
+        };
+        assert_eq!(
+            opted_out.decide(RequestKind::PodCreate, None),
+            Decision::Allow(AllowReason::NotMeshed)
+        );
+    }
+
+    #[test]
+    fn unknown_namespace_labels_fail_closed_only_where_they_matter() {
+        let unverified = Some(map(&[(VERIFIED_LABEL, "false")]));
+        let unknown_ns = Case {
+            pod_labels: map(&[("app", "web")]),
+            pod_annotations: BTreeMap::new(),
+            namespace_labels: None,
+            node_labels: unverified.clone(),
+        };
+        let m = message(unknown_ns.decide(RequestKind::Binding, None));
+        assert!(
+            m.contains("may belong to mesh profile istio-ambient (the labels of namespace shop are not known yet)"),
+            "{m}"
+        );
+        // A pod with a sidecar is never ambient: its namespace does not matter.
+        let sidecar = Case {
+            pod_annotations: map(&[("sidecar.istio.io/status", "{}")]),
+            ..unknown_ns
+        };
+        assert_eq!(
+            sidecar.decide(RequestKind::PodCreate, None),
+            Decision::Allow(AllowReason::NotMeshed)
+        );
+        // Without a namespace-reading profile, the unknown namespace changes nothing.
+        let c = Case {
+            pod_labels: map(&[("app", "web")]),
+            pod_annotations: BTreeMap::new(),
+            namespace_labels: None,
+            node_labels: unverified,
+        };
+        let input = Input {
+            kind: RequestKind::PodCreate,
+            namespace: "shop",
+            pod_name: "web-0",
+            pod: PodFacts::Known {
+                labels: &c.pod_labels,
+                annotations: &c.pod_annotations,
+            },
+            namespace_labels: None,
+            node_name: "node-a",
+            node: NodeFacts::Unknown,
+            node_reason: None,
+        };
+        let sidecars = ProfileSet::all_builtin()
+            .select(&["linkerd".into(), "istio".into()])
+            .unwrap();
+        assert_eq!(
+            decide(&input, &sidecars),
+            Decision::Allow(AllowReason::NotMeshed)
+        );
     }
 
     #[test]
@@ -447,6 +553,7 @@ mod tests {
             namespace: "shop",
             pod_name: "web-0",
             pod: PodFacts::Unknown,
+            namespace_labels: None,
             node_name: "node-a",
             node: NodeFacts::Known { labels: &labels },
             node_reason: None,
@@ -476,6 +583,7 @@ mod tests {
                 labels: &c.pod_labels,
                 annotations: &c.pod_annotations,
             },
+            namespace_labels: None,
             node_name: "node-a",
             node: NodeFacts::Known {
                 labels: c.node_labels.as_ref().unwrap(),

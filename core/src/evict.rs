@@ -1,6 +1,7 @@
 //! Which inspected pods to evict: the safety rules around the Eviction API.
 //!
-//! In: one pod's inspection [`Verdict`], whether it has a controlling owner, its identity
+//! In: one pod's inspection [`Verdict`], whether it runs its mesh's proxy container, whether
+//! it has a controlling owner, its identity
 //! ([`SandboxKey`]: pod UID + sandbox identity), the [`History`] of sandboxes already evicted,
 //! the node's [`RateLimiter`], the operator's [`Flags`] and the current time (a monotonic
 //! reading passed in, so tests control the clock). Out: a [`Decision`]: evict, nothing to do,
@@ -8,7 +9,9 @@
 //! label where one exists.
 //!
 //! The order of the checks is the order of their importance: never act on `unknown`, never
-//! evict the same sandbox twice, respect ownership, then the operator's report-only modes,
+//! evict a pod that runs no proxy of its mesh (it is not the mesh's: its label was copied or
+//! its injection skipped, and a recreated pod would be the same), never evict the same
+//! sandbox twice, respect ownership, then the operator's report-only modes,
 //! and only then spend a rate-limit token. A PodDisruptionBudget refusal (HTTP 429) is only
 //! known after the API call; the caller then [`RateLimiter::refund`]s the token and reports
 //! [`SkipWhy::Pdb`].
@@ -162,6 +165,9 @@ pub enum SkipWhy {
     AlreadyEvicted,
     /// The verdict is `unknown`: never evict on uncertainty.
     Unknown,
+    /// The pod carries the mesh's label but runs none of its proxy containers: not the
+    /// mesh's to evict. Reported once per sandbox, never retried.
+    NoProxy,
 }
 
 impl SkipWhy {
@@ -173,6 +179,8 @@ impl SkipWhy {
             SkipWhy::RateLimit => Some("rate_limit"),
             SkipWhy::DryRun => Some("dry_run"),
             SkipWhy::Unowned => Some("unowned"),
+            // Not in the contract's list: recorded as drift in docs/architecture.md.
+            SkipWhy::NoProxy => Some("no_proxy"),
             SkipWhy::NoEvict | SkipWhy::AlreadyEvicted | SkipWhy::Unknown => None,
         }
     }
@@ -187,6 +195,7 @@ impl SkipWhy {
             SkipWhy::NoEvict => "report only (--no-evict)",
             SkipWhy::AlreadyEvicted => "already evicted",
             SkipWhy::Unknown => "verdict unknown",
+            SkipWhy::NoProxy => "skipped: no proxy container of its mesh",
         }
     }
 }
@@ -216,6 +225,9 @@ pub enum Decision {
 pub struct Candidate<'a> {
     /// The inspection verdict.
     pub verdict: Verdict,
+    /// True when the pod runs its mesh's proxy container (or the mesh has none):
+    /// [`crate::profile::MeshProfile::proxy_present`].
+    pub has_proxy: bool,
     /// True when an ownerReference has `controller: true`.
     pub owned: bool,
     /// Pod UID + sandbox identity.
@@ -234,6 +246,9 @@ pub fn decide(
         Verdict::Redirected => return Decision::NotNeeded,
         Verdict::Unknown => return Decision::Skip(SkipWhy::Unknown),
         Verdict::Missing => {}
+    }
+    if !pod.has_proxy {
+        return Decision::Skip(SkipWhy::NoProxy);
     }
     if history.contains(pod.key) {
         return Decision::Skip(SkipWhy::AlreadyEvicted);
@@ -272,6 +287,7 @@ mod tests {
     fn missing(k: &SandboxKey, owned: bool) -> Candidate<'_> {
         Candidate {
             verdict: Verdict::Missing,
+            has_proxy: true,
             owned,
             key: k,
         }
@@ -290,6 +306,7 @@ mod tests {
         ] {
             let c = Candidate {
                 verdict,
+                has_proxy: true,
                 owned: true,
                 key: &k,
             };
@@ -298,6 +315,7 @@ mod tests {
         // Unknown never evicts, whatever the flags.
         let c = Candidate {
             verdict: Verdict::Unknown,
+            has_proxy: true,
             owned: false,
             key: &k,
         };
@@ -437,11 +455,51 @@ mod tests {
             SkipWhy::NoEvict,
             SkipWhy::AlreadyEvicted,
             SkipWhy::Unknown,
+            SkipWhy::NoProxy,
         ]
         .iter()
         .filter_map(|w| w.metric_label())
         .collect();
-        assert_eq!(labels, ["pdb", "rate_limit", "dry_run", "unowned"]);
+        assert_eq!(
+            labels,
+            ["pdb", "rate_limit", "dry_run", "unowned", "no_proxy"]
+        );
+    }
+
+    #[test]
+    fn a_pod_without_its_proxy_is_never_evicted_whatever_the_flags() {
+        let k = key("u1", "10.0.0.1#0");
+        let h = History::default();
+        let mut lim = RateLimiter::new(1);
+        let everything = Flags {
+            evict_unowned: true,
+            ..Flags::default()
+        };
+        for owned in [true, false] {
+            let c = Candidate {
+                verdict: Verdict::Missing,
+                has_proxy: false,
+                owned,
+                key: &k,
+            };
+            assert_eq!(
+                decide(&c, &h, &mut lim, everything, secs(0)),
+                Decision::Skip(SkipWhy::NoProxy)
+            );
+        }
+        // No token was spent on it.
+        assert!(lim.try_acquire(secs(0)));
+        // Its redirects in place: nothing to report either way.
+        let c = Candidate {
+            verdict: Verdict::Redirected,
+            has_proxy: false,
+            owned: true,
+            key: &k,
+        };
+        assert_eq!(
+            decide(&c, &h, &mut lim, everything, secs(0)),
+            Decision::NotNeeded
+        );
     }
 
     #[test]

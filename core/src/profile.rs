@@ -1,15 +1,34 @@
-//! Mesh profiles: which pods a mesh owns, which chained CNI plugin it needs, and which
-//! redirect ports its CNI plugin writes into the pod's network namespace.
+//! Mesh profiles: which pods a mesh owns, which chained CNI plugin it needs, which proxy
+//! container it injects, and which redirect ports its CNI plugin writes into the pod's
+//! network namespace.
 //!
-//! In: a pod's labels and annotations (plain maps), or a profile file's text. Out: the
-//! profiles that select the pod. Built-in profiles follow the contract table; operators add
-//! their own from a JSON or YAML-as-JSON file parsed by [`ProfileSet::from_json`].
+//! In: a pod's labels and annotations (plain maps), its Namespace's labels when the caller
+//! knows them ([`PodView`]), its container names, or a profile file's text. Out: the
+//! profiles that select the pod, each with a three-valued [`Selected`] (a selector that reads
+//! namespace labels the caller does not have answers `Unknown`, never a guess), and whether
+//! the pod runs the mesh's proxy container ([`MeshProfile::proxy_present`]). Built-in
+//! profiles follow the contract table, except `istio-ambient`, which selects as Istio itself
+//! enrolls pods (see [`builtin`] and docs/architecture.md "Contract drift"); operators add
+//! their own from a JSON file parsed by [`ProfileSet::with_custom_json`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-/// How a profile recognises its pods. Every listed key must match (logical AND).
+/// Istio's enrollment label, on a pod or its namespace (`istio.io/dataplane-mode`).
+pub const ISTIO_DATAPLANE_MODE: &str = "istio.io/dataplane-mode";
+/// The annotation Istio's sidecar injector writes on every pod it injected. Istio never
+/// enrolls such a pod into ambient (`podHasSidecar` in istio/istio
+/// `cni/pkg/util/enablement_selector.go`).
+pub const ISTIO_SIDECAR_STATUS: &str = "sidecar.istio.io/status";
+
+/// How a profile recognises its pods.
+///
+/// Every listed requirement must hold (logical AND): the pod's `labels` and `annotations`,
+/// its namespace's `namespaceLabels`; none of `excludeLabels` / `excludeAnnotations` may be
+/// on the pod; and when `anyOf` is given, at least one of its selectors must match too. A
+/// value of `""` means "present, any value". This is enough to say what Istio's ambient
+/// enablement selectors say (a pod label, or a namespace label unless the pod opts out).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PodSelector {
@@ -19,27 +38,141 @@ pub struct PodSelector {
     /// Annotation key → required value; an empty value means "present, any value".
     #[serde(default)]
     pub annotations: BTreeMap<String, String>,
+    /// Label key → required value on the pod's Namespace.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub namespace_labels: BTreeMap<String, String>,
+    /// Pod labels that exclude it: key → value (`""`: the key with any value).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub exclude_labels: BTreeMap<String, String>,
+    /// Pod annotations that exclude it: key → value (`""`: the key with any value).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub exclude_annotations: BTreeMap<String, String>,
+    /// Alternatives: when not empty, at least one of them must match as well.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub any_of: Vec<PodSelector>,
+}
+
+/// What a selector is matched against: the pod's metadata and, when the caller has them,
+/// its Namespace's labels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PodView<'a> {
+    /// `metadata.labels`.
+    pub labels: &'a BTreeMap<String, String>,
+    /// `metadata.annotations`.
+    pub annotations: &'a BTreeMap<String, String>,
+    /// The labels of the pod's Namespace; `None` when the caller does not know them (not
+    /// cached yet).
+    pub namespace_labels: Option<&'a BTreeMap<String, String>>,
+}
+
+/// Whether a selector selects a pod.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Selected {
+    /// It does not.
+    No,
+    /// It depends on namespace labels the caller did not have.
+    Unknown,
+    /// It does.
+    Yes,
+}
+
+impl Selected {
+    /// Three-valued AND.
+    fn and(self, other: Selected) -> Selected {
+        self.min(other)
+    }
+    /// Three-valued OR.
+    fn or(self, other: Selected) -> Selected {
+        self.max(other)
+    }
+    fn from_bool(b: bool) -> Selected {
+        if b { Selected::Yes } else { Selected::No }
+    }
+}
+
+/// True when every `want` entry is in `have` (an empty wanted value: any value).
+fn all_present(want: &BTreeMap<String, String>, have: &BTreeMap<String, String>) -> bool {
+    want.iter().all(|(k, v)| match have.get(k) {
+        Some(actual) => v.is_empty() || actual == v,
+        None => false,
+    })
+}
+
+/// True when some `unwanted` entry is in `have`.
+fn any_present(unwanted: &BTreeMap<String, String>, have: &BTreeMap<String, String>) -> bool {
+    unwanted.iter().any(|(k, v)| match have.get(k) {
+        Some(actual) => v.is_empty() || actual == v,
+        None => false,
+    })
 }
 
 impl PodSelector {
-    /// True when every label and annotation requirement is met. An empty selector matches
-    /// nothing: a profile that selected every pod would be a configuration mistake, and
-    /// failing closed here would gate every pod in the cluster.
+    /// True when the selector requires something (a label, annotation or namespace label,
+    /// here or in an alternative). A selector without requirements selects nothing: a
+    /// profile that selected every pod would be a configuration mistake, and failing
+    /// closed there would gate every pod in the cluster.
+    pub fn has_requirement(&self) -> bool {
+        !self.labels.is_empty()
+            || !self.annotations.is_empty()
+            || !self.namespace_labels.is_empty()
+            || self.any_of.iter().any(PodSelector::has_requirement)
+    }
+
+    /// True when matching reads the pod's namespace labels.
+    pub fn uses_namespace_labels(&self) -> bool {
+        !self.namespace_labels.is_empty()
+            || self.any_of.iter().any(PodSelector::uses_namespace_labels)
+    }
+
+    fn namespace_label_keys(&self, into: &mut BTreeSet<String>) {
+        into.extend(self.namespace_labels.keys().cloned());
+        for s in &self.any_of {
+            s.namespace_label_keys(into);
+        }
+    }
+
+    /// Matches one pod. `Unknown` only when the answer hangs on namespace labels the view
+    /// does not carry.
+    pub fn select(&self, pod: &PodView<'_>) -> Selected {
+        if !self.has_requirement() {
+            return Selected::No;
+        }
+        let mut got = Selected::from_bool(
+            all_present(&self.labels, pod.labels)
+                && all_present(&self.annotations, pod.annotations)
+                && !any_present(&self.exclude_labels, pod.labels)
+                && !any_present(&self.exclude_annotations, pod.annotations),
+        );
+        if !self.namespace_labels.is_empty() {
+            got = got.and(match pod.namespace_labels {
+                Some(ns) => Selected::from_bool(all_present(&self.namespace_labels, ns)),
+                None => Selected::Unknown,
+            });
+        }
+        if !self.any_of.is_empty() {
+            let alt = self
+                .any_of
+                .iter()
+                .map(|s| s.select(pod))
+                .fold(Selected::No, Selected::or);
+            got = got.and(alt);
+        }
+        got
+    }
+
+    /// True when the selector certainly selects a pod with these labels and annotations,
+    /// its namespace's labels unknown.
     pub fn matches(
         &self,
         labels: &BTreeMap<String, String>,
         annotations: &BTreeMap<String, String>,
     ) -> bool {
-        if self.labels.is_empty() && self.annotations.is_empty() {
-            return false;
-        }
-        fn all(want: &BTreeMap<String, String>, have: &BTreeMap<String, String>) -> bool {
-            want.iter().all(|(k, v)| match have.get(k) {
-                Some(actual) => v.is_empty() || actual == v,
-                None => false,
-            })
-        }
-        all(&self.labels, labels) && all(&self.annotations, annotations)
+        let pod = PodView {
+            labels,
+            annotations,
+            namespace_labels: None,
+        };
+        self.select(&pod) == Selected::Yes
     }
 }
 
@@ -65,6 +198,26 @@ pub struct MeshProfile {
     /// Whose pod annotations narrow the expected rules (opt-outs of a direction or family).
     #[serde(default)]
     pub annotation_dialect: crate::rules::AnnotationDialect,
+    /// Names of the proxy container the mesh injects (`linkerd-proxy`, `istio-proxy`). A
+    /// selected pod running none of them is not the mesh's: its label was copied or its
+    /// injection skipped, the mesh's CNI plugin skips it too, and evicting it would only
+    /// recreate the same pod. Empty: the mesh runs no sidecar (ambient), nothing to check.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub proxy_containers: Vec<String>,
+}
+
+impl MeshProfile {
+    /// True when the pod runs one of the mesh's proxy containers, or the mesh has none.
+    /// `containers` are the names of the pod's containers and of its native sidecars
+    /// (init containers with `restartPolicy: Always`); the caller picks those.
+    pub fn proxy_present<'a>(&self, containers: impl IntoIterator<Item = &'a str>) -> bool {
+        if self.proxy_containers.is_empty() {
+            return true;
+        }
+        containers
+            .into_iter()
+            .any(|c| self.proxy_containers.iter().any(|p| p == c))
+    }
 }
 
 /// Errors from building a profile set.
@@ -76,7 +229,8 @@ pub enum ProfileError {
     /// The profile file is not valid JSON of the expected shape.
     #[error("invalid profile file: {0}")]
     Parse(String),
-    /// A profile in the file is unusable (empty selector, empty plugin, port 0, duplicate).
+    /// A profile in the file is unusable (empty selector, empty plugin, port 0, duplicate,
+    /// a proxy container name that is no container name).
     #[error("invalid profile {name:?}: {why}")]
     Invalid { name: String, why: String },
 }
@@ -88,38 +242,71 @@ fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// The contract's built-in profiles: `linkerd`, `istio`, `istio-ambient`.
+/// A container name as the API accepts it: a DNS-1123 label.
+fn is_container_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+/// The built-in profiles: `linkerd`, `istio`, `istio-ambient`.
+///
+/// `istio-ambient` selects as Istio's default ambient enablement selectors do
+/// (istio/istio `cni/pkg/util/enablement_selector.go`, `Matches`, and the chart's default
+/// `ambient.enablementSelectors`): the pod label `istio.io/dataplane-mode=ambient`, or the
+/// namespace label `istio.io/dataplane-mode=ambient` unless the pod is labelled
+/// `istio.io/dataplane-mode=none`; never a pod Istio injected a sidecar into (it carries
+/// `sidecar.istio.io/status`). Host-network pods Istio skips too; the agent never inspects
+/// them. The contract's `ambient.istio.io/redirection=enabled` annotation is written by
+/// istio-cni only *after* it set the redirects up, so a pod whose setup failed never carried
+/// it: selecting on it could never find the pods meshgate exists for.
 pub fn builtin() -> Vec<MeshProfile> {
     vec![
         MeshProfile {
             name: "linkerd".into(),
             selector: PodSelector {
                 labels: map(&[("linkerd.io/control-plane-ns", "")]),
-                annotations: BTreeMap::new(),
+                ..PodSelector::default()
             },
             plugin_type: "linkerd-cni".into(),
             inbound_port: 4143,
             outbound_port: 4140,
             dual_stack: false,
             annotation_dialect: crate::rules::AnnotationDialect::Linkerd,
+            proxy_containers: vec!["linkerd-proxy".into()],
         },
         MeshProfile {
             name: "istio".into(),
             selector: PodSelector {
                 labels: map(&[("security.istio.io/tlsMode", "istio")]),
-                annotations: BTreeMap::new(),
+                ..PodSelector::default()
             },
             plugin_type: "istio-cni".into(),
             inbound_port: 15006,
             outbound_port: 15001,
             dual_stack: false,
             annotation_dialect: crate::rules::AnnotationDialect::Istio,
+            proxy_containers: vec!["istio-proxy".into()],
         },
         MeshProfile {
             name: "istio-ambient".into(),
             selector: PodSelector {
-                labels: BTreeMap::new(),
-                annotations: map(&[("ambient.istio.io/redirection", "enabled")]),
+                exclude_annotations: map(&[(ISTIO_SIDECAR_STATUS, "")]),
+                any_of: vec![
+                    PodSelector {
+                        labels: map(&[(ISTIO_DATAPLANE_MODE, "ambient")]),
+                        ..PodSelector::default()
+                    },
+                    PodSelector {
+                        namespace_labels: map(&[(ISTIO_DATAPLANE_MODE, "ambient")]),
+                        exclude_labels: map(&[(ISTIO_DATAPLANE_MODE, "none")]),
+                        ..PodSelector::default()
+                    },
+                ],
+                ..PodSelector::default()
             },
             plugin_type: "istio-cni".into(),
             inbound_port: 15006,
@@ -127,6 +314,8 @@ pub fn builtin() -> Vec<MeshProfile> {
             // Ambient pods carry no sidecar annotations istio-cni would honour.
             dual_stack: false,
             annotation_dialect: crate::rules::AnnotationDialect::None,
+            // Ambient runs no sidecar: ztunnel is a node proxy.
+            proxy_containers: Vec::new(),
         },
     ]
 }
@@ -159,9 +348,9 @@ impl ProfileSet {
             if p.name.is_empty() {
                 return Err(invalid("name is empty"));
             }
-            if p.selector.labels.is_empty() && p.selector.annotations.is_empty() {
+            if !p.selector.has_requirement() {
                 return Err(invalid(
-                    "selector selects nothing: give labels or annotations",
+                    "selector selects nothing: give labels, annotations or namespaceLabels",
                 ));
             }
             if p.plugin_type.is_empty() || p.plugin_type.contains('/') {
@@ -169,6 +358,11 @@ impl ProfileSet {
             }
             if p.inbound_port == 0 || p.outbound_port == 0 {
                 return Err(invalid("ports must be 1-65535"));
+            }
+            if !p.proxy_containers.iter().all(|c| is_container_name(c)) {
+                return Err(invalid(
+                    "proxyContainers must be container names (lowercase letters, digits, '-', at most 63)",
+                ));
             }
             if self.profiles.iter().any(|q| q.name == p.name) {
                 return Err(invalid("a profile with this name already exists"));
@@ -212,7 +406,37 @@ impl ProfileSet {
         self.profiles.iter()
     }
 
-    /// The profiles that select a pod with these labels and annotations.
+    /// True when some profile selects on namespace labels: only then does a component need
+    /// to know its pods' namespaces.
+    pub fn uses_namespace_labels(&self) -> bool {
+        self.profiles
+            .iter()
+            .any(|p| p.selector.uses_namespace_labels())
+    }
+
+    /// The namespace label keys the profiles read: all a namespace cache needs to keep.
+    pub fn namespace_label_keys(&self) -> BTreeSet<String> {
+        let mut keys = BTreeSet::new();
+        for p in &self.profiles {
+            p.selector.namespace_label_keys(&mut keys);
+        }
+        keys
+    }
+
+    /// Every profile that selects the pod or may select it (`Unknown`: it hangs on
+    /// namespace labels the view does not carry), in profile order.
+    pub fn selection<'a>(
+        &'a self,
+        pod: PodView<'a>,
+    ) -> impl Iterator<Item = (&'a MeshProfile, Selected)> + 'a {
+        self.profiles
+            .iter()
+            .map(move |p| (p, p.selector.select(&pod)))
+            .filter(|(_, s)| *s != Selected::No)
+    }
+
+    /// The profiles that certainly select a pod with these labels and annotations when its
+    /// namespace's labels are not known.
     pub fn selecting<'a>(
         &'a self,
         labels: &'a BTreeMap<String, String>,
@@ -227,6 +451,18 @@ impl ProfileSet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn view<'a>(
+        labels: &'a BTreeMap<String, String>,
+        annotations: &'a BTreeMap<String, String>,
+        ns: Option<&'a BTreeMap<String, String>>,
+    ) -> PodView<'a> {
+        PodView {
+            labels,
+            annotations,
+            namespace_labels: ns,
+        }
+    }
 
     #[test]
     fn builtin_profiles_select_their_pods_only() {
@@ -245,10 +481,80 @@ mod tests {
         );
         assert!(names(&map(&[("security.istio.io/tlsMode", "disabled")]), &none).is_empty());
         assert_eq!(
-            names(&none, &map(&[("ambient.istio.io/redirection", "enabled")])),
+            names(&map(&[(ISTIO_DATAPLANE_MODE, "ambient")]), &none),
             ["istio-ambient"]
         );
         assert!(names(&map(&[("app", "web")]), &none).is_empty());
+    }
+
+    /// Istio's default enablement selectors, case by case, with the label and annotation
+    /// values Istio's own code and installer write.
+    #[test]
+    fn ambient_selects_as_istio_enrolls() {
+        let set = ProfileSet::all_builtin();
+        let ambient = set.get("istio-ambient").unwrap();
+        let none = BTreeMap::new();
+        let ns_ambient = map(&[(ISTIO_DATAPLANE_MODE, "ambient"), ("name", "shop")]);
+        let ns_plain = map(&[("kubernetes.io/metadata.name", "shop")]);
+        let pod_ambient = map(&[(ISTIO_DATAPLANE_MODE, "ambient"), ("app", "web")]);
+        let pod_none = map(&[(ISTIO_DATAPLANE_MODE, "none"), ("app", "web")]);
+        let pod_plain = map(&[("app", "web")]);
+        let injected = map(&[(
+            ISTIO_SIDECAR_STATUS,
+            r#"{"initContainers":["istio-init"],"containers":["istio-proxy"],"volumes":["istio-envoy"],"imagePullSecrets":null,"revision":"default"}"#,
+        )]);
+        let sel = |l, a, ns| ambient.selector.select(&view(l, a, ns));
+
+        // The pod's own label enrolls it, whatever its namespace (known or not).
+        assert_eq!(sel(&pod_ambient, &none, Some(&ns_plain)), Selected::Yes);
+        assert_eq!(sel(&pod_ambient, &none, None), Selected::Yes);
+        // A labelled namespace enrolls its pods ...
+        assert_eq!(sel(&pod_plain, &none, Some(&ns_ambient)), Selected::Yes);
+        // ... except those opting out with dataplane-mode=none.
+        assert_eq!(sel(&pod_none, &none, Some(&ns_ambient)), Selected::No);
+        assert_eq!(sel(&pod_none, &none, None), Selected::No);
+        // Neither: not ambient.
+        assert_eq!(sel(&pod_plain, &none, Some(&ns_plain)), Selected::No);
+        // A pod with a sidecar is never ambient, even labelled.
+        assert_eq!(
+            sel(&pod_ambient, &injected, Some(&ns_ambient)),
+            Selected::No
+        );
+        assert_eq!(sel(&pod_plain, &injected, Some(&ns_ambient)), Selected::No);
+        // Without the namespace's labels the answer is not guessed.
+        assert_eq!(sel(&pod_plain, &none, None), Selected::Unknown);
+        // The annotation istio-cni writes after success no longer selects by itself.
+        let redirected = map(&[("ambient.istio.io/redirection", "enabled")]);
+        assert_eq!(sel(&pod_plain, &redirected, Some(&ns_plain)), Selected::No);
+
+        assert!(set.uses_namespace_labels());
+        assert_eq!(
+            set.namespace_label_keys().into_iter().collect::<Vec<_>>(),
+            [ISTIO_DATAPLANE_MODE]
+        );
+        let sidecar_only = ProfileSet::all_builtin()
+            .select(&["linkerd".into(), "istio".into()])
+            .unwrap();
+        assert!(!sidecar_only.uses_namespace_labels());
+        let v = view(&pod_plain, &none, None);
+        let got: Vec<_> = set
+            .selection(v)
+            .map(|(p, s)| (p.name.as_str(), s))
+            .collect();
+        assert_eq!(got, [("istio-ambient", Selected::Unknown)]);
+    }
+
+    #[test]
+    fn proxy_containers_of_the_builtins() {
+        let set = ProfileSet::all_builtin();
+        let linkerd = set.get("linkerd").unwrap();
+        assert!(linkerd.proxy_present(["app", "linkerd-proxy"]));
+        assert!(!linkerd.proxy_present(["app"]));
+        assert!(!linkerd.proxy_present(["app", "istio-proxy"]));
+        assert!(set.get("istio").unwrap().proxy_present(["istio-proxy"]));
+        assert!(!set.get("istio").unwrap().proxy_present(["app"]));
+        // Ambient has no sidecar: every pod passes.
+        assert!(set.get("istio-ambient").unwrap().proxy_present(["app"]));
     }
 
     #[test]
@@ -268,13 +574,41 @@ mod tests {
                       "pluginType":"kuma-cni","inboundPort":15006,"outboundPort":15001}]"#;
         let set = ProfileSet::all_builtin().with_custom_json(ok).unwrap();
         assert_eq!(set.get("kuma").unwrap().plugin_type, "kuma-cni");
+        // No proxyContainers: no proxy check, as before the field existed.
+        assert!(set.get("kuma").unwrap().proxy_containers.is_empty());
 
-        let empty_selector =
-            r#"[{"name":"x","selector":{},"pluginType":"x","inboundPort":1,"outboundPort":2}]"#;
+        let with_proxy = r#"[{"name":"kuma","selector":{"annotations":{"kuma.io/sidecar-injected":"true"}},
+                      "pluginType":"kuma-cni","inboundPort":15006,"outboundPort":15001,
+                      "proxyContainers":["kuma-sidecar"]}]"#;
+        let set = ProfileSet::all_builtin()
+            .with_custom_json(with_proxy)
+            .unwrap();
+        assert!(!set.get("kuma").unwrap().proxy_present(["app"]));
+        assert!(set.get("kuma").unwrap().proxy_present(["kuma-sidecar"]));
+        let bad_proxy = with_proxy.replace("kuma-sidecar", "Kuma Sidecar");
         assert!(matches!(
-            ProfileSet::all_builtin().with_custom_json(empty_selector),
+            ProfileSet::all_builtin().with_custom_json(&bad_proxy),
             Err(ProfileError::Invalid { .. })
         ));
+
+        // A namespace-only custom selector is a requirement too.
+        let ns_only = r#"[{"name":"x","selector":{"namespaceLabels":{"mesh":"on"}},"pluginType":"x","inboundPort":1,"outboundPort":2}]"#;
+        let set = ProfileSet::all_builtin().with_custom_json(ns_only).unwrap();
+        assert!(set.get("x").unwrap().selector.uses_namespace_labels());
+
+        for selects_nothing in [
+            r#"[{"name":"x","selector":{},"pluginType":"x","inboundPort":1,"outboundPort":2}]"#,
+            r#"[{"name":"x","selector":{"excludeLabels":{"a":""}},"pluginType":"x","inboundPort":1,"outboundPort":2}]"#,
+            r#"[{"name":"x","selector":{"anyOf":[{}]},"pluginType":"x","inboundPort":1,"outboundPort":2}]"#,
+        ] {
+            assert!(
+                matches!(
+                    ProfileSet::all_builtin().with_custom_json(selects_nothing),
+                    Err(ProfileError::Invalid { .. })
+                ),
+                "{selects_nothing}"
+            );
+        }
         let dup = r#"[{"name":"linkerd","selector":{"labels":{"a":""}},"pluginType":"x","inboundPort":1,"outboundPort":2}]"#;
         assert!(matches!(
             ProfileSet::all_builtin().with_custom_json(dup),
@@ -284,5 +618,16 @@ mod tests {
             ProfileSet::all_builtin().with_custom_json("{"),
             Err(ProfileError::Parse(_))
         ));
+    }
+
+    #[test]
+    fn builtins_round_trip_through_the_file_format() {
+        // What docs/operations.md tells operators to copy: the built-ins as JSON parse back
+        // into the same profiles.
+        for p in builtin() {
+            let text = serde_json::to_string(&p).unwrap();
+            let back: MeshProfile = serde_json::from_str(&text).unwrap();
+            assert_eq!(back, p, "{text}");
+        }
     }
 }

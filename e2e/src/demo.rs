@@ -174,7 +174,8 @@ pub async fn run() -> anyhow::Result<String> {
     let direct: Pod = serde_json::from_value(json!({
         "metadata": {"name": "direct-to-node", "labels": {MESH_LABEL: "linkerd"}},
         "spec": {"nodeName": NODE, "tolerations": [{"operator": "Exists"}],
-                 "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}]}
+                 "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"},
+                                {"name": crate::pod_sim::LINKERD_PROXY, "image": "registry.k8s.io/pause:3.10"}]}
     }))?;
     let refused = match pods.create(&PostParams::default(), &direct).await {
         Ok(_) => bail!("the webhook admitted a meshed pod on an unverified node"),
@@ -256,7 +257,8 @@ fn web_deployment() -> serde_json::Value {
                 "spec": {
                     "nodeSelector": {"kubernetes.io/hostname": NODE},
                     "terminationGracePeriodSeconds": 0,
-                    "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}]
+                    "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"},
+                                   {"name": crate::pod_sim::LINKERD_PROXY, "image": "registry.k8s.io/pause:3.10"}]
                 }
             }
         }

@@ -1,6 +1,6 @@
 //! The pods the e2e tests, the demo and the benchmarks create: bare pause pods bound to a
-//! simulated node, meshed (labelled as linkerd's injector labels them) or plain, and a meshed
-//! pod that stays Pending for binding reviews.
+//! simulated node, meshed (labelled and given the proxy container as linkerd's injector
+//! does) or plain, and a meshed pod that stays Pending for binding reviews.
 //!
 //! In: names, a node, labels. Out: `Pod` objects to create through the real API; nothing is
 //! sent from here. The kubelet stand-in ([`crate::kubelet`]) then runs the bound ones.
@@ -13,6 +13,10 @@ use kube::api::ObjectMeta;
 /// The label linkerd's injector puts on a meshed pod: what the built-in `linkerd` profile
 /// selects.
 pub const MESH_LABEL: &str = "linkerd.io/control-plane-ns";
+
+/// The container linkerd's injector adds to a meshed pod: the built-in `linkerd` profile
+/// evicts only pods that run it.
+pub const LINKERD_PROXY: &str = "linkerd-proxy";
 
 /// The one container image of every pod here; nothing pulls it (no container runtime runs:
 /// the kubelet stand-in only reports the pods running).
@@ -51,11 +55,24 @@ pub fn bare_pod(
     }
 }
 
-/// A bare meshed (linkerd) pause pod bound to `node`, with `extra` labels.
+/// Adds the `linkerd-proxy` container, as linkerd's injector does.
+pub fn with_linkerd_proxy(mut pod: Pod) -> Pod {
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.containers.push(Container {
+            name: LINKERD_PROXY.into(),
+            image: Some(PAUSE_IMAGE.into()),
+            ..Container::default()
+        });
+    }
+    pod
+}
+
+/// A bare meshed (linkerd) pause pod bound to `node`, with `extra` labels: the mesh label
+/// and the `linkerd-proxy` container, as linkerd's injector leaves a pod.
 pub fn meshed_pod(name: &str, node: &str, extra: &[(&str, &str)], grace: Option<i64>) -> Pod {
     let mut labels = vec![(MESH_LABEL, "linkerd")];
     labels.extend_from_slice(extra);
-    bare_pod(name, Some(node), &labels, grace)
+    with_linkerd_proxy(bare_pod(name, Some(node), &labels, grace))
 }
 
 /// A meshed pod no scheduler binds (`schedulerName: nobody`), so it stays Pending and the
@@ -84,7 +101,10 @@ mod tests {
                 "spec": {
                     "nodeName": "n",
                     "terminationGracePeriodSeconds": 0,
-                    "containers": [{ "name": "app", "image": PAUSE_IMAGE }]
+                    "containers": [
+                        { "name": "app", "image": PAUSE_IMAGE },
+                        { "name": LINKERD_PROXY, "image": PAUSE_IMAGE }
+                    ]
                 }
             })
         );

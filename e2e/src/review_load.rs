@@ -33,7 +33,7 @@ use futures::StreamExt;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Namespace, Node};
 use kube::Client;
 use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
@@ -97,6 +97,11 @@ pub struct Review {
     pub allowed: bool,
 }
 
+/// The namespace of the [`pod_review`]s. [`create_nodes`] creates it: the apiserver admits
+/// pods only into namespaces that exist, and the webhook reads the namespace's labels from its
+/// cache (a profile may select by them), failing closed for a namespace it does not know.
+pub const NAMESPACE: &str = "load";
+
 /// A pod CREATE review with `spec.nodeName` set: a meshed (linkerd) or plain pod, about the
 /// size of a real injected pod.
 pub fn pod_review(uid: &str, node: &str, meshed: bool, allowed: bool) -> Review {
@@ -122,12 +127,12 @@ pub fn pod_review(uid: &str, node: &str, meshed: bool, allowed: bool) -> Review 
             "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
             "requestResource": {"group": "", "version": "v1", "resource": "pods"},
             "name": format!("web-{uid}"),
-            "namespace": "load",
+            "namespace": NAMESPACE,
             "operation": "CREATE",
             "userInfo": {"username": "system:serviceaccount:kube-system:replicaset-controller"},
             "object": {
                 "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": format!("web-{uid}"), "namespace": "load", "labels": labels,
+                "metadata": {"name": format!("web-{uid}"), "namespace": NAMESPACE, "labels": labels,
                              "annotations": {"linkerd.io/inject": "enabled"},
                              "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
                                                   "name": "web-5d8f7c9b4d", "uid": "1b2c3d4e", "controller": true}]},
@@ -536,9 +541,22 @@ pub fn cloud_node(name: &str, verified: bool) -> anyhow::Result<Node> {
     }))?)
 }
 
+/// Creates the [`NAMESPACE`] of the pod reviews; one that already exists counts as created.
+pub async fn create_namespace(client: &Client) -> anyhow::Result<()> {
+    let api: Api<Namespace> = Api::all(client.clone());
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))?;
+    match tokio::time::timeout(API_TIMEOUT, api.create(&PostParams::default(), &ns)).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(kube::Error::Api(s))) if s.code == 409 => Ok(()),
+        Ok(Err(e)) => Err(anyhow::Error::new(e).context(format!("creating namespace {NAMESPACE}"))),
+        Err(_) => anyhow::bail!("creating namespace {NAMESPACE}: no answer within {API_TIMEOUT:?}"),
+    }
+}
+
 /// Creates `verified` [`cloud_node`]s named `<prefix>-v-<i>` and `unverified` ones named
 /// `<prefix>-u-<i>`, `parallel` creates at a time, each bounded by [`API_TIMEOUT`]; a Node
-/// that already exists counts as created. Returns how long it took.
+/// that already exists counts as created; and the pod reviews' [`NAMESPACE`] (not timed).
+/// Returns how long the nodes took.
 pub async fn create_nodes(
     client: &Client,
     prefix: &str,
@@ -546,6 +564,7 @@ pub async fn create_nodes(
     unverified: usize,
     parallel: usize,
 ) -> anyhow::Result<Duration> {
+    create_namespace(client).await?;
     let api: Api<Node> = Api::all(client.clone());
     let started = Instant::now();
     let names = (0..verified)

@@ -391,6 +391,17 @@ impl Cluster for FakeCluster {
     async fn node_reason(&self, name: &str) -> Option<String> {
         (name == "bad").then(|| "ChainedPluginMissing".to_string())
     }
+    fn namespace_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
+        // `default` is cached, `ambient` enrolled in Istio ambient, any other unknown.
+        match name {
+            "default" => Some(BTreeMap::new()),
+            "ambient" => Some(BTreeMap::from([(
+                "istio.io/dataplane-mode".to_string(),
+                "ambient".to_string(),
+            )])),
+            _ => None,
+        }
+    }
 }
 
 fn reviewer() -> &'static Reviewer<FakeCluster> {
@@ -446,6 +457,11 @@ pub fn admission() -> Target {
                 b"\"istio\"",
                 b"\"ambient.istio.io/redirection\"",
                 b"\"enabled\"",
+                b"\"istio.io/dataplane-mode\"",
+                b"\"ambient\"",
+                b"\"none\"",
+                b"\"sidecar.istio.io/status\"",
+                b"\"namespace\"",
                 b"\"binding\"",
                 b"\"subResource\"",
                 b"\"target\"",

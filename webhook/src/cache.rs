@@ -1,8 +1,8 @@
 //! The webhook's view of the cluster: metadata-only caches and bounded API fallbacks.
 //!
 //! In: a kube `Client`. Out: [`Caches`], the real [`Cluster`] behind the reviewer, and the
-//! watch futures that keep it filled, plus a readiness signal that turns true once both
-//! caches have listed.
+//! watch futures that keep it filled, plus a readiness signal that turns true once every
+//! cache has listed.
 //!
 //! - Nodes: a metadata-only watch (`PartialObjectMetadata`), with everything but the name and
 //!   the `meshgate.io/cni-verified` label dropped before it is stored. The verdict is in a
@@ -12,6 +12,10 @@
 //!   needs, and it stays small however many pods run. A pod the watch has not delivered yet
 //!   (created a moment before its binding) is fetched with a metadata-only GET bounded by
 //!   `lookup_timeout`.
+//! - Namespaces: a metadata-only watch keeping each namespace's name and labels, because a
+//!   profile may select on them (`istio-ambient`: `istio.io/dataplane-mode=ambient` on the
+//!   namespace). A pod can only be created in a namespace that exists, so the cache has it
+//!   unless its watch lags; then the decision fails closed for the profiles that read it.
 //! - A node's `MeshCNIVerified` condition reason is read with a bounded GET, only to word a
 //!   refusal, and remembered for a few seconds so a burst of refusals costs one GET.
 
@@ -21,7 +25,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -39,6 +43,7 @@ const REASON_CAPACITY: usize = 1024;
 pub struct Caches {
     nodes: Store<PartialObjectMeta<Node>>,
     pods: Store<PartialObjectMeta<Pod>>,
+    namespaces: Store<PartialObjectMeta<Namespace>>,
     client: Client,
     lookup_timeout: Duration,
     reasons: Mutex<HashMap<String, (Instant, Option<String>)>>,
@@ -69,8 +74,16 @@ fn slim_pod(pod: &mut PartialObjectMeta<Pod>) {
     slim_common(pod);
 }
 
+/// A cached Namespace keeps its name and labels: profiles select on labels only.
+fn slim_namespace(ns: &mut PartialObjectMeta<Namespace>) {
+    slim_common(ns);
+    ns.metadata.annotations = None;
+}
+
 /// The futures that keep the caches filled; spawn them. They run until dropped.
 pub struct Watches {
+    /// Drives the Namespace watch.
+    pub namespaces: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
     /// Drives the Node watch.
     pub nodes: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
     /// Drives the unscheduled-Pod watch.
@@ -116,11 +129,33 @@ impl Caches {
                 futures::future::ready(())
             });
 
-        let (n, p) = (nodes.clone(), pods.clone());
+        let (namespaces, namespace_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
+        let namespace_api: Api<PartialObjectMeta<Namespace>> = Api::all(client.clone());
+        let namespace_watch = watcher(namespace_api, watcher::Config::default())
+            .default_backoff()
+            .modify(slim_namespace)
+            .reflect(namespace_writer)
+            .for_each(|ev| {
+                if let Err(e) = ev {
+                    tracing::warn!(error = %e, "namespace watch failed; retrying with backoff");
+                }
+                futures::future::ready(())
+            });
+
+        let (n, p, ns) = (nodes.clone(), pods.clone(), namespaces.clone());
         let synced = async move {
-            let (a, b) = futures::join!(n.wait_until_ready(), p.wait_until_ready());
-            if a.is_ok() && b.is_ok() {
-                tracing::info!(nodes = n.len(), pending_pods = p.len(), "caches synced");
+            let (a, b, c) = futures::join!(
+                n.wait_until_ready(),
+                p.wait_until_ready(),
+                ns.wait_until_ready()
+            );
+            if a.is_ok() && b.is_ok() && c.is_ok() {
+                tracing::info!(
+                    nodes = n.len(),
+                    pending_pods = p.len(),
+                    namespaces = ns.len(),
+                    "caches synced"
+                );
                 let _ = ready.send(true);
             }
         };
@@ -129,11 +164,13 @@ impl Caches {
             Self {
                 nodes,
                 pods,
+                namespaces,
                 client,
                 lookup_timeout,
                 reasons: Mutex::new(HashMap::new()),
             },
             Watches {
+                namespaces: Box::pin(namespace_watch),
                 nodes: Box::pin(node_watch),
                 pods: Box::pin(pod_watch),
                 synced: Box::pin(synced),
@@ -173,6 +210,12 @@ impl Caches {
 impl Cluster for Caches {
     fn node_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
         self.nodes
+            .get(&ObjectRef::new(name))
+            .map(|n| n.labels().clone())
+    }
+
+    fn namespace_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
+        self.namespaces
             .get(&ObjectRef::new(name))
             .map(|n| n.labels().clone())
     }
@@ -285,5 +328,22 @@ mod tests {
         };
         slim_pod(&mut pod);
         assert!(pod.metadata.labels.is_some() && pod.metadata.annotations.is_some());
+
+        let mut ns: PartialObjectMeta<Namespace> = PartialObjectMeta {
+            types: None,
+            metadata: ObjectMeta {
+                name: Some("shop".into()),
+                labels: Some(
+                    [("istio.io/dataplane-mode".to_string(), "ambient".to_string())].into(),
+                ),
+                annotations: Some([("a".to_string(), "b".to_string())].into()),
+                managed_fields: Some(vec![Default::default()]),
+                ..ObjectMeta::default()
+            },
+            _phantom: std::marker::PhantomData,
+        };
+        slim_namespace(&mut ns);
+        assert_eq!(ns.metadata.labels.as_ref().map(|l| l.len()), Some(1));
+        assert!(ns.metadata.annotations.is_none() && ns.metadata.managed_fields.is_none());
     }
 }

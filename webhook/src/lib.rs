@@ -160,6 +160,7 @@ async fn run_with(
     let (ready_tx, ready_rx) = watch::channel(false);
     let (caches, watches) = cache::Caches::new(client, args.lookup_timeout, ready_tx);
     let watch_tasks = [
+        tokio::spawn(watches.namespaces),
         tokio::spawn(watches.nodes),
         tokio::spawn(watches.pods),
         tokio::spawn(watches.synced),

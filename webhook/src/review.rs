@@ -37,6 +37,9 @@ pub trait Cluster: Send + Sync + 'static {
     -> impl Future<Output = Option<PodMeta>> + Send;
     /// The node's `MeshCNIVerified` condition reason, if it can be read quickly.
     fn node_reason(&self, name: &str) -> impl Future<Output = Option<String>> + Send;
+    /// The labels of a Namespace, or `None` when it is not in the cache. Read only when a
+    /// profile selects on namespace labels (`istio-ambient`).
+    fn namespace_labels(&self, name: &str) -> Option<BTreeMap<String, String>>;
 }
 
 /// What to send back.
@@ -228,11 +231,17 @@ impl<C: Cluster> Reviewer<C> {
                 }
             }
         };
+        let namespace_labels = if self.profiles.uses_namespace_labels() {
+            self.cluster.namespace_labels(namespace)
+        } else {
+            None
+        };
         let mut input = Input {
             kind,
             namespace,
             pod_name,
             pod,
+            namespace_labels: namespace_labels.as_ref(),
             node_name,
             node,
             node_reason: None,
@@ -329,6 +338,7 @@ pub(crate) mod tests {
         pub nodes: HashMap<String, BTreeMap<String, String>>,
         pub pods: HashMap<(String, String), PodMeta>,
         pub reasons: HashMap<String, String>,
+        pub namespaces: HashMap<String, BTreeMap<String, String>>,
         pub pod_lookups: Mutex<Vec<String>>,
         pub delay: Option<std::time::Duration>,
     }
@@ -352,6 +362,9 @@ pub(crate) mod tests {
         async fn node_reason(&self, name: &str) -> Option<String> {
             self.reasons.get(name).cloned()
         }
+        fn namespace_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
+            self.namespaces.get(name).cloned()
+        }
     }
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -373,6 +386,10 @@ pub(crate) mod tests {
         );
         c.reasons
             .insert("bad".into(), "ChainedPluginMissing".into());
+        c.namespaces.insert(
+            "shop".into(),
+            labels(&[("kubernetes.io/metadata.name", "shop")]),
+        );
         c.pods.insert(
             ("shop".into(), "meshed".into()),
             PodMeta {
@@ -486,6 +503,43 @@ pub(crate) mod tests {
             ),
             "{text}"
         );
+    }
+
+    /// An ambient pod is known by its namespace's `istio.io/dataplane-mode=ambient` label
+    /// (the pod itself carries no mesh label): the reviewer passes the cached namespace
+    /// labels into the decision, and fails closed when the namespace is not cached.
+    #[tokio::test]
+    async fn pods_of_an_ambient_namespace_are_gated_by_its_label() {
+        let mut c = fake_cluster();
+        c.namespaces.insert(
+            "shop".into(),
+            labels(&[
+                ("kubernetes.io/metadata.name", "shop"),
+                ("istio.io/dataplane-mode", "ambient"),
+            ]),
+        );
+        let (r, _) = reviewer(c);
+        let out = validate(&r, &pod_review("web", Some("bad"), false)).await;
+        assert_eq!(out["response"]["allowed"], false, "{out}");
+        let msg = out["response"]["status"]["message"].as_str().unwrap();
+        assert!(msg.contains("mesh profile istio-ambient"), "{msg}");
+        // Opted out with the pod label Istio reads.
+        let mut opted_out = pod_review("batch", Some("bad"), false);
+        opted_out["request"]["object"]["metadata"]["labels"]["istio.io/dataplane-mode"] =
+            json!("none");
+        let out = validate(&r, &opted_out).await;
+        assert_eq!(out["response"]["allowed"], true, "{out}");
+
+        // The namespace is not cached: not guessed, refused on an unverified node only.
+        let mut c = fake_cluster();
+        c.namespaces.clear();
+        let (r, _) = reviewer(c);
+        let out = validate(&r, &pod_review("web", Some("bad"), false)).await;
+        assert_eq!(out["response"]["allowed"], false, "{out}");
+        let msg = out["response"]["status"]["message"].as_str().unwrap();
+        assert!(msg.contains("are not known yet"), "{msg}");
+        let out = validate(&r, &pod_review("web", Some("good"), false)).await;
+        assert_eq!(out["response"]["allowed"], true, "{out}");
     }
 
     #[tokio::test]

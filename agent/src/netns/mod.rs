@@ -5,6 +5,16 @@
 //! the host's namespace left out, their addresses, and [`Opened`] handles from which the
 //! netfilter readers get the namespace's rules.
 //!
+//! Identity: a path names a namespace only for as long as what backs it lives. A
+//! `/proc/<pid>/ns/net` path follows the pid, and a pid can be reused by a process in
+//! another pod's namespace; a netns dir entry can be deleted and re-created for a new
+//! sandbox. So every visit after the survey goes through [`NetnsRef::pin`], which opens the
+//! path once and checks that the descriptor is the surveyed namespace (nsfs device and
+//! inode); the descriptor is then used to enter, never the path again. While a [`Pinned`]
+//! descriptor is open the kernel keeps that namespace, so its inode number cannot be handed
+//! to a new one, and [`Pinned::confirm`] can tell, right before an eviction, whether the
+//! path still leads to it and it still holds the pod's IPs.
+//!
 //! Entering a namespace is per thread (`setns`), so [`with_netns`] enters, runs a short
 //! synchronous closure that only creates sockets and reads `/proc/thread-self/net/*`, and
 //! switches back through a saved descriptor of `/proc/thread-self/ns/net` before returning,
@@ -17,6 +27,7 @@ pub mod addr;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::io;
+use std::net::IpAddr;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
@@ -80,6 +91,31 @@ pub enum NetnsError {
         /// What failed.
         source: ReadError,
     },
+    /// The path now leads to another namespace than the one surveyed (a recycled pid, a
+    /// netns entry re-created for a new sandbox).
+    #[error(
+        "network namespace {path} is no longer the one surveyed (device {dev} inode {inode}, now device {now_dev} inode {now_inode})"
+    )]
+    Replaced {
+        /// The namespace path.
+        path: PathBuf,
+        /// nsfs device seen by the survey.
+        dev: u64,
+        /// nsfs inode seen by the survey.
+        inode: u64,
+        /// Device the path leads to now.
+        now_dev: u64,
+        /// Inode the path leads to now.
+        now_inode: u64,
+    },
+    /// The namespace no longer holds one of the pod's IPs.
+    #[error("network namespace {path} no longer holds pod IP {ip}")]
+    PodIpGone {
+        /// The namespace path.
+        path: PathBuf,
+        /// The pod IP not found among its addresses.
+        ip: IpAddr,
+    },
     /// A netns directory or `/proc` could not be listed.
     #[error("cannot list {path}: {source}")]
     Scan {
@@ -114,9 +150,14 @@ pub fn with_netns<T>(target: &Path, f: impl FnOnce() -> T) -> Result<T, NetnsErr
         path: target.to_owned(),
         source,
     })?;
+    with_netns_file(&ns, target, f)
+}
+
+/// [`with_netns`] through an already open namespace descriptor (`path` only for errors).
+fn with_netns_file<T>(ns: &File, path: &Path, f: impl FnOnce() -> T) -> Result<T, NetnsError> {
     let home = File::open("/proc/thread-self/ns/net").map_err(NetnsError::SaveHome)?;
-    setns(&ns, CloneFlags::CLONE_NEWNET).map_err(|e| NetnsError::Enter {
-        path: target.to_owned(),
+    setns(ns, CloneFlags::CLONE_NEWNET).map_err(|e| NetnsError::Enter {
+        path: path.to_owned(),
         source: io::Error::from(e),
     })?;
     let _back = Return { home };
@@ -143,7 +184,16 @@ impl std::fmt::Debug for RouteSocket {
 /// Enters `path` once and opens the rtnetlink socket, plus the netfilter handles when
 /// `with_rules` (which also reads the legacy table name lists inside the namespace).
 pub fn open(path: &Path, with_rules: bool) -> Result<Opened, NetnsError> {
-    let (route, rules) = with_netns(path, || {
+    let ns = File::open(path).map_err(|source| NetnsError::Open {
+        path: path.to_owned(),
+        source,
+    })?;
+    open_file(&ns, path, with_rules)
+}
+
+/// [`open`] through an already open namespace descriptor.
+fn open_file(ns: &File, path: &Path, with_rules: bool) -> Result<Opened, NetnsError> {
+    let (route, rules) = with_netns_file(ns, path, || {
         let route = mnl::Socket::new(mnl::Bus::Route);
         let rules = with_rules.then(netfilter::Sockets::open_here);
         (route, rules)
@@ -192,6 +242,8 @@ impl Opened {
 /// One distinct network namespace on the node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NetnsRef {
+    /// nsfs device: with the inode, the namespace's identity.
+    pub dev: u64,
     /// nsfs inode: the namespace's identity.
     pub inode: u64,
     /// A path that opens it (a netns dir entry when there is one, else `/proc/<pid>/ns/net`).
@@ -203,6 +255,98 @@ pub struct NetnsRef {
 fn stat_ns(path: &Path) -> io::Result<(u64, u64)> {
     let m = std::fs::metadata(path)?;
     Ok((m.dev(), m.ino()))
+}
+
+/// The first of `ips` that is not among `addresses`, if any. A pod's namespace holds every
+/// one of its IPs; one missing means the sandbox is not (or no longer) the pod's.
+pub fn missing_ip(addresses: &[Address], ips: &[IpAddr]) -> Option<IpAddr> {
+    ips.iter()
+        .copied()
+        .find(|ip| !addresses.iter().any(|a| a.ip == *ip))
+}
+
+impl NetnsRef {
+    /// Opens the namespace and checks that the descriptor is the one surveyed (device and
+    /// inode): a path that now leads elsewhere is [`NetnsError::Replaced`].
+    pub fn pin(&self) -> Result<Pinned, NetnsError> {
+        let file = File::open(&self.path).map_err(|source| NetnsError::Open {
+            path: self.path.clone(),
+            source,
+        })?;
+        let m = file.metadata().map_err(|source| NetnsError::Open {
+            path: self.path.clone(),
+            source,
+        })?;
+        if (m.dev(), m.ino()) != (self.dev, self.inode) {
+            return Err(NetnsError::Replaced {
+                path: self.path.clone(),
+                dev: self.dev,
+                inode: self.inode,
+                now_dev: m.dev(),
+                now_inode: m.ino(),
+            });
+        }
+        Ok(Pinned {
+            path: self.path.clone(),
+            dev: self.dev,
+            inode: self.inode,
+            file,
+        })
+    }
+}
+
+/// A surveyed namespace held open: entered through its descriptor only, and kept alive (so
+/// its inode number is not reused) for as long as this lives.
+#[derive(Debug)]
+pub struct Pinned {
+    path: PathBuf,
+    dev: u64,
+    inode: u64,
+    file: File,
+}
+
+impl Pinned {
+    /// The path it was surveyed under.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// nsfs (device, inode).
+    pub fn id(&self) -> (u64, u64) {
+        (self.dev, self.inode)
+    }
+
+    /// Enters it through the held descriptor and opens its sockets: see [`open`].
+    pub fn open(&self, with_rules: bool) -> Result<Opened, NetnsError> {
+        open_file(&self.file, &self.path, with_rules)
+    }
+
+    /// Checks, right before acting on the pod, that the path still leads to this namespace
+    /// (the sandbox that was inspected is still the one there) and that it still holds
+    /// every one of `ips`. Blocking.
+    pub fn confirm(&self, ips: &[IpAddr]) -> Result<(), NetnsError> {
+        let (dev, ino) = stat_ns(&self.path).map_err(|source| NetnsError::Open {
+            path: self.path.clone(),
+            source,
+        })?;
+        if (dev, ino) != (self.dev, self.inode) {
+            return Err(NetnsError::Replaced {
+                path: self.path.clone(),
+                dev: self.dev,
+                inode: self.inode,
+                now_dev: dev,
+                now_inode: ino,
+            });
+        }
+        let addresses = self.open(false)?.addresses()?;
+        match missing_ip(&addresses, ips) {
+            Some(ip) => Err(NetnsError::PodIpGone {
+                path: self.path.clone(),
+                ip,
+            }),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Finds every network namespace on the node except the host's (the agent's own and pid
@@ -244,6 +388,7 @@ pub fn discover(netns_dirs: &[PathBuf]) -> Result<Vec<NetnsRef>, NetnsError> {
                 continue;
             }
             found.entry(ino).or_insert_with(|| NetnsRef {
+                dev,
                 inode: ino,
                 path,
                 pids: Vec::new(),
@@ -265,6 +410,7 @@ pub fn discover(netns_dirs: &[PathBuf]) -> Result<Vec<NetnsRef>, NetnsError> {
             continue;
         }
         let r = found.entry(ino).or_insert_with(|| NetnsRef {
+            dev,
             inode: ino,
             path,
             pids: Vec::new(),
@@ -294,11 +440,16 @@ pub fn survey(
     let mut facts = Vec::new();
     let mut errors = Vec::new();
     for r in discover(netns_dirs)? {
-        let addresses = match open(&r.path, false).and_then(|o| o.addresses()) {
+        // Pinned: the addresses are those of the namespace discovered, even if the pid
+        // behind its path was reused meanwhile (that is a `Replaced`, skipped below).
+        let addresses = match r.pin().and_then(|p| p.open(false)?.addresses()) {
             Ok(a) => a,
             Err(NetnsError::Open { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
                 continue;
             }
+            // The process behind the path exited and its pid went to another namespace:
+            // that one is (or will be) found under its own pid or entry.
+            Err(NetnsError::Replaced { .. }) => continue,
             Err(e) => {
                 errors.push(e);
                 continue;

@@ -25,8 +25,8 @@ use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use meshgate_e2e::netns_sim::{PodNetns, Rules, private_subnet, require_privileges};
-use meshgate_e2e::node_sim::{plain, tail};
-use meshgate_e2e::pod_sim::{self, MESH_LABEL, meshed_pod};
+use meshgate_e2e::node_sim::{GOOD_PLUGIN, plain, tail};
+use meshgate_e2e::pod_sim::{self, LINKERD_PROXY, MESH_LABEL, meshed_pod};
 use meshgate_e2e::wait::poll_until;
 use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
 use serde_json::json;
@@ -122,6 +122,29 @@ fn replica_set(
     replicas: i32,
     host_network: bool,
 ) -> anyhow::Result<ReplicaSet> {
+    let mut rs = bare_replica_set(name, node, replicas, host_network)?;
+    // As linkerd's injector leaves the pod: the mesh label and the proxy container.
+    if let Some(spec) = rs
+        .spec
+        .as_mut()
+        .and_then(|s| s.template.as_mut())
+        .and_then(|t| t.spec.as_mut())
+    {
+        spec.containers.push(serde_json::from_value(
+            json!({ "name": LINKERD_PROXY, "image": "registry.k8s.io/pause:3.10" }),
+        )?);
+    }
+    Ok(rs)
+}
+
+/// A ReplicaSet of `replicas` pause pods labelled for linkerd but without its proxy: the
+/// label copied by hand, or injection skipped.
+fn bare_replica_set(
+    name: &str,
+    node: &str,
+    replicas: i32,
+    host_network: bool,
+) -> anyhow::Result<ReplicaSet> {
     Ok(serde_json::from_value(json!({
         "metadata": { "name": name },
         "spec": {
@@ -202,7 +225,12 @@ impl Scene {
     fn start_agent(&self, extra: &[&str]) -> anyhow::Result<Agent> {
         let mut args = vec!["--profile", "linkerd"];
         args.extend_from_slice(extra);
-        Ok(Agent::start(self.cp, &self.node, &self.dirs, &args)?)
+        self.start_agent_with(&args)
+    }
+
+    /// The agent with exactly `args` (its profile included).
+    fn start_agent_with(&self, args: &[&str]) -> anyhow::Result<Agent> {
+        Ok(Agent::start(self.cp, &self.node, &self.dirs, args)?)
     }
 
     /// The `MeshRedirectMissing` Events about each pod: (action, note, times observed).
@@ -895,6 +923,206 @@ async fn several_pdbs_on_one_pod_are_reported_and_nothing_is_evicted() -> anyhow
         plain(&agent.log()).contains("several PodDisruptionBudgets match the pod"),
         "{}",
         agent.log()
+    );
+    Ok(())
+}
+
+/// A pod labelled for linkerd whose injection never happened (no `linkerd-proxy`
+/// container): linkerd-cni skips such a pod too, so its rules are missing, and a recreated
+/// pod would be the same. It is reported once (Event, `no_proxy` skip), never evicted, and
+/// never inspected again for the same sandbox; a pod of the same node that does run the
+/// proxy is still evicted.
+#[tokio::test]
+async fn a_pod_with_the_mesh_label_but_no_proxy_is_reported_never_evicted() -> anyhow::Result<()> {
+    let scene = Scene::new("pods-noproxy").await?;
+    let mut plan = Plan::new()?;
+    plan.add("labelled", 2, Rules::None)?;
+    plan.add("web", 1, Rules::None)?;
+    plan.add("web", 1, Rules::Linkerd("iptables-nft"))?;
+    let _kubelet = cp().await.run_pods(&scene.node, plan.ip_source());
+    scene
+        .create_rs(&bare_replica_set("labelled", &scene.node, 2, false)?)
+        .await?;
+    scene
+        .create_rs(&replica_set("web", &scene.node, 1, false)?)
+        .await?;
+    let agent = scene.start_agent(&[])?;
+
+    wait_metric(&agent, &skipped("no_proxy"), |v| v >= 2.0).await?;
+    wait_metric(&agent, EVICTED, |v| v >= 1.0).await?;
+    let labelled: Vec<String> = scene
+        .app_pods("labelled")
+        .await?
+        .iter()
+        .map(ResourceExt::name_any)
+        .collect();
+    assert_eq!(labelled.len(), 2);
+    scene
+        .wait_events(&labelled, "ReportNoProxy", "no linkerd-proxy container")
+        .await?;
+
+    // No loop: nothing more happens to them, whatever the time.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        metric(&agent, &skipped("no_proxy")).await,
+        2.0,
+        "{}",
+        agent.log()
+    );
+    assert_eq!(metric(&agent, EVICTED).await, 1.0, "{}", agent.log());
+    // 2 labelled + 1 web missing, inspected once each; the web replacement redirected.
+    assert_eq!(metric(&agent, MISSING).await, 3.0, "{}", agent.log());
+    let now: Vec<Pod> = scene.app_pods("labelled").await?;
+    assert!(
+        now.iter()
+            .all(|p| running(p) && labelled.contains(&p.name_any())),
+        "the labelled pods were left alone: {:?}",
+        now.iter().map(ResourceExt::name_any).collect::<Vec<_>>()
+    );
+    let events = scene.events().await?;
+    for p in &labelled {
+        let observed: i32 = events.get(p).map_or(0, |es| es.iter().map(|e| e.2).sum());
+        assert_eq!(observed, 1, "one Event per sandbox for {p}: {events:?}");
+    }
+    Ok(())
+}
+
+const AMBIENT_MISSING: &str =
+    "meshgate_pod_inspections_total{profile=\"istio-ambient\",verdict=\"missing\"}";
+
+/// A ReplicaSet of pause pods as Istio ambient leaves them: no mesh label or sidecar of
+/// their own, `extra` pod labels.
+fn plain_replica_set(name: &str, node: &str, extra: &[(&str, &str)]) -> anyhow::Result<ReplicaSet> {
+    let mut labels = serde_json::Map::new();
+    labels.insert("app".into(), json!(name));
+    for (k, v) in extra {
+        labels.insert((*k).into(), json!(v));
+    }
+    Ok(serde_json::from_value(json!({
+        "metadata": { "name": name },
+        "spec": {
+            "replicas": 1,
+            "selector": { "matchLabels": { "app": name } },
+            "template": {
+                "metadata": { "labels": labels },
+                "spec": {
+                    "nodeName": node,
+                    "terminationGracePeriodSeconds": 30,
+                    "containers": [{ "name": "app", "image": "registry.k8s.io/pause:3.10" }]
+                }
+            }
+        }
+    }))?)
+}
+
+/// `istio-ambient` selects as Istio enrolls: pods of a namespace labelled
+/// `istio.io/dataplane-mode=ambient` (read by the agent's namespace watch, before any
+/// istio-cni annotation exists), except a pod labelled `istio.io/dataplane-mode=none`; and a
+/// namespace labelled later brings its running pods in at once.
+#[tokio::test]
+async fn ambient_pods_are_selected_by_their_namespace_label_and_the_opt_out_holds()
+-> anyhow::Result<()> {
+    let scene = Scene::new("pods-ambient").await?;
+    // The node chains istio-cni, as an ambient install leaves it.
+    scene.dirs.plugin("istio-cni", GOOD_PLUGIN)?;
+    scene
+        .dirs
+        .config("10-calico.conflist", &golden("istio-cni.conflist")?)?;
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(scene.client.clone());
+    let label_ambient = |ns: String| {
+        let namespaces = namespaces.clone();
+        async move {
+            namespaces
+                .patch(
+                    &ns,
+                    &PatchParams::default(),
+                    &Patch::Merge(
+                        json!({"metadata": {"labels": {"istio.io/dataplane-mode": "ambient"}}}),
+                    ),
+                )
+                .await
+        }
+    };
+    label_ambient(scene.ns.clone()).await?;
+    let late_ns = scene
+        .cp
+        .create_namespace(&scene.client, "pods-ambient-late")
+        .await?;
+
+    let mut plan = Plan::new()?;
+    plan.add("amb", 1, Rules::None)?;
+    plan.add("optout", 1, Rules::None)?;
+    plan.add("late", 1, Rules::None)?;
+    let _kubelet = cp().await.run_pods(&scene.node, plan.ip_source());
+    scene
+        .create_rs(&plain_replica_set("amb", &scene.node, &[])?)
+        .await?;
+    scene
+        .create_rs(&plain_replica_set(
+            "optout",
+            &scene.node,
+            &[("istio.io/dataplane-mode", "none")],
+        )?)
+        .await?;
+    let late_pods: Api<Pod> = Api::namespaced(scene.client.clone(), &late_ns);
+    Api::<ReplicaSet>::namespaced(scene.client.clone(), &late_ns)
+        .create(
+            &PostParams::default(),
+            &plain_replica_set("late", &scene.node, &[])?,
+        )
+        .await?;
+    poll_until("every pod running", WAIT, || async {
+        let here = scene.pods().list(&ListParams::default()).await?.items;
+        let there = late_pods.list(&ListParams::default()).await?.items;
+        anyhow::Ok(
+            (here.iter().filter(|p| running(p)).count() == 2
+                && there.iter().filter(|p| running(p)).count() == 1)
+                .then_some(()),
+        )
+    })
+    .await?;
+
+    let agent = scene.start_agent_with(&["--profile", "istio-ambient", "--dry-run"])?;
+    wait_metric(&agent, AMBIENT_MISSING, |v| v >= 1.0).await?;
+    let amb: Vec<String> = scene
+        .app_pods("amb")
+        .await?
+        .iter()
+        .map(ResourceExt::name_any)
+        .collect();
+    scene
+        .wait_events(&amb, "DryRun", "istio-ambient redirects missing")
+        .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        metric(&agent, AMBIENT_MISSING).await,
+        1.0,
+        "only the ambient namespace's pod, not its opted-out one nor the unlabelled namespace's:\n{}",
+        agent.log()
+    );
+
+    // The other namespace joins ambient: its running pod is inspected without any pod
+    // event.
+    label_ambient(late_ns.clone()).await?;
+    wait_metric(&agent, AMBIENT_MISSING, |v| v >= 2.0).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        metric(&agent, AMBIENT_MISSING).await,
+        2.0,
+        "{}",
+        agent.log()
+    );
+    assert_eq!(metric(&agent, &skipped("dry_run")).await, 2.0);
+    let events = scene.events().await?;
+    let optout: Vec<String> = scene
+        .app_pods("optout")
+        .await?
+        .iter()
+        .map(ResourceExt::name_any)
+        .collect();
+    assert!(
+        optout.iter().all(|p| !events.contains_key(p)),
+        "the opted-out pod is never reported: {events:?}"
     );
     Ok(())
 }

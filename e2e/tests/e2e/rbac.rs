@@ -975,11 +975,26 @@ async fn agent_token_cannot_read_secrets_and_has_exactly_its_rules() -> anyhow::
         )
         .await;
     assert!(refused_by_rbac(&sa_token), "{}", describe(&sa_token));
+    // Namespaces are read (their labels select pods), never written, never read one by one.
+    let namespaces = Api::<k8s_openapi::api::core::v1::Namespace>::all(agent.clone());
+    let listed = namespaces
+        .list_metadata(&ListParams::default().limit(1))
+        .await;
+    assert!(listed.is_ok(), "{}", describe(&listed));
+    let relabel = namespaces
+        .patch(
+            "default",
+            &PatchParams::default().dry_run(),
+            &Patch::Merge(json!({"metadata": {"labels": {"istio.io/dataplane-mode": "ambient"}}})),
+        )
+        .await;
+    assert!(refused_by_rbac(&relabel), "{}", describe(&relabel));
 
     let want = triples(&[
         ("", &["nodes"], &["get", "list", "watch", "patch"]),
         ("", &["nodes/status"], &["patch"]),
         ("", &["pods"], &["list", "watch"]),
+        ("", &["namespaces"], &["list", "watch"]),
         ("", &["pods/eviction"], &["create"]),
         ("events.k8s.io", &["events"], &["create", "patch"]),
     ]);
@@ -996,7 +1011,10 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
     let admin = f.cp.client()?;
     let webhook = f.cp.client_for_token(&f.webhook_token)?;
 
-    let want = triples(&[("", &["nodes", "pods"], &["get", "list", "watch"])]);
+    let want = triples(&[
+        ("", &["nodes", "pods"], &["get", "list", "watch"]),
+        ("", &["namespaces"], &["list", "watch"]),
+    ]);
     for ns in [NS, "default", "kube-system"] {
         let have = effective_rules(&webhook, ns).await?;
         assert_eq!(have, want, "the webhook's rules in namespace {ns}");

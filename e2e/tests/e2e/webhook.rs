@@ -507,6 +507,64 @@ async fn gates(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `istio-ambient` pods carry no mesh label of their own: the namespace's
+/// `istio.io/dataplane-mode=ambient` label, read from the webhook's Namespace cache, makes
+/// them meshed, and the pod label `istio.io/dataplane-mode=none` opts one out, as in Istio.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_gates_the_pods_of_an_ambient_namespace_by_its_label() {
+    let cp = cp().await;
+    let f = Fixture::start(cp, "wha").await.expect("webhook starts");
+    let result = ambient(cp, &f).await;
+    f.teardown().await;
+    result.expect("webhook ambient e2e");
+}
+
+async fn ambient(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
+    let c = &f.client;
+    let unverified = unique_name("wha-unv");
+    cp.register_node(
+        c,
+        &NodeSpec::new(unverified.as_str()).label(SCOPE_KEY, f.tag.as_str()),
+    )
+    .await?;
+    let ambient_ns = f
+        .namespace(&[("istio.io/dataplane-mode", "ambient")])
+        .await?;
+    let plain_ns = f.namespace(&[]).await?;
+
+    // Dry-run creates: nothing is left behind. The webhook's caches may lag the new node
+    // and namespace by a moment, so the refusal is awaited.
+    let web = pod("web", Some(&unverified), false, None);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let refusal = loop {
+        match create_pod(c, &ambient_ns, &web, true).await? {
+            Err(m) if m.contains("mesh profile istio-ambient") => break m,
+            other => {
+                ensure!(
+                    Instant::now() < deadline,
+                    "a pod of an ambient namespace was not refused on {unverified}: {other:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    ensure!(refusal.contains("chains istio-cni"), "{refusal}");
+    ensure!(refusal.contains("(403)"), "{refusal}");
+
+    let mut opted_out = pod("batch", Some(&unverified), false, None);
+    opted_out
+        .labels_mut()
+        .insert("istio.io/dataplane-mode".into(), "none".into());
+    let r = create_pod(c, &ambient_ns, &opted_out, true).await?;
+    ensure!(r.is_ok(), "the opted-out pod was refused: {r:?}");
+    let r = create_pod(c, &plain_ns, &web, true).await?;
+    ensure!(r.is_ok(), "a pod of a plain namespace was refused: {r:?}");
+
+    let nodes: Api<Node> = Api::all(c.clone());
+    let _ = tokio::time::timeout(CALL, nodes.delete(&unverified, &DeleteParams::default())).await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn webhook_outage_fails_closed_only_in_governed_namespaces() {
     let cp = cp().await;

@@ -127,6 +127,7 @@ impl Outcome {
             Outcome::Skipped(SkipWhy::Unowned) => "ReportUnowned",
             Outcome::Skipped(SkipWhy::NoEvict) => "ReportOnly",
             Outcome::Skipped(SkipWhy::AlreadyEvicted | SkipWhy::Unknown) => "Report",
+            Outcome::Skipped(SkipWhy::NoProxy) => "ReportNoProxy",
             Outcome::Failed(_) => "EvictFailed",
         }
     }
@@ -161,6 +162,9 @@ impl Outcome {
                 "not evicted: skipped as unowned, no controller would recreate it (--evict-unowned evicts it)".into()
             }
             Outcome::Skipped(SkipWhy::NoEvict) => "report only (--no-evict): not evicted".into(),
+            Outcome::Skipped(SkipWhy::NoProxy) => {
+                "not evicted: the pod carries the mesh's label but runs no proxy container of the mesh, so it is not the mesh's to evict (a recreated pod would be the same); fix its injection or its labels".into()
+            }
             Outcome::Skipped(w @ (SkipWhy::AlreadyEvicted | SkipWhy::Unknown)) => {
                 format!("not evicted: {w}")
             }
@@ -252,6 +256,7 @@ mod tests {
             Outcome::Skipped(SkipWhy::DryRun),
             Outcome::Skipped(SkipWhy::Unowned),
             Outcome::Skipped(SkipWhy::NoEvict),
+            Outcome::Skipped(SkipWhy::NoProxy),
             Outcome::Failed("x".into()),
         ];
         let actions: std::collections::BTreeSet<_> = outcomes.iter().map(|o| o.action()).collect();
@@ -276,6 +281,10 @@ mod tests {
             (Outcome::Skipped(SkipWhy::Unowned), "skipped as unowned"),
             (Outcome::Skipped(SkipWhy::NoEvict), "report only"),
             (Outcome::Skipped(SkipWhy::RateLimit), "2 per minute"),
+            (
+                Outcome::Skipped(SkipWhy::NoProxy),
+                "runs no proxy container of the mesh",
+            ),
         ] {
             let e = o.event(s, 2);
             assert_eq!(e.reason, "MeshRedirectMissing");

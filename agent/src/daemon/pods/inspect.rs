@@ -1,16 +1,21 @@
 //! One batch of pod inspections, on a blocking thread.
 //!
-//! In: the pods due ([`Job`]: UID, IPs, the profiles that select it) and the netns
-//! directories. Out: per pod, one [`Inspection`] per profile, the namespace it was read from,
-//! and the time it took ([`Inspected`]).
+//! In: the pods due ([`Job`]: UID, IPs, annotations, the profiles that select it) and the
+//! netns directories. Out: per pod, one [`Inspection`] per profile, the namespace it was read
+//! from, the time it took, and, when a redirect is missing, that namespace held open for the
+//! pre-eviction re-check ([`Inspected`]).
 //!
 //! The node's namespaces are surveyed once per batch (`/proc` scan plus their addresses),
 //! each pod is attributed to one of them by IP and UID (`core::rules::locate`), and that
-//! namespace's rules are read once and matched against every profile selecting the pod.
-//! Anything that keeps a pod from being read makes it `unknown`, which never evicts.
+//! namespace is pinned (opened once, checked to be the surveyed device and inode: a reused
+//! pid or re-created netns entry is caught here) and entered through the pinned descriptor;
+//! its addresses must still hold every pod IP, then its rules are read once and matched
+//! against every profile selecting the pod. Anything that keeps a pod from being read
+//! makes it `unknown`, which never evicts.
 //! Everything here blocks (setns, netlink): call it from `spawn_blocking`, never from an
 //! async worker.
 
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -19,8 +24,7 @@ use meshgate_core::profile::MeshProfile;
 use meshgate_core::rules::locate::{self, Located, NetnsFacts};
 use meshgate_core::rules::{self, Inspection, Verdict};
 
-use crate::inspect::read_netns;
-use crate::netns::{self, NetnsRef};
+use crate::netns::{self, NetnsError, NetnsRef, Pinned};
 
 /// One pod to inspect.
 #[derive(Clone, Debug)]
@@ -29,17 +33,26 @@ pub struct Job {
     pub uid: String,
     /// `status.podIPs`.
     pub ips: Vec<IpAddr>,
+    /// `metadata.annotations`: the rules a mesh writes follow from them (Istio's
+    /// `traffic.sidecar.istio.io/*` and `sidecar.istio.io/interceptionMode`, Linkerd's
+    /// `config.linkerd.io/skip-*`), so the expected rules are derived from them at the
+    /// `rules::check` call in [`inspect_one`].
+    pub annotations: BTreeMap<String, String>,
     /// The profiles that select it.
     pub profiles: Vec<MeshProfile>,
 }
 
 /// One pod's inspection.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Inspected {
     /// One per profile of the job, in its order.
     pub inspections: Vec<Inspection>,
     /// The namespace that was read, when one was attributed to the pod.
     pub netns: Option<PathBuf>,
+    /// That namespace, held open, when some profile's redirects are missing: the daemon
+    /// re-checks it ([`Pinned::confirm`]) before evicting. `None` otherwise, so a batch holds
+    /// descriptors only for the pods it may act on.
+    pub pinned: Option<Pinned>,
     /// Time spent on this pod: locating, reading and matching.
     pub elapsed: Duration,
 }
@@ -59,11 +72,18 @@ pub struct Batch {
 
 /// The pod's verdict over every profile that selects it: `missing` as soon as one profile's
 /// redirects are missing (the pod is evicted for it), else `unknown` if one could not be
-/// told, else `redirected`. The inspection returned is the one that decided.
-pub fn combine(inspections: &[Inspection]) -> Option<&Inspection> {
+/// told, else `redirected`. Among missing ones, a profile whose proxy container the pod runs
+/// (`has_proxy(profile name)`) goes first: a pod without one profile's proxy is still
+/// evicted for another mesh it does belong to. The inspection returned is the one that
+/// decided.
+pub fn combine(
+    inspections: &[Inspection],
+    has_proxy: impl Fn(&str) -> bool,
+) -> Option<&Inspection> {
     inspections
         .iter()
-        .find(|i| i.verdict == Verdict::Missing)
+        .find(|i| i.verdict == Verdict::Missing && has_proxy(&i.profile))
+        .or_else(|| inspections.iter().find(|i| i.verdict == Verdict::Missing))
         .or_else(|| inspections.iter().find(|i| i.verdict == Verdict::Unknown))
         .or_else(|| inspections.first())
 }
@@ -75,27 +95,51 @@ fn all_unknown(profiles: &[MeshProfile], why: &str) -> Vec<Inspection> {
         .collect()
 }
 
+/// Pins the namespace, checks it still holds every pod IP, and reads its rules through the
+/// pinned descriptor.
+fn read_pinned(r: &NetnsRef, ips: &[IpAddr]) -> Result<(Pinned, rules::Ruleset), NetnsError> {
+    let pinned = r.pin()?;
+    let opened = pinned.open(true)?;
+    let addresses = opened.addresses()?;
+    if let Some(ip) = netns::missing_ip(&addresses, ips) {
+        return Err(NetnsError::PodIpGone {
+            path: r.path.clone(),
+            ip,
+        });
+    }
+    let ruleset = opened.ruleset()?;
+    Ok((pinned, ruleset))
+}
+
 /// Inspects one pod against the surveyed namespaces.
-fn inspect_one(facts: &[NetnsFacts<NetnsRef>], job: &Job) -> Inspected {
+pub fn inspect_one(facts: &[NetnsFacts<NetnsRef>], job: &Job) -> Inspected {
     let start = Instant::now();
-    let (inspections, netns) = match locate::locate(facts, &job.ips, Some(&job.uid)) {
-        Located::Unknown(why) => (all_unknown(&job.profiles, &why), None),
-        Located::Found(r) => match read_netns(&r.path) {
-            Ok(contents) => {
+    let (inspections, netns, pinned) = match locate::locate(facts, &job.ips, Some(&job.uid)) {
+        Located::Unknown(why) => (all_unknown(&job.profiles, &why), None, None),
+        Located::Found(r) => match read_pinned(&r, &job.ips) {
+            Ok((pinned, ruleset)) => {
                 let families = locate::required_families(&job.ips);
-                let inspections = job
+                // What the mesh writes follows from the profile and the pod's annotations
+                // (opt-outs of a direction or family), so a pod that opted out is not missing.
+                let inspections: Vec<Inspection> = job
                     .profiles
                     .iter()
-                    .map(|p| rules::check(&contents.ruleset, p, &families))
+                    .map(|p| rules::check_pod(&ruleset, p, &families, &job.annotations))
                     .collect();
-                (inspections, Some(r.path))
+                let missing = inspections.iter().any(|i| i.verdict == Verdict::Missing);
+                (inspections, Some(r.path), missing.then_some(pinned))
             }
-            Err(e) => (all_unknown(&job.profiles, &e.to_string()), Some(r.path)),
+            Err(e) => (
+                all_unknown(&job.profiles, &e.to_string()),
+                Some(r.path),
+                None,
+            ),
         },
     };
     Inspected {
         inspections,
         netns,
+        pinned,
         elapsed: start.elapsed(),
     }
 }
@@ -114,6 +158,7 @@ pub fn run(jobs: &[Job], netns_dirs: &[PathBuf]) -> Batch {
                     .map(|j| Inspected {
                         inspections: all_unknown(&j.profiles, &why),
                         netns: None,
+                        pinned: None,
                         elapsed: Duration::ZERO,
                     })
                     .collect(),
@@ -174,18 +219,39 @@ mod tests {
         redirected.verdict = Verdict::Redirected;
         assert_eq!(missing("linkerd").verdict, Verdict::Missing);
 
+        let any = |_: &str| true;
         let all = [redirected.clone(), unknown.clone(), missing("linkerd")];
-        assert_eq!(combine(&all).map(|i| i.profile.as_str()), Some("linkerd"));
+        assert_eq!(
+            combine(&all, any).map(|i| i.profile.as_str()),
+            Some("linkerd")
+        );
         let no_missing = [redirected.clone(), unknown.clone()];
         assert_eq!(
-            combine(&no_missing).map(|i| i.verdict),
+            combine(&no_missing, any).map(|i| i.verdict),
             Some(Verdict::Unknown)
         );
         assert_eq!(
-            combine(std::slice::from_ref(&redirected)).map(|i| i.verdict),
+            combine(std::slice::from_ref(&redirected), any).map(|i| i.verdict),
             Some(Verdict::Redirected)
         );
-        assert!(combine(&[]).is_none());
+        assert!(combine(&[], any).is_none());
+    }
+
+    #[test]
+    fn a_missing_verdict_of_a_mesh_whose_proxy_runs_decides_first() {
+        // Labelled for both meshes, running only linkerd's proxy: the linkerd verdict
+        // decides (the pod is linkerd's to evict), not istio's.
+        let both = [missing("istio"), missing("linkerd")];
+        let only_linkerd = |p: &str| p == "linkerd";
+        assert_eq!(
+            combine(&both, only_linkerd).map(|i| i.profile.as_str()),
+            Some("linkerd")
+        );
+        // No proxy for any: the first missing one is still the one reported.
+        assert_eq!(
+            combine(&both, |_| false).map(|i| i.profile.as_str()),
+            Some("istio")
+        );
     }
 
     #[test]
@@ -193,11 +259,13 @@ mod tests {
         let job = Job {
             uid: "u1".into(),
             ips: vec!["10.99.0.1".parse().unwrap()],
+            annotations: BTreeMap::new(),
             profiles: vec![profile("linkerd"), profile("istio")],
         };
         let facts: Vec<NetnsFacts<NetnsRef>> = Vec::new();
         let got = inspect_one(&facts, &job);
         assert_eq!(got.netns, None);
+        assert!(got.pinned.is_none());
         assert_eq!(got.inspections.len(), 2);
         assert!(
             got.inspections

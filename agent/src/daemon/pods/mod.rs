@@ -1,7 +1,9 @@
 //! Pod inspection and eviction: the backstop for meshed pods that started before the node's
 //! CNI chain was complete.
 //!
-//! In: a watch of this node's pods only (field selector `spec.nodeName`), the node's verdict
+//! In: a watch of this node's pods only (field selector `spec.nodeName`), a metadata-only
+//! watch of Namespaces when a profile selects on namespace labels (`istio-ambient`), the
+//! node's verdict
 //! (a `watch` channel fed by the verdict loop), the shared state file (eviction history),
 //! the flags `--profile`, `--profile-file`, `--dry-run`, `--no-evict`,
 //! `--max-evictions-per-minute`, `--evict-unowned`, and the shutdown signal. Out: Eviction
@@ -10,13 +12,21 @@
 //!
 //! Flow: the watch feeds a [`tracker::Tracker`] (no periodic LIST; the watcher relists only
 //! when its watch breaks). Whenever pods are due — newly running, sandbox changed, node
-//! verdict changed, retry time reached — one batch is inspected on the blocking pool
-//! ([`inspect::run`]: namespace survey, locate, read rules, match). Each `missing` pod goes
-//! through `core::evict::decide` (history, ownership, report-only flags, rate limit), then
-//! the Eviction API ([`eviction::evict`]), and every decision is counted and published as a
-//! Pod Event once per sandbox and outcome.
+//! verdict changed, namespace labels changed, retry time reached — one batch is inspected
+//! on the blocking pool ([`inspect::run`]: namespace survey, locate, pin, read rules with the
+//! pod's annotations at hand, match). Each `missing` pod goes through `core::evict::decide`
+//! (proxy container present, history, ownership, report-only flags, rate limit); before the
+//! Eviction API ([`eviction::evict`]) the pinned namespace is re-checked (still the one the
+//! path leads to, still holding the pod's IPs), and every decision is counted and published
+//! as a Pod Event once per sandbox and outcome.
 //!
-//! Safety: `unknown` (no namespace found, unreadable rules) never evicts. A 429 (PDB) or a
+//! The pod watch is read only once the namespace watch (when there is one) has listed, so a
+//! pod is selected with its namespace's labels at hand; a namespace the watch has not
+//! delivered selects nothing until it does.
+//!
+//! Safety: `unknown` (no namespace found, unreadable rules) never evicts. A pod labelled
+//! for a mesh but running none of its proxy containers is reported, never evicted, never
+//! retried. A namespace that changed between inspection and eviction is `unknown`. A 429 (PDB) or a
 //! 500 for several PDBs gives the rate-limit token back and retries with backoff. An accepted
 //! eviction is written to the state file before anything else happens, and terminating pods
 //! are never inspected, so neither a restart nor a lagging watch evicts a sandbox twice.
@@ -25,14 +35,16 @@ pub mod eviction;
 pub mod inspect;
 pub mod tracker;
 
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::Api;
+use futures::stream::BoxStream;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::watcher;
@@ -46,7 +58,7 @@ use tokio::task::JoinHandle;
 use super::Args;
 use super::metrics::AgentMetrics;
 use super::state::Shared;
-use crate::netns::DEFAULT_NETNS_DIR;
+use crate::netns::{DEFAULT_NETNS_DIR, Pinned};
 use eviction::{Answer, Outcome};
 use inspect::{Inspected, Job};
 use tracker::{Due, PodInfo, Tracker};
@@ -128,7 +140,18 @@ struct Inspector {
     last_verdict: Option<(bool, Reason)>,
     /// The eviction history is pruned after each complete pod list.
     prune_history: bool,
+    /// Namespace name → its labels, only the keys the profiles read.
+    namespaces: HashMap<String, BTreeMap<String, String>>,
+    /// The namespace watch's (re)list in progress.
+    namespace_relist: Option<HashMap<String, BTreeMap<String, String>>>,
+    /// The namespace label keys the profiles read; empty: no namespace watch.
+    namespace_keys: BTreeSet<String>,
+    /// True once the namespace watch listed (or when there is none).
+    namespaces_synced: bool,
 }
+
+/// A Namespace event, reduced to what the inspector keeps.
+type NamespaceEvent = Result<watcher::Event<PartialObjectMeta<Namespace>>, watcher::Error>;
 
 /// Runs the inspector until `stop` turns true (or its sender is dropped).
 pub async fn run(
@@ -153,6 +176,16 @@ pub async fn run(
     let pods: Api<Pod> = Api::all(client.clone());
     let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
     let mut stream = std::pin::pin!(watcher(pods, config).default_backoff());
+    let namespace_keys = setup.profiles.namespace_label_keys();
+    // Metadata only (PartialObjectMetadata): a namespace's labels are all a profile reads.
+    let mut namespace_stream: BoxStream<'static, NamespaceEvent> = if namespace_keys.is_empty() {
+        futures::stream::pending().boxed()
+    } else {
+        let api: Api<PartialObjectMeta<Namespace>> = Api::all(client.clone());
+        watcher(api, watcher::Config::default())
+            .default_backoff()
+            .boxed()
+    };
     let mut me = Inspector {
         recorder: Recorder::new(
             client.clone(),
@@ -170,6 +203,10 @@ pub async fn run(
         origin: Instant::now(),
         last_verdict: None,
         prune_history: false,
+        namespaces: HashMap::new(),
+        namespace_relist: None,
+        namespaces_synced: namespace_keys.is_empty(),
+        namespace_keys,
     };
     me.on_verdict(&verdict.borrow_and_update());
     let mut verdict_open = true;
@@ -181,10 +218,17 @@ pub async fn run(
             .map(|at| tokio::time::Instant::from_std(me.origin + at));
         let burst = tokio::select! {
             _ = stop.wait_for(|s| *s) => break,
-            item = stream.next() => {
+            // Pods wait for the namespaces' first list: selected without their
+            // namespace's labels, ambient pods would be missed until a relist.
+            item = stream.next(), if me.namespaces_synced => {
                 let Some(item) = item else { break };
                 me.on_event(item);
                 true
+            }
+            ns = namespace_stream.next() => {
+                let Some(ns) = ns else { break };
+                me.on_namespace_event(ns);
+                false
             }
             changed = verdict.changed(), if verdict_open => {
                 match changed {
@@ -213,6 +257,19 @@ pub async fn run(
     tracing::info!(node = %node, "pod inspector stopped");
 }
 
+/// Re-checks the pinned namespace of an inspection right before evicting for it.
+async fn confirm(pinned: Option<Pinned>, info: &PodInfo) -> Result<(), String> {
+    let Some(pinned) = pinned else {
+        return Err("the inspected namespace was not kept".into());
+    };
+    let ips = info.ips.clone();
+    match tokio::task::spawn_blocking(move || pinned.confirm(&ips)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(e) => Err(format!("the re-check failed: {e}")),
+    }
+}
+
 async fn sleep_until(at: Option<tokio::time::Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
@@ -235,12 +292,108 @@ impl Inspector {
         self.last_verdict = Some(seen);
     }
 
+    /// The labels of `namespace` the profiles read: `None` when the watch has not delivered
+    /// it, or an empty map when no profile reads namespace labels.
+    fn namespace_labels(&self, namespace: &str) -> Option<&BTreeMap<String, String>> {
+        static NONE: BTreeMap<String, String> = BTreeMap::new();
+        if self.namespace_keys.is_empty() {
+            return Some(&NONE);
+        }
+        self.namespaces.get(namespace)
+    }
+
+    fn slim(
+        &self,
+        ns: &PartialObjectMeta<Namespace>,
+    ) -> Option<(String, BTreeMap<String, String>)> {
+        let name = ns.metadata.name.clone()?;
+        let labels = ns
+            .metadata
+            .labels
+            .iter()
+            .flatten()
+            .filter(|(k, _)| self.namespace_keys.contains(*k))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        Some((name, labels))
+    }
+
+    /// A namespace's labels are new or changed (`None`: it is gone): its pods are selected
+    /// again.
+    fn namespace_changed(&mut self, name: &str, labels: Option<BTreeMap<String, String>>) {
+        let same = self.namespaces.get(name) == labels.as_ref();
+        match labels {
+            Some(l) => self.namespaces.insert(name.to_owned(), l),
+            None => self.namespaces.remove(name),
+        };
+        if same {
+            return;
+        }
+        let now = self.now();
+        let changed = self.tracker.reselect_namespace(
+            name,
+            &self.setup.profiles,
+            self.namespaces.get(name),
+            now,
+        );
+        if changed > 0 {
+            tracing::info!(node = %self.setup.node, namespace = name, labels = ?self.namespaces.get(name), pods = changed, "namespace labels changed which profiles select its pods");
+        }
+    }
+
+    fn on_namespace_event(&mut self, item: NamespaceEvent) {
+        match item {
+            Ok(watcher::Event::Init) => self.namespace_relist = Some(HashMap::new()),
+            Ok(watcher::Event::InitApply(ns)) => {
+                if let Some((name, labels)) = self.slim(&ns)
+                    && let Some(relist) = self.namespace_relist.as_mut()
+                {
+                    relist.insert(name, labels);
+                }
+            }
+            Ok(watcher::Event::InitDone) => {
+                let listed = self.namespace_relist.take().unwrap_or_default();
+                let gone: Vec<String> = self
+                    .namespaces
+                    .keys()
+                    .filter(|n| !listed.contains_key(*n))
+                    .cloned()
+                    .collect();
+                for name in gone {
+                    self.namespace_changed(&name, None);
+                }
+                for (name, labels) in listed {
+                    self.namespace_changed(&name, Some(labels));
+                }
+                if !self.namespaces_synced {
+                    tracing::info!(node = %self.setup.node, namespaces = self.namespaces.len(), "namespace list complete");
+                }
+                self.namespaces_synced = true;
+            }
+            Ok(watcher::Event::Apply(ns)) => {
+                if let Some((name, labels)) = self.slim(&ns) {
+                    self.namespace_changed(&name, Some(labels));
+                }
+            }
+            Ok(watcher::Event::Delete(ns)) => {
+                if let Some(name) = ns.metadata.name.as_deref() {
+                    self.namespace_changed(name, None);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(node = %self.setup.node, error = %e, "namespace watch error; retrying with backoff")
+            }
+        }
+    }
+
     fn on_event(&mut self, item: Result<watcher::Event<Pod>, watcher::Error>) {
         let now = self.now();
         match item {
             Ok(watcher::Event::Init) => self.tracker.start_list(),
             Ok(watcher::Event::InitApply(pod) | watcher::Event::Apply(pod)) => {
-                if let Some(info) = PodInfo::from_pod(&pod, &self.setup.profiles) {
+                let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
+                let labels = self.namespace_labels(namespace);
+                if let Some(info) = PodInfo::from_pod(&pod, &self.setup.profiles, labels) {
                     self.tracker.apply(info, now);
                 }
             }
@@ -294,6 +447,7 @@ impl Inspector {
             .map(|d| Job {
                 uid: d.info.uid.clone(),
                 ips: d.info.ips.clone(),
+                annotations: d.info.annotations.clone(),
                 profiles: d
                     .info
                     .profiles
@@ -336,8 +490,9 @@ impl Inspector {
     }
 
     /// Counts one pod's inspection, decides, evicts when decided, and reports.
-    async fn decide(&mut self, d: Due, inspected: Inspected) {
+    async fn decide(&mut self, d: Due, mut inspected: Inspected) {
         let info = &d.info;
+        let pinned = inspected.pinned.take();
         let (node, pod) = (self.setup.node.clone(), info.key());
         let sandbox = info.sandbox();
         self.tracker.inspected(&info.uid, &sandbox, d.generation);
@@ -347,10 +502,21 @@ impl Inspector {
         self.metrics
             .pod_inspection_seconds
             .observe(inspected.elapsed.as_secs_f64());
-        let Some(decided) = inspect::combine(&inspected.inspections) else {
+        let profiles = &self.setup.profiles;
+        let Some(decided) =
+            inspect::combine(&inspected.inspections, |p| info.has_proxy(profiles, p))
+        else {
             return;
         };
-        let summary = inspect::summary(decided, inspected.netns.as_deref());
+        let has_proxy = info.has_proxy(profiles, &decided.profile);
+        let mut summary = inspect::summary(decided, inspected.netns.as_deref());
+        if !has_proxy {
+            let wanted = profiles
+                .get(&decided.profile)
+                .map(|p| p.proxy_containers.join(" or "))
+                .unwrap_or_default();
+            summary.push_str(&format!(" (the pod has no {wanted} container)"));
+        }
         let profile = decided.profile.clone();
         let now = self.now();
         match decided.verdict {
@@ -373,6 +539,7 @@ impl Inspector {
         };
         let candidate = Candidate {
             verdict: Verdict::Missing,
+            has_proxy,
             owned: info.owned,
             key: &key,
         };
@@ -395,6 +562,15 @@ impl Inspector {
             }
             Decision::Skip(why) => Outcome::Skipped(why),
             Decision::Evict { token } => {
+                // The verdict is about the namespace that was read: act only while the
+                // pod's path still leads to it and it still holds the pod's IPs (a
+                // recycled pid or a re-created sandbox must never get a pod evicted).
+                if let Err(why) = confirm(pinned, info).await {
+                    self.limiter.refund(token);
+                    let retry = self.tracker.unknown(&info.uid, now);
+                    tracing::warn!(node = %node, pod = %pod, %profile, %why, retry_in_ms = retry.map(|r| r.as_millis() as u64), "not evicting: the pod's network namespace changed since it was inspected");
+                    return;
+                }
                 tracing::info!(node = %node, pod = %pod, %profile, detect_ms, "evicting: mesh redirects missing");
                 let answer = eviction::evict(
                     &self.client,

@@ -2,28 +2,36 @@
 //! inspection now.
 //!
 //! In: `Pod` objects from the node-scoped watch (converted by [`PodInfo::from_pod`], so the
-//! full objects are dropped at once and memory stays flat), the node verdict's generation,
-//! and the results of inspections and eviction attempts. Out: the pods due for inspection
-//! ([`Tracker::due`]) and when the next deferred retry is due ([`Tracker::next_retry`]).
+//! full objects are dropped at once and memory stays flat), the labels of their namespaces
+//! when a profile selects on them, the node verdict's generation, and the results of
+//! inspections and eviction attempts. Out: the pods due for inspection ([`Tracker::due`])
+//! and when the next deferred retry is due ([`Tracker::next_retry`]).
 //!
 //! A pod is inspected once it runs with IPs, and again when its sandbox changes (IPs or
-//! restart count: [`PodInfo::sandbox`]), when the node's verdict changes, or when a deferred
-//! eviction (PDB refusal, rate limit, failed call) or an `unknown` verdict is retried. Pods
-//! that no profile selects, hostNetwork pods (no netns of their own) and terminating pods
-//! are never inspected. Pure: the clock is a `Duration` since an arbitrary origin.
+//! restart count: [`PodInfo::sandbox`]), when the node's verdict changes, when its
+//! namespace's labels change which profiles select it, or when a deferred eviction (PDB
+//! refusal, rate limit, failed call) or an `unknown` verdict is retried. Pods that no profile
+//! selects, hostNetwork pods (no netns of their own) and terminating pods are never
+//! inspected. A pod whose selection hangs on its namespace's labels (`istio-ambient`) is
+//! kept, unselected, until they are known: an unknown namespace never selects. Pure: the
+//! clock is a `Duration` since an arbitrary origin.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
-use meshgate_core::profile::ProfileSet;
+use meshgate_core::profile::{PodView, ProfileSet, Selected};
 
 /// First retry delay after a refusal or an `unknown` verdict; it doubles per consecutive one.
 pub const RETRY_MIN: Duration = Duration::from_secs(2);
 /// Retry delay cap.
 pub const RETRY_MAX: Duration = Duration::from_secs(30);
+/// The annotation `kubectl apply` keeps the whole last applied object in: never read, and
+/// often the largest, so it is not kept.
+const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
 /// How often an `unknown` verdict is retried before the pod is left alone (until its
 /// sandbox or the node verdict changes): a VM-isolated pod stays unknown for good.
 pub const MAX_UNKNOWN_RETRIES: u32 = 3;
@@ -37,8 +45,18 @@ pub struct PodInfo {
     pub name: String,
     /// `metadata.uid`.
     pub uid: String,
+    /// `metadata.labels`, for selecting again when the namespace's labels change.
+    pub labels: BTreeMap<String, String>,
+    /// `metadata.annotations` (without `kubectl apply`'s copy of the object): selection,
+    /// and the rules each mesh writes for this pod follow from them.
+    pub annotations: BTreeMap<String, String>,
+    /// Names of the containers and native sidecars (init containers with
+    /// `restartPolicy: Always`): does it run its mesh's proxy?
+    pub containers: Vec<String>,
     /// Names of the profiles that select the pod, in profile order.
     pub profiles: Vec<String>,
+    /// True when some profile's selection of this pod hangs on its namespace's labels.
+    pub namespace_dependent: bool,
     /// True when an ownerReference has `controller: true`: something recreates the pod.
     pub owned: bool,
     /// `spec.hostNetwork`: the pod shares the node's netns, there is nothing to inspect.
@@ -55,13 +73,30 @@ pub struct PodInfo {
 
 impl PodInfo {
     /// Reads a pod; `None` when it lacks a name, namespace or UID (never from the API).
-    pub fn from_pod(pod: &Pod, profiles: &ProfileSet) -> Option<Self> {
+    /// `namespace_labels` are its namespace's labels, `None` when not known (yet).
+    pub fn from_pod(
+        pod: &Pod,
+        profiles: &ProfileSet,
+        namespace_labels: Option<&BTreeMap<String, String>>,
+    ) -> Option<Self> {
         let namespace = pod.metadata.namespace.clone()?;
         let name = pod.metadata.name.clone()?;
         let uid = pod.metadata.uid.clone()?;
-        let selected = profiles
-            .selecting(pod.labels(), pod.annotations())
-            .map(|p| p.name.clone())
+        let labels = pod.labels().clone();
+        let mut annotations = pod.annotations().clone();
+        annotations.remove(LAST_APPLIED);
+        let containers = pod
+            .spec
+            .iter()
+            .flat_map(|s| {
+                let sidecars = s
+                    .init_containers
+                    .iter()
+                    .flatten()
+                    .filter(|c| c.restart_policy.as_deref() == Some("Always"));
+                s.containers.iter().chain(sidecars)
+            })
+            .map(|c| c.name.clone())
             .collect();
         let owned = pod
             .metadata
@@ -98,24 +133,69 @@ impl PodInfo {
             .flatten()
             .map(|c| u32::try_from(c.restart_count).unwrap_or(0))
             .fold(0u32, u32::saturating_add);
-        Some(Self {
+        let mut info = Self {
             namespace,
             name,
             uid,
-            profiles: selected,
+            labels,
+            annotations,
+            containers,
+            profiles: Vec::new(),
+            namespace_dependent: false,
             owned,
             host_network,
             running,
             terminating: pod.metadata.deletion_timestamp.is_some(),
             ips,
             restarts,
-        })
+        };
+        info.reselect(profiles, namespace_labels);
+        Some(info)
     }
 
-    /// True when the pod is worth tracking at all: a profile selects it and it has a netns
+    /// Selects the profiles again, with the namespace's labels as now known. Only a
+    /// certain selection counts: an unknown namespace never selects (never inspected, never
+    /// evicted) until its labels arrive.
+    pub fn reselect(
+        &mut self,
+        profiles: &ProfileSet,
+        namespace_labels: Option<&BTreeMap<String, String>>,
+    ) {
+        let view = PodView {
+            labels: &self.labels,
+            annotations: &self.annotations,
+            namespace_labels,
+        };
+        self.profiles = profiles
+            .selection(view)
+            .filter(|(_, s)| *s == Selected::Yes)
+            .map(|(p, _)| p.name.clone())
+            .collect();
+        let blind = PodView {
+            namespace_labels: None,
+            ..view
+        };
+        self.namespace_dependent = profiles
+            .selection(blind)
+            .any(|(_, s)| s == Selected::Unknown);
+    }
+
+    /// True when it runs a proxy container of profile `name` (or that mesh has none).
+    pub fn has_proxy(&self, profiles: &ProfileSet, name: &str) -> bool {
+        profiles
+            .get(name)
+            .is_none_or(|p| p.proxy_present(self.containers.iter().map(String::as_str)))
+    }
+
+    /// True when the pod is to be inspected at all: a profile selects it and it has a netns
     /// of its own.
     pub fn relevant(&self) -> bool {
         !self.profiles.is_empty() && !self.host_network
+    }
+
+    /// True when the tracker keeps it: relevant, or a namespace label may make it so.
+    pub fn tracked(&self) -> bool {
+        !self.host_network && (!self.profiles.is_empty() || self.namespace_dependent)
     }
 
     /// True when its netns can be inspected now: running with IPs, not being deleted.
@@ -200,19 +280,49 @@ impl Tracker {
         self.listed
     }
 
-    /// Number of tracked (selected, non-hostNetwork) pods.
+    /// Number of selected, non-hostNetwork pods (pods kept only until their namespace's
+    /// labels are known do not count).
     pub fn len(&self) -> usize {
-        self.pods.len()
+        self.pods.values().filter(|e| e.info.relevant()).count()
     }
 
-    /// True when no pod is tracked.
+    /// True when no pod is selected.
     pub fn is_empty(&self) -> bool {
-        self.pods.is_empty()
+        self.len() == 0
     }
 
-    /// UIDs of the tracked pods.
+    /// UIDs of every kept pod.
     pub fn uids(&self) -> BTreeSet<String> {
         self.pods.keys().cloned().collect()
+    }
+
+    /// A namespace's labels are known now (or changed, or it is gone: `None`): selects its
+    /// pods again. A pod newly selected is due at once; one that lost its selection is no
+    /// longer inspected. Returns how many pods changed selection.
+    pub fn reselect_namespace(
+        &mut self,
+        namespace: &str,
+        profiles: &ProfileSet,
+        labels: Option<&BTreeMap<String, String>>,
+        now: Duration,
+    ) -> usize {
+        let mut changed = 0;
+        for e in self.pods.values_mut() {
+            if e.info.namespace != namespace {
+                continue;
+            }
+            let before = e.info.profiles.clone();
+            e.info.reselect(profiles, labels);
+            if e.info.profiles != before {
+                changed += 1;
+                // Inspected for other profiles before (or never): inspect again.
+                e.inspected = None;
+                e.retry_at = None;
+                e.failures = 0;
+                e.ready_since = e.info.inspectable().then_some(now);
+            }
+        }
+        changed
     }
 
     /// The node's verdict changed: every pod is inspected again.
@@ -225,7 +335,7 @@ impl Tracker {
         if let Some(seen) = self.relist.as_mut() {
             seen.insert(info.uid.clone());
         }
-        if !info.relevant() {
+        if !info.tracked() {
             self.pods.remove(&info.uid);
             return;
         }
@@ -402,7 +512,8 @@ mod tests {
     }
 
     fn info(p: &Pod) -> PodInfo {
-        PodInfo::from_pod(p, &ProfileSet::all_builtin()).expect("identity")
+        // The namespace is known and carries no mesh label.
+        PodInfo::from_pod(p, &ProfileSet::all_builtin(), Some(&BTreeMap::new())).expect("identity")
     }
 
     fn secs(s: u64) -> Duration {
@@ -467,7 +578,10 @@ mod tests {
         // No identity, no info.
         let mut p = meshed("d", "10.1.0.8");
         p.metadata.uid = None;
-        assert_eq!(PodInfo::from_pod(&p, &ProfileSet::all_builtin()), None);
+        assert_eq!(
+            PodInfo::from_pod(&p, &ProfileSet::all_builtin(), None),
+            None
+        );
     }
 
     #[test]
@@ -649,6 +763,123 @@ mod tests {
         assert!(t.should_publish("uid-a", "s1", "Evict"));
         assert!(t.should_publish("uid-a", "s2", "Evict"));
         assert!(!t.should_publish("uid-gone", "s1", "Evict"));
+    }
+
+    /// A pod as Istio's ambient mode meets it: no mesh label of its own, enrolled by its
+    /// namespace's `istio.io/dataplane-mode=ambient`.
+    fn ambient_candidate(name: &str, ip: &str) -> Pod {
+        let mut p = meshed(name, ip);
+        p.metadata.labels = Some(BTreeMap::from([("app".to_string(), "web".to_string())]));
+        p
+    }
+
+    #[test]
+    fn a_namespace_label_selects_its_pods_once_known_and_only_then() {
+        let set = ProfileSet::all_builtin();
+        let p = ambient_candidate("a", "10.1.0.1");
+        let mut t = Tracker::new();
+        t.start_list();
+        // The namespace's labels are not known yet: kept, not selected, not due.
+        let unknown = PodInfo::from_pod(&p, &set, None).unwrap();
+        assert!(unknown.profiles.is_empty() && unknown.namespace_dependent);
+        t.apply(unknown, secs(0));
+        t.finish_list();
+        assert!(t.is_empty());
+        assert!(t.due(secs(1)).is_empty());
+
+        // They arrive: ambient. Selected and due at once.
+        let ambient =
+            BTreeMap::from([("istio.io/dataplane-mode".to_string(), "ambient".to_string())]);
+        assert_eq!(t.reselect_namespace("ns", &set, Some(&ambient), secs(2)), 1);
+        let due = t.due(secs(2));
+        assert_eq!(due.len(), 1);
+        assert_eq!(due[0].info.profiles, ["istio-ambient"]);
+        assert_eq!(due[0].ready_since, secs(2));
+        inspect_all(&mut t, secs(2));
+        // Same labels again: nothing changes, nothing due.
+        assert_eq!(t.reselect_namespace("ns", &set, Some(&ambient), secs(3)), 0);
+        assert!(t.due(secs(3)).is_empty());
+        // Another namespace's change does not touch it.
+        assert_eq!(t.reselect_namespace("other", &set, None, secs(3)), 0);
+
+        // The namespace drops the label: no longer selected, never inspected again.
+        assert_eq!(
+            t.reselect_namespace("ns", &set, Some(&BTreeMap::new()), secs(4)),
+            1
+        );
+        assert!(t.is_empty() && t.due(secs(5)).is_empty());
+
+        // A pod that opted out (dataplane-mode=none) is not selected by its ambient
+        // namespace, and no namespace can change that: it is not even kept.
+        let mut out = ambient_candidate("b", "10.1.0.2");
+        out.metadata
+            .labels
+            .as_mut()
+            .unwrap()
+            .insert("istio.io/dataplane-mode".into(), "none".into());
+        let i = PodInfo::from_pod(&out, &set, Some(&ambient)).unwrap();
+        assert!(i.profiles.is_empty() && !i.namespace_dependent && !i.tracked());
+
+        // With only sidecar profiles, an unlabelled pod is not kept at all.
+        let sidecars = set.clone().select(&["linkerd".into()]).unwrap();
+        let i = PodInfo::from_pod(&p, &sidecars, None).unwrap();
+        assert!(!i.tracked());
+    }
+
+    #[test]
+    fn containers_and_native_sidecars_tell_whether_the_proxy_runs() {
+        let set = ProfileSet::all_builtin();
+        // Labelled by hand (or injection skipped): no linkerd-proxy.
+        let bare = info(&meshed("a", "10.1.0.1"));
+        assert_eq!(bare.containers, ["app"]);
+        assert!(!bare.has_proxy(&set, "linkerd"));
+
+        // As linkerd's injector writes it: the proxy is a container.
+        let mut p = meshed("b", "10.1.0.2");
+        p.spec
+            .as_mut()
+            .unwrap()
+            .containers
+            .push(serde_json::from_value(serde_json::json!({"name": "linkerd-proxy"})).unwrap());
+        assert!(info(&p).has_proxy(&set, "linkerd"));
+
+        // Native sidecar (Kubernetes ≥ 1.29; linkerd's proxy-enable-native-sidecar, Istio's
+        // ENABLE_NATIVE_SIDECARS): an init container with restartPolicy Always counts, a
+        // plain init container of that name does not (it ran to completion before the pod
+        // started).
+        let mut p = meshed("c", "10.1.0.3");
+        p.spec.as_mut().unwrap().init_containers = Some(vec![
+            serde_json::from_value(serde_json::json!({"name": "linkerd-init"})).unwrap(),
+            serde_json::from_value(
+                serde_json::json!({"name": "linkerd-proxy", "restartPolicy": "Always"}),
+            )
+            .unwrap(),
+        ]);
+        assert!(info(&p).has_proxy(&set, "linkerd"));
+        p.spec.as_mut().unwrap().init_containers = Some(vec![
+            serde_json::from_value(serde_json::json!({"name": "linkerd-proxy"})).unwrap(),
+        ]);
+        assert!(!info(&p).has_proxy(&set, "linkerd"));
+
+        // Ambient has no proxy container to look for.
+        assert!(bare.has_proxy(&set, "istio-ambient"));
+    }
+
+    #[test]
+    fn annotations_are_kept_for_the_rules_but_not_kubectls_copy() {
+        let mut p = meshed("a", "10.1.0.1");
+        p.metadata.annotations = Some(BTreeMap::from([
+            (
+                "traffic.sidecar.istio.io/includeInboundPorts".to_string(),
+                String::new(),
+            ),
+            (LAST_APPLIED.to_string(), "{\"huge\": true}".to_string()),
+        ]));
+        let i = info(&p);
+        assert_eq!(
+            i.annotations.keys().collect::<Vec<_>>(),
+            ["traffic.sidecar.istio.io/includeInboundPorts"]
+        );
     }
 
     #[test]
