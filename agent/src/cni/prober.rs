@@ -1,35 +1,52 @@
-//! Finds and runs CNI plugin binaries with `CNI_COMMAND=VERSION`, bounded in time and output.
+//! Finds and runs CNI plugin binaries with `CNI_COMMAND=VERSION`, bounded in time, output
+//! and reach, exactly as libcni v1.3 asks them (`pkg/invoke/exec.go` `GetVersionInfo`).
 //!
-//! In: a plugin type and the config's cniVersion. Out: a `ProbeOutcome` for
-//! `meshgate_core::cni::verify`.
+//! In: a plugin type (a plain file name: anything else is refused before any lookup) and
+//! the verification's deadline. Out: a `ProbeOutcome` for `meshgate_core::cni::verify`.
 //!
-//! - Lookup follows libcni's `FindInPath`: the first *regular file* of that name in bin-dir
-//!   order. A non-regular file of that name is reported only when nothing else is found.
-//! - Only VERSION is ever run (never ADD/DEL/GC), in its own process group, with a fixed
-//!   environment. On timeout the whole group is killed, so a plugin that forks cannot keep
-//!   its pipes open and stall the agent. Output is capped, so a flooding plugin costs
-//!   bounded memory.
-//! - Answers are cached by (path, device, inode, size, mtime, ctime, mode, cniVersion): an
-//!   unchanged binary is not run again, and any rewrite, replace or chmod is re-probed.
-//!   Failures to start and timeouts are not cached, since they may be transient.
+//! - Lookup follows libcni's `FindInPath`: the first *regular file* (after following
+//!   symlinks) named `<bin dir>/<type>`, in bin-dir order; entries that cannot be stat'ed or
+//!   are not regular are passed over. A non-regular file of that name is reported only when
+//!   nothing else is found.
+//! - The plugin gets libcni's VERSION call: stdin `{"cniVersion":"1.1.0"}` (libcni sends
+//!   `version.Current()`, never the config's version), `CNI_COMMAND=VERSION`,
+//!   `CNI_NETNS`/`CNI_IFNAME`/`CNI_PATH` = `dummy`, empty `CNI_CONTAINERID`/`CNI_ARGS`.
+//!   Stdin is written by its own thread after the timer starts, so a plugin that never
+//!   reads cannot block the caller.
+//! - Time: each run gets the smaller of `--probe-timeout` and what is left of the
+//!   verification's overall deadline; nothing runs once the deadline has passed.
+//! - Reach: the plugin runs as PID 1 of a fresh PID namespace (on a short-lived thread that
+//!   `unshare(CLONE_NEWPID)`s, so nothing else is affected). When it exits or is killed the
+//!   kernel SIGKILLs every process left in that namespace, including grandchildren that
+//!   called `setsid` or double-forked: nothing it started survives, ever. Without
+//!   `CAP_SYS_ADMIN` (a non-root `check`) it falls back to its own process group, killed
+//!   always, plus a sweep that SIGKILLs any process still holding its stdout/stderr pipes.
+//! - Output is capped (64 KiB stdout, 4 KiB stderr) and only lengths reach messages.
+//! - Answers are cached by (path, device, inode, size, mtime, ctime, mode): an unchanged
+//!   binary is not run again; any rewrite, replace or chmod is re-probed. Failures to start
+//!   and timeouts are not cached, since they may be transient.
 
 use std::collections::HashMap;
-use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::sync::{Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use meshgate_core::cni::probe::decode_version_reply;
+use meshgate_core::cni::probe::{
+    VERSION_STDIN, decode_error_reply, decode_version_reply, is_plain_name,
+    is_unknown_version_command,
+};
 use meshgate_core::cni::{Broken, ProbeOutcome};
 
 /// Largest VERSION reply kept; real replies are well under 1 KiB.
 const MAX_STDOUT: usize = 64 * 1024;
-/// Largest stderr excerpt kept for messages.
+/// Largest stderr kept (only its length is ever reported).
 const MAX_STDERR: usize = 4 * 1024;
+/// How long pipes may stay open after the plugin is gone before their holders are hunted.
+const PIPE_GRACE: Duration = Duration::from_millis(100);
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct CacheKey {
@@ -40,7 +57,6 @@ struct CacheKey {
     mtime_ns: i128,
     ctime_ns: i128,
     mode: u32,
-    cni_version: String,
 }
 
 /// Runs plugin binaries' VERSION command, with a cache of their answers.
@@ -51,8 +67,15 @@ pub struct Prober {
     cache: Mutex<HashMap<CacheKey, ProbeOutcome>>,
 }
 
+/// How one run ended.
+struct Run {
+    status: Option<ExitStatus>,
+    stdout: Vec<u8>,
+    stderr_len: usize,
+}
+
 impl Prober {
-    /// A prober searching `bin_dirs` in order and killing binaries after `timeout`.
+    /// A prober searching `bin_dirs` in order and killing a binary after `timeout`.
     pub fn new(bin_dirs: Vec<PathBuf>, timeout: Duration) -> Self {
         Self {
             bin_dirs,
@@ -66,30 +89,36 @@ impl Prober {
         self.cache.lock().map(|c| c.len()).unwrap_or(0)
     }
 
-    /// Looks up `plugin_type` and asks it for VERSION with `cni_version` on stdin.
-    pub fn probe(&self, plugin_type: &str, cni_version: &str) -> ProbeOutcome {
-        let mut non_regular = None;
+    /// Looks up `plugin_type` and asks it for VERSION, finishing by `deadline`.
+    pub fn probe(&self, plugin_type: &str, deadline: Instant) -> ProbeOutcome {
+        if !is_plain_name(plugin_type) {
+            // The core never asks for these; refusing here too keeps any future caller
+            // from turning a config into "run this path as root".
+            return ProbeOutcome::Broken {
+                path: String::new(),
+                why: Broken::CannotStart("refused: the type is not a plain file name".into()),
+            };
+        }
+        let mut fallback: Option<(PathBuf, Broken)> = None;
         for dir in &self.bin_dirs {
             let path = dir.join(plugin_type);
             match std::fs::metadata(&path) {
-                Ok(meta) if meta.is_file() => return self.probe_file(path, &meta, cni_version),
+                Ok(meta) if meta.is_file() => return self.probe_file(path, &meta, deadline),
                 Ok(_) => {
-                    non_regular.get_or_insert(path);
+                    fallback.get_or_insert((path, Broken::NotRegularFile));
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                // A dangling symlink, a loop, EACCES: FindInPath passes over it too.
                 Err(e) => {
-                    // A dangling symlink, a symlink loop, EACCES: a file is there but unusable.
-                    return ProbeOutcome::Broken {
-                        path: path.display().to_string(),
-                        why: Broken::Failed(format!("cannot stat: {e}")),
-                    };
+                    fallback
+                        .get_or_insert((path, Broken::CannotStart(format!("cannot stat: {e}"))));
                 }
             }
         }
-        match non_regular {
-            Some(path) => ProbeOutcome::Broken {
+        match fallback {
+            Some((path, why)) => ProbeOutcome::Broken {
                 path: path.display().to_string(),
-                why: Broken::NotRegularFile,
+                why,
             },
             None => ProbeOutcome::Missing {
                 searched: self
@@ -105,7 +134,7 @@ impl Prober {
         &self,
         path: PathBuf,
         meta: &std::fs::Metadata,
-        cni_version: &str,
+        deadline: Instant,
     ) -> ProbeOutcome {
         let shown = path.display().to_string();
         let broken = |why| ProbeOutcome::Broken {
@@ -126,12 +155,11 @@ impl Prober {
             mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
             ctime_ns: i128::from(meta.ctime()) * 1_000_000_000 + i128::from(meta.ctime_nsec()),
             mode: meta.mode(),
-            cni_version: cni_version.to_string(),
         };
         if let Some(hit) = self.cache.lock().ok().and_then(|c| c.get(&key).cloned()) {
             return hit;
         }
-        let (outcome, cacheable) = match self.run_version(&path, cni_version) {
+        let (outcome, cacheable) = match self.run_version(&path, deadline) {
             Ok(supported) => (
                 ProbeOutcome::Answered {
                     path: shown.clone(),
@@ -151,69 +179,169 @@ impl Prober {
     }
 
     /// Runs `path` with VERSION. `Err((why, cacheable))` on failure.
-    fn run_version(&self, path: &Path, cni_version: &str) -> Result<Vec<String>, (Broken, bool)> {
-        let cni_path: OsString = std::env::join_paths(&self.bin_dirs).unwrap_or_default();
-        let mut child = Command::new(path)
-            .env_clear()
-            .env("CNI_COMMAND", "VERSION")
-            .env("CNI_PATH", cni_path)
-            .env(
-                "PATH",
-                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            )
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            // Its own process group, so a timeout kills everything it started.
-            .process_group(0)
-            .spawn()
-            .map_err(|e| {
-                let cacheable = e.raw_os_error() == Some(libc::ENOEXEC);
-                (
-                    Broken::Failed(format!("cannot be executed: {e}")),
-                    cacheable,
-                )
-            })?;
-
-        if let Some(mut stdin) = child.stdin.take() {
-            // A plugin that exits without reading gives EPIPE here; its exit status says more.
-            let _ = stdin.write_all(format!("{{\"cniVersion\":\"{cni_version}\"}}").as_bytes());
+    fn run_version(&self, path: &Path, deadline: Instant) -> Result<Vec<String>, (Broken, bool)> {
+        let now = Instant::now();
+        let allowed = self.timeout.min(deadline.saturating_duration_since(now));
+        let after_ms = allowed.as_millis() as u64;
+        if allowed.is_zero() {
+            return Err((Broken::TimedOut { after_ms }, false));
         }
-        let stdout = capture(child.stdout.take(), MAX_STDOUT);
-        let stderr = capture(child.stderr.take(), MAX_STDERR);
-
-        let status = match wait_with_deadline(&mut child, self.timeout) {
-            Some(status) => status,
-            None => {
-                kill_group(&child);
-                let _ = child.wait();
-                return Err((
-                    Broken::TimedOut {
-                        after_ms: self.timeout.as_millis() as u64,
-                    },
-                    false,
-                ));
+        let path = path.to_path_buf();
+        // A short-lived thread, so the PID namespace it unshares for its children is never
+        // inherited by anything else the agent spawns.
+        let worker = std::thread::Builder::new()
+            .name("cni-probe".into())
+            .spawn(move || {
+                // Only this thread's children are affected.
+                let isolated = nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWPID).is_ok();
+                run_isolated(&path, now + allowed, isolated)
+            });
+        let run = match worker.map(|h| h.join()) {
+            Ok(Ok(r)) => r?,
+            _ => {
+                return Err((Broken::CannotStart("the probe thread failed".into()), false));
             }
         };
-        // The pipes close when the plugin exits; a grandchild that escaped the process group
-        // could hold them open, so collect output with a short bound rather than forever.
-        let grace = Duration::from_millis(500);
-        let out = stdout.recv_timeout(grace).unwrap_or_default();
-        let err = stderr.recv_timeout(grace).unwrap_or_default();
+        let Some(status) = run.status else {
+            return Err((Broken::TimedOut { after_ms }, false));
+        };
         if status.success() {
-            return decode_version_reply(&out).map_err(|why| (why, true));
+            return decode_version_reply(&run.stdout).map_err(|why| {
+                (
+                    Broken::BadReply {
+                        why,
+                        len: run.stdout.len(),
+                    },
+                    true,
+                )
+            });
         }
-        // A CNI error reply on stdout explains a non-zero exit better than the status.
-        if let Err(why @ Broken::Failed(_)) = decode_version_reply(&out) {
-            return Err((why, true));
+        // libcni GetVersionInfo: an old plugin that does not know VERSION supports 0.1.0.
+        if is_unknown_version_command(&run.stdout) {
+            return Ok(vec!["0.1.0".to_string()]);
         }
-        let err = String::from_utf8_lossy(&err);
-        let err = err.trim();
-        let mut why = format!("exited with {status}");
-        if !err.is_empty() {
-            why.push_str(&format!(": {}", err.chars().take(300).collect::<String>()));
+        Err((
+            Broken::Failed {
+                status: status.to_string(),
+                cni_code: decode_error_reply(&run.stdout).map(|(code, _)| code),
+                stdout_len: run.stdout.len(),
+                stderr_len: run.stderr_len,
+            },
+            true,
+        ))
+    }
+}
+
+/// Spawns the plugin (PID 1 of a new PID namespace when `isolated`), feeds stdin, collects
+/// output until `deadline`, and leaves nothing it started alive.
+fn run_isolated(path: &Path, deadline: Instant, isolated: bool) -> Result<Run, (Broken, bool)> {
+    let mut child = Command::new(path)
+        .env_clear()
+        .env(
+            "PATH",
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        )
+        .env("CNI_COMMAND", "VERSION")
+        .env("CNI_CONTAINERID", "")
+        .env("CNI_NETNS", "dummy")
+        .env("CNI_ARGS", "")
+        .env("CNI_IFNAME", "dummy")
+        .env("CNI_PATH", "dummy")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        // Its own process group too: the fallback when no PID namespace is available.
+        .process_group(0)
+        .spawn()
+        .map_err(|e| {
+            let cacheable = e.raw_os_error() == Some(libc::ENOEXEC);
+            (Broken::CannotStart(e.to_string()), cacheable)
+        })?;
+    let pid = child.id() as i32;
+    let pipes: Vec<u64> = [
+        child.stdout.as_ref().map(pipe_inode),
+        child.stderr.as_ref().map(pipe_inode),
+    ]
+    .into_iter()
+    .flatten()
+    .flatten()
+    .collect();
+    // Stdin on its own thread, after the timer started: never blocks us, whatever the plugin does.
+    if let Some(mut stdin) = child.stdin.take() {
+        std::thread::spawn(move || {
+            let _ = stdin.write_all(VERSION_STDIN);
+        });
+    }
+    let stdout = capture(child.stdout.take(), MAX_STDOUT);
+    let stderr = capture(child.stderr.take(), MAX_STDERR);
+
+    let status = wait_until(&mut child, deadline);
+    // Always: kill the plugin (PID 1 of its namespace: the kernel then kills the rest) and
+    // its process group, whether it exited, hung or forked.
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    let _ = nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    let _ = child.wait();
+
+    let mut out = stdout.recv_timeout(PIPE_GRACE).ok();
+    let mut err = stderr.recv_timeout(PIPE_GRACE).ok();
+    if out.is_none() || err.is_none() {
+        // Something outside the group (a setsid'd grandchild without a PID namespace) still
+        // holds our pipes: find it by the pipes themselves and kill it.
+        if !isolated {
+            kill_pipe_holders(&pipes);
         }
-        Err((Broken::Failed(why), true))
+        out = out.or_else(|| stdout.recv_timeout(Duration::from_millis(500)).ok());
+        err = err.or_else(|| stderr.recv_timeout(Duration::from_millis(500)).ok());
+    }
+    Ok(Run {
+        status,
+        stdout: out.unwrap_or_default(),
+        stderr_len: err.map(|e| e.len()).unwrap_or(0),
+    })
+}
+
+/// The inode of a pipe end (`pipe:[N]` in /proc/*/fd).
+fn pipe_inode(f: &impl std::os::fd::AsFd) -> Option<u64> {
+    nix::sys::stat::fstat(f.as_fd()).ok().map(|s| s.st_ino)
+}
+
+/// SIGKILLs every process with an fd on one of `pipes` (other than this process).
+fn kill_pipe_holders(pipes: &[u64]) {
+    if pipes.is_empty() {
+        return;
+    }
+    let me = std::process::id();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for p in procs.flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
+            continue;
+        };
+        let holds = fds.flatten().any(|fd| {
+            std::fs::read_link(fd.path()).is_ok_and(|l| {
+                let l = l.to_string_lossy();
+                pipes.iter().any(|ino| l == format!("pipe:[{ino}]"))
+            })
+        });
+        if holds {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
     }
 }
 
@@ -236,14 +364,15 @@ fn capture(pipe: Option<impl Read + Send + 'static>, cap: usize) -> mpsc::Receiv
             }
             let _ = tx.send(kept);
         });
+    } else {
+        let _ = tx.send(Vec::new());
     }
     rx
 }
 
-/// Polls the child until it exits or the deadline passes. Polling (1–10 ms) keeps this free
-/// of signals and extra threads; a VERSION call normally ends within a few milliseconds.
-fn wait_with_deadline(child: &mut Child, timeout: Duration) -> Option<std::process::ExitStatus> {
-    let deadline = Instant::now() + timeout;
+/// Polls the child until it exits or the deadline passes (1–10 ms steps; a VERSION call
+/// normally ends within a few milliseconds). `None` when it did not exit in time.
+fn wait_until(child: &mut std::process::Child, deadline: Instant) -> Option<ExitStatus> {
     let mut pause = Duration::from_millis(1);
     loop {
         match child.try_wait() {
@@ -258,9 +387,4 @@ fn wait_with_deadline(child: &mut Child, timeout: Duration) -> Option<std::proce
         std::thread::sleep(pause.min(deadline - now));
         pause = (pause * 2).min(Duration::from_millis(10));
     }
-}
-
-fn kill_group(child: &Child) {
-    let pgid = nix::unistd::Pid::from_raw(child.id() as i32);
-    let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
 }
