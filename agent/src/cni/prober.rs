@@ -186,22 +186,7 @@ impl Prober {
         if allowed.is_zero() {
             return Err((Broken::TimedOut { after_ms }, false));
         }
-        let path = path.to_path_buf();
-        // A short-lived thread, so the PID namespace it unshares for its children is never
-        // inherited by anything else the agent spawns.
-        let worker = std::thread::Builder::new()
-            .name("cni-probe".into())
-            .spawn(move || {
-                // Only this thread's children are affected.
-                let isolated = nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWPID).is_ok();
-                run_isolated(&path, now + allowed, isolated)
-            });
-        let run = match worker.map(|h| h.join()) {
-            Ok(Ok(r)) => r?,
-            _ => {
-                return Err((Broken::CannotStart("the probe thread failed".into()), false));
-            }
-        };
+        let run = run_isolated(path, now + allowed)?;
         let Some(status) = run.status else {
             return Err((Broken::TimedOut { after_ms }, false));
         };
@@ -232,10 +217,30 @@ impl Prober {
     }
 }
 
-/// Spawns the plugin (PID 1 of a new PID namespace when `isolated`), feeds stdin, collects
-/// output until `deadline`, and leaves nothing it started alive.
-fn run_isolated(path: &Path, deadline: Instant, isolated: bool) -> Result<Run, (Broken, bool)> {
-    let mut child = Command::new(path)
+/// Spawns the plugin from a short-lived thread that first moves its future children into a
+/// new PID namespace: only that thread's children are affected, and it exits right after
+/// the spawn (a thread whose children go to another PID namespace cannot create threads,
+/// so everything else happens here). Returns the child and whether it is isolated.
+fn spawn_isolated(path: &Path) -> Result<(std::process::Child, bool), (Broken, bool)> {
+    let path = path.to_path_buf();
+    let worker = std::thread::Builder::new()
+        .name("cni-probe-spawn".into())
+        .spawn(move || {
+            let isolated = nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWPID).is_ok();
+            spawn(&path).map(|c| (c, isolated))
+        });
+    match worker.map(|h| h.join()) {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) | Err(_) => Err((
+            Broken::CannotStart("the probe could not start a thread".into()),
+            false,
+        )),
+    }
+}
+
+/// The plugin as libcni runs it for VERSION, in its own process group.
+fn spawn(path: &Path) -> Result<std::process::Child, (Broken, bool)> {
+    Command::new(path)
         .env_clear()
         .env(
             "PATH",
@@ -256,7 +261,13 @@ fn run_isolated(path: &Path, deadline: Instant, isolated: bool) -> Result<Run, (
         .map_err(|e| {
             let cacheable = e.raw_os_error() == Some(libc::ENOEXEC);
             (Broken::CannotStart(e.to_string()), cacheable)
-        })?;
+        })
+}
+
+/// Runs the plugin (PID 1 of a new PID namespace when possible), feeds stdin, collects
+/// output until `deadline`, and leaves nothing it started alive.
+fn run_isolated(path: &Path, deadline: Instant) -> Result<Run, (Broken, bool)> {
+    let (mut child, isolated) = spawn_isolated(path)?;
     let pid = child.id() as i32;
     let pipes: Vec<u64> = [
         child.stdout.as_ref().map(pipe_inode),

@@ -58,15 +58,17 @@ impl Reader {
         self.used
     }
 
+    /// Takes `n` bytes from the budget, or refuses (leaving it untouched) when they do not fit.
     fn charge(&mut self, n: u64) -> Result<(), SourceError> {
-        self.used = self.used.saturating_add(n);
-        if self.used > self.budget {
-            return Err(SourceError::Undecidable(format!(
-                "reading it would exceed the {}-byte budget for one verification",
-                self.budget
-            )));
+        let after = self.used.saturating_add(n);
+        if after <= self.budget {
+            self.used = after;
+            return Ok(());
         }
-        Ok(())
+        Err(SourceError::Undecidable(format!(
+            "reading it would exceed the {}-byte budget for one verification",
+            self.budget
+        )))
     }
 
     /// Go's `filepath.Join(confDir, rel)`: joined and cleaned lexically, so `..` in a
