@@ -893,7 +893,8 @@ fn messages_never_quote_file_content_or_plugin_output() {
             },
         )
     };
-    let cases: Vec<(Vec<(&str, Vec<u8>)>, VerifyOptions)> = vec![
+    type Case<'a> = (Vec<(&'a str, Vec<u8>)>, VerifyOptions);
+    let cases: Vec<Case> = vec![
         (
             vec![("10.conflist", secret_list.clone().into_bytes())],
             opts(&["linkerd-cni"]),

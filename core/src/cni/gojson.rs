@@ -72,10 +72,8 @@ impl GoValue {
         let mut stack = vec![self];
         while let Some(v) = stack.pop() {
             match v {
-                GoValue::Number(n) => {
-                    if !n.parse::<f64>().is_ok_and(f64::is_finite) {
-                        return false;
-                    }
+                GoValue::Number(n) if !n.parse::<f64>().is_ok_and(f64::is_finite) => {
+                    return false;
                 }
                 GoValue::Array(items) => stack.extend(items.iter()),
                 GoValue::Object(members) => stack.extend(members.iter().map(|(_, v)| v)),
