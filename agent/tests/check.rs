@@ -359,23 +359,28 @@ fn read_pid(path: &Path) -> i32 {
 }
 
 #[test]
-fn setsid_grandchildren_holding_the_pipes_are_killed_always() {
+fn setsid_grandchildren_are_killed_always() {
     let node = Node::new();
     node.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
     let pidfile = node.bin.parent().unwrap().join("escaped.pid");
-    // Double fork + setsid: the grandchild is in its own session and process group, holds
-    // stdout/stderr open, and outlives its parent. The plugin itself answers correctly.
-    // The escapee records its host PID (/proc/self is the host's procfs even inside a PID
-    // namespace) and the plugin answers only once it has.
-    let escape = format!(
-        "( setsid sh -c 'read pid rest < /proc/self/stat; echo $pid > {p}.tmp; mv {p}.tmp {p}; exec sleep 300' & )\nwhile [ ! -s {p} ]; do sleep 0.01; done\n",
-        p = pidfile.display()
+    // Double fork + setsid: the grandchild is in its own session and process group and
+    // outlives its parent. It records its host PID (/proc/self is the host's procfs even
+    // inside a PID namespace); the plugin answers only once it has.
+    let escape = |redirect: &str| {
+        format!(
+            "( setsid sh -c 'read pid rest < /proc/self/stat; echo $pid > {p}.tmp; mv {p}.tmp {p}; exec sleep 300' {redirect} & )\nwhile [ ! -s {p} ]; do sleep 0.01; done\n",
+            p = pidfile.display()
+        )
+    };
+    let answer = GOOD.trim_start_matches("#!/bin/sh\ncat >/dev/null\n");
+
+    // 1. The escapee closed its stdio (a proper daemon): Go's cmd.Run returns as soon as
+    //    the plugin exits, so the answer counts, and the escapee is killed anyway.
+    let daemon = format!(
+        "#!/bin/sh\ncat >/dev/null\n{}{answer}",
+        escape("</dev/null >/dev/null 2>&1")
     );
-    let script = format!(
-        "#!/bin/sh\ncat >/dev/null\n{escape}{}",
-        GOOD.trim_start_matches("#!/bin/sh\ncat >/dev/null\n"),
-    );
-    node.plugin("linkerd-cni", &script);
+    node.plugin("linkerd-cni", &daemon);
     let (code, json, took) = node.check(&["--probe-timeout", "2s"]);
     assert_eq!(json["reason"], "Verified", "{json}");
     assert_eq!(code, 0);
@@ -384,12 +389,35 @@ fn setsid_grandchildren_holding_the_pipes_are_killed_always() {
         !alive(pid),
         "the setsid grandchild {pid} survived the probe"
     );
-    assert!(took < Duration::from_secs(3), "took {took:?}");
+    assert!(took < Duration::from_secs(2), "took {took:?}");
 
-    // The same escapee from a plugin that hangs: killed at the deadline, not after 300 s.
+    // 2. The escapee holds the plugin's stdout/stderr: libcni would wait for it, so the
+    //    plugin is broken; it and the escapee are killed at the deadline.
     fs::remove_file(&pidfile).unwrap();
-    let hanging = format!("#!/bin/sh\n{escape}exec sleep 300\n");
-    node.plugin("linkerd-cni", &hanging);
+    node.plugin(
+        "linkerd-cni",
+        &format!("#!/bin/sh\ncat >/dev/null\n{}{answer}", escape("")),
+    );
+    let (code, json, took) = node.check(&["--probe-timeout", "1s"]);
+    assert_eq!(code, 1);
+    assert_eq!(json["reason"], "PluginBinaryBroken", "{json}");
+    assert!(
+        json["message"]
+            .as_str()
+            .unwrap()
+            .contains("kept its output open past 1000 ms"),
+        "{json}"
+    );
+    assert!(took < Duration::from_secs(2), "took {took:?}");
+    let pid = read_pid(&pidfile);
+    assert!(!alive(pid), "the setsid grandchild {pid} survived");
+
+    // 3. The same escapee from a plugin that hangs: killed at the deadline, not after 300 s.
+    fs::remove_file(&pidfile).unwrap();
+    node.plugin(
+        "linkerd-cni",
+        &format!("#!/bin/sh\n{}exec sleep 300\n", escape("")),
+    );
     let (code, json, took) = node.check(&["--probe-timeout", "1s"]);
     assert_eq!(code, 1);
     assert_eq!(json["reason"], "PluginBinaryBroken", "{json}");
@@ -479,14 +507,14 @@ fn plugins_get_exactly_libcnis_version_call() {
         fs::read_to_string(seen.with_extension("env")).unwrap(),
         "CNI_ARGS=\nCNI_COMMAND=VERSION\nCNI_CONTAINERID=\nCNI_IFNAME=dummy\nCNI_NETNS=dummy\nCNI_PATH=dummy\n"
     );
-    // As root the plugin is PID 1 of its own PID namespace (what makes "kill everything it
-    // started" hold for setsid'd grandchildren).
+    // As root the plugin runs in its own PID namespace, as PID 2 under meshgate's minimal
+    // init (PID 1): what makes "kill everything it started" hold for setsid'd grandchildren.
     if nix::unistd::geteuid().is_root() {
         assert_eq!(
             fs::read_to_string(seen.with_extension("pid"))
                 .unwrap()
                 .trim(),
-            "1"
+            "2"
         );
     }
 }

@@ -28,10 +28,11 @@
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::os::unix::process::CommandExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Mutex, mpsc};
 use std::time::{Duration, Instant};
 
@@ -40,6 +41,8 @@ use meshgate_core::cni::probe::{
     is_unknown_version_command,
 };
 use meshgate_core::cni::{Broken, ProbeOutcome};
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
 
 /// Largest VERSION reply kept; real replies are well under 1 KiB.
 const MAX_STDOUT: usize = 64 * 1024;
@@ -69,7 +72,11 @@ pub struct Prober {
 
 /// How one run ended.
 struct Run {
+    /// The plugin's own wait status, once it exited.
     status: Option<ExitStatus>,
+    /// True when the plugin exited but something it started kept stdout/stderr open until
+    /// the deadline (libcni's exec would still be waiting for EOF).
+    held_output: bool,
     stdout: Vec<u8>,
     stderr_len: usize,
 }
@@ -187,6 +194,9 @@ impl Prober {
             return Err((Broken::TimedOut { after_ms }, false));
         }
         let run = run_isolated(path, now + allowed)?;
+        if run.held_output {
+            return Err((Broken::HeldOutput { after_ms }, false));
+        }
         let Some(status) = run.status else {
             return Err((Broken::TimedOut { after_ms }, false));
         };
@@ -220,14 +230,15 @@ impl Prober {
 /// Spawns the plugin from a short-lived thread that first moves its future children into a
 /// new PID namespace: only that thread's children are affected, and it exits right after
 /// the spawn (a thread whose children go to another PID namespace cannot create threads,
-/// so everything else happens here). Returns the child and whether it is isolated.
-fn spawn_isolated(path: &Path) -> Result<(std::process::Child, bool), (Broken, bool)> {
+/// so everything else happens on the caller's thread). Returns the child (the namespace's
+/// init, see [`spawn`]) and whether it is isolated.
+fn spawn_isolated(path: &Path, status_w: OwnedFd) -> Result<(Child, bool), (Broken, bool)> {
     let path = path.to_path_buf();
     let worker = std::thread::Builder::new()
         .name("cni-probe-spawn".into())
         .spawn(move || {
             let isolated = nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWPID).is_ok();
-            spawn(&path).map(|c| (c, isolated))
+            spawn(&path, status_w).map(|c| (c, isolated))
         });
     match worker.map(|h| h.join()) {
         Ok(Ok(r)) => r,
@@ -238,10 +249,19 @@ fn spawn_isolated(path: &Path) -> Result<(std::process::Child, bool), (Broken, b
     }
 }
 
-/// The plugin as libcni runs it for VERSION, in its own process group.
-fn spawn(path: &Path) -> Result<std::process::Child, (Broken, bool)> {
-    Command::new(path)
-        .env_clear()
+/// Starts a minimal init that starts the plugin as libcni runs it for VERSION.
+///
+/// The direct child forks once more (in `pre_exec`, async-signal-safe calls only): the
+/// grandchild execs the plugin; the child stays as PID 1 of the new namespace, drops every
+/// fd but `status_w` (so it holds neither the plugin's pipes nor std's exec-error pipe),
+/// writes the plugin's raw wait status to `status_w` when the plugin exits, then reaps the
+/// plugin's orphans (which the kernel hands to the namespace's init). The caller decides
+/// when the run is over (plugin exited *and* its output reached EOF, as Go's `cmd.Run`
+/// waits for), and then kills the init: the kernel kills everything left in the namespace.
+fn spawn(path: &Path, status_w: OwnedFd) -> Result<Child, (Broken, bool)> {
+    let status_fd = status_w.as_raw_fd();
+    let mut cmd = Command::new(path);
+    cmd.env_clear()
         .env(
             "PATH",
             "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -256,19 +276,80 @@ fn spawn(path: &Path) -> Result<std::process::Child, (Broken, bool)> {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         // Its own process group too: the fallback when no PID namespace is available.
-        .process_group(0)
-        .spawn()
-        .map_err(|e| {
-            let cacheable = e.raw_os_error() == Some(libc::ENOEXEC);
-            (Broken::CannotStart(e.to_string()), cacheable)
-        })
+        .process_group(0);
+    // SAFETY: the closure runs in the forked child before exec and only makes
+    // async-signal-safe system calls (fork, dup2, close_range/close, waitpid, write, _exit);
+    // it allocates nothing and touches no lock.
+    unsafe {
+        cmd.pre_exec(move || {
+            let plugin = libc::fork();
+            if plugin < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if plugin == 0 {
+                // The plugin: status_w is O_CLOEXEC, so exec drops it.
+                return Ok(());
+            }
+            init_loop(plugin, status_fd)
+        });
+    }
+    let child = cmd.spawn().map_err(|e| {
+        let cacheable = e.raw_os_error() == Some(libc::ENOEXEC);
+        (Broken::CannotStart(e.to_string()), cacheable)
+    });
+    // Only the init keeps a write end: EOF on the read end means the init is gone.
+    drop(status_w);
+    child
 }
 
-/// Runs the plugin (PID 1 of a new PID namespace when possible), feeds stdin, collects
-/// output until `deadline`, and leaves nothing it started alive.
+/// The init's whole life (in the forked child; async-signal-safe calls only). Never returns.
+fn init_loop(plugin: libc::pid_t, status_fd: libc::c_int) -> ! {
+    // SAFETY: plain system calls on integers this process owns; see `spawn`.
+    unsafe {
+        // fd 0 becomes the status pipe; everything else (the plugin's pipes, std's
+        // exec-error pipe, which would otherwise block `spawn` until we exit) is closed.
+        libc::dup2(status_fd, 0);
+        if libc::syscall(libc::SYS_close_range, 1u32, u32::MAX, 0u32) != 0 {
+            for fd in 1..4096 {
+                libc::close(fd);
+            }
+        }
+        let mut status: libc::c_int = 0;
+        loop {
+            let r = libc::waitpid(plugin, &mut status, 0);
+            if r == plugin {
+                break;
+            }
+            if r < 0 && *libc::__errno_location() != libc::EINTR {
+                status = -1;
+                break;
+            }
+        }
+        let bytes = status.to_ne_bytes();
+        libc::write(0, bytes.as_ptr().cast(), bytes.len());
+        // Reap the plugin's orphans until none is left (none at all without a namespace).
+        loop {
+            let r = libc::waitpid(-1, std::ptr::null_mut(), 0);
+            if r < 0 && *libc::__errno_location() != libc::EINTR {
+                break;
+            }
+        }
+        libc::_exit(0)
+    }
+}
+
+/// Runs the plugin (in a new PID namespace when possible), feeds stdin, collects output, and
+/// ends as Go's `cmd.Run` would (the plugin exited and both pipes reached EOF) or at
+/// `deadline`; either way nothing it started survives.
 fn run_isolated(path: &Path, deadline: Instant) -> Result<Run, (Broken, bool)> {
-    let (mut child, isolated) = spawn_isolated(path)?;
-    let pid = child.id() as i32;
+    let (status_r, status_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| {
+        (
+            Broken::CannotStart(format!("cannot create a pipe: {e}")),
+            false,
+        )
+    })?;
+    let (mut child, isolated) = spawn_isolated(path, status_w)?;
+    let init = child.id() as i32;
     let pipes: Vec<u64> = [
         child.stdout.as_ref().map(pipe_inode),
         child.stderr.as_ref().map(pipe_inode),
@@ -285,36 +366,70 @@ fn run_isolated(path: &Path, deadline: Instant) -> Result<Run, (Broken, bool)> {
     }
     let stdout = capture(child.stdout.take(), MAX_STDOUT);
     let stderr = capture(child.stderr.take(), MAX_STDERR);
+    let status_rx = read_status(std::fs::File::from(status_r));
 
-    let status = wait_until(&mut child, deadline);
-    // Always: kill the plugin (PID 1 of its namespace: the kernel then kills the rest) and
-    // its process group, whether it exited, hung or forked.
-    let _ = nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid),
-        nix::sys::signal::Signal::SIGKILL,
-    );
-    let _ = nix::sys::signal::killpg(
-        nix::unistd::Pid::from_raw(pid),
-        nix::sys::signal::Signal::SIGKILL,
-    );
-    let _ = child.wait();
-
-    let mut out = stdout.recv_timeout(PIPE_GRACE).ok();
-    let mut err = stderr.recv_timeout(PIPE_GRACE).ok();
-    if out.is_none() || err.is_none() {
-        // Something outside the group (a setsid'd grandchild without a PID namespace) still
-        // holds our pipes: find it by the pipes themselves and kill it.
-        if !isolated {
-            kill_pipe_holders(&pipes);
+    let (mut status, mut out, mut err) = (None, None, None);
+    let mut pause = Duration::from_millis(1);
+    let finished = loop {
+        if status.is_none()
+            && let Ok(s) = status_rx.try_recv()
+        {
+            status = Some(s);
         }
-        out = out.or_else(|| stdout.recv_timeout(Duration::from_millis(500)).ok());
-        err = err.or_else(|| stderr.recv_timeout(Duration::from_millis(500)).ok());
+        if out.is_none() {
+            out = stdout.try_recv().ok();
+        }
+        if err.is_none() {
+            err = stderr.try_recv().ok();
+        }
+        if status.is_some() && out.is_some() && err.is_some() {
+            break true;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            break false;
+        }
+        std::thread::sleep(pause.min(deadline - now));
+        pause = (pause * 2).min(Duration::from_millis(10));
+    };
+    // Always: kill the init (the kernel then kills the rest of its namespace) and the
+    // process group, whether the plugin exited, hung or forked.
+    let _ = nix::sys::signal::kill(Pid::from_raw(init), Signal::SIGKILL);
+    let _ = nix::sys::signal::killpg(Pid::from_raw(init), Signal::SIGKILL);
+    let _ = child.wait();
+    if !finished && !isolated {
+        // Without a namespace, a setsid'd grandchild may still hold our pipes: find it by
+        // the pipes themselves and kill it, so the reader threads end.
+        kill_pipe_holders(&pipes);
     }
+    let held_output = !finished && status.is_some();
+    let status = status.flatten();
+    let out = out.or_else(|| stdout.recv_timeout(PIPE_GRACE).ok());
+    let err = err.or_else(|| stderr.recv_timeout(PIPE_GRACE).ok());
     Ok(Run {
-        status,
+        status: if finished { status } else { None },
+        held_output,
         stdout: out.unwrap_or_default(),
         stderr_len: err.map(|e| e.len()).unwrap_or(0),
     })
+}
+
+/// Reads the init's report of the plugin's wait status: `Some(status)`, or `None` inside
+/// when the init died without reporting (killed, or waitpid failed).
+fn read_status(mut r: std::fs::File) -> mpsc::Receiver<Option<ExitStatus>> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut b = [0u8; 4];
+        let status = match r.read_exact(&mut b) {
+            Ok(()) => match i32::from_ne_bytes(b) {
+                -1 => None,
+                raw => Some(ExitStatus::from_raw(raw)),
+            },
+            Err(_) => None,
+        };
+        let _ = tx.send(status);
+    });
+    rx
 }
 
 /// The inode of a pipe end (`pipe:[N]` in /proc/*/fd).
@@ -379,23 +494,4 @@ fn capture(pipe: Option<impl Read + Send + 'static>, cap: usize) -> mpsc::Receiv
         let _ = tx.send(Vec::new());
     }
     rx
-}
-
-/// Polls the child until it exits or the deadline passes (1–10 ms steps; a VERSION call
-/// normally ends within a few milliseconds). `None` when it did not exit in time.
-fn wait_until(child: &mut std::process::Child, deadline: Instant) -> Option<ExitStatus> {
-    let mut pause = Duration::from_millis(1);
-    loop {
-        match child.try_wait() {
-            Ok(Some(status)) => return Some(status),
-            Ok(None) => {}
-            Err(_) => return None,
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            return None;
-        }
-        std::thread::sleep(pause.min(deadline - now));
-        pause = (pause * 2).min(Duration::from_millis(10));
-    }
 }

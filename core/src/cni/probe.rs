@@ -78,6 +78,12 @@ pub enum Broken {
         /// The time it was given, in milliseconds.
         after_ms: u64,
     },
+    /// It exited, but a process it started kept its stdout or stderr open until the
+    /// deadline: libcni's exec (Go's `cmd.Run`) would still be waiting for EOF.
+    HeldOutput {
+        /// The time it was given, in milliseconds.
+        after_ms: u64,
+    },
     /// It exited 0 but its stdout is not a VERSION reply libcni accepts.
     BadReply {
         /// What is wrong with it.
@@ -126,6 +132,10 @@ impl std::fmt::Display for Broken {
             Broken::TimedOut { after_ms } => write!(
                 f,
                 "did not answer VERSION within {after_ms} ms and was killed with everything it started"
+            ),
+            Broken::HeldOutput { after_ms } => write!(
+                f,
+                "exited, but a process it started kept its output open past {after_ms} ms (libcni waits for that output to end); all were killed"
             ),
             Broken::BadReply { why, len } => {
                 write!(f, "gave an invalid VERSION reply ({len} bytes): {why}")

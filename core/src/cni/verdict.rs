@@ -182,7 +182,7 @@ impl<P: FnMut(&str) -> ProbeOutcome> Binaries<'_, P> {
             }),
             ProbeOutcome::Broken { why, .. } => Err(Problem {
                 reason: Reason::PluginBinaryBroken,
-                timed_out: matches!(why, Broken::TimedOut { .. }),
+                timed_out: matches!(why, Broken::TimedOut { .. } | Broken::HeldOutput { .. }),
                 why: format!("its binary {why}"),
             }),
         }
