@@ -708,3 +708,56 @@ fn symlinked_directories_and_hard_links_cost_one_read_not_hundreds_of_mb() {
         }
     }
 }
+
+#[test]
+fn without_cap_sys_admin_pipe_holders_are_still_killed() {
+    // The fallback path: run `check` as nobody (no PID namespace possible); a setsid'd
+    // grandchild holding the pipes is found through /proc by the pipes it holds.
+    if !nix::unistd::geteuid().is_root() || !Path::new("/usr/bin/setpriv").exists() {
+        eprintln!("skipped: needs root and setpriv");
+        return;
+    }
+    let node = Node::new();
+    node.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
+    let root = node.bin.parent().unwrap().to_path_buf();
+    let pidfile = root.join("escaped.pid");
+    node.plugin(
+        "linkerd-cni",
+        &format!(
+            "#!/bin/sh\n( setsid sh -c 'echo $$ > {p}.tmp; mv {p}.tmp {p}; exec sleep 300' & )\nwhile [ ! -s {p} ]; do sleep 0.01; done\n{}",
+            GOOD.trim_start_matches("#!/bin/sh\ncat >/dev/null\n"),
+            p = pidfile.display()
+        ),
+    );
+    for d in [&root, &node.conf, &node.bin] {
+        fs::set_permissions(d, fs::Permissions::from_mode(0o777)).unwrap();
+    }
+    let start = Instant::now();
+    let out = Command::new("/usr/bin/setpriv")
+        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+        .arg(env!("CARGO_BIN_EXE_meshgate-agent"))
+        .arg("check")
+        .arg("--cni-conf-dir")
+        .arg(&node.conf)
+        .arg("--cni-bin-dir")
+        .arg(&node.bin)
+        .args([
+            "--require-plugin",
+            "linkerd-cni",
+            "--output",
+            "json",
+            "--probe-timeout",
+            "1s",
+        ])
+        .output()
+        .unwrap();
+    let json: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["reason"], "PluginBinaryBroken", "{json}");
+    assert!(start.elapsed() < Duration::from_secs(3));
+    let pid = read_pid(&pidfile);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        !alive(pid),
+        "the setsid grandchild {pid} survived the fallback"
+    );
+}
