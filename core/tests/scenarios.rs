@@ -979,3 +979,19 @@ fn crio_reads_only_as_far_as_the_first_valid_file() {
         .collect();
     assert_eq!(reads, ["05-partial.conflist", "10-calico.conflist"]);
 }
+
+#[test]
+fn long_name_lists_are_capped_in_messages() {
+    let mut src = (0..8).fold(MemSource::new().dir("d"), |s, i| {
+        s.symlink_dir(format!("0{i}-dir.conflist"), "d")
+    });
+    src = src.file("50-calico.conflist", golden("calico-linkerd.conflist"));
+    let v = run_src(&mut src, &crio(&["linkerd-cni"]), &mut Bins::healthy());
+    assert_eq!(v.reason, Reason::Verified, "{}", v.message);
+    assert!(
+        v.message.contains("04-dir.conflist, and 3 more"),
+        "{}",
+        v.message
+    );
+    assert!(!v.message.contains("05-dir"), "{}", v.message);
+}

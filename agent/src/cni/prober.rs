@@ -15,12 +15,15 @@
 //!   reads cannot block the caller.
 //! - Time: each run gets the smaller of `--probe-timeout` and what is left of the
 //!   verification's overall deadline; nothing runs once the deadline has passed.
-//! - Reach: the plugin runs as PID 1 of a fresh PID namespace (on a short-lived thread that
-//!   `unshare(CLONE_NEWPID)`s, so nothing else is affected). When it exits or is killed the
-//!   kernel SIGKILLs every process left in that namespace, including grandchildren that
-//!   called `setsid` or double-forked: nothing it started survives, ever. Without
-//!   `CAP_SYS_ADMIN` (a non-root `check`) it falls back to its own process group, killed
-//!   always, plus a sweep that SIGKILLs any process still holding its stdout/stderr pipes.
+//! - End and reach: the plugin runs under a minimal init that is PID 1 of a fresh PID
+//!   namespace (spawned from a short-lived thread that `unshare(CLONE_NEWPID)`s, so nothing
+//!   else is affected). The run ends as Go's `cmd.Run` ends, when the plugin has exited and
+//!   its stdout and stderr reached EOF (a process it left holding them makes it
+//!   `HeldOutput`), or at the deadline. Then the init is SIGKILLed and the kernel SIGKILLs
+//!   every process left in the namespace, including grandchildren that called `setsid` or
+//!   double-forked: nothing it started survives, ever. Without `CAP_SYS_ADMIN` (a non-root
+//!   `check`) the process group is killed always, plus a sweep that SIGKILLs any process
+//!   still holding the plugin's stdout/stderr pipes.
 //! - Output is capped (64 KiB stdout, 4 KiB stderr) and only lengths reach messages.
 //! - Answers are cached by (path, device, inode, size, mtime, ctime, mode): an unchanged
 //!   binary is not run again; any rewrite, replace or chmod is re-probed. Failures to start

@@ -131,14 +131,13 @@ struct Problem {
 }
 
 /// Probes each plugin type at most once per verification and judges its answer.
-struct Binaries<'a, P: FnMut(&str) -> ProbeOutcome> {
+struct Binaries<P: FnMut(&str) -> ProbeOutcome> {
     probe: P,
     seen: HashMap<String, ProbeOutcome>,
-    required: &'a [String],
     probed: usize,
 }
 
-impl<P: FnMut(&str) -> ProbeOutcome> Binaries<'_, P> {
+impl<P: FnMut(&str) -> ProbeOutcome> Binaries<P> {
     fn check(&mut self, plugin_type: &str, version: &str) -> Result<(), Problem> {
         if !is_plain_name(plugin_type) {
             return Err(Problem {
@@ -188,15 +187,6 @@ impl<P: FnMut(&str) -> ProbeOutcome> Binaries<'_, P> {
         }
     }
 
-    /// "plugin #2", naming the type only when it is one of the operator's required ones.
-    fn label(&self, index: usize, plugin_type: &str) -> String {
-        if self.required.iter().any(|r| r == plugin_type) {
-            format!("plugin #{} (the required {plugin_type})", index + 1)
-        } else {
-            format!("plugin #{}", index + 1)
-        }
-    }
-
     /// libcni `ValidateNetworkList`: every chain plugin (not IPAM) against the list version.
     fn validate_chain(&mut self, list: &NetConfList) -> Vec<(usize, Problem)> {
         let version = list.version_to_check().to_string();
@@ -241,7 +231,6 @@ pub fn verify(
     let mut bins = Binaries {
         probe,
         seen: HashMap::new(),
-        required: &opts.required,
         probed: 0,
     };
 
@@ -340,7 +329,7 @@ pub fn verify(
                 p.reason,
                 format!(
                     "{}: {}",
-                    bins.label(i, &eff.list.plugins[i].plugin_type),
+                    bins_label(&opts.required, i, &eff.list.plugins[i].plugin_type),
                     p.why
                 ),
             )
@@ -387,11 +376,7 @@ pub fn verify(
             ", {} from drop-in file{} {}",
             eff.drop_ins.len(),
             if eff.drop_ins.len() == 1 { "" } else { "s" },
-            eff.drop_ins
-                .iter()
-                .map(|d| display(d))
-                .collect::<Vec<_>>()
-                .join(", ")
+            name_list(eff.drop_ins.iter())
         ));
     }
     let distinct = bins.seen.len();
@@ -402,16 +387,26 @@ pub fn verify(
     if !eff.skipped.is_empty() {
         message.push_str(&format!(
             "; CRI-O skips the earlier {}",
-            eff.skipped
-                .iter()
-                .map(|s| display(&s.file))
-                .collect::<Vec<_>>()
-                .join(", ")
+            name_list(eff.skipped.iter().map(|s| &s.file))
         ));
     }
     verdict(Reason::Verified, message, Some(file), plugins)
 }
 
+/// At most five names, then a count: a directory of thousands of files must not make a
+/// message of thousands of names.
+fn name_list<'a>(names: impl ExactSizeIterator<Item = &'a Vec<u8>>) -> String {
+    const SHOWN: usize = 5;
+    let total = names.len();
+    let mut out: Vec<String> = names.take(SHOWN).map(|n| display(n)).collect();
+    if total > SHOWN {
+        out.push(format!("and {} more", total - SHOWN));
+    }
+    out.join(", ")
+}
+
+/// "plugin #2", naming the type only when it is one of the operator's `--require-plugin`
+/// names (which come from the flags, not from the file).
 fn bins_label(required: &[String], index: usize, plugin_type: &str) -> String {
     if required.iter().any(|r| r == plugin_type) {
         format!("plugin #{} (the required {plugin_type})", index + 1)
