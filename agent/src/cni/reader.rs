@@ -246,6 +246,21 @@ mod tests {
     }
 
     #[test]
+    fn listed_names_are_charged_to_the_budget() {
+        let dir = tempfile::tempdir().unwrap();
+        for i in 0..100 {
+            fs::write(dir.path().join(format!("zz-{i:03}.bak")), b"").unwrap();
+        }
+        // 100 names of 10 bytes + overhead do not fit in 2000 bytes.
+        let mut r = Reader::new(dir.path(), 1024, 2000);
+        assert!(matches!(r.list(b""), Err(SourceError::Undecidable(_))));
+        assert!(r.bytes_used() <= 2000);
+        let mut r = Reader::new(dir.path(), 1024, 1 << 20);
+        assert_eq!(r.list(b"").unwrap().len(), 100);
+        assert_eq!(r.bytes_used(), 100 * (10 + NAME_OVERHEAD));
+    }
+
+    #[test]
     fn resolve_is_lexical_like_filepath_join() {
         let r = Reader::new(Path::new("/etc/cni/net.d"), 1, 1);
         assert_eq!(r.resolve(b""), PathBuf::from("/etc/cni/net.d"));

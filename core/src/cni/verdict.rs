@@ -33,7 +33,9 @@ pub enum Reason {
     Verified,
     /// No `.conf`, `.conflist` or `.json` file in the config directory.
     NoConfig,
-    /// The effective file cannot be parsed, or has no plugins.
+    /// The effective file does not load as the runtime loads it (not JSON for Go, a wrong
+    /// value type, no plugins, a bad drop-in, ...), CRI-O skips every file, or the file
+    /// cannot be verified (over the read budget, a FIFO or device).
     ConfigInvalid,
     /// The effective config lacks a required plugin type.
     ChainedPluginMissing,
