@@ -136,7 +136,6 @@ struct Problem {
 struct Binaries<P: FnMut(&str) -> ProbeOutcome> {
     probe: P,
     seen: HashMap<String, ProbeOutcome>,
-    probed: usize,
 }
 
 impl<P: FnMut(&str) -> ProbeOutcome> Binaries<P> {
@@ -151,7 +150,6 @@ impl<P: FnMut(&str) -> ProbeOutcome> Binaries<P> {
         let outcome = match self.seen.get(plugin_type) {
             Some(o) => o.clone(),
             None => {
-                self.probed += 1;
                 let o = (self.probe)(plugin_type);
                 self.seen.insert(plugin_type.to_string(), o.clone());
                 o
@@ -233,7 +231,6 @@ pub fn verify(
     let mut bins = Binaries {
         probe,
         seen: HashMap::new(),
-        probed: 0,
     };
 
     let mut validate = |list: &NetConfList| {
