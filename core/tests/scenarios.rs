@@ -995,3 +995,19 @@ fn long_name_lists_are_capped_in_messages() {
     );
     assert!(!v.message.contains("05-dir"), "{}", v.message);
 }
+
+#[test]
+fn containerd_never_reads_a_second_file() {
+    // go-cni loadFromConfDir with max_conf_num = 1 breaks out of the loop after the first
+    // network loads: a broken file sorting second is never read, and does not matter.
+    let mut src = MemSource::new()
+        .file("10-calico.conflist", golden("calico-linkerd.conflist"))
+        .file("20-broken.conflist", b"{".to_vec())
+        .failing(
+            "30-unreadable.conf",
+            SourceError::Undecidable("a FIFO".into()),
+        );
+    let v = run_src(&mut src, &opts(&["linkerd-cni"]), &mut Bins::healthy());
+    assert_eq!(v.reason, Reason::Verified, "{}", v.message);
+    assert_eq!(src.reads, vec![b"10-calico.conflist".to_vec()]);
+}

@@ -223,6 +223,8 @@ mod tests {
         assert_eq!(r.list(b"nowhere"), Err(SourceError::NotFound));
         assert!(matches!(r.list(b"10-a.conflist"), Err(SourceError::Io(_))));
         assert_eq!(r.read(b"net/50-x.conf"), Ok(b"{\"type\":\"x\"}".to_vec()));
+        // A network name with a NUL byte: Go's ReadDir fails (EINVAL), not "missing".
+        assert!(matches!(r.list(b"a\0b"), Err(SourceError::Io(_))));
     }
 
     #[test]
