@@ -1003,10 +1003,8 @@ fn containerd_never_reads_a_second_file() {
     let mut src = MemSource::new()
         .file("10-calico.conflist", golden("calico-linkerd.conflist"))
         .file("20-broken.conflist", b"{".to_vec())
-        .failing(
-            "30-unreadable.conf",
-            SourceError::Undecidable("a FIFO".into()),
-        );
+        .file("30-fifo.conf", Vec::new())
+        .failing("30-fifo.conf", SourceError::Undecidable("a FIFO".into()));
     let v = run_src(&mut src, &opts(&["linkerd-cni"]), &mut Bins::healthy());
     assert_eq!(v.reason, Reason::Verified, "{}", v.message);
     assert_eq!(src.reads, vec![b"10-calico.conflist".to_vec()]);
