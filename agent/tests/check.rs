@@ -450,6 +450,12 @@ fn one_deadline_for_the_whole_verification() {
         took < Duration::from_secs(2),
         "took {took:?} for 5 hanging plugins"
     );
+    // The first plugin used the whole deadline; the other four were never started.
+    let message = json["message"].as_str().unwrap();
+    assert!(
+        message.contains("did not answer VERSION within") && message.contains("and 4 more"),
+        "{json}"
+    );
 }
 
 #[test]

@@ -73,7 +73,8 @@ pub enum Broken {
         /// Bytes it wrote to stderr.
         stderr_len: usize,
     },
-    /// It did not finish before the deadline and was killed with everything it started.
+    /// It did not finish before the deadline and was killed with everything it started
+    /// (`after_ms` 0: it was not run at all, the verification's deadline had passed).
     TimedOut {
         /// The time it was given, in milliseconds.
         after_ms: u64,
@@ -128,6 +129,9 @@ impl std::fmt::Display for Broken {
                     write!(f, ", CNI error code {code}")?;
                 }
                 write!(f, "; {stdout_len} bytes on stdout, {stderr_len} on stderr)")
+            }
+            Broken::TimedOut { after_ms: 0 } => {
+                f.write_str("was not run: the verification's overall deadline had already passed")
             }
             Broken::TimedOut { after_ms } => write!(
                 f,
