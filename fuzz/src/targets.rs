@@ -5,10 +5,12 @@
 //! the *whole* pure path behind the decoder, not just the first parse, because a panic in
 //! selection, assembly or matching on strange-but-decodable input is as fatal to the agent:
 //!
-//! - [`conflist`]: `NetConfList`/`PluginConf` parsing, `select_effective` for containerd and
-//!   CRI-O (with the input as the first file, as a `.conf`, as a CNI 1.1 drop-in plugin, and
-//!   behind an invalid file), then `verify` with a deterministic fake prober; plus the
-//!   VERSION reply decoder on the same bytes.
+//! - [`conflist`]: the Go-compatible JSON parser, `NetConfList`/`PluginConf` parsing,
+//!   `select_effective` for containerd and CRI-O over a lazy in-memory directory (with the
+//!   input as the first file, as a `.conf`, as a CNI 1.1 drop-in plugin, behind an invalid
+//!   file, and beside a symlinked directory), then `verify` with a deterministic fake prober,
+//!   checking that no message quotes the input; plus the VERSION reply decoders on the same
+//!   bytes.
 //! - [`netlink`]: `nftables::decode_buffer` on arbitrary nf_tables dump bytes, then
 //!   `assemble` of every table, chain and rule it decoded, then the reachability matcher for
 //!   every built-in profile and IP family; plus `redirect_port` on the raw bytes.
@@ -23,10 +25,11 @@ use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
 use meshgate_agent::netfilter::{legacy, nftables, redirect_port};
-use meshgate_core::cni::probe::decode_version_reply;
-use meshgate_core::cni::select::{Selection, select_effective};
+use meshgate_core::cni::probe::{decode_error_reply, decode_version_reply};
+use meshgate_core::cni::select::{Selection, Validation, select_effective};
 use meshgate_core::cni::{
-    Broken, DirEntry, NetConfList, PluginConf, ProbeOutcome, Runtime, VerifyOptions, verify,
+    Broken, MemSource, NetConfList, PluginConf, ProbeOutcome, Runtime, VerifyOptions, gojson,
+    verify,
 };
 use meshgate_core::profile::ProfileSet;
 use meshgate_core::rules::{self, Family, IpFamily, Ruleset, Verdict};
@@ -95,6 +98,18 @@ pub fn conflist() -> Target {
                 b"[]",
                 b"{}",
                 b"\"supportedVersions\"",
+                b"\"Type\"",
+                "\"\u{212A}\"".as_bytes(),
+                "\"capabilitie\u{17F}\"".as_bytes(),
+                b"\"capabilities\"",
+                b"\"dns\"",
+                b"\"prevResult\"",
+                b"\"QQMARKQQ\"",
+                b"\"\\ud800\"",
+                b"\"\xff\"",
+                b"\"v1.0.0\"",
+                b"\"1\"",
+                b"\"\"",
                 b"1e999",
                 b"-0",
                 b"\"a/b\"",
@@ -110,7 +125,7 @@ pub fn conflist() -> Target {
 
 /// What the fake prober answers for a plugin type: decided by the type's bytes, so the same
 /// input always meets the same binaries.
-fn fake_probe(plugin: &str, version: &str) -> ProbeOutcome {
+fn fake_probe(plugin: &str) -> ProbeOutcome {
     let h = plugin
         .bytes()
         .fold(7u32, |h, b| h.wrapping_mul(31) ^ u32::from(b));
@@ -130,11 +145,12 @@ fn fake_probe(plugin: &str, version: &str) -> ProbeOutcome {
         _ => ProbeOutcome::Answered {
             path,
             supported: vec![
+                "0.1.0".into(),
                 "0.3.0".into(),
                 "0.3.1".into(),
                 "0.4.0".into(),
                 "1.0.0".into(),
-                version.into(),
+                "1.1.0".into(),
             ],
         },
     }
@@ -144,8 +160,12 @@ const DROP_IN_BASE: &str = r#"{"cniVersion":"1.1.0","name":"mg","plugins":[{"typ
 const GOOD: &str =
     r#"{"cniVersion":"0.3.1","name":"k8s","plugins":[{"type":"calico"},{"type":"linkerd-cni"}]}"#;
 
+/// A marker that must never appear in a verdict message when the input holds it.
+const MARK: &str = "QQMARKQQ";
+
 fn conflist_exec(input: &[u8]) -> u64 {
     let mut sig = Sig::default();
+    sig.add(u64::from(gojson::parse(input).is_ok()));
     sig.add(u64::from(NetConfList::from_conflist_bytes(input).is_ok()));
     if let Ok(list) = NetConfList::from_conf_bytes(input) {
         sig.add(list.plugin_types().len() as u64);
@@ -155,33 +175,39 @@ fn conflist_exec(input: &[u8]) -> u64 {
     }
     sig.add(u64::from(PluginConf::from_bytes(input).is_ok()));
     sig.add(u64::from(decode_version_reply(input).is_ok()));
+    sig.add(u64::from(decode_error_reply(input).is_some()));
 
-    let listings: [Vec<DirEntry>; 4] = [
-        vec![DirEntry::file("10-net.conflist", input)],
-        vec![
-            DirEntry::file("10-net.conf", input),
-            DirEntry::file("20-good.conflist", GOOD),
-        ],
-        vec![
-            DirEntry::file("10-mg.conflist", DROP_IN_BASE),
-            DirEntry::dir("mg", vec![DirEntry::file("50-plugin.conf", input)]),
-        ],
-        vec![
-            DirEntry::file("00-broken.json", &input[..input.len() / 2]),
-            DirEntry::file("05-net.json", input),
-            DirEntry::file("10-good.conflist", GOOD),
-        ],
+    let sources: [MemSource; 5] = [
+        MemSource::new().file("10-net.conflist", input),
+        MemSource::new()
+            .file("10-net.conf", input)
+            .file("20-good.conflist", GOOD),
+        MemSource::new()
+            .file("10-mg.conflist", DROP_IN_BASE)
+            .file("mg/50-plugin.conf", input),
+        MemSource::new()
+            .file("00-broken.json", &input[..input.len() / 2])
+            .file("05-net.json", input)
+            .file("10-good.conflist", GOOD),
+        MemSource::new()
+            .symlink_dir("00-dir.conflist", "d")
+            .dir("d")
+            .file(b"\xff.conflist", input)
+            .file("10-good.conflist", GOOD),
     ];
-    for entries in &listings {
+    let quotes_input = std::str::from_utf8(input).is_ok_and(|s| s.contains(MARK));
+    for src in &sources {
         for runtime in [Runtime::Containerd, Runtime::Crio] {
-            match select_effective(entries, runtime) {
+            let mut s = src.clone();
+            let mut valid = |_: &NetConfList| Validation::Valid;
+            match select_effective(&mut s, runtime, &mut valid) {
                 Selection::Found(eff) => {
                     sig.add(1).add(eff.list.plugins.len().min(8) as u64);
                 }
                 Selection::NoConfig => {
                     sig.add(2);
                 }
-                Selection::Invalid { .. } => {
+                _ => {
                     sig.add(3);
                 }
             }
@@ -190,13 +216,18 @@ fn conflist_exec(input: &[u8]) -> u64 {
                 runtime,
                 required: vec!["linkerd-cni".into()],
             };
-            let v = verify(entries, &opts, fake_probe);
+            let mut s = src.clone();
+            let v = verify(&mut s, &opts, fake_probe);
             // The verdict's own invariant: `verified` exactly when the reason is Verified.
             assert_eq!(
                 v.verified,
                 v.reason == meshgate_core::cni::Reason::Verified,
                 "{v:?}"
             );
+            // Issue 13 item 6: messages never quote file content.
+            if quotes_input {
+                assert!(!v.message.contains(MARK), "{v:?}");
+            }
             sig.str(v.reason.as_str());
         }
     }

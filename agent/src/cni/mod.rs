@@ -3,13 +3,14 @@
 //!
 //! In: [`CniArgs`] (shared by `check` and `run`). Out: a `Verdict`, or an I/O error when the
 //! directory itself cannot be listed (a missing directory is not an error: it is `NoConfig`,
-//! as for the runtime).
+//! as for the runtime). Each verification reads lazily within `--max-verify-bytes` and runs
+//! plugins within one overall `--verify-timeout`.
 
 pub mod prober;
 pub mod reader;
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use meshgate_core::cni::{Runtime, Verdict, VerifyOptions, verify};
 
@@ -51,6 +52,13 @@ pub struct CniArgs {
     /// Config files larger than this are reported as ConfigInvalid without being read.
     #[arg(long, env = "MESHGATE_MAX_CONFIG_BYTES", default_value_t = reader::DEFAULT_MAX_FILE_BYTES)]
     pub max_config_bytes: u64,
+    /// Bytes one verification may list and read in total; past it the verdict is
+    /// ConfigInvalid ("cannot be verified").
+    #[arg(long, env = "MESHGATE_MAX_VERIFY_BYTES", default_value_t = reader::DEFAULT_BUDGET_BYTES)]
+    pub max_verify_bytes: u64,
+    /// Overall time one verification may spend running plugin binaries.
+    #[arg(long, env = "MESHGATE_VERIFY_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub verify_timeout: Duration,
 }
 
 /// `--runtime` values.
@@ -58,7 +66,7 @@ pub struct CniArgs {
 pub enum RuntimeArg {
     /// containerd: the first file wins, an invalid first file is fatal.
     Containerd,
-    /// CRI-O: invalid files are skipped.
+    /// CRI-O: files that fail to load or to validate (plugin binaries) are skipped.
     Crio,
 }
 
@@ -82,12 +90,19 @@ impl CniArgs {
     ///
     /// Blocking: it reads files and runs plugin binaries. Call it from a blocking thread.
     pub fn verify(&self, prober: &Prober) -> std::io::Result<Verdict> {
-        let entries = reader::read_conf_dir(&self.cni_conf_dir, self.max_config_bytes)?;
+        reader::check_listable(&self.cni_conf_dir)?;
+        // One deadline for every plugin this verification runs, set before any of them.
+        let deadline = Instant::now() + self.verify_timeout;
+        let mut source = reader::Reader::new(
+            &self.cni_conf_dir,
+            self.max_config_bytes,
+            self.max_verify_bytes,
+        );
         let opts = VerifyOptions {
             conf_dir: self.cni_conf_dir.display().to_string(),
             runtime: self.runtime.into(),
             required: self.require_plugins.clone(),
         };
-        Ok(verify(&entries, &opts, |t, v| prober.probe(t, v)))
+        Ok(verify(&mut source, &opts, |t| prober.probe(t, deadline)))
     }
 }

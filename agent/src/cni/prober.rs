@@ -1,35 +1,58 @@
-//! Finds and runs CNI plugin binaries with `CNI_COMMAND=VERSION`, bounded in time and output.
+//! Finds and runs CNI plugin binaries with `CNI_COMMAND=VERSION`, bounded in time, output
+//! and reach, exactly as libcni v1.3 asks them (`pkg/invoke/exec.go` `GetVersionInfo`).
 //!
-//! In: a plugin type and the config's cniVersion. Out: a `ProbeOutcome` for
-//! `meshgate_core::cni::verify`.
+//! In: a plugin type (a plain file name: anything else is refused before any lookup) and
+//! the verification's deadline. Out: a `ProbeOutcome` for `meshgate_core::cni::verify`.
 //!
-//! - Lookup follows libcni's `FindInPath`: the first *regular file* of that name in bin-dir
-//!   order. A non-regular file of that name is reported only when nothing else is found.
-//! - Only VERSION is ever run (never ADD/DEL/GC), in its own process group, with a fixed
-//!   environment. On timeout the whole group is killed, so a plugin that forks cannot keep
-//!   its pipes open and stall the agent. Output is capped, so a flooding plugin costs
-//!   bounded memory.
-//! - Answers are cached by (path, device, inode, size, mtime, ctime, mode, cniVersion): an
-//!   unchanged binary is not run again, and any rewrite, replace or chmod is re-probed.
-//!   Failures to start and timeouts are not cached, since they may be transient.
+//! - Lookup follows libcni's `FindInPath`: the first *regular file* (after following
+//!   symlinks) named `<bin dir>/<type>`, in bin-dir order; entries that cannot be stat'ed or
+//!   are not regular are passed over. A non-regular file of that name is reported only when
+//!   nothing else is found.
+//! - The plugin gets libcni's VERSION call: stdin `{"cniVersion":"1.1.0"}` (libcni sends
+//!   `version.Current()`, never the config's version), `CNI_COMMAND=VERSION`,
+//!   `CNI_NETNS`/`CNI_IFNAME`/`CNI_PATH` = `dummy`, empty `CNI_CONTAINERID`/`CNI_ARGS`.
+//!   Stdin is written by its own thread after the timer starts, so a plugin that never
+//!   reads cannot block the caller.
+//! - Time: each run gets the smaller of `--probe-timeout` and what is left of the
+//!   verification's overall deadline; nothing runs once the deadline has passed.
+//! - End and reach: the plugin runs under a minimal init that is PID 1 of a fresh PID
+//!   namespace (spawned from a short-lived thread that `unshare(CLONE_NEWPID)`s, so nothing
+//!   else is affected). The run ends as Go's `cmd.Run` ends, when the plugin has exited and
+//!   its stdout and stderr reached EOF (a process it left holding them makes it
+//!   `HeldOutput`), or at the deadline. Then the init is SIGKILLed and the kernel SIGKILLs
+//!   every process left in the namespace, including grandchildren that called `setsid` or
+//!   double-forked: nothing it started survives, ever. Without `CAP_SYS_ADMIN` (a non-root
+//!   `check`) the process group is killed always, plus a sweep that SIGKILLs any process
+//!   still holding the plugin's stdout/stderr pipes.
+//! - Output is capped (64 KiB stdout, 4 KiB stderr) and only lengths reach messages.
+//! - Answers are cached by (path, device, inode, size, mtime, ctime, mode): an unchanged
+//!   binary is not run again; any rewrite, replace or chmod is re-probed. Failures to start
+//!   and timeouts are not cached, since they may be transient.
 
 use std::collections::HashMap;
-use std::ffi::OsString;
 use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::os::unix::process::CommandExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use meshgate_core::cni::probe::decode_version_reply;
+use meshgate_core::cni::probe::{
+    VERSION_STDIN, decode_error_reply, decode_version_reply, is_plain_name,
+    is_unknown_version_command,
+};
 use meshgate_core::cni::{Broken, ProbeOutcome};
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
 
 /// Largest VERSION reply kept; real replies are well under 1 KiB.
 const MAX_STDOUT: usize = 64 * 1024;
-/// Largest stderr excerpt kept for messages.
+/// Largest stderr kept (only its length is ever reported).
 const MAX_STDERR: usize = 4 * 1024;
+/// How long pipes may stay open after the plugin is gone before their holders are hunted.
+const PIPE_GRACE: Duration = Duration::from_millis(100);
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct CacheKey {
@@ -40,7 +63,6 @@ struct CacheKey {
     mtime_ns: i128,
     ctime_ns: i128,
     mode: u32,
-    cni_version: String,
 }
 
 /// Runs plugin binaries' VERSION command, with a cache of their answers.
@@ -51,8 +73,19 @@ pub struct Prober {
     cache: Mutex<HashMap<CacheKey, ProbeOutcome>>,
 }
 
+/// How one run ended.
+struct Run {
+    /// The plugin's own wait status, once it exited.
+    status: Option<ExitStatus>,
+    /// True when the plugin exited but something it started kept stdout/stderr open until
+    /// the deadline (libcni's exec would still be waiting for EOF).
+    held_output: bool,
+    stdout: Vec<u8>,
+    stderr_len: usize,
+}
+
 impl Prober {
-    /// A prober searching `bin_dirs` in order and killing binaries after `timeout`.
+    /// A prober searching `bin_dirs` in order and killing a binary after `timeout`.
     pub fn new(bin_dirs: Vec<PathBuf>, timeout: Duration) -> Self {
         Self {
             bin_dirs,
@@ -66,30 +99,36 @@ impl Prober {
         self.cache.lock().map(|c| c.len()).unwrap_or(0)
     }
 
-    /// Looks up `plugin_type` and asks it for VERSION with `cni_version` on stdin.
-    pub fn probe(&self, plugin_type: &str, cni_version: &str) -> ProbeOutcome {
-        let mut non_regular = None;
+    /// Looks up `plugin_type` and asks it for VERSION, finishing by `deadline`.
+    pub fn probe(&self, plugin_type: &str, deadline: Instant) -> ProbeOutcome {
+        if !is_plain_name(plugin_type) {
+            // The core never asks for these; refusing here too keeps any future caller
+            // from turning a config into "run this path as root".
+            return ProbeOutcome::Broken {
+                path: String::new(),
+                why: Broken::CannotStart("refused: the type is not a plain file name".into()),
+            };
+        }
+        let mut fallback: Option<(PathBuf, Broken)> = None;
         for dir in &self.bin_dirs {
             let path = dir.join(plugin_type);
             match std::fs::metadata(&path) {
-                Ok(meta) if meta.is_file() => return self.probe_file(path, &meta, cni_version),
+                Ok(meta) if meta.is_file() => return self.probe_file(path, &meta, deadline),
                 Ok(_) => {
-                    non_regular.get_or_insert(path);
+                    fallback.get_or_insert((path, Broken::NotRegularFile));
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                // A dangling symlink, a loop, EACCES: FindInPath passes over it too.
                 Err(e) => {
-                    // A dangling symlink, a symlink loop, EACCES: a file is there but unusable.
-                    return ProbeOutcome::Broken {
-                        path: path.display().to_string(),
-                        why: Broken::Failed(format!("cannot stat: {e}")),
-                    };
+                    fallback
+                        .get_or_insert((path, Broken::CannotStart(format!("cannot stat: {e}"))));
                 }
             }
         }
-        match non_regular {
-            Some(path) => ProbeOutcome::Broken {
+        match fallback {
+            Some((path, why)) => ProbeOutcome::Broken {
                 path: path.display().to_string(),
-                why: Broken::NotRegularFile,
+                why,
             },
             None => ProbeOutcome::Missing {
                 searched: self
@@ -105,7 +144,7 @@ impl Prober {
         &self,
         path: PathBuf,
         meta: &std::fs::Metadata,
-        cni_version: &str,
+        deadline: Instant,
     ) -> ProbeOutcome {
         let shown = path.display().to_string();
         let broken = |why| ProbeOutcome::Broken {
@@ -126,12 +165,11 @@ impl Prober {
             mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
             ctime_ns: i128::from(meta.ctime()) * 1_000_000_000 + i128::from(meta.ctime_nsec()),
             mode: meta.mode(),
-            cni_version: cni_version.to_string(),
         };
         if let Some(hit) = self.cache.lock().ok().and_then(|c| c.get(&key).cloned()) {
             return hit;
         }
-        let (outcome, cacheable) = match self.run_version(&path, cni_version) {
+        let (outcome, cacheable) = match self.run_version(&path, deadline) {
             Ok(supported) => (
                 ProbeOutcome::Answered {
                     path: shown.clone(),
@@ -151,69 +189,288 @@ impl Prober {
     }
 
     /// Runs `path` with VERSION. `Err((why, cacheable))` on failure.
-    fn run_version(&self, path: &Path, cni_version: &str) -> Result<Vec<String>, (Broken, bool)> {
-        let cni_path: OsString = std::env::join_paths(&self.bin_dirs).unwrap_or_default();
-        let mut child = Command::new(path)
-            .env_clear()
-            .env("CNI_COMMAND", "VERSION")
-            .env("CNI_PATH", cni_path)
-            .env(
-                "PATH",
-                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            )
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            // Its own process group, so a timeout kills everything it started.
-            .process_group(0)
-            .spawn()
-            .map_err(|e| {
-                let cacheable = e.raw_os_error() == Some(libc::ENOEXEC);
-                (
-                    Broken::Failed(format!("cannot be executed: {e}")),
-                    cacheable,
-                )
-            })?;
-
-        if let Some(mut stdin) = child.stdin.take() {
-            // A plugin that exits without reading gives EPIPE here; its exit status says more.
-            let _ = stdin.write_all(format!("{{\"cniVersion\":\"{cni_version}\"}}").as_bytes());
+    fn run_version(&self, path: &Path, deadline: Instant) -> Result<Vec<String>, (Broken, bool)> {
+        let now = Instant::now();
+        let allowed = self.timeout.min(deadline.saturating_duration_since(now));
+        let after_ms = allowed.as_millis() as u64;
+        if allowed.is_zero() {
+            return Err((Broken::TimedOut { after_ms }, false));
         }
-        let stdout = capture(child.stdout.take(), MAX_STDOUT);
-        let stderr = capture(child.stderr.take(), MAX_STDERR);
-
-        let status = match wait_with_deadline(&mut child, self.timeout) {
-            Some(status) => status,
-            None => {
-                kill_group(&child);
-                let _ = child.wait();
-                return Err((
-                    Broken::TimedOut {
-                        after_ms: self.timeout.as_millis() as u64,
-                    },
-                    false,
-                ));
-            }
+        let run = run_isolated(path, now + allowed)?;
+        if run.held_output {
+            return Err((Broken::HeldOutput { after_ms }, false));
+        }
+        let Some(status) = run.status else {
+            return Err((Broken::TimedOut { after_ms }, false));
         };
-        // The pipes close when the plugin exits; a grandchild that escaped the process group
-        // could hold them open, so collect output with a short bound rather than forever.
-        let grace = Duration::from_millis(500);
-        let out = stdout.recv_timeout(grace).unwrap_or_default();
-        let err = stderr.recv_timeout(grace).unwrap_or_default();
         if status.success() {
-            return decode_version_reply(&out).map_err(|why| (why, true));
+            return decode_version_reply(&run.stdout).map_err(|why| {
+                (
+                    Broken::BadReply {
+                        why,
+                        len: run.stdout.len(),
+                    },
+                    true,
+                )
+            });
         }
-        // A CNI error reply on stdout explains a non-zero exit better than the status.
-        if let Err(why @ Broken::Failed(_)) = decode_version_reply(&out) {
-            return Err((why, true));
+        // libcni GetVersionInfo: an old plugin that does not know VERSION supports 0.1.0.
+        if is_unknown_version_command(&run.stdout) {
+            return Ok(vec!["0.1.0".to_string()]);
         }
-        let err = String::from_utf8_lossy(&err);
-        let err = err.trim();
-        let mut why = format!("exited with {status}");
-        if !err.is_empty() {
-            why.push_str(&format!(": {}", err.chars().take(300).collect::<String>()));
+        Err((
+            Broken::Failed {
+                status: status.to_string(),
+                cni_code: decode_error_reply(&run.stdout).map(|(code, _)| code),
+                stdout_len: run.stdout.len(),
+                stderr_len: run.stderr_len,
+            },
+            true,
+        ))
+    }
+}
+
+/// Spawns the plugin from a short-lived thread that first moves its future children into a
+/// new PID namespace: only that thread's children are affected, and it exits right after
+/// the spawn (a thread whose children go to another PID namespace cannot create threads,
+/// so everything else happens on the caller's thread). Returns the child (the namespace's
+/// init, see [`spawn`]) and whether it is isolated.
+fn spawn_isolated(path: &Path, status_w: OwnedFd) -> Result<(Child, bool), (Broken, bool)> {
+    let path = path.to_path_buf();
+    let worker = std::thread::Builder::new()
+        .name("cni-probe-spawn".into())
+        .spawn(move || {
+            let isolated = nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWPID).is_ok();
+            spawn(&path, status_w).map(|c| (c, isolated))
+        });
+    match worker.map(|h| h.join()) {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) | Err(_) => Err((
+            Broken::CannotStart("the probe could not start a thread".into()),
+            false,
+        )),
+    }
+}
+
+/// Starts a minimal init that starts the plugin as libcni runs it for VERSION.
+///
+/// The direct child forks once more (in `pre_exec`, async-signal-safe calls only): the
+/// grandchild execs the plugin; the child stays as PID 1 of the new namespace, drops every
+/// fd but `status_w` (so it holds neither the plugin's pipes nor std's exec-error pipe),
+/// writes the plugin's raw wait status to `status_w` when the plugin exits, then reaps the
+/// plugin's orphans (which the kernel hands to the namespace's init). The caller decides
+/// when the run is over (plugin exited *and* its output reached EOF, as Go's `cmd.Run`
+/// waits for), and then kills the init: the kernel kills everything left in the namespace.
+fn spawn(path: &Path, status_w: OwnedFd) -> Result<Child, (Broken, bool)> {
+    let status_fd = status_w.as_raw_fd();
+    let mut cmd = Command::new(path);
+    cmd.env_clear()
+        .env(
+            "PATH",
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        )
+        .env("CNI_COMMAND", "VERSION")
+        .env("CNI_CONTAINERID", "")
+        .env("CNI_NETNS", "dummy")
+        .env("CNI_ARGS", "")
+        .env("CNI_IFNAME", "dummy")
+        .env("CNI_PATH", "dummy")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        // Its own process group too: the fallback when no PID namespace is available.
+        .process_group(0);
+    // SAFETY: the closure runs in the forked child before exec and only makes
+    // async-signal-safe system calls (fork, dup2, close_range/close, waitpid, write, _exit);
+    // it allocates nothing and touches no lock.
+    unsafe {
+        cmd.pre_exec(move || {
+            let plugin = libc::fork();
+            if plugin < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if plugin == 0 {
+                // The plugin: status_w is O_CLOEXEC, so exec drops it.
+                return Ok(());
+            }
+            init_loop(plugin, status_fd)
+        });
+    }
+    let child = cmd.spawn().map_err(|e| {
+        let cacheable = e.raw_os_error() == Some(libc::ENOEXEC);
+        (Broken::CannotStart(e.to_string()), cacheable)
+    });
+    // Only the init keeps a write end: EOF on the read end means the init is gone.
+    drop(status_w);
+    child
+}
+
+/// The init's whole life (in the forked child; async-signal-safe calls only). Never returns.
+fn init_loop(plugin: libc::pid_t, status_fd: libc::c_int) -> ! {
+    // SAFETY: plain system calls on integers this process owns; see `spawn`.
+    unsafe {
+        // fd 0 becomes the status pipe; everything else (the plugin's pipes, std's
+        // exec-error pipe, which would otherwise block `spawn` until we exit) is closed.
+        libc::dup2(status_fd, 0);
+        if libc::syscall(libc::SYS_close_range, 1u32, u32::MAX, 0u32) != 0 {
+            for fd in 1..4096 {
+                libc::close(fd);
+            }
         }
-        Err((Broken::Failed(why), true))
+        let mut status: libc::c_int = 0;
+        loop {
+            let r = libc::waitpid(plugin, &mut status, 0);
+            if r == plugin {
+                break;
+            }
+            if r < 0 && *libc::__errno_location() != libc::EINTR {
+                status = -1;
+                break;
+            }
+        }
+        let bytes = status.to_ne_bytes();
+        libc::write(0, bytes.as_ptr().cast(), bytes.len());
+        // Reap the plugin's orphans until none is left (none at all without a namespace).
+        loop {
+            let r = libc::waitpid(-1, std::ptr::null_mut(), 0);
+            if r < 0 && *libc::__errno_location() != libc::EINTR {
+                break;
+            }
+        }
+        libc::_exit(0)
+    }
+}
+
+/// Runs the plugin (in a new PID namespace when possible), feeds stdin, collects output, and
+/// ends as Go's `cmd.Run` would (the plugin exited and both pipes reached EOF) or at
+/// `deadline`; either way nothing it started survives.
+fn run_isolated(path: &Path, deadline: Instant) -> Result<Run, (Broken, bool)> {
+    let (status_r, status_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| {
+        (
+            Broken::CannotStart(format!("cannot create a pipe: {e}")),
+            false,
+        )
+    })?;
+    let (mut child, isolated) = spawn_isolated(path, status_w)?;
+    let init = child.id() as i32;
+    let pipes: Vec<u64> = [
+        child.stdout.as_ref().map(pipe_inode),
+        child.stderr.as_ref().map(pipe_inode),
+    ]
+    .into_iter()
+    .flatten()
+    .flatten()
+    .collect();
+    // Stdin on its own thread, after the timer started: never blocks us, whatever the plugin does.
+    if let Some(mut stdin) = child.stdin.take() {
+        std::thread::spawn(move || {
+            let _ = stdin.write_all(VERSION_STDIN);
+        });
+    }
+    let stdout = capture(child.stdout.take(), MAX_STDOUT);
+    let stderr = capture(child.stderr.take(), MAX_STDERR);
+    let status_rx = read_status(std::fs::File::from(status_r));
+
+    let (mut status, mut out, mut err) = (None, None, None);
+    let mut pause = Duration::from_millis(1);
+    let finished = loop {
+        if status.is_none()
+            && let Ok(s) = status_rx.try_recv()
+        {
+            status = Some(s);
+        }
+        if out.is_none() {
+            out = stdout.try_recv().ok();
+        }
+        if err.is_none() {
+            err = stderr.try_recv().ok();
+        }
+        if status.is_some() && out.is_some() && err.is_some() {
+            break true;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            break false;
+        }
+        std::thread::sleep(pause.min(deadline - now));
+        pause = (pause * 2).min(Duration::from_millis(10));
+    };
+    // Always: kill the init (the kernel then kills the rest of its namespace) and the
+    // process group, whether the plugin exited, hung or forked.
+    let _ = nix::sys::signal::kill(Pid::from_raw(init), Signal::SIGKILL);
+    let _ = nix::sys::signal::killpg(Pid::from_raw(init), Signal::SIGKILL);
+    let _ = child.wait();
+    if !finished && !isolated {
+        // Without a namespace, a setsid'd grandchild may still hold our pipes: find it by
+        // the pipes themselves and kill it, so the reader threads end.
+        kill_pipe_holders(&pipes);
+    }
+    let held_output = !finished && status.is_some();
+    let status = status.flatten();
+    let out = out.or_else(|| stdout.recv_timeout(PIPE_GRACE).ok());
+    let err = err.or_else(|| stderr.recv_timeout(PIPE_GRACE).ok());
+    Ok(Run {
+        status: if finished { status } else { None },
+        held_output,
+        stdout: out.unwrap_or_default(),
+        stderr_len: err.map(|e| e.len()).unwrap_or(0),
+    })
+}
+
+/// Reads the init's report of the plugin's wait status: `Some(status)`, or `None` inside
+/// when the init died without reporting (killed, or waitpid failed).
+fn read_status(mut r: std::fs::File) -> mpsc::Receiver<Option<ExitStatus>> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut b = [0u8; 4];
+        let status = match r.read_exact(&mut b) {
+            Ok(()) => match i32::from_ne_bytes(b) {
+                -1 => None,
+                raw => Some(ExitStatus::from_raw(raw)),
+            },
+            Err(_) => None,
+        };
+        let _ = tx.send(status);
+    });
+    rx
+}
+
+/// The inode of a pipe end (`pipe:[N]` in /proc/*/fd).
+fn pipe_inode(f: &impl std::os::fd::AsFd) -> Option<u64> {
+    nix::sys::stat::fstat(f.as_fd()).ok().map(|s| s.st_ino)
+}
+
+/// SIGKILLs every process with an fd on one of `pipes` (other than this process).
+fn kill_pipe_holders(pipes: &[u64]) {
+    if pipes.is_empty() {
+        return;
+    }
+    let me = std::process::id();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for p in procs.flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
+            continue;
+        };
+        let holds = fds.flatten().any(|fd| {
+            std::fs::read_link(fd.path()).is_ok_and(|l| {
+                let l = l.to_string_lossy();
+                pipes.iter().any(|ino| l == format!("pipe:[{ino}]"))
+            })
+        });
+        if holds {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
     }
 }
 
@@ -236,31 +493,8 @@ fn capture(pipe: Option<impl Read + Send + 'static>, cap: usize) -> mpsc::Receiv
             }
             let _ = tx.send(kept);
         });
+    } else {
+        let _ = tx.send(Vec::new());
     }
     rx
-}
-
-/// Polls the child until it exits or the deadline passes. Polling (1–10 ms) keeps this free
-/// of signals and extra threads; a VERSION call normally ends within a few milliseconds.
-fn wait_with_deadline(child: &mut Child, timeout: Duration) -> Option<std::process::ExitStatus> {
-    let deadline = Instant::now() + timeout;
-    let mut pause = Duration::from_millis(1);
-    loop {
-        match child.try_wait() {
-            Ok(Some(status)) => return Some(status),
-            Ok(None) => {}
-            Err(_) => return None,
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            return None;
-        }
-        std::thread::sleep(pause.min(deadline - now));
-        pause = (pause * 2).min(Duration::from_millis(10));
-    }
-}
-
-fn kill_group(child: &Child) {
-    let pgid = nix::unistd::Pid::from_raw(child.id() as i32);
-    let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
 }

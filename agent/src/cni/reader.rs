@@ -1,148 +1,177 @@
-//! Reads a CNI config directory into `meshgate_core::cni::DirEntry` values.
+//! Reads the CNI config directory lazily for `meshgate_core::cni::verify`, the way Go's
+//! `os.ReadDir` / `os.ReadFile` would, within a byte budget.
 //!
-//! In: a directory path and a per-file size cap. Out: the config-named entries with their
-//! bytes, and the subdirectories with their `.conf` files (the CNI 1.1 drop-in plugin
-//! directories). Symlinks are followed. Only regular files are ever opened, and they are
-//! opened non-blocking, so a FIFO swapped in at the last moment cannot hang the agent; files
-//! over the cap are not read at all.
+//! In: the config directory, a per-file cap and a per-verification byte budget. Out: a
+//! [`Reader`] implementing `ConfSource`: listings carry raw names and the dirent's own type
+//! (a symlink is never followed to decide "directory", as libcni's `ConfFiles` does not),
+//! and files are read only when the selection asks for them, in the runtime's order. So a
+//! directory of symlinked directories or of hard links to a large file costs one file read,
+//! not all of them.
+//!
+//! - Files are opened `O_NONBLOCK` and checked with `fstat`: a FIFO or device (which Go
+//!   would block on or read forever) is never read and makes the verdict undecidable; a
+//!   directory reached through a symlink fails like Go's `EISDIR`.
+//! - Every byte of every name listed and file read is charged to the budget; past it, or
+//!   past the per-file cap, verification stops as undecidable (never a skip: the runtime
+//!   would load a large file, so skipping it could verify the wrong one).
 
-use std::fs::{self, File, Metadata, OpenOptions};
+use std::ffi::OsStr;
+use std::fs::{self, OpenOptions};
 use std::io::{self, Read};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Component, Path, PathBuf};
 
-use meshgate_core::cni::listing::is_config_name;
-use meshgate_core::cni::{DirEntry, EntryKind};
+use meshgate_core::cni::{ConfSource, Dirent, SourceError};
 
 /// Default cap on one config file: real conflists are a few KiB.
 pub const DEFAULT_MAX_FILE_BYTES: u64 = 1 << 20;
 
-/// At most this many candidates (config-named entries and possible drop-in directories, in
-/// name order) are opened per directory, so a directory flooded with configs costs bounded
-/// time and memory. The runtime loads the first file by name anyway.
-pub const MAX_ENTRIES: usize = 4096;
+/// Default byte budget for one verification (names listed plus files read).
+pub const DEFAULT_BUDGET_BYTES: u64 = 8 << 20;
 
-/// Lists `dir`. A missing directory yields no entries (the runtime treats it the same way:
-/// no config yet); any other listing error is returned.
-pub fn read_conf_dir(dir: &Path, max_file_bytes: u64) -> io::Result<Vec<DirEntry>> {
-    read_dir(dir, max_file_bytes, true, is_config_name)
+/// What one name costs besides its bytes (the `Dirent` itself).
+const NAME_OVERHEAD: u64 = 32;
+
+/// A budgeted, lazy view of one config directory for one verification.
+#[derive(Debug)]
+pub struct Reader {
+    conf_dir: PathBuf,
+    max_file_bytes: u64,
+    budget: u64,
+    used: u64,
 }
 
-fn read_dir(
-    dir: &Path,
-    max_file_bytes: u64,
-    descend: bool,
-    wanted: fn(&str) -> bool,
-) -> io::Result<Vec<DirEntry>> {
-    let listing = match fs::read_dir(dir) {
-        Ok(l) => l,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(e),
-    };
-    // Names first, without a stat: only entries the runtime could load (or that may be a
-    // drop-in directory) are candidates, and the cap applies to them in name order. Capping
-    // the raw listing instead would let a directory flooded with other files hide the file
-    // the runtime really loads: readdir order is arbitrary.
-    let mut candidates: Vec<(String, std::path::PathBuf)> = Vec::new();
-    for entry in listing {
-        let entry = entry?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let maybe_dir = descend
-            && entry
-                .file_type()
-                .is_ok_and(|t| t.is_dir() || t.is_symlink());
-        if wanted(&name) || maybe_dir {
-            candidates.push((name, entry.path()));
+impl Reader {
+    /// A reader of `conf_dir` with a per-file cap and a total budget.
+    pub fn new(conf_dir: &Path, max_file_bytes: u64, budget: u64) -> Self {
+        Self {
+            conf_dir: conf_dir.to_path_buf(),
+            max_file_bytes,
+            budget,
+            used: 0,
         }
     }
-    candidates.sort();
-    let mut out = Vec::new();
-    for (name, path) in candidates.into_iter().take(MAX_ENTRIES) {
-        // fs::metadata follows symlinks: a symlinked config counts as its target.
-        let kind = match fs::metadata(&path) {
-            Err(e) => {
-                if !wanted(&name) {
-                    continue;
-                }
-                EntryKind::Unreadable(e.to_string())
-            }
-            Ok(meta) if meta.is_dir() => {
-                if !descend {
-                    continue;
-                }
-                let files = read_dir(&path, max_file_bytes, false, |n| n.ends_with(".conf"))
-                    .unwrap_or_default();
-                EntryKind::Directory(files)
-            }
-            Ok(meta) => {
-                if !wanted(&name) {
-                    continue;
-                }
-                read_file(&path, &meta, max_file_bytes)
-            }
-        };
-        out.push(DirEntry { name, kind });
-    }
-    Ok(out)
-}
 
-fn read_file(path: &Path, meta: &Metadata, limit: u64) -> EntryKind {
-    if !meta.is_file() {
-        return EntryKind::NotRegular(kind_name(meta).into());
+    /// Bytes charged so far (names and file contents).
+    pub fn bytes_used(&self) -> u64 {
+        self.used
     }
-    if meta.len() > limit {
-        return EntryKind::TooLarge {
-            size: meta.len(),
-            limit,
-        };
+
+    /// Takes `n` bytes from the budget, or refuses (leaving it untouched) when they do not fit.
+    fn charge(&mut self, n: u64) -> Result<(), SourceError> {
+        let after = self.used.saturating_add(n);
+        if after <= self.budget {
+            self.used = after;
+            return Ok(());
+        }
+        Err(SourceError::Undecidable(format!(
+            "reading it would exceed the {}-byte budget for one verification",
+            self.budget
+        )))
     }
-    let file = match OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(path)
-    {
-        Ok(f) => f,
-        Err(e) => return EntryKind::Unreadable(e.to_string()),
-    };
-    match read_capped(file, limit) {
-        Ok(Some(bytes)) => EntryKind::File(bytes),
-        Ok(None) => EntryKind::TooLarge {
-            size: limit + 1,
-            limit,
-        },
-        Err(e) => EntryKind::Unreadable(e.to_string()),
+
+    /// Go's `filepath.Join(confDir, rel)`: joined and cleaned lexically, so `..` in a
+    /// network name climbs the path as written, not through symlinks.
+    fn resolve(&self, rel: &[u8]) -> PathBuf {
+        let mut out: Vec<Component<'_>> = Vec::new();
+        let rel = Path::new(OsStr::from_bytes(rel));
+        for c in self.conf_dir.components().chain(rel.components()) {
+            match c {
+                Component::CurDir => {}
+                Component::ParentDir => match out.last() {
+                    Some(Component::Normal(_)) => {
+                        out.pop();
+                    }
+                    Some(Component::RootDir) => {}
+                    _ => out.push(c),
+                },
+                // A rooted name joins like any other (filepath.Join drops the separator).
+                Component::RootDir if !out.is_empty() => {}
+                other => out.push(other),
+            }
+        }
+        if out.is_empty() {
+            return PathBuf::from(".");
+        }
+        out.iter().collect()
     }
 }
 
-/// Reads at most `limit` bytes; `None` when the file holds more (it grew after the stat).
-fn read_capped(file: File, limit: u64) -> io::Result<Option<Vec<u8>>> {
-    // The path may have been swapped for a FIFO or device between stat and open.
-    let meta = file.metadata()?;
-    if !meta.is_file() {
-        return Err(io::Error::other(format!(
-            "became a {} while being read",
-            kind_name(&meta)
-        )));
-    }
-    let mut buf = Vec::with_capacity(meta.len().min(limit) as usize);
-    file.take(limit + 1).read_to_end(&mut buf)?;
-    Ok((buf.len() as u64 <= limit).then_some(buf))
-}
-
-fn kind_name(meta: &Metadata) -> &'static str {
-    let t = meta.file_type();
-    if t.is_fifo() {
-        "fifo"
-    } else if t.is_socket() {
-        "socket"
-    } else if t.is_block_device() {
-        "block device"
-    } else if t.is_char_device() {
-        "character device"
-    } else if t.is_dir() {
-        "directory"
+fn io_error(e: &io::Error) -> SourceError {
+    if e.kind() == io::ErrorKind::NotFound {
+        SourceError::NotFound
     } else {
-        "special file"
+        SourceError::Io(e.to_string())
+    }
+}
+
+impl ConfSource for Reader {
+    fn list(&mut self, dir: &[u8]) -> Result<Vec<Dirent>, SourceError> {
+        let path = self.resolve(dir);
+        let listing = fs::read_dir(&path).map_err(|e| io_error(&e))?;
+        let mut out = Vec::new();
+        for entry in listing {
+            let entry = entry.map_err(|e| io_error(&e))?;
+            let name = entry.file_name().into_vec();
+            self.charge(name.len() as u64 + NAME_OVERHEAD)?;
+            // The dirent type (lstat semantics when the filesystem does not report one),
+            // exactly Go's DirEntry.IsDir: a symlink to a directory is not a directory.
+            let is_dir = entry.file_type().map_err(|e| io_error(&e))?.is_dir();
+            out.push(Dirent { name, is_dir });
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    fn read(&mut self, rel: &[u8]) -> Result<Vec<u8>, SourceError> {
+        let path = self.resolve(rel);
+        let file = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(|e| io_error(&e))?;
+        let meta = file.metadata().map_err(|e| io_error(&e))?;
+        let t = meta.file_type();
+        if t.is_dir() {
+            return Err(SourceError::Io("is a directory".into()));
+        }
+        if t.is_fifo() || t.is_char_device() || t.is_block_device() || t.is_socket() {
+            return Err(SourceError::Undecidable(
+                "it is a FIFO or device, which the runtime would block on or read forever".into(),
+            ));
+        }
+        if meta.len() > self.max_file_bytes {
+            return Err(SourceError::Undecidable(format!(
+                "it is {} bytes, over the {}-byte limit for one CNI config file",
+                meta.len(),
+                self.max_file_bytes
+            )));
+        }
+        self.charge(meta.len())?;
+        let mut buf = Vec::with_capacity(meta.len() as usize);
+        file.take(self.max_file_bytes + 1)
+            .read_to_end(&mut buf)
+            .map_err(|e| io_error(&e))?;
+        if buf.len() as u64 > self.max_file_bytes {
+            return Err(SourceError::Undecidable(format!(
+                "it grew past the {}-byte limit for one CNI config file while being read",
+                self.max_file_bytes
+            )));
+        }
+        // Charge what really came in beyond the stat size (a file growing while read).
+        self.charge((buf.len() as u64).saturating_sub(meta.len()))?;
+        Ok(buf)
+    }
+}
+
+/// Lists `dir` only to tell "cannot be listed" (an I/O error for the caller) from "missing"
+/// (no config yet, as for the runtime).
+pub fn check_listable(dir: &Path) -> io::Result<()> {
+    match fs::read_dir(dir) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
     }
 }
 
@@ -152,63 +181,93 @@ mod tests {
     use std::os::unix::fs::symlink;
 
     #[test]
-    fn reads_configs_follows_symlinks_and_reports_hostile_entries() {
+    fn lists_raw_names_and_dirent_types_without_following_links() {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         fs::write(d.join("10-a.conflist"), b"{}").unwrap();
-        fs::write(d.join("notes.txt"), b"ignored").unwrap();
-        fs::write(d.join("20-big.conf"), vec![b' '; 2048]).unwrap();
-        symlink(d.join("10-a.conflist"), d.join("15-link.conflist")).unwrap();
-        symlink(d.join("nowhere"), d.join("16-dangling.conf")).unwrap();
-        symlink(d.join("17-loop.conf"), d.join("17-loop.conf")).unwrap();
-        nix::unistd::mkfifo(&d.join("18-fifo.conf"), nix::sys::stat::Mode::S_IRWXU).unwrap();
         fs::create_dir(d.join("net")).unwrap();
         fs::write(d.join("net/50-x.conf"), b"{\"type\":\"x\"}").unwrap();
-        fs::write(d.join("net/readme"), b"ignored").unwrap();
+        symlink(d.join("net"), d.join("05-dir.conflist")).unwrap();
+        let raw = OsStr::from_bytes(b"\xff-raw.conf");
+        fs::write(d.join(raw), b"{}").unwrap();
+        nix::unistd::mkfifo(&d.join("18-fifo.conf"), nix::sys::stat::Mode::S_IRWXU).unwrap();
 
-        let mut entries = read_conf_dir(d, 1024).unwrap();
-        entries.sort_by(|a, b| a.name.cmp(&b.name));
-        let by = |n: &str| entries.iter().find(|e| e.name == n).map(|e| e.kind.clone());
-        assert_eq!(by("10-a.conflist"), Some(EntryKind::File(b"{}".to_vec())));
+        let mut r = Reader::new(d, 1024, 1 << 20);
+        let names: Vec<(Vec<u8>, bool)> = r
+            .list(b"")
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.name, e.is_dir))
+            .collect();
         assert_eq!(
-            by("15-link.conflist"),
-            Some(EntryKind::File(b"{}".to_vec()))
+            names,
+            vec![
+                (b"05-dir.conflist".to_vec(), false),
+                (b"10-a.conflist".to_vec(), false),
+                (b"18-fifo.conf".to_vec(), false),
+                (b"net".to_vec(), true),
+                (b"\xff-raw.conf".to_vec(), false),
+            ]
         );
+        assert_eq!(r.read(b"10-a.conflist"), Ok(b"{}".to_vec()));
+        assert_eq!(r.read(b"\xff-raw.conf"), Ok(b"{}".to_vec()));
         assert_eq!(
-            by("20-big.conf"),
-            Some(EntryKind::TooLarge {
-                size: 2048,
-                limit: 1024
-            })
+            r.read(b"05-dir.conflist"),
+            Err(SourceError::Io("is a directory".into()))
         );
         assert!(matches!(
-            by("16-dangling.conf"),
-            Some(EntryKind::Unreadable(_))
+            r.read(b"18-fifo.conf"),
+            Err(SourceError::Undecidable(_))
         ));
-        assert!(
-            matches!(by("17-loop.conf"), Some(EntryKind::Unreadable(e)) if e.contains("symbolic links"))
-        );
-        assert_eq!(
-            by("18-fifo.conf"),
-            Some(EntryKind::NotRegular("fifo".into()))
-        );
-        assert_eq!(
-            by("net"),
-            Some(EntryKind::Directory(vec![DirEntry::file(
-                "50-x.conf",
-                b"{\"type\":\"x\"}".to_vec()
-            )]))
-        );
-        assert_eq!(by("notes.txt"), None);
+        assert_eq!(r.read(b"nowhere.conf"), Err(SourceError::NotFound));
+        assert_eq!(r.list(b"nowhere"), Err(SourceError::NotFound));
+        assert!(matches!(r.list(b"10-a.conflist"), Err(SourceError::Io(_))));
+        assert_eq!(r.read(b"net/50-x.conf"), Ok(b"{\"type\":\"x\"}".to_vec()));
+        // A network name with a NUL byte: Go's ReadDir fails (EINVAL), not "missing".
+        assert!(matches!(r.list(b"a\0b"), Err(SourceError::Io(_))));
     }
 
     #[test]
-    fn missing_directory_is_empty_not_an_error() {
+    fn budget_and_cap_make_it_undecidable() {
         let dir = tempfile::tempdir().unwrap();
-        assert!(
-            read_conf_dir(&dir.path().join("absent"), 1024)
-                .unwrap()
-                .is_empty()
-        );
+        let d = dir.path();
+        fs::write(d.join("a.conf"), vec![b' '; 600]).unwrap();
+        fs::write(d.join("b.conf"), vec![b' '; 600]).unwrap();
+        fs::write(d.join("big.conf"), vec![b' '; 2048]).unwrap();
+        let mut r = Reader::new(d, 1024, 1000);
+        assert!(r.read(b"a.conf").is_ok());
+        assert!(matches!(
+            r.read(b"b.conf"),
+            Err(SourceError::Undecidable(_))
+        ));
+        let mut r = Reader::new(d, 1024, 1 << 20);
+        assert!(matches!(
+            r.read(b"big.conf"),
+            Err(SourceError::Undecidable(_))
+        ));
+    }
+
+    #[test]
+    fn listed_names_are_charged_to_the_budget() {
+        let dir = tempfile::tempdir().unwrap();
+        for i in 0..100 {
+            fs::write(dir.path().join(format!("zz-{i:03}.bak")), b"").unwrap();
+        }
+        // 100 names of 10 bytes + overhead do not fit in 2000 bytes.
+        let mut r = Reader::new(dir.path(), 1024, 2000);
+        assert!(matches!(r.list(b""), Err(SourceError::Undecidable(_))));
+        assert!(r.bytes_used() <= 2000);
+        let mut r = Reader::new(dir.path(), 1024, 1 << 20);
+        assert_eq!(r.list(b"").unwrap().len(), 100);
+        assert_eq!(r.bytes_used(), 100 * (10 + NAME_OVERHEAD));
+    }
+
+    #[test]
+    fn resolve_is_lexical_like_filepath_join() {
+        let r = Reader::new(Path::new("/etc/cni/net.d"), 1, 1);
+        assert_eq!(r.resolve(b""), PathBuf::from("/etc/cni/net.d"));
+        assert_eq!(r.resolve(b"a/../../x"), PathBuf::from("/etc/cni/x"));
+        assert_eq!(r.resolve(b"../../../../../x"), PathBuf::from("/x"));
+        assert_eq!(r.resolve(b"/etc"), PathBuf::from("/etc/cni/net.d/etc"));
     }
 }

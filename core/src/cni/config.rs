@@ -1,184 +1,430 @@
-//! The CNI network configuration model (`.conflist`, `.conf`, `.json`), parsed with libcni's
-//! rules so that what meshgate calls valid is what the runtime would load.
+//! The CNI network configuration model (`.conflist`, `.conf`, `.json`), loaded with libcni
+//! v1.3's rules (`libcni/conf.go`) so that what meshgate calls loadable is exactly what the
+//! runtime loads.
 //!
 //! In: a file's bytes. Out: a [`NetConfList`] (a `.conf` becomes a one-plugin list, as
-//! libcni's `ConfListFromConf` does) or a [`ConfigError`]. Unknown fields are kept in
-//! `extra` maps, so a parsed config serializes back with everything it had.
+//! libcni's `ConfListFromConf` does) or a [`ConfigError`], whose message never quotes the
+//! file (offsets, indexes and field names only).
+//!
+//! - `.conflist` (`NetworkConfFromBytes`): the document is decoded into a Go
+//!   `map[string]interface{}` (exact keys, last duplicate wins, every number must fit a
+//!   `float64`); `name` must be a string; `cniVersion`, if present, a string; `cniVersions`,
+//!   if present, a list of strings that all parse as versions, and then the list's version
+//!   is the highest of them and `cniVersion` not above [`CURRENT_SPEC_VERSION`];
+//!   `disableCheck`, `disableGC` and `loadOnlyInlinedPlugins` are a bool or a string that
+//!   lower-cases to "true"/"false"; `plugins` is a non-empty list. Each plugin object is
+//!   re-marshalled from the map (sorted keys) and decoded into the typed
+//!   `types.PluginConf`.
+//! - Typed decoding (`types.PluginConf`): Go field matching (exact, then case-folded),
+//!   typed fields (`cniVersion`, `name`, `type` strings; `capabilities` a
+//!   `map[string]bool`; `ipam` an object with a string `type`; `dns` an object of string
+//!   lists and a string `domain`; `prevResult` an object; `cni.dev/valid-attachments` a list
+//!   of objects with string `containerID`/`ifname`); a JSON `null` leaves a field as it was;
+//!   a wrong JSON type anywhere in these is a load error. `type` must end up non-empty.
+//! - `.conf` (`ConfFromBytes` + `ConfListFromConf`): the typed decode on the document as
+//!   written, then the list is rebuilt from the Go map (`name` and `cniVersion` from the
+//!   typed decode) and loaded as a `.conflist` would be.
 
-use serde::{Deserialize, Deserializer, Serialize};
-use serde_json::{Map, Value};
+use super::gojson::{self, GoValue, JsonError};
 
-/// The newest CNI spec version libcni implements; `cniVersions` entries above it are ignored
-/// when the effective version is resolved, as libcni does.
+/// `version.Current()` of libcni v1.3: `cniVersions` entries above it are ignored.
 pub const CURRENT_SPEC_VERSION: &str = "1.1.0";
 
-/// Why a config file is not a loadable network configuration.
+/// Why a config file is not a loadable network configuration. Never quotes the file.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
-    /// Not JSON, or JSON of the wrong shape (missing `name`, `plugins` not a list, a
-    /// boolean field that is neither a bool nor "true"/"false", ...).
-    #[error("cannot be parsed: {0}")]
-    Syntax(String),
-    /// A plugin object has no `type` or an empty one. `None` for a single-plugin `.conf`.
-    #[error("{} has no plugin type", match .0 { Some(i) => format!("plugin #{}", i + 1), None => "the config".to_string() })]
-    MissingType(Option<usize>),
-    /// A plugin `type` contains a path separator, which the CNI spec forbids.
-    #[error("plugin type {0:?} contains a path separator")]
-    TypeWithPath(String),
-    /// `cniVersions` holds an entry that is not a semantic version.
-    #[error("invalid cniVersions entry {0:?}")]
-    InvalidVersion(String),
+    /// Not JSON for Go's decoder.
+    #[error("is not valid JSON: {0}")]
+    Json(#[from] JsonError),
+    /// The document is not a JSON object.
+    #[error("is not a JSON object")]
+    NotAnObject,
+    /// A number anywhere in the document does not fit a float64 (Go's map decoding fails).
+    #[error("holds a number out of float64 range")]
+    NumberOutOfRange,
+    /// A `.conflist` without `name`.
+    #[error("has no \"name\"")]
+    NoName,
+    /// A top-level field of the list has the wrong JSON type.
+    #[error("has a {field:?} of the wrong JSON type ({got})")]
+    ListFieldType {
+        /// The field, as libcni names it.
+        field: &'static str,
+        /// The JSON type found.
+        got: &'static str,
+    },
+    /// An entry of `cniVersions` is not a string.
+    #[error("has cniVersions entry #{} that is not a string", .0 + 1)]
+    CniVersionsEntryType(usize),
+    /// An entry of `cniVersions` does not parse as a version.
+    #[error("has cniVersions entry #{} that is not a version number", .0 + 1)]
+    InvalidCniVersionsEntry(usize),
+    /// `cniVersions` is present and `cniVersion` does not parse as a version.
+    #[error(
+        "has a cniVersion that is not a version number (checked because cniVersions is present)"
+    )]
+    InvalidCniVersion,
+    /// A boolean field is neither a bool nor a "true"/"false" string.
+    #[error("has a {0:?} that is not a boolean")]
+    BadBool(&'static str),
     /// `loadOnlyInlinedPlugins` is true but the list has no `plugins` key.
-    #[error("loadOnlyInlinedPlugins is true and there is no \"plugins\" list")]
+    #[error("sets loadOnlyInlinedPlugins and has no \"plugins\" list")]
     InlinedWithoutPlugins,
     /// `plugins` is present but empty.
-    #[error("the \"plugins\" list is empty")]
+    #[error("has an empty \"plugins\" list")]
     EmptyPluginList,
+    /// A typed plugin field has the wrong JSON type (libcni decodes into `types.PluginConf`).
+    #[error("{}: field {field:?} has the wrong JSON type", plugin_label(*.plugin))]
+    PluginFieldType {
+        /// Index in `plugins`; `None` for a single-plugin file.
+        plugin: Option<usize>,
+        /// The field path, as libcni's struct tags name it.
+        field: &'static str,
+    },
+    /// A plugin has no `type` or an empty one.
+    #[error("{} has no plugin type", plugin_label(*.0))]
+    MissingType(Option<usize>),
 }
 
-/// One plugin configuration object in a chain.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+fn plugin_label(index: Option<usize>) -> String {
+    match index {
+        Some(i) => format!("plugin #{}", i + 1),
+        None => "the plugin object".to_string(),
+    }
+}
+
+/// One plugin configuration object in a chain: the fields libcni's `types.PluginConf`
+/// gives meaning to. Everything else in the object is the plugin's own business.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PluginConf {
-    /// The plugin binary's name in the CNI bin dirs.
-    #[serde(rename = "type", default)]
+    /// `type`: the plugin binary's name in the CNI bin dirs.
     pub plugin_type: String,
-    /// Every other field, preserved as written.
-    #[serde(flatten)]
-    pub extra: Map<String, Value>,
+    /// `ipam.type`: the delegated IPAM plugin's binary, empty when none.
+    pub ipam: String,
+    /// `name`, as the typed decode saw it.
+    pub name: String,
+    /// `cniVersion`, as the typed decode saw it.
+    pub cni_version: String,
 }
 
 impl PluginConf {
     /// The delegated IPAM plugin's type (`ipam.type`), whose binary must exist too.
     pub fn ipam_type(&self) -> Option<&str> {
-        self.extra
-            .get("ipam")?
-            .get("type")?
-            .as_str()
-            .filter(|t| !t.is_empty())
+        Some(self.ipam.as_str()).filter(|t| !t.is_empty())
     }
 
-    /// Parses one plugin object from a drop-in `<network>/*.conf` file.
+    /// Parses one plugin object from a drop-in `<network>/*.conf` file (libcni
+    /// `NetworkPluginConfFromBytes`): the typed decode on the document as written.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, ConfigError> {
-        let p: PluginConf =
-            serde_json::from_slice(bytes).map_err(|e| ConfigError::Syntax(e.to_string()))?;
-        p.validate(None)?;
-        Ok(p)
+        let v = gojson::parse(bytes)?;
+        Self::decode(&v, None)
     }
 
-    fn validate(&self, index: Option<usize>) -> Result<(), ConfigError> {
-        if self.plugin_type.is_empty() {
+    /// Go's `json.Unmarshal` into `types.PluginConf`, then libcni's non-empty `type` check.
+    fn decode(v: &GoValue, index: Option<usize>) -> Result<Self, ConfigError> {
+        let wrong = |field| ConfigError::PluginFieldType {
+            plugin: index,
+            field,
+        };
+        let mut p = PluginConf::default();
+        let members = match v {
+            GoValue::Null => &[][..],
+            GoValue::Object(m) => m.as_slice(),
+            _ => return Err(wrong("(the plugin object)")),
+        };
+        // Go reports the first type error but keeps decoding; the outcome is an error either way.
+        let mut first_err = None;
+        for (key, value) in members {
+            let r = match match_field(key, &PLUGIN_FIELDS) {
+                Some("cniVersion") => set_string(&mut p.cni_version, value),
+                Some("name") => set_string(&mut p.name, value),
+                Some("type") => set_string(&mut p.plugin_type, value),
+                Some("capabilities") => {
+                    check_map_of(value, |e| matches!(e, GoValue::Bool(_) | GoValue::Null))
+                }
+                Some("ipam") => decode_ipam(&mut p.ipam, value),
+                Some("dns") => check_dns(value),
+                Some("prevResult") => check_map_of(value, |_| true)
+                    .and_then(|()| value.numbers_fit_f64().then_some(()).ok_or(())),
+                Some("cni.dev/valid-attachments") => check_attachments(value),
+                _ => Ok(()),
+            };
+            if r.is_err() && first_err.is_none() {
+                let field = match_field(key, &PLUGIN_FIELDS).unwrap_or("(unknown)");
+                first_err = Some(wrong(field));
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        if p.plugin_type.is_empty() {
             return Err(ConfigError::MissingType(index));
         }
-        if self.plugin_type.contains(['/', '\\']) {
-            return Err(ConfigError::TypeWithPath(self.plugin_type.clone()));
+        Ok(p)
+    }
+}
+
+/// The JSON names of `types.PluginConf`'s fields in libcni v1.3 (`pkg/types/types.go`).
+const PLUGIN_FIELDS: [&str; 8] = [
+    "cniVersion",
+    "name",
+    "type",
+    "capabilities",
+    "ipam",
+    "dns",
+    "prevResult",
+    "cni.dev/valid-attachments",
+];
+
+/// Which field a key selects: an exact name first, then a case-folded one (Go).
+fn match_field(key: &str, fields: &[&'static str]) -> Option<&'static str> {
+    fields
+        .iter()
+        .find(|f| **f == key)
+        .or_else(|| fields.iter().find(|f| gojson::field_matches(key, f)))
+        .copied()
+}
+
+/// A Go `string` field: a string sets it, `null` leaves it, anything else is an error.
+fn set_string(slot: &mut String, v: &GoValue) -> Result<(), ()> {
+    match v {
+        GoValue::String(s) => {
+            *slot = s.clone();
+            Ok(())
         }
-        Ok(())
+        GoValue::Null => Ok(()),
+        _ => Err(()),
+    }
+}
+
+/// A Go map field: `null` or an object whose values pass `ok`.
+fn check_map_of(v: &GoValue, ok: impl Fn(&GoValue) -> bool) -> Result<(), ()> {
+    match v {
+        GoValue::Null => Ok(()),
+        GoValue::Object(m) if m.iter().all(|(_, e)| ok(e)) => Ok(()),
+        _ => Err(()),
+    }
+}
+
+/// `[]string`: `null`, or a list of strings and nulls.
+fn check_string_list(v: &GoValue) -> Result<(), ()> {
+    match v {
+        GoValue::Null => Ok(()),
+        GoValue::Array(items)
+            if items
+                .iter()
+                .all(|e| matches!(e, GoValue::String(_) | GoValue::Null)) =>
+        {
+            Ok(())
+        }
+        _ => Err(()),
+    }
+}
+
+/// `types.IPAM{Type string}`, decoded into the existing value (Go decodes a repeated
+/// struct field into the same struct, so an earlier `type` survives a later `{}`).
+fn decode_ipam(slot: &mut String, v: &GoValue) -> Result<(), ()> {
+    match v {
+        GoValue::Null => Ok(()),
+        GoValue::Object(m) => {
+            let mut r = Ok(());
+            for (k, e) in m {
+                if match_field(k, &["type"]).is_some() && set_string(slot, e).is_err() {
+                    r = Err(());
+                }
+            }
+            r
+        }
+        _ => Err(()),
+    }
+}
+
+/// `types.DNS{Nameservers, Search, Options []string; Domain string}`.
+fn check_dns(v: &GoValue) -> Result<(), ()> {
+    const FIELDS: [&str; 4] = ["nameservers", "domain", "search", "options"];
+    match v {
+        GoValue::Null => Ok(()),
+        GoValue::Object(m) => {
+            let mut r = Ok(());
+            for (k, e) in m {
+                let ok = match match_field(k, &FIELDS) {
+                    Some("domain") => set_string(&mut String::new(), e),
+                    Some(_) => check_string_list(e),
+                    None => Ok(()),
+                };
+                if ok.is_err() {
+                    r = Err(());
+                }
+            }
+            r
+        }
+        _ => Err(()),
+    }
+}
+
+/// `[]types.GCAttachment{ContainerID string "containerID"; IfName string "ifname"}`.
+fn check_attachments(v: &GoValue) -> Result<(), ()> {
+    const FIELDS: [&str; 2] = ["containerID", "ifname"];
+    let one = |e: &GoValue| match e {
+        GoValue::Null => true,
+        GoValue::Object(m) => m.iter().all(|(k, x)| {
+            match_field(k, &FIELDS).is_none() || set_string(&mut String::new(), x).is_ok()
+        }),
+        _ => false,
+    };
+    match v {
+        GoValue::Null => Ok(()),
+        GoValue::Array(items) if items.iter().all(one) => Ok(()),
+        _ => Err(()),
     }
 }
 
 /// A network configuration list: what the runtime runs, in order, for every pod sandbox.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NetConfList {
-    /// `cniVersion` as written.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
+    /// libcni's `list.CNIVersion`: `cniVersion`, or the highest supported entry of
+    /// `cniVersions` when that is present. Possibly empty (then plugins are asked for 0.1.0).
     pub cni_version: String,
-    /// `cniVersions` as written (CNI 1.1).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub cni_versions: Vec<String>,
     /// Network name; also names the drop-in plugin directory.
     pub name: String,
     /// If true, runtimes must not call CHECK.
-    #[serde(default, deserialize_with = "bool_or_string")]
     pub disable_check: bool,
     /// If true, runtimes must not call GC.
-    #[serde(default, rename = "disableGC", deserialize_with = "bool_or_string")]
     pub disable_gc: bool,
     /// If false (the default), plugins from `<conf dir>/<name>/*.conf` are appended.
-    #[serde(default, deserialize_with = "bool_or_string")]
     pub load_only_inlined_plugins: bool,
-    /// The inline chain, in order. Drop-in plugins are appended here by the loader.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// The chain, in order. Drop-in plugins are appended here by the loader.
     pub plugins: Vec<PluginConf>,
-    /// Every other field, preserved as written.
-    #[serde(flatten)]
-    pub extra: Map<String, Value>,
-}
-
-/// libcni accepts a JSON bool or the strings "true"/"false" in any case.
-fn bool_or_string<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
-    match Value::deserialize(d)? {
-        Value::Bool(b) => Ok(b),
-        Value::String(s) if s.eq_ignore_ascii_case("true") => Ok(true),
-        Value::String(s) if s.eq_ignore_ascii_case("false") => Ok(false),
-        other => Err(serde::de::Error::custom(format!(
-            "invalid boolean value {other}"
-        ))),
-    }
 }
 
 impl NetConfList {
-    /// Parses a `.conflist`. Drop-in plugins are not loaded here (they live in other files).
+    /// Parses a `.conflist` (libcni `NetworkConfFromBytes`). Drop-in plugins are not loaded
+    /// here (they live in other files).
     pub fn from_conflist_bytes(bytes: &[u8]) -> Result<Self, ConfigError> {
-        let raw: Map<String, Value> =
-            serde_json::from_slice(bytes).map_err(|e| ConfigError::Syntax(e.to_string()))?;
-        let has_plugins_key = raw.contains_key("plugins");
-        let list: NetConfList = serde_json::from_value(Value::Object(raw))
-            .map_err(|e| ConfigError::Syntax(e.to_string()))?;
-        if !has_plugins_key && list.load_only_inlined_plugins {
-            return Err(ConfigError::InlinedWithoutPlugins);
+        let doc = gojson::parse(bytes)?;
+        Self::from_go_map(&doc)
+    }
+
+    fn from_go_map(doc: &GoValue) -> Result<Self, ConfigError> {
+        if !matches!(doc, GoValue::Object(_) | GoValue::Null) {
+            return Err(ConfigError::NotAnObject);
         }
-        if has_plugins_key && list.plugins.is_empty() {
+        if !doc.numbers_fit_f64() {
+            return Err(ConfigError::NumberOutOfRange);
+        }
+        let ty = |field, v: &GoValue| ConfigError::ListFieldType {
+            field,
+            got: v.kind(),
+        };
+        let name = match doc.get_exact("name") {
+            None => return Err(ConfigError::NoName),
+            Some(GoValue::String(s)) => s.clone(),
+            Some(v) => return Err(ty("name", v)),
+        };
+        let mut cni_version = match doc.get_exact("cniVersion") {
+            None => String::new(),
+            Some(GoValue::String(s)) => s.clone(),
+            Some(v) => return Err(ty("cniVersion", v)),
+        };
+        if let Some(raw) = doc.get_exact("cniVersions") {
+            let GoValue::Array(items) = raw else {
+                return Err(ty("cniVersions", raw));
+            };
+            let current = parse_version(CURRENT_SPEC_VERSION);
+            let mut vs: Vec<String> = Vec::new();
+            for (i, item) in items.iter().enumerate() {
+                let GoValue::String(v) = item else {
+                    return Err(ConfigError::CniVersionsEntryType(i));
+                };
+                let parsed = parse_version(v).ok_or(ConfigError::InvalidCniVersionsEntry(i))?;
+                if Some(parsed) <= current {
+                    vs.push(v.clone());
+                }
+            }
+            if !cni_version.is_empty() {
+                let parsed = parse_version(&cni_version).ok_or(ConfigError::InvalidCniVersion)?;
+                if Some(parsed) <= current {
+                    vs.push(cni_version.clone());
+                }
+            }
+            go_sort_versions(&mut vs);
+            if let Some(last) = vs.pop() {
+                cni_version = last;
+            }
+        }
+        let read_bool = |key: &'static str| -> Result<bool, ConfigError> {
+            match doc.get_exact(key) {
+                None => Ok(false),
+                Some(GoValue::Bool(b)) => Ok(*b),
+                // Go's strings.ToLower; no non-ASCII rune lower-cases into "true"/"false".
+                Some(GoValue::String(s)) if s.to_lowercase() == "true" => Ok(true),
+                Some(GoValue::String(s)) if s.to_lowercase() == "false" => Ok(false),
+                Some(_) => Err(ConfigError::BadBool(key)),
+            }
+        };
+        let disable_check = read_bool("disableCheck")?;
+        let disable_gc = read_bool("disableGC")?;
+        let load_only_inlined_plugins = read_bool("loadOnlyInlinedPlugins")?;
+        let mut list = NetConfList {
+            cni_version,
+            name,
+            disable_check,
+            disable_gc,
+            load_only_inlined_plugins,
+            plugins: Vec::new(),
+        };
+        let Some(raw) = doc.get_exact("plugins") else {
+            if load_only_inlined_plugins {
+                return Err(ConfigError::InlinedWithoutPlugins);
+            }
+            return Ok(list);
+        };
+        let GoValue::Array(items) = raw else {
+            return Err(ty("plugins", raw));
+        };
+        if items.is_empty() {
             return Err(ConfigError::EmptyPluginList);
         }
-        for (i, p) in list.plugins.iter().enumerate() {
-            p.validate(Some(i))?;
-        }
-        for v in &list.cni_versions {
-            parse_version(v).ok_or_else(|| ConfigError::InvalidVersion(v.clone()))?;
+        for (i, item) in items.iter().enumerate() {
+            // json.Marshal of the map value, then the typed decode: sorted, de-duplicated keys.
+            list.plugins
+                .push(PluginConf::decode(&item.as_go_map(), Some(i))?);
         }
         Ok(list)
     }
 
     /// Parses a single-plugin `.conf` / `.json` and turns it into a one-plugin list, the way
-    /// libcni's `ConfListFromConf` does: the list takes the plugin's `name` and `cniVersion`.
+    /// go-cni and ocicni do: `ConfFromBytes` (typed decode as written, non-empty `type`),
+    /// then `ConfListFromConf` (the list takes the typed `name` and `cniVersion`, and the
+    /// plugin object is the Go map of the file, loaded like a `.conflist`).
     pub fn from_conf_bytes(bytes: &[u8]) -> Result<Self, ConfigError> {
-        let plugin: PluginConf =
-            serde_json::from_slice(bytes).map_err(|e| ConfigError::Syntax(e.to_string()))?;
-        plugin.validate(None)?;
-        let text = |k: &str| {
-            plugin
-                .extra
-                .get(k)
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_string()
-        };
-        Ok(NetConfList {
-            cni_version: text("cniVersion"),
-            cni_versions: Vec::new(),
-            name: text("name"),
-            disable_check: false,
-            disable_gc: false,
-            // A .conf is never extended from a drop-in directory by libcni.
-            load_only_inlined_plugins: true,
-            plugins: vec![plugin],
-            extra: Map::new(),
-        })
+        let doc = gojson::parse(bytes)?;
+        let typed = PluginConf::decode(&doc, None)?;
+        // ConfListFromConf unmarshals the bytes into map[string]interface{} again.
+        if !matches!(doc, GoValue::Object(_)) {
+            return Err(ConfigError::NotAnObject);
+        }
+        let rebuilt = GoValue::Object(vec![
+            ("name".into(), GoValue::String(typed.name)),
+            ("cniVersion".into(), GoValue::String(typed.cni_version)),
+            ("plugins".into(), GoValue::Array(vec![doc])),
+        ]);
+        Self::from_go_map(&rebuilt)
     }
 
-    /// The cniVersion the runtime runs the chain with: the highest of `cniVersions` and
-    /// `cniVersion` that libcni implements (libcni `NetworkConfFromBytes`).
+    /// The cniVersion the runtime runs the chain with (libcni's `list.CNIVersion`).
     pub fn effective_version(&self) -> &str {
-        let current = parse_version(CURRENT_SPEC_VERSION);
-        self.cni_versions
-            .iter()
-            .chain(std::iter::once(&self.cni_version))
-            .filter_map(|v| parse_version(v).map(|p| (p, v)))
-            .filter(|(p, _)| Some(*p) <= current)
-            .max_by_key(|(p, _)| *p)
-            .map(|(_, v)| v.as_str())
-            .unwrap_or(self.cni_version.as_str())
+        &self.cni_version
+    }
+
+    /// The version plugins must support: libcni's `validatePlugin` checks an empty
+    /// cniVersion as "0.1.0".
+    pub fn version_to_check(&self) -> &str {
+        if self.cni_version.is_empty() {
+            "0.1.0"
+        } else {
+            &self.cni_version
+        }
     }
 
     /// The chain's plugin types, in order.
@@ -187,19 +433,54 @@ impl NetConfList {
     }
 }
 
-/// Parses `MAJOR.MINOR.PATCH` (also `MAJOR.MINOR`), as CNI versions are written.
-pub fn parse_version(v: &str) -> Option<(u64, u64, u64)> {
-    let mut it = v.trim().split('.');
-    let major = it.next()?.parse().ok()?;
-    let minor = it.next()?.parse().ok()?;
-    let patch = match it.next() {
-        Some(p) => p.parse().ok()?,
-        None => 0,
-    };
-    if it.next().is_some() {
+/// libcni's `version.ParseVersion`: one to three dot-separated parts, each a Go
+/// `strconv.Atoi` integer (optional sign, decimal digits, within int64); the empty string
+/// and four or more parts are errors; a missing minor or micro is 0.
+pub fn parse_version(v: &str) -> Option<(i64, i64, i64)> {
+    if v.is_empty() {
         return None;
     }
-    Some((major, minor, patch))
+    let parts: Vec<&str> = v.split('.').collect();
+    if parts.len() >= 4 {
+        return None;
+    }
+    let atoi = |s: &str| -> Option<i64> {
+        let digits = s.strip_prefix(['+', '-']).unwrap_or(s);
+        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        s.parse::<i64>().ok()
+    };
+    let major = atoi(parts[0])?;
+    let minor = match parts.get(1) {
+        Some(p) => atoi(p)?,
+        None => 0,
+    };
+    let micro = match parts.get(2) {
+        Some(p) => atoi(p)?,
+        None => 0,
+    };
+    Some((major, minor, micro))
+}
+
+/// libcni sorts the candidate versions with `slices.SortFunc` and a comparator that says
+/// "less" for equal-but-differently-written versions; for the short lists configs carry Go
+/// runs an insertion sort, reproduced here so the same spelling ends up last.
+fn go_sort_versions(vs: &mut [String]) {
+    let cmp_less = |a: &str, b: &str| -> bool {
+        if a == b {
+            return false;
+        }
+        // Both parsed already; an unparsable one compares as "less", as Go's ignored error.
+        !matches!((parse_version(a), parse_version(b)), (Some(x), Some(y)) if x > y)
+    };
+    for i in 1..vs.len() {
+        let mut j = i;
+        while j > 0 && cmp_less(&vs[j], &vs[j - 1]) {
+            vs.swap(j, j - 1);
+            j -= 1;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -207,7 +488,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn conflist_keeps_unknown_fields() {
+    fn conflist_typed_fields() {
         let text = br#"{"cniVersion":"0.3.1","name":"k8s-pod-network","plugins":[
             {"type":"calico","log_level":"info","ipam":{"type":"calico-ipam"},"mtu":0},
             {"type":"portmap","snat":true,"capabilities":{"portMappings":true}}],
@@ -215,10 +496,7 @@ mod tests {
         let list = NetConfList::from_conflist_bytes(text).unwrap();
         assert_eq!(list.plugin_types(), ["calico", "portmap"]);
         assert_eq!(list.plugins[0].ipam_type(), Some("calico-ipam"));
-        let back = serde_json::to_value(&list).unwrap();
-        assert_eq!(back["x-vendor"]["a"], 1);
-        assert_eq!(back["plugins"][0]["log_level"], "info");
-        assert_eq!(back["plugins"][1]["capabilities"]["portMappings"], true);
+        assert_eq!(list.effective_version(), "0.3.1");
     }
 
     #[test]
@@ -230,7 +508,15 @@ mod tests {
         assert_eq!(list.name, "cbr0");
         assert_eq!(list.cni_version, "0.3.1");
         assert_eq!(list.plugin_types(), ["flannel"]);
-        assert!(list.plugins[0].extra.contains_key("delegate"));
+        // Go matches "Name" and "CNIVERSION" case-insensitively in the typed decode.
+        let folded =
+            NetConfList::from_conf_bytes(br#"{"CNIVERSION":"1.0.0","Name":"n","Type":"bridge"}"#)
+                .unwrap();
+        assert_eq!(
+            (folded.name.as_str(), folded.cni_version.as_str()),
+            ("n", "1.0.0")
+        );
+        assert_eq!(folded.plugin_types(), ["bridge"]);
     }
 
     #[test]
@@ -239,38 +525,30 @@ mod tests {
         let e = |b: &[u8]| NetConfList::from_conflist_bytes(b).unwrap_err();
         assert!(matches!(
             e(b"{\"name\":\"x\",\"plugins\":[{\"type\":\"a\""),
-            Syntax(_)
+            Json(_)
         ));
-        assert!(matches!(e(br#"{"plugins":[{"type":"a"}]}"#), Syntax(_)));
-        assert!(matches!(
-            e(br#"{"name":"x","plugins":[]}"#),
-            EmptyPluginList
-        ));
-        assert!(matches!(
+        assert_eq!(e(br#"{"plugins":[{"type":"a"}]}"#), NoName);
+        assert_eq!(e(br#"{"name":"x","plugins":[]}"#), EmptyPluginList);
+        assert_eq!(
             e(br#"{"name":"x","plugins":[{"a":1}]}"#),
             MissingType(Some(0))
-        ));
-        assert!(matches!(
-            e(br#"{"name":"x","plugins":[{"type":"../bin/sh"}]}"#),
-            TypeWithPath(_)
-        ));
-        assert!(matches!(
+        );
+        assert_eq!(
             e(br#"{"name":"x","loadOnlyInlinedPlugins":true}"#),
             InlinedWithoutPlugins
-        ));
-        assert!(matches!(
+        );
+        assert_eq!(
             e(br#"{"name":"x","disableCheck":"maybe","plugins":[{"type":"a"}]}"#),
-            Syntax(_)
-        ));
-        assert!(matches!(
+            BadBool("disableCheck")
+        );
+        assert_eq!(
             e(br#"{"name":"x","cniVersions":["one"],"plugins":[{"type":"a"}]}"#),
-            InvalidVersion(_)
-        ));
+            InvalidCniVersionsEntry(0)
+        );
         assert!(matches!(
             NetConfList::from_conf_bytes(br#"{"name":"x"}"#),
             Err(MissingType(None))
         ));
-        // "TRUE" is a valid boolean for libcni.
         let ok = NetConfList::from_conflist_bytes(
             br#"{"name":"x","disableCheck":"TRUE","plugins":[{"type":"a"}]}"#,
         )
@@ -278,19 +556,137 @@ mod tests {
         assert!(ok.disable_check);
         // No plugins key and drop-ins allowed: valid here, the loader decides later.
         assert!(NetConfList::from_conflist_bytes(br#"{"name":"x"}"#).is_ok());
+        // A path in `type` loads (libcni refuses it only in FindInPath).
+        assert!(
+            NetConfList::from_conflist_bytes(br#"{"name":"x","plugins":[{"type":"../sh"}]}"#)
+                .is_ok()
+        );
     }
 
     #[test]
-    fn effective_version_picks_highest_supported() {
-        let list = NetConfList::from_conflist_bytes(
-            br#"{"cniVersion":"0.4.0","cniVersions":["1.0.0","9.9.9","1.1.0"],"name":"x","plugins":[{"type":"a"}]}"#,
+    fn typed_decoding_rejects_wrong_value_types() {
+        for (bad, field) in [
+            (
+                r#"{"type":"portmap","capabilities":{"portMappings":"true"}}"#,
+                "capabilities",
+            ),
+            (r#"{"type":"calico","ipam":"calico-ipam"}"#, "ipam"),
+            (r#"{"type":"calico","ipam":{"type":7}}"#, "ipam"),
+            (r#"{"type":"calico","dns":"8.8.8.8"}"#, "dns"),
+            (
+                r#"{"type":"calico","dns":{"nameservers":"8.8.8.8"}}"#,
+                "dns",
+            ),
+            (r#"{"type":"calico","name":5}"#, "name"),
+            (r#"{"type":"calico","prevResult":[]}"#, "prevResult"),
+            (
+                r#"{"type":"calico","cni.dev/valid-attachments":[{"ifname":1}]}"#,
+                "cni.dev/valid-attachments",
+            ),
+            (r#"{"TYPE":5}"#, "type"),
+        ] {
+            let list = format!(r#"{{"name":"n","cniVersion":"1.0.0","plugins":[{bad}]}}"#);
+            assert_eq!(
+                NetConfList::from_conflist_bytes(list.as_bytes()),
+                Err(ConfigError::PluginFieldType {
+                    plugin: Some(0),
+                    field
+                }),
+                "{bad}"
+            );
+        }
+        // nulls leave fields alone and are not errors.
+        let ok = br#"{"name":"n","plugins":[{"type":"a","ipam":null,"dns":null,"capabilities":{"x":null}}]}"#;
+        assert!(NetConfList::from_conflist_bytes(ok).is_ok());
+        // A numeric list name is a load error.
+        assert!(matches!(
+            NetConfList::from_conflist_bytes(br#"{"name":5,"plugins":[{"type":"a"}]}"#),
+            Err(ConfigError::ListFieldType { field: "name", .. })
+        ));
+    }
+
+    #[test]
+    fn field_folding_and_duplicates_follow_go() {
+        // Map semantics first (last duplicate wins), then sorted keys into the struct:
+        // "Type" sorts before "type", so "type" is decoded last and wins.
+        let l = NetConfList::from_conflist_bytes(
+            br#"{"name":"n","plugins":[{"type":"calico","Type":"../x"}]}"#,
         )
         .unwrap();
+        assert_eq!(l.plugin_types(), ["calico"]);
+        // Unicode simple folding: U+212A KELVIN SIGN and U+017F LONG S select ASCII fields.
+        let l = NetConfList::from_conflist_bytes(
+            "{\"name\":\"n\",\"plugins\":[{\"\u{017F}\u{212A}ip\":1,\"t\u{0079}pe\":\"a\",\"ipam\":{\"TYPE\":\"host-local\"}}]}"
+                .as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(l.plugins[0].ipam_type(), Some("host-local"));
+        let drop_in = PluginConf::from_bytes(
+            "{\"\u{017F}ome\":1,\"type\":\"a\",\"ipam\":{\"\u{212A}\":1}}".as_bytes(),
+        );
+        assert!(drop_in.is_ok());
+        // Invalid UTF-8 inside a string is accepted by Go (U+FFFD).
+        let l = NetConfList::from_conflist_bytes(
+            b"{\"name\":\"n\xff\",\"plugins\":[{\"type\":\"a\"}]}",
+        )
+        .unwrap();
+        assert_eq!(l.name, "n\u{FFFD}");
+        // A .conf is decoded twice, as go-cni and ocicni do: as written (ConfFromBytes, the
+        // last "type" in document order wins) and from the sorted Go map (ConfListFromConf,
+        // "type" after "Type"). Both must yield a type.
+        let l = NetConfList::from_conf_bytes(br#"{"name":"n","Type":"","type":"bridge"}"#).unwrap();
+        assert_eq!(l.plugin_types(), ["bridge"]);
+        assert_eq!(
+            NetConfList::from_conf_bytes(br#"{"name":"n","type":"","Type":"bridge"}"#),
+            Err(ConfigError::MissingType(Some(0)))
+        );
+        assert_eq!(
+            NetConfList::from_conf_bytes(br#"{"name":"n","type":"bridge","Type":""}"#),
+            Err(ConfigError::MissingType(None))
+        );
+        // Out-of-range numbers fail Go's map decoding.
+        assert_eq!(
+            NetConfList::from_conflist_bytes(
+                br#"{"name":"n","mtu":1e400,"plugins":[{"type":"a"}]}"#
+            ),
+            Err(ConfigError::NumberOutOfRange)
+        );
+    }
+
+    #[test]
+    fn cni_versions_follow_libcni() {
+        let l = |b: &str| NetConfList::from_conflist_bytes(b.as_bytes());
+        let list = l(r#"{"cniVersion":"0.4.0","cniVersions":["1.0.0","9.9.9","1.1.0"],"name":"x","plugins":[{"type":"a"}]}"#).unwrap();
         assert_eq!(list.effective_version(), "1.1.0");
-        let plain = NetConfList::from_conflist_bytes(
-            br#"{"cniVersion":"0.3.1","name":"x","plugins":[{"type":"a"}]}"#,
+        // Major-only entries parse.
+        let list = l(r#"{"cniVersions":["1"],"name":"x","plugins":[{"type":"a"}]}"#).unwrap();
+        assert_eq!(list.effective_version(), "1");
+        // "v1.0.0" does not parse: a load error when cniVersions is present ...
+        assert_eq!(
+            l(r#"{"cniVersions":["v1.0.0"],"name":"x","plugins":[{"type":"a"}]}"#),
+            Err(ConfigError::InvalidCniVersionsEntry(0))
+        );
+        assert_eq!(
+            l(
+                r#"{"cniVersion":"v1.0.0","cniVersions":["1.0.0"],"name":"x","plugins":[{"type":"a"}]}"#
+            ),
+            Err(ConfigError::InvalidCniVersion)
+        );
+        // ... and kept as written when it is not.
+        let list = l(r#"{"cniVersion":"v1.0.0","name":"x","plugins":[{"type":"a"}]}"#).unwrap();
+        assert_eq!(list.effective_version(), "v1.0.0");
+        // Nothing at or below the current version: cniVersion stays as written.
+        let list = l(
+            r#"{"cniVersion":"2.0.0","cniVersions":["3.0.0"],"name":"x","plugins":[{"type":"a"}]}"#,
         )
         .unwrap();
-        assert_eq!(plain.effective_version(), "0.3.1");
+        assert_eq!(list.effective_version(), "2.0.0");
+        // Empty cniVersion is checked as 0.1.0.
+        let list = l(r#"{"name":"x","plugins":[{"type":"a"}]}"#).unwrap();
+        assert_eq!(list.version_to_check(), "0.1.0");
+        assert_eq!(parse_version("+1.-0.007"), Some((1, 0, 7)));
+        assert_eq!(parse_version("1.0.0.0"), None);
+        assert_eq!(parse_version("1..0"), None);
+        assert_eq!(parse_version("99999999999999999999"), None);
     }
 }

@@ -1,22 +1,25 @@
 //! CNI chain verification, decided exactly as a container runtime would load the config.
 //!
-//! In: a listing of the CNI config directory with each file's bytes ([`listing`]), the
-//! runtime's loading semantics, the required chained plugin types, and a closure that
-//! reports what each plugin binary answered to `CNI_COMMAND=VERSION` ([`probe`]).
-//! Out: a [`Verdict`]: one contract reason, a human message naming the effective file and
-//! the offending plugin, and the chain's plugin types.
+//! In: a lazy view of the CNI config directory ([`listing::ConfSource`]), the runtime's
+//! loading semantics, the required chained plugin types, and a closure that reports what
+//! each plugin binary answered to `CNI_COMMAND=VERSION` ([`probe`]).
+//! Out: a [`Verdict`]: one contract reason, a message naming the effective file and the
+//! offending position (never file content), and the chain's plugin types.
 //!
-//! The closure is the only way binaries are looked at, so this module stays free of I/O: the
-//! agent passes a prober that executes binaries, the tests pass plain data.
+//! The source and the closure are the only ways files and binaries are looked at, so this
+//! module stays free of I/O: the agent passes a budgeted reader and a prober that executes
+//! binaries, the tests pass plain data. JSON is decoded with Go's rules ([`gojson`]),
+//! because libcni's Go decoder is what decides what the runtime loads.
 
 pub mod config;
+pub mod gojson;
 pub mod listing;
 pub mod probe;
 pub mod select;
 pub mod verdict;
 
 pub use config::{ConfigError, NetConfList, PluginConf};
-pub use listing::{DirEntry, EntryKind};
+pub use listing::{ConfSource, Dirent, MemSource, SourceError};
 pub use probe::{Broken, ProbeOutcome};
 pub use select::{EffectiveConfig, Runtime};
 pub use verdict::{Reason, Verdict, VerifyOptions, verify};
