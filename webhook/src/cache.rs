@@ -13,7 +13,9 @@
 //!   (created a moment before its binding) is fetched with a metadata-only GET bounded by
 //!   `lookup_timeout`.
 //! - A node's `MeshCNIVerified` condition reason is read with a bounded GET, only to word a
-//!   refusal, and remembered for a few seconds so a burst of refusals costs one GET.
+//!   refusal, and remembered for a few seconds so a burst of refusals costs one GET. Only a
+//!   node in the cache is ever looked up: a name the cache does not know costs no request,
+//!   so reviews naming made-up nodes cannot turn into a flood of GETs.
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
@@ -211,6 +213,9 @@ impl Cluster for Caches {
     }
 
     async fn node_reason(&self, name: &str) -> Option<String> {
+        if self.nodes.get(&ObjectRef::new(name)).is_none() {
+            return None;
+        }
         let now = Instant::now();
         {
             let reasons = self.reasons.lock().unwrap_or_else(|p| p.into_inner());
@@ -285,5 +290,34 @@ mod tests {
         };
         slim_pod(&mut pod);
         assert!(pod.metadata.labels.is_some() && pod.metadata.annotations.is_some());
+    }
+
+    /// A node the cache does not know is never looked up: no request reaches the API,
+    /// however many made-up names are asked for.
+    #[tokio::test]
+    async fn a_node_not_in_the_cache_costs_no_request() {
+        let requests = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = requests.clone();
+        let service = tower::service_fn(move |_req: http::Request<kube::client::Body>| {
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async move {
+                let body = serde_json::json!({
+                    "kind": "Status", "apiVersion": "v1", "status": "Failure",
+                    "reason": "NotFound", "code": 404, "message": "not found"
+                });
+                http::Response::builder()
+                    .status(404)
+                    .header("content-type", "application/json")
+                    .body(kube::client::Body::from(serde_json::to_vec(&body).unwrap()))
+            }
+        });
+        let client = Client::new(service, "default");
+        let (ready, _) = watch::channel(false);
+        // The watches are never run: the node cache stays empty.
+        let (caches, _watches) = Caches::new(client, Duration::from_secs(1), ready);
+        for i in 0..100 {
+            assert_eq!(caches.node_reason(&format!("made-up-{i}")).await, None);
+        }
+        assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 0);
     }
 }
