@@ -213,9 +213,8 @@ impl Cluster for Caches {
     }
 
     async fn node_reason(&self, name: &str) -> Option<String> {
-        if self.nodes.get(&ObjectRef::new(name)).is_none() {
-            return None;
-        }
+        // Only a node in the cache is looked up (see the module doc).
+        self.nodes.get(&ObjectRef::new(name))?;
         let now = Instant::now();
         {
             let reasons = self.reasons.lock().unwrap_or_else(|p| p.into_inner());
