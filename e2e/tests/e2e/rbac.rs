@@ -657,6 +657,53 @@ async fn install_manifests_apply_and_are_wired() -> anyhow::Result<()> {
         assert_eq!(bundle, Some(&ca), "caBundle of {name}");
     }
 
+    // The NetworkPolicy selects the webhook's pods, and the ports it opens are the
+    // container's named ports: the webhook port (from the control plane) and the admin port.
+    let np = Api::<k8s_openapi::api::networking::v1::NetworkPolicy>::namespaced(client.clone(), NS)
+        .get(WEBHOOK)
+        .await?;
+    let np_spec = np.spec.context("NetworkPolicy spec")?;
+    let webhook_pod = scheduled_pod(&client, WEBHOOK, None).await?;
+    let pod_labels = webhook_pod.metadata.labels.clone().unwrap_or_default();
+    let selector = np_spec
+        .pod_selector
+        .as_ref()
+        .and_then(|s| s.match_labels.clone())
+        .unwrap_or_default();
+    assert!(
+        !selector.is_empty() && selector.iter().all(|(k, v)| pod_labels.get(k) == Some(v)),
+        "the NetworkPolicy selects the webhook pods: {selector:?} vs {pod_labels:?}"
+    );
+    assert_eq!(np_spec.policy_types, Some(vec!["Ingress".to_owned()]));
+    let container_ports: BTreeSet<String> = webhook_pod
+        .spec
+        .iter()
+        .flat_map(|s| s.containers.iter())
+        .flat_map(|c| c.ports.iter().flatten())
+        .filter_map(|p| p.name.clone())
+        .collect();
+    let opened: BTreeSet<String> = np_spec
+        .ingress
+        .iter()
+        .flatten()
+        .flat_map(|r| r.ports.iter().flatten())
+        .filter_map(|p| match &p.port {
+            Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(n)) => {
+                Some(n.clone())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        opened,
+        BTreeSet::from(["admin".to_owned(), "https".to_owned()]),
+        "the NetworkPolicy opens the webhook and admin ports by name"
+    );
+    assert!(
+        opened.is_subset(&container_ports),
+        "{opened:?} vs {container_ports:?}"
+    );
+
     // The policies' CEL type-checks against the real schemas.
     for name in [
         "meshgate-agent-own-node",
