@@ -962,6 +962,7 @@ fn foreign_parts(n: &Node) -> serde_json::Value {
         "unschedulable": spec.unschedulable,
         "capacity": status.capacity,
         "addresses": status.addresses,
+        "images": status.images.as_ref().map(Vec::len),
         "conditions": conditions,
     })
 }
@@ -977,6 +978,42 @@ async fn agent_token_changes_only_meshgates_taint_label_and_condition() -> anyho
     let agent = f.cp.client_for_token(&f.agent_token_c)?;
     let as_agent: Api<Node> = Api::all(agent.clone());
     let c = f.node_c.as_str();
+    // A Node as big as a real one: the kubelet reports up to 50 images, cloud nodes carry
+    // dozens of labels. The policy compares all of it on every write of the agent, within
+    // the apiserver's CEL cost limit.
+    let images: Vec<_> = (0..50)
+        .map(|i| {
+            json!({
+                "names": [
+                    format!("registry.example.com/team-{i}/app@sha256:{i:064x}"),
+                    format!("registry.example.com/team-{i}/app:v{i}"),
+                ],
+                "sizeBytes": 100_000_000 + i,
+            })
+        })
+        .collect();
+    nodes
+        .patch_status(
+            c,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"images": images}})),
+        )
+        .await?;
+    let many: serde_json::Map<String, serde_json::Value> = (0..40)
+        .map(|i| {
+            (
+                format!("example.com/label-{i}"),
+                json!(format!("value-{i}")),
+            )
+        })
+        .collect();
+    nodes
+        .patch(
+            c,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": many}})),
+        )
+        .await?;
     let before = nodes.get(c).await?;
     let foreign = foreign_parts(&before);
     assert!(
