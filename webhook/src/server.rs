@@ -180,14 +180,19 @@ pub async fn serve_tls(
         let _ = draining.wait_for(|p| *p == Phase::Draining).await;
     };
     let mut draining = std::pin::pin!(draining);
+    // The cap's warning, at most once a minute: a flood reaches it on every freed slot.
+    let mut warned: Option<tokio::time::Instant> = None;
     loop {
         let permit = match permits.clone().try_acquire_owned() {
             Ok(p) => p,
             Err(_) => {
-                tracing::warn!(
-                    max_connections,
-                    "connection cap reached; new connections wait until one ends"
-                );
+                if warned.is_none_or(|at| at.elapsed() >= Duration::from_secs(60)) {
+                    warned = Some(tokio::time::Instant::now());
+                    tracing::warn!(
+                        max_connections,
+                        "connection cap reached; new connections wait until one ends"
+                    );
+                }
                 tokio::select! {
                     biased;
                     () = &mut draining => break,

@@ -1449,13 +1449,35 @@ async fn agent_token_without_a_node_may_write_nothing() -> anyhow::Result<()> {
         "{}",
         describe(&patch)
     );
-    let evict = Api::<Pod>::namespaced(client, &ns)
+    let evict = Api::<Pod>::namespaced(client.clone(), &ns)
         .evict("on-a", &dry_run_eviction())
         .await;
     assert!(
         refused_by_policy(&evict, "meshgate-agent-own-node-evictions"),
         "{}",
         describe(&evict)
+    );
+    // Not even an Event about node A as the agent of node A.
+    let event: Event = serde_json::from_value(json!({
+        "metadata": {"generateName": "unbound-"},
+        "eventTime": "2026-01-01T00:00:00.000000Z",
+        "reportingController": AGENT, "reportingInstance": f.node_a,
+        "action": "Probe", "reason": "Probe", "type": "Normal",
+        "regarding": {"apiVersion": "v1", "kind": "Node", "name": f.node_a},
+    }))?;
+    let publish = Api::<Event>::namespaced(client, "default")
+        .create(
+            &PostParams {
+                dry_run: true,
+                ..Default::default()
+            },
+            &event,
+        )
+        .await;
+    assert!(
+        refused_by_policy(&publish, "meshgate-agent-own-events"),
+        "{}",
+        describe(&publish)
     );
     Ok(())
 }
