@@ -10,6 +10,11 @@
 //!   its DaemonSet pod, gates and ungates its own Node; the same token may not modify another
 //!   Node, nor evict a pod on another node, nor read Secrets; a token that names no node may
 //!   write nothing at all;
+//! - on its own Node, the agent's real writes (`NodeGate`: taint, label, condition, Events)
+//!   pass the policies, and every other change (other taints, cordoning, other labels,
+//!   annotations, finalizers, other status fields) is refused with the policy's message, as
+//!   are Events not in its own name or about another node;
+//! - the webhook NetworkPolicy selects the webhook pods and opens exactly their named ports;
 //! - the webhook, run with the Deployment's command line and its own token, gets ready (its
 //!   caches list under its RBAC) and serves the generated certificate for the Service's DNS
 //!   name; its token can write nothing;
