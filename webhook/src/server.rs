@@ -62,7 +62,9 @@ pub struct Limits {
 /// Default of `--max-connections`: above what the apiservers keep open to one replica (a
 /// keep-alive connection per concurrent review, and an apiserver's concurrency is bounded by
 /// its in-flight limits, 600 requests by default), and a bound on the memory and tasks that
-/// connections opened by anyone else can cost.
+/// connections opened by anyone else can cost: an idle keep-alive TLS connection costs at most
+/// 56 KiB (measured with both of its ends in one process), so 1024 of them stay under 60 MiB of
+/// the 256 MiB memory limit.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 
 impl Default for Limits {
