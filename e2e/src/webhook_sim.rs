@@ -97,7 +97,7 @@ pub fn namespace_selector(scope: &Scope) -> Value {
     json!({"matchExpressions": exprs})
 }
 
-/// Registers `meshgate-<name>` Validating (pods and pods/binding CREATE, failurePolicy Fail)
+/// Registers `meshgate-<name>` Validating (pods, pods/binding and bindings CREATE, failurePolicy Fail)
 /// and Mutating (nodes CREATE, failurePolicy Ignore) webhook configurations for a webhook
 /// listening on `https://127.0.0.1:<port>`.
 pub async fn register(
@@ -125,7 +125,9 @@ pub async fn register(
     // (Deployments, Jobs) working through a webhook outage.
     pods["matchConditions"] = json!([{"name": "bound-at-creation", "expression": "has(object.spec.nodeName) && object.spec.nodeName != ''"}]);
     let mut bindings = common("bindings.validate.meshgate.io", "/validate");
-    bindings["rules"] = json!([{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods/binding"], "scope": "Namespaced"}]);
+    // The subresource the scheduler posts and the legacy `bindings` resource, as in
+    // manifests/base/webhook-configurations.yaml.
+    bindings["rules"] = json!([{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods/binding", "bindings"], "scope": "Namespaced"}]);
     bindings["failurePolicy"] = json!("Fail");
     bindings["namespaceSelector"] = namespace_selector(scope);
     let validating: ValidatingWebhookConfiguration = serde_json::from_value(json!({

@@ -1,13 +1,16 @@
 //! Admin HTTP server: `/live`, `/ready` and `/metrics` on a plain-HTTP port.
 //!
-//! In: a prometheus-client [`Registry`] and a [`Readiness`] signal. Out: `GET /live` → 200
-//! while the process serves at all; `GET /ready` → 200 once the signal says ready, else 503;
-//! `GET /metrics` → the registry in OpenMetrics text. Nothing here knows about the webhook, so
-//! the agent can share it (it is meant to move to a common crate).
+//! In: a prometheus-client [`Registry`], a [`Readiness`] signal and a [`Liveness`] check.
+//! Out: `GET /live` → 200 while the check passes, else 503 with the reason (so the kubelet
+//! restarts a process whose work is stuck, not only one that stopped serving); `GET /ready` →
+//! 200 once the signal says ready, else 503; `GET /metrics` → the registry in OpenMetrics
+//! text. Nothing here knows about the webhook or the agent: the webhook is [`AlwaysLive`]
+//! (serving is its work), the agent reports its loop's progress through [`LoopProgress`].
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::extract::State;
@@ -36,22 +39,143 @@ impl Readiness for Arc<AtomicBool> {
     }
 }
 
+/// Anything that can say whether the process still makes progress.
+pub trait Liveness: Clone + Send + Sync + 'static {
+    /// `Ok` while live; `Err(why)` once the process is stuck and should be restarted.
+    fn check(&self) -> Result<(), String>;
+}
+
+/// Live whenever it answers: for a process whose only work is serving requests.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AlwaysLive;
+
+impl Liveness for AlwaysLive {
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// The progress of a loop that alternates passes (work that must end within `max_pass`)
+/// and waits (which must end within `max_wait`, e.g. its resync period plus slack). The
+/// loop calls [`Self::pass_started`] and [`Self::pass_ended`]; a pass running longer than its
+/// bound, or a wait longer than its bound, fails the check. It starts in a pass: start-up is
+/// the first one. Cheap to clone (one shared atomic).
+#[derive(Clone, Debug)]
+pub struct LoopProgress {
+    inner: Arc<ProgressInner>,
+}
+
+#[derive(Debug)]
+struct ProgressInner {
+    origin: Instant,
+    /// Bit 63: in a pass. Low bits: milliseconds from `origin` to the last change. One word,
+    /// so a check never sees the flag of one change with the time of another.
+    state: AtomicU64,
+    max_pass: Duration,
+    max_wait: Duration,
+}
+
+const IN_PASS: u64 = 1 << 63;
+
+impl LoopProgress {
+    /// A loop whose passes must end within `max_pass`, and whose waits within `max_wait`.
+    pub fn new(max_pass: Duration, max_wait: Duration) -> Self {
+        Self {
+            inner: Arc::new(ProgressInner {
+                origin: Instant::now(),
+                state: AtomicU64::new(IN_PASS),
+                max_pass,
+                max_wait,
+            }),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        let ms = self.inner.origin.elapsed().as_millis();
+        u64::try_from(ms).unwrap_or(u64::MAX >> 1).min(IN_PASS - 1)
+    }
+
+    /// The loop woke up and starts working.
+    pub fn pass_started(&self) {
+        self.inner
+            .state
+            .store(IN_PASS | self.now_ms(), Ordering::Release);
+    }
+
+    /// The loop finished its work and starts waiting.
+    pub fn pass_ended(&self) {
+        self.inner.state.store(self.now_ms(), Ordering::Release);
+    }
+
+    /// The check at `now` (tests pass a later instant instead of sleeping).
+    pub fn check_at(&self, now: Instant) -> Result<(), String> {
+        let state = self.inner.state.load(Ordering::Acquire);
+        let since = self.inner.origin + Duration::from_millis(state & !IN_PASS);
+        let for_ = now.saturating_duration_since(since);
+        let (what, bound) = if state & IN_PASS != 0 {
+            ("a pass of the loop has been running", self.inner.max_pass)
+        } else {
+            ("the loop has been waiting", self.inner.max_wait)
+        };
+        if for_ > bound {
+            Err(format!(
+                "stuck: {what} for {} ms (bound {} ms)",
+                for_.as_millis(),
+                bound.as_millis()
+            ))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl Liveness for LoopProgress {
+    fn check(&self) -> Result<(), String> {
+        self.check_at(Instant::now())
+    }
+}
+
 #[derive(Clone)]
-struct AdminState<R> {
+struct AdminState<R, L> {
     registry: Arc<Registry>,
     ready: R,
+    live: L,
 }
 
-/// The admin router; exposed so tests (and embedders) can drive it without a socket.
+/// The admin router, always live; exposed so tests (and embedders) can drive it without a
+/// socket.
 pub fn router<R: Readiness>(registry: Arc<Registry>, ready: R) -> Router {
-    Router::new()
-        .route("/live", get(|| async { "ok\n" }))
-        .route("/ready", get(ready_handler::<R>))
-        .route("/metrics", get(metrics_handler::<R>))
-        .with_state(AdminState { registry, ready })
+    router_with(registry, ready, AlwaysLive)
 }
 
-async fn ready_handler<R: Readiness>(State(s): State<AdminState<R>>) -> Response {
+/// The admin router with `/live` answering from `live`.
+pub fn router_with<R: Readiness, L: Liveness>(
+    registry: Arc<Registry>,
+    ready: R,
+    live: L,
+) -> Router {
+    Router::new()
+        .route("/live", get(live_handler::<R, L>))
+        .route("/ready", get(ready_handler::<R, L>))
+        .route("/metrics", get(metrics_handler::<R, L>))
+        .with_state(AdminState {
+            registry,
+            ready,
+            live,
+        })
+}
+
+async fn live_handler<R: Readiness, L: Liveness>(State(s): State<AdminState<R, L>>) -> Response {
+    match s.live.check() {
+        Ok(()) => (StatusCode::OK, "ok\n").into_response(),
+        Err(why) => {
+            tracing::warn!(reason = %why, "liveness check failing");
+            (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response()
+        }
+    }
+}
+
+async fn ready_handler<R: Readiness, L: Liveness>(State(s): State<AdminState<R, L>>) -> Response {
     if s.ready.is_ready() {
         (StatusCode::OK, "ready\n").into_response()
     } else {
@@ -59,7 +183,7 @@ async fn ready_handler<R: Readiness>(State(s): State<AdminState<R>>) -> Response
     }
 }
 
-async fn metrics_handler<R: Readiness>(State(s): State<AdminState<R>>) -> Response {
+async fn metrics_handler<R: Readiness, L: Liveness>(State(s): State<AdminState<R, L>>) -> Response {
     let mut body = String::with_capacity(4096);
     match prometheus_client::encoding::text::encode(&mut body, &s.registry) {
         Ok(()) => (
@@ -81,14 +205,25 @@ async fn metrics_handler<R: Readiness>(State(s): State<AdminState<R>>) -> Respon
     }
 }
 
-/// Serves the admin router on `listener` until `shutdown` resolves.
+/// Serves the admin router (always live) on `listener` until `shutdown` resolves.
 pub async fn serve<R: Readiness>(
     listener: TcpListener,
     registry: Arc<Registry>,
     ready: R,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(registry, ready))
+    serve_with(listener, registry, ready, AlwaysLive, shutdown).await
+}
+
+/// Serves the admin router with `/live` answering from `live` until `shutdown` resolves.
+pub async fn serve_with<R: Readiness, L: Liveness>(
+    listener: TcpListener,
+    registry: Arc<Registry>,
+    ready: R,
+    live: L,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router_with(registry, ready, live))
         .with_graceful_shutdown(shutdown)
         .await
 }
@@ -145,5 +280,65 @@ mod tests {
         );
         flag.store(true, Ordering::Release);
         assert_eq!(get(app, "/ready").await.0, StatusCode::OK);
+    }
+
+    /// A loop stuck in a pass (a verification that never ends) fails `/live` with the
+    /// reason once the pass bound is over; a loop waiting longer than its wait bound (not
+    /// ticking) fails it too; each recovers when the loop moves again.
+    #[tokio::test]
+    async fn live_fails_while_the_loop_is_stuck() {
+        let progress = LoopProgress::new(Duration::from_millis(100), Duration::from_millis(300));
+        let app = router_with(
+            Arc::new(Registry::default()),
+            Arc::new(AtomicBool::new(true)),
+            progress.clone(),
+        );
+
+        // Start-up is the first pass, within its bound.
+        assert_eq!(get(app.clone(), "/live").await.0, StatusCode::OK);
+        // Stuck in it.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let (status, body) = get(app.clone(), "/live").await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            body.contains("a pass of the loop has been running"),
+            "{body}"
+        );
+        assert!(body.contains("bound 100 ms"), "{body}");
+        // Readiness and metrics are not liveness: they keep answering.
+        assert_eq!(get(app.clone(), "/ready").await.0, StatusCode::OK);
+        assert_eq!(get(app.clone(), "/metrics").await.0, StatusCode::OK);
+
+        // The pass ends: waiting, within the wait bound.
+        progress.pass_ended();
+        assert_eq!(get(app.clone(), "/live").await.0, StatusCode::OK);
+        let now = Instant::now();
+        assert!(progress.check_at(now + Duration::from_millis(250)).is_ok());
+        // The loop never wakes again (no resync tick): stuck waiting.
+        let err = progress
+            .check_at(now + Duration::from_millis(400))
+            .unwrap_err();
+        assert!(err.contains("the loop has been waiting"), "{err}");
+        // It wakes: a fresh pass.
+        progress.pass_started();
+        assert!(
+            progress
+                .check_at(Instant::now() + Duration::from_millis(50))
+                .is_ok()
+        );
+        assert!(
+            progress
+                .check_at(Instant::now() + Duration::from_millis(200))
+                .is_err()
+        );
+    }
+
+    #[tokio::test]
+    async fn the_plain_router_is_always_live() {
+        let app = router(
+            Arc::new(Registry::default()),
+            Arc::new(AtomicBool::new(false)),
+        );
+        assert_eq!(get(app, "/live").await.0, StatusCode::OK);
     }
 }

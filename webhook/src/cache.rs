@@ -17,7 +17,9 @@
 //!   namespace). A pod can only be created in a namespace that exists, so the cache has it
 //!   unless its watch lags; then the decision fails closed for the profiles that read it.
 //! - A node's `MeshCNIVerified` condition reason is read with a bounded GET, only to word a
-//!   refusal, and remembered for a few seconds so a burst of refusals costs one GET.
+//!   refusal, and remembered for a few seconds so a burst of refusals costs one GET. Only a
+//!   node in the cache is ever looked up: a name the cache does not know costs no request,
+//!   so reviews naming made-up nodes cannot turn into a flood of GETs.
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
@@ -254,6 +256,8 @@ impl Cluster for Caches {
     }
 
     async fn node_reason(&self, name: &str) -> Option<String> {
+        // Only a node in the cache is looked up (see the module doc).
+        self.nodes.get(&ObjectRef::new(name))?;
         let now = Instant::now();
         {
             let reasons = self.reasons.lock().unwrap_or_else(|p| p.into_inner());
@@ -345,5 +349,34 @@ mod tests {
         slim_namespace(&mut ns);
         assert_eq!(ns.metadata.labels.as_ref().map(|l| l.len()), Some(1));
         assert!(ns.metadata.annotations.is_none() && ns.metadata.managed_fields.is_none());
+    }
+
+    /// A node the cache does not know is never looked up: no request reaches the API,
+    /// however many made-up names are asked for.
+    #[tokio::test]
+    async fn a_node_not_in_the_cache_costs_no_request() {
+        let requests = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = requests.clone();
+        let service = tower::service_fn(move |_req: http::Request<kube::client::Body>| {
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async move {
+                let body = serde_json::json!({
+                    "kind": "Status", "apiVersion": "v1", "status": "Failure",
+                    "reason": "NotFound", "code": 404, "message": "not found"
+                });
+                http::Response::builder()
+                    .status(404)
+                    .header("content-type", "application/json")
+                    .body(kube::client::Body::from(serde_json::to_vec(&body).unwrap()))
+            }
+        });
+        let client = Client::new(service, "default");
+        let (ready, _) = watch::channel(false);
+        // The watches are never run: the node cache stays empty.
+        let (caches, _watches) = Caches::new(client, Duration::from_secs(1), ready);
+        for i in 0..100 {
+            assert_eq!(caches.node_reason(&format!("made-up-{i}")).await, None);
+        }
+        assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 0);
     }
 }

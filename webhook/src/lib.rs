@@ -77,6 +77,11 @@ pub struct Args {
     /// Largest accepted request body in bytes.
     #[arg(long, env = "MESHGATE_MAX_BODY_BYTES", default_value_t = 3 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// Most connections served at once on the HTTPS listener; past it a new connection waits
+    /// (unaccepted, in the kernel's backlog) until one ends.
+    #[arg(long, env = "MESHGATE_MAX_CONNECTIONS", default_value_t = server::DEFAULT_MAX_CONNECTIONS,
+          value_parser = parse_max_connections)]
+    pub max_connections: usize,
     /// How long to keep accepting and answering after SIGTERM, with `/ready` answering 503,
     /// before the listener closes. The default, 5 s, covers the endpoint removal reaching the
     /// apiserver: a readiness probe failing twice 1 s apart (or the pod's deletion), then the
@@ -110,6 +115,16 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         return Err(format!("invalid duration {s:?}: must be a positive number"));
     }
     Duration::try_from_secs_f64(v * scale).map_err(|e| format!("invalid duration {s:?}: {e}"))
+}
+
+/// Parses `--max-connections`: a positive count.
+pub fn parse_max_connections(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!(
+            "invalid connection count {s:?}: use a positive number"
+        )),
+    }
 }
 
 /// The profile set from `--profile-file` and `--profile`.
@@ -189,10 +204,12 @@ async fn run_with(
     let limits = server::Limits {
         max_body_bytes: args.max_body_bytes,
         request_timeout: args.request_timeout,
+        max_connections: args.max_connections,
     };
     let servers = Servers {
         listener,
         tls,
+        max_connections: limits.max_connections,
         app: server::router(reviewer, ready_rx.clone(), limits),
         admin,
         registry,
@@ -216,6 +233,8 @@ async fn run_with(
 struct Servers {
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
+    /// `--max-connections`.
+    max_connections: usize,
     app: axum::Router,
     admin: Option<TcpListener>,
     registry: Arc<Registry>,
@@ -255,6 +274,7 @@ async fn serve_until_stopped(servers: Servers, stop: Stop) {
         servers.app,
         phase,
         stop.drain,
+        servers.max_connections,
     )
     .await;
     sequence.abort();
@@ -314,6 +334,13 @@ mod tests {
         .unwrap();
         assert_eq!(a.profiles, ["linkerd", "istio"]);
         assert_eq!(a.request_timeout, Duration::from_secs(3));
+        assert_eq!(a.max_connections, server::DEFAULT_MAX_CONNECTIONS);
+        assert_eq!(
+            parse(&["--max-connections", "64"]).unwrap().max_connections,
+            64
+        );
+        assert!(parse(&["--max-connections", "0"]).is_err());
+        assert!(parse(&["--max-connections", "many"]).is_err());
         let set = load_profiles(&a).unwrap();
         assert_eq!(set.iter().count(), 2);
 
@@ -366,6 +393,7 @@ mod tests {
         let servers = Servers {
             listener,
             tls: tls::server_config(&cert, &key).unwrap(),
+            max_connections: server::DEFAULT_MAX_CONNECTIONS,
             app,
             admin: Some(admin_listener),
             registry: Arc::new(Registry::default()),

@@ -18,7 +18,8 @@ use prometheus_client::registry::Registry;
 pub enum Resource {
     /// `pods` CREATE.
     Pods,
-    /// `pods/binding` CREATE.
+    /// `pods/binding` CREATE, and the legacy `bindings` CREATE: both bind a pod to a node
+    /// and are decided alike, so the contract's two label values cover them.
     PodsBinding,
 }
 

@@ -2,7 +2,9 @@
 //!
 //! In: the raw request body the apiserver POSTs (bytes, possibly garbage), and a [`Cluster`]
 //! view (node labels from the cache; a pod's labels for bindings, cache first and a bounded
-//! API GET after; a node's condition reason, only when refusing). Out: an [`Outcome`]: the
+//! API GET after; a node's condition reason, only when refusing a pod on a node the cache
+//! knows: a node it does not know is decided from the cache alone, so reviews naming made-up
+//! nodes cost no API request). Out: an [`Outcome`]: the
 //! AdmissionReview response to send, or a "malformed" message for a 400. Every decoding
 //! failure is a value, never a panic: the proptest in this module feeds it arbitrary bytes.
 
@@ -120,7 +122,10 @@ impl<C: Cluster> Reviewer<C> {
         &self.cluster
     }
 
-    /// `POST /validate`: pods CREATE with `spec.nodeName`, and pods/binding CREATE.
+    /// `POST /validate`: pods CREATE with `spec.nodeName`, and bindings CREATE, through the
+    /// `pods/binding` subresource (what kube-scheduler posts) or the legacy `bindings`
+    /// resource (`POST /api/v1/namespaces/{ns}/bindings`, a core/v1 Binding naming the pod).
+    /// Both bind a pod to a node, so both are decided alike and counted as `pods_binding`.
     pub async fn validate(&self, body: &[u8]) -> Outcome {
         let start = Instant::now();
         let req = match decode(body) {
@@ -130,10 +135,14 @@ impl<C: Cluster> Reviewer<C> {
                 return Outcome::Malformed(m);
             }
         };
-        let is_pods = req.resource.group.is_empty() && req.resource.resource == "pods";
-        let resource = match (is_pods, req.sub_resource.as_deref()) {
-            (true, None) => Resource::Pods,
-            (true, Some("binding")) => Resource::PodsBinding,
+        let core = req.resource.group.is_empty();
+        let resource = match (
+            core,
+            req.resource.resource.as_str(),
+            req.sub_resource.as_deref(),
+        ) {
+            (true, "pods", None) => Resource::Pods,
+            (true, "pods", Some("binding")) | (true, "bindings", None) => Resource::PodsBinding,
             _ => {
                 // Only reachable through a misconfigured webhook registration: this webhook
                 // has no opinion on other resources, so it must not block them.
@@ -198,7 +207,13 @@ impl<C: Cluster> Reviewer<C> {
                 else {
                     return refuse(req, "meshgate: Binding without target.name".into(), 400);
                 };
-                (RequestKind::Binding, node, req.name.as_str())
+                // The pod's name: in the URL for pods/binding, and the Binding's own name
+                // for the legacy resource (which the apiserver also puts in request.name).
+                let pod = Some(req.name.as_str())
+                    .filter(|n| !n.is_empty())
+                    .or(obj.metadata.name.as_deref())
+                    .unwrap_or_default();
+                (RequestKind::Binding, node, pod)
             }
         };
 
@@ -252,8 +267,14 @@ impl<C: Cluster> Reviewer<C> {
                 answer(AdmissionResponse::from(req))
             }
             Decision::Refuse { .. } => {
-                // Refusals are rare and read by people: spend a bounded lookup on the reason.
-                let reason = self.cluster.node_reason(node_name).await;
+                // Refusals are rare and read by people: spend a bounded lookup on the reason,
+                // but only for a node the cache knows. A node it does not know is refused as
+                // "not known yet" from the cache alone: otherwise every review naming a
+                // made-up node would cost the apiserver a GET.
+                let reason = match node {
+                    NodeFacts::Known { .. } => self.cluster.node_reason(node_name).await,
+                    NodeFacts::Unknown => None,
+                };
                 input.node_reason = reason.as_deref();
                 let message = match admission::decide(&input, &self.profiles) {
                     Decision::Refuse { message } => message,
@@ -340,6 +361,7 @@ pub(crate) mod tests {
         pub reasons: HashMap<String, String>,
         pub namespaces: HashMap<String, BTreeMap<String, String>>,
         pub pod_lookups: Mutex<Vec<String>>,
+        pub reason_lookups: Mutex<Vec<String>>,
         pub delay: Option<std::time::Duration>,
     }
 
@@ -360,6 +382,7 @@ pub(crate) mod tests {
                 .cloned()
         }
         async fn node_reason(&self, name: &str) -> Option<String> {
+            self.reason_lookups.lock().unwrap().push(name.to_string());
             self.reasons.get(name).cloned()
         }
         fn namespace_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
@@ -567,6 +590,73 @@ pub(crate) mod tests {
             msg.contains("node nowhere") && msg.contains("not known"),
             "{msg}"
         );
+    }
+
+    /// Reviews naming nodes the cache does not know are decided from the cache alone: no
+    /// reason lookup (an API GET in the real cluster view), for pods and bindings alike. A
+    /// refusal on a known, unverified node still looks its reason up.
+    #[tokio::test]
+    async fn unknown_nodes_are_refused_without_a_lookup() {
+        let (r, _) = reviewer(fake_cluster());
+        for i in 0..50 {
+            let node = format!("made-up-{i}");
+            let out = validate(&r, &pod_review("web", Some(&node), true)).await;
+            assert_eq!(out["response"]["allowed"], false);
+            let out = validate(&r, &binding_review("meshed", &node)).await;
+            assert_eq!(out["response"]["allowed"], false);
+            let msg = out["response"]["status"]["message"].as_str().unwrap();
+            assert!(msg.contains("not known"), "{msg}");
+        }
+        assert!(r.cluster().reason_lookups.lock().unwrap().is_empty());
+        assert_eq!(
+            validate(&r, &pod_review("web", Some("bad"), true)).await["response"]["allowed"],
+            false
+        );
+        assert_eq!(*r.cluster().reason_lookups.lock().unwrap(), ["bad"]);
+    }
+
+    /// A core/v1 Binding posted to the legacy `bindings` resource, as the apiserver reviews it.
+    fn legacy_binding_review(pod: &str, node: &str) -> Value {
+        let mut v = binding_review(pod, node);
+        v["request"]["uid"] = json!(format!("uid-legacy-{pod}"));
+        v["request"]["resource"] = json!({"group": "", "version": "v1", "resource": "bindings"});
+        v["request"].as_object_mut().unwrap().remove("subResource");
+        v
+    }
+
+    /// The legacy `bindings` resource binds a pod just like `pods/binding`: decided alike
+    /// and counted as `pods_binding`.
+    #[tokio::test]
+    async fn legacy_bindings_are_decided_like_pods_binding() {
+        let (r, registry) = reviewer(fake_cluster());
+        let out = validate(&r, &legacy_binding_review("meshed", "bad")).await;
+        assert_eq!(out["response"]["uid"], "uid-legacy-meshed");
+        assert_eq!(out["response"]["allowed"], false);
+        let msg = out["response"]["status"]["message"].as_str().unwrap();
+        assert!(
+            msg.contains("pod shop/meshed") && msg.contains("node bad"),
+            "{msg}"
+        );
+        for (pod, node) in [("plain", "bad"), ("meshed", "good")] {
+            let out = validate(&r, &legacy_binding_review(pod, node)).await;
+            assert_eq!(out["response"]["allowed"], true, "{pod} on {node}");
+        }
+        // The pod's name from the Binding itself when the request names none.
+        let mut unnamed = legacy_binding_review("meshed", "bad");
+        unnamed["request"]["name"] = json!("");
+        assert_eq!(validate(&r, &unnamed).await["response"]["allowed"], false);
+        assert_eq!(
+            *r.cluster().pod_lookups.lock().unwrap(),
+            ["shop/meshed", "shop/plain", "shop/meshed"]
+        );
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        for line in [
+            "meshgate_admission_reviews_total{resource=\"pods_binding\",allowed=\"false\"} 2",
+            "meshgate_admission_reviews_total{resource=\"pods_binding\",allowed=\"true\"} 2",
+        ] {
+            assert!(text.contains(line), "{text}");
+        }
     }
 
     #[tokio::test]

@@ -7,7 +7,10 @@
 //! - a body over `max_body_bytes` → 413;
 //! - not answered within `request_timeout` → 503, so the apiserver applies the
 //!   webhook's failurePolicy well before its own timeout (10 s by default) fires;
-//! - caches not synced yet → the request waits for them inside that same timeout.
+//! - caches not synced yet → the request waits for them inside that same timeout;
+//! - at most `max_connections` connections at once: past the cap the next connection is not
+//!   accepted until one ends, so it waits in the kernel's accept backlog (and the client's
+//!   own timeout bounds the wait) instead of costing a task, TLS buffers and memory.
 //!
 //! Shutdown follows a [`Phase`] watch (see [`crate::shutdown`]):
 //! - [`Phase::Delaying`]: the listener keeps accepting and every request is answered as
@@ -36,7 +39,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use rustls::ServerConfig;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 use tower_http::timeout::TimeoutLayer;
@@ -44,7 +47,7 @@ use tower_http::timeout::TimeoutLayer;
 use crate::review::{Cluster, Outcome, Reviewer};
 use crate::shutdown::Phase;
 
-/// Request limits.
+/// Request and connection limits.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
     /// Largest accepted request body. A Pod object is at most ~1.5 MB (etcd's limit), and an
@@ -52,13 +55,24 @@ pub struct Limits {
     pub max_body_bytes: usize,
     /// Per-request deadline; keep it well below the webhook's `timeoutSeconds`.
     pub request_timeout: Duration,
+    /// Connections served at once (see [`serve_tls`]).
+    pub max_connections: usize,
 }
+
+/// Default of `--max-connections`: above what the apiservers keep open to one replica (a
+/// keep-alive connection per concurrent review, and an apiserver's concurrency is bounded by
+/// its in-flight limits, 600 requests by default), and a bound on the memory and tasks that
+/// connections opened by anyone else can cost: an idle keep-alive TLS connection costs at most
+/// 56 KiB (measured with both of its ends in one process), so 1024 of them stay under 60 MiB of
+/// the 256 MiB memory limit.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 
 impl Default for Limits {
     fn default() -> Self {
         Self {
             max_body_bytes: 3 * 1024 * 1024,
             request_timeout: Duration::from_secs(3),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
         }
     }
 }
@@ -127,13 +141,22 @@ pub fn router<C: Cluster>(
 /// for at most `drain`; connections still open when the drain times out are aborted (their
 /// sockets closed), so nothing outlives the returned future. From [`Phase::Delaying`] on,
 /// responses carry `Connection: close`. Accept and handshake errors are logged, never fatal.
+///
+/// At most `max_connections` connections are open at once (at least 1): each holds a permit
+/// from its accept to its end, and without a free permit the loop does not accept, so excess
+/// connections wait in the kernel's backlog. At the close, backlog connections beyond the cap
+/// are closed unserved.
 pub async fn serve_tls(
     listener: TcpListener,
     tls: Arc<ServerConfig>,
     app: Router,
     phase: watch::Receiver<Phase>,
     drain: Duration,
+    max_connections: usize,
 ) {
+    let permits = Arc::new(Semaphore::new(
+        max_connections.clamp(1, Semaphore::MAX_PERMITS),
+    ));
     let stopping = phase.clone();
     // Decided when the response is written, so a request in flight when the delay starts is
     // answered with the close too.
@@ -159,7 +182,30 @@ pub async fn serve_tls(
         let _ = draining.wait_for(|p| *p == Phase::Draining).await;
     };
     let mut draining = std::pin::pin!(draining);
+    // The cap's warning, at most once a minute: a flood reaches it on every freed slot.
+    let mut warned: Option<tokio::time::Instant> = None;
     loop {
+        let permit = match permits.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                if warned.is_none_or(|at| at.elapsed() >= Duration::from_secs(60)) {
+                    warned = Some(tokio::time::Instant::now());
+                    tracing::warn!(
+                        max_connections,
+                        "connection cap reached; new connections wait until one ends"
+                    );
+                }
+                tokio::select! {
+                    biased;
+                    () = &mut draining => break,
+                    p = permits.clone().acquire_owned() => match p {
+                        Ok(p) => p,
+                        // Never closed; ends the loop rather than spin if it were.
+                        Err(_) => break,
+                    },
+                }
+            }
+        };
         let (tcp, peer) = tokio::select! {
             // Checked first, so the backlog left at the close is handled below, in one place.
             biased;
@@ -175,12 +221,17 @@ pub async fn serve_tls(
             },
         };
         conns.reap();
-        conns.spawn(tcp, peer);
+        conns.spawn(tcp, peer, permit);
     }
     // Connections the kernel completed before the close are served, not reset by it (each
     // answers one request and closes). Accepted with the plain socket call: the async
     // listener only retries once the reactor reported readiness, which may not have happened.
-    let late = accept_backlog(listener, |tcp, peer| conns.spawn(tcp, peer));
+    let late = accept_backlog(listener, |tcp, peer| {
+        match permits.clone().try_acquire_owned() {
+            Ok(permit) => conns.spawn(tcp, peer, permit),
+            Err(_) => tracing::debug!(%peer, "connection cap reached at the close; closing it"),
+        }
+    });
     tracing::info!(
         connections = conns.graceful.count(),
         accepted_at_close = late,
@@ -232,13 +283,21 @@ impl Connections {
     /// so it ends by itself after one request, whereas told to shut down before its request
     /// was read (the drain having started during, or just after, its handshake) it would be
     /// closed unanswered. Its watcher is held all the same, so the drain waits for it.
-    fn spawn(&mut self, tcp: tokio::net::TcpStream, peer: std::net::SocketAddr) {
+    ///
+    /// `permit` is held until the connection ends: that is what the connection cap counts.
+    fn spawn(
+        &mut self,
+        tcp: tokio::net::TcpStream,
+        peer: std::net::SocketAddr,
+        permit: OwnedSemaphorePermit,
+    ) {
         let _ = tcp.set_nodelay(true);
         let acceptor = self.acceptor.clone();
         let app = self.app.clone();
         let phase = self.phase.clone();
         let watcher = self.graceful.watcher();
         self.tasks.spawn(async move {
+            let _permit = permit;
             let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                 Ok(Ok(s)) => s,
                 Ok(Err(e)) => {
@@ -649,10 +708,24 @@ pub(crate) mod tests {
         watch::Sender<Phase>,
         tokio::task::JoinHandle<()>,
     ) {
+        start_capped(app, tls, drain, DEFAULT_MAX_CONNECTIONS).await
+    }
+
+    /// [`start`] with a connection cap.
+    pub(crate) async fn start_capped(
+        app: Router,
+        tls: Arc<ServerConfig>,
+        drain: Duration,
+        max_connections: usize,
+    ) -> (
+        std::net::SocketAddr,
+        watch::Sender<Phase>,
+        tokio::task::JoinHandle<()>,
+    ) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (phase_tx, phase) = crate::shutdown::phase_channel();
-        let server = tokio::spawn(serve_tls(listener, tls, app, phase, drain));
+        let server = tokio::spawn(serve_tls(listener, tls, app, phase, drain, max_connections));
         (addr, phase_tx, server)
     }
 
@@ -703,7 +776,7 @@ pub(crate) mod tests {
         pki.issue(&cert, &key);
         let (app, _tx) = app(cluster, true, limits);
         let tls = crate::tls::server_config(&cert, &key).unwrap();
-        let (addr, phase, server) = start(app, tls, drain).await;
+        let (addr, phase, server) = start_capped(app, tls, drain, limits.max_connections).await;
         (dir, pki, addr, phase, server)
     }
 
@@ -936,5 +1009,57 @@ pub(crate) mod tests {
             Some(Vec::new()),
             "the stalled connection is closed, unanswered"
         );
+    }
+
+    /// The connection cap: with 2 connections open, a third is not served (its TCP connect
+    /// completes in the kernel, its TLS handshake does not) until one of the two ends; then it
+    /// is served. A flood of connections past the cap costs no task.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn connections_past_the_cap_wait_until_one_ends() {
+        let limits = Limits {
+            max_connections: 2,
+            ..Limits::default()
+        };
+        let (_dir, pki, addr, phase, server) =
+            start_tls_with(fake_cluster(), limits, Duration::from_secs(5)).await;
+        let pki = Arc::new(pki);
+        let review = pod_review("web", Some("bad"), true);
+        let (mut first, _) = connect(&pki, addr).await.unwrap();
+        let (mut second, _) = connect(&pki, addr).await.unwrap();
+        assert_answered(&try_send(&mut first, &review).await.unwrap(), false);
+        assert_answered(&try_send(&mut second, &review).await.unwrap(), false);
+
+        // Past the cap: the kernel completes the TCP connects, nothing answers the TLS hello.
+        let mut waiting = Vec::new();
+        for _ in 0..20 {
+            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let pki = pki.clone();
+            waiting.push(tokio::spawn(async move { connect_over(&pki, tcp).await }));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            waiting.iter().all(|w| !w.is_finished()),
+            "a connection past the cap was served"
+        );
+        // The two served connections still work.
+        assert_answered(&try_send(&mut first, &review).await.unwrap(), false);
+
+        // One ends: exactly one waiting connection is served in its place.
+        drop(first);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let served: Vec<usize> = (0..waiting.len())
+            .filter(|&i| waiting[i].is_finished())
+            .collect();
+        assert_eq!(served.len(), 1, "one connection takes the freed place");
+        let (mut third, _) = waiting.remove(served[0]).await.unwrap().unwrap();
+        assert_answered(&try_send(&mut third, &review).await.unwrap(), false);
+        assert!(waiting.iter().all(|w| !w.is_finished()));
+
+        for w in &waiting {
+            w.abort();
+        }
+        drop((second, third));
+        phase.send_replace(Phase::Draining);
+        stops(server, "the server stops").await;
     }
 }

@@ -2,7 +2,10 @@
 //!
 //! In: inotify events from the CNI dirs, a periodic resync tick, changes to the agent's own
 //! Node (watched by name), and SIGTERM. Out: the Node's taint, label, condition and Events
-//! (through [`node::NodeGate`]), the state file, and metrics on the admin port.
+//! (through [`node::NodeGate`]), the state file, and metrics on the admin port, whose `/live`
+//! follows the loop's progress: a pass (verify, then write the Node) running longer than
+//! `--stall-timeout`, or no pass begun for `--resync-interval` plus that, fails it, so the
+//! kubelet restarts a wedged agent instead of leaving its Node's state frozen.
 //!
 //! One loop does everything in order — wait for a reason, coalesce a burst of file events,
 //! verify, reconcile — so there is never more than one writer of meshgate's names on the Node
@@ -31,6 +34,7 @@ use kube::api::Api;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::events::{Recorder, Reporter};
 use meshgate_core::cni::{Reason, Runtime, Verdict};
+use meshgate_runtime::admin::LoopProgress;
 use meshgate_runtime::logging::LogFormat;
 use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, watch};
@@ -96,6 +100,12 @@ pub struct Args {
     /// Deadline for each Kubernetes API call.
     #[arg(long, env = "MESHGATE_API_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
     pub api_timeout: Duration,
+    /// /live fails when one pass of the loop (verify, then write the Node) runs longer than
+    /// this, or when no pass begins within --resync-interval plus this. A pass is a
+    /// verification (each plugin probe bounded by --probe-timeout) and a few API calls (each
+    /// bounded by --api-timeout): well under a second normally.
+    #[arg(long, env = "MESHGATE_STALL_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub stall_timeout: Duration,
     /// Log format.
     #[arg(long, env = "MESHGATE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -169,10 +179,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding the admin server to {}", args.admin_addr))?;
     let (stop_tx, stop_rx) = watch::channel(false);
-    let admin = tokio::spawn(meshgate_runtime::admin::serve(
+    let progress = LoopProgress::new(
+        args.stall_timeout,
+        args.resync_interval.saturating_add(args.stall_timeout),
+    );
+    let admin = tokio::spawn(meshgate_runtime::admin::serve_with(
         listener,
         Arc::new(registry),
         ready.clone(),
+        progress.clone(),
         wait_stop(stop_rx.clone()),
     ));
 
@@ -241,6 +256,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut wake = Wake::Resync;
 
     loop {
+        progress.pass_started();
         // Verify unless only the Node changed and we already have a fresh verdict.
         if !matches!(wake, Wake::NodeChanged) || verdict.is_none() {
             let v = verify(cni.clone(), prober.clone()).await;
@@ -303,6 +319,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             }
         }
 
+        progress.pass_ended();
         wake = tokio::select! {
             _ = &mut shutdown => break,
             Some(t) = fs_rx.recv() => Wake::Files(t),

@@ -517,3 +517,59 @@ async fn sigterm_exits_cleanly_and_leaves_the_node_as_it_is() -> anyhow::Result<
     .await?;
     Ok(())
 }
+
+/// `/live` follows the verification loop: a plugin that hangs on VERSION (well within the
+/// probe timeout, so the prober waits for it) keeps one pass running past
+/// `--stall-timeout`, and `/live` fails with the reason, so the kubelet would restart the
+/// agent; once the pass ends, `/live` answers 200 again.
+#[tokio::test]
+async fn live_fails_while_a_verification_hangs_and_recovers_after_it() -> anyhow::Result<()> {
+    let cp = cp().await;
+    let client = cp.client()?;
+    let (node, dirs, agent) = start_node(
+        cp,
+        &client,
+        "agent-live",
+        Some("calico-linkerd.conflist"),
+        &["--probe-timeout", "60s", "--stall-timeout", "1s"],
+    )
+    .await?;
+    wait_node(&client, &node, "Verified", open).await?;
+    assert_eq!(agent.admin_get("/live").await.map(|r| r.0), Some(200));
+
+    // The installer puts a plugin binary that answers VERSION only after 6 s.
+    dirs.plugin("linkerd-cni", "#!/bin/sh\nexec sleep 6\n")?;
+    let mut stuck = None;
+    for _ in 0..50 {
+        if let Some((503, body)) = agent.admin_get("/live").await {
+            stuck = Some(body);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let body = stuck.ok_or_else(|| {
+        anyhow::anyhow!(
+            "/live never failed during the hung verification:\n{}",
+            agent.log()
+        )
+    })?;
+    assert!(
+        body.contains("a pass of the loop has been running") && body.contains("bound 1000 ms"),
+        "{body}"
+    );
+    // /ready says nothing about it: the last verdict on the Node still stands.
+    assert_eq!(agent.admin_get("/ready").await.map(|r| r.0), Some(200));
+
+    // The plugin exits without answering: the pass ends with a verdict, and /live recovers.
+    wait_gated(&client, &node, "PluginBinaryBroken", "PluginBinaryBroken").await?;
+    let mut live = None;
+    for _ in 0..50 {
+        live = agent.admin_get("/live").await.map(|r| r.0);
+        if live == Some(200) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(live, Some(200), "{}", agent.log());
+    Ok(())
+}

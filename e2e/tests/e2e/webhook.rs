@@ -95,6 +95,16 @@ impl Fixture {
 
     /// Starts the webhook in-process, waits for `/ready`, and registers the configurations.
     async fn start(cp: &ControlPlane, prefix: &str) -> anyhow::Result<Self> {
+        Self::start_as(cp, prefix, cp.admin_kubeconfig_path().to_path_buf()).await
+    }
+
+    /// [`Self::start`] with the webhook's API client on `kubeconfig` (an identity whose
+    /// requests the audit log records; the admin's are left out of it).
+    async fn start_as(
+        cp: &ControlPlane,
+        prefix: &str,
+        kubeconfig: PathBuf,
+    ) -> anyhow::Result<Self> {
         let client = cp.client()?;
         let tag = unique_name(prefix);
         let ca = TestCa::new()?;
@@ -117,13 +127,14 @@ impl Fixture {
             listen,
             tls_cert: cert,
             tls_key: key,
-            kubeconfig: Some(cp.admin_kubeconfig_path().to_path_buf()),
+            kubeconfig: Some(kubeconfig),
             admin_addr: Some(admin),
             profiles: Vec::new(),
             profile_file: None,
             request_timeout: Duration::from_secs(3),
             lookup_timeout: Duration::from_secs(1),
             max_body_bytes: 3 * 1024 * 1024,
+            max_connections: 1024,
             // Stopped by the test, not by a kubelet: no endpoint removal to wait for.
             shutdown_delay: Duration::ZERO,
             shutdown_timeout: Duration::from_secs(5),
@@ -562,6 +573,175 @@ async fn ambient(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
 
     let nodes: Api<Node> = Api::all(c.clone());
     let _ = tokio::time::timeout(CALL, nodes.delete(&unverified, &DeleteParams::default())).await;
+    Ok(())
+}
+
+/// Binds a pod through the legacy `bindings` resource: `POST /api/v1/namespaces/{ns}/bindings`
+/// with a core/v1 Binding named after the pod.
+async fn bind_legacy(
+    client: &Client,
+    ns: &str,
+    pod: &str,
+    node: &str,
+) -> anyhow::Result<Result<(), String>> {
+    let binding = json!({
+        "apiVersion": "v1", "kind": "Binding",
+        "metadata": {"name": pod, "namespace": ns},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+    });
+    // It answers with a Status, not the Binding, so the request is made by hand.
+    let req = http::Request::post(format!("/api/v1/namespaces/{ns}/bindings"))
+        .header("content-type", "application/json")
+        .body(serde_json::to_vec(&binding)?)?;
+    match tokio::time::timeout(CALL, client.request::<Value>(req)).await? {
+        Ok(_) => Ok(Ok(())),
+        Err(kube::Error::Api(s)) => Ok(Err(format!("{} ({})", s.message, s.code))),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The legacy `bindings` resource is gated like `pods/binding`, and reviews naming nodes the
+/// webhook's cache does not know cost the apiserver no request: the webhook runs under a
+/// ServiceAccount of its own, whose requests the audit log records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn legacy_bindings_are_gated_and_unknown_nodes_cost_no_request() {
+    let cp = cp().await;
+    let admin = cp.client().expect("client");
+    let home = cp
+        .create_namespace(&admin, "wh-id")
+        .await
+        .expect("identity namespace");
+    let identity = meshgate_e2e::audit::AuditedIdentity::new(cp, &admin, &home, "meshgate-webhook")
+        .await
+        .expect("an audited identity for the webhook");
+    let f = Fixture::start_as(cp, "whl", identity.kubeconfig.clone())
+        .await
+        .expect("webhook starts");
+    let result = legacy_and_unknown(cp, &f, &identity).await;
+    f.teardown().await;
+    identity.remove(&admin).await;
+    result.expect("legacy bindings and unknown nodes");
+}
+
+async fn legacy_and_unknown(
+    cp: &ControlPlane,
+    f: &Fixture,
+    identity: &meshgate_e2e::audit::AuditedIdentity,
+) -> anyhow::Result<()> {
+    let c = &f.client;
+    let nodes: Api<Node> = Api::all(c.clone());
+    let unverified = unique_name("whl-unv");
+    let verified = unique_name("whl-ver");
+    for n in [&unverified, &verified] {
+        cp.register_node(
+            c,
+            &NodeSpec::new(n.as_str()).label(SCOPE_KEY, f.tag.as_str()),
+        )
+        .await?;
+    }
+    tokio::time::timeout(
+        CALL,
+        nodes.patch(
+            &verified,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}})),
+        ),
+    )
+    .await??;
+    let ns = f.namespace(&[]).await?;
+
+    // Requests the webhook makes from here on are counted at the end.
+    let from = std::time::SystemTime::now();
+
+    // --- The legacy bindings resource: a mesh pod is refused the unverified node, with the
+    // same message as a pods/binding, and bound to the verified one.
+    create_pod(
+        c,
+        &ns,
+        &pod("legacy", None, true, Some("meshgate-e2e-nobody")),
+        false,
+    )
+    .await?
+    .map_err(|m| anyhow::anyhow!("unbound mesh pod refused: {m}"))?;
+    match bind_legacy(c, &ns, "legacy", &unverified).await? {
+        Ok(()) => bail!("legacy binding of a mesh pod to {unverified} admitted"),
+        Err(m) => ensure!(
+            m.contains("bindings.validate.meshgate.io")
+                && m.contains(&format!("pod {ns}/legacy"))
+                && m.contains(&unverified)
+                && m.contains("tolerate"),
+            "legacy binding refusal: {m}"
+        ),
+    }
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &ns);
+    let still = tokio::time::timeout(CALL, pods.get("legacy")).await??;
+    ensure!(
+        still
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.as_ref())
+            .is_none(),
+        "the refused binding bound the pod"
+    );
+    // The webhook's node cache follows the label a few milliseconds behind.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match bind_legacy(c, &ns, "legacy", &verified).await? {
+            Ok(()) => break,
+            Err(m) if Instant::now() >= deadline => bail!("legacy binding to {verified}: {m}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    let bound = tokio::time::timeout(CALL, pods.get("legacy")).await??;
+    ensure!(bound.spec.and_then(|s| s.node_name).as_deref() == Some(verified.as_str()));
+    let (_, metrics) = http_get(f.admin, "/metrics").await?;
+    ensure!(
+        metrics.contains(
+            "meshgate_admission_reviews_total{resource=\"pods_binding\",allowed=\"false\"} 1"
+        ),
+        "the legacy binding counts as pods_binding:\n{metrics}"
+    );
+
+    // --- A flood of reviews naming made-up nodes: each refused from the cache, none costs
+    // the apiserver a request. Refusals on the known unverified node, for comparison, cost a
+    // GET to word the reason (remembered for 5 s, so usually one for all of them).
+    const FLOOD: usize = 40;
+    for i in 0..FLOOD {
+        let node = unique_name(&format!("whl-made-up-{i}"));
+        match create_pod(c, &ns, &pod("flood", Some(&node), true, None), true).await? {
+            Ok(_) => bail!("mesh pod admitted on made-up node {node}"),
+            Err(m) => ensure!(m.contains("not known"), "refusal for {node}: {m}"),
+        }
+    }
+    match create_pod(c, &ns, &pod("known", Some(&unverified), true, None), true).await? {
+        Ok(_) => bail!("mesh pod admitted on {unverified}"),
+        Err(m) => ensure!(m.contains(&unverified), "{m}"),
+    }
+    // The audit log may lag a little behind: wait for the GET of the known node.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let gets = loop {
+        let gets: Vec<String> = identity
+            .requests(cp, from)?
+            .into_iter()
+            .filter(|r| r.verb == "get" && r.resource == "nodes")
+            .map(|r| r.name)
+            .collect();
+        if gets.contains(&unverified) || Instant::now() >= deadline {
+            break gets;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    ensure!(
+        !gets.is_empty() && gets.iter().all(|g| g == &unverified),
+        "node GETs by the webhook during {FLOOD} reviews of made-up nodes and two refusals on \
+         {unverified}: {gets:?}"
+    );
+
+    force_delete_pods(c, &ns, &["legacy"]).await;
+    let dp = DeleteParams::default();
+    for n in [&unverified, &verified] {
+        let _ = tokio::time::timeout(CALL, nodes.delete(n, &dp)).await;
+    }
     Ok(())
 }
 
