@@ -54,7 +54,7 @@ pub struct Args {
     pub output: Output,
 }
 
-/// Runs `inspect`. Exit 0 = redirected, 1 = missing, 2 = usage or I/O error.
+/// Runs `inspect`. Exit 0 = redirected, 1 = missing, 2 = unknown (rules unreadable or past the dump caps), usage or I/O error.
 pub fn main(args: Args) -> ExitCode {
     match run(&args) {
         Ok((path, inspection)) => {

@@ -73,6 +73,8 @@ struct ProgressInner {
     state: AtomicU64,
     max_pass: Duration,
     max_wait: Duration,
+    /// Names the loop in the check's message.
+    name: &'static str,
 }
 
 const IN_PASS: u64 = 1 << 63;
@@ -86,8 +88,25 @@ impl LoopProgress {
                 state: AtomicU64::new(IN_PASS),
                 max_pass,
                 max_wait,
+                name: "the loop",
             }),
         }
+    }
+
+    /// A loop named `name` in the check's message, that starts waiting rather than in a pass
+    /// (a worker that is idle until work arrives).
+    pub fn idle(name: &'static str, max_pass: Duration, max_wait: Duration) -> Self {
+        let progress = Self {
+            inner: Arc::new(ProgressInner {
+                origin: Instant::now(),
+                state: AtomicU64::new(0),
+                max_pass,
+                max_wait,
+                name,
+            }),
+        };
+        progress.pass_ended();
+        progress
     }
 
     fn now_ms(&self) -> u64 {
@@ -113,9 +132,15 @@ impl LoopProgress {
         let since = self.inner.origin + Duration::from_millis(state & !IN_PASS);
         let for_ = now.saturating_duration_since(since);
         let (what, bound) = if state & IN_PASS != 0 {
-            ("a pass of the loop has been running", self.inner.max_pass)
+            (
+                format!("a pass of {} has been running", self.inner.name),
+                self.inner.max_pass,
+            )
         } else {
-            ("the loop has been waiting", self.inner.max_wait)
+            (
+                format!("{} has been waiting", self.inner.name),
+                self.inner.max_wait,
+            )
         };
         if for_ > bound {
             Err(format!(
@@ -132,6 +157,13 @@ impl LoopProgress {
 impl Liveness for LoopProgress {
     fn check(&self) -> Result<(), String> {
         self.check_at(Instant::now())
+    }
+}
+
+/// Live while both parts are (e.g. an agent's verification loop and its pod inspector).
+impl<A: Liveness, B: Liveness> Liveness for (A, B) {
+    fn check(&self) -> Result<(), String> {
+        self.0.check().and_then(|()| self.1.check())
     }
 }
 
@@ -331,6 +363,37 @@ mod tests {
                 .check_at(Instant::now() + Duration::from_millis(200))
                 .is_err()
         );
+    }
+
+    #[tokio::test]
+    async fn an_idle_worker_is_live_until_a_pass_outlasts_its_bound_and_pairs_fail_on_either() {
+        let loop_ = LoopProgress::new(Duration::from_secs(60), Duration::from_secs(120));
+        let pods = LoopProgress::idle(
+            "the pod inspector",
+            Duration::from_millis(100),
+            Duration::MAX,
+        );
+        let both = (loop_.clone(), pods.clone());
+        // Idle for as long as it likes.
+        assert!(
+            pods.check_at(Instant::now() + Duration::from_secs(86_400))
+                .is_ok()
+        );
+        assert!(both.check().is_ok());
+        // A batch that never returns.
+        pods.pass_started();
+        let err = pods
+            .check_at(Instant::now() + Duration::from_millis(200))
+            .unwrap_err();
+        assert!(
+            err.contains("a pass of the pod inspector has been running"),
+            "{err}"
+        );
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let err = both.check().unwrap_err();
+        assert!(err.contains("the pod inspector"), "{err}");
+        pods.pass_ended();
+        assert!(both.check().is_ok());
     }
 
     #[tokio::test]

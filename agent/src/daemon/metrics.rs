@@ -143,7 +143,7 @@ impl AgentMetrics {
             evictions_skipped: reg.add(
                 "meshgate_evictions_skipped",
                 None,
-                "Evictions not done for a pod with missing redirects, by why (pdb/rate_limit/dry_run/unowned)",
+                "Evictions not done for a pod with missing redirects, by why (pdb/rate_limit/dry_run/unowned/no_proxy)",
                 Family::default(),
             ),
         }

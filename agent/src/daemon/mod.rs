@@ -94,7 +94,8 @@ pub struct Args {
     /// Re-verify at least this often, as a safety net for missed inotify events.
     #[arg(long, env = "MESHGATE_RESYNC_INTERVAL", default_value = "60s", value_parser = humantime::parse_duration)]
     pub resync_interval: Duration,
-    /// Quiet time that ends a burst of file events (a write-then-rename is one change).
+    /// Quiet time that ends a burst of file events (a write-then-rename is one change); a
+    /// burst that never goes quiet is cut after ten times this.
     #[arg(long, env = "MESHGATE_COALESCE", default_value = "20ms", value_parser = humantime::parse_duration)]
     pub coalesce: Duration,
     /// Deadline for each Kubernetes API call.
@@ -183,11 +184,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         args.stall_timeout,
         args.resync_interval.saturating_add(args.stall_timeout),
     );
+    // The pod inspector's batches are bounded by the same stall timeout; it may idle for as
+    // long as no pod needs inspecting, so only its passes are bounded.
+    let pod_progress = LoopProgress::idle("the pod inspector", args.stall_timeout, Duration::MAX);
     let admin = tokio::spawn(meshgate_runtime::admin::serve_with(
         listener,
         Arc::new(registry),
         ready.clone(),
-        progress.clone(),
+        (progress.clone(), pod_progress.clone()),
         wait_stop(stop_rx.clone()),
     ));
 
@@ -217,6 +221,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         verdict_rx,
         shared.clone(),
         metrics.clone(),
+        pod_progress,
         stop_rx.clone(),
     )
     .await?;
@@ -328,11 +333,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             _ = sleep_until(retry_at) => Wake::Retry,
         };
         if let Wake::Files(first) = wake {
-            changed_at = first;
-            // Coalesce: wait until the burst is quiet, so a write-then-rename is one change.
-            while let Ok(Some(t)) = tokio::time::timeout(args.coalesce, fs_rx.recv()).await {
-                changed_at = t;
-            }
+            changed_at = coalesce(&mut fs_rx, first, args.coalesce).await;
             fs.ensure();
         }
     }
@@ -346,6 +347,30 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         tracing::warn!(node = %node_name, error = %e, "cannot save state");
     }
     Ok(())
+}
+
+/// A burst of file events ends after `quiet` without one, and at the latest
+/// `COALESCE_LIMIT` times `quiet` after it began.
+const COALESCE_LIMIT: u32 = 10;
+
+/// Waits until a burst of file events is over, so a write-then-rename is one change, and
+/// returns when the last event of the burst happened. The bound matters: a writer touching
+/// the directories more often than `quiet`, forever (a flapping installer, a log rotated into
+/// the conf dir), would otherwise keep the node from ever being verified again.
+async fn coalesce(
+    rx: &mut mpsc::UnboundedReceiver<Instant>,
+    first: Instant,
+    quiet: Duration,
+) -> Instant {
+    let end = tokio::time::Instant::now() + quiet * COALESCE_LIMIT;
+    let mut last = first;
+    loop {
+        let at = (tokio::time::Instant::now() + quiet).min(end);
+        match tokio::time::timeout_at(at, rx.recv()).await {
+            Ok(Some(t)) => last = t,
+            Ok(None) | Err(_) => return last,
+        }
+    }
 }
 
 async fn wait_stop(mut rx: watch::Receiver<bool>) {
@@ -391,5 +416,54 @@ async fn watch_node(api: Api<Node>, name: String, tx: watch::Sender<Option<Node>
             }
             Err(e) => tracing::debug!(node = %name, error = %e, "node watch error; retrying"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_burst_ends_when_it_goes_quiet_and_reports_its_last_event() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let first = Instant::now();
+        let mut sent = Vec::new();
+        for _ in 0..3 {
+            let t = Instant::now();
+            tx.send(t).unwrap();
+            sent.push(t);
+        }
+        let last = coalesce(&mut rx, first, Duration::from_millis(20)).await;
+        assert_eq!(last, sent[2]);
+    }
+
+    /// A writer touching the directory every 5 ms forever: the burst is cut at its bound
+    /// (200 ms here) instead of keeping the loop from verifying while the writes go on.
+    #[tokio::test]
+    async fn a_burst_that_never_goes_quiet_is_cut_at_its_bound() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let writer = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                if tx.send(Instant::now()).is_err() {
+                    break;
+                }
+            }
+        });
+        let start = Instant::now();
+        let ended = tokio::time::timeout(
+            Duration::from_secs(5),
+            coalesce(&mut rx, start, Duration::from_millis(20)),
+        )
+        .await;
+        assert!(
+            ended.is_ok(),
+            "the burst was never cut while the writes went on"
+        );
+        assert!(
+            !writer.is_finished(),
+            "the writer was still writing when it was cut"
+        );
+        writer.abort();
     }
 }

@@ -52,6 +52,7 @@ use meshgate_core::cni::{Reason, Verdict as NodeVerdict};
 use meshgate_core::evict::{self, Candidate, Decision, Flags, RateLimiter, SandboxKey, SkipWhy};
 use meshgate_core::profile::ProfileSet;
 use meshgate_core::rules::Verdict;
+use meshgate_runtime::admin::LoopProgress;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -114,6 +115,7 @@ pub async fn spawn(
     verdict: watch::Receiver<Option<NodeVerdict>>,
     state: Arc<Shared>,
     metrics: AgentMetrics,
+    progress: LoopProgress,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<JoinHandle<()>> {
     let setup = Setup::from_args(args)?;
@@ -121,7 +123,7 @@ pub async fn spawn(
         .await
         .context("building the pod inspector's client")?;
     Ok(tokio::spawn(run(
-        setup, client, verdict, state, metrics, stop,
+        setup, client, verdict, state, metrics, progress, stop,
     )))
 }
 
@@ -132,6 +134,9 @@ struct Inspector {
     recorder: Recorder,
     state: Arc<Shared>,
     metrics: AgentMetrics,
+    /// Inspection batches run on the blocking pool, where a wedged netlink read or setns
+    /// would stall every later pod: `/live` fails when one outlasts its bound.
+    progress: LoopProgress,
     tracker: Tracker,
     limiter: RateLimiter,
     /// The clock origin: `core::evict` and the tracker take durations since it.
@@ -160,6 +165,7 @@ pub async fn run(
     mut verdict: watch::Receiver<Option<NodeVerdict>>,
     state: Arc<Shared>,
     metrics: AgentMetrics,
+    progress: LoopProgress,
     mut stop: watch::Receiver<bool>,
 ) {
     let node = setup.node.clone();
@@ -199,6 +205,7 @@ pub async fn run(
         client,
         state,
         metrics,
+        progress,
         tracker: Tracker::new(),
         origin: Instant::now(),
         last_verdict: None,
@@ -458,7 +465,9 @@ impl Inspector {
             .collect();
         let dirs = self.setup.netns_dirs.clone();
         let count = jobs.len();
+        self.progress.pass_started();
         let batch = tokio::task::spawn_blocking(move || inspect::run(&jobs, &dirs)).await;
+        self.progress.pass_ended();
         let batch = match batch {
             Ok(b) => b,
             Err(e) => {
