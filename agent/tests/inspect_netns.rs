@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 
 use meshgate_agent::inspect::{inspect_netns, inspect_netns_pod};
 use meshgate_agent::netns;
-use meshgate_core::profile::{MeshProfile, ProfileSet};
+use meshgate_core::profile::MeshProfile;
 use meshgate_core::rules::locate::{Located, locate};
 use meshgate_core::rules::{Inspection, IpFamily, Verdict};
 use meshgate_e2e::netns_sim;
@@ -92,10 +92,7 @@ impl Netns {
 }
 
 fn profile(name: &str) -> MeshProfile {
-    ProfileSet::all_builtin()
-        .get(name)
-        .cloned()
-        .expect("built-in profile")
+    meshgate_core::profile::builtin_named(name).expect("built-in profile")
 }
 
 fn inspect(ns: &Netns, p: &str) -> Inspection {

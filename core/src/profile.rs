@@ -252,6 +252,11 @@ fn is_container_name(s: &str) -> bool {
         && !s.ends_with('-')
 }
 
+/// The built-in profile named `name` (`linkerd`, `istio`, `istio-ambient`), if there is one.
+pub fn builtin_named(name: &str) -> Option<MeshProfile> {
+    builtin().into_iter().find(|p| p.name == name)
+}
+
 /// The built-in profiles: `linkerd`, `istio`, `istio-ambient`.
 ///
 /// `istio-ambient` selects as Istio's default ambient enablement selectors do

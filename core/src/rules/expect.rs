@@ -258,13 +258,9 @@ fn covers_every_port(v: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::profile::ProfileSet;
 
     fn profile(name: &str) -> MeshProfile {
-        ProfileSet::all_builtin()
-            .get(name)
-            .cloned()
-            .expect("built-in profile")
+        crate::profile::builtin_named(name).expect("built-in profile")
     }
 
     fn ann(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {

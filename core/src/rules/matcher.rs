@@ -565,14 +565,10 @@ fn message(profile: &MeshProfile, inbound: &DirectionResult, outbound: &Directio
 mod tests {
     use super::super::{Chain, Rule, Table};
     use super::*;
-    use crate::profile::ProfileSet;
     use std::collections::BTreeMap;
 
     fn profile(name: &str) -> MeshProfile {
-        ProfileSet::all_builtin()
-            .get(name)
-            .cloned()
-            .expect("built-in profile")
+        crate::profile::builtin_named(name).expect("built-in profile")
     }
 
     fn jump(c: &str) -> Action {

@@ -198,14 +198,10 @@ pub fn summary(decided: &Inspection, netns: Option<&Path>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use meshgate_core::profile::ProfileSet;
     use meshgate_core::rules::Ruleset;
 
     fn profile(name: &str) -> MeshProfile {
-        ProfileSet::all_builtin()
-            .get(name)
-            .cloned()
-            .expect("built-in")
+        meshgate_core::profile::builtin_named(name).expect("built-in")
     }
 
     fn missing(name: &str) -> Inspection {
