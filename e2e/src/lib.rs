@@ -28,6 +28,7 @@ pub mod paths;
 pub mod pki;
 pub mod pod_sim;
 mod process;
+pub mod real_node;
 pub mod review_load;
 pub mod stats;
 pub mod wait;

@@ -1,0 +1,263 @@
+//! The real-node tier: a kubelet built from the pinned module and containerd with runc and the
+//! reference CNI plugins, registered against the shared control plane; real pods from local
+//! images; Istio's real CNI plugin writing the rules; `meshgate-agent inspect --pid` judging
+//! the pods' real network namespaces.
+//!
+//! In: the node binaries and images `e2e/install-deps.sh` caches, root. Out: pass/fail. A part
+//! of the node that cannot start fails the test with [`meshgate_e2e::Error::RealNode`] naming
+//! it; nothing here skips. The node is torn down at the end, and on a failure by its drop.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
+use kube::Client;
+use kube::api::{Api, ObjectMeta, PostParams};
+use meshgate_e2e::real_node::{BUSYBOX_IMAGE, REAL_NODE_TAINT, RealNode};
+use meshgate_e2e::wait::poll_until;
+use meshgate_e2e::{TokenOptions, service_account_token};
+
+use crate::cp;
+
+/// A pod's containers start within this on the real node (images are local).
+const POD_START: Duration = Duration::from_secs(90);
+
+#[tokio::test]
+async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() -> anyhow::Result<()>
+{
+    let cp = cp().await;
+    let client = cp.client()?;
+    let node = RealNode::start(cp)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .context("the real node did not come up")?;
+    let times = node.times();
+    eprintln!(
+        "real node {}: containerd {:?}, images {:?}, kubelet→registered {:?}, registered→Ready {:?}",
+        node.name(),
+        times.containerd,
+        times.images,
+        times.registered,
+        times.ready_after_registration
+    );
+    let ns = cp.create_namespace(&client, "real-node").await?;
+
+    // S3: a pod through containerd and the real bridge CNI, with no mesh plugin: no rules.
+    let (plain, started) = run_pod(&client, &node, &ns, pod(&node, "plain", false)).await?;
+    eprintln!("pod {ns}/plain running after {started:?}");
+    let pid = app_pid(&node, &plain).await?;
+    let (code, verdict) = inspect(pid)?;
+    ensure!(
+        code == Some(1) && verdict == "missing",
+        "a pod without istio-cni must inspect as missing (exit 1); got exit {code:?}, {verdict}"
+    );
+
+    // istio-cni chained the way Istio's installer does, with its own ServiceAccount's token.
+    let kubeconfig = istio_cni_kubeconfig(cp, &client, &ns).await?;
+    node.install_istio_cni(&kubeconfig, false)?;
+    let (meshed, started) = run_pod(&client, &node, &ns, pod(&node, "meshed", true)).await?;
+    eprintln!("pod {ns}/meshed (istio-cni, iptables) running after {started:?}");
+    let pid = app_pid(&node, &meshed).await?;
+    let (code, verdict) = inspect(pid)?;
+    ensure!(
+        code == Some(0) && verdict == "redirected",
+        "a pod istio-cni (iptables mode) set up must inspect as redirected (exit 0); got exit {code:?}, {verdict}; \
+         istio-cni's log:\n{}",
+        istio_log(&node)
+    );
+    // The rules came from istio-cni itself: its log names the pod it programmed.
+    ensure!(
+        istio_log(&node).contains("meshed"),
+        "istio-cni's log does not mention the pod:\n{}",
+        istio_log(&node)
+    );
+    // The unmeshed pod is still judged missing: the verdict is per namespace, not per node.
+    let (code, _) = inspect(app_pid(&node, &plain).await?)?;
+    ensure!(code == Some(1), "the plain pod changed verdict: {code:?}");
+
+    drop(node);
+    Ok(())
+}
+
+/// A busybox pod for the real node: tolerates its taint and is bound to it directly. With
+/// `meshed`, it looks as Istio's sidecar injector leaves a pod in CNI mode: an `istio-proxy`
+/// container running as 1337 and the `sidecar.istio.io/status` annotation, which is what
+/// istio-cni's plugin checks before it programs the redirect.
+fn pod(node: &RealNode, name: &str, meshed: bool) -> Pod {
+    let container = |cname: &str, uid: Option<i64>| {
+        serde_json::json!({
+            "name": cname,
+            "image": BUSYBOX_IMAGE,
+            "imagePullPolicy": "Never",
+            "command": ["/bin/sleep", "3600"],
+            "securityContext": uid.map(|u| serde_json::json!({"runAsUser": u, "runAsGroup": u})),
+        })
+    };
+    let mut containers = vec![container("app", None)];
+    let mut annotations = serde_json::json!({});
+    let mut labels = serde_json::json!({"app": name});
+    if meshed {
+        containers.push(container("istio-proxy", Some(1337)));
+        annotations = serde_json::json!({
+            "sidecar.istio.io/status": "{\"initContainers\":[\"istio-validation\"],\"containers\":[\"istio-proxy\"],\"volumes\":[],\"imagePullSecrets\":null,\"revision\":\"default\"}",
+            "kubectl.kubernetes.io/default-container": "app",
+        });
+        labels = serde_json::json!({
+            "app": name,
+            "security.istio.io/tlsMode": "istio",
+            "service.istio.io/canonical-name": name,
+        });
+    }
+    // Built from JSON: the fields are the pod's own, and this is shorter than the typed form.
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels, "annotations": annotations},
+        "spec": {
+            "nodeName": node.name(),
+            "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+            "automountServiceAccountToken": false,
+            "enableServiceLinks": false,
+            "terminationGracePeriodSeconds": 1,
+            "containers": containers,
+        }
+    }))
+    .unwrap_or_default()
+}
+
+/// Creates the pod and waits until every container runs; returns it and the time it took.
+async fn run_pod(
+    client: &Client,
+    node: &RealNode,
+    ns: &str,
+    pod: Pod,
+) -> anyhow::Result<(Pod, Duration)> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let begun = Instant::now();
+    pods.create(&PostParams::default(), &pod).await?;
+    let got = poll_until(&format!("pod {ns}/{name} running"), POD_START, || async {
+        let p = pods.get(&name).await?;
+        let statuses = p
+            .status
+            .as_ref()
+            .and_then(|s| s.container_statuses.clone())
+            .unwrap_or_default();
+        let running = !statuses.is_empty()
+            && statuses
+                .iter()
+                .all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()));
+        anyhow::Ok(running.then_some(p))
+    })
+    .await;
+    match got {
+        Ok(p) => Ok((p, begun.elapsed())),
+        Err(e) => {
+            let last = pods.get(&name).await.ok().and_then(|p| p.status);
+            bail!(
+                "{e}\nlast status: {last:?}\nkubelet:\n{}\ncontainerd:\n{}",
+                node.log_tail("kubelet", 30),
+                node.log_tail("containerd", 30)
+            )
+        }
+    }
+}
+
+/// The host pid of the pod's `app` container, from containerd's task list.
+async fn app_pid(node: &RealNode, pod: &Pod) -> anyhow::Result<i32> {
+    let id = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.name == "app"))
+        .and_then(|c| c.container_id.clone())
+        .context("the app container has no containerID")?;
+    Ok(node.container_pid(&id).await?)
+}
+
+/// `meshgate-agent inspect --pid PID --profile istio --output json`: exit code and verdict.
+fn inspect(pid: i32) -> anyhow::Result<(Option<i32>, String)> {
+    let bin = meshgate_e2e::node_sim::workspace_bin("meshgate-agent")?;
+    let out = std::process::Command::new(bin)
+        .args(["inspect", "--pid", &pid.to_string(), "--profile", "istio"])
+        .args(["--output", "json"])
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let verdict = serde_json::from_str::<serde_json::Value>(&stdout)
+        .ok()
+        .and_then(|v| v.get("verdict").and_then(|v| v.as_str()).map(str::to_owned))
+        .unwrap_or_else(|| {
+            format!(
+                "no verdict; stdout {stdout:?}, stderr {:?}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+    Ok((out.status.code(), verdict))
+}
+
+/// A ServiceAccount `istio-cni` allowed to read pods in `ns` (all the plugin reads in sidecar
+/// mode), and a token kubeconfig for it, as Istio's installer writes one for the plugin.
+async fn istio_cni_kubeconfig(
+    cp: &meshgate_e2e::ControlPlane,
+    client: &Client,
+    ns: &str,
+) -> anyhow::Result<String> {
+    let meta = |name: &str| ObjectMeta {
+        name: Some(name.into()),
+        namespace: Some(ns.into()),
+        ..Default::default()
+    };
+    let pp = PostParams::default();
+    Api::<ServiceAccount>::namespaced(client.clone(), ns)
+        .create(
+            &pp,
+            &ServiceAccount {
+                metadata: meta("istio-cni"),
+                ..Default::default()
+            },
+        )
+        .await?;
+    Api::<Role>::namespaced(client.clone(), ns)
+        .create(
+            &pp,
+            &Role {
+                metadata: meta("istio-cni"),
+                rules: Some(vec![PolicyRule {
+                    api_groups: Some(vec![String::new()]),
+                    resources: Some(vec!["pods".into()]),
+                    verbs: vec!["get".into()],
+                    ..Default::default()
+                }]),
+            },
+        )
+        .await?;
+    Api::<RoleBinding>::namespaced(client.clone(), ns)
+        .create(
+            &pp,
+            &RoleBinding {
+                metadata: meta("istio-cni"),
+                role_ref: RoleRef {
+                    api_group: "rbac.authorization.k8s.io".into(),
+                    kind: "Role".into(),
+                    name: "istio-cni".into(),
+                },
+                subjects: Some(vec![Subject {
+                    kind: "ServiceAccount".into(),
+                    name: "istio-cni".into(),
+                    namespace: Some(ns.into()),
+                    ..Default::default()
+                }]),
+            },
+        )
+        .await?;
+    let token = service_account_token(client, ns, "istio-cni", &TokenOptions::default()).await?;
+    let path = cp.write_token_kubeconfig(&format!("istio-cni-{ns}"), &token)?;
+    Ok(std::fs::read_to_string(path)?)
+}
+
+fn istio_log(node: &RealNode) -> String {
+    std::fs::read_to_string(Path::new(&node.istio_cni_run_dir()).join("istio-cni.log"))
+        .unwrap_or_else(|e| format!("(no istio-cni.log: {e})"))
+}
