@@ -157,8 +157,7 @@ pub struct RealNode {
     name: String,
     dir: PathBuf,
     bins: NodeBinaries,
-    bridge: String,
-    cgroup_root: String,
+    fp: Footprint,
     admin: kube::config::Kubeconfig,
     procs: Mutex<Vec<Proc>>,
     spawner: Mutex<Option<Spawner>>,
@@ -191,23 +190,16 @@ impl RealNode {
             .keep();
         write_owner(&dir)?;
         let name = unique_name("real-node");
-        // A short, unique bridge name (IFNAMSIZ is 16) so parallel runs never share one.
-        let suffix = dir
-            .file_name()
-            .and_then(|n| n.to_str())
-            .and_then(|n| n.strip_prefix(DIR_PREFIX))
-            .unwrap_or("0")
-            .to_ascii_lowercase();
-        let bridge = format!("mg{}", &suffix[..suffix.len().min(10)]);
+        let spawner = Spawner::start()?;
+        host_paths_acquire();
         let node = RealNode {
-            cgroup_root: format!("/{DIR_PREFIX}{suffix}"),
+            fp: Footprint::of(&dir),
             name,
             dir,
             bins,
-            bridge,
             admin: cp.admin_kubeconfig().clone(),
             procs: Mutex::new(Vec::new()),
-            spawner: Mutex::new(Some(Spawner::start()?)),
+            spawner: Mutex::new(Some(spawner)),
             times: NodeTimes {
                 containerd: Duration::ZERO,
                 images: Duration::ZERO,
@@ -540,19 +532,11 @@ impl RealNode {
                 self.containerd_socket(),
             ));
         }
-        // 4. containerd, then any shim still serving this containerd.
+        // 4. containerd; 5.-9. whatever is left on the host (processes in the node's
+        // cgroups, shims, mounts, the bridge, the cgroups, the directory).
         self.stop_component("containerd");
-        kill_shims(&self.containerd_socket());
-        // 5. Mounts (rootfs overlays, netns bind mounts, pod volumes), deepest first.
-        unmount_under(&self.dir);
-        // 6. The bridge; the veths went with the pods' namespaces.
-        if Path::new("/sys/class/net").join(&self.bridge).exists() {
-            let _ = std::process::Command::new("ip")
-                .args(["link", "del", &self.bridge])
-                .status();
-        }
-        // 7. The kubelet's cgroups, 8. the Node object.
-        self.remove_cgroup_root();
+        self.fp.clean();
+        // 10. The Node object.
         run_blocking(delete_node(admin, name));
         if let Some(spawner) = self
             .spawner
@@ -562,14 +546,13 @@ impl RealNode {
         {
             spawner.shutdown();
         }
-        // 9. The directory, unless a mount could not be removed (never delete through one).
-        if mounts_under(&self.dir).is_empty() {
-            if let Err(e) = std::fs::remove_dir_all(&self.dir) {
-                tracing::warn!(dir = %self.dir.display(), error = %e, "cannot remove the real node's directory");
-            }
-        } else {
-            tracing::warn!(dir = %self.dir.display(), "mounts remain; leaving the directory");
-        }
+        // 11. Host paths the daemons create whatever their configuration says.
+        host_paths_release();
+    }
+
+    /// What this node left on the host, described; empty after [`RealNode::stop`].
+    pub fn footprint(&self) -> &Footprint {
+        &self.fp
     }
 
     fn stop_component(&self, name: &str) {
@@ -681,7 +664,7 @@ state = {state}
             "plugins": [
                 {
                     "type": "bridge",
-                    "bridge": self.bridge,
+                    "bridge": self.fp.bridge,
                     "isGateway": true,
                     "ipMasq": false,
                     "hairpinMode": true,
@@ -701,6 +684,7 @@ state = {state}
     /// A /24 in 10.200.0.0/16 picked from the run's name, so parallel runs rarely collide.
     fn pod_subnet(&self) -> String {
         let n = self
+            .fp
             .bridge
             .bytes()
             .fold(0u32, |a, b| a.wrapping_mul(31) ^ b as u32)
@@ -755,7 +739,7 @@ resolvConf: /etc/resolv.conf
 "#,
             ca = q(&ca.display().to_string()),
             endpoint = q(&format!("unix://{}", self.containerd_socket().display())),
-            cgroup_root = q(&self.cgroup_root),
+            cgroup_root = q(&self.fp.cgroup_root),
             pod_logs = q(&self.dir.join("kubelet/pod-logs").display().to_string()),
             taint = REAL_NODE_TAINT,
         )
@@ -764,18 +748,11 @@ resolvConf: /etc/resolv.conf
     /// The kubelet requires its cgroup root to exist in every hierarchy it uses.
     fn create_cgroup_root(&self) -> Result<(), Error> {
         for hierarchy in cgroup_hierarchies() {
-            let path = hierarchy.join(self.cgroup_root.trim_start_matches('/'));
+            let path = hierarchy.join(self.fp.cgroup_root.trim_start_matches('/'));
             std::fs::create_dir_all(&path)
                 .map_err(|e| Error::io(format!("creating cgroup {}", path.display()), e))?;
         }
         Ok(())
-    }
-
-    fn remove_cgroup_root(&self) {
-        for hierarchy in cgroup_hierarchies() {
-            let path = hierarchy.join(self.cgroup_root.trim_start_matches('/'));
-            remove_cgroup_tree(&path);
-        }
     }
 }
 
@@ -959,13 +936,14 @@ where
         .map(|t| t.join());
 }
 
-/// Kills, by pid, the shims serving containerd at `socket`: the socket path is unique to this
-/// run and is on every such shim's command line (`-address <socket>`).
-fn kill_shims(socket: &Path) {
+/// Pids of the shims serving containerd at `socket`: the socket path is unique to the run and
+/// is on every such shim's command line (`-address <socket>`).
+fn shim_pids(socket: &Path) -> Vec<i32> {
     let socket = socket.display().to_string();
     let Ok(entries) = std::fs::read_dir("/proc") else {
-        return;
+        return Vec::new();
     };
+    let mut pids = Vec::new();
     for entry in entries.flatten() {
         let Some(pid) = entry
             .file_name()
@@ -985,12 +963,20 @@ fn kill_shims(socket: &Path) {
             .windows(2)
             .any(|w| w[0] == b"-address" && w[1] == socket.as_bytes());
         if is_shim && serves_us {
-            tracing::warn!(pid, "killing a containerd shim left behind");
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
+            pids.push(pid);
         }
+    }
+    pids
+}
+
+/// Kills, by pid, the shims serving containerd at `socket` (see [`shim_pids`]).
+fn kill_shims(socket: &Path) {
+    for pid in shim_pids(socket) {
+        tracing::warn!(pid, "killing a containerd shim left behind");
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
     }
 }
 
@@ -1105,13 +1091,191 @@ fn sweep_stale(base: &Path) {
         if alive {
             continue;
         }
-        kill_shims(&path.join("containerd.sock"));
-        unmount_under(&path);
-        if mounts_under(&path).is_empty() {
-            tracing::info!(dir = %path.display(), "removing the directory of a dead real-node run");
-            let _ = std::fs::remove_dir_all(&path);
+        tracing::info!(dir = %path.display(), "cleaning up after a dead real-node run");
+        Footprint::of(&path).clean();
+    }
+}
+
+/// What a real node puts on the host besides API objects, derived from its run directory's
+/// name alone, so a later run can clean up after a killed one ([`sweep_stale`]).
+#[derive(Debug, Clone)]
+pub struct Footprint {
+    /// The run directory.
+    pub dir: PathBuf,
+    /// The CNI bridge (`mg` + the directory's suffix; IFNAMSIZ is 16).
+    pub bridge: String,
+    /// The kubelet's `cgroupRoot`, present in every cgroup hierarchy.
+    pub cgroup_root: String,
+}
+
+impl Footprint {
+    fn of(dir: &Path) -> Self {
+        let suffix = dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix(DIR_PREFIX))
+            .unwrap_or("0")
+            .to_ascii_lowercase();
+        Self {
+            dir: dir.to_owned(),
+            bridge: format!("mg{}", &suffix[..suffix.len().min(10)]),
+            cgroup_root: format!("/{DIR_PREFIX}{suffix}"),
         }
     }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.join("containerd.sock")
+    }
+
+    fn cgroups(&self) -> Vec<PathBuf> {
+        cgroup_hierarchies()
+            .into_iter()
+            .map(|h| h.join(self.cgroup_root.trim_start_matches('/')))
+            .filter(|p| p.exists())
+            .collect()
+    }
+
+    /// Kills what still runs in the node's cgroups and the shims serving its containerd, then
+    /// removes the mounts under the run dir, the bridge, the cgroups and the run dir.
+    fn clean(&self) {
+        for cg in self.cgroups() {
+            kill_cgroup_tree(&cg);
+        }
+        kill_shims(&self.socket());
+        // The killed processes exit asynchronously; a cgroup can be removed once empty.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.cgroups().iter().any(|cg| cgroup_tree_busy(cg)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        unmount_under(&self.dir);
+        if Path::new("/sys/class/net").join(&self.bridge).exists() {
+            let _ = std::process::Command::new("ip")
+                .args(["link", "del", &self.bridge])
+                .status();
+        }
+        for cg in self.cgroups() {
+            remove_cgroup_tree(&cg);
+        }
+        // Never delete through a mount that could not be removed.
+        if mounts_under(&self.dir).is_empty() {
+            if let Err(e) = std::fs::remove_dir_all(&self.dir)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(dir = %self.dir.display(), error = %e, "cannot remove the real node's directory");
+            }
+        } else {
+            tracing::warn!(dir = %self.dir.display(), "mounts remain; leaving the directory");
+        }
+    }
+
+    /// What is still on the host: one line per leftover, empty when clean.
+    pub fn residue(&self) -> Vec<String> {
+        let mut left = Vec::new();
+        if self.dir.exists() {
+            left.push(format!("directory {}", self.dir.display()));
+        }
+        for m in mounts_under(&self.dir) {
+            left.push(format!("mount {}", m.display()));
+        }
+        if Path::new("/sys/class/net").join(&self.bridge).exists() {
+            left.push(format!("bridge {}", self.bridge));
+        }
+        for cg in self.cgroups() {
+            left.push(format!("cgroup {}", cg.display()));
+        }
+        for pid in shim_pids(&self.socket()) {
+            left.push(format!("containerd shim pid {pid}"));
+        }
+        left
+    }
+}
+
+/// SIGKILLs every process in a cgroup tree (the node's pods: pause, workloads).
+fn kill_cgroup_tree(path: &Path) {
+    if let Ok(entries) = std::fs::read_dir(path) {
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                kill_cgroup_tree(&e.path());
+            }
+        }
+    }
+    let procs = std::fs::read_to_string(path.join("cgroup.procs")).unwrap_or_default();
+    for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+        tracing::warn!(pid, cgroup = %path.display(), "killing a process left in the real node's cgroups");
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
+fn cgroup_tree_busy(path: &Path) -> bool {
+    let here =
+        std::fs::read_to_string(path.join("cgroup.procs")).is_ok_and(|p| !p.trim().is_empty());
+    here || std::fs::read_dir(path).is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| e.file_type().is_ok_and(|t| t.is_dir()) && cgroup_tree_busy(&e.path()))
+    })
+}
+
+/// Host paths the kubelet and containerd create whatever their configuration says: the
+/// kubelet's device-plugin socket and `/var/log/containers` links are hard-coded, libcni keeps
+/// its result cache in `/var/lib/cni`, and shims put their sockets in `/run/containerd/s`.
+const HOST_PATHS: &[&str] = &[
+    "/var/lib/kubelet",
+    "/var/log/containers",
+    "/var/lib/cni",
+    "/run/containerd",
+];
+
+/// Real nodes alive in this process, and which [`HOST_PATHS`] did not exist before the first
+/// of them started: those are removed when the last one stops, and only those, so a host's
+/// own kubelet or containerd (or a concurrent node of this process) is never disturbed.
+static HOST: Mutex<(usize, Vec<PathBuf>)> = Mutex::new((0, Vec::new()));
+
+fn host_paths_acquire() {
+    let mut host = HOST.lock().unwrap_or_else(|p| p.into_inner());
+    if host.0 == 0 {
+        host.1 = HOST_PATHS
+            .iter()
+            .map(PathBuf::from)
+            .filter(|p| !p.exists())
+            .collect();
+    }
+    host.0 += 1;
+}
+
+fn host_paths_release() {
+    let mut host = HOST.lock().unwrap_or_else(|p| p.into_inner());
+    host.0 = host.0.saturating_sub(1);
+    if host.0 == 0 {
+        for path in &host.1 {
+            if path.exists()
+                && let Err(e) = std::fs::remove_dir_all(path)
+            {
+                tracing::warn!(path = %path.display(), error = %e, "cannot remove a host path the real node created");
+            }
+        }
+    }
+}
+
+/// Host paths the real nodes of this process created and that are still there; empty when
+/// clean. While a real node runs, that is reported as the first line: the check means
+/// something only once every node of the process has stopped.
+pub fn host_residue() -> Vec<String> {
+    let host = HOST.lock().unwrap_or_else(|p| p.into_inner());
+    if host.0 > 0 {
+        return vec![format!(
+            "{} real node(s) still running in this process",
+            host.0
+        )];
+    }
+    host.1
+        .iter()
+        .filter(|p| p.exists())
+        .map(|p| format!("host path {}", p.display()))
+        .collect()
 }
 
 type Job = Box<dyn FnOnce() + Send>;

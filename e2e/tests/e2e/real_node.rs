@@ -11,11 +11,11 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use kube::Client;
 use kube::api::{Api, ObjectMeta, PostParams};
-use meshgate_e2e::real_node::{BUSYBOX_IMAGE, REAL_NODE_TAINT, RealNode};
+use meshgate_e2e::real_node::{BUSYBOX_IMAGE, REAL_NODE_TAINT, RealNode, host_residue};
 use meshgate_e2e::wait::poll_until;
 use meshgate_e2e::{TokenOptions, service_account_token};
 
@@ -24,9 +24,15 @@ use crate::cp;
 /// A pod's containers start within this on the real node (images are local).
 const POD_START: Duration = Duration::from_secs(90);
 
+/// One real node at a time in this process: two kubelets and containerds at once would only
+/// compete for the 2 CPUs, and after each test nothing may be left on the host, which can
+/// only be checked once no other real node runs.
+static ONE_NODE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test]
 async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() -> anyhow::Result<()>
 {
+    let _one = ONE_NODE.lock().await;
     let cp = cp().await;
     let client = cp.client()?;
     let node = RealNode::start(cp)
@@ -47,6 +53,15 @@ async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() ->
     // S3: a pod through containerd and the real bridge CNI, with no mesh plugin: no rules.
     let (plain, started) = run_pod(&client, &node, &ns, pod(&node, "plain", false)).await?;
     eprintln!("pod {ns}/plain running after {started:?}");
+    let ip = plain
+        .status
+        .as_ref()
+        .and_then(|s| s.pod_ip.clone())
+        .unwrap_or_default();
+    ensure!(
+        ip.starts_with("10.200."),
+        "the plain pod has no address from the bridge network: {ip:?}"
+    );
     let pid = app_pid(&node, &plain).await?;
     let (code, verdict) = inspect(pid)?;
     ensure!(
@@ -73,11 +88,92 @@ async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() ->
         "istio-cni's log does not mention the pod:\n{}",
         istio_log(&node)
     );
+    let rules = in_netns(pid, &["iptables-save"])?;
+    ensure!(
+        rules.contains("ISTIO_OUTPUT") && rules.contains("ISTIO_REDIRECT"),
+        "istio-cni's iptables chains are not in the pod's namespace:\n{rules}"
+    );
+
+    // The same plugin in native_nftables mode: its own nftables tables, no iptables.
+    node.install_istio_cni(&kubeconfig, true)?;
+    let (nft_pod, started) = run_pod(&client, &node, &ns, pod(&node, "meshed-nft", true)).await?;
+    eprintln!("pod {ns}/meshed-nft (istio-cni, native nftables) running after {started:?}");
+    let pid = app_pid(&node, &nft_pod).await?;
+    let ruleset = in_netns(pid, &["nft", "list", "ruleset"])?;
+    ensure!(
+        ruleset.contains("istio"),
+        "istio-cni's nftables tables are not in the pod's namespace:\n{ruleset}"
+    );
+    let (code, verdict) = inspect(pid)?;
+    ensure!(
+        code == Some(0) && verdict == "redirected",
+        "a pod istio-cni (native nftables mode) set up must inspect as redirected (exit 0); got exit {code:?}, {verdict}; \
+         its ruleset:\n{ruleset}"
+    );
+
     // The unmeshed pod is still judged missing: the verdict is per namespace, not per node.
     let (code, _) = inspect(app_pid(&node, &plain).await?)?;
     ensure!(code == Some(1), "the plain pod changed verdict: {code:?}");
 
-    drop(node);
+    // Teardown leaves nothing behind: no directory, mount, bridge, cgroup, shim or host path,
+    // and no Node object.
+    node.stop();
+    assert_clean(&client, &node).await
+}
+
+/// A test that fails with pods running still tears its node down: the node is dropped while
+/// the panic unwinds, and its drop runs the same teardown as `stop`.
+#[tokio::test]
+async fn a_failing_real_node_test_leaves_nothing_behind() -> anyhow::Result<()> {
+    let _one = ONE_NODE.lock().await;
+    let cp = cp().await;
+    let client = cp.client()?;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let task_client = client.clone();
+    let failed = tokio::spawn(async move {
+        let node = RealNode::start(cp)
+            .await
+            .expect("the real node did not come up");
+        let ns = cp
+            .create_namespace(&task_client, "real-node-fail")
+            .await
+            .expect("namespace");
+        run_pod(&task_client, &node, &ns, pod(&node, "doomed", false))
+            .await
+            .expect("pod");
+        let _ = tx.send((node.name().to_owned(), node.footprint().clone()));
+        panic!("a real-node test failing with a pod running");
+    })
+    .await;
+    ensure!(
+        failed.as_ref().is_err_and(|e| e.is_panic()),
+        "the failing test did not panic: {failed:?}"
+    );
+    let (name, footprint) = rx
+        .await
+        .context("the node did not start, so the teardown was not exercised")?;
+    let mut left = footprint.residue();
+    left.extend(host_residue());
+    ensure!(left.is_empty(), "left behind after a failed test: {left:?}");
+    let nodes: Api<Node> = Api::all(client);
+    ensure!(
+        nodes.get_opt(&name).await?.is_none(),
+        "Node {name} still exists"
+    );
+    Ok(())
+}
+
+/// Nothing of `node` is left on the host or in the API.
+async fn assert_clean(client: &Client, node: &RealNode) -> anyhow::Result<()> {
+    let mut left = node.footprint().residue();
+    left.extend(host_residue());
+    ensure!(left.is_empty(), "left behind after teardown: {left:?}");
+    let nodes: Api<Node> = Api::all(client.clone());
+    ensure!(
+        nodes.get_opt(node.name()).await?.is_none(),
+        "Node {} still exists",
+        node.name()
+    );
     Ok(())
 }
 
@@ -255,6 +351,20 @@ async fn istio_cni_kubeconfig(
     let token = service_account_token(client, ns, "istio-cni", &TokenOptions::default()).await?;
     let path = cp.write_token_kubeconfig(&format!("istio-cni-{ns}"), &token)?;
     Ok(std::fs::read_to_string(path)?)
+}
+
+/// Runs a netfilter dump tool in the network namespace of `pid` (the host's binaries).
+fn in_netns(pid: i32, cmd: &[&str]) -> anyhow::Result<String> {
+    let out = std::process::Command::new("nsenter")
+        .arg(format!("--net=/proc/{pid}/ns/net"))
+        .args(cmd)
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "{cmd:?} in the netns of {pid}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 fn istio_log(node: &RealNode) -> String {
