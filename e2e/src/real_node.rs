@@ -1332,6 +1332,73 @@ mod tests {
         assert_eq!(parse_task_pid(out, "4f1c"), None);
     }
 
+    /// What a SIGKILLed test run leaves (its daemons died by PDEATHSIG, its pods and mounts
+    /// did not) is removed by the next run's sweep: the process in the node's cgroups, the
+    /// mount, the bridge, the cgroups and the directory. Needs root, like every real-node test.
+    #[test]
+    fn a_dead_runs_leftovers_are_swept() {
+        crate::paths::require_root().expect("the real-node sweep test needs root");
+        let base = tempfile::tempdir_in("/dev/shm").unwrap();
+        let dir = tempfile::Builder::new()
+            .prefix(DIR_PREFIX)
+            .tempdir_in(base.path())
+            .unwrap()
+            .keep();
+        // The owner: a process that has exited, recorded with its start time while it lived.
+        let mut owner = std::process::Command::new("/bin/sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let owner_pid = owner.id() as i32;
+        let owner_start = process::start_time(owner_pid).unwrap();
+        owner.kill().unwrap();
+        owner.wait().unwrap();
+        std::fs::write(dir.join("owner"), format!("{owner_pid} {owner_start}\n")).unwrap();
+
+        let fp = Footprint::of(&dir);
+        // A pod's process in the node's cgroups (one hierarchy is enough), reaped by a thread.
+        let hierarchy = cgroup_hierarchies()
+            .into_iter()
+            .find(|h| h.ends_with("pids"))
+            .expect("a pids cgroup hierarchy");
+        let cg = hierarchy
+            .join(fp.cgroup_root.trim_start_matches('/'))
+            .join("kubepods");
+        std::fs::create_dir_all(&cg).unwrap();
+        let mut pod = std::process::Command::new("/bin/sleep")
+            .arg("300")
+            .spawn()
+            .unwrap();
+        std::fs::write(cg.join("cgroup.procs"), pod.id().to_string()).unwrap();
+        let reaper = std::thread::spawn(move || pod.wait());
+        // A mount (a rootfs or netns left mounted) and the bridge.
+        let mnt = dir.join("containerd/state/mnt");
+        std::fs::create_dir_all(&mnt).unwrap();
+        nix::mount::mount(
+            Some("tmpfs"),
+            &mnt,
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        )
+        .unwrap();
+        let added = std::process::Command::new("ip")
+            .args(["link", "add", &fp.bridge, "type", "bridge"])
+            .status()
+            .unwrap();
+        assert!(added.success());
+        assert!(fp.residue().len() >= 4, "{:?}", fp.residue());
+
+        sweep_stale(base.path());
+
+        assert_eq!(fp.residue(), Vec::<String>::new());
+        let status = reaper.join().unwrap().unwrap();
+        assert!(
+            !status.success(),
+            "the pod's process was killed: {status:?}"
+        );
+    }
+
     #[test]
     fn mount_paths_are_unescaped() {
         assert_eq!(unescape_mount_path("/a\\040b/c"), PathBuf::from("/a b/c"));
