@@ -435,6 +435,23 @@ impl RealNode {
             &self.istio_cni_run_dir().join("istio-cni-kubeconfig"),
             kubeconfig_yaml,
         )?;
+        let entry = istio_cni_entry(&self.istio_cni_run_dir(), native_nftables);
+        // Like insertCNIConfig: an existing istio-cni entry is replaced, not duplicated.
+        self.edit_plugins(|plugins| {
+            plugins.retain(|p| p.get("type").and_then(|t| t.as_str()) != Some("istio-cni"));
+            plugins.push(entry);
+        })
+    }
+
+    /// Removes istio-cni's entry from the primary conflist, as Istio's uninstall does (the
+    /// binary and kubeconfig stay, which only matters to a later install).
+    pub fn remove_istio_cni(&self) -> Result<(), Error> {
+        self.edit_plugins(|plugins| {
+            plugins.retain(|p| p.get("type").and_then(|t| t.as_str()) != Some("istio-cni"));
+        })
+    }
+
+    fn edit_plugins(&self, edit: impl FnOnce(&mut Vec<serde_json::Value>)) -> Result<(), Error> {
         let path = self.conflist_path();
         let text = std::fs::read_to_string(&path)
             .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
@@ -443,7 +460,6 @@ impl RealNode {
                 part: "the CNI config",
                 detail: format!("{} is not JSON: {e}", path.display()),
             })?;
-        let entry = istio_cni_entry(&self.istio_cni_run_dir(), native_nftables);
         let Some(plugins) = conf
             .get_mut("plugins")
             .and_then(serde_json::Value::as_array_mut)
@@ -453,13 +469,12 @@ impl RealNode {
                 detail: format!("{} has no plugins array", path.display()),
             });
         };
-        // Like insertCNIConfig: an existing istio-cni entry is replaced, not duplicated.
-        plugins.retain(|p| p.get("type").and_then(|t| t.as_str()) != Some("istio-cni"));
-        plugins.push(entry);
+        edit(plugins);
         let text = serde_json::to_string_pretty(&conf).map_err(|e| Error::RealNode {
             part: "the CNI config",
             detail: e.to_string(),
         })?;
+        // Written in place, as Istio's installer does (containerd re-reads on the change).
         write_file(&path, &text)
     }
 

@@ -15,7 +15,7 @@ use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use kube::Client;
 use kube::api::{Api, ObjectMeta, PostParams};
-use meshgate_e2e::real_node::{BUSYBOX_IMAGE, REAL_NODE_TAINT, RealNode, host_residue};
+use meshgate_e2e::real_node::{BUSYBOX_IMAGE, CONFLIST, REAL_NODE_TAINT, RealNode, host_residue};
 use meshgate_e2e::wait::poll_until;
 use meshgate_e2e::{TokenOptions, service_account_token};
 
@@ -69,9 +69,26 @@ async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() ->
         "a pod without istio-cni must inspect as missing (exit 1); got exit {code:?}, {verdict}"
     );
 
+    // The conf dir containerd just ran that pod from does not chain istio-cni: not verified.
+    let (code, verdict) = check(&node)?;
+    ensure!(
+        code == Some(1) && verdict["verified"] == false,
+        "check on the real node's conf dir without istio-cni: exit {code:?}, {verdict}"
+    );
+
     // istio-cni chained the way Istio's installer does, with its own ServiceAccount's token.
     let kubeconfig = istio_cni_kubeconfig(cp, &client, &ns).await?;
     node.install_istio_cni(&kubeconfig, false)?;
+    let (code, verdict) = check(&node)?;
+    ensure!(
+        code == Some(0)
+            && verdict["verified"] == true
+            && verdict["config_file"]
+                .as_str()
+                .is_some_and(|f| f.ends_with(CONFLIST))
+            && verdict["plugins"] == serde_json::json!(["bridge", "portmap", "istio-cni"]),
+        "check on the real node's conf dir with istio-cni chained: exit {code:?}, {verdict}"
+    );
     let (meshed, started) = run_pod(&client, &node, &ns, pod(&node, "meshed", true)).await?;
     eprintln!("pod {ns}/meshed (istio-cni, iptables) running after {started:?}");
     let pid = app_pid(&node, &meshed).await?;
@@ -114,6 +131,21 @@ async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() ->
     // The unmeshed pod is still judged missing: the verdict is per namespace, not per node.
     let (code, _) = inspect(app_pid(&node, &plain).await?)?;
     ensure!(code == Some(1), "the plain pod changed verdict: {code:?}");
+
+    // istio-cni uninstalled (its entry removed from the conflist): not verified again, and a
+    // new pod gets no rules.
+    node.remove_istio_cni()?;
+    let (code, verdict) = check(&node)?;
+    ensure!(
+        code == Some(1) && verdict["verified"] == false,
+        "check after istio-cni's entry was removed: exit {code:?}, {verdict}"
+    );
+    let (after, _) = run_pod(&client, &node, &ns, pod(&node, "after-uninstall", true)).await?;
+    let (code, verdict) = inspect(app_pid(&node, &after).await?)?;
+    ensure!(
+        code == Some(1) && verdict == "missing",
+        "a sidecar pod started after istio-cni was removed must inspect as missing; got exit {code:?}, {verdict}"
+    );
 
     // Teardown leaves nothing behind: no directory, mount, bridge, cgroup, shim or host path,
     // and no Node object.
@@ -290,6 +322,27 @@ fn inspect(pid: i32) -> anyhow::Result<(Option<i32>, String)> {
                 String::from_utf8_lossy(&out.stderr)
             )
         });
+    Ok((out.status.code(), verdict))
+}
+
+/// `meshgate-agent check` on the real node's CNI dirs, requiring istio-cni: exit code and the
+/// JSON verdict.
+fn check(node: &RealNode) -> anyhow::Result<(Option<i32>, serde_json::Value)> {
+    let bin = meshgate_e2e::node_sim::workspace_bin("meshgate-agent")?;
+    let out = std::process::Command::new(bin)
+        .arg("check")
+        .arg("--cni-conf-dir")
+        .arg(node.cni_conf_dir())
+        .arg("--cni-bin-dir")
+        .arg(node.cni_bin_dir())
+        .args(["--require-plugin", "istio-cni", "--output", "json"])
+        .output()?;
+    let verdict = serde_json::from_slice(&out.stdout).with_context(|| {
+        format!(
+            "check printed no JSON verdict: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
     Ok((out.status.code(), verdict))
 }
 
