@@ -192,7 +192,8 @@ impl RealNode {
         let name = unique_name("real-node");
         let spawner = Spawner::start()?;
         host_paths_acquire();
-        let node = RealNode {
+        // On a failed boot `node` is dropped, which tears down whatever was started.
+        let mut node = RealNode {
             fp: Footprint::of(&dir),
             name,
             dir,
@@ -208,8 +209,6 @@ impl RealNode {
             },
             stopped: Mutex::new(false),
         };
-        // On failure `node` is dropped here, which tears down what was started.
-        let mut node = node;
         node.times = node.boot(cp).await?;
         tracing::info!(
             node = %node.name,

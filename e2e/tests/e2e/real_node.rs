@@ -252,7 +252,7 @@ fn pod(node: &RealNode, name: &str, meshed: bool) -> Pod {
             "containers": containers,
         }
     }))
-    .unwrap_or_default()
+    .expect("the pod above is a valid Pod")
 }
 
 /// Creates the pod and waits until every container runs; returns it and the time it took.
