@@ -128,6 +128,7 @@ touch "$bin_dir/.complete"
 }
 
 export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0 GOFLAGS=-mod=mod
+staging_version="v0.${k8s_version#v1.}"
 have_all=1
 for c in "${components[@]}"; do [[ -x "$bin_dir/$c" ]] || have_all=0; done
 if ((have_all)) && [[ -f "$bin_dir/.complete" ]]; then
@@ -168,6 +169,22 @@ go_install "containerd $containerd_version" "$cache_root/containerd/$containerd_
 go_flags=(-ldflags "-s -w")
 go_install "istio-cni $istio_cni_version" "$cache_root/istio-cni/$istio_cni_version" "4 minutes" \
   "istio.io/istio/cni/cmd/istio-cni@$istio_cni_version"
+
+# cri-status (e2e/cri-status/main.go): a few lines of Go that print a CRI runtime's verbose
+# status, so the tests can see which CNI config containerd really loaded. Its module requires
+# the k8s.io/cri-api release of the pinned Kubernetes version; rebuilt when main.go changes.
+cri_dir="$cache_root/cri-status/$k8s_version"
+cri_inputs=$(sha256sum "$here/cri-status/main.go" | cut -d' ' -f1)
+if [[ -x "$cri_dir/bin/cri-status" && -f "$cri_dir/bin/.inputs" && "$(cat "$cri_dir/bin/.inputs")" == "$cri_inputs" ]]; then
+  log "reusing cached cri-status in $cri_dir/bin"
+else
+  log "building cri-status"
+  mkdir -p "$cri_dir/build" "$cri_dir/bin"
+  cp "$here/cri-status/main.go" "$cri_dir/build/main.go"
+  printf 'module meshgate.local/cri-status\n\ngo 1.26\n\nrequire k8s.io/cri-api %s\n' "$staging_version" >"$cri_dir/build/go.mod"
+  (cd "$cri_dir/build" && nice go build -trimpath -ldflags "-s -w" -o "$cri_dir/bin/cri-status" .)
+  echo "$cri_inputs" >"$cri_dir/bin/.inputs"
+fi
 
 # Images, rebuilt when their inputs change (the C source, the script, Debian's busybox).
 images="$cache_root/images"

@@ -71,6 +71,8 @@ pub struct NodeBinaries {
     pub istio_cni: PathBuf,
     /// Directory of the OCI image-layout tarballs (`pause.tar`, `busybox.tar`).
     pub images: PathBuf,
+    /// `cri-status` (e2e/cri-status/main.go): the runtime's verbose CRI status, CNI part.
+    pub cri_status: PathBuf,
 }
 
 /// Env var naming the directory of the reference CNI plugins (default `/usr/lib/cni`).
@@ -124,6 +126,13 @@ impl NodeBinaries {
             cni_plugins,
             istio_cni: need("istio-cni", istio_dir.join("istio-cni"))?,
             images,
+            cri_status: need(
+                "cri-status",
+                cache
+                    .join("cri-status")
+                    .join(paths::kubernetes_version()?)
+                    .join("bin/cri-status"),
+            )?,
         })
     }
 }
@@ -475,6 +484,32 @@ impl RealNode {
         })?;
         // Written in place, as Istio's installer does (containerd re-reads on the change).
         write_file(&path, &text)
+    }
+
+    /// The CNI part of containerd's verbose CRI status (`Status` with `verbose`):
+    /// `{"cniconfig": {...the loaded networks...}, "lastCNILoadStatus": "OK" | error}`.
+    pub async fn cri_cni_status(&self) -> Result<serde_json::Value, Error> {
+        let mut cmd = tokio::process::Command::new(&self.bins.cri_status);
+        cmd.arg(self.containerd_socket()).kill_on_drop(true);
+        let out = wait::bounded("cri-status", Duration::from_secs(15), async {
+            cmd.output()
+                .await
+                .map_err(|e| Error::io("running cri-status", e))
+        })
+        .await?;
+        if !out.status.success() {
+            return Err(Error::RealNode {
+                part: "containerd",
+                detail: format!(
+                    "its CRI Status failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            });
+        }
+        serde_json::from_slice(&out.stdout).map_err(|e| Error::RealNode {
+            part: "containerd",
+            detail: format!("cri-status printed no JSON: {e}"),
+        })
     }
 
     /// The pid of the init process of a container (`containerd://<id>` or `<id>`, as in a

@@ -195,6 +195,174 @@ async fn a_failing_real_node_test_leaves_nothing_behind() -> anyhow::Result<()> 
     Ok(())
 }
 
+/// For conf-dir layouts where runtimes and readers have disagreed (a lone `.conf` sorting
+/// first, an invalid first file, a `.conf` beside a `.conflist` of the same stem, a leftover
+/// `.bak`), `meshgate-agent check --runtime containerd` names the config containerd really
+/// loaded, as containerd reports it in its verbose CRI status.
+#[tokio::test]
+async fn check_names_the_config_containerd_really_loaded() -> anyhow::Result<()> {
+    let _one = ONE_NODE.lock().await;
+    let cp = cp().await;
+    let node = RealNode::start(cp)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .context("the real node did not come up")?;
+    let dir = node.cni_conf_dir();
+    let write = |name: &str, text: &str| std::fs::write(dir.join(name), text);
+    let single = |name: &str| {
+        serde_json::json!({
+            "cniVersion": "0.4.0", "name": name, "type": "bridge", "bridge": "unused0",
+            "ipam": {"type": "host-local", "subnet": "10.201.0.0/24"}
+        })
+        .to_string()
+    };
+    let list = |name: &str| {
+        serde_json::json!({
+            "cniVersion": "1.0.0", "name": name,
+            "plugins": [{"type": "bridge", "bridge": "unused1"}, {"type": "portmap", "capabilities": {"portMappings": true}}]
+        })
+        .to_string()
+    };
+    // (what is on disk, the network both must name: Some((name, plugin types)) or None = the
+    // first file is invalid and nothing is loaded)
+    type Want = Option<(&'static str, &'static [&'static str])>;
+    type Change<'a> = Box<dyn Fn() -> std::io::Result<()> + 'a>;
+    let mut steps: Vec<(&str, Change, Want)> = Vec::new();
+    steps.push((
+        "the primary conflist alone",
+        Box::new(|| Ok(())),
+        Some(("meshgate-e2e", &["bridge", "portmap"])),
+    ));
+    steps.push((
+        "a lone .conf sorting first",
+        Box::new(|| write("05-lone.conf", &single("lone"))),
+        Some(("lone", &["bridge"])),
+    ));
+    steps.push((
+        "an invalid first file",
+        Box::new(|| {
+            write(
+                "01-broken.conflist",
+                "{\"cniVersion\": \"1.0.0\", \"name\": ",
+            )
+        }),
+        None,
+    ));
+    steps.push((
+        "a leftover .bak sorting first, the .conf moved after the conflist",
+        Box::new(|| {
+            std::fs::remove_file(dir.join("01-broken.conflist"))?;
+            std::fs::rename(dir.join("05-lone.conf"), dir.join("20-lone.conf"))?;
+            write("00-old.conflist.bak", &list("old"))
+        }),
+        Some(("meshgate-e2e", &["bridge", "portmap"])),
+    ));
+    steps.push((
+        "a .conf beside a .conflist of the same stem",
+        Box::new(|| write("10-meshgate-e2e-bridge.conf", &single("beside"))),
+        Some(("beside", &["bridge"])),
+    ));
+    for (what, change, want) in steps {
+        change().with_context(|| format!("writing the layout: {what}"))?;
+        let files: Vec<String> = std::fs::read_dir(&dir)?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        // containerd reloads on file events; give it until it settles on the expected answer,
+        // and fail with both views if it never does.
+        let mut last = (serde_json::Value::Null, serde_json::Value::Null);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let agreed = loop {
+            let status = node.cri_cni_status().await?;
+            let (_, verdict) = check_plugins(&node, "bridge")?;
+            let runtime = containerd_network(&status);
+            let meshgate = meshgate_network(&node, &verdict);
+            let expected = describe(want);
+            if runtime == expected && meshgate == expected {
+                break true;
+            }
+            last = (status, verdict);
+            if Instant::now() >= deadline {
+                break false;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        ensure!(
+            agreed,
+            "layout \"{what}\" ({files:?}): expected {};\ncontainerd: {} ({})\nmeshgate: {} ({})",
+            describe(want),
+            containerd_network(&last.0),
+            last.0,
+            meshgate_network(&node, &last.1),
+            last.1
+        );
+        eprintln!(
+            "layout \"{what}\" {files:?}: containerd and meshgate both load {}",
+            describe(want)
+        );
+    }
+    node.stop();
+    assert_clean(&cp.client()?, &node).await
+}
+
+/// What a view says was loaded: `"<network name> [<plugin types>]"`, or `"invalid"` when the
+/// first file is invalid and no pod network is loaded.
+fn describe(want: Option<(&str, &[&str])>) -> String {
+    match want {
+        Some((name, plugins)) => format!("{name} [{}]", plugins.join(",")),
+        None => "invalid".into(),
+    }
+}
+
+/// containerd's view: the pod network (`eth0`) of its verbose CRI status, or `invalid` when
+/// there is none because the last load failed (`lastCNILoadStatus` is not `OK`).
+fn containerd_network(status: &serde_json::Value) -> String {
+    let net = status["cniconfig"]["Networks"]
+        .as_array()
+        .and_then(|ns| ns.iter().find(|n| n["IFName"] == "eth0"));
+    let Some(net) = net else {
+        return match status["lastCNILoadStatus"].as_str() {
+            Some("OK") | None => format!("no pod network although the load succeeded: {status}"),
+            Some(_) => "invalid".into(),
+        };
+    };
+    let plugins: Vec<&str> = net["Config"]["Plugins"]
+        .as_array()
+        .map(|ps| {
+            ps.iter()
+                .filter_map(|p| p["Network"]["type"].as_str())
+                .collect()
+        })
+        .unwrap_or_default();
+    let name = net["Config"]["Name"].as_str().unwrap_or("<no name>");
+    describe(Some((name, &plugins)))
+}
+
+/// meshgate's view: the network of the file `check` calls effective (its name read from the
+/// file, the plugin types `check` reports), or `invalid` when `check` found it invalid.
+fn meshgate_network(node: &RealNode, verdict: &serde_json::Value) -> String {
+    if verdict["reason"] == "ConfigInvalid" {
+        return "invalid".into();
+    }
+    let Some(file) = verdict["config_file"].as_str() else {
+        return format!("no effective file: {verdict}");
+    };
+    let path = node
+        .cni_conf_dir()
+        .join(Path::new(file).file_name().unwrap_or_default());
+    let conf: Option<serde_json::Value> = std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok());
+    let Some(name) = conf.as_ref().and_then(|c| c["name"].as_str()) else {
+        return format!("unreadable effective file {}", path.display());
+    };
+    let plugins: Vec<&str> = verdict["plugins"]
+        .as_array()
+        .map(|ps| ps.iter().filter_map(|p| p.as_str()).collect())
+        .unwrap_or_default();
+    describe(Some((name, &plugins)))
+}
+
 /// Nothing of `node` is left on the host or in the API.
 async fn assert_clean(client: &Client, node: &RealNode) -> anyhow::Result<()> {
     let mut left = node.footprint().residue();
@@ -328,6 +496,15 @@ fn inspect(pid: i32) -> anyhow::Result<(Option<i32>, String)> {
 /// `meshgate-agent check` on the real node's CNI dirs, requiring istio-cni: exit code and the
 /// JSON verdict.
 fn check(node: &RealNode) -> anyhow::Result<(Option<i32>, serde_json::Value)> {
+    check_plugins(node, "istio-cni")
+}
+
+/// `meshgate-agent check --runtime containerd --require-plugin <plugin>` on the real node's
+/// CNI dirs: exit code and the JSON verdict.
+fn check_plugins(
+    node: &RealNode,
+    plugin: &str,
+) -> anyhow::Result<(Option<i32>, serde_json::Value)> {
     let bin = meshgate_e2e::node_sim::workspace_bin("meshgate-agent")?;
     let out = std::process::Command::new(bin)
         .arg("check")
@@ -335,7 +512,8 @@ fn check(node: &RealNode) -> anyhow::Result<(Option<i32>, serde_json::Value)> {
         .arg(node.cni_conf_dir())
         .arg("--cni-bin-dir")
         .arg(node.cni_bin_dir())
-        .args(["--require-plugin", "istio-cni", "--output", "json"])
+        .args(["--runtime", "containerd", "--require-plugin", plugin])
+        .args(["--output", "json"])
         .output()?;
     let verdict = serde_json::from_slice(&out.stdout).with_context(|| {
         format!(
