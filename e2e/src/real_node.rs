@@ -4,8 +4,9 @@
 //!
 //! In: the binaries and images `e2e/install-deps.sh` put in the cache ([`NodeBinaries`]), a
 //! running [`ControlPlane`], root. Out: a [`RealNode`] whose Node is `Ready`, the paths a test
-//! needs (CNI conf and bin dirs, containerd's socket), the pid of a pod's container, Istio's
-//! CNI installed the way its installer does it ([`RealNode::install_istio_cni`]), and a
+//! needs (CNI conf and bin dirs, containerd's socket), the pid of a pod's container, the CNI
+//! config containerd really loaded ([`RealNode::cri_cni_status`]), Istio's CNI installed and
+//! removed the way its installer does it ([`RealNode::install_istio_cni`]), and a
 //! teardown that leaves nothing behind ([`RealNode::stop`], also on drop, so a failing test
 //! cleans up as well).
 //!
@@ -632,7 +633,7 @@ impl RealNode {
         let log = self.dir.join("logs").join(format!("{name}.log"));
         let bin = bin.to_owned();
         let spawner = self.spawner.lock().unwrap_or_else(|p| p.into_inner());
-        let spawner = spawner.as_ref().ok_or(Error::StartPanicked)?;
+        let spawner = spawner.as_ref().ok_or_else(spawner_gone)?;
         let proc_ = spawner
             .run(move || process::spawn_env(name, &bin, &args, &env, &log, Mode::Attached))??;
         self.procs
@@ -1329,6 +1330,13 @@ pub fn host_residue() -> Vec<String> {
 
 type Job = Box<dyn FnOnce() + Send>;
 
+fn spawner_gone() -> Error {
+    Error::RealNode {
+        part: "the node's spawner thread",
+        detail: "it is gone (the node was stopped, or the thread panicked)".into(),
+    }
+}
+
 /// A thread that lives as long as the node and spawns its daemons: PDEATHSIG fires when the
 /// *thread* that forked a child exits, so the daemons must not be forked from a test's
 /// short-lived runtime thread.
@@ -1357,8 +1365,8 @@ impl Spawner {
             .send(Box::new(move || {
                 let _ = rtx.send(f());
             }))
-            .map_err(|_| Error::StartPanicked)?;
-        rrx.recv().map_err(|_| Error::StartPanicked)
+            .map_err(|_| spawner_gone())?;
+        rrx.recv().map_err(|_| spawner_gone())
     }
 
     fn shutdown(self) {
