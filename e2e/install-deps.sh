@@ -161,13 +161,13 @@ go_install() {
 # snapshotter is all it needs.
 go_flags=(-tags "no_btrfs no_devmapper no_zfs"
   -ldflags "-s -w -X github.com/containerd/containerd/v2/version.Version=$containerd_version")
-go_install "containerd $containerd_version" "$cache_root/containerd/$containerd_version" "1.5 minutes" \
+go_install "containerd $containerd_version" "$cache_root/containerd/$containerd_version" "1 minute" \
   "github.com/containerd/containerd/v2/cmd/containerd@$containerd_version" \
   "github.com/containerd/containerd/v2/cmd/ctr@$containerd_version" \
   "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2@$containerd_version"
 
 go_flags=(-ldflags "-s -w")
-go_install "istio-cni $istio_cni_version" "$cache_root/istio-cni/$istio_cni_version" "4 minutes" \
+go_install "istio-cni $istio_cni_version" "$cache_root/istio-cni/$istio_cni_version" "3 minutes" \
   "istio.io/istio/cni/cmd/istio-cni@$istio_cni_version"
 
 # cri-status (e2e/cri-status/main.go): a few lines of Go that print a CRI runtime's verbose
