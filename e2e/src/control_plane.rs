@@ -1088,7 +1088,7 @@ pub(crate) fn cert_kubeconfig_yaml(server: &str, ca: &Path, cert: &pki::CertFile
     kubeconfig_yaml(server, ca, &user)
 }
 
-pub(crate) fn token_kubeconfig_yaml(server: &str, ca: &Path, token: &str) -> String {
+fn token_kubeconfig_yaml(server: &str, ca: &Path, token: &str) -> String {
     kubeconfig_yaml(server, ca, &format!("    token: {}\n", quote(token)))
 }
 

@@ -3,8 +3,10 @@
 //! In: the workspace Cargo.toml (compiled in, so the pinned version has one home), the
 //! environment (`MESHGATE_K8S_BIN_DIR`, `MESHGATE_CACHE_DIR`, `XDG_CACHE_HOME`, `HOME`,
 //! `MESHGATE_ETCD`, `PATH`) and the filesystem. Out: the paths of etcd, kube-apiserver,
-//! kube-controller-manager, kube-scheduler and kubectl, or an error that says how to get them.
-//! The lookup rules mirror `e2e/install-deps.sh`, which builds into the same cache.
+//! kube-controller-manager, kube-scheduler and kubectl, or an error that says how to get them,
+//! and the other versions pinned beside Kubernetes' ([`pinned_version`]: the real node's
+//! containerd and istio-cni, located by [`crate::real_node::NodeBinaries`]). The lookup rules
+//! mirror `e2e/install-deps.sh`, which builds into the same cache.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};

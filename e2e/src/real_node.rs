@@ -1147,7 +1147,7 @@ fn sweep_stale(base: &Path) {
 }
 
 /// What a real node puts on the host besides API objects, derived from its run directory's
-/// name alone, so a later run can clean up after a killed one ([`sweep_stale`]).
+/// name alone, so a later run can clean up after a killed one (see `RealNode::start`).
 #[derive(Debug, Clone)]
 pub struct Footprint {
     /// The run directory.
