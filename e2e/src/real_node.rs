@@ -187,7 +187,8 @@ impl std::fmt::Debug for RealNode {
 impl RealNode {
     /// Starts containerd and the kubelet for a new node of `cp` and returns once the Node is
     /// `Ready`. Any part that does not come up fails the start with [`Error::RealNode`] naming
-    /// it; whatever was started is torn down first.
+    /// it; whatever was started is torn down first. Before it starts anything, it cleans up
+    /// after real-node runs whose test binary died without a teardown (their [`Footprint`]).
     pub async fn start(cp: &ControlPlane) -> Result<Self, Error> {
         paths::require_root()?;
         let bins = NodeBinaries::locate()?;
