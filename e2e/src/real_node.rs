@@ -1083,9 +1083,15 @@ fn unmount_under(dir: &Path) {
     }
 }
 
-/// The cgroup v1 hierarchies (and the v2 one in hybrid mode) the kubelet creates cgroups in.
+/// The cgroup hierarchies the kubelet creates cgroups in: on cgroup v1 and hybrid machines
+/// (this one) every controller mount under `/sys/fs/cgroup` and the `unified` one; on a pure
+/// v2 machine `/sys/fs/cgroup` itself, whose subdirectories are cgroups, not hierarchies.
 fn cgroup_hierarchies() -> Vec<PathBuf> {
-    let Ok(entries) = std::fs::read_dir("/sys/fs/cgroup") else {
+    let root = Path::new("/sys/fs/cgroup");
+    if root.join("cgroup.controllers").exists() {
+        return vec![root.to_owned()];
+    }
+    let Ok(entries) = std::fs::read_dir(root) else {
         return Vec::new();
     };
     let mut out: Vec<PathBuf> = entries
@@ -1415,10 +1421,13 @@ mod tests {
 
         let fp = Footprint::of(&dir);
         // A pod's process in the node's cgroups (one hierarchy is enough), reaped by a thread.
-        let hierarchy = cgroup_hierarchies()
-            .into_iter()
+        let hierarchies = cgroup_hierarchies();
+        let hierarchy = hierarchies
+            .iter()
             .find(|h| h.ends_with("pids"))
-            .expect("a pids cgroup hierarchy");
+            .or(hierarchies.first())
+            .expect("a cgroup hierarchy")
+            .clone();
         let cg = hierarchy
             .join(fp.cgroup_root.trim_start_matches('/'))
             .join("kubepods");
