@@ -1,8 +1,9 @@
 # meshgate: the README's two commands are `make demo` and `make test`.
 #
 # Both first run e2e/install-deps.sh, which installs the Debian packages the tests need and
-# builds (once, then reuses from ~/.cache/meshgate/kubernetes/<version>/bin) the Kubernetes
-# control-plane binaries the e2e tests and the demo run.
+# builds (once, then reuses from ~/.cache/meshgate/...) the Kubernetes control-plane binaries,
+# and the real node's kubelet, containerd, istio-cni and images, that the e2e tests and the
+# demo run.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c

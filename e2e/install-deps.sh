@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Installs what the e2e tests and the demo need, idempotently:
 #   - Debian packages (etcd, iptables, nftables, netfilter headers, promtool);
-#   - kube-apiserver, kube-controller-manager, kube-scheduler and kubectl, built from the
-#     k8s.io/kubernetes Go module and cached outside the repo, keyed by version.
-# Prints the cache's bin directory as its last line.
+#   - kube-apiserver, kube-controller-manager, kube-scheduler, kubectl and kubelet, built from
+#     the k8s.io/kubernetes Go module and cached outside the repo, keyed by version;
+#   - the real node's runtime: containerd, ctr and containerd-shim-runc-v2 built from the
+#     github.com/containerd/containerd/v2 module, Debian's runc and containernetworking-plugins;
+#   - istio-cni, built from the istio.io/istio module;
+#   - the real node's images (pause, busybox) as OCI image-layout tarballs (e2e/images).
+# Prints the Kubernetes bin directory as its last line.
 #
-# The pinned Kubernetes version lives in one place: `kubernetes-version` under
-# [workspace.metadata.meshgate] in the top-level Cargo.toml. This script refuses to run when
-# the k8s-openapi feature there names another minor version.
+# Every version is pinned in one place: `kubernetes-version`, `containerd-version` and
+# `istio-cni-version` under [workspace.metadata.meshgate] in the top-level Cargo.toml. This
+# script refuses to run when the k8s-openapi feature there names another minor version.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -23,10 +27,16 @@ grep -q "k8s-openapi.*\"v1_${minor}\"" "$root/Cargo.toml" \
 
 cache_root=${MESHGATE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/meshgate}
 bin_dir="$cache_root/kubernetes/$k8s_version/bin"
-components=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+components=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet)
+pin() { sed -n "s/^$1 *= *\"\(v[^\"]*\)\".*/\1/p" "$root/Cargo.toml"; }
+containerd_version=$(pin containerd-version)
+istio_cni_version=$(pin istio-cni-version)
+[[ -n "$containerd_version" && -n "$istio_cni_version" ]] \
+  || die "containerd-version and istio-cni-version must be pinned in $root/Cargo.toml [workspace.metadata.meshgate]"
 
 # --- Debian packages -------------------------------------------------------------------------
-apt_packages=(etcd-server iptables nftables iproute2 libnftnl-dev libmnl-dev pkg-config prometheus)
+apt_packages=(etcd-server iptables nftables iproute2 libnftnl-dev libmnl-dev pkg-config prometheus
+  runc containernetworking-plugins busybox-static gcc libc6-dev)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -55,16 +65,8 @@ if ((${#missing[@]})); then
 fi
 
 # --- Kubernetes control-plane binaries -------------------------------------------------------
-have_all=1
-for c in "${components[@]}"; do [[ -x "$bin_dir/$c" ]] || have_all=0; done
-if ((have_all)) && [[ -f "$bin_dir/.complete" ]]; then
-  log "reusing cached Kubernetes $k8s_version binaries in $bin_dir"
-  echo "$bin_dir"
-  exit 0
-fi
-
+build_kubernetes() {
 command -v go >/dev/null 2>&1 || die "Go is required to build the Kubernetes $k8s_version control plane (install Go 1.24 or newer, https://go.dev/dl)"
-export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0 GOFLAGS=-mod=mod
 go_have=$(go env GOVERSION | sed 's/^go//')
 
 work="$cache_root/kubernetes/$k8s_version/build"
@@ -106,10 +108,11 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
 	_ "k8s.io/kubernetes/cmd/kubectl"
+	_ "k8s.io/kubernetes/cmd/kubelet"
 )
 GO
 log "building Kubernetes $k8s_version with Go $go_have ($n_replaced staging modules replaced)."
-log "A cold build takes about 9 minutes on 2 idle cores (more when the machine is busy); it is cached in $bin_dir afterwards."
+log "A cold build takes about 9 minutes on 2 idle cores (more when the machine is busy), kubelet about 1 more; it is cached in $bin_dir afterwards."
 ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$k8s_version -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
 i=0
 for c in "${components[@]}"; do
@@ -117,9 +120,81 @@ for c in "${components[@]}"; do
   if [[ -x "$bin_dir/$c" ]]; then log "[$i/${#components[@]}] $c: cached"; continue; fi
   log "[$i/${#components[@]}] building $c ..."
   start=$SECONDS
-  (cd "$work" && go build -trimpath -ldflags "$ldflags" -o "$bin_dir/$c.tmp" "k8s.io/kubernetes/cmd/$c")
+  (cd "$work" && nice go build -trimpath -ldflags "$ldflags" -o "$bin_dir/$c.tmp" "k8s.io/kubernetes/cmd/$c")
   mv "$bin_dir/$c.tmp" "$bin_dir/$c"
   log "[$i/${#components[@]}] built $c in $((SECONDS - start)) s"
 done
 touch "$bin_dir/.complete"
+}
+
+export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0 GOFLAGS=-mod=mod
+staging_version="v0.${k8s_version#v1.}"
+have_all=1
+for c in "${components[@]}"; do [[ -x "$bin_dir/$c" ]] || have_all=0; done
+if ((have_all)) && [[ -f "$bin_dir/.complete" ]]; then
+  log "reusing cached Kubernetes $k8s_version binaries in $bin_dir"
+else
+  build_kubernetes
+fi
+
+# --- The real node: containerd, istio-cni, images ----------------------------------------------
+# go_install NAME VERSION_DIR COLD_TIME PKG@VERSION...: `go install`s the packages into
+# VERSION_DIR/bin once; .complete marks a finished build, so an interrupted one is redone.
+go_install() {
+  local name=$1 dir=$2 cold=$3
+  shift 3
+  if [[ -f "$dir/bin/.complete" ]]; then
+    log "reusing cached $name in $dir/bin"
+    return
+  fi
+  command -v go >/dev/null 2>&1 || die "Go is required to build $name (install Go 1.26 or newer, https://go.dev/dl)"
+  mkdir -p "$dir/bin"
+  log "building $name; a cold build takes about $cold on 2 idle cores, cached in $dir/bin afterwards"
+  local start=$SECONDS
+  GOBIN="$dir/bin" nice go install -trimpath "${go_flags[@]}" "$@"
+  touch "$dir/bin/.complete"
+  log "built $name in $((SECONDS - start)) s"
+}
+
+# containerd 2.x from its Go module (no replace directives, so `go install pkg@version` works).
+# btrfs needs cgo and devmapper/zfs need host tools this node does not use: the overlayfs
+# snapshotter is all it needs.
+go_flags=(-tags "no_btrfs no_devmapper no_zfs"
+  -ldflags "-s -w -X github.com/containerd/containerd/v2/version.Version=$containerd_version")
+go_install "containerd $containerd_version" "$cache_root/containerd/$containerd_version" "1 minute" \
+  "github.com/containerd/containerd/v2/cmd/containerd@$containerd_version" \
+  "github.com/containerd/containerd/v2/cmd/ctr@$containerd_version" \
+  "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2@$containerd_version"
+
+go_flags=(-ldflags "-s -w")
+go_install "istio-cni $istio_cni_version" "$cache_root/istio-cni/$istio_cni_version" "3 minutes" \
+  "istio.io/istio/cni/cmd/istio-cni@$istio_cni_version"
+
+# cri-status (e2e/cri-status/main.go): a few lines of Go that print a CRI runtime's verbose
+# status, so the tests can see which CNI config containerd really loaded. Its module requires
+# the k8s.io/cri-api release of the pinned Kubernetes version; rebuilt when main.go changes.
+cri_dir="$cache_root/cri-status/$k8s_version"
+cri_inputs=$(sha256sum "$here/cri-status/main.go" | cut -d' ' -f1)
+if [[ -x "$cri_dir/bin/cri-status" && -f "$cri_dir/bin/.inputs" && "$(cat "$cri_dir/bin/.inputs")" == "$cri_inputs" ]]; then
+  log "reusing cached cri-status in $cri_dir/bin"
+else
+  log "building cri-status"
+  mkdir -p "$cri_dir/build" "$cri_dir/bin"
+  cp "$here/cri-status/main.go" "$cri_dir/build/main.go"
+  printf 'module meshgate.local/cri-status\n\ngo 1.26\n\nrequire k8s.io/cri-api %s\n' "$staging_version" >"$cri_dir/build/go.mod"
+  (cd "$cri_dir/build" && nice go build -trimpath -ldflags "-s -w" -o "$cri_dir/bin/cri-status" .)
+  echo "$cri_inputs" >"$cri_dir/bin/.inputs"
+fi
+
+# Images, rebuilt when their inputs change (the C source, the script, Debian's busybox).
+images="$cache_root/images"
+inputs=$( (cat "$here/images/pause.c" "$here/images/build-images.sh"; dpkg-query -W busybox-static) | sha256sum | cut -d' ' -f1)
+if [[ -f "$images/.inputs" && "$(cat "$images/.inputs")" == "$inputs" && -f "$images/pause.tar" && -f "$images/busybox.tar" ]]; then
+  log "reusing cached node images in $images"
+else
+  log "building the node images (pause, busybox) in $images"
+  "$here/images/build-images.sh" "$images"
+  echo "$inputs" >"$images/.inputs"
+fi
+
 echo "$bin_dir"

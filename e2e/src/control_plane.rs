@@ -470,6 +470,12 @@ impl ControlPlane {
         &self.pki.ca_pem
     }
 
+    /// The control plane's keys and certificates (the real node issues its kubelet's
+    /// identity from the CA).
+    pub fn pki(&self) -> &Pki {
+        &self.pki
+    }
+
     /// Path of the CA certificate.
     pub fn ca_path(&self) -> &Path {
         &self.pki.ca_cert
@@ -1033,7 +1039,7 @@ fn health_client(port: u16, pki: &Pki) -> Result<Client, Error> {
     Client::try_from(config).map_err(|e| Error::kube("building a health-check client", e))
 }
 
-fn client_from(kubeconfig: Kubeconfig, what: &str) -> Result<Client, Error> {
+pub(crate) fn client_from(kubeconfig: Kubeconfig, what: &str) -> Result<Client, Error> {
     let mut config = Config::try_from(kubeconfig).map_err(|source| Error::Kubeconfig {
         what: what.to_owned(),
         source,
@@ -1073,7 +1079,7 @@ fn kubeconfig_yaml(server: &str, ca: &Path, user: &str) -> String {
     )
 }
 
-fn cert_kubeconfig_yaml(server: &str, ca: &Path, cert: &pki::CertFiles) -> String {
+pub(crate) fn cert_kubeconfig_yaml(server: &str, ca: &Path, cert: &pki::CertFiles) -> String {
     let user = format!(
         "    client-certificate: {}\n    client-key: {}\n",
         quote(&cert.cert.display().to_string()),
@@ -1086,7 +1092,7 @@ fn token_kubeconfig_yaml(server: &str, ca: &Path, token: &str) -> String {
     kubeconfig_yaml(server, ca, &format!("    token: {}\n", quote(token)))
 }
 
-fn write_private(path: &Path, text: &str) -> Result<(), Error> {
+pub(crate) fn write_private(path: &Path, text: &str) -> Result<(), Error> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let mut f = std::fs::OpenOptions::new()
@@ -1103,7 +1109,7 @@ fn write_private(path: &Path, text: &str) -> Result<(), Error> {
 /// Base of temporary control-plane directories: `$MESHGATE_E2E_TMPDIR`, else `/dev/shm` (a
 /// tmpfs: etcd's fsyncs cost nothing there, and Debian's etcd 3.4 has no `--unsafe-no-fsync`),
 /// else the system temp dir.
-fn tmp_base() -> PathBuf {
+pub(crate) fn tmp_base() -> PathBuf {
     if let Some(dir) = std::env::var_os(TMPDIR_ENV).filter(|d| !d.is_empty()) {
         return PathBuf::from(dir);
     }
@@ -1115,7 +1121,7 @@ fn tmp_base() -> PathBuf {
 }
 
 /// Records this process (pid and start time) as the owner of a temporary directory.
-fn write_owner(dir: &Path) -> Result<(), Error> {
+pub(crate) fn write_owner(dir: &Path) -> Result<(), Error> {
     let pid = std::process::id() as i32;
     let start = process::start_time(pid).unwrap_or(0);
     write_private(&dir.join(OWNER_FILE), &format!("{pid} {start}\n"))

@@ -182,6 +182,16 @@ pub enum Error {
     /// The thread starting the shared control plane died without an answer.
     #[error("the thread starting the shared e2e control plane panicked")]
     StartPanicked,
+
+    /// One part of the real node (containerd, the images, the CNI config, kubelet, ...) did
+    /// not start or answer. Never a reason to skip: the real-node tests fail with it.
+    #[error("real node: {part} did not start: {detail}")]
+    RealNode {
+        /// Which part, e.g. `containerd` or `kubelet`.
+        part: &'static str,
+        /// What went wrong, with the end of the part's log where there is one.
+        detail: String,
+    },
 }
 
 impl Error {

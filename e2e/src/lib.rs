@@ -7,6 +7,9 @@
 //! `kube::Client`s; a kubelet stand-in ([`kubelet`]) that registers Nodes and runs their pods;
 //! and ServiceAccount tokens ([`identity`]) so components run under their real identities.
 //!
+//! The real-node tier ([`real_node`]) adds a real kubelet and containerd (runc, the reference
+//! CNI plugins, local images, Istio's real CNI plugin) registered against that control plane.
+//!
 //! Beside it, the simulated pieces the tests, the demo and the benchmarks share: a node's CNI
 //! dirs and agent ([`node_sim`]), pods ([`pod_sim`]), pod network namespaces ([`netns_sim`]),
 //! the webhook's wiring ([`webhook_sim`]), a load generator for it ([`review_load`]) and the
@@ -28,6 +31,7 @@ pub mod paths;
 pub mod pki;
 pub mod pod_sim;
 mod process;
+pub mod real_node;
 pub mod review_load;
 pub mod stats;
 pub mod wait;

@@ -3,8 +3,10 @@
 //! In: the workspace Cargo.toml (compiled in, so the pinned version has one home), the
 //! environment (`MESHGATE_K8S_BIN_DIR`, `MESHGATE_CACHE_DIR`, `XDG_CACHE_HOME`, `HOME`,
 //! `MESHGATE_ETCD`, `PATH`) and the filesystem. Out: the paths of etcd, kube-apiserver,
-//! kube-controller-manager, kube-scheduler and kubectl, or an error that says how to get them.
-//! The lookup rules mirror `e2e/install-deps.sh`, which builds into the same cache.
+//! kube-controller-manager, kube-scheduler and kubectl, or an error that says how to get them,
+//! and the other versions pinned beside Kubernetes' ([`pinned_version`]: the real node's
+//! containerd and istio-cni, located by [`crate::real_node::NodeBinaries`]). The lookup rules
+//! mirror `e2e/install-deps.sh`, which builds into the same cache.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -26,9 +28,24 @@ pub fn kubernetes_version() -> Result<&'static str, Error> {
     parse_kubernetes_version(WORKSPACE_TOML).ok_or(Error::NoPinnedVersion)
 }
 
+/// A version pinned under `[workspace.metadata.meshgate]`, e.g. `containerd-version`.
+pub fn pinned_version(key: &'static str) -> Result<&'static str, Error> {
+    parse_pin(WORKSPACE_TOML, key).ok_or_else(|| Error::RealNode {
+        part: "the pinned versions",
+        detail: format!(
+            "no `{key} = \"v...\"` under [workspace.metadata.meshgate] in the workspace Cargo.toml"
+        ),
+    })
+}
+
 /// Finds `kubernetes-version = "..."` in the `[workspace.metadata.meshgate]` table.
-/// A line scan is enough for the one key this reads, and keeps a TOML parser out of the crate.
 fn parse_kubernetes_version(toml: &str) -> Option<&str> {
+    parse_pin(toml, "kubernetes-version")
+}
+
+/// Finds `<key> = "v..."` in the `[workspace.metadata.meshgate]` table. A line scan is enough
+/// for the few keys this reads, and keeps a TOML parser out of the crate.
+fn parse_pin<'a>(toml: &'a str, wanted: &str) -> Option<&'a str> {
     let mut in_table = false;
     for line in toml.lines().map(str::trim) {
         if line.starts_with('[') {
@@ -41,7 +58,7 @@ fn parse_kubernetes_version(toml: &str) -> Option<&str> {
         let Some((key, value)) = line.split_once('=') else {
             continue;
         };
-        if key.trim() != "kubernetes-version" {
+        if key.trim() != wanted {
             continue;
         }
         let value = value.split('#').next()?.trim();
@@ -85,7 +102,7 @@ fn k8s_bin_dir_from(env: &dyn Fn(&str) -> Option<String>) -> Result<PathBuf, Err
         .join("bin"))
 }
 
-fn env_var(name: &str) -> Option<String> {
+pub(crate) fn env_var(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
@@ -151,11 +168,11 @@ fn missing_etcd(path: PathBuf, version: &str) -> Error {
     }
 }
 
-fn is_executable(path: &Path) -> bool {
+pub(crate) fn is_executable(path: &Path) -> bool {
     std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
-fn find_on_path(name: &str) -> Option<PathBuf> {
+pub(crate) fn find_on_path(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path)
         .map(|dir| dir.join(name))
@@ -184,6 +201,14 @@ mod tests {
     }
 
     #[test]
+    fn the_node_binaries_are_pinned_beside_kubernetes() {
+        for key in ["containerd-version", "istio-cni-version"] {
+            let v = pinned_version(key).unwrap();
+            assert!(v.starts_with('v'), "{key} = {v}");
+        }
+    }
+
+    #[test]
     fn version_is_taken_only_from_the_meshgate_table() {
         let toml = r#"
 [package]
@@ -195,6 +220,7 @@ kubernetes-version = "v1.35.4"   # the pin
 kubernetes-version = "v9.9.9"
 "#;
         assert_eq!(parse_kubernetes_version(toml), Some("v1.35.4"));
+        assert_eq!(parse_pin(toml, "containerd-version"), None);
         assert_eq!(
             parse_kubernetes_version("[workspace.metadata.meshgate]\n"),
             None

@@ -42,6 +42,9 @@ pub struct Pki {
     pub ca_der: Vec<u8>,
     /// The CA certificate in PEM.
     pub ca_pem: String,
+    /// The CA's private key (PKCS#8 PEM, mode 0600), kept so the real node's kubelet can get
+    /// a client certificate of its own ([`Pki::issue_client`]) after the control plane started.
+    pub ca_key: PathBuf,
     /// CA for request-header (front proxy) authentication.
     pub front_proxy_ca: PathBuf,
     /// The apiserver's client certificate towards aggregated API servers.
@@ -70,10 +73,12 @@ impl Pki {
         std::fs::create_dir_all(dir)
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
 
-        let (ca, ca_cert) = new_ca("meshgate-e2e-ca")?;
+        let (ca, ca_cert) = new_ca(CA_NAME)?;
         let ca_pem = ca_cert.pem();
         let ca_path = dir.join("ca.crt");
         write(&ca_path, ca_pem.as_bytes(), 0o644)?;
+        let ca_key = dir.join("ca.key");
+        write(&ca_key, ca.key().serialize_pem().as_bytes(), 0o600)?;
 
         // A separate CA for the aggregation layer's request-header authentication, as kubeadm
         // does: a client certificate from the main CA must never be able to assert
@@ -182,6 +187,7 @@ impl Pki {
             ca_cert: ca_path,
             ca_der: ca_cert.der().to_vec(),
             ca_pem,
+            ca_key,
             front_proxy_ca,
             front_proxy_client,
             apiserver,
@@ -196,12 +202,52 @@ impl Pki {
     }
 }
 
+impl Pki {
+    /// Issues a client certificate (CN = `user`, O = `group`) from the control plane's CA into
+    /// `dir`, named `<file_stem>.crt` / `.key`. The real node's kubelet gets
+    /// `system:node:<name>` in `system:nodes` this way, the identity the Node authorizer and
+    /// NodeRestriction admit.
+    pub fn issue_client(
+        &self,
+        dir: &Path,
+        file_stem: &str,
+        user: &str,
+        group: Option<&str>,
+    ) -> Result<CertFiles, Error> {
+        let what = "the CA key";
+        let pem = std::fs::read_to_string(&self.ca_key)
+            .map_err(|e| Error::io(format!("reading {}", self.ca_key.display()), e))?;
+        let key = KeyPair::from_pem(&pem).map_err(cert_err(what))?;
+        // The issuer is named by the CA's distinguished name and identified by its key; both
+        // are the same as at generation, so the new leaf chains to the CA certificate on disk.
+        let issuer = Issuer::new(ca_params(CA_NAME), key);
+        leaf(
+            &issuer,
+            dir,
+            file_stem,
+            user,
+            group,
+            Vec::new(),
+            Usage::Client,
+        )
+    }
+}
+
+/// Common name of the control plane's CA.
+const CA_NAME: &str = "meshgate-e2e-ca";
+
 /// Common name of the front-proxy client certificate (`--requestheader-allowed-names`).
 pub(crate) const FRONT_PROXY_CLIENT: &str = "front-proxy-client";
 
 fn new_ca(common_name: &str) -> Result<(Issuer<'static, KeyPair>, rcgen::Certificate), Error> {
     let what = format!("the {common_name} certificate");
     let ca_key = key(&what)?;
+    let params = ca_params(common_name);
+    let cert = params.self_signed(&ca_key).map_err(cert_err(&what))?;
+    Ok((Issuer::new(params, ca_key), cert))
+}
+
+fn ca_params(common_name: &str) -> CertificateParams {
     let mut params = CertificateParams::default();
     params
         .distinguished_name
@@ -212,8 +258,7 @@ fn new_ca(common_name: &str) -> Result<(Issuer<'static, KeyPair>, rcgen::Certifi
         KeyUsagePurpose::CrlSign,
         KeyUsagePurpose::DigitalSignature,
     ];
-    let cert = params.self_signed(&ca_key).map_err(cert_err(&what))?;
-    Ok((Issuer::new(params, ca_key), cert))
+    params
 }
 
 enum Usage {

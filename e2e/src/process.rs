@@ -53,6 +53,19 @@ pub(crate) fn spawn(
     log: &Path,
     mode: Mode,
 ) -> Result<Proc, Error> {
+    spawn_env(name, bin, args, &[], log, mode)
+}
+
+/// [`spawn`] with extra environment variables (set on top of the inherited environment): the
+/// real node's containerd needs its own `PATH`, which its shims and CNI plugins inherit.
+pub(crate) fn spawn_env(
+    name: &str,
+    bin: &Path,
+    args: &[String],
+    env: &[(String, String)],
+    log: &Path,
+    mode: Mode,
+) -> Result<Proc, Error> {
     let out = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -62,7 +75,11 @@ pub(crate) fn spawn(
         .try_clone()
         .map_err(|e| Error::io(format!("duplicating {}", log.display()), e))?;
     let mut cmd = Command::new(bin);
-    cmd.args(args).stdin(Stdio::null()).stdout(out).stderr(err);
+    cmd.args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err);
     let parent = std::process::id();
     // SAFETY: the closure runs between fork and exec and only calls async-signal-safe
     // functions (prctl, getppid, setsid, raise); it allocates nothing.

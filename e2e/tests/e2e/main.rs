@@ -10,6 +10,7 @@ mod control_plane;
 mod faults;
 mod pods;
 mod rbac;
+mod real_node;
 mod support;
 mod webhook;
 

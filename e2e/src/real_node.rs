@@ -1,0 +1,1483 @@
+//! A real Kubernetes node beside the control plane: containerd (with runc and the reference CNI
+//! plugins) and a kubelet built from the pinned Kubernetes module, registered against a
+//! [`ControlPlane`]'s kube-apiserver under its own node identity.
+//!
+//! In: the binaries and images `e2e/install-deps.sh` put in the cache ([`NodeBinaries`]), a
+//! running [`ControlPlane`], root. Out: a [`RealNode`] whose Node is `Ready`, the paths a test
+//! needs (CNI conf and bin dirs, containerd's socket), the pid of a pod's container, the CNI
+//! config containerd really loaded ([`RealNode::cri_cni_status`]), Istio's CNI installed and
+//! removed the way its installer does it ([`RealNode::install_istio_cni`]), and a
+//! teardown that leaves nothing behind ([`RealNode::stop`], also on drop, so a failing test
+//! cleans up as well).
+//!
+//! Everything lives in one directory per run (`/dev/shm/meshgate-node-*`): containerd's root,
+//! state and socket, the CNI conf, bin and IPAM dirs, the kubelet's root, certificates and pod
+//! logs, and the pods' network namespaces. Nothing touches `/etc/cni`, `/opt/cni`,
+//! `/var/lib/containerd`, `/var/lib/kubelet` or `/var/run/netns`. Facts of this machine kind,
+//! each found by trying (see docs/testing.md): cgroup v1 in hybrid mode (so the kubelet runs
+//! with `failCgroupV1: false` and the `cgroupfs` driver), a VM that refuses a negative
+//! `oom_score_adj` (so containerd runs with `restrict_oom_score_adj`), runc rather than crun
+//! (crun refuses hybrid cgroups), and no systemd (so the harness starts and supervises both
+//! daemons itself, as it does the control plane).
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, DeleteParams, ListParams};
+
+use crate::control_plane::{
+    ControlPlane, cert_kubeconfig_yaml, client_from, tmp_base, unique_name, write_owner,
+    write_private,
+};
+use crate::paths::{self, env_var, find_on_path, is_executable};
+use crate::process::{self, Mode, Proc};
+use crate::{Error, wait};
+
+/// The pause image containerd runs every pod sandbox with (see `e2e/images/pause.c`).
+pub const PAUSE_IMAGE: &str = "localhost/meshgate-e2e/pause:1";
+/// The workload image: Debian's static busybox.
+pub const BUSYBOX_IMAGE: &str = "localhost/meshgate-e2e/busybox:1";
+/// The taint the real node registers with, so only pods written for it land there.
+pub const REAL_NODE_TAINT: &str = "e2e.meshgate.io/real-node";
+/// Prefix of real-node run directories.
+const DIR_PREFIX: &str = "meshgate-node-";
+/// The containerd namespace the CRI plugin keeps Kubernetes' images and containers in.
+const K8S_NS: &str = "k8s.io";
+/// How long a daemon gets between SIGTERM and SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+/// Upper bound for the Node to register and go Ready.
+const READY_TIMEOUT: Duration = Duration::from_secs(120);
+/// Name of the primary CNI config, as a CNI provider's installer would write it.
+pub const CONFLIST: &str = "10-meshgate-e2e-bridge.conflist";
+
+/// The node's binaries and images, as `e2e/install-deps.sh` caches them.
+#[derive(Debug, Clone)]
+pub struct NodeBinaries {
+    /// kubelet, built from the pinned `k8s.io/kubernetes` module (beside kube-apiserver).
+    pub kubelet: PathBuf,
+    /// containerd, built from `github.com/containerd/containerd/v2` at `containerd-version`.
+    pub containerd: PathBuf,
+    /// ctr, from the same build (image import, task listing, teardown).
+    pub ctr: PathBuf,
+    /// Directory holding `containerd-shim-runc-v2`, put first on containerd's `PATH`.
+    pub shim_dir: PathBuf,
+    /// runc (Debian's).
+    pub runc: PathBuf,
+    /// Directory of the reference CNI plugins (Debian's `containernetworking-plugins`).
+    pub cni_plugins: PathBuf,
+    /// istio-cni, built from `istio.io/istio` at `istio-cni-version`.
+    pub istio_cni: PathBuf,
+    /// Directory of the OCI image-layout tarballs (`pause.tar`, `busybox.tar`).
+    pub images: PathBuf,
+    /// `cri-status` (e2e/cri-status/main.go): the runtime's verbose CRI status, CNI part.
+    pub cri_status: PathBuf,
+}
+
+/// Env var naming the directory of the reference CNI plugins (default `/usr/lib/cni`).
+pub const CNI_PLUGINS_ENV: &str = "MESHGATE_CNI_PLUGINS_DIR";
+
+impl NodeBinaries {
+    /// Finds every binary and image; the error names the first missing part and the script
+    /// that installs it.
+    pub fn locate() -> Result<Self, Error> {
+        let cache = paths::cache_dir()?;
+        let containerd_dir = cache
+            .join("containerd")
+            .join(paths::pinned_version("containerd-version")?)
+            .join("bin");
+        let istio_dir = cache
+            .join("istio-cni")
+            .join(paths::pinned_version("istio-cni-version")?)
+            .join("bin");
+        let cni_plugins = env_var(CNI_PLUGINS_ENV)
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/usr/lib/cni"));
+        let images = cache.join("images");
+        let need = |part: &'static str, path: PathBuf| {
+            if is_executable(&path) {
+                Ok(path)
+            } else {
+                Err(missing(part, &path))
+            }
+        };
+        for plugin in ["bridge", "host-local", "portmap", "loopback"] {
+            need("the reference CNI plugins", cni_plugins.join(plugin))?;
+        }
+        for image in ["pause.tar", "busybox.tar"] {
+            let path = images.join(image);
+            if !path.is_file() {
+                return Err(missing("the node images", &path));
+            }
+        }
+        Ok(Self {
+            kubelet: need("kubelet", paths::k8s_bin_dir()?.join("kubelet"))?,
+            containerd: need("containerd", containerd_dir.join("containerd"))?,
+            ctr: need("ctr", containerd_dir.join("ctr"))?,
+            shim_dir: need(
+                "containerd-shim-runc-v2",
+                containerd_dir.join("containerd-shim-runc-v2"),
+            )
+            .map(|_| containerd_dir.clone())?,
+            runc: find_on_path("runc")
+                .or_else(|| Some(PathBuf::from("/usr/sbin/runc")).filter(|p| is_executable(p)))
+                .ok_or_else(|| missing("runc", Path::new("$PATH/runc")))?,
+            cni_plugins,
+            istio_cni: need("istio-cni", istio_dir.join("istio-cni"))?,
+            images,
+            cri_status: need(
+                "cri-status",
+                cache
+                    .join("cri-status")
+                    .join(paths::kubernetes_version()?)
+                    .join("bin/cri-status"),
+            )?,
+        })
+    }
+}
+
+fn missing(part: &'static str, path: &Path) -> Error {
+    Error::RealNode {
+        part,
+        detail: format!(
+            "{} is missing: run `e2e/install-deps.sh` (make test does)",
+            path.display()
+        ),
+    }
+}
+
+/// How long the node took to come up, for docs/testing.md.
+#[derive(Debug, Clone, Copy)]
+pub struct NodeTimes {
+    /// containerd spawned → its socket answered.
+    pub containerd: Duration,
+    /// Images imported into containerd.
+    pub images: Duration,
+    /// kubelet spawned → Node object created (registration).
+    pub registered: Duration,
+    /// Node created → `Ready=True`.
+    pub ready_after_registration: Duration,
+}
+
+/// A running real node. Stopped (pods, containers, shims, mounts, bridge, cgroups, Node
+/// object, directory) by [`RealNode::stop`] or on drop.
+pub struct RealNode {
+    name: String,
+    dir: PathBuf,
+    bins: NodeBinaries,
+    fp: Footprint,
+    admin: kube::config::Kubeconfig,
+    procs: Mutex<Vec<Proc>>,
+    spawner: Mutex<Option<Spawner>>,
+    times: NodeTimes,
+    stopped: Mutex<bool>,
+}
+
+impl std::fmt::Debug for RealNode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RealNode")
+            .field("name", &self.name)
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RealNode {
+    /// Starts containerd and the kubelet for a new node of `cp` and returns once the Node is
+    /// `Ready`. Any part that does not come up fails the start with [`Error::RealNode`] naming
+    /// it; whatever was started is torn down first. Before it starts anything, it cleans up
+    /// after real-node runs whose test binary died without a teardown (their [`Footprint`]).
+    pub async fn start(cp: &ControlPlane) -> Result<Self, Error> {
+        paths::require_root()?;
+        let bins = NodeBinaries::locate()?;
+        let base = tmp_base();
+        sweep_stale(&base);
+        let dir = tempfile::Builder::new()
+            .prefix(DIR_PREFIX)
+            .tempdir_in(&base)
+            .map_err(|e| Error::io(format!("creating a directory in {}", base.display()), e))?
+            .keep();
+        write_owner(&dir)?;
+        let name = unique_name("real-node");
+        let spawner = Spawner::start()?;
+        host_paths_acquire();
+        // On a failed boot `node` is dropped, which tears down whatever was started.
+        let mut node = RealNode {
+            fp: Footprint::of(&dir),
+            name,
+            dir,
+            bins,
+            admin: cp.admin_kubeconfig().clone(),
+            procs: Mutex::new(Vec::new()),
+            spawner: Mutex::new(Some(spawner)),
+            times: NodeTimes {
+                containerd: Duration::ZERO,
+                images: Duration::ZERO,
+                registered: Duration::ZERO,
+                ready_after_registration: Duration::ZERO,
+            },
+            stopped: Mutex::new(false),
+        };
+        node.times = node.boot(cp).await?;
+        tracing::info!(
+            node = %node.name,
+            dir = %node.dir.display(),
+            containerd_ms = node.times.containerd.as_millis() as u64,
+            images_ms = node.times.images.as_millis() as u64,
+            registered_ms = node.times.registered.as_millis() as u64,
+            ready_ms = node.times.ready_after_registration.as_millis() as u64,
+            "real node Ready"
+        );
+        Ok(node)
+    }
+
+    async fn boot(&self, cp: &ControlPlane) -> Result<NodeTimes, Error> {
+        for sub in [
+            "containerd/root",
+            "containerd/state",
+            "cni/conf",
+            "cni/bin",
+            "cni/ipam",
+            "istio-cni",
+            "kubelet/root",
+            "kubelet/pki",
+            "kubelet/pod-logs",
+            "logs",
+        ] {
+            let path = self.dir.join(sub);
+            std::fs::create_dir_all(&path)
+                .map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
+        }
+        // The node's CNI bin dir: the reference plugins, as a CNI provider's installer copies
+        // them in. istio-cni joins later, in install_istio_cni.
+        for plugin in ["bridge", "host-local", "portmap", "loopback"] {
+            let link = self.cni_bin_dir().join(plugin);
+            std::os::unix::fs::symlink(self.bins.cni_plugins.join(plugin), &link)
+                .map_err(|e| Error::io(format!("linking {}", link.display()), e))?;
+        }
+        write_file(&self.conflist_path(), &self.bridge_conflist())?;
+
+        // containerd
+        let config = self.dir.join("containerd/config.toml");
+        write_file(&config, &self.containerd_config())?;
+        let begun = Instant::now();
+        let path_env = format!(
+            "{}:{}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            self.bins.shim_dir.display(),
+            self.bins
+                .runc
+                .parent()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default()
+        );
+        let containerd = self.spawn(
+            "containerd",
+            &self.bins.containerd,
+            vec!["--config".into(), config.display().to_string()],
+            vec![("PATH".into(), path_env)],
+        )?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if self.ctr(&["version"]).await.is_ok() {
+                break;
+            }
+            fail_if_exited(&containerd, "containerd")?;
+            if Instant::now() >= deadline {
+                return Err(Error::RealNode {
+                    part: "containerd",
+                    detail: format!(
+                        "its socket did not answer within 30 s; the end of {}:\n{}",
+                        containerd.log.display(),
+                        containerd.log_tail(20)
+                    ),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let containerd_time = begun.elapsed();
+
+        // Images: no registry, so import the OCI layouts install-deps.sh built.
+        let begun = Instant::now();
+        for image in ["pause.tar", "busybox.tar"] {
+            let path = self.bins.images.join(image).display().to_string();
+            self.ctr(&["-n", K8S_NS, "images", "import", &path])
+                .await
+                .map_err(|detail| Error::RealNode {
+                    part: "the node images",
+                    detail,
+                })?;
+        }
+        let images_time = begun.elapsed();
+
+        // kubelet, as system:node:<name> in system:nodes (Node authorizer, NodeRestriction).
+        let pki_dir = self.dir.join("kubelet/pki");
+        let cert = cp.pki().issue_client(
+            &pki_dir,
+            "kubelet-client",
+            &format!("system:node:{}", self.name),
+            Some("system:nodes"),
+        )?;
+        let kubeconfig = self.dir.join("kubelet/kubeconfig");
+        write_private(
+            &kubeconfig,
+            &cert_kubeconfig_yaml(&cp.apiserver_url(), cp.ca_path(), &cert),
+        )?;
+        self.create_cgroup_root()?;
+        let ports = (0..2)
+            .map(|_| crate::node_sim::free_port())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| Error::io("reserving the kubelet's ports", e))?;
+        let kubelet_config = self.dir.join("kubelet/config.yaml");
+        write_file(
+            &kubelet_config,
+            &self.kubelet_config(cp.ca_path(), ports[0], ports[1]),
+        )?;
+        let begun = Instant::now();
+        let kubelet = self.spawn(
+            "kubelet",
+            &self.bins.kubelet,
+            vec![
+                format!("--config={}", kubelet_config.display()),
+                format!("--kubeconfig={}", kubeconfig.display()),
+                format!("--hostname-override={}", self.name),
+                format!("--root-dir={}", self.dir.join("kubelet/root").display()),
+                format!("--cert-dir={}", pki_dir.display()),
+                "--v=2".into(),
+            ],
+            Vec::new(),
+        )?;
+        let client = cp.client()?;
+        let nodes: Api<Node> = Api::all(client);
+        let deadline = Instant::now() + READY_TIMEOUT;
+        let mut registered: Option<Duration> = None;
+        loop {
+            fail_if_exited(&containerd, "containerd")?;
+            fail_if_exited(&kubelet, "kubelet")?;
+            if let Ok(Ok(Some(n))) =
+                tokio::time::timeout(wait::API_TIMEOUT, nodes.get_opt(&self.name)).await
+            {
+                let at = *registered.get_or_insert_with(|| begun.elapsed());
+                if is_ready(&n) {
+                    return Ok(NodeTimes {
+                        containerd: containerd_time,
+                        images: images_time,
+                        registered: at,
+                        ready_after_registration: begun.elapsed().saturating_sub(at),
+                    });
+                }
+            }
+            if Instant::now() >= deadline {
+                let what = if registered.is_some() {
+                    "the Node registered but was not Ready"
+                } else {
+                    "the Node did not register"
+                };
+                return Err(Error::RealNode {
+                    part: "kubelet",
+                    detail: format!(
+                        "{what} within {READY_TIMEOUT:?}; the end of {}:\n{}",
+                        kubelet.log.display(),
+                        kubelet.log_tail(30)
+                    ),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// The Node's name (also the kubelet's `system:node:<name>` identity).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The run directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// How long the node took to start.
+    pub fn times(&self) -> NodeTimes {
+        self.times
+    }
+
+    /// containerd's CNI conf dir (the node's `/etc/cni/net.d`).
+    pub fn cni_conf_dir(&self) -> PathBuf {
+        self.dir.join("cni/conf")
+    }
+
+    /// containerd's CNI bin dir (the node's `/opt/cni/bin`).
+    pub fn cni_bin_dir(&self) -> PathBuf {
+        self.dir.join("cni/bin")
+    }
+
+    /// The primary conflist, the one containerd loads.
+    pub fn conflist_path(&self) -> PathBuf {
+        self.cni_conf_dir().join(CONFLIST)
+    }
+
+    /// istio-cni's run dir (Istio's `/var/run/istio-cni`): its kubeconfig and log.
+    pub fn istio_cni_run_dir(&self) -> PathBuf {
+        self.dir.join("istio-cni")
+    }
+
+    /// containerd's socket.
+    pub fn containerd_socket(&self) -> PathBuf {
+        self.dir.join("containerd.sock")
+    }
+
+    /// Installs istio-cni the way Istio's installer (`cni/pkg/install`) does: the plugin binary
+    /// into the CNI bin dir, its kubeconfig (`kubeconfig_yaml`, normally the istio-cni
+    /// ServiceAccount's token) into its run dir as `istio-cni-kubeconfig`, and its entry
+    /// appended to the primary conflist's plugins, with the fields its `plugin.Config` writes.
+    pub fn install_istio_cni(
+        &self,
+        kubeconfig_yaml: &str,
+        native_nftables: bool,
+    ) -> Result<(), Error> {
+        let bin = self.cni_bin_dir().join("istio-cni");
+        if !bin.exists() {
+            std::os::unix::fs::symlink(&self.bins.istio_cni, &bin)
+                .map_err(|e| Error::io(format!("linking {}", bin.display()), e))?;
+        }
+        write_private(
+            &self.istio_cni_run_dir().join("istio-cni-kubeconfig"),
+            kubeconfig_yaml,
+        )?;
+        let entry = istio_cni_entry(&self.istio_cni_run_dir(), native_nftables);
+        // Like insertCNIConfig: an existing istio-cni entry is replaced, not duplicated.
+        self.edit_plugins(|plugins| {
+            plugins.retain(|p| p.get("type").and_then(|t| t.as_str()) != Some("istio-cni"));
+            plugins.push(entry);
+        })
+    }
+
+    /// Removes istio-cni's entry from the primary conflist, as Istio's uninstall does (the
+    /// binary and kubeconfig stay, which only matters to a later install).
+    pub fn remove_istio_cni(&self) -> Result<(), Error> {
+        self.edit_plugins(|plugins| {
+            plugins.retain(|p| p.get("type").and_then(|t| t.as_str()) != Some("istio-cni"));
+        })
+    }
+
+    fn edit_plugins(&self, edit: impl FnOnce(&mut Vec<serde_json::Value>)) -> Result<(), Error> {
+        let path = self.conflist_path();
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+        let mut conf: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| Error::RealNode {
+                part: "the CNI config",
+                detail: format!("{} is not JSON: {e}", path.display()),
+            })?;
+        let Some(plugins) = conf
+            .get_mut("plugins")
+            .and_then(serde_json::Value::as_array_mut)
+        else {
+            return Err(Error::RealNode {
+                part: "the CNI config",
+                detail: format!("{} has no plugins array", path.display()),
+            });
+        };
+        edit(plugins);
+        let text = serde_json::to_string_pretty(&conf).map_err(|e| Error::RealNode {
+            part: "the CNI config",
+            detail: e.to_string(),
+        })?;
+        // Written in place, as Istio's installer does (containerd re-reads on the change).
+        write_file(&path, &text)
+    }
+
+    /// The CNI part of containerd's verbose CRI status (`Status` with `verbose`):
+    /// `{"cniconfig": {...the loaded networks...}, "lastCNILoadStatus": "OK" | error}`.
+    pub async fn cri_cni_status(&self) -> Result<serde_json::Value, Error> {
+        let mut cmd = tokio::process::Command::new(&self.bins.cri_status);
+        cmd.arg(self.containerd_socket()).kill_on_drop(true);
+        let out = wait::bounded("cri-status", Duration::from_secs(15), async {
+            cmd.output()
+                .await
+                .map_err(|e| Error::io("running cri-status", e))
+        })
+        .await?;
+        if !out.status.success() {
+            return Err(Error::RealNode {
+                part: "containerd",
+                detail: format!(
+                    "its CRI Status failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            });
+        }
+        serde_json::from_slice(&out.stdout).map_err(|e| Error::RealNode {
+            part: "containerd",
+            detail: format!("cri-status printed no JSON: {e}"),
+        })
+    }
+
+    /// The pid of the init process of a container (`containerd://<id>` or `<id>`, as in a
+    /// pod's `containerStatuses[].containerID`), from containerd's task list.
+    pub async fn container_pid(&self, container_id: &str) -> Result<i32, Error> {
+        let id = container_id
+            .strip_prefix("containerd://")
+            .unwrap_or(container_id);
+        let out = self
+            .ctr(&["-n", K8S_NS, "tasks", "ls"])
+            .await
+            .map_err(|detail| Error::RealNode {
+                part: "containerd",
+                detail,
+            })?;
+        parse_task_pid(&out, id).ok_or_else(|| Error::RealNode {
+            part: "containerd",
+            detail: format!("no running task {id} in `ctr tasks ls`:\n{out}"),
+        })
+    }
+
+    /// The end of a component's log (`containerd`, `kubelet`), for failure messages.
+    pub fn log_tail(&self, component: &str, lines: usize) -> String {
+        self.procs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|p| p.name == component)
+            .map(|p| p.log_tail(lines))
+            .unwrap_or_default()
+    }
+
+    /// Tears the node down: pods first (through the kubelet, so the CNI DEL runs), then the
+    /// kubelet, any containers and tasks left, containerd and its shims, the mounts under the
+    /// run dir, the bridge, the cgroups, the Node object and the directory. Idempotent;
+    /// blocking (it runs its API calls on a runtime of its own, so it also works in drop).
+    pub fn stop(&self) {
+        {
+            let mut stopped = self.stopped.lock().unwrap_or_else(|p| p.into_inner());
+            if *stopped {
+                return;
+            }
+            *stopped = true;
+        }
+        let admin = self.admin.clone();
+        let name = self.name.clone();
+        let kubelet_alive = self
+            .procs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .any(|p| p.name == "kubelet" && p.alive());
+        // 1. Pods, through the kubelet, which stops them and runs the CNI DEL.
+        if kubelet_alive {
+            run_blocking(drain_pods(admin.clone(), name.clone()));
+        }
+        // 2. The kubelet.
+        self.stop_component("kubelet");
+        // 3. Containers and tasks the kubelet left (a failed drain), while containerd runs.
+        if self
+            .procs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .any(|p| p.name == "containerd" && p.alive())
+        {
+            run_blocking(remove_containers(
+                self.bins.ctr.clone(),
+                self.containerd_socket(),
+            ));
+        }
+        // 4. containerd; 5.-9. whatever is left on the host (processes in the node's
+        // cgroups, shims, mounts, the bridge, the cgroups, the directory).
+        self.stop_component("containerd");
+        self.fp.clean();
+        // 10. The Node object.
+        run_blocking(delete_node(admin, name));
+        if let Some(spawner) = self
+            .spawner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            spawner.shutdown();
+        }
+        // 11. Host paths the daemons create whatever their configuration says.
+        host_paths_release();
+    }
+
+    /// What this node left on the host, described; empty after [`RealNode::stop`].
+    pub fn footprint(&self) -> &Footprint {
+        &self.fp
+    }
+
+    fn stop_component(&self, name: &str) {
+        let procs: Vec<Proc> = {
+            let mut all = self.procs.lock().unwrap_or_else(|p| p.into_inner());
+            let (these, rest) = std::mem::take(&mut *all)
+                .into_iter()
+                .partition(|p| p.name == name);
+            *all = rest;
+            these
+        };
+        process::stop_all(&procs, STOP_GRACE);
+    }
+
+    /// Runs ctr against this node's containerd (30 s bound); stdout, or stderr as the error.
+    async fn ctr(&self, args: &[&str]) -> Result<String, String> {
+        ctr_at(&self.bins.ctr, &self.containerd_socket(), args).await
+    }
+
+    /// Spawns a daemon from the spawner thread (its parent for PDEATHSIG) and records it.
+    fn spawn(
+        &self,
+        name: &'static str,
+        bin: &Path,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+    ) -> Result<Proc, Error> {
+        let log = self.dir.join("logs").join(format!("{name}.log"));
+        let bin = bin.to_owned();
+        let spawner = self.spawner.lock().unwrap_or_else(|p| p.into_inner());
+        let spawner = spawner.as_ref().ok_or_else(spawner_gone)?;
+        let proc_ = spawner
+            .run(move || process::spawn_env(name, &bin, &args, &env, &log, Mode::Attached))??;
+        self.procs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(proc_.clone());
+        Ok(proc_)
+    }
+
+    fn containerd_config(&self) -> String {
+        let d = |sub: &str| toml_str(&self.dir.join(sub).display().to_string());
+        let runc = toml_str(&self.bins.runc.display().to_string());
+        format!(
+            r#"# The real node's containerd: everything under one run directory (see real_node.rs).
+version = 3
+root = {root}
+state = {state}
+
+[plugins.'io.containerd.server.v1.grpc']
+  address = {socket}
+
+[plugins.'io.containerd.server.v1.ttrpc']
+  address = {ttrpc}
+
+[plugins.'io.containerd.internal.v1.opt']
+  path = {opt}
+
+[plugins.'io.containerd.nri.v1.nri']
+  disable = true
+
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = "overlayfs"
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = "{pause}"
+
+[plugins.'io.containerd.cri.v1.runtime']
+  # This VM refuses a negative oom_score_adj; without this runc fails with
+  # "can't get final child's PID from pipe".
+  restrict_oom_score_adj = true
+  netns_mounts_under_state_dir = true
+  enable_cdi = false
+  [plugins.'io.containerd.cri.v1.runtime'.containerd]
+    default_runtime_name = "runc"
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+        BinaryName = {runc}
+        Root = {runc_root}
+        SystemdCgroup = false
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = [{cni_bin}]
+    conf_dir = {cni_conf}
+    max_conf_num = 1
+
+[plugins.'io.containerd.grpc.v1.cri']
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+"#,
+            root = d("containerd/root"),
+            state = d("containerd/state"),
+            socket = d("containerd.sock"),
+            ttrpc = d("containerd.sock.ttrpc"),
+            opt = d("containerd/opt"),
+            pause = PAUSE_IMAGE,
+            runc = runc,
+            runc_root = d("containerd/state/runc"),
+            cni_bin = d("cni/bin"),
+            cni_conf = d("cni/conf"),
+        )
+    }
+
+    fn bridge_conflist(&self) -> String {
+        // A bridge network as a simple CNI provider writes it. ipMasq is off so the host's
+        // nat table is never touched; host-local keeps its leases in the run dir.
+        serde_json::json!({
+            "cniVersion": "1.0.0",
+            "name": "meshgate-e2e",
+            "plugins": [
+                {
+                    "type": "bridge",
+                    "bridge": self.fp.bridge,
+                    "isGateway": true,
+                    "ipMasq": false,
+                    "hairpinMode": true,
+                    "ipam": {
+                        "type": "host-local",
+                        "dataDir": self.dir.join("cni/ipam"),
+                        "ranges": [[{ "subnet": self.pod_subnet() }]],
+                        "routes": [{ "dst": "0.0.0.0/0" }]
+                    }
+                },
+                { "type": "portmap", "capabilities": { "portMappings": true } }
+            ]
+        })
+        .to_string()
+    }
+
+    /// A /24 in 10.200.0.0/16 picked from the run's name, so parallel runs rarely collide.
+    fn pod_subnet(&self) -> String {
+        let n = self
+            .fp
+            .bridge
+            .bytes()
+            .fold(0u32, |a, b| a.wrapping_mul(31) ^ b as u32)
+            % 250;
+        format!("10.200.{n}.0/24")
+    }
+
+    fn kubelet_config(&self, ca: &Path, port: u16, healthz: u16) -> String {
+        let q = |s: &str| serde_json::Value::String(s.to_owned()).to_string();
+        format!(
+            r#"apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: 127.0.0.1
+port: {port}
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: {healthz}
+authentication:
+  anonymous:
+    enabled: false
+  webhook:
+    enabled: true
+  x509:
+    clientCAFile: {ca}
+authorization:
+  mode: Webhook
+containerRuntimeEndpoint: {endpoint}
+# This machine kind runs cgroup v1 in hybrid mode and has no systemd.
+failCgroupV1: false
+cgroupDriver: cgroupfs
+cgroupRoot: {cgroup_root}
+failSwapOn: false
+podLogsDir: {pod_logs}
+registerWithTaints:
+- key: {taint}
+  value: "true"
+  effect: NoSchedule
+# The disk may be fuller than the default eviction thresholds allow, and an evicted or
+# garbage-collected image cannot be pulled again here.
+evictionHard:
+  memory.available: "50Mi"
+  nodefs.available: "1%"
+  imagefs.available: "1%"
+  nodefs.inodesFree: "1%"
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+nodeStatusUpdateFrequency: 2s
+syncFrequency: 5s
+serializeImagePulls: false
+clusterDomain: cluster.local
+resolvConf: /etc/resolv.conf
+"#,
+            ca = q(&ca.display().to_string()),
+            endpoint = q(&format!("unix://{}", self.containerd_socket().display())),
+            cgroup_root = q(&self.fp.cgroup_root),
+            pod_logs = q(&self.dir.join("kubelet/pod-logs").display().to_string()),
+            taint = REAL_NODE_TAINT,
+        )
+    }
+
+    /// The kubelet requires its cgroup root to exist in every hierarchy it uses.
+    fn create_cgroup_root(&self) -> Result<(), Error> {
+        for hierarchy in cgroup_hierarchies() {
+            let path = hierarchy.join(self.fp.cgroup_root.trim_start_matches('/'));
+            std::fs::create_dir_all(&path)
+                .map_err(|e| Error::io(format!("creating cgroup {}", path.display()), e))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for RealNode {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// istio-cni's entry as Istio's installer writes it: `plugin.Config` marshalled, with
+/// `cniVersion` dropped (the conflist's applies). Sidecar mode, so ambient is off.
+pub fn istio_cni_entry(run_dir: &Path, native_nftables: bool) -> serde_json::Value {
+    serde_json::json!({
+        "name": "istio-cni",
+        "type": "istio-cni",
+        "ipam": {},
+        "dns": {},
+        "plugin_log_level": "debug",
+        "cni_agent_run_dir": run_dir,
+        "ambient_enabled": false,
+        "enablement_selectors": [],
+        "exclude_namespaces": ["istio-system", "kube-system"],
+        "pod_namespace": "istio-system",
+        "native_nftables": native_nftables,
+        "enable_ambient_detection_retry": false
+    })
+}
+
+/// `ctr tasks ls` prints `TASK PID STATUS` rows.
+fn parse_task_pid(out: &str, id: &str) -> Option<i32> {
+    out.lines().skip(1).find_map(|line| {
+        let mut f = line.split_whitespace();
+        (f.next()? == id).then_some(())?;
+        f.next()?.parse().ok().filter(|pid| *pid > 0)
+    })
+}
+
+fn is_ready(node: &Node) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+fn fail_if_exited(p: &Proc, part: &'static str) -> Result<(), Error> {
+    match p.exit_status() {
+        None => Ok(()),
+        Some(status) => Err(Error::RealNode {
+            part,
+            detail: format!(
+                "it exited ({status}); the end of {}:\n{}",
+                p.log.display(),
+                p.log_tail(30)
+            ),
+        }),
+    }
+}
+
+fn write_file(path: &Path, text: &str) -> Result<(), Error> {
+    std::fs::write(path, text).map_err(|e| Error::io(format!("writing {}", path.display()), e))
+}
+
+fn toml_str(s: &str) -> String {
+    // TOML basic strings share JSON's escapes for everything a path can hold.
+    serde_json::Value::String(s.to_owned()).to_string()
+}
+
+/// Kills and removes every task and container containerd still holds in the CRI namespace.
+async fn remove_containers(ctr: PathBuf, socket: PathBuf) {
+    let run = |args: Vec<&'static str>, id: Option<String>| {
+        let (ctr, socket) = (ctr.clone(), socket.clone());
+        async move {
+            let mut all: Vec<&str> = args;
+            if let Some(id) = id.as_deref() {
+                all.push(id);
+            }
+            ctr_at(&ctr, &socket, &all).await
+        }
+    };
+    if let Ok(tasks) = run(vec!["-n", K8S_NS, "tasks", "ls", "-q"], None).await {
+        for id in tasks.lines().map(str::trim).filter(|l| !l.is_empty()) {
+            let id = Some(id.to_owned());
+            let _ = run(
+                vec!["-n", K8S_NS, "tasks", "kill", "-s", "SIGKILL"],
+                id.clone(),
+            )
+            .await;
+            let _ = run(vec!["-n", K8S_NS, "tasks", "delete", "-f"], id).await;
+        }
+    }
+    if let Ok(containers) = run(vec!["-n", K8S_NS, "containers", "ls", "-q"], None).await {
+        for id in containers.lines().map(str::trim).filter(|l| !l.is_empty()) {
+            let _ = run(vec!["-n", K8S_NS, "containers", "rm"], Some(id.to_owned())).await;
+        }
+    }
+}
+
+/// Runs `ctr --address socket args...` (30 s bound); stdout, or stderr as the error.
+async fn ctr_at(ctr: &Path, socket: &Path, args: &[&str]) -> Result<String, String> {
+    let mut cmd = tokio::process::Command::new(ctr);
+    cmd.arg("--address")
+        .arg(socket)
+        .args(args)
+        .kill_on_drop(true);
+    let what = format!("ctr {}", args.join(" "));
+    match tokio::time::timeout(Duration::from_secs(30), cmd.output()).await {
+        Err(_) => Err(format!("{what}: no answer within 30 s")),
+        Ok(Err(e)) => Err(format!("{what}: {e}")),
+        Ok(Ok(out)) if out.status.success() => {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        }
+        Ok(Ok(out)) => Err(format!(
+            "{what}: {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+    }
+}
+
+/// Deletes every pod bound to `node` and waits (bounded) until the kubelet has stopped them
+/// and the apiserver has removed them.
+async fn drain_pods(admin: kube::config::Kubeconfig, node: String) {
+    let Ok(client) = client_from(admin, "admin") else {
+        return;
+    };
+    let pods: Api<Pod> = Api::all(client.clone());
+    let selector = ListParams::default().fields(&format!("spec.nodeName={node}"));
+    let Ok(Ok(list)) = tokio::time::timeout(wait::API_TIMEOUT, pods.list(&selector)).await else {
+        return;
+    };
+    for pod in &list.items {
+        let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) else {
+            continue;
+        };
+        let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+        let _ = tokio::time::timeout(
+            wait::API_TIMEOUT,
+            api.delete(name, &DeleteParams::default().grace_period(1)),
+        )
+        .await;
+    }
+    let _ = wait::poll_until(
+        &format!("pods of {node} gone"),
+        Duration::from_secs(60),
+        || async {
+            let left = pods.list(&selector).await?;
+            Ok::<_, kube::Error>(left.items.is_empty().then_some(()))
+        },
+    )
+    .await;
+}
+
+async fn delete_node(admin: kube::config::Kubeconfig, node: String) {
+    let Ok(client) = client_from(admin, "admin") else {
+        return;
+    };
+    let nodes: Api<Node> = Api::all(client);
+    let _ = tokio::time::timeout(
+        wait::API_TIMEOUT,
+        nodes.delete(&node, &DeleteParams::default()),
+    )
+    .await;
+}
+
+/// Runs `fut` to completion on a fresh runtime in a thread of its own, so teardown works from
+/// inside a test's runtime and from drop.
+fn run_blocking<F>(fut: F)
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    let _ = std::thread::Builder::new()
+        .name("meshgate-node-stop".into())
+        .spawn(move || {
+            if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                rt.block_on(fut);
+            }
+        })
+        .map(|t| t.join());
+}
+
+/// Pids of the shims serving containerd at `socket`: the socket path is unique to the run and
+/// is on every such shim's command line (`-address <socket>`).
+fn shim_pids(socket: &Path) -> Vec<i32> {
+    let socket = socket.display().to_string();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut pids = Vec::new();
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        let is_shim = args
+            .first()
+            .is_some_and(|a| a.ends_with(b"containerd-shim-runc-v2"));
+        let serves_us = args
+            .windows(2)
+            .any(|w| w[0] == b"-address" && w[1] == socket.as_bytes());
+        if is_shim && serves_us {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Kills, by pid, the shims serving containerd at `socket` (see [`shim_pids`]).
+fn kill_shims(socket: &Path) {
+    for pid in shim_pids(socket) {
+        tracing::warn!(pid, "killing a containerd shim left behind");
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
+/// Mount points at or under `dir`, deepest first.
+fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let Ok(text) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
+    let mut mounts: Vec<PathBuf> = text
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(unescape_mount_path)
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    mounts.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
+    mounts.dedup();
+    mounts
+}
+
+/// mountinfo escapes space, tab, newline and backslash as octal.
+fn unescape_mount_path(s: &str) -> PathBuf {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\\' {
+            let code: String = chars.by_ref().take(3).collect();
+            match u8::from_str_radix(&code, 8) {
+                Ok(b) => out.push(b as char),
+                Err(_) => {
+                    out.push('\\');
+                    out.push_str(&code);
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    PathBuf::from(out)
+}
+
+fn unmount_under(dir: &Path) {
+    // Stacked mounts show up once per layer; a few rounds take them all.
+    for _ in 0..5 {
+        let mounts = mounts_under(dir);
+        if mounts.is_empty() {
+            return;
+        }
+        for m in mounts {
+            if let Err(e) = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH) {
+                tracing::debug!(mount = %m.display(), error = %e, "umount");
+            }
+        }
+    }
+}
+
+/// The cgroup hierarchies the kubelet creates cgroups in: on cgroup v1 and hybrid machines
+/// (this one) every controller mount under `/sys/fs/cgroup` and the `unified` one; on a pure
+/// v2 machine `/sys/fs/cgroup` itself, whose subdirectories are cgroups, not hierarchies.
+fn cgroup_hierarchies() -> Vec<PathBuf> {
+    let root = Path::new("/sys/fs/cgroup");
+    if root.join("cgroup.controllers").exists() {
+        return vec![root.to_owned()];
+    }
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Vec::new();
+    };
+    let mut out: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.join("cgroup.procs").exists())
+        .collect();
+    out.sort();
+    out
+}
+
+/// Removes a cgroup directory tree bottom-up (cgroupfs allows rmdir of empty cgroups only).
+fn remove_cgroup_tree(path: &Path) {
+    if let Ok(entries) = std::fs::read_dir(path) {
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                remove_cgroup_tree(&e.path());
+            }
+        }
+    }
+    if path.exists()
+        && let Err(e) = std::fs::remove_dir(path)
+    {
+        tracing::warn!(cgroup = %path.display(), error = %e, "cannot remove a cgroup");
+    }
+}
+
+/// Removes real-node directories of dead test runs that hold no mounts. A SIGKILLed test
+/// binary loses containerd and the kubelet to PDEATHSIG but cannot clean up after them.
+fn sweep_stale(base: &Path) {
+    let Ok(entries) = std::fs::read_dir(base) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if !entry
+            .file_name()
+            .to_str()
+            .is_some_and(|n| n.starts_with(DIR_PREFIX))
+        {
+            continue;
+        }
+        let Ok(owner) = std::fs::read_to_string(path.join("owner")) else {
+            continue;
+        };
+        let mut fields = owner.split_whitespace().map(str::parse::<u64>);
+        let (Some(Ok(pid)), Some(Ok(start))) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        let alive = i32::try_from(pid)
+            .ok()
+            .and_then(process::start_time)
+            .is_some_and(|t| t == start);
+        if alive {
+            continue;
+        }
+        tracing::info!(dir = %path.display(), "cleaning up after a dead real-node run");
+        Footprint::of(&path).clean();
+    }
+}
+
+/// What a real node puts on the host besides API objects, derived from its run directory's
+/// name alone, so a later run can clean up after a killed one (see `RealNode::start`).
+#[derive(Debug, Clone)]
+pub struct Footprint {
+    /// The run directory.
+    pub dir: PathBuf,
+    /// The CNI bridge (`mg` + the directory's suffix; IFNAMSIZ is 16).
+    pub bridge: String,
+    /// The kubelet's `cgroupRoot`, present in every cgroup hierarchy.
+    pub cgroup_root: String,
+}
+
+impl Footprint {
+    fn of(dir: &Path) -> Self {
+        let suffix = dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix(DIR_PREFIX))
+            .unwrap_or("0")
+            .to_ascii_lowercase();
+        Self {
+            dir: dir.to_owned(),
+            bridge: format!("mg{}", &suffix[..suffix.len().min(10)]),
+            cgroup_root: format!("/{DIR_PREFIX}{suffix}"),
+        }
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.join("containerd.sock")
+    }
+
+    fn cgroups(&self) -> Vec<PathBuf> {
+        cgroup_hierarchies()
+            .into_iter()
+            .map(|h| h.join(self.cgroup_root.trim_start_matches('/')))
+            .filter(|p| p.exists())
+            .collect()
+    }
+
+    /// Kills what still runs in the node's cgroups and the shims serving its containerd, then
+    /// removes the mounts under the run dir, the bridge, the cgroups and the run dir.
+    fn clean(&self) {
+        for cg in self.cgroups() {
+            kill_cgroup_tree(&cg);
+        }
+        kill_shims(&self.socket());
+        // The killed processes exit asynchronously; a cgroup can be removed once empty.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.cgroups().iter().any(|cg| cgroup_tree_busy(cg)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        unmount_under(&self.dir);
+        if Path::new("/sys/class/net").join(&self.bridge).exists() {
+            let _ = std::process::Command::new("ip")
+                .args(["link", "del", &self.bridge])
+                .status();
+        }
+        for cg in self.cgroups() {
+            remove_cgroup_tree(&cg);
+        }
+        // Never delete through a mount that could not be removed.
+        if mounts_under(&self.dir).is_empty() {
+            if let Err(e) = std::fs::remove_dir_all(&self.dir)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(dir = %self.dir.display(), error = %e, "cannot remove the real node's directory");
+            }
+        } else {
+            tracing::warn!(dir = %self.dir.display(), "mounts remain; leaving the directory");
+        }
+    }
+
+    /// What is still on the host: one line per leftover, empty when clean.
+    pub fn residue(&self) -> Vec<String> {
+        let mut left = Vec::new();
+        if self.dir.exists() {
+            left.push(format!("directory {}", self.dir.display()));
+        }
+        for m in mounts_under(&self.dir) {
+            left.push(format!("mount {}", m.display()));
+        }
+        if Path::new("/sys/class/net").join(&self.bridge).exists() {
+            left.push(format!("bridge {}", self.bridge));
+        }
+        for cg in self.cgroups() {
+            left.push(format!("cgroup {}", cg.display()));
+        }
+        for pid in shim_pids(&self.socket()) {
+            left.push(format!("containerd shim pid {pid}"));
+        }
+        left
+    }
+}
+
+/// SIGKILLs every process in a cgroup tree (the node's pods: pause, workloads).
+fn kill_cgroup_tree(path: &Path) {
+    if let Ok(entries) = std::fs::read_dir(path) {
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                kill_cgroup_tree(&e.path());
+            }
+        }
+    }
+    let procs = std::fs::read_to_string(path.join("cgroup.procs")).unwrap_or_default();
+    for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+        tracing::warn!(pid, cgroup = %path.display(), "killing a process left in the real node's cgroups");
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
+fn cgroup_tree_busy(path: &Path) -> bool {
+    let here =
+        std::fs::read_to_string(path.join("cgroup.procs")).is_ok_and(|p| !p.trim().is_empty());
+    here || std::fs::read_dir(path).is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| e.file_type().is_ok_and(|t| t.is_dir()) && cgroup_tree_busy(&e.path()))
+    })
+}
+
+/// Host paths the kubelet and containerd create whatever their configuration says: the
+/// kubelet's device-plugin socket and `/var/log/containers` links are hard-coded, libcni keeps
+/// its result cache in `/var/lib/cni`, and shims put their sockets in `/run/containerd/s`.
+const HOST_PATHS: &[&str] = &[
+    "/var/lib/kubelet",
+    "/var/log/containers",
+    "/var/lib/cni",
+    "/run/containerd",
+];
+
+/// Real nodes alive in this process, and which [`HOST_PATHS`] did not exist before the first
+/// of them started: those are removed when the last one stops, and only those, so a host's
+/// own kubelet or containerd (or a concurrent node of this process) is never disturbed.
+static HOST: Mutex<(usize, Vec<PathBuf>)> = Mutex::new((0, Vec::new()));
+
+fn host_paths_acquire() {
+    let mut host = HOST.lock().unwrap_or_else(|p| p.into_inner());
+    if host.0 == 0 {
+        host.1 = HOST_PATHS
+            .iter()
+            .map(PathBuf::from)
+            .filter(|p| !p.exists())
+            .collect();
+    }
+    host.0 += 1;
+}
+
+fn host_paths_release() {
+    let mut host = HOST.lock().unwrap_or_else(|p| p.into_inner());
+    host.0 = host.0.saturating_sub(1);
+    if host.0 == 0 {
+        for path in &host.1 {
+            if path.exists()
+                && let Err(e) = std::fs::remove_dir_all(path)
+            {
+                tracing::warn!(path = %path.display(), error = %e, "cannot remove a host path the real node created");
+            }
+        }
+    }
+}
+
+/// Host paths the real nodes of this process created and that are still there; empty when
+/// clean. While a real node runs, that is reported as the first line: the check means
+/// something only once every node of the process has stopped.
+pub fn host_residue() -> Vec<String> {
+    let host = HOST.lock().unwrap_or_else(|p| p.into_inner());
+    if host.0 > 0 {
+        return vec![format!(
+            "{} real node(s) still running in this process",
+            host.0
+        )];
+    }
+    host.1
+        .iter()
+        .filter(|p| p.exists())
+        .map(|p| format!("host path {}", p.display()))
+        .collect()
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+fn spawner_gone() -> Error {
+    Error::RealNode {
+        part: "the node's spawner thread",
+        detail: "it is gone (the node was stopped, or the thread panicked)".into(),
+    }
+}
+
+/// A thread that lives as long as the node and spawns its daemons: PDEATHSIG fires when the
+/// *thread* that forked a child exits, so the daemons must not be forked from a test's
+/// short-lived runtime thread.
+struct Spawner {
+    tx: mpsc::Sender<Job>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Spawner {
+    fn start() -> Result<Self, Error> {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let thread = std::thread::Builder::new()
+            .name("meshgate-node".into())
+            .spawn(move || {
+                for job in rx {
+                    job();
+                }
+            })
+            .map_err(|e| Error::io("spawning the real node's thread", e))?;
+        Ok(Self { tx, thread })
+    }
+
+    fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Result<T, Error> {
+        let (rtx, rrx) = mpsc::channel();
+        self.tx
+            .send(Box::new(move || {
+                let _ = rtx.send(f());
+            }))
+            .map_err(|_| spawner_gone())?;
+        rrx.recv().map_err(|_| spawner_gone())
+    }
+
+    fn shutdown(self) {
+        drop(self.tx);
+        let _ = self.thread.join();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn task_pid_is_read_from_ctr_tasks_ls() {
+        let out = "TASK                                                                PID      STATUS    \n\
+                   4f1c2d0e9b                                                          12345    RUNNING\n\
+                   9a8b7c                                                              0        STOPPED\n";
+        assert_eq!(parse_task_pid(out, "4f1c2d0e9b"), Some(12345));
+        assert_eq!(parse_task_pid(out, "9a8b7c"), None);
+        assert_eq!(parse_task_pid(out, "4f1c"), None);
+    }
+
+    /// What a SIGKILLed test run leaves (its daemons died by PDEATHSIG, its pods and mounts
+    /// did not) is removed by the next run's sweep: the process in the node's cgroups, the
+    /// mount, the bridge, the cgroups and the directory. Needs root, like every real-node test.
+    #[test]
+    fn a_dead_runs_leftovers_are_swept() {
+        crate::paths::require_root().expect("the real-node sweep test needs root");
+        let base = tempfile::tempdir_in("/dev/shm").unwrap();
+        let dir = tempfile::Builder::new()
+            .prefix(DIR_PREFIX)
+            .tempdir_in(base.path())
+            .unwrap()
+            .keep();
+        // The owner: a process that has exited, recorded with its start time while it lived.
+        let mut owner = std::process::Command::new("/bin/sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let owner_pid = owner.id() as i32;
+        let owner_start = process::start_time(owner_pid).unwrap();
+        owner.kill().unwrap();
+        owner.wait().unwrap();
+        std::fs::write(dir.join("owner"), format!("{owner_pid} {owner_start}\n")).unwrap();
+
+        let fp = Footprint::of(&dir);
+        // A pod's process in the node's cgroups (one hierarchy is enough), reaped by a thread.
+        let hierarchies = cgroup_hierarchies();
+        let hierarchy = hierarchies
+            .iter()
+            .find(|h| h.ends_with("pids"))
+            .or(hierarchies.first())
+            .expect("a cgroup hierarchy")
+            .clone();
+        let cg = hierarchy
+            .join(fp.cgroup_root.trim_start_matches('/'))
+            .join("kubepods");
+        std::fs::create_dir_all(&cg).unwrap();
+        let mut pod = std::process::Command::new("/bin/sleep")
+            .arg("300")
+            .spawn()
+            .unwrap();
+        std::fs::write(cg.join("cgroup.procs"), pod.id().to_string()).unwrap();
+        let reaper = std::thread::spawn(move || pod.wait());
+        // A mount (a rootfs or netns left mounted) and the bridge.
+        let mnt = dir.join("containerd/state/mnt");
+        std::fs::create_dir_all(&mnt).unwrap();
+        nix::mount::mount(
+            Some("tmpfs"),
+            &mnt,
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        )
+        .unwrap();
+        let added = std::process::Command::new("ip")
+            .args(["link", "add", &fp.bridge, "type", "bridge"])
+            .status()
+            .unwrap();
+        assert!(added.success());
+        assert!(fp.residue().len() >= 4, "{:?}", fp.residue());
+
+        sweep_stale(base.path());
+
+        assert_eq!(fp.residue(), Vec::<String>::new());
+        let status = reaper.join().unwrap().unwrap();
+        assert!(
+            !status.success(),
+            "the pod's process was killed: {status:?}"
+        );
+    }
+
+    #[test]
+    fn mount_paths_are_unescaped() {
+        assert_eq!(unescape_mount_path("/a\\040b/c"), PathBuf::from("/a b/c"));
+    }
+
+    #[test]
+    fn istio_cni_entry_has_the_installer_fields() {
+        let e = istio_cni_entry(Path::new("/run/istio-cni"), true);
+        assert_eq!(e["type"], "istio-cni");
+        assert_eq!(e["cni_agent_run_dir"], "/run/istio-cni");
+        assert_eq!(e["native_nftables"], true);
+        assert_eq!(e["ambient_enabled"], false);
+        assert!(e.get("cniVersion").is_none());
+    }
+}

@@ -1,0 +1,604 @@
+//! The real-node tier: a kubelet built from the pinned module and containerd with runc and the
+//! reference CNI plugins, registered against the shared control plane; real pods from local
+//! images; Istio's real CNI plugin writing the rules; `meshgate-agent inspect --pid` judging
+//! the pods' real network namespaces.
+//!
+//! In: the node binaries and images `e2e/install-deps.sh` caches, root. Out: pass/fail. A part
+//! of the node that cannot start fails the test with [`meshgate_e2e::Error::RealNode`] naming
+//! it; nothing here skips. The node is torn down at the end, and on a failure by its drop.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
+use kube::Client;
+use kube::api::{Api, ObjectMeta, PostParams};
+use meshgate_e2e::real_node::{BUSYBOX_IMAGE, CONFLIST, REAL_NODE_TAINT, RealNode, host_residue};
+use meshgate_e2e::wait::poll_until;
+use meshgate_e2e::{TokenOptions, service_account_token};
+
+use crate::cp;
+
+/// A pod's containers start within this on the real node (images are local).
+const POD_START: Duration = Duration::from_secs(90);
+
+/// One real node at a time in this process: two kubelets and containerds at once would only
+/// compete for the 2 CPUs, and after each test nothing may be left on the host, which can
+/// only be checked once no other real node runs.
+static ONE_NODE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+#[tokio::test]
+async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() -> anyhow::Result<()>
+{
+    let _one = ONE_NODE.lock().await;
+    let cp = cp().await;
+    let client = cp.client()?;
+    let node = RealNode::start(cp)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .context("the real node did not come up")?;
+    let times = node.times();
+    eprintln!(
+        "real node {}: containerd {:?}, images {:?}, kubelet→registered {:?}, registered→Ready {:?}",
+        node.name(),
+        times.containerd,
+        times.images,
+        times.registered,
+        times.ready_after_registration
+    );
+    let ns = cp.create_namespace(&client, "real-node").await?;
+
+    // S3: a pod through containerd and the real bridge CNI, with no mesh plugin: no rules.
+    let (plain, started) = run_pod(&client, &node, &ns, pod(&node, "plain", false)).await?;
+    eprintln!("pod {ns}/plain running after {started:?}");
+    let ip = plain
+        .status
+        .as_ref()
+        .and_then(|s| s.pod_ip.clone())
+        .unwrap_or_default();
+    ensure!(
+        ip.starts_with("10.200."),
+        "the plain pod has no address from the bridge network: {ip:?}"
+    );
+    let pid = app_pid(&node, &plain).await?;
+    let (code, verdict) = inspect(pid)?;
+    ensure!(
+        code == Some(1) && verdict == "missing",
+        "a pod without istio-cni must inspect as missing (exit 1); got exit {code:?}, {verdict}"
+    );
+
+    // The conf dir containerd just ran that pod from does not chain istio-cni: not verified.
+    let (code, verdict) = check(&node)?;
+    ensure!(
+        code == Some(1) && verdict["verified"] == false,
+        "check on the real node's conf dir without istio-cni: exit {code:?}, {verdict}"
+    );
+
+    // istio-cni chained the way Istio's installer does, with its own ServiceAccount's token.
+    let kubeconfig = istio_cni_kubeconfig(cp, &client, &ns).await?;
+    node.install_istio_cni(&kubeconfig, false)?;
+    let (code, verdict) = check(&node)?;
+    ensure!(
+        code == Some(0)
+            && verdict["verified"] == true
+            && verdict["config_file"]
+                .as_str()
+                .is_some_and(|f| f.ends_with(CONFLIST))
+            && verdict["plugins"] == serde_json::json!(["bridge", "portmap", "istio-cni"]),
+        "check on the real node's conf dir with istio-cni chained: exit {code:?}, {verdict}"
+    );
+    let (meshed, started) = run_pod(&client, &node, &ns, pod(&node, "meshed", true)).await?;
+    eprintln!("pod {ns}/meshed (istio-cni, iptables) running after {started:?}");
+    let pid = app_pid(&node, &meshed).await?;
+    let (code, verdict) = inspect(pid)?;
+    ensure!(
+        code == Some(0) && verdict == "redirected",
+        "a pod istio-cni (iptables mode) set up must inspect as redirected (exit 0); got exit {code:?}, {verdict}; \
+         istio-cni's log:\n{}",
+        istio_log(&node)
+    );
+    // The rules came from istio-cni itself: its log names the pod it programmed.
+    ensure!(
+        istio_log(&node).contains("meshed"),
+        "istio-cni's log does not mention the pod:\n{}",
+        istio_log(&node)
+    );
+    let rules = in_netns(pid, &["iptables-save"])?;
+    ensure!(
+        rules.contains("ISTIO_OUTPUT") && rules.contains("ISTIO_REDIRECT"),
+        "istio-cni's iptables chains are not in the pod's namespace:\n{rules}"
+    );
+
+    // The same plugin in native_nftables mode: its own nftables tables, no iptables.
+    node.install_istio_cni(&kubeconfig, true)?;
+    let (nft_pod, started) = run_pod(&client, &node, &ns, pod(&node, "meshed-nft", true)).await?;
+    eprintln!("pod {ns}/meshed-nft (istio-cni, native nftables) running after {started:?}");
+    let pid = app_pid(&node, &nft_pod).await?;
+    let ruleset = in_netns(pid, &["nft", "list", "ruleset"])?;
+    ensure!(
+        ruleset.contains("istio"),
+        "istio-cni's nftables tables are not in the pod's namespace:\n{ruleset}"
+    );
+    let (code, verdict) = inspect(pid)?;
+    ensure!(
+        code == Some(0) && verdict == "redirected",
+        "a pod istio-cni (native nftables mode) set up must inspect as redirected (exit 0); got exit {code:?}, {verdict}; \
+         its ruleset:\n{ruleset}"
+    );
+
+    // The unmeshed pod is still judged missing: the verdict is per namespace, not per node.
+    let (code, _) = inspect(app_pid(&node, &plain).await?)?;
+    ensure!(code == Some(1), "the plain pod changed verdict: {code:?}");
+
+    // istio-cni uninstalled (its entry removed from the conflist): not verified again, and a
+    // new pod gets no rules.
+    node.remove_istio_cni()?;
+    let (code, verdict) = check(&node)?;
+    ensure!(
+        code == Some(1) && verdict["verified"] == false,
+        "check after istio-cni's entry was removed: exit {code:?}, {verdict}"
+    );
+    let (after, _) = run_pod(&client, &node, &ns, pod(&node, "after-uninstall", true)).await?;
+    let (code, verdict) = inspect(app_pid(&node, &after).await?)?;
+    ensure!(
+        code == Some(1) && verdict == "missing",
+        "a sidecar pod started after istio-cni was removed must inspect as missing; got exit {code:?}, {verdict}"
+    );
+
+    // Teardown leaves nothing behind: no directory, mount, bridge, cgroup, shim or host path,
+    // and no Node object.
+    node.stop();
+    assert_clean(&client, &node).await
+}
+
+/// A test that fails with pods running still tears its node down: the node is dropped while
+/// the panic unwinds, and its drop runs the same teardown as `stop`.
+#[tokio::test]
+async fn a_failing_real_node_test_leaves_nothing_behind() -> anyhow::Result<()> {
+    let _one = ONE_NODE.lock().await;
+    let cp = cp().await;
+    let client = cp.client()?;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let task_client = client.clone();
+    let failed = tokio::spawn(async move {
+        let node = RealNode::start(cp)
+            .await
+            .expect("the real node did not come up");
+        let ns = cp
+            .create_namespace(&task_client, "real-node-fail")
+            .await
+            .expect("namespace");
+        run_pod(&task_client, &node, &ns, pod(&node, "doomed", false))
+            .await
+            .expect("pod");
+        let _ = tx.send((node.name().to_owned(), node.footprint().clone()));
+        panic!("a real-node test failing with a pod running");
+    })
+    .await;
+    ensure!(
+        failed.as_ref().is_err_and(|e| e.is_panic()),
+        "the failing test did not panic: {failed:?}"
+    );
+    let (name, footprint) = rx
+        .await
+        .context("the node did not start, so the teardown was not exercised")?;
+    let mut left = footprint.residue();
+    left.extend(host_residue());
+    ensure!(left.is_empty(), "left behind after a failed test: {left:?}");
+    let nodes: Api<Node> = Api::all(client);
+    ensure!(
+        nodes.get_opt(&name).await?.is_none(),
+        "Node {name} still exists"
+    );
+    Ok(())
+}
+
+/// For conf-dir layouts where runtimes and readers have disagreed (a lone `.conf` sorting
+/// first, an invalid first file, a `.conf` beside a `.conflist` of the same stem, a leftover
+/// `.bak`), `meshgate-agent check --runtime containerd` names the config containerd really
+/// loaded, as containerd reports it in its verbose CRI status.
+#[tokio::test]
+async fn check_names_the_config_containerd_really_loaded() -> anyhow::Result<()> {
+    let _one = ONE_NODE.lock().await;
+    let cp = cp().await;
+    let node = RealNode::start(cp)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .context("the real node did not come up")?;
+    let dir = node.cni_conf_dir();
+    let write = |name: &str, text: &str| std::fs::write(dir.join(name), text);
+    let single = |name: &str| {
+        serde_json::json!({
+            "cniVersion": "0.4.0", "name": name, "type": "bridge", "bridge": "unused0",
+            "ipam": {"type": "host-local", "subnet": "10.201.0.0/24"}
+        })
+        .to_string()
+    };
+    let list = |name: &str| {
+        serde_json::json!({
+            "cniVersion": "1.0.0", "name": name,
+            "plugins": [{"type": "bridge", "bridge": "unused1"}, {"type": "portmap", "capabilities": {"portMappings": true}}]
+        })
+        .to_string()
+    };
+    // (what is on disk, the network both must name: Some((name, plugin types)) or None = the
+    // first file is invalid and nothing is loaded)
+    type Want = Option<(&'static str, &'static [&'static str])>;
+    type Change<'a> = Box<dyn Fn() -> std::io::Result<()> + 'a>;
+    let mut steps: Vec<(&str, Change, Want)> = Vec::new();
+    steps.push((
+        "the primary conflist alone",
+        Box::new(|| Ok(())),
+        Some(("meshgate-e2e", &["bridge", "portmap"])),
+    ));
+    steps.push((
+        "a lone .conf sorting first",
+        Box::new(|| write("05-lone.conf", &single("lone"))),
+        Some(("lone", &["bridge"])),
+    ));
+    steps.push((
+        "an invalid first file",
+        Box::new(|| {
+            write(
+                "01-broken.conflist",
+                "{\"cniVersion\": \"1.0.0\", \"name\": ",
+            )
+        }),
+        None,
+    ));
+    steps.push((
+        "a leftover .bak sorting first, the .conf moved after the conflist",
+        Box::new(|| {
+            std::fs::remove_file(dir.join("01-broken.conflist"))?;
+            std::fs::rename(dir.join("05-lone.conf"), dir.join("20-lone.conf"))?;
+            write("00-old.conflist.bak", &list("old"))
+        }),
+        Some(("meshgate-e2e", &["bridge", "portmap"])),
+    ));
+    steps.push((
+        "a .conf beside a .conflist of the same stem",
+        Box::new(|| write("10-meshgate-e2e-bridge.conf", &single("beside"))),
+        Some(("beside", &["bridge"])),
+    ));
+    for (what, change, want) in steps {
+        change().with_context(|| format!("writing the layout: {what}"))?;
+        let files: Vec<String> = std::fs::read_dir(&dir)?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        // containerd reloads on file events; give it until it settles on the expected answer,
+        // and fail with both views if it never does.
+        let mut last = (serde_json::Value::Null, serde_json::Value::Null);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let agreed = loop {
+            let status = node.cri_cni_status().await?;
+            let (_, verdict) = check_plugins(&node, "bridge")?;
+            let runtime = containerd_network(&status);
+            let meshgate = meshgate_network(&node, &verdict);
+            let expected = describe(want);
+            if runtime == expected && meshgate == expected {
+                break true;
+            }
+            last = (status, verdict);
+            if Instant::now() >= deadline {
+                break false;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        ensure!(
+            agreed,
+            "layout \"{what}\" ({files:?}): expected {};\ncontainerd: {} ({})\nmeshgate: {} ({})",
+            describe(want),
+            containerd_network(&last.0),
+            last.0,
+            meshgate_network(&node, &last.1),
+            last.1
+        );
+        eprintln!(
+            "layout \"{what}\" {files:?}: containerd and meshgate both load {}",
+            describe(want)
+        );
+    }
+    node.stop();
+    assert_clean(&cp.client()?, &node).await
+}
+
+/// What a view says was loaded: `"<network name> [<plugin types>]"`, or `"invalid"` when the
+/// first file is invalid and no pod network is loaded.
+fn describe(want: Option<(&str, &[&str])>) -> String {
+    match want {
+        Some((name, plugins)) => format!("{name} [{}]", plugins.join(",")),
+        None => "invalid".into(),
+    }
+}
+
+/// containerd's view: the pod network (`eth0`) of its verbose CRI status, or `invalid` when
+/// there is none because the last load failed (`lastCNILoadStatus` is not `OK`).
+fn containerd_network(status: &serde_json::Value) -> String {
+    let net = status["cniconfig"]["Networks"]
+        .as_array()
+        .and_then(|ns| ns.iter().find(|n| n["IFName"] == "eth0"));
+    let Some(net) = net else {
+        return match status["lastCNILoadStatus"].as_str() {
+            Some("OK") | None => format!("no pod network although the load succeeded: {status}"),
+            Some(_) => "invalid".into(),
+        };
+    };
+    let plugins: Vec<&str> = net["Config"]["Plugins"]
+        .as_array()
+        .map(|ps| {
+            ps.iter()
+                .filter_map(|p| p["Network"]["type"].as_str())
+                .collect()
+        })
+        .unwrap_or_default();
+    let name = net["Config"]["Name"].as_str().unwrap_or("<no name>");
+    describe(Some((name, &plugins)))
+}
+
+/// meshgate's view: the network of the file `check` calls effective (its name read from the
+/// file, the plugin types `check` reports), or `invalid` when `check` found it invalid.
+fn meshgate_network(node: &RealNode, verdict: &serde_json::Value) -> String {
+    if verdict["reason"] == "ConfigInvalid" {
+        return "invalid".into();
+    }
+    let Some(file) = verdict["config_file"].as_str() else {
+        return format!("no effective file: {verdict}");
+    };
+    let path = node
+        .cni_conf_dir()
+        .join(Path::new(file).file_name().unwrap_or_default());
+    let conf: Option<serde_json::Value> = std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok());
+    let Some(name) = conf.as_ref().and_then(|c| c["name"].as_str()) else {
+        return format!("unreadable effective file {}", path.display());
+    };
+    let plugins: Vec<&str> = verdict["plugins"]
+        .as_array()
+        .map(|ps| ps.iter().filter_map(|p| p.as_str()).collect())
+        .unwrap_or_default();
+    describe(Some((name, &plugins)))
+}
+
+/// Nothing of `node` is left on the host or in the API.
+async fn assert_clean(client: &Client, node: &RealNode) -> anyhow::Result<()> {
+    let mut left = node.footprint().residue();
+    left.extend(host_residue());
+    ensure!(left.is_empty(), "left behind after teardown: {left:?}");
+    let nodes: Api<Node> = Api::all(client.clone());
+    ensure!(
+        nodes.get_opt(node.name()).await?.is_none(),
+        "Node {} still exists",
+        node.name()
+    );
+    Ok(())
+}
+
+/// A busybox pod for the real node: tolerates its taint and is bound to it directly. With
+/// `meshed`, it looks as Istio's sidecar injector leaves a pod in CNI mode: an `istio-proxy`
+/// container running as 1337 and the `sidecar.istio.io/status` annotation, which is what
+/// istio-cni's plugin checks before it programs the redirect.
+fn pod(node: &RealNode, name: &str, meshed: bool) -> Pod {
+    let container = |cname: &str, uid: Option<i64>| {
+        serde_json::json!({
+            "name": cname,
+            "image": BUSYBOX_IMAGE,
+            "imagePullPolicy": "Never",
+            "command": ["/bin/sleep", "3600"],
+            "securityContext": uid.map(|u| serde_json::json!({"runAsUser": u, "runAsGroup": u})),
+        })
+    };
+    let mut containers = vec![container("app", None)];
+    let mut annotations = serde_json::json!({});
+    let mut labels = serde_json::json!({"app": name});
+    if meshed {
+        containers.push(container("istio-proxy", Some(1337)));
+        annotations = serde_json::json!({
+            "sidecar.istio.io/status": "{\"initContainers\":[\"istio-validation\"],\"containers\":[\"istio-proxy\"],\"volumes\":[],\"imagePullSecrets\":null,\"revision\":\"default\"}",
+            "kubectl.kubernetes.io/default-container": "app",
+        });
+        labels = serde_json::json!({
+            "app": name,
+            "security.istio.io/tlsMode": "istio",
+            "service.istio.io/canonical-name": name,
+        });
+    }
+    // Built from JSON: the fields are the pod's own, and this is shorter than the typed form.
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels, "annotations": annotations},
+        "spec": {
+            "nodeName": node.name(),
+            "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+            "automountServiceAccountToken": false,
+            "enableServiceLinks": false,
+            "terminationGracePeriodSeconds": 1,
+            "containers": containers,
+        }
+    }))
+    .expect("the pod above is a valid Pod")
+}
+
+/// Creates the pod and waits until every container runs; returns it and the time it took.
+async fn run_pod(
+    client: &Client,
+    node: &RealNode,
+    ns: &str,
+    pod: Pod,
+) -> anyhow::Result<(Pod, Duration)> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let begun = Instant::now();
+    pods.create(&PostParams::default(), &pod).await?;
+    let got = poll_until(&format!("pod {ns}/{name} running"), POD_START, || async {
+        let p = pods.get(&name).await?;
+        let statuses = p
+            .status
+            .as_ref()
+            .and_then(|s| s.container_statuses.clone())
+            .unwrap_or_default();
+        let running = !statuses.is_empty()
+            && statuses
+                .iter()
+                .all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()));
+        anyhow::Ok(running.then_some(p))
+    })
+    .await;
+    match got {
+        Ok(p) => Ok((p, begun.elapsed())),
+        Err(e) => {
+            let last = pods.get(&name).await.ok().and_then(|p| p.status);
+            bail!(
+                "{e}\nlast status: {last:?}\nkubelet:\n{}\ncontainerd:\n{}",
+                node.log_tail("kubelet", 30),
+                node.log_tail("containerd", 30)
+            )
+        }
+    }
+}
+
+/// The host pid of the pod's `app` container, from containerd's task list.
+async fn app_pid(node: &RealNode, pod: &Pod) -> anyhow::Result<i32> {
+    let id = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.name == "app"))
+        .and_then(|c| c.container_id.clone())
+        .context("the app container has no containerID")?;
+    Ok(node.container_pid(&id).await?)
+}
+
+/// `meshgate-agent inspect --pid PID --profile istio --output json`: exit code and verdict.
+fn inspect(pid: i32) -> anyhow::Result<(Option<i32>, String)> {
+    let bin = meshgate_e2e::node_sim::workspace_bin("meshgate-agent")?;
+    let out = std::process::Command::new(bin)
+        .args(["inspect", "--pid", &pid.to_string(), "--profile", "istio"])
+        .args(["--output", "json"])
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let verdict = serde_json::from_str::<serde_json::Value>(&stdout)
+        .ok()
+        .and_then(|v| v.get("verdict").and_then(|v| v.as_str()).map(str::to_owned))
+        .unwrap_or_else(|| {
+            format!(
+                "no verdict; stdout {stdout:?}, stderr {:?}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+    Ok((out.status.code(), verdict))
+}
+
+/// `meshgate-agent check` on the real node's CNI dirs, requiring istio-cni: exit code and the
+/// JSON verdict.
+fn check(node: &RealNode) -> anyhow::Result<(Option<i32>, serde_json::Value)> {
+    check_plugins(node, "istio-cni")
+}
+
+/// `meshgate-agent check --runtime containerd --require-plugin <plugin>` on the real node's
+/// CNI dirs: exit code and the JSON verdict.
+fn check_plugins(
+    node: &RealNode,
+    plugin: &str,
+) -> anyhow::Result<(Option<i32>, serde_json::Value)> {
+    let bin = meshgate_e2e::node_sim::workspace_bin("meshgate-agent")?;
+    let out = std::process::Command::new(bin)
+        .arg("check")
+        .arg("--cni-conf-dir")
+        .arg(node.cni_conf_dir())
+        .arg("--cni-bin-dir")
+        .arg(node.cni_bin_dir())
+        .args(["--runtime", "containerd", "--require-plugin", plugin])
+        .args(["--output", "json"])
+        .output()?;
+    let verdict = serde_json::from_slice(&out.stdout).with_context(|| {
+        format!(
+            "check printed no JSON verdict: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    Ok((out.status.code(), verdict))
+}
+
+/// A ServiceAccount `istio-cni` allowed to read pods in `ns` (all the plugin reads in sidecar
+/// mode), and a token kubeconfig for it, as Istio's installer writes one for the plugin.
+async fn istio_cni_kubeconfig(
+    cp: &meshgate_e2e::ControlPlane,
+    client: &Client,
+    ns: &str,
+) -> anyhow::Result<String> {
+    let meta = |name: &str| ObjectMeta {
+        name: Some(name.into()),
+        namespace: Some(ns.into()),
+        ..Default::default()
+    };
+    let pp = PostParams::default();
+    Api::<ServiceAccount>::namespaced(client.clone(), ns)
+        .create(
+            &pp,
+            &ServiceAccount {
+                metadata: meta("istio-cni"),
+                ..Default::default()
+            },
+        )
+        .await?;
+    Api::<Role>::namespaced(client.clone(), ns)
+        .create(
+            &pp,
+            &Role {
+                metadata: meta("istio-cni"),
+                rules: Some(vec![PolicyRule {
+                    api_groups: Some(vec![String::new()]),
+                    resources: Some(vec!["pods".into()]),
+                    verbs: vec!["get".into()],
+                    ..Default::default()
+                }]),
+            },
+        )
+        .await?;
+    Api::<RoleBinding>::namespaced(client.clone(), ns)
+        .create(
+            &pp,
+            &RoleBinding {
+                metadata: meta("istio-cni"),
+                role_ref: RoleRef {
+                    api_group: "rbac.authorization.k8s.io".into(),
+                    kind: "Role".into(),
+                    name: "istio-cni".into(),
+                },
+                subjects: Some(vec![Subject {
+                    kind: "ServiceAccount".into(),
+                    name: "istio-cni".into(),
+                    namespace: Some(ns.into()),
+                    ..Default::default()
+                }]),
+            },
+        )
+        .await?;
+    let token = service_account_token(client, ns, "istio-cni", &TokenOptions::default()).await?;
+    let path = cp.write_token_kubeconfig(&format!("istio-cni-{ns}"), &token)?;
+    Ok(std::fs::read_to_string(path)?)
+}
+
+/// Runs a netfilter dump tool in the network namespace of `pid` (the host's binaries).
+fn in_netns(pid: i32, cmd: &[&str]) -> anyhow::Result<String> {
+    let out = std::process::Command::new("nsenter")
+        .arg(format!("--net=/proc/{pid}/ns/net"))
+        .args(cmd)
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "{cmd:?} in the netns of {pid}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn istio_log(node: &RealNode) -> String {
+    std::fs::read_to_string(Path::new(&node.istio_cni_run_dir()).join("istio-cni.log"))
+        .unwrap_or_else(|e| format!("(no istio-cni.log: {e})"))
+}
