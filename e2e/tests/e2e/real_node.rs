@@ -223,6 +223,15 @@ async fn check_names_the_config_containerd_really_loaded() -> anyhow::Result<()>
         })
         .to_string()
     };
+    // containerd 2.4.2 reloads its CNI config on Write, Remove and Rename events in the conf
+    // dir, never on Create or Chmod (`internal/cri/server/cni_conf_syncer.go`): an entry that
+    // only appears (a symlink, a directory or file renamed in) is loaded at the next other
+    // event. The layouts below that only create end with a rewrite of the ignored `.bak`, the
+    // event a later config write would bring. (meshgate re-verifies on every event.)
+    let reload = || write("00-old.conflist.bak", &list("old"));
+    // The drop-in directory of the primary network, and where it is prepared.
+    let drop_in = dir.join("meshgate-e2e");
+    let staged = dir.with_file_name("drop-in.staged");
     // (what is on disk, the network both must name: Some((name, plugin types)) or None = the
     // first file is invalid and nothing is loaded)
     type Want = Option<(&'static str, &'static [&'static str])>;
@@ -261,6 +270,40 @@ async fn check_names_the_config_containerd_really_loaded() -> anyhow::Result<()>
         "a .conf beside a .conflist of the same stem",
         Box::new(|| write("10-meshgate-e2e-bridge.conf", &single("beside"))),
         Some(("beside", &["bridge"])),
+    ));
+    // CNI 1.1 drop-ins (libcni v1.3.1 `NetworkConfFromFile`, which containerd 2.4.2 vendors):
+    // `<conf dir>/<network name>/*.conf` is appended to the list. The directory is made beside
+    // the conf dir and renamed in whole.
+    steps.push((
+        "a drop-in plugin directory for the primary network",
+        Box::new(|| {
+            std::fs::remove_file(dir.join("10-meshgate-e2e-bridge.conf"))?;
+            std::fs::create_dir(&staged)?;
+            std::fs::write(
+                staged.join("50-portmap.conf"),
+                r#"{"type": "portmap", "capabilities": {"portMappings": true}}"#,
+            )?;
+            std::fs::rename(&staged, &drop_in)?;
+            reload()
+        }),
+        Some(("meshgate-e2e", &["bridge", "portmap", "portmap"])),
+    ));
+    steps.push((
+        "a symlink to a directory sorting first (a candidate that cannot be read)",
+        Box::new(|| {
+            std::os::unix::fs::symlink(&drop_in, dir.join("00-linked.conflist"))?;
+            reload()
+        }),
+        None,
+    ));
+    steps.push((
+        "a regular file where the drop-in directory would be",
+        Box::new(|| {
+            std::fs::remove_file(dir.join("00-linked.conflist"))?;
+            std::fs::remove_dir_all(&drop_in)?;
+            write("meshgate-e2e", "not a directory")
+        }),
+        None,
     ));
     for (what, change, want) in steps {
         change().with_context(|| format!("writing the layout: {what}"))?;
