@@ -627,6 +627,35 @@ fn crio_skips_lists_that_fail_validate_network_list() {
     );
 }
 
+/// A primary plugin that cannot be started for a moment (`ETXTBSY` while its installer
+/// rewrites it in place, a failed fork) says nothing about what CRI-O will do: the first list,
+/// which lacks the mesh plugin, must not be skipped in favour of a later one that has it.
+#[test]
+fn crio_never_skips_a_list_on_a_plugin_that_could_not_be_started() {
+    // The later list has another primary, so only the first depends on the busy binary.
+    let flannel_linkerd = br#"{"cniVersion": "0.3.1", "name": "cbr0", "plugins": [
+        {"type": "flannel", "delegate": {"isDefaultGateway": true}}, {"type": "linkerd-cni"}]}"#;
+    let files = [
+        ("10-calico.conflist", golden("calico.conflist")),
+        ("20-flannel.conflist", flannel_linkerd.to_vec()),
+    ];
+    let busy = ProbeOutcome::Broken {
+        path: "/opt/cni/bin/calico".into(),
+        why: Broken::CannotStart("Text file busy (os error 26)".into()),
+    };
+    let v = run(
+        &files,
+        &crio(&["linkerd-cni"]),
+        &mut Bins::healthy().with("calico", busy),
+    );
+    assert!(!v.verified, "{}", v.message);
+    assert_eq!(v.reason, Reason::PluginBinaryBroken, "{}", v.message);
+    assert_eq!(
+        v.config_file.as_deref(),
+        Some("/etc/cni/net.d/10-calico.conflist")
+    );
+}
+
 #[test]
 fn wrong_value_types_are_load_errors() {
     for (from, to) in [

@@ -125,11 +125,15 @@ const INTERFACE_LESS_PLUGINS: [&str; 7] = [
     "istio-cni",
 ];
 
-/// A binary problem: the reason, what is wrong, and whether it is only "ran out of time".
+/// A binary problem: the reason, what is wrong, and whether it may be transient.
 struct Problem {
     reason: Reason,
     why: String,
-    timed_out: bool,
+    /// The failure says nothing lasting about the binary: it ran out of time, kept its output
+    /// open, or could not be started at all (`ETXTBSY` while an installer rewrites it in place,
+    /// a failed fork, thread or pipe). CRI-O would skip its list only if the same happened to
+    /// CRI-O, which cannot be predicted: selection stops on it instead of skipping.
+    undecidable: bool,
 }
 
 /// Probes each plugin type at most once per verification and judges its answer.
@@ -144,7 +148,7 @@ impl<P: FnMut(&str) -> ProbeOutcome> Binaries<P> {
             return Err(Problem {
                 reason: Reason::PluginBinaryMissing,
                 why: "its type is not a plain file name, which libcni's FindInPath refuses (CVE-2021-20206); it was not looked up or run".into(),
-                timed_out: false,
+                undecidable: false,
             });
         }
         let outcome = match self.seen.get(plugin_type) {
@@ -167,7 +171,7 @@ impl<P: FnMut(&str) -> ProbeOutcome> Binaries<P> {
                             supported.len(),
                             if supported.len() == 1 { "" } else { "s" }
                         ),
-                        timed_out: false,
+                        undecidable: false,
                     })
                 }
             }
@@ -177,11 +181,14 @@ impl<P: FnMut(&str) -> ProbeOutcome> Binaries<P> {
                     "no regular file of that name in the CNI bin dirs ({})",
                     searched.join(", ")
                 ),
-                timed_out: false,
+                undecidable: false,
             }),
             ProbeOutcome::Broken { why, .. } => Err(Problem {
                 reason: Reason::PluginBinaryBroken,
-                timed_out: matches!(why, Broken::TimedOut { .. } | Broken::HeldOutput { .. }),
+                undecidable: matches!(
+                    why,
+                    Broken::TimedOut { .. } | Broken::HeldOutput { .. } | Broken::CannotStart(_)
+                ),
                 why: format!("its binary {why}"),
             }),
         }
@@ -243,7 +250,7 @@ pub fn verify(
                     bins_label(&opts.required, i, &list.plugins[i].plugin_type),
                     p.why
                 );
-                if p.timed_out {
+                if p.undecidable {
                     Validation::Undecidable(p.reason, msg)
                 } else {
                     Validation::Fails(p.reason, msg)
