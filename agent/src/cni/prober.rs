@@ -218,6 +218,10 @@ impl Prober {
         if is_unknown_version_command(&run.stdout) {
             return Ok(vec!["0.1.0".to_string()]);
         }
+        // A death by signal (the OOM killer in the agent's cgroup) or the shell's "cannot
+        // execute" / "not found" codes (a shared library or interpreter that lands a moment
+        // later) can pass without the binary changing, so the cache must not keep them.
+        let lasting = status.code().is_some_and(|c| c != 126 && c != 127);
         Err((
             Broken::Failed {
                 status: status.to_string(),
@@ -225,7 +229,7 @@ impl Prober {
                 stdout_len: run.stdout.len(),
                 stderr_len: run.stderr_len,
             },
-            true,
+            lasting,
         ))
     }
 }
@@ -497,4 +501,77 @@ fn capture(pipe: Option<impl Read + Send + 'static>, cap: usize) -> mpsc::Receiv
         let _ = tx.send(Vec::new());
     }
     rx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    const REPLY: &str = r#"{"cniVersion":"1.1.0","supportedVersions":["1.0.0","1.1.0"]}"#;
+
+    /// A plugin whose first run fails the way `fail` says and whose later runs answer.
+    fn flaky(dir: &Path, fail: &str) -> Prober {
+        let script = format!(
+            "#!/bin/sh\nif [ ! -e {marker} ]; then : > {marker}; {fail}; fi\necho '{REPLY}'\n",
+            marker = dir.join("ran-once").display(),
+        );
+        let bin = dir.join("flaky");
+        std::fs::write(&bin, script).unwrap();
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        Prober::new(vec![dir.to_path_buf()], Duration::from_secs(5))
+    }
+
+    fn deadline() -> Instant {
+        Instant::now() + Duration::from_secs(10)
+    }
+
+    /// Killed by a signal (as by the OOM killer) or "not found" (127): asked again next time,
+    /// and the binary's answer then counts.
+    #[test]
+    fn transient_failures_are_not_cached() {
+        for fail in ["kill -9 $$", "exit 127", "exit 126"] {
+            let dir = tempfile::tempdir().unwrap();
+            let prober = flaky(dir.path(), fail);
+            let first = prober.probe("flaky", deadline());
+            assert!(
+                matches!(
+                    first,
+                    ProbeOutcome::Broken {
+                        why: Broken::Failed { .. },
+                        ..
+                    }
+                ),
+                "{fail}: {first:?}"
+            );
+            let second = prober.probe("flaky", deadline());
+            assert!(
+                matches!(second, ProbeOutcome::Answered { .. }),
+                "{fail}: the failure was cached: {second:?}"
+            );
+        }
+    }
+
+    /// A plugin that fails with its own exit code keeps failing the same way until the binary
+    /// changes: that answer is cached.
+    #[test]
+    fn a_plain_failure_is_cached_until_the_binary_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let prober = flaky(dir.path(), "exit 3");
+        assert!(matches!(
+            prober.probe("flaky", deadline()),
+            ProbeOutcome::Broken {
+                why: Broken::Failed { .. },
+                ..
+            }
+        ));
+        assert!(matches!(
+            prober.probe("flaky", deadline()),
+            ProbeOutcome::Broken {
+                why: Broken::Failed { .. },
+                ..
+            }
+        ));
+        assert_eq!(prober.cached(), 1);
+    }
 }
