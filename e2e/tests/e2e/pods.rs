@@ -1102,9 +1102,23 @@ async fn ambient_pods_are_selected_by_their_namespace_label_and_the_opt_out_hold
     );
 
     // The other namespace joins ambient: its running pod is inspected without any pod
-    // event.
+    // event, but only once Istio has had ENROLL_GRACE to enroll it (it adds running pods
+    // asynchronously): not at once, where it would be judged (and evicted) as missing.
     label_ambient(late_ns.clone()).await?;
+    let labelled = Instant::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        metric(&agent, AMBIENT_MISSING).await,
+        1.0,
+        "a running pod was inspected right after its namespace joined the mesh:\n{}",
+        agent.log()
+    );
     wait_metric(&agent, AMBIENT_MISSING, |v| v >= 2.0).await?;
+    assert!(
+        labelled.elapsed() >= meshgate_agent::daemon::pods::tracker::ENROLL_GRACE,
+        "inspected {:?} after the label, before the enrollment grace",
+        labelled.elapsed()
+    );
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(
         metric(&agent, AMBIENT_MISSING).await,

@@ -329,6 +329,7 @@ impl Inspector {
     /// again.
     fn namespace_changed(&mut self, name: &str, labels: Option<BTreeMap<String, String>>) {
         let same = self.namespaces.get(name) == labels.as_ref();
+        let known_before = self.namespaces.contains_key(name);
         match labels {
             Some(l) => self.namespaces.insert(name.to_owned(), l),
             None => self.namespaces.remove(name),
@@ -341,6 +342,7 @@ impl Inspector {
             name,
             &self.setup.profiles,
             self.namespaces.get(name),
+            known_before,
             now,
         );
         if changed > 0 {

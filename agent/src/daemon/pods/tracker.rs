@@ -26,6 +26,12 @@ use meshgate_core::profile::{PodView, ProfileSet, Selected};
 
 /// First retry delay after a refusal or an `unknown` verdict; it doubles per consecutive one.
 pub const RETRY_MIN: Duration = Duration::from_secs(2);
+/// How long a running pod that a label change just put under a mesh (a namespace labelled
+/// `istio.io/dataplane-mode=ambient`, a pod label added) is left alone before it is inspected:
+/// the mesh enrolls running pods asynchronously (Istio's node agent adds their redirects one
+/// by one), so an inspection at once would find them `missing` and evict healthy pods that
+/// were about to be enrolled. A new sandbox gets no grace: its CNI chain ran before it started.
+pub const ENROLL_GRACE: Duration = Duration::from_secs(30);
 /// Retry delay cap.
 pub const RETRY_MAX: Duration = Duration::from_secs(30);
 /// The annotation `kubectl apply` keeps the whole last applied object in: never read, and
@@ -228,13 +234,15 @@ struct Entry {
     failures: u32,
     /// When the pod was first seen inspectable in this sandbox (detection latency).
     ready_since: Option<Duration>,
+    /// Not inspected before this: a label change enrolled the running pod ([`ENROLL_GRACE`]).
+    not_before: Option<Duration>,
     /// The sandbox and Event action last published, so one outcome is published once.
     published: Option<(String, &'static str)>,
 }
 
 /// True when `entry` must be inspected at `now` under verdict generation `generation`.
 fn needs_inspection(entry: &Entry, generation: u64, now: Duration) -> bool {
-    if !entry.info.inspectable() {
+    if !entry.info.inspectable() || entry.not_before.is_some_and(|t| now < t) {
         return false;
     }
     let current = Some((entry.info.sandbox(), generation));
@@ -297,13 +305,17 @@ impl Tracker {
     }
 
     /// A namespace's labels are known now (or changed, or it is gone: `None`): selects its
-    /// pods again. A pod newly selected is due at once; one that lost its selection is no
-    /// longer inspected. Returns how many pods changed selection.
+    /// pods again. One that lost its selection is no longer inspected. A pod newly selected is
+    /// due at once when the labels were not `known_before` (the agent only now learns them);
+    /// when they were, the change enrolled running pods in a mesh, which the mesh does
+    /// asynchronously, so they are due after [`ENROLL_GRACE`]. Returns how many pods changed
+    /// selection.
     pub fn reselect_namespace(
         &mut self,
         namespace: &str,
         profiles: &ProfileSet,
         labels: Option<&BTreeMap<String, String>>,
+        known_before: bool,
         now: Duration,
     ) -> usize {
         let mut changed = 0;
@@ -320,6 +332,8 @@ impl Tracker {
                 e.retry_at = None;
                 e.failures = 0;
                 e.ready_since = e.info.inspectable().then_some(now);
+                let gained = e.info.profiles.iter().any(|p| !before.contains(p));
+                e.not_before = (known_before && gained).then_some(now + ENROLL_GRACE);
             }
         }
         changed
@@ -347,8 +361,15 @@ impl Tracker {
                     e.retry_at = None;
                     e.failures = 0;
                     e.ready_since = ready;
-                } else if e.ready_since.is_none() {
-                    e.ready_since = ready;
+                    e.not_before = None;
+                } else {
+                    if e.ready_since.is_none() {
+                        e.ready_since = ready;
+                    }
+                    // A label or annotation change put the running pod under another mesh.
+                    if info.profiles.iter().any(|p| !e.info.profiles.contains(p)) {
+                        e.not_before = Some(now + ENROLL_GRACE);
+                    }
                 }
                 e.info = info;
             }
@@ -361,6 +382,7 @@ impl Tracker {
                         retry_at: None,
                         failures: 0,
                         ready_since: ready,
+                        not_before: None,
                         published: None,
                     },
                 );
@@ -477,7 +499,8 @@ impl Tracker {
         self.pods
             .values()
             .filter(|e| e.info.inspectable())
-            .filter_map(|e| e.retry_at)
+            .flat_map(|e| [e.retry_at, e.not_before])
+            .flatten()
             .min()
     }
 }
@@ -773,6 +796,58 @@ mod tests {
         p
     }
 
+    /// An operator labels a namespace `istio.io/dataplane-mode=ambient` (or a running pod):
+    /// Istio enrolls its running pods asynchronously, so they are left alone for
+    /// ENROLL_GRACE instead of being inspected (and evicted as `missing`) at once.
+    #[test]
+    fn running_pods_enrolled_by_a_label_change_get_time_to_be_enrolled() {
+        let set = ProfileSet::all_builtin();
+        let ambient =
+            BTreeMap::from([("istio.io/dataplane-mode".to_string(), "ambient".to_string())]);
+        let plain = BTreeMap::new();
+        let p = ambient_candidate("a", "10.1.0.1");
+        let mut t = Tracker::new();
+        t.start_list();
+        t.apply(PodInfo::from_pod(&p, &set, Some(&plain)).unwrap(), secs(0));
+        t.finish_list();
+        assert!(t.due(secs(1)).is_empty(), "not meshed yet");
+
+        // The known namespace is labelled at 10 s.
+        assert_eq!(
+            t.reselect_namespace("ns", &set, Some(&ambient), true, secs(10)),
+            1
+        );
+        assert!(t.due(secs(10)).is_empty());
+        assert!(t.due(secs(10) + ENROLL_GRACE - secs(1)).is_empty());
+        assert_eq!(
+            t.next_retry(),
+            Some(secs(10) + ENROLL_GRACE),
+            "the loop wakes for it"
+        );
+        let due = t.due(secs(10) + ENROLL_GRACE);
+        assert_eq!(due.len(), 1);
+        assert_eq!(due[0].info.profiles, ["istio-ambient"]);
+
+        // The same through the pod's own label, on a pod of a plain namespace.
+        let q = ambient_candidate("b", "10.1.0.2");
+        let mut t = Tracker::new();
+        t.start_list();
+        t.apply(PodInfo::from_pod(&q, &set, Some(&plain)).unwrap(), secs(0));
+        t.finish_list();
+        let mut labelled = q.clone();
+        labelled
+            .metadata
+            .labels
+            .get_or_insert_with(Default::default)
+            .insert("istio.io/dataplane-mode".into(), "ambient".into());
+        t.apply(
+            PodInfo::from_pod(&labelled, &set, Some(&plain)).unwrap(),
+            secs(5),
+        );
+        assert!(t.due(secs(5)).is_empty());
+        assert_eq!(t.due(secs(5) + ENROLL_GRACE).len(), 1);
+    }
+
     #[test]
     fn a_namespace_label_selects_its_pods_once_known_and_only_then() {
         let set = ProfileSet::all_builtin();
@@ -790,21 +865,27 @@ mod tests {
         // They arrive: ambient. Selected and due at once.
         let ambient =
             BTreeMap::from([("istio.io/dataplane-mode".to_string(), "ambient".to_string())]);
-        assert_eq!(t.reselect_namespace("ns", &set, Some(&ambient), secs(2)), 1);
+        assert_eq!(
+            t.reselect_namespace("ns", &set, Some(&ambient), false, secs(2)),
+            1
+        );
         let due = t.due(secs(2));
         assert_eq!(due.len(), 1);
         assert_eq!(due[0].info.profiles, ["istio-ambient"]);
         assert_eq!(due[0].ready_since, secs(2));
         inspect_all(&mut t, secs(2));
         // Same labels again: nothing changes, nothing due.
-        assert_eq!(t.reselect_namespace("ns", &set, Some(&ambient), secs(3)), 0);
+        assert_eq!(
+            t.reselect_namespace("ns", &set, Some(&ambient), true, secs(3)),
+            0
+        );
         assert!(t.due(secs(3)).is_empty());
         // Another namespace's change does not touch it.
-        assert_eq!(t.reselect_namespace("other", &set, None, secs(3)), 0);
+        assert_eq!(t.reselect_namespace("other", &set, None, false, secs(3)), 0);
 
         // The namespace drops the label: no longer selected, never inspected again.
         assert_eq!(
-            t.reselect_namespace("ns", &set, Some(&BTreeMap::new()), secs(4)),
+            t.reselect_namespace("ns", &set, Some(&BTreeMap::new()), true, secs(4)),
             1
         );
         assert!(t.is_empty() && t.due(secs(5)).is_empty());
