@@ -14,7 +14,8 @@
 //!   pass the policies, and every other change (other taints, cordoning, other labels,
 //!   annotations, finalizers, other status fields) is refused with the policy's message, as
 //!   are Events not in its own name or about another node;
-//! - the webhook NetworkPolicy selects the webhook pods and opens exactly their named ports;
+//! - the opt-in webhook NetworkPolicy component applies, selects the webhook pods and opens
+//!   exactly their named ports;
 //! - the webhook, run with the Deployment's command line and its own token, gets ready (its
 //!   caches list under its RBAC) and serves the generated certificate for the Service's DNS
 //!   name; its token can write nothing;
@@ -140,6 +141,11 @@ async fn setup() -> anyhow::Result<Fixture> {
         "generate.sh failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // The opt-in NetworkPolicy component, enabled as its kustomization.yaml tells operators.
+    let kustomization = manifests.join("kustomization.yaml");
+    let mut text = std::fs::read_to_string(&kustomization).context("kustomization.yaml")?;
+    text.push_str("components:\n  - components/webhook-network-policy\n");
+    std::fs::write(&kustomization, text).context("enabling the NetworkPolicy component")?;
     let path = manifests.to_str().context("manifests path")?;
     let applied = cp
         .kubectl(&["apply", "-k", path])
