@@ -94,6 +94,36 @@ pub struct Watches {
     pub synced: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
 }
 
+/// A metadata-only watch of `K` into `writer`, retried with backoff for as long as it runs;
+/// `slim` drops what the decisions never read before an object is stored.
+fn metadata_watch<K>(
+    api: Api<PartialObjectMeta<K>>,
+    config: watcher::Config,
+    slim: fn(&mut PartialObjectMeta<K>),
+    writer: reflector::store::Writer<PartialObjectMeta<K>>,
+    what: &'static str,
+) -> impl Future<Output = ()> + Send + 'static
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    watcher(api, config)
+        .default_backoff()
+        .modify(slim)
+        .reflect(writer)
+        .for_each(move |ev| {
+            if let Err(e) = ev {
+                tracing::warn!(error = %e, "{what} watch failed; retrying with backoff");
+            }
+            futures::future::ready(())
+        })
+}
+
 impl Caches {
     /// Builds the caches over `client`; nothing is fetched until the [`Watches`] run.
     pub fn new(
@@ -103,46 +133,31 @@ impl Caches {
     ) -> (Self, Watches) {
         let (nodes, node_writer) = reflector::store::<PartialObjectMeta<Node>>();
         let (pods, pod_writer) = reflector::store::<PartialObjectMeta<Pod>>();
-
-        let node_api: Api<PartialObjectMeta<Node>> = Api::all(client.clone());
+        let (namespaces, namespace_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
         // The default (most recent) list semantic lists in pages of 500: with thousands of
         // nodes, one unpaginated `resourceVersion=0` list would be buffered whole, and that
         // buffer sets the process's peak memory.
-        let node_watch = watcher(node_api, watcher::Config::default())
-            .default_backoff()
-            .modify(slim_node)
-            .reflect(node_writer)
-            .for_each(|ev| {
-                if let Err(e) = ev {
-                    tracing::warn!(error = %e, "node watch failed; retrying with backoff");
-                }
-                futures::future::ready(())
-            });
-
-        let pod_api: Api<PartialObjectMeta<Pod>> = Api::all(client.clone());
-        let pod_watch = watcher(pod_api, watcher::Config::default().fields("spec.nodeName="))
-            .default_backoff()
-            .modify(slim_pod)
-            .reflect(pod_writer)
-            .for_each(|ev| {
-                if let Err(e) = ev {
-                    tracing::warn!(error = %e, "pod watch failed; retrying with backoff");
-                }
-                futures::future::ready(())
-            });
-
-        let (namespaces, namespace_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
-        let namespace_api: Api<PartialObjectMeta<Namespace>> = Api::all(client.clone());
-        let namespace_watch = watcher(namespace_api, watcher::Config::default())
-            .default_backoff()
-            .modify(slim_namespace)
-            .reflect(namespace_writer)
-            .for_each(|ev| {
-                if let Err(e) = ev {
-                    tracing::warn!(error = %e, "namespace watch failed; retrying with backoff");
-                }
-                futures::future::ready(())
-            });
+        let node_watch = metadata_watch(
+            Api::all(client.clone()),
+            watcher::Config::default(),
+            slim_node,
+            node_writer,
+            "node",
+        );
+        let pod_watch = metadata_watch(
+            Api::all(client.clone()),
+            watcher::Config::default().fields("spec.nodeName="),
+            slim_pod,
+            pod_writer,
+            "pod",
+        );
+        let namespace_watch = metadata_watch(
+            Api::all(client.clone()),
+            watcher::Config::default(),
+            slim_namespace,
+            namespace_writer,
+            "namespace",
+        );
 
         let (n, p, ns) = (nodes.clone(), pods.clone(), namespaces.clone());
         let synced = async move {
