@@ -146,11 +146,15 @@ impl Drop for Return {
 /// Runs `f` with the calling thread inside the namespace `target`, and returns to the
 /// original namespace before returning. `f` must be short and synchronous.
 pub fn with_netns<T>(target: &Path, f: impl FnOnce() -> T) -> Result<T, NetnsError> {
-    let ns = File::open(target).map_err(|source| NetnsError::Open {
-        path: target.to_owned(),
+    with_netns_file(&open_ns(target)?, target, f)
+}
+
+/// Opens a namespace path (a netns dir entry or `/proc/<pid>/ns/net`).
+fn open_ns(path: &Path) -> Result<File, NetnsError> {
+    File::open(path).map_err(|source| NetnsError::Open {
+        path: path.to_owned(),
         source,
-    })?;
-    with_netns_file(&ns, target, f)
+    })
 }
 
 /// [`with_netns`] through an already open namespace descriptor (`path` only for errors).
@@ -184,11 +188,7 @@ impl std::fmt::Debug for RouteSocket {
 /// Enters `path` once and opens the rtnetlink socket, plus the netfilter handles when
 /// `with_rules` (which also reads the legacy table name lists inside the namespace).
 pub fn open(path: &Path, with_rules: bool) -> Result<Opened, NetnsError> {
-    let ns = File::open(path).map_err(|source| NetnsError::Open {
-        path: path.to_owned(),
-        source,
-    })?;
-    open_file(&ns, path, with_rules)
+    open_file(&open_ns(path)?, path, with_rules)
 }
 
 /// [`open`] through an already open namespace descriptor.
@@ -265,27 +265,31 @@ pub fn missing_ip(addresses: &[Address], ips: &[IpAddr]) -> Option<IpAddr> {
         .find(|ip| !addresses.iter().any(|a| a.ip == *ip))
 }
 
+/// `Ok` when `path` still leads to the surveyed namespace: nsfs (device, inode) `now` equal
+/// to `surveyed`; else [`NetnsError::Replaced`].
+fn same_namespace(path: &Path, surveyed: (u64, u64), now: (u64, u64)) -> Result<(), NetnsError> {
+    if now == surveyed {
+        return Ok(());
+    }
+    Err(NetnsError::Replaced {
+        path: path.to_owned(),
+        dev: surveyed.0,
+        inode: surveyed.1,
+        now_dev: now.0,
+        now_inode: now.1,
+    })
+}
+
 impl NetnsRef {
     /// Opens the namespace and checks that the descriptor is the one surveyed (device and
     /// inode): a path that now leads elsewhere is [`NetnsError::Replaced`].
     pub fn pin(&self) -> Result<Pinned, NetnsError> {
-        let file = File::open(&self.path).map_err(|source| NetnsError::Open {
-            path: self.path.clone(),
-            source,
-        })?;
+        let file = open_ns(&self.path)?;
         let m = file.metadata().map_err(|source| NetnsError::Open {
             path: self.path.clone(),
             source,
         })?;
-        if (m.dev(), m.ino()) != (self.dev, self.inode) {
-            return Err(NetnsError::Replaced {
-                path: self.path.clone(),
-                dev: self.dev,
-                inode: self.inode,
-                now_dev: m.dev(),
-                now_inode: m.ino(),
-            });
-        }
+        same_namespace(&self.path, (self.dev, self.inode), (m.dev(), m.ino()))?;
         Ok(Pinned {
             path: self.path.clone(),
             dev: self.dev,
@@ -329,15 +333,7 @@ impl Pinned {
             path: self.path.clone(),
             source,
         })?;
-        if (dev, ino) != (self.dev, self.inode) {
-            return Err(NetnsError::Replaced {
-                path: self.path.clone(),
-                dev: self.dev,
-                inode: self.inode,
-                now_dev: dev,
-                now_inode: ino,
-            });
-        }
+        same_namespace(&self.path, (self.dev, self.inode), (dev, ino))?;
         let addresses = self.open(false)?.addresses()?;
         match missing_ip(&addresses, ips) {
             Some(ip) => Err(NetnsError::PodIpGone {
