@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the e2e tests and the demo need, idempotently:
 #   - Debian packages (etcd, iptables, nftables, netfilter headers, promtool);
-#   - kube-apiserver, kube-controller-manager, kube-scheduler, kubectl and kubelet, built from
+#   - kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kubelet and kube-proxy, built from
 #     the k8s.io/kubernetes Go module and cached outside the repo, keyed by version;
 #   - the real node's runtime: containerd, ctr and containerd-shim-runc-v2 built from the
 #     github.com/containerd/containerd/v2 module, Debian's runc and containernetworking-plugins;
@@ -27,7 +27,7 @@ grep -q "k8s-openapi.*\"v1_${minor}\"" "$root/Cargo.toml" \
 
 cache_root=${MESHGATE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/meshgate}
 bin_dir="$cache_root/kubernetes/$k8s_version/bin"
-components=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet)
+components=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy)
 pin() { sed -n "s/^$1 *= *\"\(v[^\"]*\)\".*/\1/p" "$root/Cargo.toml"; }
 containerd_version=$(pin containerd-version)
 istio_cni_version=$(pin istio-cni-version)
@@ -109,6 +109,7 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
 	_ "k8s.io/kubernetes/cmd/kubectl"
 	_ "k8s.io/kubernetes/cmd/kubelet"
+	_ "k8s.io/kubernetes/cmd/kube-proxy"
 )
 GO
 log "building Kubernetes $k8s_version with Go $go_have ($n_replaced staging modules replaced)."

@@ -18,7 +18,7 @@
 //! tests get a new client per call from [`ControlPlane::client`].
 
 use std::collections::BTreeSet;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -31,12 +31,12 @@ use kube::{Client, Config};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::Error;
 use crate::kubelet::{self, NodeSpec, PodRunner};
 use crate::paths::{self, Binaries};
 use crate::pki::{self, Pki};
 use crate::process::{self, Mode, Proc};
 use crate::wait::{self, API_TIMEOUT};
+use crate::{Error, hostnet};
 
 /// Name of the state file `up` writes into its directory and `down` reads.
 pub const STATE_FILE: &str = "meshgate-e2e.json";
@@ -98,6 +98,14 @@ pub struct Options {
     pub binaries: Option<Binaries>,
     /// Upper bound on the whole startup.
     pub startup_timeout: Duration,
+    /// Bind and advertise kube-apiserver on an address of its own instead of loopback: a /32
+    /// on a link of its own (a port-less bridge) in the host's network namespace, created before the apiserver and
+    /// removed on stop (or by the next run's sweep). Real nodes in their own network
+    /// namespaces, kube-proxy's `kubernetes` Service and pods reach it there; the apiserver
+    /// reconciles the Service's endpoints to it (`--endpoint-reconciler-type=lease`) and dials
+    /// webhook Services at their endpoints (`--enable-aggregator-routing`), since its own
+    /// namespace has no kube-proxy. For the real-node tier.
+    pub routable: bool,
 }
 
 impl Default for Options {
@@ -107,6 +115,7 @@ impl Default for Options {
             detached: false,
             binaries: None,
             startup_timeout: Duration::from_secs(180),
+            routable: false,
         }
     }
 }
@@ -151,6 +160,10 @@ pub struct ControlPlane {
     started_in: Duration,
     apiserver_args: Vec<String>,
     mode: Mode,
+    /// The apiserver's address: loopback, or the dummy link's with [`Options::routable`].
+    address: Ipv4Addr,
+    /// The dummy link carrying `address`, deleted on stop.
+    link: Option<String>,
 }
 
 impl std::fmt::Debug for ControlPlane {
@@ -199,6 +212,19 @@ impl ControlPlane {
             }
         };
 
+        // The routable address first: the serving certificate names it.
+        let (address, link) = if options.routable {
+            let link = link_name(&dir);
+            match add_dummy(&dir, &link) {
+                Ok(address) => (address, Some(link)),
+                Err(e) => {
+                    hostnet::delete_link(&link);
+                    return Err(e);
+                }
+            }
+        } else {
+            (Ipv4Addr::LOCALHOST, None)
+        };
         let background = Background::start()?;
         let mode = if options.detached {
             Mode::Detached
@@ -210,6 +236,7 @@ impl ControlPlane {
             binaries: binaries.clone(),
             mode,
             timeout: options.startup_timeout,
+            address,
         };
         // Boot on the background thread, so that thread is the children's parent (PDEATHSIG).
         let booted = background
@@ -220,6 +247,9 @@ impl ControlPlane {
         let booted = match booted {
             Ok(b) => b,
             Err(e) => {
+                if let Some(link) = &link {
+                    hostnet::delete_link(link);
+                }
                 if temp.is_none() {
                     remove_layout(&dir);
                 }
@@ -249,6 +279,8 @@ impl ControlPlane {
             nodes: Arc::new(Mutex::new(BTreeSet::new())),
             background,
             started_in: begun.elapsed(),
+            address,
+            link,
         };
         if options.detached {
             cp.write_state()?;
@@ -330,6 +362,9 @@ impl ControlPlane {
         }
         process::stop_all(&procs, STOP_GRACE);
         self.background.shutdown();
+        if let Some(link) = &self.link {
+            hostnet::delete_link(link);
+        }
         if self.remove_dir.swap(false, Ordering::SeqCst) {
             keep_logs(&self.dir);
             if let Err(e) = std::fs::remove_dir_all(&self.dir) {
@@ -459,9 +494,14 @@ impl ControlPlane {
         &self.admin_kubeconfig_path
     }
 
-    /// `https://127.0.0.1:PORT`.
+    /// `https://127.0.0.1:PORT`, or the routable address with [`Options::routable`].
     pub fn apiserver_url(&self) -> String {
-        format!("https://127.0.0.1:{}", self.ports.apiserver)
+        format!("https://{}:{}", self.address, self.ports.apiserver)
+    }
+
+    /// The address kube-apiserver binds and advertises (see [`Options::routable`]).
+    pub fn address(&self) -> Ipv4Addr {
+        self.address
     }
 
     /// The CA certificate (PEM) that signed the apiserver's serving certificate; webhooks
@@ -757,6 +797,7 @@ struct Boot {
     binaries: Binaries,
     mode: Mode,
     timeout: Duration,
+    address: Ipv4Addr,
 }
 
 /// Processes started so far; stopped on drop unless the boot succeeded.
@@ -774,9 +815,15 @@ impl Boot {
         let logs = self.dir.join("logs");
         std::fs::create_dir_all(&logs)
             .map_err(|e| Error::io(format!("creating {}", logs.display()), e))?;
-        let pki = Pki::generate(&self.dir.join("pki"))?;
+        let routable = !self.address.is_loopback();
+        let extra_ips: Vec<IpAddr> = if routable {
+            vec![IpAddr::V4(self.address)]
+        } else {
+            Vec::new()
+        };
+        let pki = Pki::generate(&self.dir.join("pki"), &extra_ips)?;
         let ports = free_ports()?;
-        let server = format!("https://127.0.0.1:{}", ports.apiserver);
+        let server = format!("https://{}:{}", self.address, ports.apiserver);
 
         let admin_kubeconfig_path = self.dir.join("admin.kubeconfig");
         let kcm_kubeconfig = self.dir.join("controller-manager.kubeconfig");
@@ -826,10 +873,10 @@ impl Boot {
 
         let audit_policy = logs.join("audit-policy.yaml");
         write_private(&audit_policy, AUDIT_POLICY)?;
-        let apiserver_args: Vec<String> = vec![
+        let mut apiserver_args: Vec<String> = vec![
             format!("--etcd-servers={etcd_url}"),
-            "--bind-address=127.0.0.1".into(),
-            "--advertise-address=127.0.0.1".into(),
+            format!("--bind-address={}", self.address),
+            format!("--advertise-address={}", self.address),
             format!("--secure-port={}", ports.apiserver),
             format!("--tls-cert-file={}", s(&pki.apiserver.cert)),
             format!("--tls-private-key-file={}", s(&pki.apiserver.key)),
@@ -854,9 +901,6 @@ impl Boot {
             ),
             format!("--service-cluster-ip-range={}", pki::SERVICE_CIDR),
             "--allow-privileged=true".into(),
-            // No kube-proxy and a loopback advertise address: the `kubernetes` Service's
-            // endpoints would be invalid (loopback), so do not reconcile them.
-            "--endpoint-reconciler-type=none".into(),
             format!("--cert-dir={}", s(&self.dir.join("pki"))),
             "--profiling=false".into(),
             // Requests by identities under test (ServiceAccounts outside kube-system),
@@ -865,6 +909,20 @@ impl Boot {
             format!("--audit-log-path={}", s(&logs.join(AUDIT_LOG))),
             "--audit-log-format=json".into(),
         ];
+        if routable {
+            apiserver_args.extend([
+                // kube-proxy on the real nodes sends the `kubernetes` Service to the
+                // endpoints the apiserver reconciles: its own routable address.
+                "--endpoint-reconciler-type=lease".into(),
+                // No kube-proxy in the apiserver's namespace: dial a webhook Service's
+                // endpoints (the webhook pods' IPs, routed to their node), not its ClusterIP.
+                "--enable-aggregator-routing=true".into(),
+            ]);
+        } else {
+            // No kube-proxy and a loopback advertise address: the `kubernetes` Service's
+            // endpoints would be invalid (loopback), so do not reconcile them.
+            apiserver_args.push("--endpoint-reconciler-type=none".into());
+        }
         let apiserver = self.spawn(
             "kube-apiserver",
             &self.binaries.kube_apiserver,
@@ -1106,6 +1164,29 @@ pub(crate) fn write_private(path: &Path, text: &str) -> Result<(), Error> {
         .map_err(|e| Error::io(format!("writing {}", path.display()), e))
 }
 
+/// The dummy link of a routable control plane in `dir` (IFNAMSIZ leaves 15 characters).
+fn link_name(dir: &Path) -> String {
+    format!("mgcp{:08x}", hostnet::seed(dir))
+}
+
+/// Creates the link `link` (a port-less bridge) with an unused /32 in 10.203.0.0/16 (no other fixture uses
+/// that range: pods get 10.200.x, the netns fixtures 10.100-199.x, real nodes' links 10.202.x).
+fn add_dummy(dir: &Path, link: &str) -> Result<Ipv4Addr, Error> {
+    const PART: &str = "the control plane's address";
+    let address = hostnet::unused_net(hostnet::seed(dir), 32, |n| {
+        Ipv4Addr::new(10, 203, (n >> 8) as u8, (n as u8).clamp(1, 254))
+    })?;
+    // A bridge without ports serves as the dummy: this machine kind's kernel has no `dummy`
+    // link type ("Unknown device type"), and an address on an up bridge is local all the same.
+    hostnet::ip(PART, &["link", "add", link, "type", "bridge"])?;
+    hostnet::ip(
+        PART,
+        &["addr", "add", &format!("{address}/32"), "dev", link],
+    )?;
+    hostnet::ip(PART, &["link", "set", link, "up"])?;
+    Ok(address)
+}
+
 /// Base of temporary control-plane directories: `$MESHGATE_E2E_TMPDIR`, else `/dev/shm` (a
 /// tmpfs: etcd's fsyncs cost nothing there, and Debian's etcd 3.4 has no `--unsafe-no-fsync`),
 /// else the system temp dir.
@@ -1159,6 +1240,7 @@ fn sweep_stale(base: &Path) {
         };
         if is_ours && !owner.alive() {
             tracing::info!(dir = %path.display(), "removing the directory of a dead test run");
+            hostnet::delete_link(&link_name(&path));
             if let Err(e) = std::fs::remove_dir_all(&path) {
                 tracing::warn!(dir = %path.display(), error = %e, "cannot remove a stale directory");
             }

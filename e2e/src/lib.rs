@@ -23,6 +23,7 @@ pub mod audit;
 pub mod control_plane;
 pub mod demo;
 mod error;
+mod hostnet;
 pub mod identity;
 pub mod kubelet;
 pub mod netns_sim;

@@ -115,6 +115,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         detached: true,
         binaries,
         startup_timeout: Duration::from_secs(args.startup_timeout),
+        routable: false,
     };
     let cp = ControlPlane::start(options)
         .await

@@ -68,8 +68,10 @@ pub struct Pki {
 }
 
 impl Pki {
-    /// Generates a fresh CA and every certificate into `dir` (created if missing).
-    pub fn generate(dir: &Path) -> Result<Self, Error> {
+    /// Generates a fresh CA and every certificate into `dir` (created if missing). The
+    /// apiserver's serving certificate also names `extra_ips` (the address a routable control
+    /// plane binds, see `control_plane::Options::routable`).
+    pub fn generate(dir: &Path, extra_ips: &[IpAddr]) -> Result<Self, Error> {
         std::fs::create_dir_all(dir)
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
 
@@ -105,6 +107,7 @@ impl Pki {
         };
         let mut apiserver_sans = loopback();
         apiserver_sans.push(SanType::IpAddress(KUBERNETES_SERVICE_IP));
+        apiserver_sans.extend(extra_ips.iter().copied().map(SanType::IpAddress));
         for name in [
             "kubernetes",
             "kubernetes.default",
@@ -340,7 +343,7 @@ mod tests {
     fn generates_every_file_with_private_keys_unreadable_by_others() {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
-        let pki = Pki::generate(dir.path()).unwrap();
+        let pki = Pki::generate(dir.path(), &[]).unwrap();
         for f in [
             &pki.apiserver,
             &pki.admin,

@@ -10,16 +10,25 @@
 //! teardown that leaves nothing behind ([`RealNode::stop`], also on drop, so a failing test
 //! cleans up as well).
 //!
-//! Everything lives in one directory per run (`/dev/shm/meshgate-node-*`): containerd's root,
-//! state and socket, the CNI conf, bin and IPAM dirs, the kubelet's root, certificates and pod
-//! logs, and the pods' network namespaces. Nothing touches `/etc/cni`, `/opt/cni`,
-//! `/var/lib/containerd`, `/var/lib/kubelet` or `/var/run/netns`. Facts of this machine kind,
+//! Like a kind node, each real node has network and mount namespaces of its own. Its network
+//! namespace (pinned in the run dir) is joined to the host by a veth pair on an unused /30 in
+//! 10.202.0.0/16, and the host routes the node's pod /24 to it; containerd, the kubelet and
+//! kube-proxy (nftables mode) run inside, so their rules, bridge and ports never touch the
+//! host's, and two nodes' hostNetwork pods do not collide. The control plane must be routable
+//! ([`start_control_plane`]). containerd starts in a new mount namespace where `/etc`, `/opt`,
+//! `/var/lib`, `/var/log` and `/run` are overlays with their upper layers in the run dir, and
+//! the standard node paths (`/etc/cni/net.d`, `/opt/cni/bin`, `/var/lib/kubelet`,
+//! `/var/lib/cni`, `/var/log/pods`, `/var/log/containers`, `/var/run/netns`,
+//! `/var/run/meshgate`, `/run/containerd`) are bound to the run dir's; the kubelet and
+//! kube-proxy join it. So the manifests' hostPaths resolve to the run's files, and nothing
+//! touches the host's `/etc`, `/opt`, `/var` or `/run`. Facts of this machine kind,
 //! each found by trying (see docs/testing.md): cgroup v1 in hybrid mode (so the kubelet runs
 //! with `failCgroupV1: false` and the `cgroupfs` driver), a VM that refuses a negative
 //! `oom_score_adj` (so containerd runs with `restrict_oom_score_adj`), runc rather than crun
 //! (crun refuses hybrid cgroups), and no systemd (so the harness starts and supervises both
 //! daemons itself, as it does the control plane).
 
+use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::mpsc;
@@ -34,7 +43,7 @@ use crate::control_plane::{
 };
 use crate::paths::{self, env_var, find_on_path, is_executable};
 use crate::process::{self, Mode, Proc};
-use crate::{Error, wait};
+use crate::{Error, hostnet, wait};
 
 /// The pause image containerd runs every pod sandbox with (see `e2e/images/pause.c`).
 pub const PAUSE_IMAGE: &str = "localhost/meshgate-e2e/pause:1";
@@ -74,6 +83,13 @@ pub struct NodeBinaries {
     pub images: PathBuf,
     /// `cri-status` (e2e/cri-status/main.go): the runtime's verbose CRI status, CNI part.
     pub cri_status: PathBuf,
+    /// kube-proxy, built from the pinned `k8s.io/kubernetes` module (beside the kubelet).
+    pub kube_proxy: PathBuf,
+    /// util-linux's nsenter and unshare: the node's daemons run in its own network and mount
+    /// namespaces.
+    pub nsenter: PathBuf,
+    /// See `nsenter`.
+    pub unshare: PathBuf,
 }
 
 /// Env var naming the directory of the reference CNI plugins (default `/usr/lib/cni`).
@@ -112,8 +128,16 @@ impl NodeBinaries {
                 return Err(missing("the node images", &path));
             }
         }
+        let tool = |name: &'static str| {
+            find_on_path(name)
+                .or_else(|| Some(Path::new("/usr/bin").join(name)).filter(|p| is_executable(p)))
+                .ok_or_else(|| missing(name, &Path::new("$PATH").join(name)))
+        };
         Ok(Self {
             kubelet: need("kubelet", paths::k8s_bin_dir()?.join("kubelet"))?,
+            kube_proxy: need("kube-proxy", paths::k8s_bin_dir()?.join("kube-proxy"))?,
+            nsenter: tool("nsenter")?,
+            unshare: tool("unshare")?,
             containerd: need("containerd", containerd_dir.join("containerd"))?,
             ctr: need("ctr", containerd_dir.join("ctr"))?,
             shim_dir: need(
@@ -159,6 +183,8 @@ pub struct NodeTimes {
     pub registered: Duration,
     /// Node created → `Ready=True`.
     pub ready_after_registration: Duration,
+    /// `Ready=True` → kube-proxy's rules send the `kubernetes` Service to the apiserver.
+    pub kube_proxy_after_ready: Duration,
 }
 
 /// A running real node. Stopped (pods, containers, shims, mounts, bridge, cgroups, Node
@@ -169,6 +195,7 @@ pub struct RealNode {
     bins: NodeBinaries,
     fp: Footprint,
     admin: kube::config::Kubeconfig,
+    net: NodeNet,
     procs: Mutex<Vec<Proc>>,
     spawner: Mutex<Option<Spawner>>,
     times: NodeTimes,
@@ -201,11 +228,20 @@ impl RealNode {
             .keep();
         write_owner(&dir)?;
         let name = unique_name("real-node");
+        let fp = Footprint::of(&dir);
+        let net = match cp_reachable(cp).and_then(|()| fp.add_network()) {
+            Ok(net) => net,
+            Err(e) => {
+                fp.clean();
+                return Err(e);
+            }
+        };
         let spawner = Spawner::start()?;
         host_paths_acquire();
         // On a failed boot `node` is dropped, which tears down whatever was started.
         let mut node = RealNode {
-            fp: Footprint::of(&dir),
+            fp,
+            net,
             name,
             dir,
             bins,
@@ -217,6 +253,7 @@ impl RealNode {
                 images: Duration::ZERO,
                 registered: Duration::ZERO,
                 ready_after_registration: Duration::ZERO,
+                kube_proxy_after_ready: Duration::ZERO,
             },
             stopped: Mutex::new(false),
         };
@@ -224,6 +261,9 @@ impl RealNode {
         tracing::info!(
             node = %node.name,
             dir = %node.dir.display(),
+            node_ip = %node.net.node_ip,
+            gateway = %node.net.host_ip,
+            pod_net = %node.net.pod_net,
             containerd_ms = node.times.containerd.as_millis() as u64,
             images_ms = node.times.images.as_millis() as u64,
             registered_ms = node.times.registered.as_millis() as u64,
@@ -245,6 +285,13 @@ impl RealNode {
             "kubelet/pki",
             "kubelet/pod-logs",
             "logs",
+            "cni/cache",
+            "netns",
+            "meshgate",
+            "containers-logs",
+            "run-containerd",
+            "overlay",
+            "kube-proxy",
         ] {
             let path = self.dir.join(sub);
             std::fs::create_dir_all(&path)
@@ -274,10 +321,12 @@ impl RealNode {
         );
         let containerd = self.spawn(
             "containerd",
+            Ns::NewMount,
             &self.bins.containerd,
             vec!["--config".into(), config.display().to_string()],
             vec![("PATH".into(), path_env)],
         )?;
+        let joined = Ns::Join(containerd.pid);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if self.ctr(&["version"]).await.is_ok() {
@@ -337,6 +386,7 @@ impl RealNode {
         let begun = Instant::now();
         let kubelet = self.spawn(
             "kubelet",
+            joined,
             &self.bins.kubelet,
             vec![
                 format!("--config={}", kubelet_config.display()),
@@ -344,10 +394,12 @@ impl RealNode {
                 format!("--hostname-override={}", self.name),
                 format!("--root-dir={}", self.dir.join("kubelet/root").display()),
                 format!("--cert-dir={}", pki_dir.display()),
+                format!("--node-ip={}", self.net.node_ip),
                 "--v=2".into(),
             ],
             Vec::new(),
         )?;
+        let kube_proxy = self.start_kube_proxy(cp, joined).await?;
         let client = cp.client()?;
         let nodes: Api<Node> = Api::all(client);
         let deadline = Instant::now() + READY_TIMEOUT;
@@ -355,16 +407,20 @@ impl RealNode {
         loop {
             fail_if_exited(&containerd, "containerd")?;
             fail_if_exited(&kubelet, "kubelet")?;
+            fail_if_exited(&kube_proxy, "kube-proxy")?;
             if let Ok(Ok(Some(n))) =
                 tokio::time::timeout(wait::API_TIMEOUT, nodes.get_opt(&self.name)).await
             {
                 let at = *registered.get_or_insert_with(|| begun.elapsed());
                 if is_ready(&n) {
+                    let ready = begun.elapsed();
+                    self.wait_kube_proxy(&kube_proxy).await?;
                     return Ok(NodeTimes {
                         containerd: containerd_time,
                         images: images_time,
                         registered: at,
-                        ready_after_registration: begun.elapsed().saturating_sub(at),
+                        ready_after_registration: ready.saturating_sub(at),
+                        kube_proxy_after_ready: begun.elapsed().saturating_sub(ready),
                     });
                 }
             }
@@ -420,6 +476,21 @@ impl RealNode {
     /// istio-cni's run dir (Istio's `/var/run/istio-cni`): its kubeconfig and log.
     pub fn istio_cni_run_dir(&self) -> PathBuf {
         self.dir.join("istio-cni")
+    }
+
+    /// libcni's result cache (the node's `/var/lib/cni`).
+    pub fn cni_cache_dir(&self) -> PathBuf {
+        self.dir.join("cni/cache")
+    }
+
+    /// The node's address (its veth's, inside its network namespace): the Node's InternalIP.
+    pub fn node_ip(&self) -> Ipv4Addr {
+        self.net.node_ip
+    }
+
+    /// The node's network namespace, pinned in the run dir (for `nsenter --net=`).
+    pub fn netns_pin(&self) -> &Path {
+        &self.fp.netns_pin
     }
 
     /// containerd's socket.
@@ -627,12 +698,34 @@ impl RealNode {
     fn spawn(
         &self,
         name: &'static str,
+        ns: Ns,
         bin: &Path,
         args: Vec<String>,
         env: Vec<(String, String)>,
     ) -> Result<Proc, Error> {
         let log = self.dir.join("logs").join(format!("{name}.log"));
-        let bin = bin.to_owned();
+        // nsenter, unshare and sh all exec, so the pid recorded is the daemon's, and the
+        // death signal set before the first exec stays with it.
+        let mut argv = vec![format!("--net={}", self.fp.netns_pin.display())];
+        if let Ns::Join(pid) = ns {
+            argv.push(format!("--mount=/proc/{pid}/ns/mnt"));
+        }
+        argv.push("--".into());
+        if ns == Ns::NewMount {
+            argv.extend([
+                self.bins.unshare.display().to_string(),
+                "--mount".into(),
+                "--propagation=slave".into(),
+                "--".into(),
+                "/bin/sh".into(),
+                "-ec".into(),
+                self.mount_script()?,
+                "node-mounts".into(),
+            ]);
+        }
+        argv.push(bin.display().to_string());
+        argv.extend(args);
+        let (bin, args) = (self.bins.nsenter.clone(), argv);
         let spawner = self.spawner.lock().unwrap_or_else(|p| p.into_inner());
         let spawner = spawner.as_ref().ok_or_else(spawner_gone)?;
         let proc_ = spawner
@@ -674,7 +767,9 @@ state = {state}
   # This VM refuses a negative oom_score_adj; without this runc fails with
   # "can't get final child's PID from pipe".
   restrict_oom_score_adj = true
-  netns_mounts_under_state_dir = true
+  # Pod namespaces are pinned under /var/run/netns, the run dir's netns/ in the node's mount
+  # namespace: where the agent's manifest mounts them from (HostToContainer).
+  netns_mounts_under_state_dir = false
   enable_cdi = false
   [plugins.'io.containerd.cri.v1.runtime'.containerd]
     default_runtime_name = "runc"
@@ -732,15 +827,73 @@ state = {state}
         .to_string()
     }
 
-    /// A /24 in 10.200.0.0/16 picked from the run's name, so parallel runs rarely collide.
+    /// The node's pod network: a /24 in 10.200.0.0/16 no other network on the host uses.
     fn pod_subnet(&self) -> String {
-        let n = self
-            .fp
-            .bridge
-            .bytes()
-            .fold(0u32, |a, b| a.wrapping_mul(31) ^ b as u32)
-            % 250;
-        format!("10.200.{n}.0/24")
+        format!("{}/24", self.net.pod_net)
+    }
+
+    /// The mount namespace containerd runs in (the kubelet and kube-proxy join it), as a
+    /// shell script run by `unshare --mount --propagation=slave` before it execs containerd.
+    /// `/etc`, `/opt`, `/var/lib`, `/var/log` and `/run` are covered by overlays whose upper
+    /// layers live in the run dir, so whatever a daemon writes there (the kubelet's hard-coded
+    /// device-plugin dir and `/var/log/containers` links, libcni's cache, the shims' sockets
+    /// in `/run/containerd`) never reaches the host; then the standard node paths the
+    /// manifests mount as hostPaths are bound to the run dir's, so the agent sees the very
+    /// files containerd loads. Host mounts still propagate in (slave), nothing propagates out.
+    fn mount_script(&self) -> Result<String, Error> {
+        let overlaid = ["/etc", "/opt", "/var/lib", "/var/log", "/run"];
+        // An overlay hides what is below it: the run dir must stay where it is.
+        if overlaid
+            .iter()
+            .chain(["/var/run"].iter())
+            .any(|d| self.dir.starts_with(d))
+        {
+            return Err(Error::RealNode {
+                part: "the node's mount namespace",
+                detail: format!(
+                    "the run dir {} is under a directory the node overlays ({overlaid:?}); set {} elsewhere",
+                    self.dir.display(),
+                    crate::control_plane::TMPDIR_ENV
+                ),
+            });
+        }
+        let q = |p: &Path| shell_quote(&p.display().to_string());
+        let d = |sub: &str| q(&self.dir.join(sub));
+        let mut script = String::from(
+            "set -e
+",
+        );
+        for (i, dir) in overlaid.iter().enumerate() {
+            let upper = self.dir.join(format!("overlay/{i}/upper"));
+            let work = self.dir.join(format!("overlay/{i}/work"));
+            script.push_str(&format!(
+                "mkdir -p {u} {w}
+mount -t overlay overlay -o lowerdir={dir},upperdir={u},workdir={w} {dir}
+",
+                u = q(&upper),
+                w = q(&work),
+            ));
+        }
+        for (from, to) in [
+            ("cni/conf", "/etc/cni/net.d"),
+            ("cni/bin", "/opt/cni/bin"),
+            ("kubelet/root", "/var/lib/kubelet"),
+            ("cni/cache", "/var/lib/cni"),
+            ("kubelet/pod-logs", "/var/log/pods"),
+            ("containers-logs", "/var/log/containers"),
+            ("netns", "/run/netns"),
+            ("meshgate", "/run/meshgate"),
+            ("run-containerd", "/run/containerd"),
+        ] {
+            script.push_str(&format!(
+                "mkdir -p {to}
+mount --bind {} {to}
+",
+                d(from)
+            ));
+        }
+        script.push_str("exec \"$@\"\n");
+        Ok(script)
     }
 
     fn kubelet_config(&self, ca: &Path, port: u16, healthz: u16) -> String {
@@ -796,6 +949,95 @@ resolvConf: /etc/resolv.conf
         )
     }
 
+    /// kube-proxy in the node's namespaces, nftables mode, as `system:kube-proxy` (bound to
+    /// the `system:node-proxier` ClusterRole, as kubeadm does), so pods and hostNetwork pods
+    /// reach the apiserver at `KUBERNETES_SERVICE_HOST` (10.0.0.1:443) as in a cluster. It
+    /// writes its `kube-proxy` nftables tables into the node's namespace only; conntrack
+    /// `maxPerCore: 0` keeps it from writing the host-wide conntrack sysctls.
+    async fn start_kube_proxy(&self, cp: &ControlPlane, ns: Ns) -> Result<Proc, Error> {
+        let dir = self.dir.join("kube-proxy");
+        let cert = cp
+            .pki()
+            .issue_client(&dir, "kube-proxy", "system:kube-proxy", None)?;
+        let kubeconfig = dir.join("kubeconfig");
+        write_private(
+            &kubeconfig,
+            &cert_kubeconfig_yaml(&cp.apiserver_url(), cp.ca_path(), &cert),
+        )?;
+        bind_node_proxier(cp).await?;
+        let q = |s: &str| serde_json::Value::String(s.to_owned()).to_string();
+        let config = dir.join("config.yaml");
+        write_file(
+            &config,
+            &format!(
+                r#"apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clientConnection:
+  kubeconfig: {kubeconfig}
+hostnameOverride: {node}
+mode: nftables
+clusterCIDR: 10.200.0.0/16
+# Both in the node's network namespace.
+healthzBindAddress: 127.0.0.1:10256
+metricsBindAddress: 127.0.0.1:10249
+conntrack:
+  # nf_conntrack_max is host-wide: never write it.
+  maxPerCore: 0
+  min: 0
+  tcpEstablishedTimeout: 0s
+  tcpCloseWaitTimeout: 0s
+"#,
+                kubeconfig = q(&kubeconfig.display().to_string()),
+                node = q(&self.name),
+            ),
+        )?;
+        self.spawn(
+            "kube-proxy",
+            ns,
+            &self.bins.kube_proxy,
+            vec![format!("--config={}", config.display()), "--v=2".into()],
+            Vec::new(),
+        )
+    }
+
+    /// Waits until kube-proxy's rules in the node's namespace send the `kubernetes` Service
+    /// (10.0.0.1) somewhere: its first full sync after the Node and the Service's endpoints.
+    async fn wait_kube_proxy(&self, kube_proxy: &Proc) -> Result<(), Error> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let pin = format!("--net={}", self.fp.netns_pin.display());
+        loop {
+            fail_if_exited(kube_proxy, "kube-proxy")?;
+            let out = tokio::process::Command::new(&self.bins.nsenter)
+                .args([
+                    pin.as_str(),
+                    "--",
+                    "nft",
+                    "list",
+                    "table",
+                    "ip",
+                    "kube-proxy",
+                ])
+                .kill_on_drop(true)
+                .output();
+            if let Ok(Ok(out)) = tokio::time::timeout(Duration::from_secs(10), out).await
+                && String::from_utf8_lossy(&out.stdout).contains("10.0.0.1")
+            {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::RealNode {
+                    part: "kube-proxy",
+                    detail: format!(
+                        "no rule for the kubernetes Service (10.0.0.1) in the node's nftables within 60 s; the end of {}:\n{}",
+                        kube_proxy.log.display(),
+                        kube_proxy.log_tail(30)
+                    ),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     /// The kubelet requires its cgroup root to exist in every hierarchy it uses.
     fn create_cgroup_root(&self) -> Result<(), Error> {
         for hierarchy in cgroup_hierarchies() {
@@ -807,9 +1049,96 @@ resolvConf: /etc/resolv.conf
     }
 }
 
+/// Where a daemon of the node runs: containerd in a new mount namespace, the others in
+/// containerd's (by its pid); all in the node's network namespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ns {
+    NewMount,
+    Join(i32),
+}
+
+/// The node's addresses: a veth pair between the host and the node's network namespace, and
+/// the pod network behind it, routed from the host.
+#[derive(Debug, Clone, Copy)]
+struct NodeNet {
+    /// The host side of the veth (the node's default gateway).
+    host_ip: Ipv4Addr,
+    /// The node side (`eth0` in its namespace): the kubelet's `--node-ip`.
+    node_ip: Ipv4Addr,
+    /// Base of the node's pod /24 (the bridge's), routed from the host via `node_ip`.
+    pod_net: Ipv4Addr,
+}
+
+/// The real node reaches the apiserver from its own network namespace: loopback will not do.
+fn cp_reachable(cp: &ControlPlane) -> Result<(), Error> {
+    if cp.address().is_loopback() {
+        return Err(Error::RealNode {
+            part: "the control plane",
+            detail: "its apiserver listens on loopback, which the node's network namespace cannot \
+                     reach: start it with `Options { routable: true, .. }` (see start_control_plane)"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
+/// A control plane real nodes can join: its apiserver on a routable address of its own
+/// ([`crate::Options::routable`]). Each real-node test starts one and drops it after its nodes.
+pub async fn start_control_plane() -> Result<ControlPlane, Error> {
+    ControlPlane::start(crate::Options {
+        routable: true,
+        ..crate::Options::default()
+    })
+    .await
+}
+
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
 impl Drop for RealNode {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// Binds `system:kube-proxy` to the bootstrap `system:node-proxier` ClusterRole (once per
+/// control plane; an existing binding is kept).
+async fn bind_node_proxier(cp: &ControlPlane) -> Result<(), Error> {
+    use k8s_openapi::api::rbac::v1::{ClusterRoleBinding, RoleRef, Subject};
+    let api: Api<ClusterRoleBinding> = Api::all(cp.client()?);
+    let binding = ClusterRoleBinding {
+        metadata: kube::api::ObjectMeta {
+            name: Some("meshgate-e2e:kube-proxy".into()),
+            ..Default::default()
+        },
+        role_ref: RoleRef {
+            api_group: "rbac.authorization.k8s.io".into(),
+            kind: "ClusterRole".into(),
+            name: "system:node-proxier".into(),
+        },
+        subjects: Some(vec![Subject {
+            kind: "User".into(),
+            name: "system:kube-proxy".into(),
+            api_group: Some("rbac.authorization.k8s.io".into()),
+            ..Default::default()
+        }]),
+    };
+    match wait::bounded(
+        "creating kube-proxy's ClusterRoleBinding",
+        wait::API_TIMEOUT,
+        async {
+            Ok::<_, Error>(
+                api.create(&kube::api::PostParams::default(), &binding)
+                    .await,
+            )
+        },
+    )
+    .await?
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+        Err(e) => Err(Error::kube("creating kube-proxy's ClusterRoleBinding", e)),
     }
 }
 
@@ -1163,6 +1492,11 @@ pub struct Footprint {
     pub bridge: String,
     /// The kubelet's `cgroupRoot`, present in every cgroup hierarchy.
     pub cgroup_root: String,
+    /// The host side of the node's veth pair (`mgv` + the suffix). Deleting it deletes the
+    /// pair, its address and the route to the node's pods.
+    pub veth: String,
+    /// The node's network namespace, bind-mounted on a file in the run dir.
+    pub netns_pin: PathBuf,
 }
 
 impl Footprint {
@@ -1177,7 +1511,85 @@ impl Footprint {
             dir: dir.to_owned(),
             bridge: format!("mg{}", &suffix[..suffix.len().min(10)]),
             cgroup_root: format!("/{DIR_PREFIX}{suffix}"),
+            veth: format!("mgv{}", &suffix[..suffix.len().min(10)]),
+            netns_pin: dir.join("netns.pin"),
         }
+    }
+
+    /// The node's network: a namespace pinned in the run dir, a veth pair (`eth0` inside, the
+    /// node's address; [`Footprint::veth`] outside, its gateway) on an unused /30 in
+    /// 10.202.0.0/16, `lo` up, forwarding on inside (the bridge's pods reach the apiserver
+    /// through it), and a host route to the node's pod /24 via the node, so the apiserver
+    /// reaches webhook pods and nodes reach each other's pods.
+    fn add_network(&self) -> Result<NodeNet, Error> {
+        const PART: &str = "the node's network namespace";
+        let seed = hostnet::seed(&self.dir);
+        std::fs::write(&self.netns_pin, "")
+            .map_err(|e| Error::io(format!("creating {}", self.netns_pin.display()), e))?;
+        let pin = format!("--net={}", self.netns_pin.display());
+        hostnet::run(PART, &self.unshare_bin(), &[&pin, "true"])?;
+        let link = hostnet::unused_net(seed, 30, |n| {
+            Ipv4Addr::new(10, 202, (n >> 6) as u8, ((n & 63) << 2) as u8)
+        })?;
+        let host_ip = Ipv4Addr::from(u32::from(link) + 1);
+        let node_ip = Ipv4Addr::from(u32::from(link) + 2);
+        let pod_net =
+            hostnet::unused_net(seed, 24, |n| Ipv4Addr::new(10, 200, (n % 250) as u8, 0))?;
+        let ours = std::process::id().to_string();
+        let pin = &self.netns_pin;
+        hostnet::ip_in(
+            PART,
+            pin,
+            &[
+                "link", "add", "eth0", "type", "veth", "peer", "name", &self.veth, "netns", &ours,
+            ],
+        )?;
+        hostnet::ip(
+            PART,
+            &["addr", "add", &format!("{host_ip}/30"), "dev", &self.veth],
+        )?;
+        hostnet::ip(PART, &["link", "set", &self.veth, "up"])?;
+        hostnet::ip_in(
+            PART,
+            pin,
+            &["addr", "add", &format!("{node_ip}/30"), "dev", "eth0"],
+        )?;
+        hostnet::ip_in(PART, pin, &["link", "set", "eth0", "up"])?;
+        hostnet::ip_in(PART, pin, &["link", "set", "lo", "up"])?;
+        hostnet::ip_in(
+            PART,
+            pin,
+            &["route", "add", "default", "via", &host_ip.to_string()],
+        )?;
+        let net_arg = format!("--net={}", pin.display());
+        hostnet::run(
+            PART,
+            "nsenter",
+            &[&net_arg, "--", "sysctl", "-qw", "net.ipv4.ip_forward=1"],
+        )?;
+        hostnet::ip(
+            PART,
+            &[
+                "route",
+                "add",
+                &format!("{pod_net}/24"),
+                "via",
+                &node_ip.to_string(),
+                "dev",
+                &self.veth,
+            ],
+        )?;
+        Ok(NodeNet {
+            host_ip,
+            node_ip,
+            pod_net,
+        })
+    }
+
+    fn unshare_bin(&self) -> String {
+        find_on_path("unshare")
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|| "unshare".into())
     }
 
     fn socket(&self) -> PathBuf {
@@ -1204,12 +1616,12 @@ impl Footprint {
         while self.cgroups().iter().any(|cg| cgroup_tree_busy(cg)) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(50));
         }
+        // The pin's unmount frees the node's network namespace once its processes are gone
+        // (its bridge and pod veths go with it); the veth's host side goes explicitly.
         unmount_under(&self.dir);
-        if Path::new("/sys/class/net").join(&self.bridge).exists() {
-            let _ = std::process::Command::new("ip")
-                .args(["link", "del", &self.bridge])
-                .status();
-        }
+        hostnet::delete_link(&self.veth);
+        // Runs from before the node had a namespace of its own put the bridge on the host.
+        hostnet::delete_link(&self.bridge);
         for cg in self.cgroups() {
             remove_cgroup_tree(&cg);
         }
@@ -1234,8 +1646,11 @@ impl Footprint {
         for m in mounts_under(&self.dir) {
             left.push(format!("mount {}", m.display()));
         }
-        if Path::new("/sys/class/net").join(&self.bridge).exists() {
+        if hostnet::link_exists(&self.bridge) {
             left.push(format!("bridge {}", self.bridge));
+        }
+        if hostnet::link_exists(&self.veth) {
+            left.push(format!("veth {}", self.veth));
         }
         for cg in self.cgroups() {
             left.push(format!("cgroup {}", cg.display()));
@@ -1276,29 +1691,36 @@ fn cgroup_tree_busy(path: &Path) -> bool {
     })
 }
 
-/// Host paths the kubelet and containerd create whatever their configuration says: the
-/// kubelet's device-plugin socket and `/var/log/containers` links are hard-coded, libcni keeps
-/// its result cache in `/var/lib/cni`, and shims put their sockets in `/run/containerd/s`.
+/// Standard node paths a kubelet, containerd, libcni or a CNI plugin writes whatever its
+/// configuration says (the kubelet's device-plugin dir and `/var/log/containers` links,
+/// libcni's cache, the shims' sockets) or the manifests mount as hostPaths. The node's mount
+/// namespace covers them all with overlays and binds to the run dir, so none may appear on
+/// the host: [`host_residue`] checks.
 const HOST_PATHS: &[&str] = &[
     "/var/lib/kubelet",
     "/var/log/containers",
+    "/var/log/pods",
     "/var/lib/cni",
     "/run/containerd",
+    "/etc/cni",
+    "/opt/cni",
+    "/run/meshgate",
 ];
 
-/// Real nodes alive in this process, and which [`HOST_PATHS`] did not exist before the first
-/// of them started: those are removed when the last one stops, and only those, so a host's
-/// own kubelet or containerd (or a concurrent node of this process) is never disturbed.
-static HOST: Mutex<(usize, Vec<PathBuf>)> = Mutex::new((0, Vec::new()));
+/// Real nodes alive in this process, and which [`HOST_PATHS`] existed before the first of
+/// them started (a host's own kubelet or containerd may have them).
+static HOST: Mutex<(usize, Option<Vec<PathBuf>>)> = Mutex::new((0, None));
 
 fn host_paths_acquire() {
     let mut host = HOST.lock().unwrap_or_else(|p| p.into_inner());
-    if host.0 == 0 {
-        host.1 = HOST_PATHS
-            .iter()
-            .map(PathBuf::from)
-            .filter(|p| !p.exists())
-            .collect();
+    if host.1.is_none() {
+        host.1 = Some(
+            HOST_PATHS
+                .iter()
+                .map(PathBuf::from)
+                .filter(|p| p.exists())
+                .collect(),
+        );
     }
     host.0 += 1;
 }
@@ -1306,20 +1728,11 @@ fn host_paths_acquire() {
 fn host_paths_release() {
     let mut host = HOST.lock().unwrap_or_else(|p| p.into_inner());
     host.0 = host.0.saturating_sub(1);
-    if host.0 == 0 {
-        for path in &host.1 {
-            if path.exists()
-                && let Err(e) = std::fs::remove_dir_all(path)
-            {
-                tracing::warn!(path = %path.display(), error = %e, "cannot remove a host path the real node created");
-            }
-        }
-    }
 }
 
-/// Host paths the real nodes of this process created and that are still there; empty when
-/// clean. While a real node runs, that is reported as the first line: the check means
-/// something only once every node of the process has stopped.
+/// Standard node paths that appeared on the host since the first real node of this process
+/// started; empty when the nodes kept to their mount namespaces. While a real node runs, that
+/// is reported as the first line: the check means something only once every node stopped.
 pub fn host_residue() -> Vec<String> {
     let host = HOST.lock().unwrap_or_else(|p| p.into_inner());
     if host.0 > 0 {
@@ -1328,9 +1741,11 @@ pub fn host_residue() -> Vec<String> {
             host.0
         )];
     }
-    host.1
+    let before = host.1.clone().unwrap_or_default();
+    HOST_PATHS
         .iter()
-        .filter(|p| p.exists())
+        .map(PathBuf::from)
+        .filter(|p| p.exists() && !before.contains(p))
         .map(|p| format!("host path {}", p.display()))
         .collect()
 }
@@ -1398,7 +1813,8 @@ mod tests {
 
     /// What a SIGKILLed test run leaves (its daemons died by PDEATHSIG, its pods and mounts
     /// did not) is removed by the next run's sweep: the process in the node's cgroups, the
-    /// mount, the bridge, the cgroups and the directory. Needs root, like every real-node test.
+    /// mount, the bridge, the node's network namespace and veth, the cgroups and the
+    /// directory. Needs root, like every real-node test.
     #[test]
     fn a_dead_runs_leftovers_are_swept() {
         crate::paths::require_root().expect("the real-node sweep test needs root");
@@ -1454,7 +1870,9 @@ mod tests {
             .status()
             .unwrap();
         assert!(added.success());
-        assert!(fp.residue().len() >= 4, "{:?}", fp.residue());
+        // The node's network: its namespace pinned in the run dir, the veth and the route.
+        fp.add_network().unwrap();
+        assert!(fp.residue().len() >= 6, "{:?}", fp.residue());
 
         sweep_stale(base.path());
 

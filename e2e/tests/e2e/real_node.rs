@@ -15,11 +15,11 @@ use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use kube::Client;
 use kube::api::{Api, ObjectMeta, PostParams};
-use meshgate_e2e::real_node::{BUSYBOX_IMAGE, CONFLIST, REAL_NODE_TAINT, RealNode, host_residue};
+use meshgate_e2e::real_node::{
+    BUSYBOX_IMAGE, CONFLIST, REAL_NODE_TAINT, RealNode, host_residue, start_control_plane,
+};
 use meshgate_e2e::wait::poll_until;
 use meshgate_e2e::{TokenOptions, service_account_token};
-
-use crate::cp;
 
 /// A pod's containers start within this on the real node (images are local).
 const POD_START: Duration = Duration::from_secs(90);
@@ -33,7 +33,7 @@ static ONE_NODE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() -> anyhow::Result<()>
 {
     let _one = ONE_NODE.lock().await;
-    let cp = cp().await;
+    let cp = &start_control_plane().await?;
     let client = cp.client()?;
     let node = RealNode::start(cp)
         .await
@@ -158,11 +158,13 @@ async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() ->
 #[tokio::test]
 async fn a_failing_real_node_test_leaves_nothing_behind() -> anyhow::Result<()> {
     let _one = ONE_NODE.lock().await;
-    let cp = cp().await;
+    let cp = std::sync::Arc::new(start_control_plane().await?);
     let client = cp.client()?;
     let (tx, rx) = tokio::sync::oneshot::channel();
     let task_client = client.clone();
+    let task_cp = cp.clone();
     let failed = tokio::spawn(async move {
+        let cp = &*task_cp;
         let node = RealNode::start(cp)
             .await
             .expect("the real node did not come up");
@@ -202,7 +204,7 @@ async fn a_failing_real_node_test_leaves_nothing_behind() -> anyhow::Result<()> 
 #[tokio::test]
 async fn check_names_the_config_containerd_really_loaded() -> anyhow::Result<()> {
     let _one = ONE_NODE.lock().await;
-    let cp = cp().await;
+    let cp = &start_control_plane().await?;
     let node = RealNode::start(cp)
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))
