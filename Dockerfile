@@ -8,7 +8,7 @@
 # Build: the Rust toolchain pinned in rust-toolchain.toml (checked below), on Debian 12, with
 # the C libraries the agent links (libmnl; libnftnl for the nftnl crate's -sys build).
 # Runtime: distroless cc (glibc, libgcc_s, libm; no shell, no package manager) plus exactly the
-# other shared libraries `ldd` reports for the two binaries, copied from the build stage.
+# other shared libraries `ldd` reports for the two binaries (e2e/images/meshgate-files.sh).
 
 ARG RUST_VERSION=1.95.0
 
@@ -24,25 +24,20 @@ COPY . .
 ENV RUSTUP_TOOLCHAIN=${RUST_VERSION}
 RUN grep -Eq "^channel *= *\"${RUST_VERSION}\"" rust-toolchain.toml \
  || { echo "RUST_VERSION=${RUST_VERSION} does not match rust-toolchain.toml" >&2; exit 1; }
+# Then the binaries and every shared library they need that distroless/cc lacks (today:
+# libmnl.so.0), laid out as in the image by e2e/images/meshgate-files.sh: the same script lays
+# out the image the real-node tests import (e2e/images/build-meshgate-image.sh), so both hold
+# the same files.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     cargo build --release --locked -p meshgate-agent -p meshgate-webhook \
- && mkdir -p /out/bin /out/lib \
- && cp target/release/meshgate-agent target/release/meshgate-webhook /out/bin/
-# Every shared library the binaries need that distroless/cc lacks (today: libmnl.so.0).
-RUN set -eu; \
-    for lib in $(ldd /out/bin/meshgate-agent /out/bin/meshgate-webhook | awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | sort -u); do \
-      case "$(basename "$lib")" in \
-        libc.so.*|libm.so.*|libgcc_s.so.*|ld-linux*|libdl.so.*|libpthread.so.*|librt.so.*) ;; \
-        *) cp -L "$lib" /out/lib/ ;; \
-      esac; \
-    done; \
-    ls -l /out/lib
+ && bash e2e/images/meshgate-files.sh /out target/release/meshgate-agent target/release/meshgate-webhook \
+ && find /out -type f | sort
 
 FROM gcr.io/distroless/cc-debian12
-# /usr/lib is in the dynamic loader's default search path on every architecture.
-COPY --from=build /out/lib/ /usr/lib/
-COPY --from=build /out/bin/ /usr/local/bin/
+# /usr/local/bin/meshgate-{agent,webhook} and /usr/lib/<libraries> (on the dynamic loader's
+# default search path on every architecture).
+COPY --from=build /out/ /
 # The agent runs as root with three capabilities (manifests/base/agent.yaml); the webhook
 # Deployment sets runAsUser 65532 (distroless's "nonroot").
 ENTRYPOINT ["/usr/local/bin/meshgate-agent"]

@@ -9,6 +9,10 @@ SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 CARGO ?= cargo
 DEPS := e2e/install-deps.sh
+# meshgate's own image for the real node (release binaries; e2e/images/build-meshgate-image.sh).
+TARGET_DIR = $${CARGO_TARGET_DIR:-target}
+IMAGE = $(CARGO) build --release --locked -p meshgate-agent -p meshgate-webhook && \
+	bash e2e/images/build-meshgate-image.sh "$(TARGET_DIR)/release" "$(TARGET_DIR)/meshgate-image/meshgate.tar"
 
 .PHONY: test demo deps lint alerts unit check-root bench soak
 
@@ -16,6 +20,8 @@ DEPS := e2e/install-deps.sh
 test: check-root deps lint alerts
 	@echo "==> cargo build --bins (the e2e tests run the real agent and webhook binaries)"
 	$(CARGO) build --workspace --bins --locked
+	@echo "==> meshgate's image for the real node (release build)"
+	$(IMAGE)
 	@echo "==> cargo test --workspace (unit, integration and e2e)"
 	MESHGATE_K8S_BIN_DIR="$$(bash $(DEPS) | tail -n 1)" $(CARGO) test --workspace --locked
 
@@ -23,6 +29,8 @@ test: check-root deps lint alerts
 demo: check-root deps
 	@echo "==> building meshgate"
 	$(CARGO) build --workspace --locked --bins
+	@echo "==> meshgate's image for the real node (release build)"
+	$(IMAGE)
 	MESHGATE_K8S_BIN_DIR="$$(bash $(DEPS) | tail -n 1)" ./target/debug/meshgate-e2e demo
 
 ## deps: install Debian packages and build/reuse the Kubernetes binaries

@@ -189,7 +189,7 @@ fi
 
 # Images, rebuilt when their inputs change (the C source, the script, Debian's busybox).
 images="$cache_root/images"
-inputs=$( (cat "$here/images/pause.c" "$here/images/build-images.sh"; dpkg-query -W busybox-static) | sha256sum | cut -d' ' -f1)
+inputs=$( (cat "$here/images/pause.c" "$here/images/build-images.sh" "$here/images/oci-image.sh"; dpkg-query -W busybox-static) | sha256sum | cut -d' ' -f1)
 if [[ -f "$images/.inputs" && "$(cat "$images/.inputs")" == "$inputs" && -f "$images/pause.tar" && -f "$images/busybox.tar" ]]; then
   log "reusing cached node images in $images"
 else

@@ -24,19 +24,7 @@ pub const GOOD_PLUGIN: &str = "#!/bin/sh\ncat >/dev/null\necho '{\"cniVersion\":
 /// A workspace binary (`meshgate-agent`, `meshgate-webhook`) from the same target dir as the
 /// running executable, or from `MESHGATE_BIN_DIR`. `make test` builds them first.
 pub fn workspace_bin(name: &str) -> io::Result<PathBuf> {
-    let dir = match std::env::var_os("MESHGATE_BIN_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => {
-            // target/<profile>/deps/<test>-<hash> or target/<profile>/<bin>
-            let exe = std::env::current_exe()?;
-            let dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
-            if dir.ends_with("deps") {
-                dir.parent().map(Path::to_path_buf).unwrap_or(dir)
-            } else {
-                dir
-            }
-        }
-    };
+    let dir = workspace_bin_dir()?;
     let path = dir.join(name);
     if path.is_file() {
         Ok(path)
@@ -49,6 +37,24 @@ pub fn workspace_bin(name: &str) -> io::Result<PathBuf> {
             ),
         ))
     }
+}
+
+/// The directory of the workspace's binaries: `$MESHGATE_BIN_DIR`, else the cargo profile dir
+/// this test or binary runs from (`target/<profile>`).
+pub fn workspace_bin_dir() -> io::Result<PathBuf> {
+    Ok(match std::env::var_os("MESHGATE_BIN_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => {
+            // target/<profile>/deps/<test>-<hash> or target/<profile>/<bin>
+            let exe = std::env::current_exe()?;
+            let dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+            if dir.ends_with("deps") {
+                dir.parent().map(Path::to_path_buf).unwrap_or(dir)
+            } else {
+                dir
+            }
+        }
+    })
 }
 
 /// A free loopback port for a listener that may be re-bound later (an agent restarted with

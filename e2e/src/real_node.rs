@@ -49,6 +49,12 @@ use crate::{Error, hostnet, wait};
 pub const PAUSE_IMAGE: &str = "localhost/meshgate-e2e/pause:1";
 /// The workload image: Debian's static busybox.
 pub const BUSYBOX_IMAGE: &str = "localhost/meshgate-e2e/busybox:1";
+/// meshgate's own image, release binaries (`e2e/images/build-meshgate-image.sh`; the e2e
+/// overlay points the manifests at it).
+pub const MESHGATE_IMAGE: &str = "localhost/meshgate/meshgate:e2e";
+/// Env var naming meshgate's image tarball (default: `<target>/meshgate-image/meshgate.tar`,
+/// beside the profile dir the tests run from, where `make` writes it).
+pub const MESHGATE_IMAGE_ENV: &str = "MESHGATE_IMAGE_TAR";
 /// The taint the real node registers with, so only pods written for it land there.
 pub const REAL_NODE_TAINT: &str = "e2e.meshgate.io/real-node";
 /// Prefix of real-node run directories.
@@ -81,6 +87,8 @@ pub struct NodeBinaries {
     pub istio_cni: PathBuf,
     /// Directory of the OCI image-layout tarballs (`pause.tar`, `busybox.tar`).
     pub images: PathBuf,
+    /// meshgate's image tarball ([`MESHGATE_IMAGE`]), built from this tree by `make`.
+    pub meshgate_image: PathBuf,
     /// `cri-status` (e2e/cri-status/main.go): the runtime's verbose CRI status, CNI part.
     pub cri_status: PathBuf,
     /// kube-proxy, built from the pinned `k8s.io/kubernetes` module (beside the kubelet).
@@ -133,7 +141,26 @@ impl NodeBinaries {
                 .or_else(|| Some(Path::new("/usr/bin").join(name)).filter(|p| is_executable(p)))
                 .ok_or_else(|| missing(name, &Path::new("$PATH").join(name)))
         };
+        let meshgate_image = match env_var(MESHGATE_IMAGE_ENV) {
+            Some(path) => PathBuf::from(path),
+            None => crate::node_sim::workspace_bin_dir()
+                .map_err(|e| Error::io("finding the workspace's target dir", e))?
+                .parent()
+                .map(|target| target.join("meshgate-image/meshgate.tar"))
+                .unwrap_or_default(),
+        };
+        if !meshgate_image.is_file() {
+            return Err(Error::RealNode {
+                part: "meshgate's image",
+                detail: format!(
+                    "{} is missing: build it with `e2e/images/build-meshgate-image.sh target/release {0}` \
+                     after `cargo build --release -p meshgate-agent -p meshgate-webhook` (make test does)",
+                    meshgate_image.display()
+                ),
+            });
+        }
         Ok(Self {
+            meshgate_image,
             kubelet: need("kubelet", paths::k8s_bin_dir()?.join("kubelet"))?,
             kube_proxy: need("kube-proxy", paths::k8s_bin_dir()?.join("kube-proxy"))?,
             nsenter: tool("nsenter")?,
@@ -349,8 +376,13 @@ impl RealNode {
 
         // Images: no registry, so import the OCI layouts install-deps.sh built.
         let begun = Instant::now();
-        for image in ["pause.tar", "busybox.tar"] {
-            let path = self.bins.images.join(image).display().to_string();
+        let images = [
+            self.bins.images.join("pause.tar"),
+            self.bins.images.join("busybox.tar"),
+            self.bins.meshgate_image.clone(),
+        ];
+        for image in images {
+            let path = image.display().to_string();
             self.ctr(&["-n", K8S_NS, "images", "import", &path])
                 .await
                 .map_err(|detail| Error::RealNode {
