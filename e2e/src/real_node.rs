@@ -324,12 +324,14 @@ impl RealNode {
             std::fs::create_dir_all(&path)
                 .map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
         }
-        // The node's CNI bin dir: the reference plugins, as a CNI provider's installer copies
-        // them in. istio-cni joins later, in install_istio_cni.
+        // The node's CNI bin dir: the reference plugins, copied in as a CNI provider's
+        // installer does (not linked: the agent's container runs them for their VERSION
+        // through its /opt/cni/bin mount, where a link to a host path would dangle). istio-cni
+        // joins later, in install_istio_cni.
         for plugin in ["bridge", "host-local", "portmap", "loopback"] {
-            let link = self.cni_bin_dir().join(plugin);
-            std::os::unix::fs::symlink(self.bins.cni_plugins.join(plugin), &link)
-                .map_err(|e| Error::io(format!("linking {}", link.display()), e))?;
+            let to = self.cni_bin_dir().join(plugin);
+            std::fs::copy(self.bins.cni_plugins.join(plugin), &to)
+                .map_err(|e| Error::io(format!("copying {}", to.display()), e))?;
         }
         write_file(&self.conflist_path(), &self.bridge_conflist())?;
 
@@ -541,8 +543,9 @@ impl RealNode {
     ) -> Result<(), Error> {
         let bin = self.cni_bin_dir().join("istio-cni");
         if !bin.exists() {
-            std::os::unix::fs::symlink(&self.bins.istio_cni, &bin)
-                .map_err(|e| Error::io(format!("linking {}", bin.display()), e))?;
+            // Copied, as Istio's installer does (see the reference plugins in boot).
+            std::fs::copy(&self.bins.istio_cni, &bin)
+                .map_err(|e| Error::io(format!("copying {}", bin.display()), e))?;
         }
         write_private(
             &self.istio_cni_run_dir().join("istio-cni-kubeconfig"),

@@ -113,7 +113,7 @@ async fn fixture() -> &'static Fixture {
     }
 }
 
-fn repo_root() -> PathBuf {
+pub(crate) fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
@@ -223,7 +223,7 @@ async fn setup() -> anyhow::Result<Fixture> {
 }
 
 /// Copies `from` to `to`, leaving out TLS material a developer generated in the tree.
-fn copy_tree(from: &Path, to: &Path) -> anyhow::Result<()> {
+pub(crate) fn copy_tree(from: &Path, to: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(to)?;
     for entry in std::fs::read_dir(from).with_context(|| format!("reading {}", from.display()))? {
         let entry = entry?;

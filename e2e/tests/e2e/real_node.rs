@@ -11,10 +11,14 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use kube::Client;
-use kube::api::{Api, ObjectMeta, PostParams};
+use kube::api::{
+    Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
+};
+use meshgate_core::{CONDITION_TYPE, TAINT_KEY};
 use meshgate_e2e::real_node::{
     BUSYBOX_IMAGE, CONFLIST, REAL_NODE_TAINT, RealNode, host_residue, start_control_plane,
 };
@@ -646,4 +650,305 @@ fn in_netns(pid: i32, cmd: &[&str]) -> anyhow::Result<String> {
 fn istio_log(node: &RealNode) -> String {
     std::fs::read_to_string(Path::new(&node.istio_cni_run_dir()).join("istio-cni.log"))
         .unwrap_or_else(|e| format!("(no istio-cni.log: {e})"))
+}
+
+/// meshgate installed as a user installs it: `kubectl apply -k` of the e2e overlay over the
+/// project's own manifests (only the local image name and the mesh's plugin, istio-cni, set),
+/// onto real nodes. Node A registers before meshgate exists; after the install the webhook's
+/// Deployment (2 replicas) and A's agent pod run there and become Ready, the agent under the
+/// kubelet-projected token the ValidatingAdmissionPolicy keys on. Node B then registers: the
+/// webhook's mutating hook taints it at CREATE (in the Node as first stored, seen by a watch
+/// opened before the registration), and B's agent keeps `MeshCNIVerified=False` while B's
+/// conflist lacks istio-cni.
+#[tokio::test]
+async fn meshgate_installs_from_its_manifests_onto_real_nodes() -> anyhow::Result<()> {
+    let _one = ONE_NODE.lock().await;
+    let cp = &start_control_plane().await?;
+    let client = cp.client()?;
+    let a = RealNode::start(cp)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .context("node A did not come up")?;
+    // The harness's own taint keeps the shared control plane's pods off real nodes; this
+    // cluster is dedicated, and the webhook's Deployment tolerates only meshgate's taint.
+    remove_taint(&client, a.name(), REAL_NODE_TAINT).await?;
+
+    // The operator's steps: TLS material, then the kustomization.
+    let tree = cp.dir().join("install");
+    crate::rbac::copy_tree(
+        &crate::rbac::repo_root().join("manifests"),
+        &tree.join("manifests"),
+    )?;
+    crate::rbac::copy_tree(
+        &crate::rbac::repo_root().join("e2e/overlay"),
+        &tree.join("e2e/overlay"),
+    )?;
+    let out = std::process::Command::new("bash")
+        .arg(tree.join("manifests/tls/generate.sh"))
+        .output()
+        .context("running manifests/tls/generate.sh")?;
+    ensure!(
+        out.status.success(),
+        "generate.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let installed = Instant::now();
+    let overlay = tree.join("e2e/overlay");
+    cp.kubectl(&["apply", "-k", overlay.to_str().context("overlay path")?])
+        .await
+        .context("kubectl apply -k e2e/overlay")?;
+
+    // The webhook's two replicas and A's agent become Ready on A.
+    let webhook = wait_ready_pods(&client, &a, "meshgate-webhook", None, 2).await?;
+    eprintln!(
+        "install → webhook's 2 replicas Ready on {}: {:?}",
+        a.name(),
+        installed.elapsed()
+    );
+    let agent_a = wait_ready_pods(&client, &a, "meshgate-agent", Some(a.name()), 1).await?;
+    eprintln!(
+        "install → agent Ready on {}: {:?}",
+        a.name(),
+        installed.elapsed()
+    );
+    ensure!(
+        webhook.iter().all(|p| on_node(p) == Some(a.name())),
+        "the webhook's pods are not on node A"
+    );
+    ensure!(
+        agent_a[0]
+            .spec
+            .as_ref()
+            .and_then(|s| s.service_account_name.as_deref())
+            == Some("meshgate-agent"),
+        "the agent pod does not run as meshgate-agent"
+    );
+    let node_a = wait_verdict(&client, a.name(), false).await?;
+    ensure!(
+        has_taint(&node_a, TAINT_KEY),
+        "node A has no {TAINT_KEY} taint while its conflist lacks istio-cni: {:?}",
+        node_a.spec.as_ref().and_then(|s| s.taints.clone())
+    );
+
+    // Node B registers while the webhook runs: watch Nodes from now on, so the first event
+    // for B is the object as the apiserver stored it at CREATE, after the mutating webhook.
+    let nodes: Api<Node> = Api::all(client.clone());
+    let rv = nodes
+        .list_metadata(&ListParams::default().limit(1))
+        .await?
+        .metadata
+        .resource_version
+        .context("no resourceVersion")?;
+    let mut stream = nodes
+        .watch(&WatchParams::default().timeout(290), &rv)
+        .await?
+        .boxed();
+    let b = RealNode::start(cp)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .context("node B did not come up")?;
+    let first = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(ev) = stream.try_next().await? {
+            if let WatchEvent::Added(n) = ev
+                && n.metadata.name.as_deref() == Some(b.name())
+            {
+                return anyhow::Ok(n);
+            }
+        }
+        bail!("the Node watch ended before node B was added")
+    })
+    .await
+    .context("no ADDED event for node B")??;
+    ensure!(
+        has_taint(&first, TAINT_KEY),
+        "node B was created without meshgate's taint (the mutating webhook did not taint it at CREATE): {:?}",
+        first.spec.as_ref().and_then(|s| s.taints.clone())
+    );
+    eprintln!(
+        "node {} tainted at CREATE (registration {:?} after the kubelet started)",
+        b.name(),
+        b.times().registered
+    );
+    let agent_b = wait_ready_pods(&client, &b, "meshgate-agent", Some(b.name()), 1).await?;
+    ensure!(
+        agent_b.len() == 1,
+        "node B has {} agent pods",
+        agent_b.len()
+    );
+    let node_b = wait_verdict(&client, b.name(), false).await?;
+    ensure!(
+        has_taint(&node_b, TAINT_KEY),
+        "node B lost its taint while its conflist lacks istio-cni"
+    );
+    let message = condition(&node_b)
+        .and_then(|c| c.message)
+        .unwrap_or_default();
+    ensure!(
+        message.contains("istio-cni"),
+        "B's MeshCNIVerified message does not name the missing plugin: {message:?}"
+    );
+
+    b.stop();
+    a.stop();
+    assert_clean(&client, &b).await?;
+    assert_clean(&client, &a).await
+}
+
+fn on_node(p: &Pod) -> Option<&str> {
+    p.spec.as_ref().and_then(|s| s.node_name.as_deref())
+}
+
+fn has_taint(n: &Node, key: &str) -> bool {
+    n.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|ts| ts.iter().any(|t| t.key == key))
+}
+
+fn condition(n: &Node) -> Option<k8s_openapi::api::core::v1::NodeCondition> {
+    n.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == CONDITION_TYPE).cloned())
+}
+
+/// Waits until the agent has written its verdict (`MeshCNIVerified` = `verified`) on `node`.
+async fn wait_verdict(client: &Client, node: &str, verified: bool) -> anyhow::Result<Node> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let want = if verified { "True" } else { "False" };
+    poll_until(
+        &format!("node {node}: {CONDITION_TYPE}={want}"),
+        POD_START,
+        || async {
+            let n = nodes.get(node).await?;
+            let ok = condition(&n).is_some_and(|c| c.status == want);
+            anyhow::Ok(ok.then_some(n))
+        },
+    )
+    .await
+    .map_err(Into::into)
+}
+
+/// Removes the taint `key` from a Node (a JSON patch of the whole list, guarded by a test).
+async fn remove_taint(client: &Client, node: &str, key: &str) -> anyhow::Result<()> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let n = nodes.get(node).await?;
+    let taints: Vec<_> = n
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|t| t.key != key)
+        .collect();
+    let patch = serde_json::json!([
+        {"op": "test", "path": "/metadata/resourceVersion", "value": n.metadata.resource_version},
+        {"op": "replace", "path": "/spec/taints", "value": taints},
+    ]);
+    let patch: json_patch::Patch = serde_json::from_value(patch)?;
+    nodes
+        .patch(node, &PatchParams::default(), &Patch::Json::<()>(patch))
+        .await?;
+    Ok(())
+}
+
+/// Waits until `count` pods of meshgate's workload `app` (on `node` when given) are Ready;
+/// on a timeout, the error carries their statuses and the ends of their logs on the node.
+async fn wait_ready_pods(
+    client: &Client,
+    node: &RealNode,
+    app: &str,
+    on: Option<&str>,
+    count: usize,
+) -> anyhow::Result<Vec<Pod>> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "meshgate-system");
+    let mut lp = ListParams::default().labels(&format!("app.kubernetes.io/name={app}"));
+    if let Some(n) = on {
+        lp = lp.fields(&format!("spec.nodeName={n}"));
+    }
+    let got = poll_until(
+        &format!("{count} Ready {app} pod(s)"),
+        Duration::from_secs(120),
+        || async {
+            let list = pods.list(&lp).await?;
+            let ready: Vec<Pod> = list
+                .items
+                .into_iter()
+                .filter(|p| {
+                    p.status
+                        .as_ref()
+                        .and_then(|s| s.conditions.as_ref())
+                        .is_some_and(|cs| {
+                            cs.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+                        })
+                })
+                .collect();
+            anyhow::Ok((ready.len() >= count).then_some(ready))
+        },
+    )
+    .await;
+    match got {
+        Ok(p) => Ok(p),
+        Err(e) => {
+            let statuses: Vec<_> = pods
+                .list(&lp)
+                .await
+                .map(|l| {
+                    l.items
+                        .into_iter()
+                        .map(|p| (p.metadata.name, on_node_owned(&p.spec), p.status))
+                        .collect()
+                })
+                .unwrap_or_default();
+            bail!(
+                "{e}\npods: {statuses:#?}\ntheir logs on {}:\n{}\nkubelet:\n{}",
+                node.name(),
+                pod_logs(node, "meshgate-system"),
+                node.log_tail("kubelet", 40)
+            )
+        }
+    }
+}
+
+fn on_node_owned(spec: &Option<k8s_openapi::api::core::v1::PodSpec>) -> Option<String> {
+    spec.as_ref().and_then(|s| s.node_name.clone())
+}
+
+/// The ends of the container logs of `ns`'s pods on the node (the kubelet's pod-logs dir;
+/// the apiserver cannot reach the kubelet's port in the node's namespace).
+fn pod_logs(node: &RealNode, ns: &str) -> String {
+    let dir = node.dir().join("kubelet/pod-logs");
+    let mut out = String::new();
+    let Ok(pods) = std::fs::read_dir(&dir) else {
+        return out;
+    };
+    for pod in pods.flatten() {
+        if !pod
+            .file_name()
+            .to_string_lossy()
+            .starts_with(&format!("{ns}_"))
+        {
+            continue;
+        }
+        for container in std::fs::read_dir(pod.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            for log in std::fs::read_dir(container.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let text = std::fs::read_to_string(log.path()).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(15).collect();
+                out.push_str(&format!(
+                    "--- {}\n{}\n",
+                    log.path().display(),
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                ));
+            }
+        }
+    }
+    out
 }
