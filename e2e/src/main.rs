@@ -89,7 +89,9 @@ async fn demo() -> anyhow::Result<()> {
         r = meshgate_e2e::demo::run() => r,
         _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
     };
-    println!("\ntorn down: agent, webhook, network namespaces, control plane");
+    println!(
+        "\ntorn down: meshgate, the real nodes (pods, kubelets, containerds, their namespaces), the control plane"
+    );
     match outcome {
         Ok(summary) => {
             println!("{summary}");

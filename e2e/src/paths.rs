@@ -68,6 +68,37 @@ fn parse_pin<'a>(toml: &'a str, wanted: &str) -> Option<&'a str> {
     None
 }
 
+/// This repository's root (the e2e crate's parent): its manifests, overlays and scripts.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Copies the tree `from` to `to`, leaving out TLS material (`*.crt`, `*.key`) a developer
+/// generated in the working tree: an install copies the manifests and generates its own.
+pub fn copy_tree(from: &Path, to: &Path) -> Result<(), Error> {
+    std::fs::create_dir_all(to).map_err(|e| Error::io(format!("creating {}", to.display()), e))?;
+    let entries =
+        std::fs::read_dir(from).map_err(|e| Error::io(format!("reading {}", from.display()), e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io(format!("reading {}", from.display()), e))?;
+        let (src, dst) = (entry.path(), to.join(entry.file_name()));
+        let is_dir = entry
+            .file_type()
+            .map_err(|e| Error::io(format!("reading {}", src.display()), e))?
+            .is_dir();
+        if is_dir {
+            copy_tree(&src, &dst)?;
+        } else if !matches!(
+            src.extension().and_then(|e| e.to_str()),
+            Some("crt" | "key")
+        ) {
+            std::fs::copy(&src, &dst)
+                .map_err(|e| Error::io(format!("copying {}", src.display()), e))?;
+        }
+    }
+    Ok(())
+}
+
 /// meshgate's cache root: `$MESHGATE_CACHE_DIR`, else `$XDG_CACHE_HOME/meshgate`, else
 /// `$HOME/.cache/meshgate`. Empty variables count as unset, as in the shell script.
 pub fn cache_dir() -> Result<PathBuf, Error> {

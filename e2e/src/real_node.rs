@@ -527,6 +527,42 @@ impl RealNode {
         &self.fp.netns_pin
     }
 
+    /// The ends of the container logs of `ns`'s pods on this node, from the kubelet's pod-logs
+    /// dir (the apiserver cannot reach the kubelet's port in the node's namespace), for failure
+    /// messages.
+    pub fn pod_logs(&self, ns: &str) -> String {
+        let mut out = String::new();
+        let Ok(pods) = std::fs::read_dir(self.dir.join("kubelet/pod-logs")) else {
+            return out;
+        };
+        let prefix = format!("{ns}_");
+        for pod in pods.flatten() {
+            if !pod.file_name().to_string_lossy().starts_with(&prefix) {
+                continue;
+            }
+            let containers = std::fs::read_dir(pod.path())
+                .into_iter()
+                .flatten()
+                .flatten();
+            for container in containers {
+                for log in std::fs::read_dir(container.path())
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                {
+                    let text = std::fs::read_to_string(log.path()).unwrap_or_default();
+                    let lines: Vec<&str> = text.lines().collect();
+                    out.push_str(&format!(
+                        "--- {}\n{}\n",
+                        log.path().display(),
+                        lines[lines.len().saturating_sub(15)..].join("\n")
+                    ));
+                }
+            }
+        }
+        out
+    }
+
     /// containerd's socket.
     pub fn containerd_socket(&self) -> PathBuf {
         self.dir.join("containerd.sock")

@@ -22,6 +22,7 @@ use meshgate_core::{CONDITION_TYPE, TAINT_KEY};
 use meshgate_e2e::real_node::{
     BUSYBOX_IMAGE, CONFLIST, REAL_NODE_TAINT, RealNode, host_residue, start_control_plane,
 };
+use meshgate_e2e::real_story::{self, Transcript};
 use meshgate_e2e::wait::poll_until;
 use meshgate_e2e::{TokenOptions, service_account_token};
 
@@ -951,4 +952,32 @@ fn pod_logs(node: &RealNode, ns: &str) -> String {
         }
     }
     out
+}
+/// Issue 12's story on real nodes, with meshgate installed from its manifests: S3 → S1 → S4
+/// and an agent restart (`meshgate_e2e::real_story`, which `make demo` tells too). Each step
+/// asserts inside the story; the figures are checked here.
+#[tokio::test]
+async fn meshgate_from_its_manifests_gates_real_nodes_through_the_whole_story() -> anyhow::Result<()>
+{
+    let _one = ONE_NODE.lock().await;
+    let transcript = Transcript::default();
+    let outcome = real_story::run(&transcript)
+        .await
+        .with_context(|| format!("the story so far:\n{}", transcript.text()))?;
+    eprintln!("{}", transcript.text());
+    ensure!(
+        outcome.evicted == 1,
+        "exactly the pod started without rules is evicted: {outcome:?}"
+    );
+    ensure!(
+        outcome.refused.contains(&format!(
+            "node {} is not verified for the mesh CNI chain",
+            outcome.node
+        )),
+        "the refusal names the node and what it lacks: {}",
+        outcome.refused
+    );
+    let left = host_residue();
+    ensure!(left.is_empty(), "left behind after the story: {left:?}");
+    Ok(())
 }

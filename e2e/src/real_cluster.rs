@@ -1,0 +1,250 @@
+//! A dedicated cluster of real nodes, with meshgate installed as a user installs it.
+//!
+//! In: root, the node binaries and images (`e2e/install-deps.sh`), meshgate's image (`make`
+//! builds it), and this repository's `manifests/` and `e2e/overlay/`. Out: a [`RealCluster`]:
+//! a control plane the nodes' network namespaces can reach ([`start_control_plane`]), real
+//! nodes added one by one ([`RealCluster::add_node`]), meshgate applied with `kubectl apply -k`
+//! on the e2e overlay ([`RealCluster::install_meshgate`]), and the agent pod and admin address
+//! of a node. Dropping it stops every node (pods, kubelet, containerd, namespaces) and then the
+//! control plane.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, ListParams, Patch, PatchParams};
+
+use crate::real_node::{REAL_NODE_TAINT, RealNode, start_control_plane};
+use crate::wait::{self, poll_until};
+use crate::{ControlPlane, Error};
+
+/// meshgate's namespace in its manifests.
+pub const SYSTEM_NAMESPACE: &str = "meshgate-system";
+/// The agent's admin port (`--admin-addr` in manifests/base/agent.yaml), on the node's address
+/// since the agent runs in the node's network namespace.
+pub const AGENT_ADMIN_PORT: u16 = 9990;
+/// The webhook Deployment's replicas in the manifests.
+const WEBHOOK_REPLICAS: usize = 2;
+/// meshgate's pods start within this once applied (images are local).
+const INSTALL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A control plane of its own and the real nodes that joined it.
+pub struct RealCluster {
+    // Declared first so the nodes stop before the control plane does.
+    nodes: Mutex<Vec<Arc<RealNode>>>,
+    cp: ControlPlane,
+}
+
+impl std::fmt::Debug for RealCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RealCluster")
+            .field("apiserver", &self.cp.apiserver_url())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RealCluster {
+    /// Starts the control plane (no node yet).
+    pub async fn start() -> Result<Self, Error> {
+        Ok(Self {
+            nodes: Mutex::new(Vec::new()),
+            cp: start_control_plane().await?,
+        })
+    }
+
+    /// The control plane.
+    pub fn control_plane(&self) -> &ControlPlane {
+        &self.cp
+    }
+
+    /// Starts a real node and waits until it is `Ready`. The cluster is dedicated, so the
+    /// harness's own registration taint (which keeps a shared control plane's pods off real
+    /// nodes) is lifted: from here on only meshgate's taint gates the node.
+    pub async fn add_node(&self) -> Result<Arc<RealNode>, Error> {
+        let node = Arc::new(RealNode::start(&self.cp).await?);
+        self.nodes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(node.clone());
+        self.remove_taint(node.name(), REAL_NODE_TAINT).await?;
+        Ok(node)
+    }
+
+    /// `kubectl apply -k e2e/overlay` as an operator runs it: the manifests and the overlay are
+    /// copied into the control plane's directory, `manifests/tls/generate.sh` writes the TLS
+    /// material there, and the overlay is applied. Returns once the webhook's replicas and an
+    /// agent on every node are Ready; the error carries their statuses and logs otherwise.
+    pub async fn install_meshgate(&self) -> Result<(), Error> {
+        let tree = self.cp.dir().join("install");
+        let root = crate::paths::repo_root();
+        crate::paths::copy_tree(&root.join("manifests"), &tree.join("manifests"))?;
+        crate::paths::copy_tree(&root.join("e2e/overlay"), &tree.join("e2e/overlay"))?;
+        let generate = tree.join("manifests/tls/generate.sh");
+        let out = tokio::process::Command::new("bash")
+            .arg(&generate)
+            .kill_on_drop(true)
+            .output()
+            .await
+            .map_err(|e| Error::io(format!("running {}", generate.display()), e))?;
+        if !out.status.success() {
+            return Err(Error::RealNode {
+                part: "meshgate's TLS material",
+                detail: format!(
+                    "manifests/tls/generate.sh failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            });
+        }
+        let overlay = tree.join("e2e/overlay");
+        self.cp
+            .kubectl(&["apply", "-k", &overlay.display().to_string()])
+            .await?;
+        self.ready_pods("meshgate-webhook", None, WEBHOOK_REPLICAS)
+            .await?;
+        let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        for node in &nodes {
+            self.ready_pods("meshgate-agent", Some(node), 1).await?;
+        }
+        Ok(())
+    }
+
+    /// The agent pod on `node` (not one being deleted).
+    pub async fn agent_pod(&self, node: &RealNode) -> Result<Pod, Error> {
+        let pods = self.agent_pods(node).await?;
+        pods.into_iter()
+            .find(|p| p.metadata.deletion_timestamp.is_none())
+            .ok_or_else(|| Error::RealNode {
+                part: "meshgate-agent",
+                detail: format!("no agent pod on {}", node.name()),
+            })
+    }
+
+    /// Where the agent on `node` serves `/metrics`, `/ready` and `/live`, seen from the host.
+    pub fn agent_admin(&self, node: &RealNode) -> SocketAddr {
+        SocketAddr::from((node.node_ip(), AGENT_ADMIN_PORT))
+    }
+
+    /// Waits until `count` pods of meshgate's workload `app` (on `node`, when given) are Ready.
+    pub async fn ready_pods(
+        &self,
+        app: &str,
+        node: Option<&RealNode>,
+        count: usize,
+    ) -> Result<Vec<Pod>, Error> {
+        let pods: Api<Pod> = Api::namespaced(self.cp.client()?, SYSTEM_NAMESPACE);
+        let lp = pods_of(app, node);
+        let got = poll_until(
+            &format!("{count} Ready {app} pod(s)"),
+            INSTALL_TIMEOUT,
+            || async {
+                let list = pods.list(&lp).await?;
+                let ready: Vec<Pod> = list.items.into_iter().filter(is_ready).collect();
+                Ok::<_, kube::Error>((ready.len() >= count).then_some(ready))
+            },
+        )
+        .await;
+        match got {
+            Ok(ready) => Ok(ready),
+            Err(e) => {
+                let statuses: Vec<String> = pods
+                    .list(&lp)
+                    .await
+                    .map(|l| {
+                        l.items
+                            .iter()
+                            .map(|p| format!("{:?}: {:?}", p.metadata.name, p.status))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                let logs: Vec<String> = nodes
+                    .iter()
+                    .map(|n| {
+                        format!(
+                            "{}'s meshgate logs:\n{}\nits kubelet:\n{}",
+                            n.name(),
+                            n.pod_logs(SYSTEM_NAMESPACE),
+                            n.log_tail("kubelet", 30)
+                        )
+                    })
+                    .collect();
+                Err(Error::RealNode {
+                    part: "meshgate's pods",
+                    detail: format!("{e}\npods: {statuses:#?}\n{}", logs.join("\n")),
+                })
+            }
+        }
+    }
+
+    async fn agent_pods(&self, node: &RealNode) -> Result<Vec<Pod>, Error> {
+        let pods: Api<Pod> = Api::namespaced(self.cp.client()?, SYSTEM_NAMESPACE);
+        let lp = pods_of("meshgate-agent", Some(node));
+        Ok(wait::api("listing the agent's pods", pods.list(&lp))
+            .await?
+            .items)
+    }
+
+    /// Removes the taint `key` from a Node: a JSON patch of the whole list guarded by the
+    /// resourceVersion, retried on a conflict (the agent and the webhook patch Nodes too).
+    async fn remove_taint(&self, node: &str, key: &str) -> Result<(), Error> {
+        let nodes: Api<Node> = Api::all(self.cp.client()?);
+        poll_until(
+            &format!("removing taint {key} from {node}"),
+            wait::API_TIMEOUT,
+            || async {
+                let n = nodes.get(node).await.map_err(|e| e.to_string())?;
+                let taints: Vec<_> = n
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.taints.clone())
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|t| t.key != key)
+                    .collect();
+                let patch = serde_json::json!([
+                    {"op": "test", "path": "/metadata/resourceVersion", "value": n.metadata.resource_version},
+                    {"op": "replace", "path": "/spec/taints", "value": taints},
+                ]);
+                let patch: json_patch::Patch =
+                    serde_json::from_value(patch).map_err(|e| e.to_string())?;
+                match nodes
+                    .patch(node, &PatchParams::default(), &Patch::Json::<()>(patch))
+                    .await
+                {
+                    Ok(_) => Ok(Some(())),
+                    // A concurrent writer: read again.
+                    Err(kube::Error::Api(s)) if s.code == 409 || s.code == 422 => Ok(None),
+                    Err(e) => Err(e.to_string()),
+                }
+            },
+        )
+        .await
+    }
+}
+
+impl Drop for RealCluster {
+    fn drop(&mut self) {
+        // Nodes before the control plane: their teardown deletes pods through the apiserver.
+        let nodes = std::mem::take(&mut *self.nodes.lock().unwrap_or_else(|p| p.into_inner()));
+        for node in nodes.iter().rev() {
+            node.stop();
+        }
+    }
+}
+
+fn pods_of(app: &str, node: Option<&RealNode>) -> ListParams {
+    let lp = ListParams::default().labels(&format!("app.kubernetes.io/name={app}"));
+    match node {
+        Some(n) => lp.fields(&format!("spec.nodeName={}", n.name())),
+        None => lp,
+    }
+}
+
+/// Whether the pod's `Ready` condition is true.
+pub fn is_ready(p: &Pod) -> bool {
+    p.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
