@@ -15,7 +15,10 @@ use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use kube::Client;
 use kube::api::{Api, ObjectMeta, PostParams};
-use meshgate_e2e::real_node::{BUSYBOX_IMAGE, CONFLIST, REAL_NODE_TAINT, RealNode, host_residue};
+use meshgate_e2e::real_node::{
+    BUSYBOX_IMAGE, CONFLIST, CachedAttachment, REAL_NODE_TAINT, RealNode, host_residue,
+    istio_cni_entry,
+};
 use meshgate_e2e::wait::poll_until;
 use meshgate_e2e::{TokenOptions, service_account_token};
 
@@ -307,38 +310,7 @@ async fn check_names_the_config_containerd_really_loaded() -> anyhow::Result<()>
     ));
     for (what, change, want) in steps {
         change().with_context(|| format!("writing the layout: {what}"))?;
-        let files: Vec<String> = std::fs::read_dir(&dir)?
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
-        // containerd reloads on file events; give it until it settles on the expected answer,
-        // and fail with both views if it never does.
-        let mut last = (serde_json::Value::Null, serde_json::Value::Null);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let agreed = loop {
-            let status = node.cri_cni_status().await?;
-            let (_, verdict) = check_plugins(&node, "bridge")?;
-            let runtime = containerd_network(&status);
-            let meshgate = meshgate_network(&node, &verdict);
-            let expected = describe(want);
-            if runtime == expected && meshgate == expected {
-                break true;
-            }
-            last = (status, verdict);
-            if Instant::now() >= deadline {
-                break false;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        };
-        ensure!(
-            agreed,
-            "layout \"{what}\" ({files:?}): expected {};\ncontainerd: {} ({})\nmeshgate: {} ({})",
-            describe(want),
-            containerd_network(&last.0),
-            last.0,
-            meshgate_network(&node, &last.1),
-            last.1
-        );
+        let (_, files) = agree_on(&node, what, want).await?;
         eprintln!(
             "layout \"{what}\" {files:?}: containerd and meshgate both load {}",
             describe(want)
@@ -346,6 +318,275 @@ async fn check_names_the_config_containerd_really_loaded() -> anyhow::Result<()>
     }
     node.stop();
     assert_clean(&cp.client()?, &node).await
+}
+
+/// The second witness of what containerd loaded: for a pod sandbox containerd really created,
+/// the config list libcni really executed, from libcni's result cache (written once every
+/// plugin of the list returned from ADD). For each layout, once CRI `Status` shows it loaded,
+/// a pod runs, and the chain that ran for its `eth0` must be the file `meshgate-agent check`
+/// names as effective: the same network, plugins and content. libcni caches the list's file
+/// bytes, never its CNI 1.1 drop-ins, so for the drop-in layout the drop-in (istio-cni) must
+/// show it ran by what it did: its log names the pod, and the pod is redirected.
+#[tokio::test]
+async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<()> {
+    let _one = ONE_NODE.lock().await;
+    let cp = cp().await;
+    let client = cp.client()?;
+    let node = RealNode::start(cp)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .context("the real node did not come up")?;
+    let ns = cp.create_namespace(&client, "real-chain").await?;
+    let kubeconfig = istio_cni_kubeconfig(cp, &client, &ns).await?;
+    let dir = node.cni_conf_dir();
+    // A lone network on the node's own bridge and IPAM (the primary list's first plugin), so
+    // a pod can run through it and the teardown removes what it creates.
+    let primary: serde_json::Value = serde_json::from_slice(&std::fs::read(node.conflist_path())?)?;
+    let single = |name: &str| {
+        let mut conf = primary["plugins"][0].clone();
+        conf["cniVersion"] = "1.0.0".into();
+        conf["name"] = name.into();
+        conf.to_string()
+    };
+    let drop_in = dir.join("meshgate-e2e");
+    let staged = dir.with_file_name("drop-in.staged");
+    type Change<'a> = Box<dyn Fn() -> anyhow::Result<()> + 'a>;
+    type Network = (&'static str, &'static [&'static str]);
+    // (layout, how it is written, the network both views must name, whether the pod is meshed)
+    let steps: Vec<(&str, Change, Network, bool)> = vec![
+        (
+            "the primary conflist alone",
+            Box::new(|| Ok(())),
+            ("meshgate-e2e", &["bridge", "portmap"]),
+            false,
+        ),
+        (
+            "istio-cni chained by its installer",
+            Box::new(|| Ok(node.install_istio_cni(&kubeconfig, false)?)),
+            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
+            false,
+        ),
+        (
+            "a .conf beside the .conflist of the same stem",
+            Box::new(|| {
+                Ok(std::fs::write(
+                    dir.join("10-meshgate-e2e-bridge.conf"),
+                    single("beside"),
+                )?)
+            }),
+            ("beside", &["bridge"]),
+            false,
+        ),
+        (
+            "a lone .conf sorting first",
+            Box::new(|| Ok(std::fs::write(dir.join("05-lone.conf"), single("lone"))?)),
+            ("lone", &["bridge"]),
+            false,
+        ),
+        (
+            "istio-cni as a CNI 1.1 drop-in of the primary network",
+            Box::new(|| {
+                std::fs::remove_file(dir.join("05-lone.conf"))?;
+                std::fs::remove_file(dir.join("10-meshgate-e2e-bridge.conf"))?;
+                node.remove_istio_cni()?;
+                std::fs::create_dir(&staged)?;
+                std::fs::write(
+                    staged.join("50-istio-cni.conf"),
+                    istio_cni_entry(&node.istio_cni_run_dir(), false).to_string(),
+                )?;
+                std::fs::rename(&staged, &drop_in)?;
+                // Renamed in whole, which containerd does not reload on: nudge it with a write
+                // (see check_names_the_config_containerd_really_loaded).
+                Ok(std::fs::write(dir.join("00-old.conflist.bak"), "{}")?)
+            }),
+            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
+            true,
+        ),
+    ];
+    for (i, (what, change, want, meshed)) in steps.into_iter().enumerate() {
+        change().with_context(|| format!("writing the layout: {what}"))?;
+        let (verdict, files) = agree_on(&node, what, Some(want)).await?;
+        let name = format!("chain-{i}");
+        let (pod, started) = run_pod(&client, &node, &ns, pod(&node, &name, meshed)).await?;
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        let ran = node.pod_attachments(&uid)?;
+        let Some(eth0) = ran.iter().find(|a| a.if_name == "eth0") else {
+            bail!(
+                "layout \"{what}\": no eth0 attachment of pod {ns}/{name} (uid {uid}) in {}: {ran:?}",
+                node.cni_cache_dir().display()
+            );
+        };
+        let effective = effective_file(&node, &verdict)?;
+        let matched = compare_chain(eth0, &verdict, &effective)
+            .with_context(|| format!("layout \"{what}\" {files:?}: pod {ns}/{name}"))?;
+        if !effective.drop_ins.is_empty() {
+            // The drop-in is istio-cni: it ran if it programmed this pod.
+            let (code, judged) = inspect(app_pid(&node, &pod).await?)?;
+            ensure!(
+                istio_log(&node).contains(&name) && code == Some(0) && judged == "redirected",
+                "layout \"{what}\": the drop-in istio-cni did not run for {name} (inspect: exit \
+                 {code:?}, {judged}); its log:\n{}",
+                istio_log(&node)
+            );
+        }
+        eprintln!(
+            "layout \"{what}\": pod {name} running after {started:?}; sandbox {} ran {} {:?} on \
+             eth0 ({matched}); its attachments: {:?}",
+            eth0.container_id,
+            eth0.network_name,
+            eth0.plugins,
+            ran.iter().map(|a| a.file_name()).collect::<Vec<_>>()
+        );
+    }
+    node.stop();
+    assert_clean(&client, &node).await
+}
+
+/// The file `check` calls effective, read back: its path and bytes, and, when it is a list,
+/// its CNI 1.1 drop-ins (`<conf dir>/<network name>/*.conf`, in name order).
+struct Effective {
+    path: std::path::PathBuf,
+    bytes: Vec<u8>,
+    drop_ins: Vec<serde_json::Value>,
+}
+
+fn effective_file(node: &RealNode, verdict: &serde_json::Value) -> anyhow::Result<Effective> {
+    let file = verdict["config_file"]
+        .as_str()
+        .with_context(|| format!("check named no effective file: {verdict}"))?;
+    let path = node
+        .cni_conf_dir()
+        .join(Path::new(file).file_name().unwrap_or_default());
+    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    let conf: serde_json::Value = serde_json::from_slice(&bytes)?;
+    let mut drop_ins = Vec::new();
+    if let (Some(name), Some(_)) = (conf["name"].as_str(), conf.get("plugins")) {
+        let dir = node.cni_conf_dir().join(name);
+        if dir.is_dir() {
+            let mut confs: Vec<_> = std::fs::read_dir(&dir)?
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "conf"))
+                .collect();
+            confs.sort();
+            for c in confs {
+                drop_ins.push(serde_json::from_slice(&std::fs::read(&c)?)?);
+            }
+        }
+    }
+    Ok(Effective {
+        path,
+        bytes,
+        drop_ins,
+    })
+}
+
+/// The chain that ran (`eth0`'s cache entry) against `check`'s verdict and its effective file:
+/// `check` reports the file's plugins (then its drop-ins'), and what ran is that file: the
+/// same network, the same plugins in order, the same content. A `.conflist`'s bytes are cached
+/// unchanged; a `.conf` is cached as libcni's `ConfListFromConf` wraps it (`{"cniVersion",
+/// "name", "plugins": [the .conf]}`, re-marshalled), so it is compared as JSON. Returns how
+/// the content matched.
+fn compare_chain(
+    ran: &CachedAttachment,
+    verdict: &serde_json::Value,
+    effective: &Effective,
+) -> anyhow::Result<&'static str> {
+    let file: serde_json::Value = serde_json::from_slice(&effective.bytes)?;
+    let path = effective.path.display();
+    let is_list = file.get("plugins").is_some();
+    let inline: Vec<serde_json::Value> = if is_list {
+        file["plugins"].as_array().cloned().unwrap_or_default()
+    } else {
+        vec![file.clone()]
+    };
+    let types = |ps: &[serde_json::Value]| -> Vec<String> {
+        ps.iter()
+            .map(|p| p["type"].as_str().unwrap_or("<no type>").to_owned())
+            .collect()
+    };
+    let reported: Vec<String> = verdict["plugins"]
+        .as_array()
+        .map(|ps| {
+            ps.iter()
+                .filter_map(|p| p.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    let on_disk = [types(&inline), types(&effective.drop_ins)].concat();
+    ensure!(
+        reported == on_disk,
+        "check reports {reported:?} for {path}, which holds {on_disk:?} (with its drop-ins)"
+    );
+    ensure!(
+        file["name"] == ran.network_name.as_str(),
+        "the network that ran is {:?}; check's effective file {path} is {}",
+        ran.network_name,
+        file["name"]
+    );
+    ensure!(
+        ran.plugins == types(&inline),
+        "the chain that ran is {:?}; check's effective file {path} holds {:?}",
+        ran.plugins,
+        types(&inline)
+    );
+    if is_list {
+        ensure!(
+            ran.config == effective.bytes,
+            "the config list that ran is not {path}:\nran:  {}\nfile: {}",
+            String::from_utf8_lossy(&ran.config),
+            String::from_utf8_lossy(&effective.bytes)
+        );
+        return Ok(if effective.drop_ins.is_empty() {
+            "the config that ran is the file, byte for byte"
+        } else {
+            "the config that ran is the file, byte for byte; libcni caches no drop-in"
+        });
+    }
+    let wrapped = serde_json::json!({
+        "cniVersion": file["cniVersion"], "name": file["name"], "plugins": [file]
+    });
+    let config: serde_json::Value = serde_json::from_slice(&ran.config)?;
+    ensure!(
+        config == wrapped,
+        "the config that ran is not {path} as a list:\nran:  {config}\nfile: {wrapped}"
+    );
+    Ok("the config that ran is the .conf wrapped in a list, equal as JSON")
+}
+
+/// Waits (up to 10 s) until containerd's CRI status and `meshgate-agent check` both name
+/// `want`, and returns `check`'s verdict and the conf dir's entries. containerd reloads on file
+/// events, so a reload may still be in flight; it fails with both views if they never settle.
+async fn agree_on(
+    node: &RealNode,
+    what: &str,
+    want: Option<(&str, &[&str])>,
+) -> anyhow::Result<(serde_json::Value, Vec<String>)> {
+    let mut files: Vec<String> = std::fs::read_dir(node.cni_conf_dir())?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let expected = describe(want);
+    let last = loop {
+        let status = node.cri_cni_status().await?;
+        let (_, verdict) = check_plugins(node, "bridge")?;
+        if containerd_network(&status) == expected && meshgate_network(node, &verdict) == expected {
+            return Ok((verdict, files));
+        }
+        if Instant::now() >= deadline {
+            break (status, verdict);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    bail!(
+        "layout \"{what}\" ({files:?}): expected {expected};\ncontainerd: {} ({})\nmeshgate: {} ({})",
+        containerd_network(&last.0),
+        last.0,
+        meshgate_network(node, &last.1),
+        last.1
+    )
 }
 
 /// What a view says was loaded: `"<network name> [<plugin types>]"`, or `"invalid"` when the
