@@ -5,10 +5,11 @@
 //! In: the binaries and images `e2e/install-deps.sh` put in the cache ([`NodeBinaries`]), a
 //! running [`ControlPlane`], root. Out: a [`RealNode`] whose Node is `Ready`, the paths a test
 //! needs (CNI conf and bin dirs, containerd's socket), the pid of a pod's container, the CNI
-//! config containerd really loaded ([`RealNode::cri_cni_status`]), Istio's CNI installed and
-//! removed the way its installer does it ([`RealNode::install_istio_cni`]), and a
-//! teardown that leaves nothing behind ([`RealNode::stop`], also on drop, so a failing test
-//! cleans up as well).
+//! config containerd really loaded ([`RealNode::cri_cni_status`]), the config list a pod
+//! sandbox really ran (libcni's result cache, [`RealNode::pod_attachments`] and
+//! [`CachedAttachment`]), Istio's CNI installed and removed the way its installer does it
+//! ([`RealNode::install_istio_cni`]), and a teardown that leaves nothing behind
+//! ([`RealNode::stop`], also on drop, so a failing test cleans up as well).
 //!
 //! Everything lives in one directory per run (`/dev/shm/meshgate-node-*`): containerd's root,
 //! state and socket, the CNI conf, bin and IPAM dirs, the kubelet's root, certificates and pod

@@ -1,7 +1,8 @@
 //! The real-node tier: a kubelet built from the pinned module and containerd with runc and the
 //! reference CNI plugins, registered against the shared control plane; real pods from local
 //! images; Istio's real CNI plugin writing the rules; `meshgate-agent inspect --pid` judging
-//! the pods' real network namespaces.
+//! the pods' real network namespaces; `meshgate-agent check`'s effective file against what
+//! containerd reports loaded (CRI `Status`) and what a pod's sandbox ran (libcni's cache).
 //!
 //! In: the node binaries and images `e2e/install-deps.sh` caches, root. Out: pass/fail. A part
 //! of the node that cannot start fails the test with [`meshgate_e2e::Error::RealNode`] naming
