@@ -868,6 +868,9 @@ pub struct CachedAttachment {
     pub plugins: Vec<String>,
     /// The config list that ran, as libcni held it.
     pub config: Vec<u8>,
+    /// The addresses (`10.200.3.2/24`) of the chain's final result, which the last plugin
+    /// returned: what the sandbox's interface was given.
+    pub ips: Vec<String>,
 }
 
 impl CachedAttachment {
@@ -929,6 +932,15 @@ impl CachedAttachment {
                 .collect::<Option<Vec<_>>>()
                 .ok_or("a cniArgs entry is not a [key, value] pair")?,
         };
+        // The result is a CNI result of the list's version (0.3.0 and later: `ips[].address`).
+        let ips = v["result"]["ips"]
+            .as_array()
+            .map(|ips| {
+                ips.iter()
+                    .filter_map(|ip| ip["address"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default();
         Ok(Self {
             network_name: text("networkName")?,
             container_id: text("containerId")?,
@@ -936,6 +948,7 @@ impl CachedAttachment {
             cni_args,
             plugins,
             config,
+            ips,
         })
     }
 
@@ -1655,6 +1668,7 @@ mod tests {
             Some(a.container_id.as_str())
         );
         assert_eq!(a.cni_arg("K8S_POD_IP"), None);
+        assert_eq!(a.ips, ["10.200.82.3/24"]);
         // The config is the conflist's bytes as written (pretty-printed by edit_plugins).
         assert!(a.config.starts_with(b"{\n  \"cniVersion\": \"1.0.0\""));
         let conf: serde_json::Value = serde_json::from_slice(&a.config).unwrap();
@@ -1677,6 +1691,7 @@ mod tests {
             ("cni-loopback", "lo")
         );
         assert_eq!(lo.plugins, ["loopback"]);
+        assert_eq!(lo.ips, ["127.0.0.1/8", "::1/128"]);
     }
 
     #[test]

@@ -12,10 +12,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::{Event, Node, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use kube::Client;
-use kube::api::{Api, ObjectMeta, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
 use meshgate_e2e::real_node::{
     BUSYBOX_IMAGE, CONFLIST, CachedAttachment, REAL_NODE_TAINT, RealNode, host_residue,
     istio_cni_entry,
@@ -368,6 +368,17 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
             false,
         ),
         (
+            "a leftover .bak of another network sorting first",
+            Box::new(|| {
+                Ok(std::fs::write(
+                    dir.join("00-old.conflist.bak"),
+                    single("old"),
+                )?)
+            }),
+            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
+            false,
+        ),
+        (
             "a .conf beside the .conflist of the same stem",
             Box::new(|| {
                 Ok(std::fs::write(
@@ -420,9 +431,13 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
         let effective = effective_file(&node, &verdict)?;
         let matched = compare_chain(eth0, &verdict, &effective)
             .with_context(|| format!("layout \"{what}\" {files:?}: pod {ns}/{name}"))?;
+        // The entry is this pod's sandbox: the address its chain returned is the one on the
+        // eth0 of the pod's network namespace.
+        let pid = app_pid(&node, &pod).await?;
+        ensure_address(pid, eth0).with_context(|| format!("layout \"{what}\": pod {name}"))?;
         if !effective.drop_ins.is_empty() {
             // The drop-in is istio-cni: it ran if it programmed this pod.
-            let (code, judged) = inspect(app_pid(&node, &pod).await?)?;
+            let (code, judged) = inspect(pid)?;
             ensure!(
                 istio_log(&node).contains(&name) && code == Some(0) && judged == "redirected",
                 "layout \"{what}\": the drop-in istio-cni did not run for {name} (inspect: exit \
@@ -439,8 +454,72 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
             ran.iter().map(|a| a.file_name()).collect::<Vec<_>>()
         );
     }
+    // An invalid first file: check says ConfigInvalid, containerd loads nothing, and no chain
+    // runs. A pod created meanwhile is refused by the kubelet (`NetworkNotReady`) or by
+    // containerd (`FailedCreatePodSandBox`), and libcni caches nothing for it.
+    let what = "an invalid first file";
+    let broken = dir.join("01-broken.conflist");
+    std::fs::write(&broken, "{\"cniVersion\": \"1.0.0\", \"name\": ")?;
+    agree_on(&node, what, None).await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let refused = pods
+        .create(&PostParams::default(), &pod(&node, "chain-invalid", false))
+        .await?;
+    let uid = refused.metadata.uid.clone().unwrap_or_default();
+    let events: Api<Event> = Api::namespaced(client.clone(), &ns);
+    let lp = ListParams::default().fields("involvedObject.name=chain-invalid");
+    let event = poll_until("the refusal of chain-invalid", POD_START, || async {
+        let list = events.list(&lp).await?;
+        anyhow::Ok(list.items.into_iter().find(|e| {
+            matches!(
+                e.reason.as_deref(),
+                Some("NetworkNotReady" | "FailedCreatePodSandBox")
+            )
+        }))
+    })
+    .await;
+    let ran = node.pod_attachments(&uid);
+    // A valid config again before anything can fail: the teardown's CNI DELs need one (with
+    // none, the kubelet retries them until the drain gives up, about a minute).
+    pods.delete("chain-invalid", &DeleteParams::default().grace_period(0))
+        .await?;
+    std::fs::remove_file(&broken)?;
+    let event = event?;
+    let ran = ran?;
+    ensure!(
+        ran.is_empty(),
+        "layout \"{what}\": a chain ran for chain-invalid although nothing is loaded: {ran:?}"
+    );
+    eprintln!(
+        "layout \"{what}\": chain-invalid refused ({}: {}); no chain ran",
+        event.reason.unwrap_or_default(),
+        event.message.unwrap_or_default()
+    );
+    agree_on(
+        &node,
+        "the invalid file removed",
+        Some(("meshgate-e2e", &["bridge", "portmap", "istio-cni"])),
+    )
+    .await?;
     node.stop();
     assert_clean(&client, &node).await
+}
+
+/// The addresses `ran` cached for its interface are on that interface in `pid`'s namespace.
+fn ensure_address(pid: i32, ran: &CachedAttachment) -> anyhow::Result<()> {
+    let shown = in_netns(pid, &["ip", "-o", "addr", "show", "dev", &ran.if_name])?;
+    ensure!(
+        !ran.ips.is_empty()
+            && ran
+                .ips
+                .iter()
+                .all(|ip| shown.split_whitespace().any(|w| w == ip)),
+        "the cached result of {} gave {:?}; {} in the pod's namespace has:\n{shown}",
+        ran.file_name(),
+        ran.ips,
+        ran.if_name
+    );
+    Ok(())
 }
 
 /// The file `check` calls effective, read back: its path and bytes, and, when it is a list,
