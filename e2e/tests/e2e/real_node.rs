@@ -18,7 +18,6 @@ use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
 use meshgate_e2e::real_node::{
     BUSYBOX_IMAGE, CONFLIST, CachedAttachment, REAL_NODE_TAINT, RealNode, host_residue,
-    istio_cni_entry,
 };
 use meshgate_e2e::wait::poll_until;
 use meshgate_e2e::{TokenOptions, service_account_token};
@@ -400,12 +399,17 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
             Box::new(|| {
                 std::fs::remove_file(dir.join("05-lone.conf"))?;
                 std::fs::remove_file(dir.join("10-meshgate-e2e-bridge.conf"))?;
+                // The entry the installer appended, moved out of the list into the drop-in.
+                let list: serde_json::Value =
+                    serde_json::from_slice(&std::fs::read(node.conflist_path())?)?;
+                let entry = list["plugins"]
+                    .as_array()
+                    .and_then(|ps| ps.iter().find(|p| p["type"] == "istio-cni"))
+                    .context("the conflist has no istio-cni entry to move")?
+                    .to_string();
                 node.remove_istio_cni()?;
                 std::fs::create_dir(&staged)?;
-                std::fs::write(
-                    staged.join("50-istio-cni.conf"),
-                    istio_cni_entry(&node.istio_cni_run_dir(), false).to_string(),
-                )?;
+                std::fs::write(staged.join("50-istio-cni.conf"), entry)?;
                 std::fs::rename(&staged, &drop_in)?;
                 // Renamed in whole, which containerd does not reload on: nudge it with a write
                 // (see check_names_the_config_containerd_really_loaded).
@@ -422,12 +426,19 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
         let (pod, started) = run_pod(&client, &node, &ns, pod(&node, &name, meshed)).await?;
         let uid = pod.metadata.uid.clone().unwrap_or_default();
         let ran = node.pod_attachments(&uid)?;
-        let Some(eth0) = ran.iter().find(|a| a.if_name == "eth0") else {
+        // One sandbox, one pod network: exactly one eth0 entry, made for that sandbox.
+        let eth0s: Vec<&CachedAttachment> = ran.iter().filter(|a| a.if_name == "eth0").collect();
+        let [eth0] = eth0s[..] else {
             bail!(
-                "layout \"{what}\": no eth0 attachment of pod {ns}/{name} (uid {uid}) in {}: {ran:?}",
+                "layout \"{what}\": not one eth0 attachment of pod {ns}/{name} (uid {uid}) in {}: {ran:?}",
                 node.cni_cache_dir().display()
             );
         };
+        ensure!(
+            eth0.cni_arg("K8S_POD_INFRA_CONTAINER_ID") == Some(eth0.container_id.as_str())
+                && eth0.cni_arg("K8S_POD_NAME") == Some(name.as_str()),
+            "layout \"{what}\": the eth0 entry of {name} names another sandbox or pod: {eth0:?}"
+        );
         let effective = effective_file(&node, &verdict)?;
         let matched = compare_chain(eth0, &verdict, &effective)
             .with_context(|| format!("layout \"{what}\" {files:?}: pod {ns}/{name}"))?;
