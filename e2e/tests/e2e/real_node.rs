@@ -465,53 +465,86 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
             ran.iter().map(|a| a.file_name()).collect::<Vec<_>>()
         );
     }
-    // An invalid first file: check says ConfigInvalid, containerd loads nothing, and no chain
-    // runs. A pod created meanwhile is refused by the kubelet (`NetworkNotReady`) or by
-    // containerd (`FailedCreatePodSandBox`), and libcni caches nothing for it.
-    let what = "an invalid first file";
-    let broken = dir.join("01-broken.conflist");
-    std::fs::write(&broken, "{\"cniVersion\": \"1.0.0\", \"name\": ")?;
-    agree_on(&node, what, None).await?;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let refused = pods
-        .create(&PostParams::default(), &pod(&node, "chain-invalid", false))
-        .await?;
-    let uid = refused.metadata.uid.clone().unwrap_or_default();
-    let events: Api<Event> = Api::namespaced(client.clone(), &ns);
-    let lp = ListParams::default().fields("involvedObject.name=chain-invalid");
-    let event = poll_until("the refusal of chain-invalid", POD_START, || async {
-        let list = events.list(&lp).await?;
-        anyhow::Ok(list.items.into_iter().find(|e| {
-            matches!(
-                e.reason.as_deref(),
-                Some("NetworkNotReady" | "FailedCreatePodSandBox")
-            )
-        }))
-    })
-    .await;
-    let ran = node.pod_attachments(&uid);
-    // A valid config again before anything can fail: the teardown's CNI DELs need one (with
+    // Layouts where nothing is loaded: check says ConfigInvalid, containerd loads nothing, and
+    // no chain runs. A pod created meanwhile is refused by the kubelet (`NetworkNotReady`) or
+    // by containerd (`FailedCreatePodSandBox`), and libcni caches nothing for it. Each is
+    // undone before anything can fail: the teardown's CNI DELs need a valid config (with
     // none, the kubelet retries them until the drain gives up, about a minute).
-    pods.delete("chain-invalid", &DeleteParams::default().grace_period(0))
-        .await?;
-    std::fs::remove_file(&broken)?;
-    let event = event?;
-    let ran = ran?;
-    ensure!(
-        ran.is_empty(),
-        "layout \"{what}\": a chain ran for chain-invalid although nothing is loaded: {ran:?}"
-    );
-    eprintln!(
-        "layout \"{what}\": chain-invalid refused ({}: {}); no chain ran",
-        event.reason.unwrap_or_default(),
-        event.message.unwrap_or_default()
-    );
-    agree_on(
-        &node,
-        "the invalid file removed",
-        Some(("meshgate-e2e", &["bridge", "portmap", "istio-cni"])),
-    )
-    .await?;
+    let linked = dir.join("00-linked.conflist");
+    let broken = dir.join("01-broken.conflist");
+    let nudge = || std::fs::write(dir.join("00-old.conflist.bak"), "{}");
+    let invalid: Vec<(&str, Change, Change, Network)> = vec![
+        (
+            "an invalid first file",
+            Box::new(|| {
+                Ok(std::fs::write(
+                    &broken,
+                    "{\"cniVersion\": \"1.0.0\", \"name\": ",
+                )?)
+            }),
+            Box::new(|| Ok(std::fs::remove_file(&broken)?)),
+            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
+        ),
+        (
+            "a symlink to a directory sorting first",
+            Box::new(|| {
+                std::os::unix::fs::symlink(&drop_in, &linked)?;
+                Ok(nudge()?)
+            }),
+            Box::new(|| Ok(std::fs::remove_file(&linked)?)),
+            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
+        ),
+        (
+            "a regular file where the drop-in directory would be",
+            Box::new(|| {
+                std::fs::remove_dir_all(&drop_in)?;
+                Ok(std::fs::write(&drop_in, "not a directory")?)
+            }),
+            Box::new(|| Ok(std::fs::remove_file(&drop_in)?)),
+            ("meshgate-e2e", &["bridge", "portmap"]),
+        ),
+    ];
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let events: Api<Event> = Api::namespaced(client.clone(), &ns);
+    for (j, (what, spoil, restore, after)) in invalid.into_iter().enumerate() {
+        spoil().with_context(|| format!("writing the layout: {what}"))?;
+        let name = format!("chain-invalid-{j}");
+        let refused = async {
+            agree_on(&node, what, None).await?;
+            let created = pods
+                .create(&PostParams::default(), &pod(&node, &name, false))
+                .await?;
+            let lp = ListParams::default().fields(&format!("involvedObject.name={name}"));
+            let event = poll_until(&format!("the refusal of {name}"), POD_START, || async {
+                let list = events.list(&lp).await?;
+                anyhow::Ok(list.items.into_iter().find(|e| {
+                    matches!(
+                        e.reason.as_deref(),
+                        Some("NetworkNotReady" | "FailedCreatePodSandBox")
+                    )
+                }))
+            })
+            .await?;
+            let uid = created.metadata.uid.unwrap_or_default();
+            anyhow::Ok((event, node.pod_attachments(&uid)?))
+        }
+        .await;
+        let _ = pods
+            .delete(&name, &DeleteParams::default().grace_period(0))
+            .await;
+        restore().with_context(|| format!("undoing the layout: {what}"))?;
+        let (event, ran) = refused.with_context(|| format!("layout \"{what}\""))?;
+        ensure!(
+            ran.is_empty(),
+            "layout \"{what}\": a chain ran for {name} although nothing is loaded: {ran:?}"
+        );
+        eprintln!(
+            "layout \"{what}\": {name} refused ({}: {}); no chain ran",
+            event.reason.unwrap_or_default(),
+            event.message.unwrap_or_default()
+        );
+        agree_on(&node, &format!("{what}, undone"), Some(after)).await?;
+    }
     node.stop();
     assert_clean(&client, &node).await
 }
