@@ -326,7 +326,8 @@ async fn check_names_the_config_containerd_really_loaded() -> anyhow::Result<()>
 /// a pod runs, and the chain that ran for its `eth0` must be the file `meshgate-agent check`
 /// names as effective: the same network, plugins and content. libcni caches the list's file
 /// bytes, never its CNI 1.1 drop-ins, so for the drop-in layout the drop-in (istio-cni) must
-/// show it ran by what it did: its log names the pod, and the pod is redirected.
+/// show it ran by what it did: its log names the pod, and the pod is redirected. Where
+/// nothing is loaded (`check`: `ConfigInvalid`), a pod is refused and no chain runs.
 #[tokio::test]
 async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<()> {
     let _one = ONE_NODE.lock().await;
