@@ -853,7 +853,10 @@ pub fn istio_cni_entry(run_dir: &Path, native_nftables: bool) -> serde_json::Val
 /// plugin of a config list returned from ADD (`{"kind": "cniCacheV1", "containerId",
 /// "config", "ifName", "networkName", "netns", "cniArgs", "capabilityArgs", "result"}`). The
 /// `config` is the bytes of the config list that ran (`NetworkConfigList.Bytes`), so its
-/// plugins are the chain the runtime executed, independent of what the runtime reports.
+/// plugins are the chain the runtime executed, independent of what the runtime reports, with
+/// one gap: libcni keeps `Bytes` as the file it read, so CNI 1.1 drop-ins
+/// (`<conf dir>/<network>/*.conf`), which it appends to the list's plugins, ran after them
+/// but are not in it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CachedAttachment {
     /// The network (the config list's `name`).
@@ -864,7 +867,7 @@ pub struct CachedAttachment {
     pub if_name: String,
     /// The CNI args the runtime passed (`K8S_POD_NAMESPACE`, `K8S_POD_NAME`, `K8S_POD_UID`, ...).
     pub cni_args: Vec<(String, String)>,
-    /// The plugin `type`s of the config that ran, in the order they ran.
+    /// The plugin `type`s of `config`, in the order they ran (drop-ins not included).
     pub plugins: Vec<String>,
     /// The config list that ran, as libcni held it.
     pub config: Vec<u8>,
