@@ -192,6 +192,15 @@ pub enum Error {
         /// What went wrong, with the end of the part's log where there is one.
         detail: String,
     },
+
+    /// An entry of libcni's result cache (`<cache dir>/results/*`) is not what libcni writes.
+    #[error("libcni's result cache, {what}: {detail}")]
+    CniCache {
+        /// Which entry (its file, when it was read from one).
+        what: String,
+        /// What is wrong with it.
+        detail: String,
+    },
 }
 
 impl Error {

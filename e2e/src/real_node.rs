@@ -5,10 +5,11 @@
 //! In: the binaries and images `e2e/install-deps.sh` put in the cache ([`NodeBinaries`]), a
 //! running [`ControlPlane`], root. Out: a [`RealNode`] whose Node is `Ready`, the paths a test
 //! needs (CNI conf and bin dirs, containerd's socket), the pid of a pod's container, the CNI
-//! config containerd really loaded ([`RealNode::cri_cni_status`]), Istio's CNI installed and
-//! removed the way its installer does it ([`RealNode::install_istio_cni`]), and a
-//! teardown that leaves nothing behind ([`RealNode::stop`], also on drop, so a failing test
-//! cleans up as well).
+//! config containerd really loaded ([`RealNode::cri_cni_status`]), the config list a pod
+//! sandbox really ran (libcni's result cache, [`RealNode::pod_attachments`] and
+//! [`CachedAttachment`]), Istio's CNI installed and removed the way its installer does it
+//! ([`RealNode::install_istio_cni`]), and a teardown that leaves nothing behind
+//! ([`RealNode::stop`], also on drop, so a failing test cleans up as well).
 //!
 //! Like a kind node, each real node has network and mount namespaces of its own. Its network
 //! namespace (pinned in the run dir) is joined to the host by a veth pair on an unused /30 in
@@ -512,7 +513,9 @@ impl RealNode {
         self.dir.join("istio-cni")
     }
 
-    /// libcni's result cache (the node's `/var/lib/cni`).
+    /// libcni's result cache: containerd's CRI (through go-cni, which sets no cache dir of its
+    /// own) has libcni keep one result per attachment in libcni's default `/var/lib/cni`,
+    /// which in the node's mount namespace is this run-dir path.
     pub fn cni_cache_dir(&self) -> PathBuf {
         self.dir.join("cni/cache")
     }
@@ -566,6 +569,16 @@ impl RealNode {
     /// containerd's socket.
     pub fn containerd_socket(&self) -> PathBuf {
         self.dir.join("containerd.sock")
+    }
+
+    /// The attachments libcni cached for the pod with `pod_uid` (`metadata.uid`): one per
+    /// network the pod sandbox joined (containerd's `cni-loopback` on `lo`, the pod network on
+    /// `eth0`), each with the config list that really ran. Found by the `K8S_POD_UID` CNI arg
+    /// containerd passes; the sandbox id is their `container_id`. Sorted by file name, as
+    /// libcni's `GetCachedAttachments` lists them. Like it, a file that is not a `cniCacheV1`
+    /// entry is skipped (another runtime's, or one being written); none at all is an empty list.
+    pub fn pod_attachments(&self, pod_uid: &str) -> Result<Vec<CachedAttachment>, Error> {
+        attachments_of(&self.cni_cache_dir(), pod_uid)
     }
 
     /// Installs istio-cni the way Istio's installer (`cni/pkg/install`) does: the plugin binary
@@ -1230,6 +1243,151 @@ pub fn istio_cni_entry(run_dir: &Path, native_nftables: bool) -> serde_json::Val
         "native_nftables": native_nftables,
         "enable_ambient_detection_retry": false
     })
+}
+
+/// One attachment from libcni's result cache: what libcni's `cacheAdd` writes after every
+/// plugin of a config list returned from ADD (`{"kind": "cniCacheV1", "containerId",
+/// "config", "ifName", "networkName", "netns", "cniArgs", "capabilityArgs", "result"}`). The
+/// `config` is the bytes of the config list that ran (`NetworkConfigList.Bytes`), so its
+/// plugins are the chain the runtime executed, independent of what the runtime reports, with
+/// one gap: libcni keeps `Bytes` as the file it read, so CNI 1.1 drop-ins
+/// (`<conf dir>/<network>/*.conf`), which it appends to the list's plugins, ran after them
+/// but are not in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CachedAttachment {
+    /// The network (the config list's `name`).
+    pub network_name: String,
+    /// The container the runtime attached: for CRI, the pod sandbox id.
+    pub container_id: String,
+    /// The interface inside the pod (`eth0` for the pod network, `lo` for loopback).
+    pub if_name: String,
+    /// The CNI args the runtime passed (`K8S_POD_NAMESPACE`, `K8S_POD_NAME`, `K8S_POD_UID`, ...).
+    pub cni_args: Vec<(String, String)>,
+    /// The plugin `type`s of `config`, in the order they ran (drop-ins not included).
+    pub plugins: Vec<String>,
+    /// The config list that ran, as libcni held it.
+    pub config: Vec<u8>,
+    /// The addresses (`10.200.3.2/24`) of the chain's final result, which the last plugin
+    /// returned: what the sandbox's interface was given.
+    pub ips: Vec<String>,
+}
+
+impl CachedAttachment {
+    /// Parses one cache file; any field libcni always writes that is missing or of the wrong
+    /// shape is an error naming it.
+    pub fn parse(bytes: &[u8]) -> Result<Self, Error> {
+        Self::parse_inner(bytes).map_err(|detail| Error::CniCache {
+            what: "an entry".into(),
+            detail,
+        })
+    }
+
+    fn parse_inner(bytes: &[u8]) -> Result<Self, String> {
+        use base64::Engine as _;
+        let v: serde_json::Value =
+            serde_json::from_slice(bytes).map_err(|e| format!("not JSON: {e}"))?;
+        if v["kind"] != "cniCacheV1" {
+            return Err(format!("kind is {}, not \"cniCacheV1\"", v["kind"]));
+        }
+        let text = |field: &str| {
+            v[field]
+                .as_str()
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+                .ok_or_else(|| format!("no {field}"))
+        };
+        // Go marshals a []byte as standard, padded base64.
+        let config = base64::engine::general_purpose::STANDARD
+            .decode(text("config")?)
+            .map_err(|e| format!("config is not base64: {e}"))?;
+        let list: serde_json::Value = serde_json::from_slice(&config)
+            .map_err(|e| format!("config is not a JSON config: {e}"))?;
+        // A list (`AddNetworkList`, all containerd does) or a single network (`AddNetwork`).
+        let plugins = match list.get("plugins") {
+            Some(ps) => ps
+                .as_array()
+                .ok_or("config's plugins is not a list")?
+                .iter()
+                .map(|p| p["type"].as_str().map(str::to_owned))
+                .collect::<Option<Vec<_>>>()
+                .ok_or("a plugin of config has no type")?,
+            None => vec![
+                list["type"]
+                    .as_str()
+                    .ok_or("config has neither plugins nor a type")?
+                    .to_owned(),
+            ],
+        };
+        let cni_args = match &v["cniArgs"] {
+            serde_json::Value::Null => Vec::new(),
+            args => args
+                .as_array()
+                .ok_or("cniArgs is not a list")?
+                .iter()
+                .map(|kv| match kv.as_array().map(Vec::as_slice) {
+                    Some([k, v]) => Some((k.as_str()?.to_owned(), v.as_str()?.to_owned())),
+                    _ => None,
+                })
+                .collect::<Option<Vec<_>>>()
+                .ok_or("a cniArgs entry is not a [key, value] pair")?,
+        };
+        // The result is a CNI result of the list's version (0.3.0 and later: `ips[].address`).
+        let ips = v["result"]["ips"]
+            .as_array()
+            .map(|ips| {
+                ips.iter()
+                    .filter_map(|ip| ip["address"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(Self {
+            network_name: text("networkName")?,
+            container_id: text("containerId")?,
+            if_name: text("ifName")?,
+            cni_args,
+            plugins,
+            config,
+            ips,
+        })
+    }
+
+    /// The value of one CNI arg, if the runtime passed it.
+    pub fn cni_arg(&self, key: &str) -> Option<&str> {
+        self.cni_args
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The name libcni gives this attachment's file under `<cache dir>/results`.
+    pub fn file_name(&self) -> String {
+        format!(
+            "{}-{}-{}",
+            self.network_name, self.container_id, self.if_name
+        )
+    }
+}
+
+/// The `cniCacheV1` entries under `<cache_dir>/results` whose `K8S_POD_UID` is `pod_uid`, in
+/// file-name order (see [`RealNode::pod_attachments`]).
+fn attachments_of(cache_dir: &Path, pod_uid: &str) -> Result<Vec<CachedAttachment>, Error> {
+    let dir = cache_dir.join("results");
+    let mut paths: Vec<PathBuf> = match std::fs::read_dir(&dir) {
+        Ok(entries) => entries.flatten().map(|e| e.path()).collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(Error::io(format!("listing {}", dir.display()), e)),
+    };
+    paths.sort();
+    Ok(paths
+        .iter()
+        .filter_map(|path| {
+            let att = CachedAttachment::parse(&std::fs::read(path).ok()?).ok()?;
+            // libcni names the file `<network>-<container id>-<ifname>`; a file whose name
+            // and content disagree is not the entry libcni wrote for this attachment.
+            let name = path.file_name()?.to_str()?;
+            (name == att.file_name() && att.cni_arg("K8S_POD_UID") == Some(pod_uid)).then_some(att)
+        })
+        .collect())
 }
 
 /// `ctr tasks ls` prints `TASK PID STATUS` rows.
@@ -1958,6 +2116,180 @@ mod tests {
     #[test]
     fn mount_paths_are_unescaped() {
         assert_eq!(unescape_mount_path("/a\\040b/c"), PathBuf::from("/a b/c"));
+    }
+
+    /// Real entries, captured from `/var/lib/cni/results` while the real-node test ran pods
+    /// through containerd 2.4.2: the primary conflist with istio-cni chained, a lone `.conf`
+    /// (libcni wraps it in a list), and containerd's loopback network.
+    const CACHED_CHAIN: &str =
+        "meshgate-e2e-0322db0f69645918e80030007968ab5cb4f3cfd60def221d91622f6e47b38f60-eth0";
+    const CACHED_LONE: &str =
+        "lone-41dd11e953eae272521ffcb4835d2fec046790da37dc1dd9aead70f07eddad77-eth0";
+    const CACHED_LO: &str =
+        "cni-loopback-41dd11e953eae272521ffcb4835d2fec046790da37dc1dd9aead70f07eddad77-lo";
+
+    fn testdata(name: &str) -> Vec<u8> {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("testdata/cni-cache")
+            .join(name);
+        std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    }
+
+    #[test]
+    fn a_cached_attachment_names_the_chain_that_ran() {
+        let a = CachedAttachment::parse(&testdata(CACHED_CHAIN)).unwrap();
+        assert_eq!(a.network_name, "meshgate-e2e");
+        assert_eq!(
+            a.container_id,
+            "0322db0f69645918e80030007968ab5cb4f3cfd60def221d91622f6e47b38f60"
+        );
+        assert_eq!(a.if_name, "eth0");
+        assert_eq!(a.plugins, ["bridge", "portmap", "istio-cni"]);
+        assert_eq!(a.file_name(), CACHED_CHAIN);
+        assert_eq!(a.cni_arg("K8S_POD_NAME"), Some("chain-1"));
+        assert_eq!(
+            a.cni_arg("K8S_POD_UID"),
+            Some("488be5de-7edb-4e9e-b522-6b99564a4eb9")
+        );
+        assert_eq!(
+            a.cni_arg("K8S_POD_INFRA_CONTAINER_ID"),
+            Some(a.container_id.as_str())
+        );
+        assert_eq!(a.cni_arg("K8S_POD_IP"), None);
+        assert_eq!(a.ips, ["10.200.82.3/24"]);
+        // The config is the conflist's bytes as written (pretty-printed by edit_plugins).
+        assert!(a.config.starts_with(b"{\n  \"cniVersion\": \"1.0.0\""));
+        let conf: serde_json::Value = serde_json::from_slice(&a.config).unwrap();
+        assert_eq!(conf["plugins"][2]["native_nftables"], false);
+
+        let lone = CachedAttachment::parse(&testdata(CACHED_LONE)).unwrap();
+        assert_eq!(
+            (lone.network_name.as_str(), lone.plugins.as_slice()),
+            ("lone", &["bridge".to_owned()][..])
+        );
+        let conf: serde_json::Value = serde_json::from_slice(&lone.config).unwrap();
+        assert_eq!(
+            conf["plugins"][0]["name"], "lone",
+            "the .conf itself, wrapped"
+        );
+
+        let lo = CachedAttachment::parse(&testdata(CACHED_LO)).unwrap();
+        assert_eq!(
+            (lo.network_name.as_str(), lo.if_name.as_str()),
+            ("cni-loopback", "lo")
+        );
+        assert_eq!(lo.plugins, ["loopback"]);
+        assert_eq!(lo.ips, ["127.0.0.1/8", "::1/128"]);
+    }
+
+    #[test]
+    fn what_libcni_does_not_write_is_refused() {
+        let good: serde_json::Value = serde_json::from_slice(&testdata(CACHED_CHAIN)).unwrap();
+        let with = |edit: &dyn Fn(&mut serde_json::Value)| {
+            let mut v = good.clone();
+            edit(&mut v);
+            CachedAttachment::parse(v.to_string().as_bytes())
+                .map(|a| a.plugins)
+                .map_err(|e| e.to_string())
+        };
+        assert!(with(&|_| ()).is_ok());
+        let b64 = |s: &str| {
+            use base64::Engine as _;
+            base64::engine::general_purpose::STANDARD.encode(s)
+        };
+        // A single network (`AddNetwork`) is its own one-plugin chain.
+        assert_eq!(
+            with(&|v| v["config"] = b64(r#"{"name":"n","type":"ptp"}"#).into()),
+            Ok(vec!["ptp".to_owned()])
+        );
+        for (what, edit, err) in [
+            (
+                "legacy kind",
+                Box::new(|v: &mut serde_json::Value| v["kind"] = "".into())
+                    as Box<dyn Fn(&mut serde_json::Value)>,
+                "kind",
+            ),
+            (
+                "no network",
+                Box::new(|v| v["networkName"] = serde_json::Value::Null),
+                "networkName",
+            ),
+            (
+                "no container",
+                Box::new(|v| v["containerId"] = "".into()),
+                "containerId",
+            ),
+            (
+                "no ifname",
+                Box::new(|v| v["ifName"] = serde_json::Value::Null),
+                "ifName",
+            ),
+            (
+                "not base64",
+                Box::new(|v| v["config"] = "not base64!".into()),
+                "base64",
+            ),
+            (
+                "not JSON config",
+                Box::new(|v| v["config"] = b64("{").into()),
+                "not a JSON config",
+            ),
+            (
+                "a plugin without type",
+                Box::new(|v| v["config"] = b64(r#"{"plugins":[{"type":"bridge"},{}]}"#).into()),
+                "no type",
+            ),
+            (
+                "neither",
+                Box::new(|v| v["config"] = b64(r#"{"name":"n"}"#).into()),
+                "neither",
+            ),
+            (
+                "bad args",
+                Box::new(|v| v["cniArgs"] = serde_json::json!([["K8S_POD_UID"]])),
+                "cniArgs",
+            ),
+        ] {
+            let got = with(&*edit);
+            assert!(
+                got.as_ref().is_err_and(|e| e.contains(err)),
+                "{what}: {got:?}"
+            );
+        }
+        assert!(CachedAttachment::parse(b"not json").is_err());
+    }
+
+    #[test]
+    fn a_pods_attachments_are_found_by_its_uid() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(
+            attachments_of(dir.path(), "x").unwrap(),
+            vec![],
+            "no results dir yet"
+        );
+        let results = dir.path().join("results");
+        std::fs::create_dir(&results).unwrap();
+        for name in [CACHED_CHAIN, CACHED_LONE, CACHED_LO] {
+            std::fs::write(results.join(name), testdata(name)).unwrap();
+        }
+        // Entries libcni would not have written for an attachment are skipped: garbage, and
+        // an entry under another attachment's name.
+        std::fs::write(results.join("junk-1-eth0"), "{").unwrap();
+        std::fs::write(results.join("other-1-eth0"), testdata(CACHED_CHAIN)).unwrap();
+        let chain1 = attachments_of(dir.path(), "488be5de-7edb-4e9e-b522-6b99564a4eb9").unwrap();
+        assert_eq!(
+            chain1.iter().map(|a| a.file_name()).collect::<Vec<_>>(),
+            [CACHED_CHAIN]
+        );
+        let lone = CachedAttachment::parse(&testdata(CACHED_LONE)).unwrap();
+        let uid = lone.cni_arg("K8S_POD_UID").unwrap();
+        let both = attachments_of(dir.path(), uid).unwrap();
+        assert_eq!(
+            both.iter().map(|a| a.file_name()).collect::<Vec<_>>(),
+            [CACHED_LO, CACHED_LONE],
+            "loopback and eth0 of one sandbox, in file-name order"
+        );
+        assert_eq!(attachments_of(dir.path(), "no-such-pod").unwrap(), vec![]);
     }
 
     #[test]

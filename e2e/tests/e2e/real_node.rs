@@ -1,7 +1,8 @@
 //! The real-node tier: a kubelet built from the pinned module and containerd with runc and the
 //! reference CNI plugins, registered against the shared control plane; real pods from local
 //! images; Istio's real CNI plugin writing the rules; `meshgate-agent inspect --pid` judging
-//! the pods' real network namespaces.
+//! the pods' real network namespaces; `meshgate-agent check`'s effective file against what
+//! containerd reports loaded (CRI `Status`) and what a pod's sandbox ran (libcni's cache).
 //!
 //! In: the node binaries and images `e2e/install-deps.sh` caches, root. Out: pass/fail. A part
 //! of the node that cannot start fails the test with [`meshgate_e2e::Error::RealNode`] naming
@@ -12,15 +13,17 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::{Event, Node, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use kube::Client;
 use kube::api::{
-    Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
+    Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams, WatchEvent,
+    WatchParams,
 };
 use meshgate_core::{CONDITION_TYPE, TAINT_KEY};
 use meshgate_e2e::real_node::{
-    BUSYBOX_IMAGE, CONFLIST, REAL_NODE_TAINT, RealNode, host_residue, start_control_plane,
+    BUSYBOX_IMAGE, CONFLIST, CachedAttachment, REAL_NODE_TAINT, RealNode, host_residue,
+    start_control_plane,
 };
 use meshgate_e2e::real_story::{self, Transcript};
 use meshgate_e2e::wait::poll_until;
@@ -314,38 +317,7 @@ async fn check_names_the_config_containerd_really_loaded() -> anyhow::Result<()>
     ));
     for (what, change, want) in steps {
         change().with_context(|| format!("writing the layout: {what}"))?;
-        let files: Vec<String> = std::fs::read_dir(&dir)?
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
-        // containerd reloads on file events; give it until it settles on the expected answer,
-        // and fail with both views if it never does.
-        let mut last = (serde_json::Value::Null, serde_json::Value::Null);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let agreed = loop {
-            let status = node.cri_cni_status().await?;
-            let (_, verdict) = check_plugins(&node, "bridge")?;
-            let runtime = containerd_network(&status);
-            let meshgate = meshgate_network(&node, &verdict);
-            let expected = describe(want);
-            if runtime == expected && meshgate == expected {
-                break true;
-            }
-            last = (status, verdict);
-            if Instant::now() >= deadline {
-                break false;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        };
-        ensure!(
-            agreed,
-            "layout \"{what}\" ({files:?}): expected {};\ncontainerd: {} ({})\nmeshgate: {} ({})",
-            describe(want),
-            containerd_network(&last.0),
-            last.0,
-            meshgate_network(&node, &last.1),
-            last.1
-        );
+        let (_, files) = agree_on(&node, what, want).await?;
         eprintln!(
             "layout \"{what}\" {files:?}: containerd and meshgate both load {}",
             describe(want)
@@ -353,6 +325,400 @@ async fn check_names_the_config_containerd_really_loaded() -> anyhow::Result<()>
     }
     node.stop();
     assert_clean(&cp.client()?, &node).await
+}
+
+/// The second witness of what containerd loaded: for a pod sandbox containerd really created,
+/// the config list libcni really executed, from libcni's result cache (written once every
+/// plugin of the list returned from ADD). For each layout, once CRI `Status` shows it loaded,
+/// a pod runs, and the chain that ran for its `eth0` must be the file `meshgate-agent check`
+/// names as effective: the same network, plugins and content. libcni caches the list's file
+/// bytes, never its CNI 1.1 drop-ins, so for the drop-in layout the drop-in (istio-cni) must
+/// show it ran by what it did: its log names the pod, and the pod is redirected. Where
+/// nothing is loaded (`check`: `ConfigInvalid`), a pod is refused and no chain runs.
+#[tokio::test]
+async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<()> {
+    let _one = ONE_NODE.lock().await;
+    let cp = &start_control_plane().await?;
+    let client = cp.client()?;
+    let node = RealNode::start(cp)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .context("the real node did not come up")?;
+    let ns = cp.create_namespace(&client, "real-chain").await?;
+    let kubeconfig = istio_cni_kubeconfig(cp, &client, &ns).await?;
+    let dir = node.cni_conf_dir();
+    // A lone network on the node's own bridge and IPAM (the primary list's first plugin), so
+    // a pod can run through it and the teardown removes what it creates.
+    let primary: serde_json::Value = serde_json::from_slice(&std::fs::read(node.conflist_path())?)?;
+    let single = |name: &str| {
+        let mut conf = primary["plugins"][0].clone();
+        conf["cniVersion"] = "1.0.0".into();
+        conf["name"] = name.into();
+        conf.to_string()
+    };
+    let drop_in = dir.join("meshgate-e2e");
+    let staged = dir.with_file_name("drop-in.staged");
+    type Change<'a> = Box<dyn Fn() -> anyhow::Result<()> + 'a>;
+    type Network = (&'static str, &'static [&'static str]);
+    // (layout, how it is written, the network both views must name, whether the pod is meshed)
+    let steps: Vec<(&str, Change, Network, bool)> = vec![
+        (
+            "the primary conflist alone",
+            Box::new(|| Ok(())),
+            ("meshgate-e2e", &["bridge", "portmap"]),
+            false,
+        ),
+        (
+            "istio-cni chained by its installer",
+            Box::new(|| Ok(node.install_istio_cni(&kubeconfig, false)?)),
+            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
+            false,
+        ),
+        (
+            "a leftover .bak of another network sorting first",
+            Box::new(|| {
+                Ok(std::fs::write(
+                    dir.join("00-old.conflist.bak"),
+                    single("old"),
+                )?)
+            }),
+            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
+            false,
+        ),
+        (
+            "a .conf beside the .conflist of the same stem",
+            Box::new(|| {
+                Ok(std::fs::write(
+                    dir.join("10-meshgate-e2e-bridge.conf"),
+                    single("beside"),
+                )?)
+            }),
+            ("beside", &["bridge"]),
+            false,
+        ),
+        (
+            "a lone .conf sorting first",
+            Box::new(|| Ok(std::fs::write(dir.join("05-lone.conf"), single("lone"))?)),
+            ("lone", &["bridge"]),
+            false,
+        ),
+        (
+            "istio-cni as a CNI 1.1 drop-in of the primary network",
+            Box::new(|| {
+                std::fs::remove_file(dir.join("05-lone.conf"))?;
+                std::fs::remove_file(dir.join("10-meshgate-e2e-bridge.conf"))?;
+                // The entry the installer appended, moved out of the list into the drop-in.
+                let list: serde_json::Value =
+                    serde_json::from_slice(&std::fs::read(node.conflist_path())?)?;
+                let entry = list["plugins"]
+                    .as_array()
+                    .and_then(|ps| ps.iter().find(|p| p["type"] == "istio-cni"))
+                    .context("the conflist has no istio-cni entry to move")?
+                    .to_string();
+                node.remove_istio_cni()?;
+                std::fs::create_dir(&staged)?;
+                std::fs::write(staged.join("50-istio-cni.conf"), entry)?;
+                std::fs::rename(&staged, &drop_in)?;
+                // Renamed in whole, which containerd does not reload on: nudge it with a write
+                // (see check_names_the_config_containerd_really_loaded).
+                Ok(std::fs::write(dir.join("00-old.conflist.bak"), "{}")?)
+            }),
+            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
+            true,
+        ),
+    ];
+    for (i, (what, change, want, meshed)) in steps.into_iter().enumerate() {
+        change().with_context(|| format!("writing the layout: {what}"))?;
+        let (verdict, files) = agree_on(&node, what, Some(want)).await?;
+        let name = format!("chain-{i}");
+        let (pod, started) = run_pod(&client, &node, &ns, pod(&node, &name, meshed)).await?;
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        let ran = node.pod_attachments(&uid)?;
+        // One sandbox, one pod network: exactly one eth0 entry, made for that sandbox.
+        let eth0s: Vec<&CachedAttachment> = ran.iter().filter(|a| a.if_name == "eth0").collect();
+        let [eth0] = eth0s[..] else {
+            bail!(
+                "layout \"{what}\": not one eth0 attachment of pod {ns}/{name} (uid {uid}) in {}: {ran:?}",
+                node.cni_cache_dir().display()
+            );
+        };
+        ensure!(
+            eth0.cni_arg("K8S_POD_INFRA_CONTAINER_ID") == Some(eth0.container_id.as_str())
+                && eth0.cni_arg("K8S_POD_NAME") == Some(name.as_str()),
+            "layout \"{what}\": the eth0 entry of {name} names another sandbox or pod: {eth0:?}"
+        );
+        let effective = effective_file(&node, &verdict)?;
+        let matched = compare_chain(eth0, &verdict, &effective)
+            .with_context(|| format!("layout \"{what}\" {files:?}: pod {ns}/{name}"))?;
+        // The entry is this pod's sandbox: the address its chain returned is the one on the
+        // eth0 of the pod's network namespace.
+        let pid = app_pid(&node, &pod).await?;
+        ensure_address(pid, eth0).with_context(|| format!("layout \"{what}\": pod {name}"))?;
+        if !effective.drop_ins.is_empty() {
+            // The drop-in is istio-cni: it ran if it programmed this pod.
+            let (code, judged) = inspect(pid)?;
+            ensure!(
+                istio_log(&node).contains(&name) && code == Some(0) && judged == "redirected",
+                "layout \"{what}\": the drop-in istio-cni did not run for {name} (inspect: exit \
+                 {code:?}, {judged}); its log:\n{}",
+                istio_log(&node)
+            );
+        }
+        eprintln!(
+            "layout \"{what}\": pod {name} running after {started:?}; sandbox {} ran {} {:?} on \
+             eth0 ({matched}); its attachments: {:?}",
+            eth0.container_id,
+            eth0.network_name,
+            eth0.plugins,
+            ran.iter().map(|a| a.file_name()).collect::<Vec<_>>()
+        );
+    }
+    // Layouts where nothing is loaded: check says ConfigInvalid, containerd loads nothing, and
+    // no chain runs. A pod created meanwhile is refused by the kubelet (`NetworkNotReady`) or
+    // by containerd (`FailedCreatePodSandBox`), and libcni caches nothing for it. Each is
+    // undone before anything can fail: the teardown's CNI DELs need a valid config (with
+    // none, the kubelet retries them until the drain gives up, about a minute).
+    let linked = dir.join("00-linked.conflist");
+    let broken = dir.join("01-broken.conflist");
+    let nudge = || std::fs::write(dir.join("00-old.conflist.bak"), "{}");
+    let invalid: Vec<(&str, Change, Change, Network)> = vec![
+        (
+            "an invalid first file",
+            Box::new(|| {
+                Ok(std::fs::write(
+                    &broken,
+                    "{\"cniVersion\": \"1.0.0\", \"name\": ",
+                )?)
+            }),
+            Box::new(|| Ok(std::fs::remove_file(&broken)?)),
+            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
+        ),
+        (
+            "a symlink to a directory sorting first",
+            Box::new(|| {
+                std::os::unix::fs::symlink(&drop_in, &linked)?;
+                Ok(nudge()?)
+            }),
+            Box::new(|| Ok(std::fs::remove_file(&linked)?)),
+            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
+        ),
+        (
+            "a regular file where the drop-in directory would be",
+            Box::new(|| {
+                std::fs::remove_dir_all(&drop_in)?;
+                Ok(std::fs::write(&drop_in, "not a directory")?)
+            }),
+            Box::new(|| Ok(std::fs::remove_file(&drop_in)?)),
+            ("meshgate-e2e", &["bridge", "portmap"]),
+        ),
+    ];
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let events: Api<Event> = Api::namespaced(client.clone(), &ns);
+    for (j, (what, spoil, restore, after)) in invalid.into_iter().enumerate() {
+        spoil().with_context(|| format!("writing the layout: {what}"))?;
+        let name = format!("chain-invalid-{j}");
+        let refused = async {
+            agree_on(&node, what, None).await?;
+            let created = pods
+                .create(&PostParams::default(), &pod(&node, &name, false))
+                .await?;
+            let lp = ListParams::default().fields(&format!("involvedObject.name={name}"));
+            let event = poll_until(&format!("the refusal of {name}"), POD_START, || async {
+                let list = events.list(&lp).await?;
+                anyhow::Ok(list.items.into_iter().find(|e| {
+                    matches!(
+                        e.reason.as_deref(),
+                        Some("NetworkNotReady" | "FailedCreatePodSandBox")
+                    )
+                }))
+            })
+            .await?;
+            let uid = created.metadata.uid.unwrap_or_default();
+            anyhow::Ok((event, node.pod_attachments(&uid)?))
+        }
+        .await;
+        let _ = pods
+            .delete(&name, &DeleteParams::default().grace_period(0))
+            .await;
+        restore().with_context(|| format!("undoing the layout: {what}"))?;
+        let (event, ran) = refused.with_context(|| format!("layout \"{what}\""))?;
+        ensure!(
+            ran.is_empty(),
+            "layout \"{what}\": a chain ran for {name} although nothing is loaded: {ran:?}"
+        );
+        eprintln!(
+            "layout \"{what}\": {name} refused ({}: {}); no chain ran",
+            event.reason.unwrap_or_default(),
+            event.message.unwrap_or_default()
+        );
+        agree_on(&node, &format!("{what}, undone"), Some(after)).await?;
+    }
+    node.stop();
+    assert_clean(&client, &node).await
+}
+
+/// The addresses `ran` cached for its interface are on that interface in `pid`'s namespace.
+fn ensure_address(pid: i32, ran: &CachedAttachment) -> anyhow::Result<()> {
+    let shown = in_netns(pid, &["ip", "-o", "addr", "show", "dev", &ran.if_name])?;
+    ensure!(
+        !ran.ips.is_empty()
+            && ran
+                .ips
+                .iter()
+                .all(|ip| shown.split_whitespace().any(|w| w == ip)),
+        "the cached result of {} gave {:?}; {} in the pod's namespace has:\n{shown}",
+        ran.file_name(),
+        ran.ips,
+        ran.if_name
+    );
+    Ok(())
+}
+
+/// The file `check` calls effective, read back: its path and bytes, and, when it is a list,
+/// its CNI 1.1 drop-ins (`<conf dir>/<network name>/*.conf`, in name order).
+struct Effective {
+    path: std::path::PathBuf,
+    bytes: Vec<u8>,
+    drop_ins: Vec<serde_json::Value>,
+}
+
+fn effective_file(node: &RealNode, verdict: &serde_json::Value) -> anyhow::Result<Effective> {
+    let file = verdict["config_file"]
+        .as_str()
+        .with_context(|| format!("check named no effective file: {verdict}"))?;
+    let path = node
+        .cni_conf_dir()
+        .join(Path::new(file).file_name().unwrap_or_default());
+    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    let conf: serde_json::Value = serde_json::from_slice(&bytes)?;
+    let mut drop_ins = Vec::new();
+    if let (Some(name), Some(_)) = (conf["name"].as_str(), conf.get("plugins")) {
+        let dir = node.cni_conf_dir().join(name);
+        if dir.is_dir() {
+            let mut confs: Vec<_> = std::fs::read_dir(&dir)?
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "conf"))
+                .collect();
+            confs.sort();
+            for c in confs {
+                drop_ins.push(serde_json::from_slice(&std::fs::read(&c)?)?);
+            }
+        }
+    }
+    Ok(Effective {
+        path,
+        bytes,
+        drop_ins,
+    })
+}
+
+/// The chain that ran (`eth0`'s cache entry) against `check`'s verdict and its effective file:
+/// `check` reports the file's plugins (then its drop-ins'), and what ran is that file: the
+/// same network, the same plugins in order, the same content. A `.conflist`'s bytes are cached
+/// unchanged; a `.conf` is cached as libcni's `ConfListFromConf` wraps it (`{"cniVersion",
+/// "name", "plugins": [the .conf]}`, re-marshalled), so it is compared as JSON. Returns how
+/// the content matched.
+fn compare_chain(
+    ran: &CachedAttachment,
+    verdict: &serde_json::Value,
+    effective: &Effective,
+) -> anyhow::Result<&'static str> {
+    let file: serde_json::Value = serde_json::from_slice(&effective.bytes)?;
+    let path = effective.path.display();
+    let is_list = file.get("plugins").is_some();
+    let inline: Vec<serde_json::Value> = if is_list {
+        file["plugins"].as_array().cloned().unwrap_or_default()
+    } else {
+        vec![file.clone()]
+    };
+    let types = |ps: &[serde_json::Value]| -> Vec<String> {
+        ps.iter()
+            .map(|p| p["type"].as_str().unwrap_or("<no type>").to_owned())
+            .collect()
+    };
+    let reported: Vec<String> = verdict["plugins"]
+        .as_array()
+        .map(|ps| {
+            ps.iter()
+                .filter_map(|p| p.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    let on_disk = [types(&inline), types(&effective.drop_ins)].concat();
+    ensure!(
+        reported == on_disk,
+        "check reports {reported:?} for {path}, which holds {on_disk:?} (with its drop-ins)"
+    );
+    ensure!(
+        file["name"] == ran.network_name.as_str(),
+        "the network that ran is {:?}; check's effective file {path} is {}",
+        ran.network_name,
+        file["name"]
+    );
+    ensure!(
+        ran.plugins == types(&inline),
+        "the chain that ran is {:?}; check's effective file {path} holds {:?}",
+        ran.plugins,
+        types(&inline)
+    );
+    if is_list {
+        ensure!(
+            ran.config == effective.bytes,
+            "the config list that ran is not {path}:\nran:  {}\nfile: {}",
+            String::from_utf8_lossy(&ran.config),
+            String::from_utf8_lossy(&effective.bytes)
+        );
+        return Ok(if effective.drop_ins.is_empty() {
+            "the config that ran is the file, byte for byte"
+        } else {
+            "the config that ran is the file, byte for byte; libcni caches no drop-in"
+        });
+    }
+    let wrapped = serde_json::json!({
+        "cniVersion": file["cniVersion"], "name": file["name"], "plugins": [file]
+    });
+    let config: serde_json::Value = serde_json::from_slice(&ran.config)?;
+    ensure!(
+        config == wrapped,
+        "the config that ran is not {path} as a list:\nran:  {config}\nfile: {wrapped}"
+    );
+    Ok("the config that ran is the .conf wrapped in a list, equal as JSON")
+}
+
+/// Waits (up to 10 s) until containerd's CRI status and `meshgate-agent check` both name
+/// `want`, and returns `check`'s verdict and the conf dir's entries. containerd reloads on file
+/// events, so a reload may still be in flight; it fails with both views if they never settle.
+async fn agree_on(
+    node: &RealNode,
+    what: &str,
+    want: Option<(&str, &[&str])>,
+) -> anyhow::Result<(serde_json::Value, Vec<String>)> {
+    let mut files: Vec<String> = std::fs::read_dir(node.cni_conf_dir())?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let expected = describe(want);
+    let last = loop {
+        let status = node.cri_cni_status().await?;
+        let (_, verdict) = check_plugins(node, "bridge")?;
+        if containerd_network(&status) == expected && meshgate_network(node, &verdict) == expected {
+            return Ok((verdict, files));
+        }
+        if Instant::now() >= deadline {
+            break (status, verdict);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    bail!(
+        "layout \"{what}\" ({files:?}): expected {expected};\ncontainerd: {} ({})\nmeshgate: {} ({})",
+        containerd_network(&last.0),
+        last.0,
+        meshgate_network(node, &last.1),
+        last.1
+    )
 }
 
 /// What a view says was loaded: `"<network name> [<plugin types>]"`, or `"invalid"` when the
