@@ -1287,17 +1287,36 @@ async fn ctr_at(ctr: &Path, socket: &Path, args: &[&str]) -> Result<String, Stri
     }
 }
 
-/// Deletes every pod bound to `node` and waits (bounded) until the kubelet has stopped them
-/// and the apiserver has removed them.
+/// Drains `node` as `kubectl drain` would: cordons it (so a Deployment's replacements land
+/// elsewhere), deletes every pod bound to it, and waits (bounded) until the kubelet has
+/// stopped those pods and the apiserver has removed them. Only the pods present at the start
+/// are waited for: a DaemonSet's controller recreates its pod at once (it tolerates the
+/// cordon), and the containerd cleanup after the kubelet stops takes that one.
 async fn drain_pods(admin: kube::config::Kubeconfig, node: String) {
     let Ok(client) = client_from(admin, "admin") else {
         return;
     };
+    let nodes: Api<Node> = Api::all(client.clone());
+    let cordon = serde_json::json!({"spec": {"unschedulable": true}});
+    let _ = tokio::time::timeout(
+        wait::API_TIMEOUT,
+        nodes.patch(
+            &node,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&cordon),
+        ),
+    )
+    .await;
     let pods: Api<Pod> = Api::all(client.clone());
     let selector = ListParams::default().fields(&format!("spec.nodeName={node}"));
     let Ok(Ok(list)) = tokio::time::timeout(wait::API_TIMEOUT, pods.list(&selector)).await else {
         return;
     };
+    let uids: Vec<String> = list
+        .items
+        .iter()
+        .filter_map(|p| p.metadata.uid.clone())
+        .collect();
     for pod in &list.items {
         let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) else {
             continue;
@@ -1314,7 +1333,11 @@ async fn drain_pods(admin: kube::config::Kubeconfig, node: String) {
         Duration::from_secs(60),
         || async {
             let left = pods.list(&selector).await?;
-            Ok::<_, kube::Error>(left.items.is_empty().then_some(()))
+            let any_left = left
+                .items
+                .iter()
+                .any(|p| p.metadata.uid.as_ref().is_some_and(|u| uids.contains(u)));
+            Ok::<_, kube::Error>((!any_left).then_some(()))
         },
     )
     .await;
