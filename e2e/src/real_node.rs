@@ -674,8 +674,9 @@ impl RealNode {
         if kubelet_alive {
             run_blocking(drain_pods(admin.clone(), name.clone()));
         }
-        // 2. The kubelet.
+        // 2. The kubelet and kube-proxy.
         self.stop_component("kubelet");
+        self.stop_component("kube-proxy");
         // 3. Containers and tasks the kubelet left (a failed drain), while containerd runs.
         if self
             .procs
