@@ -20,7 +20,7 @@ use kube::api::{
     Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams, WatchEvent,
     WatchParams,
 };
-use meshgate_core::{CONDITION_TYPE, TAINT_KEY};
+use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
 use meshgate_e2e::real_node::{
     BUSYBOX_IMAGE, CONFLIST, REAL_NODE_TAINT, RealNode, host_residue, start_control_plane,
 };
@@ -519,13 +519,18 @@ async fn run_pod(
 
 /// The host pid of the pod's `app` container, from containerd's task list.
 async fn app_pid(node: &RealNode, pod: &Pod) -> anyhow::Result<i32> {
+    container_pid(node, pod, "app").await
+}
+
+/// The host pid of the pod's container `name`, from containerd's task list.
+async fn container_pid(node: &RealNode, pod: &Pod, name: &str) -> anyhow::Result<i32> {
     let id = pod
         .status
         .as_ref()
         .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.name == "app"))
+        .and_then(|cs| cs.iter().find(|c| c.name == name))
         .and_then(|c| c.container_id.clone())
-        .context("the app container has no containerID")?;
+        .with_context(|| format!("the {name} container has no containerID"))?;
     Ok(node.container_pid(&id).await?)
 }
 
@@ -666,7 +671,8 @@ fn istio_log(node: &RealNode) -> String {
 /// kubelet-projected token the ValidatingAdmissionPolicy keys on. Node B then registers: the
 /// webhook's mutating hook taints it at CREATE (in the Node as first stored, seen by a watch
 /// opened before the registration), and B's agent keeps `MeshCNIVerified=False` while B's
-/// conflist lacks istio-cni.
+/// conflist lacks istio-cni. The token the kubelet projected into A's agent may not touch B:
+/// the policy's refusal names A, its node claim.
 #[tokio::test]
 async fn meshgate_installs_from_its_manifests_onto_real_nodes() -> anyhow::Result<()> {
     let _one = ONE_NODE.lock().await;
@@ -771,6 +777,29 @@ async fn meshgate_installs_from_its_manifests_onto_real_nodes() -> anyhow::Resul
     ensure!(
         message.contains("istio-cni"),
         "B's MeshCNIVerified message does not name the missing plugin: {message:?}"
+    );
+
+    // The ValidatingAdmissionPolicy, under the very token the kubelet projected into A's
+    // agent (read through the container's root): A's agent wrote A's verdict above, and the
+    // same token may not touch B. The refusal names A, so the token carries the node claim.
+    let agent_pid = container_pid(&a, &agent_a[0], "agent").await?;
+    let token = std::fs::read_to_string(format!(
+        "/proc/{agent_pid}/root/var/run/secrets/kubernetes.io/serviceaccount/token"
+    ))
+    .context("reading the agent's projected token")?;
+    let as_agent: Api<Node> = Api::all(cp.client_for_token(token.trim())?);
+    let label = serde_json::json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}});
+    let refused = as_agent
+        .patch(b.name(), &PatchParams::default(), &Patch::Merge(&label))
+        .await;
+    let want = format!(
+        "meshgate-agent on node {} may not modify Node {}",
+        a.name(),
+        b.name()
+    );
+    ensure!(
+        matches!(&refused, Err(kube::Error::Api(e)) if e.message.contains(&want)),
+        "A's agent token labelling node B: want the policy's refusal {want:?}, got {refused:?}"
     );
 
     b.stop();
