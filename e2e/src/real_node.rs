@@ -1551,8 +1551,9 @@ pub struct Footprint {
     pub bridge: String,
     /// The kubelet's `cgroupRoot`, present in every cgroup hierarchy.
     pub cgroup_root: String,
-    /// The host side of the node's veth pair (`mgv` + the suffix). Deleting it deletes the
-    /// pair, its address and the route to the node's pods.
+    /// The host side of the node's veth pair (`mgv` + the run dir's hash: the suffix's case,
+    /// which the bridge's name loses, cannot make two runs' names collide). Deleting it
+    /// deletes the pair, its address and the route to the node's pods.
     pub veth: String,
     /// The node's network namespace, bind-mounted on a file in the run dir.
     pub netns_pin: PathBuf,
@@ -1570,7 +1571,7 @@ impl Footprint {
             dir: dir.to_owned(),
             bridge: format!("mg{}", &suffix[..suffix.len().min(10)]),
             cgroup_root: format!("/{DIR_PREFIX}{suffix}"),
-            veth: format!("mgv{}", &suffix[..suffix.len().min(10)]),
+            veth: format!("mgv{:08x}", hostnet::seed(dir)),
             netns_pin: dir.join("netns.pin"),
         }
     }
