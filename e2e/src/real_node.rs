@@ -1767,20 +1767,28 @@ const HOST_PATHS: &[&str] = &[
     "/run/meshgate",
 ];
 
-/// Real nodes alive in this process, and which [`HOST_PATHS`] existed before the first of
-/// them started (a host's own kubelet or containerd may have them).
-static HOST: Mutex<(usize, Option<Vec<PathBuf>>)> = Mutex::new((0, None));
+/// What the host held before the first real node of this process started.
+struct HostBefore {
+    /// The [`HOST_PATHS`] that existed (a host's own kubelet or containerd may have them).
+    paths: Vec<PathBuf>,
+    /// Its kube-proxy nftables tables (a host that is itself a node may have them).
+    tables: Vec<String>,
+}
+
+/// Real nodes alive in this process, and what the host held before the first of them.
+static HOST: Mutex<(usize, Option<HostBefore>)> = Mutex::new((0, None));
 
 fn host_paths_acquire() {
     let mut host = HOST.lock().unwrap_or_else(|p| p.into_inner());
     if host.1.is_none() {
-        host.1 = Some(
-            HOST_PATHS
+        host.1 = Some(HostBefore {
+            paths: HOST_PATHS
                 .iter()
                 .map(PathBuf::from)
                 .filter(|p| p.exists())
                 .collect(),
-        );
+            tables: host_kube_proxy_tables(),
+        });
     }
     host.0 += 1;
 }
@@ -1790,9 +1798,27 @@ fn host_paths_release() {
     host.0 = host.0.saturating_sub(1);
 }
 
-/// Standard node paths that appeared on the host since the first real node of this process
-/// started; empty when the nodes kept to their mount namespaces. While a real node runs, that
-/// is reported as the first line: the check means something only once every node stopped.
+/// The host's nftables tables named `kube-proxy` (`table ip kube-proxy`, `table ip6
+/// kube-proxy`): kube-proxy's nftables mode writes only those, so a kube-proxy that escaped
+/// its node's network namespace would show here.
+fn host_kube_proxy_tables() -> Vec<String> {
+    std::process::Command::new("nft")
+        .args(["list", "tables"])
+        .output()
+        .map(|out| {
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .filter(|l| l.trim_end().ends_with(" kube-proxy"))
+                .map(|l| l.trim().to_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Standard node paths and kube-proxy tables that appeared on the host since the first real
+/// node of this process started; empty when the nodes kept to their namespaces. While a real
+/// node runs, that is reported as the first line: the check means something only once every
+/// node stopped.
 pub fn host_residue() -> Vec<String> {
     let host = HOST.lock().unwrap_or_else(|p| p.into_inner());
     if host.0 > 0 {
@@ -1801,13 +1827,22 @@ pub fn host_residue() -> Vec<String> {
             host.0
         )];
     }
-    let before = host.1.clone().unwrap_or_default();
-    HOST_PATHS
+    let Some(before) = host.1.as_ref() else {
+        return Vec::new();
+    };
+    let mut left: Vec<String> = HOST_PATHS
         .iter()
         .map(PathBuf::from)
-        .filter(|p| p.exists() && !before.contains(p))
+        .filter(|p| p.exists() && !before.paths.contains(p))
         .map(|p| format!("host path {}", p.display()))
-        .collect()
+        .collect();
+    left.extend(
+        host_kube_proxy_tables()
+            .into_iter()
+            .filter(|t| !before.tables.contains(t))
+            .map(|t| format!("host nftables {t}")),
+    );
+    left
 }
 
 type Job = Box<dyn FnOnce() + Send>;
