@@ -47,12 +47,13 @@ async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() ->
         .context("the real node did not come up")?;
     let times = node.times();
     eprintln!(
-        "real node {}: containerd {:?}, images {:?}, kubelet→registered {:?}, registered→Ready {:?}",
+        "real node {}: containerd {:?}, images {:?}, kubelet→registered {:?}, registered→Ready {:?}, Ready→kube-proxy's rules {:?}",
         node.name(),
         times.containerd,
         times.images,
         times.registered,
-        times.ready_after_registration
+        times.ready_after_registration,
+        times.kube_proxy_after_ready
     );
     let ns = cp.create_namespace(&client, "real-node").await?;
 
