@@ -1386,6 +1386,24 @@ mod tests {
         assert!(live.exists() && foreign.exists() && ownerless.exists());
     }
 
+    /// A routable control plane killed outright leaves its link on the host: the next run's
+    /// sweep removes it with the directory. Needs root, like the real-node sweep test.
+    #[test]
+    fn a_dead_routable_runs_link_is_swept() {
+        crate::paths::require_root().expect("the link sweep test needs root");
+        let base = tempfile::tempdir_in("/dev/shm").unwrap();
+        let dead = base.path().join("meshgate-e2e-deadlink");
+        std::fs::create_dir(&dead).unwrap();
+        std::fs::write(dead.join(OWNER_FILE), "1 18446744073709551615\n").unwrap();
+        let link = link_name(&dead);
+        let address = add_dummy(&dead, &link).unwrap();
+        assert!(address.octets()[..2] == [10, 203], "{address}");
+        assert!(hostnet::link_exists(&link));
+        sweep_stale(base.path());
+        assert!(!dead.exists());
+        assert!(!hostnet::link_exists(&link), "{link} left behind");
+    }
+
     #[test]
     fn remove_layout_leaves_foreign_files() {
         let dir = tempfile::tempdir().unwrap();

@@ -723,8 +723,9 @@ impl RealNode {
         if kubelet_alive {
             run_blocking(drain_pods(admin.clone(), name.clone()));
         }
-        // 2. The kubelet.
+        // 2. The kubelet and kube-proxy.
         self.stop_component("kubelet");
+        self.stop_component("kube-proxy");
         // 3. Containers and tasks the kubelet left (a failed drain), while containerd runs.
         if self
             .procs
@@ -1481,17 +1482,36 @@ async fn ctr_at(ctr: &Path, socket: &Path, args: &[&str]) -> Result<String, Stri
     }
 }
 
-/// Deletes every pod bound to `node` and waits (bounded) until the kubelet has stopped them
-/// and the apiserver has removed them.
+/// Drains `node` as `kubectl drain` would: cordons it (so a Deployment's replacements land
+/// elsewhere), deletes every pod bound to it, and waits (bounded) until the kubelet has
+/// stopped those pods and the apiserver has removed them. Only the pods present at the start
+/// are waited for: a DaemonSet's controller recreates its pod at once (it tolerates the
+/// cordon), and the containerd cleanup after the kubelet stops takes that one.
 async fn drain_pods(admin: kube::config::Kubeconfig, node: String) {
     let Ok(client) = client_from(admin, "admin") else {
         return;
     };
+    let nodes: Api<Node> = Api::all(client.clone());
+    let cordon = serde_json::json!({"spec": {"unschedulable": true}});
+    let _ = tokio::time::timeout(
+        wait::API_TIMEOUT,
+        nodes.patch(
+            &node,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&cordon),
+        ),
+    )
+    .await;
     let pods: Api<Pod> = Api::all(client.clone());
     let selector = ListParams::default().fields(&format!("spec.nodeName={node}"));
     let Ok(Ok(list)) = tokio::time::timeout(wait::API_TIMEOUT, pods.list(&selector)).await else {
         return;
     };
+    let uids: Vec<String> = list
+        .items
+        .iter()
+        .filter_map(|p| p.metadata.uid.clone())
+        .collect();
     for pod in &list.items {
         let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) else {
             continue;
@@ -1508,7 +1528,11 @@ async fn drain_pods(admin: kube::config::Kubeconfig, node: String) {
         Duration::from_secs(60),
         || async {
             let left = pods.list(&selector).await?;
-            Ok::<_, kube::Error>(left.items.is_empty().then_some(()))
+            let any_left = left
+                .items
+                .iter()
+                .any(|p| p.metadata.uid.as_ref().is_some_and(|u| uids.contains(u)));
+            Ok::<_, kube::Error>((!any_left).then_some(()))
         },
     )
     .await;
@@ -1721,8 +1745,9 @@ pub struct Footprint {
     pub bridge: String,
     /// The kubelet's `cgroupRoot`, present in every cgroup hierarchy.
     pub cgroup_root: String,
-    /// The host side of the node's veth pair (`mgv` + the suffix). Deleting it deletes the
-    /// pair, its address and the route to the node's pods.
+    /// The host side of the node's veth pair (`mgv` + the run dir's hash: the suffix's case,
+    /// which the bridge's name loses, cannot make two runs' names collide). Deleting it
+    /// deletes the pair, its address and the route to the node's pods.
     pub veth: String,
     /// The node's network namespace, bind-mounted on a file in the run dir.
     pub netns_pin: PathBuf,
@@ -1740,7 +1765,7 @@ impl Footprint {
             dir: dir.to_owned(),
             bridge: format!("mg{}", &suffix[..suffix.len().min(10)]),
             cgroup_root: format!("/{DIR_PREFIX}{suffix}"),
-            veth: format!("mgv{}", &suffix[..suffix.len().min(10)]),
+            veth: format!("mgv{:08x}", hostnet::seed(dir)),
             netns_pin: dir.join("netns.pin"),
         }
     }
@@ -1936,20 +1961,28 @@ const HOST_PATHS: &[&str] = &[
     "/run/meshgate",
 ];
 
-/// Real nodes alive in this process, and which [`HOST_PATHS`] existed before the first of
-/// them started (a host's own kubelet or containerd may have them).
-static HOST: Mutex<(usize, Option<Vec<PathBuf>>)> = Mutex::new((0, None));
+/// What the host held before the first real node of this process started.
+struct HostBefore {
+    /// The [`HOST_PATHS`] that existed (a host's own kubelet or containerd may have them).
+    paths: Vec<PathBuf>,
+    /// Its kube-proxy nftables tables (a host that is itself a node may have them).
+    tables: Vec<String>,
+}
+
+/// Real nodes alive in this process, and what the host held before the first of them.
+static HOST: Mutex<(usize, Option<HostBefore>)> = Mutex::new((0, None));
 
 fn host_paths_acquire() {
     let mut host = HOST.lock().unwrap_or_else(|p| p.into_inner());
     if host.1.is_none() {
-        host.1 = Some(
-            HOST_PATHS
+        host.1 = Some(HostBefore {
+            paths: HOST_PATHS
                 .iter()
                 .map(PathBuf::from)
                 .filter(|p| p.exists())
                 .collect(),
-        );
+            tables: host_kube_proxy_tables(),
+        });
     }
     host.0 += 1;
 }
@@ -1959,9 +1992,27 @@ fn host_paths_release() {
     host.0 = host.0.saturating_sub(1);
 }
 
-/// Standard node paths that appeared on the host since the first real node of this process
-/// started; empty when the nodes kept to their mount namespaces. While a real node runs, that
-/// is reported as the first line: the check means something only once every node stopped.
+/// The host's nftables tables named `kube-proxy` (`table ip kube-proxy`, `table ip6
+/// kube-proxy`): kube-proxy's nftables mode writes only those, so a kube-proxy that escaped
+/// its node's network namespace would show here.
+fn host_kube_proxy_tables() -> Vec<String> {
+    std::process::Command::new("nft")
+        .args(["list", "tables"])
+        .output()
+        .map(|out| {
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .filter(|l| l.trim_end().ends_with(" kube-proxy"))
+                .map(|l| l.trim().to_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Standard node paths and kube-proxy tables that appeared on the host since the first real
+/// node of this process started; empty when the nodes kept to their namespaces. While a real
+/// node runs, that is reported as the first line: the check means something only once every
+/// node stopped.
 pub fn host_residue() -> Vec<String> {
     let host = HOST.lock().unwrap_or_else(|p| p.into_inner());
     if host.0 > 0 {
@@ -1970,13 +2021,22 @@ pub fn host_residue() -> Vec<String> {
             host.0
         )];
     }
-    let before = host.1.clone().unwrap_or_default();
-    HOST_PATHS
+    let Some(before) = host.1.as_ref() else {
+        return Vec::new();
+    };
+    let mut left: Vec<String> = HOST_PATHS
         .iter()
         .map(PathBuf::from)
-        .filter(|p| p.exists() && !before.contains(p))
+        .filter(|p| p.exists() && !before.paths.contains(p))
         .map(|p| format!("host path {}", p.display()))
-        .collect()
+        .collect();
+    left.extend(
+        host_kube_proxy_tables()
+            .into_iter()
+            .filter(|t| !before.tables.contains(t))
+            .map(|t| format!("host nftables {t}")),
+    );
+    left
 }
 
 type Job = Box<dyn FnOnce() + Send>;

@@ -474,11 +474,17 @@ async fn wait_metric(agent: std::net::SocketAddr, name: &str, at_least: f64) -> 
         let (_, body) = crate::node_sim::http_get(agent, "/metrics")
             .await
             .context("the agent's /metrics did not answer")?;
-        anyhow::Ok(
-            sample(&body, name)
-                .is_some_and(|v| v >= at_least)
-                .then_some(()),
-        )
+        match sample(&body, name) {
+            Some(v) if v >= at_least => Ok(Some(())),
+            // Not yet: what the agent reports about pods, for the timeout message.
+            value => bail!(
+                "{name} is {value:?}; {}",
+                body.lines()
+                    .filter(|l| l.starts_with("meshgate_pod") && !l.contains("_bucket{"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ),
+        }
     })
     .await?;
     Ok(())

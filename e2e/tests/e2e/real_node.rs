@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Event, Node, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use kube::Client;
@@ -20,7 +21,7 @@ use kube::api::{
     Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams, WatchEvent,
     WatchParams,
 };
-use meshgate_core::{CONDITION_TYPE, TAINT_KEY};
+use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
 use meshgate_e2e::real_node::{
     BUSYBOX_IMAGE, CONFLIST, CachedAttachment, REAL_NODE_TAINT, RealNode, host_residue,
     start_control_plane,
@@ -49,12 +50,13 @@ async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() ->
         .context("the real node did not come up")?;
     let times = node.times();
     eprintln!(
-        "real node {}: containerd {:?}, images {:?}, kubelet→registered {:?}, registered→Ready {:?}",
+        "real node {}: containerd {:?}, images {:?}, kubelet→registered {:?}, registered→Ready {:?}, Ready→kube-proxy's rules {:?}",
         node.name(),
         times.containerd,
         times.images,
         times.registered,
-        times.ready_after_registration
+        times.ready_after_registration,
+        times.kube_proxy_after_ready
     );
     let ns = cp.create_namespace(&client, "real-node").await?;
 
@@ -798,6 +800,11 @@ async fn assert_clean(client: &Client, node: &RealNode) -> anyhow::Result<()> {
 /// container running as 1337 and the `sidecar.istio.io/status` annotation, which is what
 /// istio-cni's plugin checks before it programs the redirect.
 fn pod(node: &RealNode, name: &str, meshed: bool) -> Pod {
+    pod_for(node.name(), name, meshed)
+}
+
+/// [`pod`] for the node named `node`.
+fn pod_for(node: &str, name: &str, meshed: bool) -> Pod {
     let container = |cname: &str, uid: Option<i64>| {
         serde_json::json!({
             "name": cname,
@@ -828,7 +835,7 @@ fn pod(node: &RealNode, name: &str, meshed: bool) -> Pod {
         "kind": "Pod",
         "metadata": {"name": name, "labels": labels, "annotations": annotations},
         "spec": {
-            "nodeName": node.name(),
+            "nodeName": node,
             "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
             "automountServiceAccountToken": false,
             "enableServiceLinks": false,
@@ -879,13 +886,18 @@ async fn run_pod(
 
 /// The host pid of the pod's `app` container, from containerd's task list.
 async fn app_pid(node: &RealNode, pod: &Pod) -> anyhow::Result<i32> {
+    container_pid(node, pod, "app").await
+}
+
+/// The host pid of the pod's container `name`, from containerd's task list.
+async fn container_pid(node: &RealNode, pod: &Pod, name: &str) -> anyhow::Result<i32> {
     let id = pod
         .status
         .as_ref()
         .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.name == "app"))
+        .and_then(|cs| cs.iter().find(|c| c.name == name))
         .and_then(|c| c.container_id.clone())
-        .context("the app container has no containerID")?;
+        .with_context(|| format!("the {name} container has no containerID"))?;
     Ok(node.container_pid(&id).await?)
 }
 
@@ -1026,7 +1038,8 @@ fn istio_log(node: &RealNode) -> String {
 /// kubelet-projected token the ValidatingAdmissionPolicy keys on. Node B then registers: the
 /// webhook's mutating hook taints it at CREATE (in the Node as first stored, seen by a watch
 /// opened before the registration), and B's agent keeps `MeshCNIVerified=False` while B's
-/// conflist lacks istio-cni.
+/// conflist lacks istio-cni. The token the kubelet projected into A's agent may not touch B:
+/// the policy's refusal names A, its node claim.
 #[tokio::test]
 async fn meshgate_installs_from_its_manifests_onto_real_nodes() -> anyhow::Result<()> {
     let _one = ONE_NODE.lock().await;
@@ -1040,30 +1053,8 @@ async fn meshgate_installs_from_its_manifests_onto_real_nodes() -> anyhow::Resul
     // cluster is dedicated, and the webhook's Deployment tolerates only meshgate's taint.
     remove_taint(&client, a.name(), REAL_NODE_TAINT).await?;
 
-    // The operator's steps: TLS material, then the kustomization.
-    let tree = cp.dir().join("install");
-    crate::rbac::copy_tree(
-        &crate::rbac::repo_root().join("manifests"),
-        &tree.join("manifests"),
-    )?;
-    crate::rbac::copy_tree(
-        &crate::rbac::repo_root().join("e2e/overlay"),
-        &tree.join("e2e/overlay"),
-    )?;
-    let out = std::process::Command::new("bash")
-        .arg(tree.join("manifests/tls/generate.sh"))
-        .output()
-        .context("running manifests/tls/generate.sh")?;
-    ensure!(
-        out.status.success(),
-        "generate.sh failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let installed = Instant::now();
-    let overlay = tree.join("e2e/overlay");
-    cp.kubectl(&["apply", "-k", overlay.to_str().context("overlay path")?])
-        .await
-        .context("kubectl apply -k e2e/overlay")?;
+    install_meshgate(cp).await?;
 
     // The webhook's two replicas and A's agent become Ready on A.
     let webhook = wait_ready_pods(&client, &a, "meshgate-webhook", None, 2).await?;
@@ -1153,6 +1144,29 @@ async fn meshgate_installs_from_its_manifests_onto_real_nodes() -> anyhow::Resul
     ensure!(
         message.contains("istio-cni"),
         "B's MeshCNIVerified message does not name the missing plugin: {message:?}"
+    );
+
+    // The ValidatingAdmissionPolicy, under the very token the kubelet projected into A's
+    // agent (read through the container's root): A's agent wrote A's verdict above, and the
+    // same token may not touch B. The refusal names A, so the token carries the node claim.
+    let agent_pid = container_pid(&a, &agent_a[0], "agent").await?;
+    let token = std::fs::read_to_string(format!(
+        "/proc/{agent_pid}/root/var/run/secrets/kubernetes.io/serviceaccount/token"
+    ))
+    .context("reading the agent's projected token")?;
+    let as_agent: Api<Node> = Api::all(cp.client_for_token(token.trim())?);
+    let label = serde_json::json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}});
+    let refused = as_agent
+        .patch(b.name(), &PatchParams::default(), &Patch::Merge(&label))
+        .await;
+    let want = format!(
+        "meshgate-agent on node {} may not modify Node {}",
+        a.name(),
+        b.name()
+    );
+    ensure!(
+        matches!(&refused, Err(kube::Error::Api(e)) if e.message.contains(&want)),
+        "A's agent token labelling node B: want the policy's refusal {want:?}, got {refused:?}"
     );
 
     b.stop();
@@ -1346,4 +1360,392 @@ async fn meshgate_from_its_manifests_gates_real_nodes_through_the_whole_story() 
     let left = host_residue();
     ensure!(left.is_empty(), "left behind after the story: {left:?}");
     Ok(())
+}
+
+/// The operator's steps: the TLS material (manifests/tls/generate.sh), then `kubectl apply -k`
+/// of the e2e overlay, both in a copy of the tree inside the control plane's directory.
+async fn install_meshgate(cp: &meshgate_e2e::ControlPlane) -> anyhow::Result<()> {
+    let tree = cp.dir().join("install");
+    crate::rbac::copy_tree(
+        &crate::rbac::repo_root().join("manifests"),
+        &tree.join("manifests"),
+    )?;
+    crate::rbac::copy_tree(
+        &crate::rbac::repo_root().join("e2e/overlay"),
+        &tree.join("e2e/overlay"),
+    )?;
+    let out = std::process::Command::new("bash")
+        .arg(tree.join("manifests/tls/generate.sh"))
+        .output()
+        .context("running manifests/tls/generate.sh")?;
+    ensure!(
+        out.status.success(),
+        "generate.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let overlay = tree.join("e2e/overlay");
+    cp.kubectl(&["apply", "-k", overlay.to_str().context("overlay path")?])
+        .await
+        .context("kubectl apply -k e2e/overlay")?;
+    Ok(())
+}
+
+/// The story on real nodes (issue 12, item 5), meshgate installed from its manifests:
+/// - S3: a meshed Deployment (Istio's sidecar shape, tolerating meshgate's taint) runs on node
+///   A before meshgate exists, through the bridge CNI alone: no redirect rules.
+/// - Install: A's agent judges the pod `missing` and evicts it through the Eviction API
+///   (Event, metric); the Deployment's replacement stays unbound while A is unverified (the
+///   webhook refuses the binding).
+/// - S1: istio-cni chained on A the installer's way: A untainted; the replacement binds, gets
+///   its rules from istio-cni and inspects `redirected`; the agent leaves it alone.
+/// - S4: the conflist rewritten without istio-cni: A re-tainted.
+/// - Restart: A's agent pod deleted and recreated by its DaemonSet: nothing evicted twice and
+///   A stays tainted.
+/// - native_nftables: node B, istio-cni in native nftables mode, a meshed pod there inspects
+///   `redirected`.
+#[tokio::test]
+async fn the_story_on_real_nodes_with_meshgate_from_its_manifests() -> anyhow::Result<()> {
+    let _one = ONE_NODE.lock().await;
+    let cp = &start_control_plane().await?;
+    let client = cp.client()?;
+    let a = RealNode::start(cp)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .context("node A did not come up")?;
+    remove_taint(&client, a.name(), REAL_NODE_TAINT).await?;
+    let ns = cp.create_namespace(&client, "story").await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+
+    // S3: the meshed Deployment starts on A before meshgate: the bridge CNI only, no rules.
+    create_meshed_deployment(&client, &ns, "meshed", a.name()).await?;
+    let first = wait_running_pod(&client, &a, &ns, "meshed", None).await?;
+    let first_uid = first.metadata.uid.clone().unwrap_or_default();
+    let (code, verdict) = inspect(app_pid(&a, &first).await?)?;
+    ensure!(
+        code == Some(1) && verdict == "missing",
+        "the S3 pod must have no rules before meshgate: exit {code:?}, {verdict}"
+    );
+
+    // Install. A's agent evicts the S3 pod through the Eviction API.
+    let installed = Instant::now();
+    install_meshgate(cp).await?;
+    wait_ready_pods(&client, &a, "meshgate-agent", Some(a.name()), 1).await?;
+    wait_ready_pods(&client, &a, "meshgate-webhook", None, 2).await?;
+    poll_until("the S3 pod evicted", Duration::from_secs(90), || async {
+        let gone = match pods
+            .get_opt(first.metadata.name.as_deref().unwrap_or_default())
+            .await?
+        {
+            None => true,
+            Some(p) => {
+                p.metadata.uid.as_deref() != Some(&first_uid)
+                    || p.metadata.deletion_timestamp.is_some()
+            }
+        };
+        anyhow::Ok(gone.then_some(()))
+    })
+    .await
+    .with_context(|| format!("agent log:\n{}", pod_logs(&a, "meshgate-system")))?;
+    eprintln!("install → S3 pod evicted: {:?}", installed.elapsed());
+    let events = pod_events(&client, &ns, &first_uid).await?;
+    ensure!(
+        events
+            .iter()
+            .any(|(reason, action, _)| reason == "MeshRedirectMissing" && action == "Evict"),
+        "no MeshRedirectMissing/Evict Event for the S3 pod: {events:?}"
+    );
+    let metrics = admin_get(&a, 9990, "/metrics").await?;
+    ensure!(
+        metrics.contains("meshgate_pods_evicted_total{profile=\"istio\"} 1"),
+        "A's agent does not count the eviction:\n{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("evict"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+
+    // The replacement stays unbound while A is unverified: the webhook refuses the binding.
+    let replacement = wait_replacement(&pods, &first_uid).await?;
+    let name = replacement.metadata.name.clone().unwrap_or_default();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let p = pods.get(&name).await?;
+    ensure!(
+        on_node(&p).is_none(),
+        "the replacement was bound to {:?} while A is unverified",
+        on_node(&p)
+    );
+    let refusals = pod_events(&client, &ns, p.metadata.uid.as_deref().unwrap_or_default()).await?;
+    ensure!(
+        refusals
+            .iter()
+            .any(|(_, _, note)| note.contains("meshgate")),
+        "no scheduling Event names meshgate's refusal of the binding: {refusals:?}"
+    );
+
+    // S1: istio-cni chained the installer's way: A untainted, the replacement binds and gets
+    // its rules from istio-cni itself.
+    let kubeconfig = istio_cni_kubeconfig(cp, &client, &ns).await?;
+    let written = Instant::now();
+    a.install_istio_cni(&kubeconfig, false)?;
+    let node_a = wait_verdict(&client, a.name(), true).await?;
+    ensure!(
+        !has_taint(&node_a, TAINT_KEY),
+        "A still tainted after istio-cni was chained"
+    );
+    eprintln!("istio-cni written → A untainted: {:?}", written.elapsed());
+    let second = wait_running_pod(&client, &a, &ns, "meshed", Some(&first_uid)).await?;
+    eprintln!(
+        "istio-cni written → the replacement running: {:?}",
+        written.elapsed()
+    );
+    let second_uid = second.metadata.uid.clone().unwrap_or_default();
+    let (code, verdict) = inspect(app_pid(&a, &second).await?)?;
+    ensure!(
+        code == Some(0) && verdict == "redirected",
+        "the replacement must inspect as redirected: exit {code:?}, {verdict}; istio-cni's log:\n{}",
+        istio_log(&a)
+    );
+    ensure!(
+        istio_log(&a).contains(&name),
+        "istio-cni's log does not name the replacement {name}"
+    );
+
+    // S4: the conflist rewritten without istio-cni: A re-tainted.
+    let drifted = Instant::now();
+    a.remove_istio_cni()?;
+    let node_a = wait_verdict(&client, a.name(), false).await?;
+    ensure!(
+        has_taint(&node_a, TAINT_KEY),
+        "A not re-tainted after the drift"
+    );
+    eprintln!("drift → A re-tainted: {:?}", drifted.elapsed());
+
+    // Restart: A's agent pod deleted; its DaemonSet recreates it. Nothing is evicted twice
+    // (the replacement keeps its rules and its UID) and A stays tainted.
+    let agents: Api<Pod> = Api::namespaced(client.clone(), "meshgate-system");
+    let old_agent = wait_ready_pods(&client, &a, "meshgate-agent", Some(a.name()), 1).await?;
+    let old_name = old_agent[0].metadata.name.clone().unwrap_or_default();
+    agents.delete(&old_name, &DeleteParams::default()).await?;
+    let restarted = Instant::now();
+    poll_until(
+        "A's agent pod recreated and Ready",
+        Duration::from_secs(90),
+        || async {
+            let ready = wait_ready_pods(&client, &a, "meshgate-agent", Some(a.name()), 1).await?;
+            anyhow::Ok(
+                ready
+                    .iter()
+                    .any(|p| p.metadata.name.as_deref() != Some(&old_name))
+                    .then_some(()),
+            )
+        },
+    )
+    .await?;
+    eprintln!(
+        "agent pod deleted → its replacement Ready: {:?}",
+        restarted.elapsed()
+    );
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let node_a = nodes_get(&client, a.name()).await?;
+    ensure!(
+        has_taint(&node_a, TAINT_KEY),
+        "A was untainted by the restarted agent"
+    );
+    let still = pods.get_opt(&name).await?;
+    ensure!(
+        still.as_ref().and_then(|p| p.metadata.uid.clone()) == Some(second_uid.clone())
+            && still
+                .as_ref()
+                .is_some_and(|p| p.metadata.deletion_timestamp.is_none()),
+        "the redirected replacement was evicted or replaced after the agent restart"
+    );
+    let all_events = ns_events(&client, &ns).await?;
+    let evictions = all_events
+        .iter()
+        .filter(|(reason, action, _)| reason == "MeshRedirectMissing" && action == "Evict")
+        .count();
+    ensure!(
+        evictions == 1,
+        "{evictions} evictions recorded, want 1: {all_events:?}"
+    );
+
+    // native_nftables: node B, istio-cni in its native nftables mode.
+    let b = RealNode::start(cp)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .context("node B did not come up")?;
+    wait_ready_pods(&client, &b, "meshgate-agent", Some(b.name()), 1).await?;
+    wait_verdict(&client, b.name(), false).await?;
+    b.install_istio_cni(&kubeconfig, true)?;
+    wait_verdict(&client, b.name(), true).await?;
+    create_meshed_deployment(&client, &ns, "meshed-nft", b.name()).await?;
+    let nft = wait_running_pod(&client, &b, &ns, "meshed-nft", None).await?;
+    let pid = app_pid(&b, &nft).await?;
+    let ruleset = in_netns(pid, &["nft", "list", "ruleset"])?;
+    ensure!(
+        ruleset.contains("istio"),
+        "istio-cni's nftables tables are not in the pod's namespace:\n{ruleset}"
+    );
+    let (code, verdict) = inspect(pid)?;
+    ensure!(
+        code == Some(0) && verdict == "redirected",
+        "the native_nftables pod must inspect as redirected: exit {code:?}, {verdict}"
+    );
+
+    b.stop();
+    a.stop();
+    assert_clean(&client, &b).await?;
+    assert_clean(&client, &a).await
+}
+
+async fn nodes_get(client: &Client, name: &str) -> anyhow::Result<Node> {
+    Ok(Api::<Node>::all(client.clone()).get(name).await?)
+}
+
+/// A Deployment of one Istio-sidecar-shaped pod (see [`pod`]) for `node`: selected there by
+/// its hostname label, so the scheduler binds it (and the webhook sees the binding); it
+/// tolerates meshgate's taint, so only the webhook keeps it off an unverified node.
+async fn create_meshed_deployment(
+    client: &Client,
+    ns: &str,
+    app: &str,
+    node: &str,
+) -> anyhow::Result<()> {
+    let mut template = serde_json::to_value(pod_for(node, app, true))?;
+    let spec = template["spec"].as_object_mut().context("pod spec")?;
+    spec.remove("nodeName");
+    spec.insert(
+        "nodeSelector".into(),
+        serde_json::json!({"kubernetes.io/hostname": node}),
+    );
+    spec.insert(
+        "tolerations".into(),
+        serde_json::json!([
+            {"key": REAL_NODE_TAINT, "operator": "Exists"},
+            {"key": TAINT_KEY, "operator": "Exists"},
+        ]),
+    );
+    let deployment: Deployment = serde_json::from_value(serde_json::json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": app},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": app}},
+            "template": {"metadata": template["metadata"], "spec": template["spec"]},
+        }
+    }))?;
+    Api::<Deployment>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &deployment)
+        .await?;
+    Ok(())
+}
+
+/// The running pod of Deployment `app` on `node` (one other than `not_uid`).
+async fn wait_running_pod(
+    client: &Client,
+    node: &RealNode,
+    ns: &str,
+    app: &str,
+    not_uid: Option<&str>,
+) -> anyhow::Result<Pod> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let lp = ListParams::default().labels(&format!("app={app}"));
+    poll_until(
+        &format!("a running {app} pod"),
+        Duration::from_secs(120),
+        || async {
+            let list = pods.list(&lp).await?;
+            let found = list.items.into_iter().find(|p| {
+                p.metadata.uid.as_deref() != not_uid
+                    && p.metadata.deletion_timestamp.is_none()
+                    && on_node(p) == Some(node.name())
+                    && p.status
+                        .as_ref()
+                        .and_then(|s| s.container_statuses.as_ref())
+                        .is_some_and(|cs| {
+                            !cs.is_empty()
+                                && cs
+                                    .iter()
+                                    .all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
+                        })
+            });
+            anyhow::Ok(found)
+        },
+    )
+    .await
+    .with_context(|| format!("kubelet:\n{}", node.log_tail("kubelet", 30)))
+}
+
+/// The Deployment's pod that replaced the one with `uid`.
+async fn wait_replacement(pods: &Api<Pod>, uid: &str) -> anyhow::Result<Pod> {
+    poll_until("the replacement pod", Duration::from_secs(60), || async {
+        let list = pods
+            .list(&ListParams::default().labels("app=meshed"))
+            .await?;
+        anyhow::Ok(list.items.into_iter().find(|p| {
+            p.metadata.uid.as_deref() != Some(uid) && p.metadata.deletion_timestamp.is_none()
+        }))
+    })
+    .await
+    .map_err(Into::into)
+}
+
+/// (reason, action, note) of the events.k8s.io Events regarding the object with `uid`.
+async fn pod_events(
+    client: &Client,
+    ns: &str,
+    uid: &str,
+) -> anyhow::Result<Vec<(String, String, String)>> {
+    let list = Api::<k8s_openapi::api::events::v1::Event>::namespaced(client.clone(), ns)
+        .list(&ListParams::default())
+        .await?;
+    Ok(list
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.uid.as_deref()) == Some(uid))
+        .map(|e| {
+            (
+                e.reason.unwrap_or_default(),
+                e.action.unwrap_or_default(),
+                e.note.unwrap_or_default(),
+            )
+        })
+        .collect())
+}
+
+/// (reason, action, note) of every events.k8s.io Event in `ns`.
+async fn ns_events(client: &Client, ns: &str) -> anyhow::Result<Vec<(String, String, String)>> {
+    let list = Api::<k8s_openapi::api::events::v1::Event>::namespaced(client.clone(), ns)
+        .list(&ListParams::default())
+        .await?;
+    Ok(list
+        .items
+        .into_iter()
+        .map(|e| {
+            (
+                e.reason.unwrap_or_default(),
+                e.action.unwrap_or_default(),
+                e.note.unwrap_or_default(),
+            )
+        })
+        .collect())
+}
+
+/// GET `path` from a hostNetwork admin port on the node (its address is routed from the
+/// host), plain HTTP/1.0, bounded.
+async fn admin_get(node: &RealNode, port: u16, path: &str) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let io = async {
+        let mut s = tokio::net::TcpStream::connect((node.node_ip(), port)).await?;
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: node\r\n\r\n").as_bytes())
+            .await?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).await?;
+        anyhow::Ok(out)
+    };
+    tokio::time::timeout(Duration::from_secs(10), io)
+        .await
+        .context("the admin port did not answer within 10 s")?
 }
