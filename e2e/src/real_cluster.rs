@@ -177,6 +177,16 @@ impl RealCluster {
         }
     }
 
+    /// The ends of meshgate's container logs on every node, for failure messages.
+    pub fn meshgate_logs(&self) -> String {
+        let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        nodes
+            .iter()
+            .map(|n| format!("meshgate's logs on {}:\n{}", n.name(), n.pod_logs(SYSTEM_NAMESPACE)))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
     async fn agent_pods(&self, node: &RealNode) -> Result<Vec<Pod>, Error> {
         let pods: Api<Pod> = Api::namespaced(self.cp.client()?, SYSTEM_NAMESPACE);
         let lp = pods_of("meshgate-agent", Some(node));

@@ -120,6 +120,14 @@ pub async fn run(n: &dyn Narrator) -> anyhow::Result<Outcome> {
     crate::paths::require_root()?;
     n.say("starting etcd, kube-apiserver, kube-controller-manager and kube-scheduler");
     let cluster = RealCluster::start().await?;
+    match steps(&cluster, n).await {
+        Ok(outcome) => Ok(outcome),
+        // What meshgate itself logged explains most failures: keep it before the teardown.
+        Err(e) => Err(e.context(cluster.meshgate_logs())),
+    }
+}
+
+async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcome> {
     let cp = cluster.control_plane();
     let client = cp.client()?;
     n.say(&format!(
@@ -166,7 +174,7 @@ pub async fn run(n: &dyn Narrator) -> anyhow::Result<Outcome> {
         installed.elapsed().as_secs_f64(),
         a.name()
     ));
-    n.detail(&system_pods(&cluster).await?);
+    n.detail(&system_pods(cluster).await?);
     let gated = wait_node(&client, a.name(), "gated", |n| {
         tainted(n) && gate_condition(n).is_some_and(|c| c.0 == "False")
     })
@@ -176,7 +184,7 @@ pub async fn run(n: &dyn Narrator) -> anyhow::Result<Outcome> {
         "agent: {} gated — taint {TAINT_KEY}:NoSchedule, {CONDITION_TYPE}=False ({reason})",
         a.name()
     ));
-    n.detail(&describe_excerpt(&cluster, a.name()).await?);
+    n.detail(&describe_excerpt(cluster, a.name()).await?);
 
     let first_uid = first.uid().unwrap_or_default();
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
@@ -279,7 +287,7 @@ pub async fn run(n: &dyn Narrator) -> anyhow::Result<Outcome> {
         a.name(),
         untaint.as_millis()
     ));
-    n.detail(&describe_excerpt(&cluster, a.name()).await?);
+    n.detail(&describe_excerpt(cluster, a.name()).await?);
 
     let replacement = running_web(&client, &[&first_uid]).await?;
     let rules = netfilter_dump(&a, &replacement, false).await?;
@@ -354,7 +362,7 @@ pub async fn run(n: &dyn Narrator) -> anyhow::Result<Outcome> {
         a.name(),
         retaint.as_millis()
     ));
-    n.detail(&describe_excerpt(&cluster, a.name()).await?);
+    n.detail(&describe_excerpt(cluster, a.name()).await?);
 
     let metrics = crate::node_sim::http_get(agent, "/metrics")
         .await
