@@ -53,8 +53,11 @@ pub fn link_exists(name: &str) -> bool {
 
 /// Deletes a link if it exists (a veth's peer goes with it); logs a failure.
 pub(crate) fn delete_link(name: &str) {
+    // A veth also goes when its peer's namespace is destroyed, which may happen between the
+    // check and the delete: only a link that is still there after a failed delete is a leak.
     if link_exists(name)
         && let Err(e) = ip("the host's links", &["link", "del", name])
+        && link_exists(name)
     {
         tracing::warn!(link = name, error = %e, "cannot delete a link");
     }

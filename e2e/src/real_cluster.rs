@@ -182,7 +182,9 @@ impl RealCluster {
         let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner()).clone();
         nodes
             .iter()
-            .map(|n| format!("meshgate's logs on {}:\n{}", n.name(), n.pod_logs(SYSTEM_NAMESPACE)))
+            .map(|n| n.pod_logs(SYSTEM_NAMESPACE))
+            .filter(|logs| !logs.is_empty())
+            .map(|logs| format!("meshgate's logs:\n{logs}"))
             .collect::<Vec<_>>()
             .join("\n")
     }

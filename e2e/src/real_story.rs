@@ -122,8 +122,12 @@ pub async fn run(n: &dyn Narrator) -> anyhow::Result<Outcome> {
     let cluster = RealCluster::start().await?;
     match steps(&cluster, n).await {
         Ok(outcome) => Ok(outcome),
-        // What meshgate itself logged explains most failures: keep it before the teardown.
-        Err(e) => Err(e.context(cluster.meshgate_logs())),
+        // What meshgate itself logged explains most failures: keep it before the teardown,
+        // after the failure itself.
+        Err(e) => match cluster.meshgate_logs() {
+            logs if logs.trim().is_empty() => Err(e),
+            logs => Err(anyhow::anyhow!("{e:#}\n\n{logs}")),
+        },
     }
 }
 
