@@ -27,12 +27,11 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
-use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams, WatchEvent, WatchParams};
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
 use meshgate_core::{CONDITION_TYPE, TAINT_KEY};
 use serde_json::json;
@@ -213,16 +212,19 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
     })
     .await?;
     // It tolerates meshgate's taint: only the webhook keeps it off A, by refusing the binding
-    // kube-scheduler posts. The scheduler reports that refusal in an Event about the pod.
+    // kube-scheduler posts. The scheduler reports that refusal in an Event about the pod, and
+    // retries with a backoff. Its first attempts may meet no webhook endpoint yet (failure
+    // policy Fail, a refusal too, but not the verdict): wait for the webhook's own denial.
+    let verdict = format!("node {} is not verified for the mesh CNI chain", a.name());
     let refusal = poll_until(
         &format!(
-            "an Event naming meshgate's refusal to bind {}",
+            "an Event with the webhook's refusal to bind {}",
             pending.name_any()
         ),
         STEP,
         || async {
             let about = events_about(&client, &pending.name_any()).await?;
-            anyhow::Ok(about.into_iter().find(|e| e.note.contains("meshgate")))
+            anyhow::Ok(about.into_iter().find(|e| e.note.contains(&verdict)))
         },
     )
     .await?;
@@ -241,32 +243,9 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
     ));
     n.detail(&refusal.note);
 
-    // A node registering now is tainted by the webhook at CREATE: the watch started before the
-    // kubelet does sees the Node's first version.
+    // A node registering now is tainted by the webhook at CREATE: the Node's first version.
+    let (b, created) = cluster.add_node_seen_at_create().await?;
     let nodes: Api<Node> = Api::all(client.clone());
-    let since = nodes
-        .list_metadata(&ListParams::default().limit(1))
-        .await?
-        .metadata
-        .resource_version
-        .unwrap_or_default();
-    let mut watch = nodes
-        .watch(&WatchParams::default().timeout(290), &since)
-        .await?
-        .boxed();
-    let b = cluster.add_node().await?;
-    let created = tokio::time::timeout(STEP, async {
-        while let Some(event) = watch.try_next().await? {
-            if let WatchEvent::Added(node) = event
-                && node.name_any() == b.name()
-            {
-                return anyhow::Ok(node);
-            }
-        }
-        bail!("the Node watch ended before {} was created", b.name())
-    })
-    .await
-    .context("waiting for the second node's creation")??;
     ensure!(
         tainted(&created),
         "node {} was created without meshgate's taint: the webhook did not taint it at registration",
@@ -284,10 +263,7 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
         b.name(),
         agent_b.len()
     );
-    let gated_b = wait_node(&client, b.name(), &format!("{CONDITION_TYPE}=False"), |n| {
-        gate_condition(n).is_some_and(|c| c.0 == "False")
-    })
-    .await?;
+    let gated_b = wait_verdict(&client, b.name(), false).await?;
     ensure!(
         tainted(&gated_b),
         "node {} lost its taint while its conflist lacks istio-cni",
@@ -325,10 +301,7 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
     a.install_istio_cni(&kubeconfig, false)?;
     wait_node(&client, a.name(), "untainted", |n| !tainted(n)).await?;
     let untaint = written.elapsed();
-    wait_node(&client, a.name(), &format!("{CONDITION_TYPE}=True"), |n| {
-        gate_condition(n).is_some_and(|c| c.0 == "True")
-    })
-    .await?;
+    wait_verdict(&client, a.name(), true).await?;
     n.say(&format!(
         "agent: {} untainted {} ms after the write — {CONDITION_TYPE}=True (Verified)",
         a.name(),
@@ -410,10 +383,7 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
     a.remove_istio_cni()?;
     wait_node(&client, a.name(), "re-tainted", tainted).await?;
     let retaint = written.elapsed();
-    wait_node(&client, a.name(), &format!("{CONDITION_TYPE}=False"), |n| {
-        gate_condition(n).is_some_and(|c| c.0 == "False")
-    })
-    .await?;
+    wait_verdict(&client, a.name(), false).await?;
     n.say(&format!(
         "agent: {} re-tainted {} ms after the drift — {CONDITION_TYPE}=False (ChainedPluginMissing), Event CNIChainUnverified",
         a.name(),
@@ -553,6 +523,15 @@ async fn wait_metric(agent: std::net::SocketAddr, name: &str, at_least: f64) -> 
     })
     .await?;
     Ok(())
+}
+
+/// Waits until the agent has written its verdict on `node`: `MeshCNIVerified` = `verified`.
+pub async fn wait_verdict(client: &Client, node: &str, verified: bool) -> anyhow::Result<Node> {
+    let want = if verified { "True" } else { "False" };
+    wait_node(client, node, &format!("{CONDITION_TYPE}={want}"), |n| {
+        gate_condition(n).is_some_and(|c| c.0 == want)
+    })
+    .await
 }
 
 async fn wait_node(

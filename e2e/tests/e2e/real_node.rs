@@ -12,18 +12,18 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::Client;
-use kube::api::{
-    Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
-};
-use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
+use meshgate_e2e::node_sim::{gate_condition, tainted};
 use meshgate_e2e::real_cluster::RealCluster;
 use meshgate_e2e::real_node::{
     CONFLIST, CachedAttachment, REAL_NODE_TAINT, RealNode, host_residue, start_control_plane,
 };
-use meshgate_e2e::real_story::{self, Transcript, app_pid, istio_cni_kubeconfig, istio_cni_log};
+use meshgate_e2e::real_story::{
+    self, Transcript, app_pid, istio_cni_kubeconfig, istio_cni_log, wait_verdict,
+};
 use meshgate_e2e::wait::poll_until;
 
 /// A pod's containers start within this on the real node (images are local).
@@ -973,43 +973,20 @@ async fn meshgate_installs_from_its_manifests_onto_real_nodes() -> anyhow::Resul
     );
     let node_a = wait_verdict(&client, a.name(), false).await?;
     ensure!(
-        has_taint(&node_a, TAINT_KEY),
+        tainted(&node_a),
         "node A has no {TAINT_KEY} taint while its conflist lacks istio-cni: {:?}",
         node_a.spec.as_ref().and_then(|s| s.taints.clone())
     );
 
-    // Node B registers while the webhook runs: watch Nodes from now on, so the first event
-    // for B is the object as the apiserver stored it at CREATE, after the mutating webhook.
-    let nodes: Api<Node> = Api::all(client.clone());
-    let rv = nodes
-        .list_metadata(&ListParams::default().limit(1))
-        .await?
-        .metadata
-        .resource_version
-        .context("no resourceVersion")?;
-    let mut stream = nodes
-        .watch(&WatchParams::default().timeout(290), &rv)
-        .await?
-        .boxed();
-    let b = cluster
-        .add_node()
+    // Node B registers while the webhook runs: its Node as the apiserver stored it at CREATE,
+    // after the mutating webhook (the first event of a watch opened before its kubelet).
+    let (b, first) = cluster
+        .add_node_seen_at_create()
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))
         .context("node B did not come up")?;
-    let first = tokio::time::timeout(Duration::from_secs(30), async {
-        while let Some(ev) = stream.try_next().await? {
-            if let WatchEvent::Added(n) = ev
-                && n.metadata.name.as_deref() == Some(b.name())
-            {
-                return anyhow::Ok(n);
-            }
-        }
-        bail!("the Node watch ended before node B was added")
-    })
-    .await
-    .context("no ADDED event for node B")??;
     ensure!(
-        has_taint(&first, TAINT_KEY),
+        tainted(&first),
         "node B was created without meshgate's taint (the mutating webhook did not taint it at CREATE): {:?}",
         first.spec.as_ref().and_then(|s| s.taints.clone())
     );
@@ -1026,12 +1003,10 @@ async fn meshgate_installs_from_its_manifests_onto_real_nodes() -> anyhow::Resul
     );
     let node_b = wait_verdict(&client, b.name(), false).await?;
     ensure!(
-        has_taint(&node_b, TAINT_KEY),
+        tainted(&node_b),
         "node B lost its taint while its conflist lacks istio-cni"
     );
-    let message = condition(&node_b)
-        .and_then(|c| c.message)
-        .unwrap_or_default();
+    let message = gate_condition(&node_b).map(|c| c.2).unwrap_or_default();
     ensure!(
         message.contains("istio-cni"),
         "B's MeshCNIVerified message does not name the missing plugin: {message:?}"
@@ -1068,37 +1043,6 @@ async fn meshgate_installs_from_its_manifests_onto_real_nodes() -> anyhow::Resul
 
 fn on_node(p: &Pod) -> Option<&str> {
     p.spec.as_ref().and_then(|s| s.node_name.as_deref())
-}
-
-fn has_taint(n: &Node, key: &str) -> bool {
-    n.spec
-        .as_ref()
-        .and_then(|s| s.taints.as_ref())
-        .is_some_and(|ts| ts.iter().any(|t| t.key == key))
-}
-
-fn condition(n: &Node) -> Option<k8s_openapi::api::core::v1::NodeCondition> {
-    n.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.type_ == CONDITION_TYPE).cloned())
-}
-
-/// Waits until the agent has written its verdict (`MeshCNIVerified` = `verified`) on `node`.
-async fn wait_verdict(client: &Client, node: &str, verified: bool) -> anyhow::Result<Node> {
-    let nodes: Api<Node> = Api::all(client.clone());
-    let want = if verified { "True" } else { "False" };
-    poll_until(
-        &format!("node {node}: {CONDITION_TYPE}={want}"),
-        POD_START,
-        || async {
-            let n = nodes.get(node).await?;
-            let ok = condition(&n).is_some_and(|c| c.status == want);
-            anyhow::Ok(ok.then_some(n))
-        },
-    )
-    .await
-    .map_err(Into::into)
 }
 
 /// Issue 12's story on real nodes, with meshgate installed from its manifests: S3 → S1 → S4
