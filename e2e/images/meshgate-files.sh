@@ -34,8 +34,9 @@ in_distroless_cc() {
   esac
 }
 
-# ldd lines: "name => /path (addr)" for libraries, "/path (addr)" for the loader.
-libs=$(ldd "$@" | awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// { print $1 }' | sort -u)
+# ldd lines: "name => /path (addr)" for libraries, "/path (addr)" for the loader; with several
+# binaries ldd also heads each block with "BIN:", which is an absolute path when BIN is one.
+libs=$(ldd "$@" | awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// && $1 !~ /:$/ { print $1 }' | sort -u)
 
 if ! $base; then
   mkdir -p "$out/usr/local/bin" "$out/usr/lib"

@@ -12,8 +12,9 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, ListParams, Patch, PatchParams, WatchEvent, WatchParams};
 
 use crate::real_node::{REAL_NODE_TAINT, RealNode, start_control_plane};
 use crate::wait::{self, poll_until};
@@ -69,6 +70,52 @@ impl RealCluster {
             .push(node.clone());
         self.remove_taint(node.name(), REAL_NODE_TAINT).await?;
         Ok(node)
+    }
+
+    /// [`RealCluster::add_node`], and the Node as the apiserver first stored it (after the
+    /// mutating admission webhooks ran at CREATE): a Node watch is opened before the kubelet
+    /// starts, so its first `ADDED` event for the new node is that version.
+    pub async fn add_node_seen_at_create(&self) -> Result<(Arc<RealNode>, Node), Error> {
+        let nodes: Api<Node> = Api::all(self.cp.client()?);
+        let rv = wait::api(
+            "listing Nodes",
+            nodes.list_metadata(&ListParams::default().limit(1)),
+        )
+        .await?
+        .metadata
+        .resource_version
+        .unwrap_or_default();
+        let mut stream = wait::api(
+            "watching Nodes",
+            nodes.watch(&WatchParams::default().timeout(290), &rv),
+        )
+        .await?
+        .boxed();
+        let node = self.add_node().await?;
+        // The node is Ready by now: its ADDED event is already in the stream.
+        let first = wait::bounded(
+            "the new Node's ADDED event",
+            Duration::from_secs(30),
+            async {
+                while let Some(ev) = stream
+                    .try_next()
+                    .await
+                    .map_err(|e| Error::kube("watching Nodes", e))?
+                {
+                    if let WatchEvent::Added(n) = ev
+                        && n.metadata.name.as_deref() == Some(node.name())
+                    {
+                        return Ok(n);
+                    }
+                }
+                Err(Error::RealNode {
+                    part: "kube-apiserver",
+                    detail: format!("the Node watch ended before {} was added", node.name()),
+                })
+            },
+        )
+        .await?;
+        Ok((node, first))
     }
 
     /// `kubectl apply -k e2e/overlay` as an operator runs it: the manifests and the overlay are
@@ -182,9 +229,9 @@ impl RealCluster {
         let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner()).clone();
         nodes
             .iter()
-            .map(|n| n.pod_logs(SYSTEM_NAMESPACE))
-            .filter(|logs| !logs.is_empty())
-            .map(|logs| format!("meshgate's logs:\n{logs}"))
+            .map(|n| (n.name(), n.pod_logs(SYSTEM_NAMESPACE)))
+            .filter(|(_, logs)| !logs.is_empty())
+            .map(|(name, logs)| format!("meshgate's logs on {name}:\n{logs}"))
             .collect::<Vec<_>>()
             .join("\n")
     }

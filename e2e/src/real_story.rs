@@ -13,12 +13,13 @@
 //! 1. Node A runs a bridge network as its primary CNI; Istio's CNI plugin is not appended yet
 //!    (S3). A meshed Deployment's pod starts there through containerd: an IP, no redirect rules.
 //! 2. meshgate is installed with `kubectl apply -k` on the e2e overlay of its manifests. The
-//!    agent gates A and evicts the pod without rules; its replacement waits, unscheduled. Node B
-//!    registers and is tainted at CREATE by the webhook. A meshed pod sent straight to A is
-//!    refused.
+//!    agent gates A and evicts the pod without rules; its replacement tolerates meshgate's taint,
+//!    so the scheduler picks A, but the webhook refuses the binding and it waits, unbound. Node B
+//!    registers, is tainted at CREATE by the webhook, and its own agent keeps it gated for the
+//!    missing istio-cni. A meshed pod sent straight to A is refused.
 //! 3. istio-cni is chained as Istio's installer does it (S1): A is untainted, the replacement
-//!    gets its rules from istio-cni itself (iptables mode) and is judged `redirected`; then the
-//!    same in `native_nftables` mode.
+//!    gets its rules from istio-cni itself (iptables mode; istio-cni's log names it) and is
+//!    judged `redirected`; then the same in `native_nftables` mode.
 //! 4. The primary's conflist loses istio-cni (S4): A is re-tainted.
 //! 5. A's agent pod is deleted and its DaemonSet recreates it: A stays tainted, nothing is
 //!    evicted twice.
@@ -26,12 +27,11 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
-use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams, WatchEvent, WatchParams};
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
 use meshgate_core::{CONDITION_TYPE, TAINT_KEY};
 use serde_json::json;
@@ -202,7 +202,7 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
         anyhow::Ok(gone.then_some(()))
     })
     .await?;
-    let event = pod_event(&client, &first.name_any(), "MeshRedirectMissing").await?;
+    let event = pod_event(&client, &first.name_any(), "MeshRedirectMissing", "Evict").await?;
     n.say(&format!(
         "agent: pod {} has no redirect rules → evicted through the Eviction API; Event MeshRedirectMissing:",
         first.name_any()
@@ -215,47 +215,41 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
         }))
     })
     .await?;
+    // It tolerates meshgate's taint: only the webhook keeps it off A, by refusing the binding
+    // kube-scheduler posts. The scheduler reports that refusal in an Event about the pod, and
+    // retries with a backoff. Its first attempts may meet no webhook endpoint yet (failure
+    // policy Fail, a refusal too, but not the verdict): wait for the webhook's own denial.
+    let verdict = format!("node {} is not verified for the mesh CNI chain", a.name());
+    let refusal = poll_until(
+        &format!(
+            "an Event with the webhook's refusal to bind {}",
+            pending.name_any()
+        ),
+        STEP,
+        || async {
+            let about = events_about(&client, &pending.name_any()).await?;
+            anyhow::Ok(about.into_iter().find(|e| e.note.contains(&verdict)))
+        },
+    )
+    .await?;
+    let still = pods.get(&pending.name_any()).await?;
     ensure!(
-        pending
-            .spec
-            .as_ref()
-            .and_then(|s| s.node_name.as_ref())
-            .is_none(),
-        "the replacement was bound to a gated node: {:?}",
-        pending.spec.as_ref().and_then(|s| s.node_name.as_ref())
+        still.uid() == pending.uid() && node_of(&still).is_none(),
+        "the replacement was bound to {:?} while {} is unverified",
+        node_of(&still),
+        a.name()
     );
     n.say(&format!(
-        "its ReplicaSet created {}; it waits unscheduled while {} is tainted",
+        "its ReplicaSet created {}; it tolerates meshgate's taint, so kube-scheduler picks {}, but the webhook refuses the binding (Event {}):",
         pending.name_any(),
-        a.name()
+        a.name(),
+        refusal.reason
     ));
+    n.detail(&refusal.note);
 
-    // A node registering now is tainted by the webhook at CREATE: the watch started before the
-    // kubelet does sees the Node's first version.
+    // A node registering now is tainted by the webhook at CREATE: the Node's first version.
+    let (b, created) = cluster.add_node_seen_at_create().await?;
     let nodes: Api<Node> = Api::all(client.clone());
-    let since = nodes
-        .list_metadata(&ListParams::default().limit(1))
-        .await?
-        .metadata
-        .resource_version
-        .unwrap_or_default();
-    let mut watch = nodes
-        .watch(&WatchParams::default().timeout(290), &since)
-        .await?
-        .boxed();
-    let b = cluster.add_node().await?;
-    let created = tokio::time::timeout(STEP, async {
-        while let Some(event) = watch.try_next().await? {
-            if let WatchEvent::Added(node) = event
-                && node.name_any() == b.name()
-            {
-                return anyhow::Ok(node);
-            }
-        }
-        bail!("the Node watch ended before {} was created", b.name())
-    })
-    .await
-    .context("waiting for the second node's creation")??;
     ensure!(
         tainted(&created),
         "node {} was created without meshgate's taint: the webhook did not taint it at registration",
@@ -264,6 +258,31 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
     say_node(n, &b);
     n.say(&format!(
         "the webhook tainted {} at CREATE: the Node's first version already carries {TAINT_KEY}:NoSchedule, before any agent runs there",
+        b.name()
+    ));
+    let agent_b = cluster.ready_pods("meshgate-agent", Some(&b), 1).await?;
+    ensure!(
+        agent_b.len() == 1,
+        "node {} has {} agent pods",
+        b.name(),
+        agent_b.len()
+    );
+    let gated_b = wait_verdict(&client, b.name(), false).await?;
+    ensure!(
+        tainted(&gated_b),
+        "node {} lost its taint while its conflist lacks istio-cni",
+        b.name()
+    );
+    let message = gate_condition(&gated_b).map(|c| c.2).unwrap_or_default();
+    ensure!(
+        message.contains("istio-cni"),
+        "{}'s {CONDITION_TYPE} message does not name the missing plugin: {message:?}",
+        b.name()
+    );
+    n.say(&format!(
+        "{}'s own agent Ready ({}): it keeps {} gated — {CONDITION_TYPE}=False: {message}",
+        b.name(),
+        agent_b[0].name_any(),
         b.name()
     ));
 
@@ -286,6 +305,7 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
     a.install_istio_cni(&kubeconfig, false)?;
     wait_node(&client, a.name(), "untainted", |n| !tainted(n)).await?;
     let untaint = written.elapsed();
+    wait_verdict(&client, a.name(), true).await?;
     n.say(&format!(
         "agent: {} untainted {} ms after the write — {CONDITION_TYPE}=True (Verified)",
         a.name(),
@@ -302,7 +322,13 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
     let verdict = inspect_pod(&a, &replacement).await?;
     ensure!(
         verdict == "redirected",
-        "the replacement istio-cni set up must be judged redirected; `inspect` says {verdict}"
+        "the replacement istio-cni set up must be judged redirected; `inspect` says {verdict}; istio-cni's log:\n{}",
+        istio_cni_log(&a)
+    );
+    ensure!(
+        istio_cni_log(&a).contains(&replacement.name_any()),
+        "istio-cni's log does not name the replacement {}",
+        replacement.name_any()
     );
     let agent = cluster.agent_admin(&a);
     wait_metric(
@@ -361,6 +387,7 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
     a.remove_istio_cni()?;
     wait_node(&client, a.name(), "re-tainted", tainted).await?;
     let retaint = written.elapsed();
+    wait_verdict(&client, a.name(), false).await?;
     n.say(&format!(
         "agent: {} re-tainted {} ms after the drift — {CONDITION_TYPE}=False (ChainedPluginMissing), Event CNIChainUnverified",
         a.name(),
@@ -437,8 +464,8 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
     );
     let evictions = pod_events(&client, "MeshRedirectMissing").await?;
     ensure!(
-        evictions.len() == 1,
-        "MeshRedirectMissing Events after the restart: {evictions:?}; exactly one was expected"
+        evictions.len() == 1 && evictions.iter().all(|e| e.action == "Evict"),
+        "MeshRedirectMissing Events after the restart: {evictions:?}; exactly one, an Evict, was expected"
     );
     n.say(&format!(
         "new agent {} Ready after {:.1}s: {} stayed tainted throughout, the redirected pod was inspected again and kept, still exactly 1 eviction",
@@ -502,6 +529,15 @@ async fn wait_metric(agent: std::net::SocketAddr, name: &str, at_least: f64) -> 
     Ok(())
 }
 
+/// Waits until the agent has written its verdict on `node`: `MeshCNIVerified` = `verified`.
+pub async fn wait_verdict(client: &Client, node: &str, verified: bool) -> anyhow::Result<Node> {
+    let want = if verified { "True" } else { "False" };
+    wait_node(client, node, &format!("{CONDITION_TYPE}={want}"), |n| {
+        gate_condition(n).is_some_and(|c| c.0 == want)
+    })
+    .await
+}
+
 async fn wait_node(
     client: &Client,
     name: &str,
@@ -546,33 +582,76 @@ async fn running_web(client: &Client, not: &[&str]) -> anyhow::Result<Pod> {
     .await?)
 }
 
-/// `reason` Events about pods in the story's namespace (events.k8s.io/v1), as `pod: note`.
-async fn pod_events(client: &Client, reason: &str) -> anyhow::Result<Vec<String>> {
+/// What the story reads of an Event (events.k8s.io/v1).
+#[derive(Debug)]
+struct Said {
+    pod: String,
+    reason: String,
+    action: String,
+    note: String,
+}
+
+/// The Events about pods in the story's namespace.
+async fn events(client: &Client) -> anyhow::Result<Vec<Said>> {
     let events: Api<Event> = Api::namespaced(client.clone(), NAMESPACE);
-    let list = events.list(&ListParams::default()).await?;
+    let list = wait::api(
+        "listing the story's Events",
+        events.list(&ListParams::default()),
+    )
+    .await?;
     Ok(list
         .items
         .into_iter()
-        .filter(|e| e.reason.as_deref() == Some(reason))
-        .map(|e| {
-            format!(
-                "{}: {}",
-                e.regarding.and_then(|r| r.name).unwrap_or_default(),
-                e.note.unwrap_or_default()
-            )
+        .map(|e| Said {
+            pod: e.regarding.and_then(|r| r.name).unwrap_or_default(),
+            reason: e.reason.unwrap_or_default(),
+            action: e.action.unwrap_or_default(),
+            note: e.note.unwrap_or_default(),
         })
         .collect())
 }
 
-/// Waits for the `reason` Event about `pod`; its note.
-async fn pod_event(client: &Client, pod: &str, reason: &str) -> anyhow::Result<String> {
-    Ok(
-        poll_until(&format!("Event {reason} for pod {pod}"), STEP, || async {
+/// The `reason` Events about pods in the story's namespace.
+async fn pod_events(client: &Client, reason: &str) -> anyhow::Result<Vec<Said>> {
+    let mut all = events(client).await?;
+    all.retain(|e| e.reason == reason);
+    Ok(all)
+}
+
+/// The Events about `pod`.
+async fn events_about(client: &Client, pod: &str) -> anyhow::Result<Vec<Said>> {
+    let mut all = events(client).await?;
+    all.retain(|e| e.pod == pod);
+    Ok(all)
+}
+
+/// Waits for the `reason` Event about `pod` with `action`; its note.
+async fn pod_event(
+    client: &Client,
+    pod: &str,
+    reason: &str,
+    action: &str,
+) -> anyhow::Result<String> {
+    let said = poll_until(
+        &format!("Event {reason} ({action}) for pod {pod}"),
+        STEP,
+        || async {
             let all = pod_events(client, reason).await?;
-            anyhow::Ok(all.into_iter().find(|e| e.starts_with(&format!("{pod}: "))))
-        })
-        .await?,
+            anyhow::Ok(all.into_iter().find(|e| e.pod == pod && e.action == action))
+        },
     )
+    .await?;
+    Ok(said.note)
+}
+
+fn node_of(p: &Pod) -> Option<&str> {
+    p.spec.as_ref().and_then(|s| s.node_name.as_deref())
+}
+
+/// istio-cni's own log on the node (the plugin writes it under its run directory).
+pub fn istio_cni_log(node: &RealNode) -> String {
+    std::fs::read_to_string(node.istio_cni_run_dir().join("istio-cni.log"))
+        .unwrap_or_else(|e| format!("(no istio-cni.log: {e})"))
 }
 
 async fn create_namespace(client: &Client) -> anyhow::Result<()> {
@@ -654,9 +733,13 @@ pub fn sidecar_pod_template(app: &str) -> serde_json::Value {
     })
 }
 
+/// The meshed Deployment, held to `node` by its hostname label. It tolerates meshgate's taint,
+/// as a workload may: then only the webhook, refusing the binding, keeps it off the unverified
+/// node, which is what the story shows.
 fn web_deployment(node: &str) -> serde_json::Value {
     let mut template = sidecar_pod_template(WEB);
     template["spec"]["nodeSelector"] = json!({"kubernetes.io/hostname": node});
+    template["spec"]["tolerations"] = json!([{"key": TAINT_KEY, "operator": "Exists"}]);
     json!({
         "metadata": {"name": WEB},
         "spec": {
@@ -737,13 +820,18 @@ pub async fn istio_cni_kubeconfig(
 
 /// The host pid of the pod's `app` container, from containerd's task list.
 pub async fn app_pid(node: &RealNode, pod: &Pod) -> anyhow::Result<i32> {
+    container_pid(node, pod, "app").await
+}
+
+/// The host pid of the pod's container `name`, from containerd's task list.
+pub async fn container_pid(node: &RealNode, pod: &Pod, name: &str) -> anyhow::Result<i32> {
     let id = pod
         .status
         .as_ref()
         .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.name == "app"))
+        .and_then(|cs| cs.iter().find(|c| c.name == name))
         .and_then(|c| c.container_id.clone())
-        .context("the app container has no containerID")?;
+        .with_context(|| format!("the {name} container has no containerID"))?;
     Ok(node.container_pid(&id).await?)
 }
 
@@ -763,7 +851,7 @@ pub async fn inspect_pod(node: &RealNode, pod: &Pod) -> anyhow::Result<String> {
     })
     .await?;
     let stdout = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str::<serde_json::Value>(&stdout)
+    let verdict = serde_json::from_str::<serde_json::Value>(&stdout)
         .ok()
         .and_then(|v| v.get("verdict")?.as_str().map(str::to_owned))
         .with_context(|| {
@@ -771,7 +859,19 @@ pub async fn inspect_pod(node: &RealNode, pod: &Pod) -> anyhow::Result<String> {
                 "inspect printed no verdict; stdout {stdout:?}, stderr {:?}",
                 String::from_utf8_lossy(&out.stderr)
             )
-        })
+        })?;
+    // Its exit code is the verdict too, for scripts: 0 redirected, 1 missing, 2 unknown.
+    let code = match verdict.as_str() {
+        "redirected" => 0,
+        "missing" => 1,
+        _ => 2,
+    };
+    ensure!(
+        out.status.code() == Some(code),
+        "`meshgate-agent inspect` printed {verdict} but exited {:?}, not {code}",
+        out.status.code()
+    );
+    Ok(verdict)
 }
 
 /// The pod's netfilter rules as the host's tools print them inside its network namespace:

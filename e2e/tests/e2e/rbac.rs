@@ -51,6 +51,7 @@ use kube::{Client, ResourceExt};
 use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
 use meshgate_e2e::node_sim::{CniDirs, free_port, golden, workspace_bin};
 use meshgate_e2e::node_sim::{gate_condition, tainted, verified_label as label};
+use meshgate_e2e::paths::{copy_tree, repo_root};
 use meshgate_e2e::wait::poll_until;
 use meshgate_e2e::{ControlPlane, NodeSpec, Options, TokenOptions, unique_name};
 use rustls::pki_types::CertificateDer;
@@ -111,10 +112,6 @@ async fn fixture() -> &'static Fixture {
         Ok(f) => f,
         Err(e) => panic!("rbac fixture setup failed: {e}"),
     }
-}
-
-pub(crate) fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
 async fn setup() -> anyhow::Result<Fixture> {
@@ -220,24 +217,6 @@ async fn setup() -> anyhow::Result<Fixture> {
         agent_token_c,
         webhook_token,
     })
-}
-
-/// Copies `from` to `to`, leaving out TLS material a developer generated in the tree.
-pub(crate) fn copy_tree(from: &Path, to: &Path) -> anyhow::Result<()> {
-    std::fs::create_dir_all(to)?;
-    for entry in std::fs::read_dir(from).with_context(|| format!("reading {}", from.display()))? {
-        let entry = entry?;
-        let (src, dst) = (entry.path(), to.join(entry.file_name()));
-        if entry.file_type()?.is_dir() {
-            copy_tree(&src, &dst)?;
-        } else if !matches!(
-            src.extension().and_then(|e| e.to_str()),
-            Some("crt" | "key")
-        ) {
-            std::fs::copy(&src, &dst).with_context(|| format!("copying {}", src.display()))?;
-        }
-    }
-    Ok(())
 }
 
 /// A pod of the workload `app` (its `app.kubernetes.io/name`) bound to `node` (any node when

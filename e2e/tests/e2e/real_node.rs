@@ -12,23 +12,19 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Event, Node, Pod, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
+use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::Client;
-use kube::api::{
-    Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams, WatchEvent,
-    WatchParams,
-};
-use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
+use meshgate_e2e::node_sim::{gate_condition, tainted};
+use meshgate_e2e::real_cluster::RealCluster;
 use meshgate_e2e::real_node::{
-    BUSYBOX_IMAGE, CONFLIST, CachedAttachment, REAL_NODE_TAINT, RealNode, host_residue,
-    start_control_plane,
+    CONFLIST, CachedAttachment, REAL_NODE_TAINT, RealNode, host_residue, start_control_plane,
 };
-use meshgate_e2e::real_story::{self, Transcript};
+use meshgate_e2e::real_story::{
+    self, Transcript, app_pid, istio_cni_kubeconfig, istio_cni_log, wait_verdict,
+};
 use meshgate_e2e::wait::poll_until;
-use meshgate_e2e::{TokenOptions, service_account_token};
 
 /// A pod's containers start within this on the real node (images are local).
 const POD_START: Duration = Duration::from_secs(90);
@@ -107,13 +103,13 @@ async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() ->
         code == Some(0) && verdict == "redirected",
         "a pod istio-cni (iptables mode) set up must inspect as redirected (exit 0); got exit {code:?}, {verdict}; \
          istio-cni's log:\n{}",
-        istio_log(&node)
+        istio_cni_log(&node)
     );
     // The rules came from istio-cni itself: its log names the pod it programmed.
     ensure!(
-        istio_log(&node).contains("meshed"),
+        istio_cni_log(&node).contains("meshed"),
         "istio-cni's log does not mention the pod:\n{}",
-        istio_log(&node)
+        istio_cni_log(&node)
     );
     let rules = in_netns(pid, &["iptables-save"])?;
     ensure!(
@@ -460,10 +456,10 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
             // The drop-in is istio-cni: it ran if it programmed this pod.
             let (code, judged) = inspect(pid)?;
             ensure!(
-                istio_log(&node).contains(&name) && code == Some(0) && judged == "redirected",
+                istio_cni_log(&node).contains(&name) && code == Some(0) && judged == "redirected",
                 "layout \"{what}\": the drop-in istio-cni did not run for {name} (inspect: exit \
                  {code:?}, {judged}); its log:\n{}",
-                istio_log(&node)
+                istio_cni_log(&node)
             );
         }
         eprintln!(
@@ -796,54 +792,31 @@ async fn assert_clean(client: &Client, node: &RealNode) -> anyhow::Result<()> {
 }
 
 /// A busybox pod for the real node: tolerates its taint and is bound to it directly. With
-/// `meshed`, it looks as Istio's sidecar injector leaves a pod in CNI mode: an `istio-proxy`
-/// container running as 1337 and the `sidecar.istio.io/status` annotation, which is what
-/// istio-cni's plugin checks before it programs the redirect.
+/// `meshed`, it looks as Istio's sidecar injector leaves a pod in CNI mode
+/// ([`real_story::sidecar_pod_template`]: an `istio-proxy` container running as 1337 and the
+/// `sidecar.istio.io/status` annotation istio-cni's plugin checks before it programs the
+/// redirect); without, the same pod with its `app` container alone.
 fn pod(node: &RealNode, name: &str, meshed: bool) -> Pod {
-    pod_for(node.name(), name, meshed)
-}
-
-/// [`pod`] for the node named `node`.
-fn pod_for(node: &str, name: &str, meshed: bool) -> Pod {
-    let container = |cname: &str, uid: Option<i64>| {
-        serde_json::json!({
-            "name": cname,
-            "image": BUSYBOX_IMAGE,
-            "imagePullPolicy": "Never",
-            "command": ["/bin/sleep", "3600"],
-            "securityContext": uid.map(|u| serde_json::json!({"runAsUser": u, "runAsGroup": u})),
-        })
-    };
-    let mut containers = vec![container("app", None)];
-    let mut annotations = serde_json::json!({});
-    let mut labels = serde_json::json!({"app": name});
-    if meshed {
-        containers.push(container("istio-proxy", Some(1337)));
-        annotations = serde_json::json!({
-            "sidecar.istio.io/status": "{\"initContainers\":[\"istio-validation\"],\"containers\":[\"istio-proxy\"],\"volumes\":[],\"imagePullSecrets\":null,\"revision\":\"default\"}",
-            "kubectl.kubernetes.io/default-container": "app",
-        });
-        labels = serde_json::json!({
-            "app": name,
-            "security.istio.io/tlsMode": "istio",
-            "service.istio.io/canonical-name": name,
-        });
+    let mut pod = real_story::sidecar_pod_template(name);
+    pod["metadata"]["name"] = serde_json::json!(name);
+    if !meshed {
+        pod["metadata"]["labels"] = serde_json::json!({"app": name});
+        pod["metadata"]["annotations"] = serde_json::json!({});
+        let spec = &mut pod["spec"]["containers"];
+        let app: Vec<_> = spec
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|c| c["name"] == "app")
+            .cloned()
+            .collect();
+        *spec = serde_json::json!(app);
     }
-    // Built from JSON: the fields are the pod's own, and this is shorter than the typed form.
-    serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "labels": labels, "annotations": annotations},
-        "spec": {
-            "nodeName": node,
-            "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
-            "automountServiceAccountToken": false,
-            "enableServiceLinks": false,
-            "terminationGracePeriodSeconds": 1,
-            "containers": containers,
-        }
-    }))
-    .expect("the pod above is a valid Pod")
+    pod["spec"]["nodeName"] = serde_json::json!(node.name());
+    pod["spec"]["tolerations"] = serde_json::json!([
+        {"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}
+    ]);
+    serde_json::from_value(pod).expect("the pod above is a valid Pod")
 }
 
 /// Creates the pod and waits until every container runs; returns it and the time it took.
@@ -884,24 +857,9 @@ async fn run_pod(
     }
 }
 
-/// The host pid of the pod's `app` container, from containerd's task list.
-async fn app_pid(node: &RealNode, pod: &Pod) -> anyhow::Result<i32> {
-    container_pid(node, pod, "app").await
-}
-
-/// The host pid of the pod's container `name`, from containerd's task list.
-async fn container_pid(node: &RealNode, pod: &Pod, name: &str) -> anyhow::Result<i32> {
-    let id = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.name == name))
-        .and_then(|c| c.container_id.clone())
-        .with_context(|| format!("the {name} container has no containerID"))?;
-    Ok(node.container_pid(&id).await?)
-}
-
 /// `meshgate-agent inspect --pid PID --profile istio --output json`: exit code and verdict.
+/// Not [`real_story::inspect_pod`]: that one fails on anything but a verdict, while these
+/// tests also assert the exit code of odd cases (a pid without a verdict, an unmeshed pod).
 fn inspect(pid: i32) -> anyhow::Result<(Option<i32>, String)> {
     let bin = meshgate_e2e::node_sim::workspace_bin("meshgate-agent")?;
     let out = std::process::Command::new(bin)
@@ -952,67 +910,9 @@ fn check_plugins(
     Ok((out.status.code(), verdict))
 }
 
-/// A ServiceAccount `istio-cni` allowed to read pods in `ns` (all the plugin reads in sidecar
-/// mode), and a token kubeconfig for it, as Istio's installer writes one for the plugin.
-async fn istio_cni_kubeconfig(
-    cp: &meshgate_e2e::ControlPlane,
-    client: &Client,
-    ns: &str,
-) -> anyhow::Result<String> {
-    let meta = |name: &str| ObjectMeta {
-        name: Some(name.into()),
-        namespace: Some(ns.into()),
-        ..Default::default()
-    };
-    let pp = PostParams::default();
-    Api::<ServiceAccount>::namespaced(client.clone(), ns)
-        .create(
-            &pp,
-            &ServiceAccount {
-                metadata: meta("istio-cni"),
-                ..Default::default()
-            },
-        )
-        .await?;
-    Api::<Role>::namespaced(client.clone(), ns)
-        .create(
-            &pp,
-            &Role {
-                metadata: meta("istio-cni"),
-                rules: Some(vec![PolicyRule {
-                    api_groups: Some(vec![String::new()]),
-                    resources: Some(vec!["pods".into()]),
-                    verbs: vec!["get".into()],
-                    ..Default::default()
-                }]),
-            },
-        )
-        .await?;
-    Api::<RoleBinding>::namespaced(client.clone(), ns)
-        .create(
-            &pp,
-            &RoleBinding {
-                metadata: meta("istio-cni"),
-                role_ref: RoleRef {
-                    api_group: "rbac.authorization.k8s.io".into(),
-                    kind: "Role".into(),
-                    name: "istio-cni".into(),
-                },
-                subjects: Some(vec![Subject {
-                    kind: "ServiceAccount".into(),
-                    name: "istio-cni".into(),
-                    namespace: Some(ns.into()),
-                    ..Default::default()
-                }]),
-            },
-        )
-        .await?;
-    let token = service_account_token(client, ns, "istio-cni", &TokenOptions::default()).await?;
-    let path = cp.write_token_kubeconfig(&format!("istio-cni-{ns}"), &token)?;
-    Ok(std::fs::read_to_string(path)?)
-}
-
-/// Runs a netfilter dump tool in the network namespace of `pid` (the host's binaries).
+/// Runs a command in the network namespace of `pid` (the host's binaries): netfilter dumps,
+/// and `ip addr`, which [`real_story::netfilter_dump`] does not run; blocking, for the
+/// synchronous checks here.
 fn in_netns(pid: i32, cmd: &[&str]) -> anyhow::Result<String> {
     let out = std::process::Command::new("nsenter")
         .arg(format!("--net=/proc/{pid}/ns/net"))
@@ -1024,11 +924,6 @@ fn in_netns(pid: i32, cmd: &[&str]) -> anyhow::Result<String> {
         String::from_utf8_lossy(&out.stderr)
     );
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-fn istio_log(node: &RealNode) -> String {
-    std::fs::read_to_string(Path::new(&node.istio_cni_run_dir()).join("istio-cni.log"))
-        .unwrap_or_else(|e| format!("(no istio-cni.log: {e})"))
 }
 
 /// meshgate installed as a user installs it: `kubectl apply -k` of the e2e overlay over the
@@ -1043,38 +938,33 @@ fn istio_log(node: &RealNode) -> String {
 #[tokio::test]
 async fn meshgate_installs_from_its_manifests_onto_real_nodes() -> anyhow::Result<()> {
     let _one = ONE_NODE.lock().await;
-    let cp = &start_control_plane().await?;
+    let cluster = RealCluster::start().await?;
+    let cp = cluster.control_plane();
     let client = cp.client()?;
-    let a = RealNode::start(cp)
+    // add_node lifts the harness's own taint (which keeps the shared control plane's pods off
+    // real nodes): this cluster is dedicated, and the webhook tolerates only meshgate's taint.
+    let a = cluster
+        .add_node()
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))
         .context("node A did not come up")?;
-    // The harness's own taint keeps the shared control plane's pods off real nodes; this
-    // cluster is dedicated, and the webhook's Deployment tolerates only meshgate's taint.
-    remove_taint(&client, a.name(), REAL_NODE_TAINT).await?;
 
+    // The webhook's two replicas and A's agent become Ready on A (install_meshgate waits).
     let installed = Instant::now();
-    install_meshgate(cp).await?;
-
-    // The webhook's two replicas and A's agent become Ready on A.
-    let webhook = wait_ready_pods(&client, &a, "meshgate-webhook", None, 2).await?;
+    cluster.install_meshgate().await?;
     eprintln!(
-        "install → webhook's 2 replicas Ready on {}: {:?}",
+        "install → webhook's 2 replicas and the agent Ready on {}: {:?}",
         a.name(),
         installed.elapsed()
     );
-    let agent_a = wait_ready_pods(&client, &a, "meshgate-agent", Some(a.name()), 1).await?;
-    eprintln!(
-        "install → agent Ready on {}: {:?}",
-        a.name(),
-        installed.elapsed()
-    );
+    let webhook = cluster.ready_pods("meshgate-webhook", None, 2).await?;
+    let agent_a = cluster.agent_pod(&a).await?;
     ensure!(
         webhook.iter().all(|p| on_node(p) == Some(a.name())),
         "the webhook's pods are not on node A"
     );
     ensure!(
-        agent_a[0]
+        agent_a
             .spec
             .as_ref()
             .and_then(|s| s.service_account_name.as_deref())
@@ -1083,42 +973,20 @@ async fn meshgate_installs_from_its_manifests_onto_real_nodes() -> anyhow::Resul
     );
     let node_a = wait_verdict(&client, a.name(), false).await?;
     ensure!(
-        has_taint(&node_a, TAINT_KEY),
+        tainted(&node_a),
         "node A has no {TAINT_KEY} taint while its conflist lacks istio-cni: {:?}",
         node_a.spec.as_ref().and_then(|s| s.taints.clone())
     );
 
-    // Node B registers while the webhook runs: watch Nodes from now on, so the first event
-    // for B is the object as the apiserver stored it at CREATE, after the mutating webhook.
-    let nodes: Api<Node> = Api::all(client.clone());
-    let rv = nodes
-        .list_metadata(&ListParams::default().limit(1))
-        .await?
-        .metadata
-        .resource_version
-        .context("no resourceVersion")?;
-    let mut stream = nodes
-        .watch(&WatchParams::default().timeout(290), &rv)
-        .await?
-        .boxed();
-    let b = RealNode::start(cp)
+    // Node B registers while the webhook runs: its Node as the apiserver stored it at CREATE,
+    // after the mutating webhook (the first event of a watch opened before its kubelet).
+    let (b, first) = cluster
+        .add_node_seen_at_create()
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))
         .context("node B did not come up")?;
-    let first = tokio::time::timeout(Duration::from_secs(30), async {
-        while let Some(ev) = stream.try_next().await? {
-            if let WatchEvent::Added(n) = ev
-                && n.metadata.name.as_deref() == Some(b.name())
-            {
-                return anyhow::Ok(n);
-            }
-        }
-        bail!("the Node watch ended before node B was added")
-    })
-    .await
-    .context("no ADDED event for node B")??;
     ensure!(
-        has_taint(&first, TAINT_KEY),
+        tainted(&first),
         "node B was created without meshgate's taint (the mutating webhook did not taint it at CREATE): {:?}",
         first.spec.as_ref().and_then(|s| s.taints.clone())
     );
@@ -1127,7 +995,7 @@ async fn meshgate_installs_from_its_manifests_onto_real_nodes() -> anyhow::Resul
         b.name(),
         b.times().registered
     );
-    let agent_b = wait_ready_pods(&client, &b, "meshgate-agent", Some(b.name()), 1).await?;
+    let agent_b = cluster.ready_pods("meshgate-agent", Some(&b), 1).await?;
     ensure!(
         agent_b.len() == 1,
         "node B has {} agent pods",
@@ -1135,12 +1003,10 @@ async fn meshgate_installs_from_its_manifests_onto_real_nodes() -> anyhow::Resul
     );
     let node_b = wait_verdict(&client, b.name(), false).await?;
     ensure!(
-        has_taint(&node_b, TAINT_KEY),
+        tainted(&node_b),
         "node B lost its taint while its conflist lacks istio-cni"
     );
-    let message = condition(&node_b)
-        .and_then(|c| c.message)
-        .unwrap_or_default();
+    let message = gate_condition(&node_b).map(|c| c.2).unwrap_or_default();
     ensure!(
         message.contains("istio-cni"),
         "B's MeshCNIVerified message does not name the missing plugin: {message:?}"
@@ -1149,7 +1015,7 @@ async fn meshgate_installs_from_its_manifests_onto_real_nodes() -> anyhow::Resul
     // The ValidatingAdmissionPolicy, under the very token the kubelet projected into A's
     // agent (read through the container's root): A's agent wrote A's verdict above, and the
     // same token may not touch B. The refusal names A, so the token carries the node claim.
-    let agent_pid = container_pid(&a, &agent_a[0], "agent").await?;
+    let agent_pid = real_story::container_pid(&a, &agent_a, "agent").await?;
     let token = std::fs::read_to_string(format!(
         "/proc/{agent_pid}/root/var/run/secrets/kubernetes.io/serviceaccount/token"
     ))
@@ -1179,160 +1045,6 @@ fn on_node(p: &Pod) -> Option<&str> {
     p.spec.as_ref().and_then(|s| s.node_name.as_deref())
 }
 
-fn has_taint(n: &Node, key: &str) -> bool {
-    n.spec
-        .as_ref()
-        .and_then(|s| s.taints.as_ref())
-        .is_some_and(|ts| ts.iter().any(|t| t.key == key))
-}
-
-fn condition(n: &Node) -> Option<k8s_openapi::api::core::v1::NodeCondition> {
-    n.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.type_ == CONDITION_TYPE).cloned())
-}
-
-/// Waits until the agent has written its verdict (`MeshCNIVerified` = `verified`) on `node`.
-async fn wait_verdict(client: &Client, node: &str, verified: bool) -> anyhow::Result<Node> {
-    let nodes: Api<Node> = Api::all(client.clone());
-    let want = if verified { "True" } else { "False" };
-    poll_until(
-        &format!("node {node}: {CONDITION_TYPE}={want}"),
-        POD_START,
-        || async {
-            let n = nodes.get(node).await?;
-            let ok = condition(&n).is_some_and(|c| c.status == want);
-            anyhow::Ok(ok.then_some(n))
-        },
-    )
-    .await
-    .map_err(Into::into)
-}
-
-/// Removes the taint `key` from a Node (a JSON patch of the whole list, guarded by a test).
-async fn remove_taint(client: &Client, node: &str, key: &str) -> anyhow::Result<()> {
-    let nodes: Api<Node> = Api::all(client.clone());
-    let n = nodes.get(node).await?;
-    let taints: Vec<_> = n
-        .spec
-        .as_ref()
-        .and_then(|s| s.taints.clone())
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|t| t.key != key)
-        .collect();
-    let patch = serde_json::json!([
-        {"op": "test", "path": "/metadata/resourceVersion", "value": n.metadata.resource_version},
-        {"op": "replace", "path": "/spec/taints", "value": taints},
-    ]);
-    let patch: json_patch::Patch = serde_json::from_value(patch)?;
-    nodes
-        .patch(node, &PatchParams::default(), &Patch::Json::<()>(patch))
-        .await?;
-    Ok(())
-}
-
-/// Waits until `count` pods of meshgate's workload `app` (on `node` when given) are Ready;
-/// on a timeout, the error carries their statuses and the ends of their logs on the node.
-async fn wait_ready_pods(
-    client: &Client,
-    node: &RealNode,
-    app: &str,
-    on: Option<&str>,
-    count: usize,
-) -> anyhow::Result<Vec<Pod>> {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), "meshgate-system");
-    let mut lp = ListParams::default().labels(&format!("app.kubernetes.io/name={app}"));
-    if let Some(n) = on {
-        lp = lp.fields(&format!("spec.nodeName={n}"));
-    }
-    let got = poll_until(
-        &format!("{count} Ready {app} pod(s)"),
-        Duration::from_secs(120),
-        || async {
-            let list = pods.list(&lp).await?;
-            let ready: Vec<Pod> = list
-                .items
-                .into_iter()
-                .filter(|p| {
-                    p.status
-                        .as_ref()
-                        .and_then(|s| s.conditions.as_ref())
-                        .is_some_and(|cs| {
-                            cs.iter().any(|c| c.type_ == "Ready" && c.status == "True")
-                        })
-                })
-                .collect();
-            anyhow::Ok((ready.len() >= count).then_some(ready))
-        },
-    )
-    .await;
-    match got {
-        Ok(p) => Ok(p),
-        Err(e) => {
-            let statuses: Vec<_> = pods
-                .list(&lp)
-                .await
-                .map(|l| {
-                    l.items
-                        .into_iter()
-                        .map(|p| (p.metadata.name, on_node_owned(&p.spec), p.status))
-                        .collect()
-                })
-                .unwrap_or_default();
-            bail!(
-                "{e}\npods: {statuses:#?}\ntheir logs on {}:\n{}\nkubelet:\n{}",
-                node.name(),
-                pod_logs(node, "meshgate-system"),
-                node.log_tail("kubelet", 40)
-            )
-        }
-    }
-}
-
-fn on_node_owned(spec: &Option<k8s_openapi::api::core::v1::PodSpec>) -> Option<String> {
-    spec.as_ref().and_then(|s| s.node_name.clone())
-}
-
-/// The ends of the container logs of `ns`'s pods on the node (the kubelet's pod-logs dir;
-/// the apiserver cannot reach the kubelet's port in the node's namespace).
-fn pod_logs(node: &RealNode, ns: &str) -> String {
-    let dir = node.dir().join("kubelet/pod-logs");
-    let mut out = String::new();
-    let Ok(pods) = std::fs::read_dir(&dir) else {
-        return out;
-    };
-    for pod in pods.flatten() {
-        if !pod
-            .file_name()
-            .to_string_lossy()
-            .starts_with(&format!("{ns}_"))
-        {
-            continue;
-        }
-        for container in std::fs::read_dir(pod.path())
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            for log in std::fs::read_dir(container.path())
-                .into_iter()
-                .flatten()
-                .flatten()
-            {
-                let text = std::fs::read_to_string(log.path()).unwrap_or_default();
-                let tail: Vec<&str> = text.lines().rev().take(15).collect();
-                out.push_str(&format!(
-                    "--- {}\n{}\n",
-                    log.path().display(),
-                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-                ));
-            }
-        }
-    }
-    out
-}
 /// Issue 12's story on real nodes, with meshgate installed from its manifests: S3 → S1 → S4
 /// and an agent restart (`meshgate_e2e::real_story`, which `make demo` tells too). Each step
 /// asserts inside the story; the figures are checked here.
@@ -1360,392 +1072,4 @@ async fn meshgate_from_its_manifests_gates_real_nodes_through_the_whole_story() 
     let left = host_residue();
     ensure!(left.is_empty(), "left behind after the story: {left:?}");
     Ok(())
-}
-
-/// The operator's steps: the TLS material (manifests/tls/generate.sh), then `kubectl apply -k`
-/// of the e2e overlay, both in a copy of the tree inside the control plane's directory.
-async fn install_meshgate(cp: &meshgate_e2e::ControlPlane) -> anyhow::Result<()> {
-    let tree = cp.dir().join("install");
-    crate::rbac::copy_tree(
-        &crate::rbac::repo_root().join("manifests"),
-        &tree.join("manifests"),
-    )?;
-    crate::rbac::copy_tree(
-        &crate::rbac::repo_root().join("e2e/overlay"),
-        &tree.join("e2e/overlay"),
-    )?;
-    let out = std::process::Command::new("bash")
-        .arg(tree.join("manifests/tls/generate.sh"))
-        .output()
-        .context("running manifests/tls/generate.sh")?;
-    ensure!(
-        out.status.success(),
-        "generate.sh failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let overlay = tree.join("e2e/overlay");
-    cp.kubectl(&["apply", "-k", overlay.to_str().context("overlay path")?])
-        .await
-        .context("kubectl apply -k e2e/overlay")?;
-    Ok(())
-}
-
-/// The story on real nodes (issue 12, item 5), meshgate installed from its manifests:
-/// - S3: a meshed Deployment (Istio's sidecar shape, tolerating meshgate's taint) runs on node
-///   A before meshgate exists, through the bridge CNI alone: no redirect rules.
-/// - Install: A's agent judges the pod `missing` and evicts it through the Eviction API
-///   (Event, metric); the Deployment's replacement stays unbound while A is unverified (the
-///   webhook refuses the binding).
-/// - S1: istio-cni chained on A the installer's way: A untainted; the replacement binds, gets
-///   its rules from istio-cni and inspects `redirected`; the agent leaves it alone.
-/// - S4: the conflist rewritten without istio-cni: A re-tainted.
-/// - Restart: A's agent pod deleted and recreated by its DaemonSet: nothing evicted twice and
-///   A stays tainted.
-/// - native_nftables: node B, istio-cni in native nftables mode, a meshed pod there inspects
-///   `redirected`.
-#[tokio::test]
-async fn the_story_on_real_nodes_with_meshgate_from_its_manifests() -> anyhow::Result<()> {
-    let _one = ONE_NODE.lock().await;
-    let cp = &start_control_plane().await?;
-    let client = cp.client()?;
-    let a = RealNode::start(cp)
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"))
-        .context("node A did not come up")?;
-    remove_taint(&client, a.name(), REAL_NODE_TAINT).await?;
-    let ns = cp.create_namespace(&client, "story").await?;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-
-    // S3: the meshed Deployment starts on A before meshgate: the bridge CNI only, no rules.
-    create_meshed_deployment(&client, &ns, "meshed", a.name()).await?;
-    let first = wait_running_pod(&client, &a, &ns, "meshed", None).await?;
-    let first_uid = first.metadata.uid.clone().unwrap_or_default();
-    let (code, verdict) = inspect(app_pid(&a, &first).await?)?;
-    ensure!(
-        code == Some(1) && verdict == "missing",
-        "the S3 pod must have no rules before meshgate: exit {code:?}, {verdict}"
-    );
-
-    // Install. A's agent evicts the S3 pod through the Eviction API.
-    let installed = Instant::now();
-    install_meshgate(cp).await?;
-    wait_ready_pods(&client, &a, "meshgate-agent", Some(a.name()), 1).await?;
-    wait_ready_pods(&client, &a, "meshgate-webhook", None, 2).await?;
-    poll_until("the S3 pod evicted", Duration::from_secs(90), || async {
-        let gone = match pods
-            .get_opt(first.metadata.name.as_deref().unwrap_or_default())
-            .await?
-        {
-            None => true,
-            Some(p) => {
-                p.metadata.uid.as_deref() != Some(&first_uid)
-                    || p.metadata.deletion_timestamp.is_some()
-            }
-        };
-        anyhow::Ok(gone.then_some(()))
-    })
-    .await
-    .with_context(|| format!("agent log:\n{}", pod_logs(&a, "meshgate-system")))?;
-    eprintln!("install → S3 pod evicted: {:?}", installed.elapsed());
-    let events = pod_events(&client, &ns, &first_uid).await?;
-    ensure!(
-        events
-            .iter()
-            .any(|(reason, action, _)| reason == "MeshRedirectMissing" && action == "Evict"),
-        "no MeshRedirectMissing/Evict Event for the S3 pod: {events:?}"
-    );
-    let metrics = admin_get(&a, 9990, "/metrics").await?;
-    ensure!(
-        metrics.contains("meshgate_pods_evicted_total{profile=\"istio\"} 1"),
-        "A's agent does not count the eviction:\n{}",
-        metrics
-            .lines()
-            .filter(|l| l.contains("evict"))
-            .collect::<Vec<_>>()
-            .join("\n")
-    );
-
-    // The replacement stays unbound while A is unverified: the webhook refuses the binding.
-    let replacement = wait_replacement(&pods, &first_uid).await?;
-    let name = replacement.metadata.name.clone().unwrap_or_default();
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let p = pods.get(&name).await?;
-    ensure!(
-        on_node(&p).is_none(),
-        "the replacement was bound to {:?} while A is unverified",
-        on_node(&p)
-    );
-    let refusals = pod_events(&client, &ns, p.metadata.uid.as_deref().unwrap_or_default()).await?;
-    ensure!(
-        refusals
-            .iter()
-            .any(|(_, _, note)| note.contains("meshgate")),
-        "no scheduling Event names meshgate's refusal of the binding: {refusals:?}"
-    );
-
-    // S1: istio-cni chained the installer's way: A untainted, the replacement binds and gets
-    // its rules from istio-cni itself.
-    let kubeconfig = istio_cni_kubeconfig(cp, &client, &ns).await?;
-    let written = Instant::now();
-    a.install_istio_cni(&kubeconfig, false)?;
-    let node_a = wait_verdict(&client, a.name(), true).await?;
-    ensure!(
-        !has_taint(&node_a, TAINT_KEY),
-        "A still tainted after istio-cni was chained"
-    );
-    eprintln!("istio-cni written → A untainted: {:?}", written.elapsed());
-    let second = wait_running_pod(&client, &a, &ns, "meshed", Some(&first_uid)).await?;
-    eprintln!(
-        "istio-cni written → the replacement running: {:?}",
-        written.elapsed()
-    );
-    let second_uid = second.metadata.uid.clone().unwrap_or_default();
-    let (code, verdict) = inspect(app_pid(&a, &second).await?)?;
-    ensure!(
-        code == Some(0) && verdict == "redirected",
-        "the replacement must inspect as redirected: exit {code:?}, {verdict}; istio-cni's log:\n{}",
-        istio_log(&a)
-    );
-    ensure!(
-        istio_log(&a).contains(&name),
-        "istio-cni's log does not name the replacement {name}"
-    );
-
-    // S4: the conflist rewritten without istio-cni: A re-tainted.
-    let drifted = Instant::now();
-    a.remove_istio_cni()?;
-    let node_a = wait_verdict(&client, a.name(), false).await?;
-    ensure!(
-        has_taint(&node_a, TAINT_KEY),
-        "A not re-tainted after the drift"
-    );
-    eprintln!("drift → A re-tainted: {:?}", drifted.elapsed());
-
-    // Restart: A's agent pod deleted; its DaemonSet recreates it. Nothing is evicted twice
-    // (the replacement keeps its rules and its UID) and A stays tainted.
-    let agents: Api<Pod> = Api::namespaced(client.clone(), "meshgate-system");
-    let old_agent = wait_ready_pods(&client, &a, "meshgate-agent", Some(a.name()), 1).await?;
-    let old_name = old_agent[0].metadata.name.clone().unwrap_or_default();
-    agents.delete(&old_name, &DeleteParams::default()).await?;
-    let restarted = Instant::now();
-    poll_until(
-        "A's agent pod recreated and Ready",
-        Duration::from_secs(90),
-        || async {
-            let ready = wait_ready_pods(&client, &a, "meshgate-agent", Some(a.name()), 1).await?;
-            anyhow::Ok(
-                ready
-                    .iter()
-                    .any(|p| p.metadata.name.as_deref() != Some(&old_name))
-                    .then_some(()),
-            )
-        },
-    )
-    .await?;
-    eprintln!(
-        "agent pod deleted → its replacement Ready: {:?}",
-        restarted.elapsed()
-    );
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let node_a = nodes_get(&client, a.name()).await?;
-    ensure!(
-        has_taint(&node_a, TAINT_KEY),
-        "A was untainted by the restarted agent"
-    );
-    let still = pods.get_opt(&name).await?;
-    ensure!(
-        still.as_ref().and_then(|p| p.metadata.uid.clone()) == Some(second_uid.clone())
-            && still
-                .as_ref()
-                .is_some_and(|p| p.metadata.deletion_timestamp.is_none()),
-        "the redirected replacement was evicted or replaced after the agent restart"
-    );
-    let all_events = ns_events(&client, &ns).await?;
-    let evictions = all_events
-        .iter()
-        .filter(|(reason, action, _)| reason == "MeshRedirectMissing" && action == "Evict")
-        .count();
-    ensure!(
-        evictions == 1,
-        "{evictions} evictions recorded, want 1: {all_events:?}"
-    );
-
-    // native_nftables: node B, istio-cni in its native nftables mode.
-    let b = RealNode::start(cp)
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"))
-        .context("node B did not come up")?;
-    wait_ready_pods(&client, &b, "meshgate-agent", Some(b.name()), 1).await?;
-    wait_verdict(&client, b.name(), false).await?;
-    b.install_istio_cni(&kubeconfig, true)?;
-    wait_verdict(&client, b.name(), true).await?;
-    create_meshed_deployment(&client, &ns, "meshed-nft", b.name()).await?;
-    let nft = wait_running_pod(&client, &b, &ns, "meshed-nft", None).await?;
-    let pid = app_pid(&b, &nft).await?;
-    let ruleset = in_netns(pid, &["nft", "list", "ruleset"])?;
-    ensure!(
-        ruleset.contains("istio"),
-        "istio-cni's nftables tables are not in the pod's namespace:\n{ruleset}"
-    );
-    let (code, verdict) = inspect(pid)?;
-    ensure!(
-        code == Some(0) && verdict == "redirected",
-        "the native_nftables pod must inspect as redirected: exit {code:?}, {verdict}"
-    );
-
-    b.stop();
-    a.stop();
-    assert_clean(&client, &b).await?;
-    assert_clean(&client, &a).await
-}
-
-async fn nodes_get(client: &Client, name: &str) -> anyhow::Result<Node> {
-    Ok(Api::<Node>::all(client.clone()).get(name).await?)
-}
-
-/// A Deployment of one Istio-sidecar-shaped pod (see [`pod`]) for `node`: selected there by
-/// its hostname label, so the scheduler binds it (and the webhook sees the binding); it
-/// tolerates meshgate's taint, so only the webhook keeps it off an unverified node.
-async fn create_meshed_deployment(
-    client: &Client,
-    ns: &str,
-    app: &str,
-    node: &str,
-) -> anyhow::Result<()> {
-    let mut template = serde_json::to_value(pod_for(node, app, true))?;
-    let spec = template["spec"].as_object_mut().context("pod spec")?;
-    spec.remove("nodeName");
-    spec.insert(
-        "nodeSelector".into(),
-        serde_json::json!({"kubernetes.io/hostname": node}),
-    );
-    spec.insert(
-        "tolerations".into(),
-        serde_json::json!([
-            {"key": REAL_NODE_TAINT, "operator": "Exists"},
-            {"key": TAINT_KEY, "operator": "Exists"},
-        ]),
-    );
-    let deployment: Deployment = serde_json::from_value(serde_json::json!({
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": app},
-        "spec": {
-            "replicas": 1,
-            "selector": {"matchLabels": {"app": app}},
-            "template": {"metadata": template["metadata"], "spec": template["spec"]},
-        }
-    }))?;
-    Api::<Deployment>::namespaced(client.clone(), ns)
-        .create(&PostParams::default(), &deployment)
-        .await?;
-    Ok(())
-}
-
-/// The running pod of Deployment `app` on `node` (one other than `not_uid`).
-async fn wait_running_pod(
-    client: &Client,
-    node: &RealNode,
-    ns: &str,
-    app: &str,
-    not_uid: Option<&str>,
-) -> anyhow::Result<Pod> {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let lp = ListParams::default().labels(&format!("app={app}"));
-    poll_until(
-        &format!("a running {app} pod"),
-        Duration::from_secs(120),
-        || async {
-            let list = pods.list(&lp).await?;
-            let found = list.items.into_iter().find(|p| {
-                p.metadata.uid.as_deref() != not_uid
-                    && p.metadata.deletion_timestamp.is_none()
-                    && on_node(p) == Some(node.name())
-                    && p.status
-                        .as_ref()
-                        .and_then(|s| s.container_statuses.as_ref())
-                        .is_some_and(|cs| {
-                            !cs.is_empty()
-                                && cs
-                                    .iter()
-                                    .all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
-                        })
-            });
-            anyhow::Ok(found)
-        },
-    )
-    .await
-    .with_context(|| format!("kubelet:\n{}", node.log_tail("kubelet", 30)))
-}
-
-/// The Deployment's pod that replaced the one with `uid`.
-async fn wait_replacement(pods: &Api<Pod>, uid: &str) -> anyhow::Result<Pod> {
-    poll_until("the replacement pod", Duration::from_secs(60), || async {
-        let list = pods
-            .list(&ListParams::default().labels("app=meshed"))
-            .await?;
-        anyhow::Ok(list.items.into_iter().find(|p| {
-            p.metadata.uid.as_deref() != Some(uid) && p.metadata.deletion_timestamp.is_none()
-        }))
-    })
-    .await
-    .map_err(Into::into)
-}
-
-/// (reason, action, note) of the events.k8s.io Events regarding the object with `uid`.
-async fn pod_events(
-    client: &Client,
-    ns: &str,
-    uid: &str,
-) -> anyhow::Result<Vec<(String, String, String)>> {
-    let list = Api::<k8s_openapi::api::events::v1::Event>::namespaced(client.clone(), ns)
-        .list(&ListParams::default())
-        .await?;
-    Ok(list
-        .items
-        .into_iter()
-        .filter(|e| e.regarding.as_ref().and_then(|r| r.uid.as_deref()) == Some(uid))
-        .map(|e| {
-            (
-                e.reason.unwrap_or_default(),
-                e.action.unwrap_or_default(),
-                e.note.unwrap_or_default(),
-            )
-        })
-        .collect())
-}
-
-/// (reason, action, note) of every events.k8s.io Event in `ns`.
-async fn ns_events(client: &Client, ns: &str) -> anyhow::Result<Vec<(String, String, String)>> {
-    let list = Api::<k8s_openapi::api::events::v1::Event>::namespaced(client.clone(), ns)
-        .list(&ListParams::default())
-        .await?;
-    Ok(list
-        .items
-        .into_iter()
-        .map(|e| {
-            (
-                e.reason.unwrap_or_default(),
-                e.action.unwrap_or_default(),
-                e.note.unwrap_or_default(),
-            )
-        })
-        .collect())
-}
-
-/// GET `path` from a hostNetwork admin port on the node (its address is routed from the
-/// host), plain HTTP/1.0, bounded.
-async fn admin_get(node: &RealNode, port: u16, path: &str) -> anyhow::Result<String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let io = async {
-        let mut s = tokio::net::TcpStream::connect((node.node_ip(), port)).await?;
-        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: node\r\n\r\n").as_bytes())
-            .await?;
-        let mut out = String::new();
-        s.read_to_string(&mut out).await?;
-        anyhow::Ok(out)
-    };
-    tokio::time::timeout(Duration::from_secs(10), io)
-        .await
-        .context("the admin port did not answer within 10 s")?
 }
