@@ -149,13 +149,12 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
     ));
     create_namespace(&client).await?;
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), NAMESPACE);
-    deployments
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(web_deployment(a.name()))?,
-        )
-        .await
-        .context("creating the web Deployment")?;
+    let web: Deployment = serde_json::from_value(web_deployment(a.name()))?;
+    wait::api(
+        "creating the web Deployment",
+        deployments.create(&PostParams::default(), &web),
+    )
+    .await?;
     let first = running_web(&client, &[]).await?;
     let verdict = inspect_pod(&a, &first).await?;
     ensure!(
@@ -232,7 +231,7 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
         },
     )
     .await?;
-    let still = pods.get(&pending.name_any()).await?;
+    let still = wait::api("reading the replacement", pods.get(&pending.name_any())).await?;
     ensure!(
         still.uid() == pending.uid() && node_of(&still).is_none(),
         "the replacement was bound to {:?} while {} is unverified",
@@ -287,10 +286,16 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
     ));
 
     let direct: Pod = serde_json::from_value(direct_pod(a.name()))?;
-    let refused = match pods.create(&PostParams::default(), &direct).await {
-        Ok(_) => bail!("the webhook admitted a meshed pod on an unverified node"),
-        Err(kube::Error::Api(s)) => s.message,
-        Err(e) => return Err(e.into()),
+    let pp = PostParams::default();
+    let create = pods.create(&pp, &direct);
+    let refused = match tokio::time::timeout(wait::API_TIMEOUT, create).await {
+        Ok(Ok(_)) => bail!("the webhook admitted a meshed pod on an unverified node"),
+        Ok(Err(kube::Error::Api(s))) => s.message,
+        Ok(Err(e)) => return Err(e.into()),
+        Err(_) => bail!(
+            "creating the direct pod: no answer within {:?}",
+            wait::API_TIMEOUT
+        ),
     };
     n.say(&format!(
         "a meshed pod sent straight to {} (spec.nodeName, tolerates every taint) is REFUSED:",
@@ -349,13 +354,16 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
     // The installer's rewrite keeps the chain verified: the node must stay untainted.
     tokio::time::sleep(Duration::from_millis(500)).await;
     ensure!(
-        !tainted(&nodes.get(a.name()).await?),
+        !tainted(&read_node(&nodes, a.name()).await?),
         "rewriting istio-cni's entry (native_nftables) tainted {}",
         a.name()
     );
-    pods.delete(
-        &replacement.name_any(),
-        &DeleteParams::default().grace_period(1),
+    wait::api(
+        "deleting the replacement",
+        pods.delete(
+            &replacement.name_any(),
+            &DeleteParams::default().grace_period(1),
+        ),
     )
     .await?;
     let replacement_uid = replacement.uid().unwrap_or_default();
@@ -420,14 +428,17 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
         "the agent pod {} is deleted; its DaemonSet recreates it",
         agent_pod.name_any()
     ));
-    Api::<Pod>::namespaced(client.clone(), SYSTEM_NAMESPACE)
-        .delete(&agent_pod.name_any(), &DeleteParams::default())
-        .await?;
+    let system: Api<Pod> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    wait::api(
+        "deleting the agent pod",
+        system.delete(&agent_pod.name_any(), &DeleteParams::default()),
+    )
+    .await?;
     let old_uid = agent_pod.uid().unwrap_or_default();
     let restart = Instant::now();
     let new_agent = loop {
         ensure!(
-            tainted(&nodes.get(a.name()).await?),
+            tainted(&read_node(&nodes, a.name()).await?),
             "{} lost its taint while its agent restarted, with istio-cni still missing",
             a.name()
         );
@@ -451,12 +462,12 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
     )
     .await?;
     ensure!(
-        tainted(&nodes.get(a.name()).await?),
+        tainted(&read_node(&nodes, a.name()).await?),
         "{} was untainted after its agent restarted",
         a.name()
     );
     ensure!(
-        pods.get_opt(&nft.name_any())
+        wait::api("reading the redirected pod", pods.get_opt(&nft.name_any()))
             .await?
             .is_some_and(|p| p.uid() == nft.uid() && p.metadata.deletion_timestamp.is_none()),
         "the redirected pod {} was evicted after the agent restarted",
@@ -536,6 +547,11 @@ pub async fn wait_verdict(client: &Client, node: &str, verified: bool) -> anyhow
         gate_condition(n).is_some_and(|c| c.0 == want)
     })
     .await
+}
+
+/// One bounded read of a Node.
+async fn read_node(nodes: &Api<Node>, name: &str) -> anyhow::Result<Node> {
+    Ok(wait::api(&format!("reading Node {name}"), nodes.get(name)).await?)
 }
 
 async fn wait_node(
@@ -656,12 +672,12 @@ pub fn istio_cni_log(node: &RealNode) -> String {
 
 async fn create_namespace(client: &Client) -> anyhow::Result<()> {
     let nss: Api<Namespace> = Api::all(client.clone());
-    nss.create(
-        &PostParams::default(),
-        &serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))?,
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))?;
+    wait::api(
+        "creating the story's namespace",
+        nss.create(&PostParams::default(), &ns),
     )
-    .await
-    .context("creating the story's namespace")?;
+    .await?;
     Ok(())
 }
 
@@ -771,48 +787,45 @@ pub async fn istio_cni_kubeconfig(
         ..Default::default()
     };
     let pp = PostParams::default();
-    Api::<ServiceAccount>::namespaced(client.clone(), ns)
-        .create(
-            &pp,
-            &ServiceAccount {
-                metadata: meta("istio-cni"),
-                ..Default::default()
-            },
-        )
-        .await?;
-    Api::<Role>::namespaced(client.clone(), ns)
-        .create(
-            &pp,
-            &Role {
-                metadata: meta("istio-cni"),
-                rules: Some(vec![PolicyRule {
-                    api_groups: Some(vec![String::new()]),
-                    resources: Some(vec!["pods".into()]),
-                    verbs: vec!["get".into()],
-                    ..Default::default()
-                }]),
-            },
-        )
-        .await?;
-    Api::<RoleBinding>::namespaced(client.clone(), ns)
-        .create(
-            &pp,
-            &RoleBinding {
-                metadata: meta("istio-cni"),
-                role_ref: RoleRef {
-                    api_group: "rbac.authorization.k8s.io".into(),
-                    kind: "Role".into(),
-                    name: "istio-cni".into(),
-                },
-                subjects: Some(vec![Subject {
-                    kind: "ServiceAccount".into(),
-                    name: "istio-cni".into(),
-                    namespace: Some(ns.into()),
-                    ..Default::default()
-                }]),
-            },
-        )
-        .await?;
+    let sa = ServiceAccount {
+        metadata: meta("istio-cni"),
+        ..Default::default()
+    };
+    let role = Role {
+        metadata: meta("istio-cni"),
+        rules: Some(vec![PolicyRule {
+            api_groups: Some(vec![String::new()]),
+            resources: Some(vec!["pods".into()]),
+            verbs: vec!["get".into()],
+            ..Default::default()
+        }]),
+    };
+    let binding = RoleBinding {
+        metadata: meta("istio-cni"),
+        role_ref: RoleRef {
+            api_group: "rbac.authorization.k8s.io".into(),
+            kind: "Role".into(),
+            name: "istio-cni".into(),
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".into(),
+            name: "istio-cni".into(),
+            namespace: Some(ns.into()),
+            ..Default::default()
+        }]),
+    };
+    let (sas, roles, bindings) = (
+        Api::<ServiceAccount>::namespaced(client.clone(), ns),
+        Api::<Role>::namespaced(client.clone(), ns),
+        Api::<RoleBinding>::namespaced(client.clone(), ns),
+    );
+    wait::api("creating istio-cni's ServiceAccount", sas.create(&pp, &sa)).await?;
+    wait::api("creating istio-cni's Role", roles.create(&pp, &role)).await?;
+    wait::api(
+        "creating istio-cni's RoleBinding",
+        bindings.create(&pp, &binding),
+    )
+    .await?;
     let token = service_account_token(client, ns, "istio-cni", &TokenOptions::default()).await?;
     let path = cp.write_token_kubeconfig(&format!("istio-cni-{ns}"), &token)?;
     Ok(std::fs::read_to_string(path)?)
