@@ -1,7 +1,7 @@
 //! iptables-legacy reader: `ip_tables` / `ip6_tables` tables through
 //! `getsockopt(IPT_SO_GET_INFO / IPT_SO_GET_ENTRIES)` (and the `IP6T_SO_*` twins).
 //!
-//! In: a raw socket opened inside the pod's namespace, and the table names listed in that
+//! In: a datagram socket opened inside the pod's namespace, and the table names listed in that
 //! namespace's `/proc/thread-self/net/ip_tables_names` (`ip6_tables_names`). Out: one
 //! [`Table`] per listed table, with its built-in chains as base chains and its user chains.
 //!
@@ -129,7 +129,7 @@ fn names_path(family: Family) -> &'static str {
 
 impl LegacyTables {
     /// Reads the family's table names in the calling thread's *current* namespace and, if
-    /// there are any, opens the raw socket the queries go through. `None` when the family has
+    /// there are any, opens the socket the queries go through. `None` when the family has
     /// no legacy table (or the kernel has no `ip_tables` support at all).
     pub fn open_here(family: Family) -> Result<Option<Self>, ReadError> {
         let path = names_path(family);
@@ -151,17 +151,21 @@ impl LegacyTables {
             Family::Ip6 => libc::AF_INET6,
             _ => libc::AF_INET,
         };
+        // A UDP socket, not the raw one iptables itself opens: the kernel hands IPT_SO_GET_*
+        // to netfilter for any inet socket (ip_getsockopt / ipv6_getsockopt → nf_getsockopt),
+        // and those check CAP_NET_ADMIN only, while a raw socket also needs CAP_NET_RAW, which
+        // would let a host-network agent forge and sniff the node's packets.
         // SAFETY: plain socket(2); the fd is owned right away.
         let fd = unsafe {
             libc::socket(
                 domain,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                libc::IPPROTO_RAW,
+                libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
+                libc::IPPROTO_UDP,
             )
         };
         if fd < 0 {
             return Err(ReadError::Socket {
-                what: "raw (iptables-legacy)",
+                what: "datagram (iptables-legacy)",
                 source: io::Error::last_os_error(),
             });
         }

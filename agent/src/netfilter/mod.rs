@@ -3,7 +3,7 @@
 //!
 //! In: [`Sockets`], opened while the calling thread is inside the target namespace (see
 //! [`crate::netns::open`]): a netlink socket for nf_tables, and for each legacy family whose
-//! `ip_tables_names` / `ip6_tables_names` list is non-empty, a raw socket plus that list.
+//! `ip_tables_names` / `ip6_tables_names` list is non-empty, a datagram socket plus that list.
 //! Out: one [`Ruleset`] covering nf_tables tables (written by `iptables-nft` or native `nft`)
 //! and legacy `ip_tables` / `ip6_tables` tables (written by `iptables-legacy`).
 //!
