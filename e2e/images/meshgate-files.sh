@@ -36,6 +36,12 @@ in_distroless_cc() {
 
 # ldd lines: "name => /path (addr)" for libraries, "/path (addr)" for the loader; with several
 # binaries ldd also heads each block with "BIN:", which is an absolute path when BIN is one.
+# A library the loader cannot find would make a pod crash at start: refuse to build.
+if missing=$(ldd "$@" | grep 'not found'); then
+  echo "meshgate-files: the binaries need libraries this machine lacks:" >&2
+  echo "$missing" >&2
+  exit 1
+fi
 libs=$(ldd "$@" | awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// && $1 !~ /:$/ { print $1 }' | sort -u)
 
 if ! $base; then

@@ -10,11 +10,15 @@
 #   REF              the image name, fully qualified (containerd's CRI would prefix docker.io/)
 #   ROOTFS           the directory that becomes the image's only layer
 #   CONFIG_FRAGMENT  JSON members of the image config's "config" object (Entrypoint, Env, ...)
-oci_image() {
+oci_image() (
+  set -euo pipefail
   local out=$1 ref=$2 rootfs=$3 process=$4
   local arch work
   arch=$(dpkg --print-architecture)
   work=$(mktemp -d)
+  # The body is a subshell, so this trap also runs when a step fails (set -e): no partial
+  # layer is left in /tmp.
+  trap 'rm -rf "$work"' EXIT
   local layout="$work/layout" blobs="$work/layout/blobs/sha256"
   mkdir -p "$blobs"
   _oci_sha() { sha256sum "$1" | cut -d' ' -f1; }
@@ -43,5 +47,4 @@ oci_image() {
   printf '{"imageLayoutVersion":"1.0.0"}' >"$layout/oci-layout"
   tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -C "$layout" -cf "$out.tmp" .
   mv "$out.tmp" "$out"
-  rm -rf "$work"
-}
+)
