@@ -31,7 +31,7 @@ demo: check-root deps
 	$(CARGO) build --workspace --locked --bins
 	@echo "==> meshgate's image for the real node (release build)"
 	$(IMAGE)
-	MESHGATE_K8S_BIN_DIR="$$(bash $(DEPS) | tail -n 1)" ./target/debug/meshgate-e2e demo
+	MESHGATE_K8S_BIN_DIR="$$(bash $(DEPS) | tail -n 1)" "$(TARGET_DIR)/debug/meshgate-e2e" demo
 
 ## deps: install Debian packages and build/reuse the Kubernetes binaries
 deps:

@@ -128,12 +128,15 @@ impl RealCluster {
         crate::paths::copy_tree(&root.join("manifests"), &tree.join("manifests"))?;
         crate::paths::copy_tree(&root.join("e2e/overlay"), &tree.join("e2e/overlay"))?;
         let generate = tree.join("manifests/tls/generate.sh");
-        let out = tokio::process::Command::new("bash")
-            .arg(&generate)
-            .kill_on_drop(true)
-            .output()
-            .await
-            .map_err(|e| Error::io(format!("running {}", generate.display()), e))?;
+        let mut cmd = tokio::process::Command::new("bash");
+        cmd.arg(&generate).kill_on_drop(true);
+        // openssl only; seconds at most, bounded like every other step.
+        let out = wait::bounded("manifests/tls/generate.sh", wait::API_TIMEOUT, async {
+            cmd.output()
+                .await
+                .map_err(|e| Error::io(format!("running {}", generate.display()), e))
+        })
+        .await?;
         if !out.status.success() {
             return Err(Error::RealNode {
                 part: "meshgate's TLS material",
@@ -194,8 +197,7 @@ impl RealCluster {
         match got {
             Ok(ready) => Ok(ready),
             Err(e) => {
-                let statuses: Vec<String> = pods
-                    .list(&lp)
+                let statuses: Vec<String> = wait::api("listing meshgate's pods", pods.list(&lp))
                     .await
                     .map(|l| {
                         l.items

@@ -1774,7 +1774,7 @@ impl Footprint {
     /// node's address; [`Footprint::veth`] outside, its gateway) on an unused /30 in
     /// 10.202.0.0/16, `lo` up, forwarding on inside (the bridge's pods reach the apiserver
     /// through it), and a host route to the node's pod /24 via the node, so the apiserver
-    /// reaches webhook pods and nodes reach each other's pods.
+    /// reaches webhook pods (nodes reaching each other's pods also needs the host's forwarding).
     fn add_network(&self) -> Result<NodeNet, Error> {
         const PART: &str = "the node's network namespace";
         let seed = hostnet::seed(&self.dir);

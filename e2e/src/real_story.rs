@@ -349,15 +349,38 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
         pod_ip(&replacement)
     ));
 
-    // The same plugin in native nftables mode, for the next pod of the Deployment.
+    // The same plugin in native nftables mode, for the next pod of the Deployment. The
+    // installer's rewrite keeps the chain verified: the node must not flap, so it is watched
+    // for a while (many times the agent's coalescing window) and its condition must not
+    // have transitioned.
+    let before = condition_since(&read_node(&nodes, a.name()).await?);
     a.install_istio_cni(&kubeconfig, true)?;
-    // The installer's rewrite keeps the chain verified: the node must stay untainted.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let watched = Instant::now();
+    while watched.elapsed() < Duration::from_millis(1500) {
+        ensure!(
+            !tainted(&read_node(&nodes, a.name()).await?),
+            "rewriting istio-cni's entry (native_nftables) tainted {}",
+            a.name()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let after = condition_since(&read_node(&nodes, a.name()).await?);
     ensure!(
-        !tainted(&read_node(&nodes, a.name()).await?),
-        "rewriting istio-cni's entry (native_nftables) tainted {}",
+        before.is_some() && before == after,
+        "{}'s {CONDITION_TYPE} transitioned while istio-cni's entry was rewritten: {before:?} → {after:?}",
         a.name()
     );
+    // The agent's counters before the next pod, so its verdict on that very pod is what moves.
+    let redirected = "meshgate_pod_inspections_total{profile=\"istio\",verdict=\"redirected\"}";
+    let others = [
+        "meshgate_pod_inspections_total{profile=\"istio\",verdict=\"missing\"}",
+        "meshgate_pod_inspections_total{profile=\"istio\",verdict=\"unknown\"}",
+    ];
+    let base = metric(agent, redirected).await?;
+    let mut others_base = Vec::new();
+    for name in others {
+        others_base.push(metric(agent, name).await?);
+    }
     wait::api(
         "deleting the replacement",
         pods.delete(
@@ -378,12 +401,14 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
         verdict == "redirected",
         "a pod istio-cni set up in native_nftables mode must be judged redirected; `inspect` says {verdict}"
     );
-    wait_metric(
-        agent,
-        "meshgate_pod_inspections_total{profile=\"istio\",verdict=\"redirected\"}",
-        2.0,
-    )
-    .await?;
+    wait_metric(agent, redirected, base + 1.0).await?;
+    for (name, was) in others.iter().zip(others_base) {
+        let now = metric(agent, name).await?;
+        ensure!(
+            now == was,
+            "the agent's {name} moved from {was} to {now} around the native_nftables pod"
+        );
+    }
     n.say(&format!(
         "istio-cni switched to native_nftables; the next pod {} has Istio's nftables tables and is judged redirected too",
         nft.name_any()
@@ -455,12 +480,12 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     // The new agent inspects the pods it finds: the redirected pod once more, never evicted.
-    wait_metric(
-        agent,
-        "meshgate_pod_inspections_total{profile=\"istio\",verdict=\"redirected\"}",
-        1.0,
-    )
-    .await?;
+    wait_metric(agent, redirected, 1.0).await?;
+    let evicted_again = metric(agent, "meshgate_pods_evicted_total{profile=\"istio\"}").await?;
+    ensure!(
+        evicted_again == 0.0,
+        "the restarted agent evicted {evicted_again} pod(s)"
+    );
     ensure!(
         tainted(&read_node(&nodes, a.name()).await?),
         "{} was untainted after its agent restarted",
@@ -517,6 +542,27 @@ fn sample(metrics: &str, name: &str) -> Option<f64> {
     metrics
         .lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// One sample of the agent's `/metrics`; a series not printed yet is 0 (prometheus-client
+/// prints a labelled series only once it was touched).
+async fn metric(agent: std::net::SocketAddr, name: &str) -> anyhow::Result<f64> {
+    let (_, body) = crate::node_sim::http_get(agent, "/metrics")
+        .await
+        .context("the agent's /metrics did not answer")?;
+    Ok(sample(&body, name).unwrap_or(0.0))
+}
+
+/// When the Node's `MeshCNIVerified` condition last transitioned, and to what.
+fn condition_since(node: &Node) -> Option<(String, String)> {
+    let c = node
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == CONDITION_TYPE)?;
+    Some((c.status.clone(), format!("{:?}", c.last_transition_time)))
 }
 
 async fn wait_metric(agent: std::net::SocketAddr, name: &str, at_least: f64) -> anyhow::Result<()> {
