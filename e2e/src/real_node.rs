@@ -292,7 +292,15 @@ impl RealNode {
                 return Err(e);
             }
         };
-        let spawner = Spawner::start()?;
+        // The network is up: a failed start must take it down (and the dir) now, as a later
+        // sweep would only find it once this process is gone.
+        let spawner = match Spawner::start() {
+            Ok(spawner) => spawner,
+            Err(e) => {
+                fp.clean();
+                return Err(e);
+            }
+        };
         host_paths_acquire();
         // On a failed boot `node` is dropped, which tears down whatever was started.
         let mut node = RealNode {
@@ -2238,12 +2246,41 @@ mod tests {
             .unwrap();
         assert!(added.success());
         // The node's network: its namespace pinned in the run dir, the veth and the route.
-        fp.add_network().unwrap();
-        assert!(fp.residue().len() >= 6, "{:?}", fp.residue());
+        let net = fp.add_network().unwrap();
+        let pod_route = || {
+            let out = std::process::Command::new("ip")
+                .args(["route", "show", &format!("{}/24", net.pod_net)])
+                .output()
+                .unwrap();
+            String::from_utf8_lossy(&out.stdout).trim().to_owned()
+        };
+        // Each kind of leftover is there before the sweep, so its absence after it counts.
+        assert!(
+            pod_route().contains(&fp.veth),
+            "no pod route: {:?}",
+            pod_route()
+        );
+        let before = fp.residue();
+        for want in [
+            format!("directory {}", dir.display()),
+            format!("mount {}", mnt.display()),
+            format!("mount {}", fp.netns_pin.display()),
+            format!("bridge {}", fp.bridge),
+            format!("veth {}", fp.veth),
+            format!(
+                "cgroup {}",
+                hierarchy
+                    .join(fp.cgroup_root.trim_start_matches('/'))
+                    .display()
+            ),
+        ] {
+            assert!(before.contains(&want), "{want} missing from {before:?}");
+        }
 
         sweep_stale(base.path());
 
         assert_eq!(fp.residue(), Vec::<String>::new());
+        assert_eq!(pod_route(), "", "the pod route outlived its veth");
         let status = reaper.join().unwrap().unwrap();
         assert!(
             !status.success(),
