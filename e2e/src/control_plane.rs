@@ -213,17 +213,15 @@ impl ControlPlane {
         };
 
         // The routable address first: the serving certificate names it.
+        // Until the ControlPlane owns it, the link is deleted by the guard on any early
+        // return or panic: a temporary dir goes with it, and with the dir the owner file the
+        // next run's sweep would have found the link by.
         let (address, link) = if options.routable {
-            let link = link_name(&dir);
-            match add_dummy(&dir, &link) {
-                Ok(address) => (address, Some(link)),
-                Err(e) => {
-                    hostnet::delete_link(&link);
-                    return Err(e);
-                }
-            }
+            let name = link_name(&dir);
+            let link = LinkGuard(Some(name.clone()));
+            (add_dummy(&dir, &name)?, link)
         } else {
-            (Ipv4Addr::LOCALHOST, None)
+            (Ipv4Addr::LOCALHOST, LinkGuard(None))
         };
         let background = Background::start()?;
         let mode = if options.detached {
@@ -247,9 +245,7 @@ impl ControlPlane {
         let booted = match booted {
             Ok(b) => b,
             Err(e) => {
-                if let Some(link) = &link {
-                    hostnet::delete_link(link);
-                }
+                drop(link);
                 if temp.is_none() {
                     remove_layout(&dir);
                 }
@@ -280,7 +276,7 @@ impl ControlPlane {
             background,
             started_in: begun.elapsed(),
             address,
-            link,
+            link: link.hand_over(),
         };
         if options.detached {
             cp.write_state()?;
@@ -1169,6 +1165,24 @@ fn link_name(dir: &Path) -> String {
     format!("mgcp{:08x}", hostnet::seed(dir))
 }
 
+/// A routable control plane's link while it starts: deleted on drop unless handed over to
+/// the [`ControlPlane`], which deletes it on stop.
+struct LinkGuard(Option<String>);
+
+impl LinkGuard {
+    fn hand_over(mut self) -> Option<String> {
+        self.0.take()
+    }
+}
+
+impl Drop for LinkGuard {
+    fn drop(&mut self) {
+        if let Some(link) = self.0.take() {
+            hostnet::delete_link(&link);
+        }
+    }
+}
+
 /// Creates the link `link` (a port-less bridge) with an unused /32 in 10.203.0.0/16 (no other fixture uses
 /// that range: pods get 10.200.x, the netns fixtures 10.100-199.x, real nodes' links 10.202.x).
 fn add_dummy(dir: &Path, link: &str) -> Result<Ipv4Addr, Error> {
@@ -1297,6 +1311,36 @@ fn keep_logs(dir: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A start that fails after the link was added deletes it (the guard), and a started
+    /// control plane keeps it (handed over).
+    #[test]
+    fn a_failed_starts_link_is_deleted_and_a_handed_over_one_kept() {
+        crate::paths::require_root().expect("the link guard test needs root");
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let name = link_name(dir.path());
+        let failed = || -> Result<(), Error> {
+            let _link = LinkGuard(Some(name.clone()));
+            add_dummy(dir.path(), &name)?;
+            assert!(hostnet::link_exists(&name));
+            Err(Error::StartPanicked)
+        };
+        assert!(failed().is_err());
+        assert!(
+            !hostnet::link_exists(&name),
+            "{name} outlived a failed start"
+        );
+
+        let link = LinkGuard(Some(name.clone()));
+        add_dummy(dir.path(), &name).unwrap();
+        let kept = link.hand_over();
+        assert!(
+            hostnet::link_exists(&name),
+            "{name} deleted though handed over"
+        );
+        hostnet::delete_link(kept.as_deref().unwrap());
+        assert!(!hostnet::link_exists(&name));
+    }
 
     #[test]
     fn unique_names_are_distinct_dns_labels() {

@@ -22,7 +22,8 @@
 //! `/var/lib/cni`, `/var/log/pods`, `/var/log/containers`, `/var/run/netns`,
 //! `/var/run/meshgate`, `/run/containerd`) are bound to the run dir's; the kubelet and
 //! kube-proxy join it. So the manifests' hostPaths resolve to the run's files, and nothing
-//! touches the host's `/etc`, `/opt`, `/var` or `/run`. Facts of this machine kind,
+//! touches the host's `/etc`, `/opt`, `/var` or `/run`. The host-wide sysctls the kubelet sets
+//! at start ([`KERNEL_TUNABLES`]) are covered there by files of the run dir too. Facts of this machine kind,
 //! each found by trying (see docs/testing.md): cgroup v1 in hybrid mode (so the kubelet runs
 //! with `failCgroupV1: false` and the `cgroupfs` driver), a VM that refuses a negative
 //! `oom_score_adj` (so containerd runs with `restrict_oom_score_adj`), runc rather than crun
@@ -68,6 +69,33 @@ const STOP_GRACE: Duration = Duration::from_secs(10);
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 /// Name of the primary CNI config, as a CNI provider's installer would write it.
 pub const CONFLIST: &str = "10-meshgate-e2e-bridge.conflist";
+/// The sysctls the kubelet's container manager sets at start (`setupKernelTunables`, with
+/// `protectKernelDefaults` unset): host-wide ones, with no per-namespace copy. The node's mount
+/// namespace binds a file of the run dir over each (`sysctl/<name>`, holding the host's value
+/// when the node started), so the kubelet reads and writes the node's copy and the host's
+/// values never change; [`host_residue`] checks. (`protectKernelDefaults: true` is no way
+/// out: the kubelet then refuses to start unless the host already holds its values, and
+/// `kernel.panic_on_oops=1` with `kernel.panic=10` would reboot the shared machine on any oops.)
+const KERNEL_TUNABLES: &[&str] = &[
+    "vm.overcommit_memory",
+    "vm.panic_on_oom",
+    "kernel.panic",
+    "kernel.panic_on_oops",
+    "kernel.keys.root_maxkeys",
+    "kernel.keys.root_maxbytes",
+];
+
+/// `/proc/sys/...` of a dotted sysctl name.
+fn sysctl_path(name: &str) -> PathBuf {
+    Path::new("/proc/sys").join(name.replace('.', "/"))
+}
+
+/// The host's value of a sysctl, trimmed; `None` when this kernel has no such entry.
+fn host_sysctl(name: &str) -> Option<String> {
+    std::fs::read_to_string(sysctl_path(name))
+        .ok()
+        .map(|v| v.trim().to_owned())
+}
 
 /// The node's binaries and images, as `e2e/install-deps.sh` caches them.
 #[derive(Debug, Clone)]
@@ -264,7 +292,15 @@ impl RealNode {
                 return Err(e);
             }
         };
-        let spawner = Spawner::start()?;
+        // The network is up: a failed start must take it down (and the dir) now, as a later
+        // sweep would only find it once this process is gone.
+        let spawner = match Spawner::start() {
+            Ok(spawner) => spawner,
+            Err(e) => {
+                fp.clean();
+                return Err(e);
+            }
+        };
         host_paths_acquire();
         // On a failed boot `node` is dropped, which tears down whatever was started.
         let mut node = RealNode {
@@ -320,6 +356,7 @@ impl RealNode {
             "run-containerd",
             "overlay",
             "kube-proxy",
+            "sysctl",
         ] {
             let path = self.dir.join(sub);
             std::fs::create_dir_all(&path)
@@ -335,6 +372,14 @@ impl RealNode {
                 .map_err(|e| Error::io(format!("copying {}", to.display()), e))?;
         }
         write_file(&self.conflist_path(), &self.bridge_conflist())?;
+
+        // The node's copies of the host-wide sysctls the kubelet sets (see KERNEL_TUNABLES),
+        // bound over /proc/sys in the mount namespace containerd starts.
+        for name in KERNEL_TUNABLES {
+            if let Some(value) = host_sysctl(name) {
+                write_file(&self.sysctl_copy(name), &format!("{value}\n"))?;
+            }
+        }
 
         // containerd
         let config = self.dir.join("containerd/config.toml");
@@ -977,8 +1022,26 @@ mount --bind {} {to}
                 d(from)
             ));
         }
+        // A file over a /proc/sys entry: the kubelet's sysctl writes land in the run dir.
+        // Only for the entries this kernel has (boot wrote a copy for each of those).
+        for name in KERNEL_TUNABLES {
+            let copy = self.sysctl_copy(name);
+            if copy.exists() {
+                script.push_str(&format!(
+                    "mount --bind {} {}
+",
+                    q(&copy),
+                    q(&sysctl_path(name))
+                ));
+            }
+        }
         script.push_str("exec \"$@\"\n");
         Ok(script)
+    }
+
+    /// The node's copy of a host-wide sysctl (see [`KERNEL_TUNABLES`]).
+    fn sysctl_copy(&self, name: &str) -> PathBuf {
+        self.dir.join("sysctl").join(name)
     }
 
     fn kubelet_config(&self, ca: &Path, port: u16, healthz: u16) -> String {
@@ -1967,6 +2030,16 @@ struct HostBefore {
     paths: Vec<PathBuf>,
     /// Its kube-proxy nftables tables (a host that is itself a node may have them).
     tables: Vec<String>,
+    /// Its values of the [`KERNEL_TUNABLES`] (`None`: no such entry on this kernel).
+    sysctls: Vec<(&'static str, Option<String>)>,
+}
+
+/// The host's values of the [`KERNEL_TUNABLES`], in their order.
+fn host_sysctls() -> Vec<(&'static str, Option<String>)> {
+    KERNEL_TUNABLES
+        .iter()
+        .map(|name| (*name, host_sysctl(name)))
+        .collect()
 }
 
 /// Real nodes alive in this process, and what the host held before the first of them.
@@ -1982,6 +2055,7 @@ fn host_paths_acquire() {
                 .filter(|p| p.exists())
                 .collect(),
             tables: host_kube_proxy_tables(),
+            sysctls: host_sysctls(),
         });
     }
     host.0 += 1;
@@ -2009,8 +2083,9 @@ fn host_kube_proxy_tables() -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Standard node paths and kube-proxy tables that appeared on the host since the first real
-/// node of this process started; empty when the nodes kept to their namespaces. While a real
+/// Standard node paths and kube-proxy tables that appeared on the host, and host-wide sysctls
+/// the kubelet sets ([`KERNEL_TUNABLES`]) that changed, since the first real node of this
+/// process started; empty when the nodes kept to their namespaces. While a real
 /// node runs, that is reported as the first line: the check means something only once every
 /// node stopped.
 pub fn host_residue() -> Vec<String> {
@@ -2035,6 +2110,17 @@ pub fn host_residue() -> Vec<String> {
             .into_iter()
             .filter(|t| !before.tables.contains(t))
             .map(|t| format!("host nftables {t}")),
+    );
+    let show = |v: &Option<String>| v.clone().unwrap_or_else(|| "(none)".into());
+    left.extend(
+        before
+            .sysctls
+            .iter()
+            .zip(host_sysctls())
+            .filter(|((_, was), (_, now))| was != now)
+            .map(|((name, was), (_, now))| {
+                format!("sysctl {name}: {} → {}", show(was), show(&now))
+            }),
     );
     left
 }
@@ -2160,12 +2246,41 @@ mod tests {
             .unwrap();
         assert!(added.success());
         // The node's network: its namespace pinned in the run dir, the veth and the route.
-        fp.add_network().unwrap();
-        assert!(fp.residue().len() >= 6, "{:?}", fp.residue());
+        let net = fp.add_network().unwrap();
+        let pod_route = || {
+            let out = std::process::Command::new("ip")
+                .args(["route", "show", &format!("{}/24", net.pod_net)])
+                .output()
+                .unwrap();
+            String::from_utf8_lossy(&out.stdout).trim().to_owned()
+        };
+        // Each kind of leftover is there before the sweep, so its absence after it counts.
+        assert!(
+            pod_route().contains(&fp.veth),
+            "no pod route: {:?}",
+            pod_route()
+        );
+        let before = fp.residue();
+        for want in [
+            format!("directory {}", dir.display()),
+            format!("mount {}", mnt.display()),
+            format!("mount {}", fp.netns_pin.display()),
+            format!("bridge {}", fp.bridge),
+            format!("veth {}", fp.veth),
+            format!(
+                "cgroup {}",
+                hierarchy
+                    .join(fp.cgroup_root.trim_start_matches('/'))
+                    .display()
+            ),
+        ] {
+            assert!(before.contains(&want), "{want} missing from {before:?}");
+        }
 
         sweep_stale(base.path());
 
         assert_eq!(fp.residue(), Vec::<String>::new());
+        assert_eq!(pod_route(), "", "the pod route outlived its veth");
         let status = reaper.join().unwrap().unwrap();
         assert!(
             !status.success(),
