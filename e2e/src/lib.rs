@@ -7,10 +7,13 @@
 //! `kube::Client`s; a kubelet stand-in ([`kubelet`]) that registers Nodes and runs their pods;
 //! and ServiceAccount tokens ([`identity`]) so components run under their real identities.
 //!
-//! The real-node tier ([`real_node`]) adds a real kubelet and containerd (runc, the reference
-//! CNI plugins, local images, Istio's real CNI plugin) registered against that control plane.
+//! The real-node tier ([`real_node`]) adds real nodes, each in its own network and mount
+//! namespaces: a kubelet, containerd (runc, the reference CNI plugins, local images, Istio's
+//! real CNI plugin) and kube-proxy, registered against a routable control plane.
+//! [`real_cluster`] installs meshgate on them from its own manifests, and [`real_story`] tells
+//! meshgate's main job there, for the e2e suite and for the demo ([`demo`]).
 //!
-//! Beside it, the simulated pieces the tests, the demo and the benchmarks share: a node's CNI
+//! Beside it, the simulated pieces the tests and the benchmarks share: a node's CNI
 //! dirs and agent ([`node_sim`]), pods ([`pod_sim`]), pod network namespaces ([`netns_sim`]),
 //! the webhook's wiring ([`webhook_sim`]), a load generator for it ([`review_load`]) and the
 //! quantiles the benchmarks report ([`stats`]).

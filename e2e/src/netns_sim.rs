@@ -1,4 +1,4 @@
-//! Network namespaces for the e2e tests, the demo, the benchmarks and the agent's privileged
+//! Network namespaces for the e2e tests, the benchmarks and the agent's privileged
 //! tests: real `ip netns` namespaces, and pod namespaces whose loopback holds the pod's IP,
 //! with or without linkerd proxy-init's real redirect rules.
 //!

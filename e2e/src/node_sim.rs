@@ -4,7 +4,7 @@
 //! In: a [`ControlPlane`], a node name, flags. Out: handles to rewrite configs and plugins
 //! atomically (as installers do), kill and restart the agent, and read its admin endpoints
 //! and its log; the Node's gate as the agent writes it (taint, condition, label).
-//! Shared by the e2e tests, the demo and the benchmarks.
+//! Shared by the e2e tests and the benchmarks.
 
 use std::fs;
 use std::io;
@@ -83,8 +83,8 @@ pub fn free_port() -> io::Result<u16> {
     ))
 }
 
-/// A golden config from `core/testdata`, read from the source tree so the tests, the demo and
-/// the benchmarks all use the same files.
+/// A golden config from `core/testdata`, read from the source tree so the tests and the
+/// benchmarks use the same files.
 pub fn golden(name: &str) -> io::Result<Vec<u8>> {
     fs::read(format!(
         "{}/../core/testdata/{name}",

@@ -1,4 +1,4 @@
-//! The pods the e2e tests, the demo and the benchmarks create: bare pause pods bound to a
+//! The pods the e2e tests and the benchmarks create: bare pause pods bound to a
 //! simulated node, meshed (labelled and given the proxy container as linkerd's injector
 //! does) or plain, and a meshed pod that stays Pending for binding reviews.
 //!

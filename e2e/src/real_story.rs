@@ -607,10 +607,11 @@ async fn wait_node(
     pred: impl Fn(&Node) -> bool,
 ) -> anyhow::Result<Node> {
     let nodes: Api<Node> = Api::all(client.clone());
-    // Tight polling: the timeline reports these latencies in milliseconds.
+    // Tight polling (not support's 200 ms poll_until): the timeline reports these latencies
+    // in milliseconds.
     let deadline = Instant::now() + STEP;
     loop {
-        let n = wait::api(&format!("reading Node {name}"), nodes.get(name)).await?;
+        let n = read_node(&nodes, name).await?;
         if pred(&n) {
             return Ok(n);
         }

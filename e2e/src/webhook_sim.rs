@@ -3,7 +3,7 @@
 //! Mutating webhook configurations pointing at `https://127.0.0.1:<port>`.
 //!
 //! In: the API client, the webhook's address, a scope. Out: registered configurations (and a
-//! CA that can rotate the serving certificate). Used by the e2e tests and the demo.
+//! CA that can rotate the serving certificate). Used by the e2e tests and the benchmarks.
 
 use std::path::Path;
 
