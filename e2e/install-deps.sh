@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the e2e tests and the demo need, idempotently:
 #   - Debian packages (etcd, iptables, nftables, netfilter headers, promtool);
-#   - kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kubelet and kube-proxy, built from
-#     the k8s.io/kubernetes Go module and cached outside the repo, keyed by version;
+#   - kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kubelet and
+#     kube-proxy, built from the k8s.io/kubernetes Go module and cached outside the repo, keyed
+#     by version;
 #   - the real node's runtime: containerd, ctr and containerd-shim-runc-v2 built from the
 #     github.com/containerd/containerd/v2 module, Debian's runc and containernetworking-plugins;
 #   - istio-cni, built from the istio.io/istio module;

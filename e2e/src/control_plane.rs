@@ -99,12 +99,13 @@ pub struct Options {
     /// Upper bound on the whole startup.
     pub startup_timeout: Duration,
     /// Bind and advertise kube-apiserver on an address of its own instead of loopback: a /32
-    /// on a link of its own (a port-less bridge) in the host's network namespace, created before the apiserver and
-    /// removed on stop (or by the next run's sweep). Real nodes in their own network
-    /// namespaces, kube-proxy's `kubernetes` Service and pods reach it there; the apiserver
-    /// reconciles the Service's endpoints to it (`--endpoint-reconciler-type=lease`) and dials
-    /// webhook Services at their endpoints (`--enable-aggregator-routing`), since its own
-    /// namespace has no kube-proxy. For the real-node tier.
+    /// on a link of its own (a port-less bridge) in the host's network namespace, created
+    /// before the apiserver and removed on stop (or by the next run's sweep). Real nodes in
+    /// their own network namespaces, kube-proxy's `kubernetes` Service and pods reach it
+    /// there; the apiserver reconciles the Service's endpoints to it
+    /// (`--endpoint-reconciler-type=lease`) and dials webhook Services at their endpoints
+    /// (`--enable-aggregator-routing`), since its own namespace has no kube-proxy. For the
+    /// real-node tier.
     pub routable: bool,
 }
 
@@ -1183,8 +1184,9 @@ impl Drop for LinkGuard {
     }
 }
 
-/// Creates the link `link` (a port-less bridge) with an unused /32 in 10.203.0.0/16 (no other fixture uses
-/// that range: pods get 10.200.x, the netns fixtures 10.100-199.x, real nodes' links 10.202.x).
+/// Creates the link `link` (a port-less bridge) with an unused /32 in 10.203.0.0/16 (no other
+/// fixture uses that range: pods get 10.200.x, the netns fixtures 10.100-199.x, real nodes'
+/// links 10.202.x).
 fn add_dummy(dir: &Path, link: &str) -> Result<Ipv4Addr, Error> {
     const PART: &str = "the control plane's address";
     let address = hostnet::unused_net(hostnet::seed(dir), 32, |n| {
