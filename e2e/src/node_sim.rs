@@ -316,14 +316,14 @@ impl Agent {
     /// The value of one sample line of /metrics (`name{labels}` exactly as printed).
     pub async fn metric(&self, sample: &str) -> Option<f64> {
         let (_, body) = self.admin_get("/metrics").await?;
-        body.lines().find_map(|l| {
-            l.strip_prefix(sample)?
-                .strip_prefix(' ')?
-                .trim()
-                .parse()
-                .ok()
-        })
+        metric_sample(&body, sample)
     }
+}
+
+/// The value of the sample `name{labels}` (exactly as printed) in a Prometheus text body.
+pub fn metric_sample(body: &str, name: &str) -> Option<f64> {
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
 impl Drop for Agent {

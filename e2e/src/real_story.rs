@@ -36,7 +36,7 @@ use kube::{Client, ResourceExt};
 use meshgate_core::{CONDITION_TYPE, TAINT_KEY};
 use serde_json::json;
 
-use crate::node_sim::{gate_condition, tainted};
+use crate::node_sim::{gate_condition, metric_sample, tainted};
 use crate::real_cluster::{RealCluster, SYSTEM_NAMESPACE, is_ready};
 use crate::real_node::{BUSYBOX_IMAGE, RealNode};
 use crate::wait::{self, poll_until};
@@ -440,8 +440,8 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
             .collect::<Vec<_>>()
             .join("\n"),
     );
-    let evicted =
-        sample(&metrics, "meshgate_pods_evicted_total{profile=\"istio\"}").unwrap_or(0.0) as u64;
+    let evicted = metric_sample(&metrics, "meshgate_pods_evicted_total{profile=\"istio\"}")
+        .unwrap_or(0.0) as u64;
     ensure!(
         evicted == 1,
         "the agent evicted {evicted} pods; exactly the one without rules was expected"
@@ -538,19 +538,13 @@ fn pod_ip(p: &Pod) -> String {
         .unwrap_or_default()
 }
 
-fn sample(metrics: &str, name: &str) -> Option<f64> {
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-}
-
 /// One sample of the agent's `/metrics`; a series not printed yet is 0 (prometheus-client
 /// prints a labelled series only once it was touched).
 async fn metric(agent: std::net::SocketAddr, name: &str) -> anyhow::Result<f64> {
     let (_, body) = crate::node_sim::http_get(agent, "/metrics")
         .await
         .context("the agent's /metrics did not answer")?;
-    Ok(sample(&body, name).unwrap_or(0.0))
+    Ok(metric_sample(&body, name).unwrap_or(0.0))
 }
 
 /// When the Node's `MeshCNIVerified` condition last transitioned, and to what.
@@ -570,7 +564,7 @@ async fn wait_metric(agent: std::net::SocketAddr, name: &str, at_least: f64) -> 
         let (_, body) = crate::node_sim::http_get(agent, "/metrics")
             .await
             .context("the agent's /metrics did not answer")?;
-        match sample(&body, name) {
+        match metric_sample(&body, name) {
             Some(v) if v >= at_least => Ok(Some(())),
             // Not yet: what the agent reports about pods, for the timeout message.
             value => bail!(
@@ -623,6 +617,19 @@ async fn wait_node(
     }
 }
 
+/// Whether the pod has container statuses and every one of its containers runs.
+pub fn all_running(p: &Pod) -> bool {
+    p.status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .is_some_and(|cs| {
+            !cs.is_empty()
+                && cs
+                    .iter()
+                    .all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
+        })
+}
+
 /// Waits for a Running `web` pod whose UID is none of `not`.
 async fn running_web(client: &Client, not: &[&str]) -> anyhow::Result<Pod> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
@@ -631,15 +638,7 @@ async fn running_web(client: &Client, not: &[&str]) -> anyhow::Result<Pod> {
         anyhow::Ok(list.items.into_iter().find(|p| {
             !p.uid().is_some_and(|u| not.contains(&u.as_str()))
                 && p.metadata.deletion_timestamp.is_none()
-                && p.status
-                    .as_ref()
-                    .and_then(|s| s.container_statuses.as_ref())
-                    .is_some_and(|cs| {
-                        !cs.is_empty()
-                            && cs
-                                .iter()
-                                .all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
-                    })
+                && all_running(p)
         }))
     })
     .await?)
@@ -895,10 +894,10 @@ pub async fn container_pid(node: &RealNode, pod: &Pod, name: &str) -> anyhow::Re
     Ok(node.container_pid(&id).await?)
 }
 
-/// `meshgate-agent inspect --pid <app> --profile istio`: the verdict it prints for the pod's
-/// network namespace, read from the host as an operator would.
-pub async fn inspect_pod(node: &RealNode, pod: &Pod) -> anyhow::Result<String> {
-    let pid = app_pid(node, pod).await?;
+/// `meshgate-agent inspect --pid <pid> --profile istio --output json`, run from the host as an
+/// operator would: its exit code, and the verdict it printed (or, when it printed none, what
+/// it printed instead, so an assertion on the verdict shows it).
+pub async fn inspect_pid(pid: i32) -> anyhow::Result<(Option<i32>, String)> {
     let bin = crate::node_sim::workspace_bin("meshgate-agent")?;
     let mut cmd = tokio::process::Command::new(bin);
     cmd.args(["inspect", "--pid", &pid.to_string(), "--profile", "istio"])
@@ -914,22 +913,28 @@ pub async fn inspect_pod(node: &RealNode, pod: &Pod) -> anyhow::Result<String> {
     let verdict = serde_json::from_str::<serde_json::Value>(&stdout)
         .ok()
         .and_then(|v| v.get("verdict")?.as_str().map(str::to_owned))
-        .with_context(|| {
+        .unwrap_or_else(|| {
             format!(
-                "inspect printed no verdict; stdout {stdout:?}, stderr {:?}",
+                "no verdict; stdout {stdout:?}, stderr {:?}",
                 String::from_utf8_lossy(&out.stderr)
             )
-        })?;
-    // Its exit code is the verdict too, for scripts: 0 redirected, 1 missing, 2 unknown.
+        });
+    Ok((out.status.code(), verdict))
+}
+
+/// [`inspect_pid`] on the pod's `app` container: the verdict, which must be one and agree
+/// with the exit code (0 redirected, 1 missing, 2 unknown, for scripts).
+pub async fn inspect_pod(node: &RealNode, pod: &Pod) -> anyhow::Result<String> {
+    let (exit, verdict) = inspect_pid(app_pid(node, pod).await?).await?;
     let code = match verdict.as_str() {
         "redirected" => 0,
         "missing" => 1,
-        _ => 2,
+        "unknown" => 2,
+        _ => bail!("`meshgate-agent inspect` printed {verdict}"),
     };
     ensure!(
-        out.status.code() == Some(code),
-        "`meshgate-agent inspect` printed {verdict} but exited {:?}, not {code}",
-        out.status.code()
+        exit == Some(code),
+        "`meshgate-agent inspect` printed {verdict} but exited {exit:?}, not {code}"
     );
     Ok(verdict)
 }
@@ -937,21 +942,30 @@ pub async fn inspect_pod(node: &RealNode, pod: &Pod) -> anyhow::Result<String> {
 /// The pod's netfilter rules as the host's tools print them inside its network namespace:
 /// `nft list ruleset` with `nft`, else `iptables-save`.
 pub async fn netfilter_dump(node: &RealNode, pod: &Pod, nft: bool) -> anyhow::Result<String> {
-    let pid = app_pid(node, pod).await?;
     let tool: &[&str] = if nft {
         &["nft", "list", "ruleset"]
     } else {
         &["iptables-save"]
     };
+    in_netns(app_pid(node, pod).await?, tool).await
+}
+
+/// Runs one of the host's tools (`iptables-save`, `ip addr`, ...) in the network namespace of
+/// `pid`; its stdout.
+pub async fn in_netns(pid: i32, tool: &[&str]) -> anyhow::Result<String> {
     let mut cmd = tokio::process::Command::new("nsenter");
     cmd.arg(format!("--net=/proc/{pid}/ns/net"))
         .args(tool)
         .kill_on_drop(true);
-    let out = wait::bounded("a netfilter dump", Duration::from_secs(30), async {
-        cmd.output()
-            .await
-            .map_err(|e| crate::Error::io("running nsenter", e))
-    })
+    let out = wait::bounded(
+        "a command in a pod's netns",
+        Duration::from_secs(30),
+        async {
+            cmd.output()
+                .await
+                .map_err(|e| crate::Error::io("running nsenter", e))
+        },
+    )
     .await?;
     ensure!(
         out.status.success(),

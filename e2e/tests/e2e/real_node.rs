@@ -22,7 +22,8 @@ use meshgate_e2e::real_node::{
     CONFLIST, CachedAttachment, REAL_NODE_TAINT, RealNode, host_residue, start_control_plane,
 };
 use meshgate_e2e::real_story::{
-    self, Transcript, app_pid, istio_cni_kubeconfig, istio_cni_log, wait_verdict,
+    self, Transcript, all_running, app_pid, in_netns, inspect_pid, istio_cni_kubeconfig,
+    istio_cni_log, wait_verdict,
 };
 use meshgate_e2e::wait::poll_until;
 
@@ -69,7 +70,7 @@ async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() ->
         "the plain pod has no address from the bridge network: {ip:?}"
     );
     let pid = app_pid(&node, &plain).await?;
-    let (code, verdict) = inspect(pid)?;
+    let (code, verdict) = inspect_pid(pid).await?;
     ensure!(
         code == Some(1) && verdict == "missing",
         "a pod without istio-cni must inspect as missing (exit 1); got exit {code:?}, {verdict}"
@@ -98,7 +99,7 @@ async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() ->
     let (meshed, started) = run_pod(&client, &node, &ns, pod(&node, "meshed", true)).await?;
     eprintln!("pod {ns}/meshed (istio-cni, iptables) running after {started:?}");
     let pid = app_pid(&node, &meshed).await?;
-    let (code, verdict) = inspect(pid)?;
+    let (code, verdict) = inspect_pid(pid).await?;
     ensure!(
         code == Some(0) && verdict == "redirected",
         "a pod istio-cni (iptables mode) set up must inspect as redirected (exit 0); got exit {code:?}, {verdict}; \
@@ -111,7 +112,7 @@ async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() ->
         "istio-cni's log does not mention the pod:\n{}",
         istio_cni_log(&node)
     );
-    let rules = in_netns(pid, &["iptables-save"])?;
+    let rules = in_netns(pid, &["iptables-save"]).await?;
     ensure!(
         rules.contains("ISTIO_OUTPUT") && rules.contains("ISTIO_REDIRECT"),
         "istio-cni's iptables chains are not in the pod's namespace:\n{rules}"
@@ -122,12 +123,12 @@ async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() ->
     let (nft_pod, started) = run_pod(&client, &node, &ns, pod(&node, "meshed-nft", true)).await?;
     eprintln!("pod {ns}/meshed-nft (istio-cni, native nftables) running after {started:?}");
     let pid = app_pid(&node, &nft_pod).await?;
-    let ruleset = in_netns(pid, &["nft", "list", "ruleset"])?;
+    let ruleset = in_netns(pid, &["nft", "list", "ruleset"]).await?;
     ensure!(
         ruleset.contains("istio"),
         "istio-cni's nftables tables are not in the pod's namespace:\n{ruleset}"
     );
-    let (code, verdict) = inspect(pid)?;
+    let (code, verdict) = inspect_pid(pid).await?;
     ensure!(
         code == Some(0) && verdict == "redirected",
         "a pod istio-cni (native nftables mode) set up must inspect as redirected (exit 0); got exit {code:?}, {verdict}; \
@@ -135,7 +136,7 @@ async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() ->
     );
 
     // The unmeshed pod is still judged missing: the verdict is per namespace, not per node.
-    let (code, _) = inspect(app_pid(&node, &plain).await?)?;
+    let (code, _) = inspect_pid(app_pid(&node, &plain).await?).await?;
     ensure!(code == Some(1), "the plain pod changed verdict: {code:?}");
 
     // istio-cni uninstalled (its entry removed from the conflist): not verified again, and a
@@ -147,7 +148,7 @@ async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() ->
         "check after istio-cni's entry was removed: exit {code:?}, {verdict}"
     );
     let (after, _) = run_pod(&client, &node, &ns, pod(&node, "after-uninstall", true)).await?;
-    let (code, verdict) = inspect(app_pid(&node, &after).await?)?;
+    let (code, verdict) = inspect_pid(app_pid(&node, &after).await?).await?;
     ensure!(
         code == Some(1) && verdict == "missing",
         "a sidecar pod started after istio-cni was removed must inspect as missing; got exit {code:?}, {verdict}"
@@ -451,10 +452,12 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
         // The entry is this pod's sandbox: the address its chain returned is the one on the
         // eth0 of the pod's network namespace.
         let pid = app_pid(&node, &pod).await?;
-        ensure_address(pid, eth0).with_context(|| format!("layout \"{what}\": pod {name}"))?;
+        ensure_address(pid, eth0)
+            .await
+            .with_context(|| format!("layout \"{what}\": pod {name}"))?;
         if !effective.drop_ins.is_empty() {
             // The drop-in is istio-cni: it ran if it programmed this pod.
-            let (code, judged) = inspect(pid)?;
+            let (code, judged) = inspect_pid(pid).await?;
             ensure!(
                 istio_cni_log(&node).contains(&name) && code == Some(0) && judged == "redirected",
                 "layout \"{what}\": the drop-in istio-cni did not run for {name} (inspect: exit \
@@ -556,8 +559,8 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
 }
 
 /// The addresses `ran` cached for its interface are on that interface in `pid`'s namespace.
-fn ensure_address(pid: i32, ran: &CachedAttachment) -> anyhow::Result<()> {
-    let shown = in_netns(pid, &["ip", "-o", "addr", "show", "dev", &ran.if_name])?;
+async fn ensure_address(pid: i32, ran: &CachedAttachment) -> anyhow::Result<()> {
+    let shown = in_netns(pid, &["ip", "-o", "addr", "show", "dev", &ran.if_name]).await?;
     ensure!(
         !ran.ips.is_empty()
             && ran
@@ -832,16 +835,7 @@ async fn run_pod(
     pods.create(&PostParams::default(), &pod).await?;
     let got = poll_until(&format!("pod {ns}/{name} running"), POD_START, || async {
         let p = pods.get(&name).await?;
-        let statuses = p
-            .status
-            .as_ref()
-            .and_then(|s| s.container_statuses.clone())
-            .unwrap_or_default();
-        let running = !statuses.is_empty()
-            && statuses
-                .iter()
-                .all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()));
-        anyhow::Ok(running.then_some(p))
+        anyhow::Ok(all_running(&p).then_some(p))
     })
     .await;
     match got {
@@ -855,28 +849,6 @@ async fn run_pod(
             )
         }
     }
-}
-
-/// `meshgate-agent inspect --pid PID --profile istio --output json`: exit code and verdict.
-/// Not [`real_story::inspect_pod`]: that one fails on anything but a verdict, while these
-/// tests also assert the exit code of odd cases (a pid without a verdict, an unmeshed pod).
-fn inspect(pid: i32) -> anyhow::Result<(Option<i32>, String)> {
-    let bin = meshgate_e2e::node_sim::workspace_bin("meshgate-agent")?;
-    let out = std::process::Command::new(bin)
-        .args(["inspect", "--pid", &pid.to_string(), "--profile", "istio"])
-        .args(["--output", "json"])
-        .output()?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let verdict = serde_json::from_str::<serde_json::Value>(&stdout)
-        .ok()
-        .and_then(|v| v.get("verdict").and_then(|v| v.as_str()).map(str::to_owned))
-        .unwrap_or_else(|| {
-            format!(
-                "no verdict; stdout {stdout:?}, stderr {:?}",
-                String::from_utf8_lossy(&out.stderr)
-            )
-        });
-    Ok((out.status.code(), verdict))
 }
 
 /// `meshgate-agent check` on the real node's CNI dirs, requiring istio-cni: exit code and the
@@ -908,22 +880,6 @@ fn check_plugins(
         )
     })?;
     Ok((out.status.code(), verdict))
-}
-
-/// Runs a command in the network namespace of `pid` (the host's binaries): netfilter dumps,
-/// and `ip addr`, which [`real_story::netfilter_dump`] does not run; blocking, for the
-/// synchronous checks here.
-fn in_netns(pid: i32, cmd: &[&str]) -> anyhow::Result<String> {
-    let out = std::process::Command::new("nsenter")
-        .arg(format!("--net=/proc/{pid}/ns/net"))
-        .args(cmd)
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "{cmd:?} in the netns of {pid}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// meshgate installed as a user installs it: `kubectl apply -k` of the e2e overlay over the
