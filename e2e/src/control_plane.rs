@@ -556,15 +556,9 @@ impl ControlPlane {
         let mut cmd = tokio::process::Command::new(&self.binaries.kubectl);
         cmd.arg("--kubeconfig")
             .arg(&self.admin_kubeconfig_path)
-            .args(args)
-            .kill_on_drop(true);
+            .args(args);
         let what = format!("kubectl {}", args.join(" "));
-        let out = wait::bounded(&what, Duration::from_secs(60), async {
-            cmd.output()
-                .await
-                .map_err(|e| Error::io(format!("running {what}"), e))
-        })
-        .await?;
+        let out = wait::command_output(&what, Duration::from_secs(60), &mut cmd).await?;
         if !out.status.success() {
             return Err(Error::Kubectl {
                 args: args.join(" "),

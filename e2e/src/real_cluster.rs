@@ -129,14 +129,10 @@ impl RealCluster {
         crate::paths::copy_tree(&root.join("e2e/overlay"), &tree.join("e2e/overlay"))?;
         let generate = tree.join("manifests/tls/generate.sh");
         let mut cmd = tokio::process::Command::new("bash");
-        cmd.arg(&generate).kill_on_drop(true);
+        cmd.arg(&generate);
         // openssl only; seconds at most, bounded like every other step.
-        let out = wait::bounded("manifests/tls/generate.sh", wait::API_TIMEOUT, async {
-            cmd.output()
-                .await
-                .map_err(|e| Error::io(format!("running {}", generate.display()), e))
-        })
-        .await?;
+        let out =
+            wait::command_output("manifests/tls/generate.sh", wait::API_TIMEOUT, &mut cmd).await?;
         if !out.status.success() {
             return Err(Error::RealNode {
                 part: "meshgate's TLS material",

@@ -692,13 +692,8 @@ impl RealNode {
     /// `{"cniconfig": {...the loaded networks...}, "lastCNILoadStatus": "OK" | error}`.
     pub async fn cri_cni_status(&self) -> Result<serde_json::Value, Error> {
         let mut cmd = tokio::process::Command::new(&self.bins.cri_status);
-        cmd.arg(self.containerd_socket()).kill_on_drop(true);
-        let out = wait::bounded("cri-status", Duration::from_secs(15), async {
-            cmd.output()
-                .await
-                .map_err(|e| Error::io("running cri-status", e))
-        })
-        .await?;
+        cmd.arg(self.containerd_socket());
+        let out = wait::command_output("cri-status", Duration::from_secs(15), &mut cmd).await?;
         if !out.status.success() {
             return Err(Error::RealNode {
                 part: "containerd",
@@ -1155,19 +1150,19 @@ conntrack:
         let pin = format!("--net={}", self.fp.netns_pin.display());
         loop {
             fail_if_exited(kube_proxy, "kube-proxy")?;
-            let out = tokio::process::Command::new(&self.bins.nsenter)
-                .args([
-                    pin.as_str(),
-                    "--",
-                    "nft",
-                    "list",
-                    "table",
-                    "ip",
-                    "kube-proxy",
-                ])
-                .kill_on_drop(true)
-                .output();
-            if let Ok(Ok(out)) = tokio::time::timeout(Duration::from_secs(10), out).await
+            let mut nft = tokio::process::Command::new(&self.bins.nsenter);
+            nft.args([
+                pin.as_str(),
+                "--",
+                "nft",
+                "list",
+                "table",
+                "ip",
+                "kube-proxy",
+            ]);
+            let listed =
+                wait::command_output("kube-proxy's table", Duration::from_secs(10), &mut nft);
+            if let Ok(out) = listed.await
                 && String::from_utf8_lossy(&out.stdout).contains("10.0.0.1")
             {
                 return Ok(());
@@ -1526,18 +1521,12 @@ async fn remove_containers(ctr: PathBuf, socket: PathBuf) {
 /// Runs `ctr --address socket args...` (30 s bound); stdout, or stderr as the error.
 async fn ctr_at(ctr: &Path, socket: &Path, args: &[&str]) -> Result<String, String> {
     let mut cmd = tokio::process::Command::new(ctr);
-    cmd.arg("--address")
-        .arg(socket)
-        .args(args)
-        .kill_on_drop(true);
+    cmd.arg("--address").arg(socket).args(args);
     let what = format!("ctr {}", args.join(" "));
-    match tokio::time::timeout(Duration::from_secs(30), cmd.output()).await {
-        Err(_) => Err(format!("{what}: no answer within 30 s")),
-        Ok(Err(e)) => Err(format!("{what}: {e}")),
-        Ok(Ok(out)) if out.status.success() => {
-            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-        }
-        Ok(Ok(out)) => Err(format!(
+    match wait::command_output(&what, Duration::from_secs(30), &mut cmd).await {
+        Err(e) => Err(e.to_string()),
+        Ok(out) if out.status.success() => Ok(String::from_utf8_lossy(&out.stdout).into_owned()),
+        Ok(out) => Err(format!(
             "{what}: {}: {}",
             out.status,
             String::from_utf8_lossy(&out.stderr).trim()

@@ -901,14 +901,9 @@ pub async fn inspect_pid(pid: i32) -> anyhow::Result<(Option<i32>, String)> {
     let bin = crate::node_sim::workspace_bin("meshgate-agent")?;
     let mut cmd = tokio::process::Command::new(bin);
     cmd.args(["inspect", "--pid", &pid.to_string(), "--profile", "istio"])
-        .args(["--output", "json"])
-        .kill_on_drop(true);
-    let out = wait::bounded("meshgate-agent inspect", Duration::from_secs(30), async {
-        cmd.output()
-            .await
-            .map_err(|e| crate::Error::io("running meshgate-agent inspect", e))
-    })
-    .await?;
+        .args(["--output", "json"]);
+    let out =
+        wait::command_output("meshgate-agent inspect", Duration::from_secs(30), &mut cmd).await?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     let verdict = serde_json::from_str::<serde_json::Value>(&stdout)
         .ok()
@@ -954,19 +949,9 @@ pub async fn netfilter_dump(node: &RealNode, pod: &Pod, nft: bool) -> anyhow::Re
 /// `pid`; its stdout.
 pub async fn in_netns(pid: i32, tool: &[&str]) -> anyhow::Result<String> {
     let mut cmd = tokio::process::Command::new("nsenter");
-    cmd.arg(format!("--net=/proc/{pid}/ns/net"))
-        .args(tool)
-        .kill_on_drop(true);
-    let out = wait::bounded(
-        "a command in a pod's netns",
-        Duration::from_secs(30),
-        async {
-            cmd.output()
-                .await
-                .map_err(|e| crate::Error::io("running nsenter", e))
-        },
-    )
-    .await?;
+    cmd.arg(format!("--net=/proc/{pid}/ns/net")).args(tool);
+    let what = format!("nsenter {tool:?} in the netns of pid {pid}");
+    let out = wait::command_output(&what, Duration::from_secs(30), &mut cmd).await?;
     ensure!(
         out.status.success(),
         "{tool:?} in the network namespace of pid {pid}: {}",

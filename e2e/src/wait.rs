@@ -1,6 +1,7 @@
 //! Bounded waiting: every API call and every "until" loop in the harness and its tests ends.
 //!
-//! In: a description, a bound, and a future or a probe closure. Out: the value, or
+//! In: a description, a bound, and a future, a probe closure or a command. Out: the value
+//! (a command's output, whatever its exit status), or
 //! [`Error::Timeout`] naming what was awaited and the last thing seen, so a failing e2e test
 //! says why it waited in vain rather than hanging.
 
@@ -34,6 +35,22 @@ where
 {
     bounded(what, API_TIMEOUT, async {
         fut.await.map_err(|e| Error::kube(what, e))
+    })
+    .await
+}
+
+/// Runs `cmd` to completion for at most `timeout` (killed if it outlives it) and returns its
+/// output, whatever its exit status: the caller decides what a failure means.
+pub async fn command_output(
+    what: &str,
+    timeout: Duration,
+    cmd: &mut tokio::process::Command,
+) -> Result<std::process::Output, Error> {
+    cmd.kill_on_drop(true);
+    bounded(what, timeout, async {
+        cmd.output()
+            .await
+            .map_err(|e| Error::io(format!("running {what}"), e))
     })
     .await
 }
