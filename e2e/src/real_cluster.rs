@@ -14,9 +14,9 @@ use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, ListParams, Patch, PatchParams, WatchEvent, WatchParams};
+use kube::api::{Api, ListParams, WatchEvent, WatchParams};
 
-use crate::real_node::{REAL_NODE_TAINT, RealNode, start_control_plane};
+use crate::real_node::{RealNode, start_control_plane};
 use crate::wait::{self, poll_until};
 use crate::{ControlPlane, Error};
 
@@ -59,16 +59,13 @@ impl RealCluster {
         &self.cp
     }
 
-    /// Starts a real node and waits until it is `Ready`. The cluster is dedicated, so the
-    /// harness's own registration taint (which keeps a shared control plane's pods off real
-    /// nodes) is lifted: from here on only meshgate's taint gates the node.
+    /// Starts a real node and waits until it is `Ready`.
     pub async fn add_node(&self) -> Result<Arc<RealNode>, Error> {
         let node = Arc::new(RealNode::start(&self.cp).await?);
         self.nodes
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(node.clone());
-        self.remove_taint(node.name(), REAL_NODE_TAINT).await?;
         Ok(node)
     }
 
@@ -240,43 +237,6 @@ impl RealCluster {
         Ok(wait::api("listing the agent's pods", pods.list(&lp))
             .await?
             .items)
-    }
-
-    /// Removes the taint `key` from a Node: a JSON patch of the whole list guarded by the
-    /// resourceVersion, retried on a conflict (the agent and the webhook patch Nodes too).
-    async fn remove_taint(&self, node: &str, key: &str) -> Result<(), Error> {
-        let nodes: Api<Node> = Api::all(self.cp.client()?);
-        poll_until(
-            &format!("removing taint {key} from {node}"),
-            wait::API_TIMEOUT,
-            || async {
-                let n = nodes.get(node).await.map_err(|e| e.to_string())?;
-                let taints: Vec<_> = n
-                    .spec
-                    .as_ref()
-                    .and_then(|s| s.taints.clone())
-                    .unwrap_or_default()
-                    .into_iter()
-                    .filter(|t| t.key != key)
-                    .collect();
-                let patch = serde_json::json!([
-                    {"op": "test", "path": "/metadata/resourceVersion", "value": n.metadata.resource_version},
-                    {"op": "replace", "path": "/spec/taints", "value": taints},
-                ]);
-                let patch: json_patch::Patch =
-                    serde_json::from_value(patch).map_err(|e| e.to_string())?;
-                match nodes
-                    .patch(node, &PatchParams::default(), &Patch::Json::<()>(patch))
-                    .await
-                {
-                    Ok(_) => Ok(Some(())),
-                    // A concurrent writer: read again.
-                    Err(kube::Error::Api(s)) if s.code == 409 || s.code == 422 => Ok(None),
-                    Err(e) => Err(e.to_string()),
-                }
-            },
-        )
-        .await
     }
 }
 

@@ -57,8 +57,6 @@ pub const MESHGATE_IMAGE: &str = "localhost/meshgate/meshgate:e2e";
 /// Env var naming meshgate's image tarball (default: `<target>/meshgate-image/meshgate.tar`,
 /// beside the profile dir the tests run from, where `make` writes it).
 pub const MESHGATE_IMAGE_ENV: &str = "MESHGATE_IMAGE_TAR";
-/// The taint the real node registers with, so only pods written for it land there.
-pub const REAL_NODE_TAINT: &str = "e2e.meshgate.io/real-node";
 /// Prefix of real-node run directories.
 const DIR_PREFIX: &str = "meshgate-node-";
 /// The containerd namespace the CRI plugin keeps Kubernetes' images and containers in.
@@ -1065,10 +1063,6 @@ cgroupDriver: cgroupfs
 cgroupRoot: {cgroup_root}
 failSwapOn: false
 podLogsDir: {pod_logs}
-registerWithTaints:
-- key: {taint}
-  value: "true"
-  effect: NoSchedule
 # The disk may be fuller than the default eviction thresholds allow, and an evicted or
 # garbage-collected image cannot be pulled again here.
 evictionHard:
@@ -1088,7 +1082,6 @@ resolvConf: /etc/resolv.conf
             endpoint = q(&format!("unix://{}", self.containerd_socket().display())),
             cgroup_root = q(&self.fp.cgroup_root),
             pod_logs = q(&self.dir.join("kubelet/pod-logs").display().to_string()),
-            taint = REAL_NODE_TAINT,
         )
     }
 

@@ -19,7 +19,7 @@ use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
 use meshgate_e2e::node_sim::{gate_condition, tainted};
 use meshgate_e2e::real_cluster::RealCluster;
 use meshgate_e2e::real_node::{
-    CONFLIST, CachedAttachment, REAL_NODE_TAINT, RealNode, host_residue, start_control_plane,
+    CONFLIST, CachedAttachment, RealNode, host_residue, start_control_plane,
 };
 use meshgate_e2e::real_story::{
     self, Transcript, all_running, app_pid, in_netns, inspect_pid, istio_cni_kubeconfig,
@@ -816,9 +816,6 @@ fn pod(node: &RealNode, name: &str, meshed: bool) -> Pod {
         *spec = serde_json::json!(app);
     }
     pod["spec"]["nodeName"] = serde_json::json!(node.name());
-    pod["spec"]["tolerations"] = serde_json::json!([
-        {"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}
-    ]);
     serde_json::from_value(pod).expect("the pod above is a valid Pod")
 }
 
