@@ -11,6 +11,7 @@ pub mod admission;
 pub mod cni;
 pub mod evict;
 pub mod profile;
+pub mod projection;
 pub mod rules;
 
 /// Taint kept on a Node while its effective CNI config is not verified.

@@ -102,6 +102,26 @@ const LINKERD_SKIP_IN: &str = "config.linkerd.io/skip-inbound-ports";
 const LINKERD_SKIP_OUT: &str = "config.linkerd.io/skip-outbound-ports";
 const LINKERD_SKIP_SUBNETS: &str = "config.linkerd.io/skip-subnets";
 
+impl AnnotationDialect {
+    /// The pod annotations [`expectation`] reads for this dialect: what a cache of pods must
+    /// keep, as they are, for the rules check.
+    pub fn annotation_keys(self) -> &'static [&'static str] {
+        match self {
+            AnnotationDialect::None => &[],
+            AnnotationDialect::Istio => &[
+                ISTIO_MODE,
+                ISTIO_IN_PORTS,
+                ISTIO_OUT_RANGES,
+                ISTIO_OUT_PORTS,
+                ISTIO_OUT_EXCLUDE,
+            ],
+            AnnotationDialect::Linkerd => {
+                &[LINKERD_SKIP_IN, LINKERD_SKIP_OUT, LINKERD_SKIP_SUBNETS]
+            }
+        }
+    }
+}
+
 /// Derives the expectation for a pod with addresses in `families` (empty: IPv4 only) and
 /// these annotations. Pure; unknown or malformed annotation values never add a requirement.
 pub fn expectation(

@@ -1,0 +1,320 @@
+//! What a cache of pods keeps of each pod's labels and annotations, derived from the mesh
+//! profiles themselves.
+//!
+//! In: a [`ProfileSet`] (its selectors, and for the agent each profile's annotation dialect),
+//! then a pod's labels and annotations. Out: [`PodKeys`], and the projected maps: the keys
+//! some profile reads and nothing else. A projected pod is selected exactly as the whole pod
+//! (and, with [`PodKeys::inspection`], gets the same expected rules), which the property
+//! test below checks on arbitrary pods. Everything else (`kubectl apply`'s copy of the whole
+//! object, other tools' annotations, labels no profile names) is dropped however large, so
+//! what a cache holds per pod is bounded by the profiles, not by what a pod's author wrote.
+//!
+//! Values are bounded too: a label or annotation a selector only compares with a few values
+//! keeps its value when it is one of them, and is kept as `""` otherwise, which still says
+//! "present" (for "present, any value" and for exclusions) and equals no wanted value. Only
+//! the annotations a rules check parses ([`AnnotationDialect::annotation_keys`]) are kept as
+//! they are.
+//!
+//! [`AnnotationDialect::annotation_keys`]: crate::rules::AnnotationDialect::annotation_keys
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::profile::{PodSelector, ProfileSet};
+
+/// What a projection keeps of one pod label or annotation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Keep {
+    /// The values some selector compares with; any other value becomes `""`.
+    Values(BTreeSet<String>),
+    /// The value as it is.
+    Verbatim,
+}
+
+/// The pod labels and annotations a set of profiles reads.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodKeys {
+    labels: BTreeMap<String, Keep>,
+    annotations: BTreeMap<String, Keep>,
+}
+
+/// Notes that a selector compares `key` with `value` (`""`: present, any value).
+fn want(keys: &mut BTreeMap<String, Keep>, key: &str, value: &str) {
+    let keep = keys
+        .entry(key.to_owned())
+        .or_insert_with(|| Keep::Values(BTreeSet::new()));
+    if let Keep::Values(values) = keep
+        && !value.is_empty()
+    {
+        values.insert(value.to_owned());
+    }
+}
+
+/// Adds every pod label and annotation `selector` compares, with the values it compares
+/// them with.
+fn add_selector(keys: &mut PodKeys, selector: &PodSelector) {
+    for (k, v) in selector.labels.iter().chain(&selector.exclude_labels) {
+        want(&mut keys.labels, k, v);
+    }
+    for (k, v) in selector
+        .annotations
+        .iter()
+        .chain(&selector.exclude_annotations)
+    {
+        want(&mut keys.annotations, k, v);
+    }
+    for s in &selector.any_of {
+        add_selector(keys, s);
+    }
+}
+
+/// The part of `map` that `keys` keeps. Each kept key is looked up, so a pod with thousands
+/// of labels costs a lookup per kept key, not a copy of the map.
+fn project(
+    keys: &BTreeMap<String, Keep>,
+    map: &BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
+    keys.iter()
+        .filter_map(|(k, keep)| {
+            let v = map.get(k)?;
+            let kept = match keep {
+                Keep::Verbatim => v.clone(),
+                Keep::Values(values) if values.contains(v) => v.clone(),
+                Keep::Values(_) => String::new(),
+            };
+            Some((k.clone(), kept))
+        })
+        .collect()
+}
+
+impl PodKeys {
+    /// What the profiles' selectors read: all a cache needs to select its pods (the
+    /// webhook's unscheduled pods).
+    pub fn selection(profiles: &ProfileSet) -> Self {
+        let mut keys = Self::default();
+        for p in profiles.iter() {
+            add_selector(&mut keys, &p.selector);
+        }
+        keys
+    }
+
+    /// [`Self::selection`] plus the annotations each profile's annotation dialect reads,
+    /// kept as they are: all a cache needs to select its pods and derive the rules their
+    /// mesh writes (the agent's pods).
+    pub fn inspection(profiles: &ProfileSet) -> Self {
+        let mut keys = Self::selection(profiles);
+        for p in profiles.iter() {
+            for k in p.annotation_dialect.annotation_keys() {
+                keys.annotations.insert((*k).to_owned(), Keep::Verbatim);
+            }
+        }
+        keys
+    }
+
+    /// The labels of `labels` the profiles read.
+    pub fn project_labels(&self, labels: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+        project(&self.labels, labels)
+    }
+
+    /// The annotations of `annotations` the profiles read.
+    pub fn project_annotations(
+        &self,
+        annotations: &BTreeMap<String, String>,
+    ) -> BTreeMap<String, String> {
+        project(&self.annotations, annotations)
+    }
+
+    /// The label keys kept (logs, tests).
+    pub fn label_keys(&self) -> impl Iterator<Item = &str> {
+        self.labels.keys().map(String::as_str)
+    }
+
+    /// The annotation keys kept (logs, tests).
+    pub fn annotation_keys(&self) -> impl Iterator<Item = &str> {
+        self.annotations.keys().map(String::as_str)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::{ISTIO_DATAPLANE_MODE, ISTIO_SIDECAR_STATUS, PodView};
+    use crate::rules::{IpFamily, expectation};
+    use proptest::prelude::*;
+
+    const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+    const KUMA: &str = r#"[{"name":"kuma","selector":{"annotations":{"kuma.io/sidecar-injected":"true"},
+        "excludeLabels":{"app":"batch"}},"pluginType":"kuma-cni","inboundPort":15006,"outboundPort":15001}]"#;
+
+    fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn profiles() -> ProfileSet {
+        ProfileSet::all_builtin().with_custom_json(KUMA).unwrap()
+    }
+
+    /// The keys are the selectors' own, built-in or from a profile file; the bulk of a pod
+    /// (kubectl's copy of the object, long values no selector compares) is dropped.
+    #[test]
+    fn the_keys_come_from_the_profiles_and_the_bulk_is_dropped() {
+        let keys = PodKeys::selection(&profiles());
+        assert_eq!(
+            keys.label_keys().collect::<Vec<_>>(),
+            [
+                "app",
+                ISTIO_DATAPLANE_MODE,
+                "linkerd.io/control-plane-ns",
+                "security.istio.io/tlsMode"
+            ]
+        );
+        assert_eq!(
+            keys.annotation_keys().collect::<Vec<_>>(),
+            ["kuma.io/sidecar-injected", ISTIO_SIDECAR_STATUS]
+        );
+        let builtin = PodKeys::selection(&ProfileSet::all_builtin());
+        assert!(!builtin.label_keys().any(|k| k == "app"));
+
+        let fat = "x".repeat(256 * 1024);
+        let labels = map(&[
+            ("app", "web"),
+            ("linkerd.io/control-plane-ns", "linkerd"),
+            (ISTIO_DATAPLANE_MODE, "ambient"),
+            ("security.istio.io/tlsMode", "disabled"),
+            ("team", "payments"),
+        ]);
+        let annotations = map(&[
+            (LAST_APPLIED, &fat),
+            (ISTIO_SIDECAR_STATUS, &fat),
+            ("kuma.io/sidecar-injected", "true"),
+            (
+                "traffic.sidecar.istio.io/excludeOutboundIPRanges",
+                "0.0.0.0/0",
+            ),
+        ]);
+        assert_eq!(
+            keys.project_labels(&labels),
+            map(&[
+                // Compared with "batch" only.
+                ("app", ""),
+                (ISTIO_DATAPLANE_MODE, "ambient"),
+                // "present, any value".
+                ("linkerd.io/control-plane-ns", ""),
+                ("security.istio.io/tlsMode", ""),
+            ])
+        );
+        assert_eq!(
+            keys.project_annotations(&annotations),
+            map(&[
+                ("kuma.io/sidecar-injected", "true"),
+                (ISTIO_SIDECAR_STATUS, ""),
+            ])
+        );
+        // The agent also keeps the annotations the Istio and Linkerd rules read, as they are.
+        let inspection = PodKeys::inspection(&profiles());
+        assert_eq!(
+            inspection
+                .project_annotations(&annotations)
+                .get("traffic.sidecar.istio.io/excludeOutboundIPRanges")
+                .map(String::as_str),
+            Some("0.0.0.0/0")
+        );
+        assert!(
+            inspection
+                .annotation_keys()
+                .any(|k| k == "config.linkerd.io/skip-subnets")
+        );
+        assert!(!inspection.annotation_keys().any(|k| k == LAST_APPLIED));
+    }
+
+    fn arb_map(keys: Vec<&'static str>) -> impl Strategy<Value = BTreeMap<String, String>> {
+        let values = prop_oneof![
+            prop::sample::select(vec![
+                "",
+                "linkerd",
+                "istio",
+                "disabled",
+                "ambient",
+                "none",
+                "true",
+                "batch",
+                "NONE",
+                "TPROXY",
+                "0.0.0.0/0",
+                "::/0",
+                "10.0.0.0/8,fd00::/8",
+                "*",
+                "1-65535",
+                "80,443",
+            ])
+            .prop_map(str::to_owned),
+            ".{0,8}",
+        ];
+        proptest::collection::btree_map(
+            prop::sample::select(keys).prop_map(str::to_owned),
+            values,
+            0..8,
+        )
+    }
+
+    /// Every key any profile reads, and some no profile reads.
+    fn vocabulary() -> Vec<&'static str> {
+        vec![
+            "app",
+            "team",
+            LAST_APPLIED,
+            ISTIO_DATAPLANE_MODE,
+            ISTIO_SIDECAR_STATUS,
+            "linkerd.io/control-plane-ns",
+            "security.istio.io/tlsMode",
+            "kuma.io/sidecar-injected",
+            "ambient.istio.io/redirection",
+            "sidecar.istio.io/interceptionMode",
+            "traffic.sidecar.istio.io/includeInboundPorts",
+            "traffic.sidecar.istio.io/includeOutboundIPRanges",
+            "traffic.sidecar.istio.io/includeOutboundPorts",
+            "traffic.sidecar.istio.io/excludeOutboundIPRanges",
+            "config.linkerd.io/skip-inbound-ports",
+            "config.linkerd.io/skip-outbound-ports",
+            "config.linkerd.io/skip-subnets",
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2000, .. ProptestConfig::default() })]
+
+        /// A projected pod is selected by every profile exactly as the whole pod, whatever
+        /// its namespace's labels; and with the inspection keys every profile expects the
+        /// same rules of it.
+        #[test]
+        fn a_projected_pod_is_decided_as_the_whole_pod(
+            labels in arb_map(vocabulary()),
+            annotations in arb_map(vocabulary()),
+            namespace in proptest::option::of(arb_map(vec![ISTIO_DATAPLANE_MODE, "team"])),
+            families in prop::sample::select(vec![
+                vec![], vec![IpFamily::V4], vec![IpFamily::V6], vec![IpFamily::V4, IpFamily::V6],
+            ]),
+        ) {
+            let set = profiles();
+            for keys in [PodKeys::selection(&set), PodKeys::inspection(&set)] {
+                let (l, a) = (keys.project_labels(&labels), keys.project_annotations(&annotations));
+                let whole = PodView { labels: &labels, annotations: &annotations, namespace_labels: namespace.as_ref() };
+                let projected = PodView { labels: &l, annotations: &a, namespace_labels: namespace.as_ref() };
+                for p in set.iter() {
+                    prop_assert_eq!(p.selector.select(&whole), p.selector.select(&projected), "profile {}", p.name);
+                }
+            }
+            let keys = PodKeys::inspection(&set);
+            let a = keys.project_annotations(&annotations);
+            for p in set.iter() {
+                prop_assert_eq!(
+                    expectation(p, &families, &annotations),
+                    expectation(p, &families, &a),
+                    "profile {}", p.name
+                );
+            }
+        }
+    }
+}
