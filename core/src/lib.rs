@@ -10,6 +10,7 @@
 pub mod admission;
 pub mod cni;
 pub mod evict;
+pub mod lookup;
 pub mod profile;
 pub mod projection;
 pub mod rules;
