@@ -1,7 +1,8 @@
 //! Admission decisions: may this pod land on this node, and how is a new Node gated?
 //!
 //! In: what is being admitted (a Pod created with `spec.nodeName` set, or a `pods/binding`),
-//! the pod's labels and annotations (or "could not be looked up"), its namespace's labels
+//! the pod's labels and annotations (or why they could not be looked up: not found, lookups
+//! throttled, the API failing), its namespace's labels
 //! (or "unknown to the cache"), the target node's labels (or "unknown to the cache"), the node's `MeshCNIVerified` condition reason when known, and
 //! the [`ProfileSet`]. Out: [`Decision::Allow`] or [`Decision::Refuse`] with a message that
 //! names the node, the reason when known, and the remedy. The message is shown verbatim to the
@@ -30,6 +31,18 @@ pub enum RequestKind {
     Binding,
 }
 
+/// Why the pod a binding names is not known.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LookupFailure {
+    /// Neither the cache nor the API has it (the API said so, now or a few seconds ago).
+    NotFound,
+    /// Not looked up: the webhook's pod lookups are at their limit (a flood of bindings
+    /// naming pods it does not cache), so the API is spared.
+    Throttled,
+    /// The API did not answer in time, or failed.
+    Failed,
+}
+
 /// What is known about the pod being placed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PodFacts<'a> {
@@ -40,8 +53,8 @@ pub enum PodFacts<'a> {
         /// `metadata.annotations`.
         annotations: &'a BTreeMap<String, String>,
     },
-    /// A binding whose pod was neither in the cache nor returned by the API in time.
-    Unknown,
+    /// A binding whose pod was neither in the cache nor returned by the API, and why.
+    Unknown(LookupFailure),
 }
 
 /// What is known about the target node.
@@ -142,9 +155,9 @@ pub fn decide(input: &Input<'_>, profiles: &ProfileSet) -> Decision {
                 })
                 .collect()
         }
-        PodFacts::Unknown => Vec::new(),
+        PodFacts::Unknown(_) => Vec::new(),
     };
-    if meshes.is_empty() && input.pod != PodFacts::Unknown {
+    if meshes.is_empty() && matches!(input.pod, PodFacts::Known { .. }) {
         return Decision::Allow(AllowReason::NotMeshed);
     }
     Decision::Refuse {
@@ -163,8 +176,20 @@ fn refusal_message(input: &Input<'_>, meshes: &[Mesh<'_>]) -> String {
     let node = input.node_name;
     let mut m = String::with_capacity(512);
     let _ = write!(m, "meshgate: pod {}/{} ", input.namespace, input.pod_name);
-    if meshes.is_empty() {
-        m.push_str("could not be looked up to tell whether a mesh selects it, and");
+    if let PodFacts::Unknown(why) = input.pod {
+        m.push_str(match why {
+            LookupFailure::NotFound => {
+                "was not found (neither in the webhook's cache nor in the API), so no mesh can \
+                 be ruled out, and"
+            }
+            LookupFailure::Throttled => {
+                "was not looked up: the webhook's pod lookups are at their limit (many bindings \
+                 name pods it has not cached), so no mesh can be ruled out, and"
+            }
+            LookupFailure::Failed => {
+                "could not be looked up to tell whether a mesh selects it, and"
+            }
+        });
     } else if meshes.iter().all(|x| !x.certain) {
         let names: Vec<&str> = meshes.iter().map(|x| x.name).collect();
         let _ = write!(
@@ -548,27 +573,35 @@ mod tests {
     #[test]
     fn binding_of_unknown_pod_fails_closed_only_on_unverified_nodes() {
         let labels = map(&[(VERIFIED_LABEL, "false")]);
-        let mut input = Input {
-            kind: RequestKind::Binding,
-            namespace: "shop",
-            pod_name: "web-0",
-            pod: PodFacts::Unknown,
-            namespace_labels: None,
-            node_name: "node-a",
-            node: NodeFacts::Known { labels: &labels },
-            node_reason: None,
-        };
-        let profiles = ProfileSet::all_builtin();
-        let m = message(decide(&input, &profiles));
-        assert!(m.contains("could not be looked up"), "{m}");
-        assert!(m.contains("Remedy: retry"), "{m}");
-
         let verified = map(&[(VERIFIED_LABEL, "true")]);
-        input.node = NodeFacts::Known { labels: &verified };
-        assert_eq!(
-            decide(&input, &profiles),
-            Decision::Allow(AllowReason::NodeVerified)
-        );
+        let profiles = ProfileSet::all_builtin();
+        for (why, says) in [
+            (LookupFailure::Failed, "could not be looked up"),
+            (LookupFailure::NotFound, "was not found"),
+            (LookupFailure::Throttled, "pod lookups are at their limit"),
+        ] {
+            let mut input = Input {
+                kind: RequestKind::Binding,
+                namespace: "shop",
+                pod_name: "web-0",
+                pod: PodFacts::Unknown(why),
+                namespace_labels: None,
+                node_name: "node-a",
+                node: NodeFacts::Known { labels: &labels },
+                node_reason: None,
+            };
+            let m = message(decide(&input, &profiles));
+            assert!(m.starts_with("meshgate: pod shop/web-0 "), "{m}");
+            assert!(m.contains(says), "{m}");
+            assert!(m.contains("node node-a is not verified"), "{m}");
+            assert!(m.contains("Remedy: retry"), "{m}");
+
+            input.node = NodeFacts::Known { labels: &verified };
+            assert_eq!(
+                decide(&input, &profiles),
+                Decision::Allow(AllowReason::NodeVerified)
+            );
+        }
     }
 
     #[test]

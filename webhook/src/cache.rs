@@ -7,33 +7,39 @@
 //! - Nodes: a metadata-only watch (`PartialObjectMetadata`), with everything but the name and
 //!   the `meshgate.io/cni-verified` label dropped before it is stored. The verdict is in a
 //!   label, so the node's status (the bulk of a Node object) is never transferred.
-//! - Pods: a metadata-only watch limited to *unscheduled* pods (`spec.nodeName=`). A binding
-//!   is only ever created for an unscheduled pod, so this is exactly the set the binding path
-//!   needs, and it stays small however many pods run. A pod the watch has not delivered yet
-//!   (created a moment before its binding) is fetched with a metadata-only GET bounded by
-//!   `lookup_timeout`.
-//! - Namespaces: a metadata-only watch keeping each namespace's name and labels, because a
-//!   profile may select on them (`istio-ambient`: `istio.io/dataplane-mode=ambient` on the
-//!   namespace). A pod can only be created in a namespace that exists, so the cache has it
-//!   unless its watch lags; then the decision fails closed for the profiles that read it.
+//! - Pods: [`crate::pods`], a metadata-only watch limited to *unscheduled* pods
+//!   (`spec.nodeName=`), each projected to the keys the profiles read, capped, listed in small
+//!   pages. A binding is only ever created for an unscheduled pod, so this is exactly the set
+//!   the binding path needs. A pod the cache does not hold is fetched with a metadata-only
+//!   GET, within the lookup limits.
+//! - Namespaces: a metadata-only watch keeping each namespace's name and the labels the
+//!   profiles read, because a profile may select on them (`istio-ambient`:
+//!   `istio.io/dataplane-mode=ambient` on the namespace). A pod can only be created in a
+//!   namespace that exists, so the cache has it unless its watch lags; then the decision
+//!   fails closed for the profiles that read it.
 //! - A node's `MeshCNIVerified` condition reason is read with a bounded GET, only to word a
 //!   refusal, and remembered for a few seconds so a burst of refusals costs one GET. Only a
 //!   node in the cache is ever looked up: a name the cache does not know costs no request,
 //!   so reviews naming made-up nodes cannot turn into a flood of GETs.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Node};
 use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
+use meshgate_core::admission::LookupFailure;
+use meshgate_core::profile::ProfileSet;
+use meshgate_core::projection::PodKeys;
 use tokio::sync::watch;
 
+use crate::metrics::Metrics;
+use crate::pods::{PendingPods, PodLimits};
 use crate::review::{Cluster, PodMeta};
 
 /// How long a looked-up condition reason is reused.
@@ -41,14 +47,39 @@ const REASON_TTL: Duration = Duration::from_secs(5);
 /// Bound on remembered reasons; the map is cleared when full (refusals are rare).
 const REASON_CAPACITY: usize = 1024;
 
-/// Metadata caches of Nodes and unscheduled Pods, with bounded API fallbacks.
+/// Metadata caches of Nodes, Namespaces and unscheduled Pods, with bounded API fallbacks.
 pub struct Caches {
     nodes: Store<PartialObjectMeta<Node>>,
-    pods: Store<PartialObjectMeta<Pod>>,
+    pods: Arc<PendingPods>,
     namespaces: Store<PartialObjectMeta<Namespace>>,
     client: Client,
     lookup_timeout: Duration,
     reasons: Mutex<HashMap<String, (Instant, Option<String>)>>,
+}
+
+/// What the caches keep and how they look things up.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    /// Bound on each API lookup (`--lookup-timeout`).
+    pub lookup_timeout: Duration,
+    /// `--max-pending-pods` and the pod lookup limits.
+    pub pods: PodLimits,
+    /// The pod labels and annotations the profiles read.
+    pub pod_keys: PodKeys,
+    /// The namespace labels the profiles read.
+    pub namespace_keys: BTreeSet<String>,
+}
+
+impl Setup {
+    /// The setup for `profiles`.
+    pub fn new(profiles: &ProfileSet, lookup_timeout: Duration, pods: PodLimits) -> Self {
+        Self {
+            lookup_timeout,
+            pods,
+            pod_keys: PodKeys::selection(profiles),
+            namespace_keys: profiles.namespace_label_keys(),
+        }
+    }
 }
 
 /// Drops what the webhook never reads from a cached object's metadata.
@@ -71,15 +102,13 @@ fn slim_node(node: &mut PartialObjectMeta<Node>) {
     }
 }
 
-/// A cached Pod keeps labels and annotations: mesh profiles select on both.
-fn slim_pod(pod: &mut PartialObjectMeta<Pod>) {
-    slim_common(pod);
-}
-
-/// A cached Namespace keeps its name and labels: profiles select on labels only.
-fn slim_namespace(ns: &mut PartialObjectMeta<Namespace>) {
+/// A cached Namespace keeps its name and the labels profiles select on.
+fn slim_namespace(ns: &mut PartialObjectMeta<Namespace>, keys: &BTreeSet<String>) {
     slim_common(ns);
     ns.metadata.annotations = None;
+    if let Some(labels) = ns.metadata.labels.as_mut() {
+        labels.retain(|k, _| keys.contains(k));
+    }
 }
 
 /// The futures that keep the caches filled; spawn them. They run until dropped.
@@ -99,7 +128,7 @@ pub struct Watches {
 fn metadata_watch<K>(
     api: Api<PartialObjectMeta<K>>,
     config: watcher::Config,
-    slim: fn(&mut PartialObjectMeta<K>),
+    slim: impl FnMut(&mut PartialObjectMeta<K>) + Send + 'static,
     writer: reflector::store::Writer<PartialObjectMeta<K>>,
     what: &'static str,
 ) -> impl Future<Output = ()> + Send + 'static
@@ -128,12 +157,19 @@ impl Caches {
     /// Builds the caches over `client`; nothing is fetched until the [`Watches`] run.
     pub fn new(
         client: Client,
-        lookup_timeout: Duration,
+        setup: Setup,
+        metrics: Metrics,
         ready: watch::Sender<bool>,
     ) -> (Self, Watches) {
         let (nodes, node_writer) = reflector::store::<PartialObjectMeta<Node>>();
-        let (pods, pod_writer) = reflector::store::<PartialObjectMeta<Pod>>();
         let (namespaces, namespace_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
+        let pods = Arc::new(PendingPods::new(
+            client.clone(),
+            setup.pod_keys,
+            setup.pods,
+            setup.lookup_timeout,
+            metrics,
+        ));
         // The default (most recent) list semantic lists in pages of 500: with thousands of
         // nodes, one unpaginated `resourceVersion=0` list would be buffered whole, and that
         // buffer sets the process's peak memory.
@@ -144,29 +180,24 @@ impl Caches {
             node_writer,
             "node",
         );
-        let pod_watch = metadata_watch(
-            Api::all(client.clone()),
-            watcher::Config::default().fields("spec.nodeName="),
-            slim_pod,
-            pod_writer,
-            "pod",
-        );
+        let pod_watch = pods.clone().watch();
+        let namespace_keys = setup.namespace_keys;
         let namespace_watch = metadata_watch(
             Api::all(client.clone()),
             watcher::Config::default(),
-            slim_namespace,
+            move |ns| slim_namespace(ns, &namespace_keys),
             namespace_writer,
             "namespace",
         );
 
         let (n, p, ns) = (nodes.clone(), pods.clone(), namespaces.clone());
         let synced = async move {
-            let (a, b, c) = futures::join!(
+            let (a, (), c) = futures::join!(
                 n.wait_until_ready(),
-                p.wait_until_ready(),
+                p.wait_until_listed(),
                 ns.wait_until_ready()
             );
-            if a.is_ok() && b.is_ok() && c.is_ok() {
+            if a.is_ok() && c.is_ok() {
                 tracing::info!(
                     nodes = n.len(),
                     pending_pods = p.len(),
@@ -183,7 +214,7 @@ impl Caches {
                 pods,
                 namespaces,
                 client,
-                lookup_timeout,
+                lookup_timeout: setup.lookup_timeout,
                 reasons: Mutex::new(HashMap::new()),
             },
             Watches {
@@ -237,37 +268,8 @@ impl Cluster for Caches {
             .map(|n| n.labels().clone())
     }
 
-    async fn pod_meta(&self, namespace: &str, name: &str) -> Option<PodMeta> {
-        let key = ObjectRef::new(name).within(namespace);
-        if let Some(p) = self.pods.get(&key) {
-            return Some(PodMeta {
-                labels: p.labels().clone(),
-                annotations: p.annotations().clone(),
-            });
-        }
-        let api: Api<PartialObjectMeta<Pod>> = Api::namespaced(self.client.clone(), namespace);
-        match tokio::time::timeout(self.lookup_timeout, api.get_opt(name)).await {
-            Ok(Ok(Some(p))) => Some(PodMeta {
-                labels: p.metadata.labels.unwrap_or_default(),
-                annotations: p.metadata.annotations.unwrap_or_default(),
-            }),
-            Ok(Ok(None)) => {
-                tracing::info!(
-                    namespace,
-                    pod = name,
-                    "binding for a pod that does not exist"
-                );
-                None
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(namespace, pod = name, error = %e, "pod lookup failed");
-                None
-            }
-            Err(_) => {
-                tracing::warn!(namespace, pod = name, timeout = ?self.lookup_timeout, "pod lookup timed out");
-                None
-            }
-        }
+    async fn pod_meta(&self, namespace: &str, name: &str) -> Result<PodMeta, LookupFailure> {
+        self.pods.meta(namespace, name).await
     }
 
     async fn node_reason(&self, name: &str) -> Option<String> {
@@ -298,7 +300,7 @@ mod tests {
     use kube::api::ObjectMeta;
 
     #[test]
-    fn cached_nodes_keep_only_name_and_verdict_label() {
+    fn cached_nodes_and_namespaces_keep_only_what_is_read() {
         let mut node: PartialObjectMeta<Node> = PartialObjectMeta {
             types: None,
             metadata: ObjectMeta {
@@ -330,30 +332,16 @@ mod tests {
         );
         assert!(node.metadata.annotations.is_none() && node.metadata.managed_fields.is_none());
 
-        let mut pod: PartialObjectMeta<Pod> = PartialObjectMeta {
-            types: None,
-            metadata: ObjectMeta {
-                labels: Some([("app".to_string(), "x".to_string())].into()),
-                annotations: Some(
-                    [(
-                        "ambient.istio.io/redirection".to_string(),
-                        "enabled".to_string(),
-                    )]
-                    .into(),
-                ),
-                ..ObjectMeta::default()
-            },
-            _phantom: std::marker::PhantomData,
-        };
-        slim_pod(&mut pod);
-        assert!(pod.metadata.labels.is_some() && pod.metadata.annotations.is_some());
-
         let mut ns: PartialObjectMeta<Namespace> = PartialObjectMeta {
             types: None,
             metadata: ObjectMeta {
                 name: Some("shop".into()),
                 labels: Some(
-                    [("istio.io/dataplane-mode".to_string(), "ambient".to_string())].into(),
+                    [
+                        ("istio.io/dataplane-mode".to_string(), "ambient".to_string()),
+                        ("team".to_string(), "payments".to_string()),
+                    ]
+                    .into(),
                 ),
                 annotations: Some([("a".to_string(), "b".to_string())].into()),
                 managed_fields: Some(vec![Default::default()]),
@@ -361,8 +349,12 @@ mod tests {
             },
             _phantom: std::marker::PhantomData,
         };
-        slim_namespace(&mut ns);
-        assert_eq!(ns.metadata.labels.as_ref().map(|l| l.len()), Some(1));
+        let keys = ProfileSet::all_builtin().namespace_label_keys();
+        slim_namespace(&mut ns, &keys);
+        assert_eq!(
+            ns.metadata.labels,
+            Some([("istio.io/dataplane-mode".to_string(), "ambient".to_string())].into())
+        );
         assert!(ns.metadata.annotations.is_none() && ns.metadata.managed_fields.is_none());
     }
 
@@ -370,28 +362,19 @@ mod tests {
     /// however many made-up names are asked for.
     #[tokio::test]
     async fn a_node_not_in_the_cache_costs_no_request() {
-        let requests = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let seen = requests.clone();
-        let service = tower::service_fn(move |_req: http::Request<kube::client::Body>| {
-            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            async move {
-                let body = serde_json::json!({
-                    "kind": "Status", "apiVersion": "v1", "status": "Failure",
-                    "reason": "NotFound", "code": 404, "message": "not found"
-                });
-                http::Response::builder()
-                    .status(404)
-                    .header("content-type", "application/json")
-                    .body(kube::client::Body::from(serde_json::to_vec(&body).unwrap()))
-            }
-        });
-        let client = Client::new(service, "default");
+        let api = crate::pods::tests::MockApi::not_found();
         let (ready, _) = watch::channel(false);
+        let setup = Setup::new(
+            &ProfileSet::all_builtin(),
+            Duration::from_secs(1),
+            PodLimits::default(),
+        );
+        let metrics = Metrics::register(&mut prometheus_client::registry::Registry::default());
         // The watches are never run: the node cache stays empty.
-        let (caches, _watches) = Caches::new(client, Duration::from_secs(1), ready);
+        let (caches, _watches) = Caches::new(api.client(), setup, metrics, ready);
         for i in 0..100 {
             assert_eq!(caches.node_reason(&format!("made-up-{i}")).await, None);
         }
-        assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert_eq!(api.requests(), 0);
     }
 }

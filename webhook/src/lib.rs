@@ -6,7 +6,8 @@
 //! Patches for new Nodes, and `/live` `/ready` `/metrics` on the admin port.
 //!
 //! - [`review`]: AdmissionReview ⇄ `core::admission`, over a [`review::Cluster`] view.
-//! - [`cache`]: the real cluster view (metadata watches, bounded API fallbacks).
+//! - [`cache`]: the real cluster view (metadata watches, bounded API fallbacks); [`pods`]:
+//!   its unscheduled pods, projected and capped, and the limits on looking one up.
 //! - [`server`]: routes, limits, TLS accept loop, graceful shutdown; [`tls`]: certificates
 //!   re-read on change.
 //! - [`shutdown`]: the stop sequence (signal → not ready but serving for `--shutdown-delay`
@@ -16,6 +17,7 @@
 
 pub mod cache;
 pub mod metrics;
+pub mod pods;
 pub mod review;
 pub mod server;
 pub mod shutdown;
@@ -95,6 +97,9 @@ pub struct Args {
     /// Log format on stderr (`RUST_LOG` filters, default `info`).
     #[arg(long, env = "MESHGATE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// What is kept and looked up about unscheduled pods.
+    #[command(flatten)]
+    pub pods: pods::PodLimits,
 }
 
 /// Parses `1.5s`, `500ms` or plain seconds.
@@ -173,7 +178,8 @@ async fn run_with(
     let registry = Arc::new(registry);
 
     let (ready_tx, ready_rx) = watch::channel(false);
-    let (caches, watches) = cache::Caches::new(client, args.lookup_timeout, ready_tx);
+    let setup = cache::Setup::new(&profiles, args.lookup_timeout, args.pods);
+    let (caches, watches) = cache::Caches::new(client, setup, metrics.clone(), ready_tx);
     let watch_tasks = [
         tokio::spawn(watches.namespaces),
         tokio::spawn(watches.nodes),
@@ -340,6 +346,25 @@ mod tests {
             64
         );
         assert!(parse(&["--max-connections", "0"]).is_err());
+        assert_eq!(a.pods, pods::PodLimits::default());
+        let p = parse(&[
+            "--max-pending-pods",
+            "10",
+            "--pod-lookups-per-second",
+            "0",
+            "--max-pod-lookups-in-flight",
+            "2",
+        ])
+        .unwrap()
+        .pods;
+        assert_eq!(
+            (
+                p.max_pending_pods,
+                p.pod_lookups_per_second,
+                p.max_pod_lookups_in_flight
+            ),
+            (10, 0, 2)
+        );
         assert!(parse(&["--max-connections", "many"]).is_err());
         let set = load_profiles(&a).unwrap();
         assert_eq!(set.iter().count(), 2);

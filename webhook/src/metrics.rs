@@ -1,9 +1,11 @@
-//! The webhook's contract metrics.
+//! The webhook's metrics.
 //!
-//! In: one observation per handled AdmissionReview (resource, allowed, duration). Out: the
-//! counters and histogram registered in a prometheus-client `Registry`, served by
-//! [`crate::admin`]. Names follow `shared/design/contract.md` exactly (prometheus-client adds
-//! the `_total` suffix to counters).
+//! In: one observation per handled AdmissionReview (resource, allowed, duration), per pod
+//! lookup a binding needed (its outcome), and per pod the pending-pod cache left out for its
+//! cap. Out: the counters and histogram registered in a prometheus-client `Registry`, served
+//! by `meshgate_runtime::admin`. The review metrics follow `shared/design/contract.md`
+//! exactly; the lookup and cache ones are documented in docs/webhook.md (prometheus-client
+//! adds the `_total` suffix to counters).
 
 use std::time::Duration;
 
@@ -49,11 +51,57 @@ pub struct ReviewLabels {
     pub allowed: &'static str,
 }
 
+/// `outcome` label of `meshgate_pod_lookups_total`: what became of a binding's pod that
+/// the cache did not hold.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum LookupOutcome {
+    /// Looked up and found.
+    Found,
+    /// Looked up: it does not exist.
+    NotFound,
+    /// Not looked up: the API said it does not exist a moment ago.
+    KnownMissing,
+    /// Not looked up: over `--pod-lookups-per-second`.
+    RateLimited,
+    /// Not looked up: `--max-pod-lookups-in-flight` lookups already running.
+    InFlightLimit,
+    /// Looked up: the API failed or did not answer within `--lookup-timeout`.
+    Failed,
+}
+
+impl LookupOutcome {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LookupOutcome::Found => "found",
+            LookupOutcome::NotFound => "not_found",
+            LookupOutcome::KnownMissing => "known_missing",
+            LookupOutcome::RateLimited => "rate_limited",
+            LookupOutcome::InFlightLimit => "in_flight_limit",
+            LookupOutcome::Failed => "failed",
+        }
+    }
+}
+
+impl EncodeLabelValue for LookupOutcome {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        EncodeLabelValue::encode(&self.as_str(), encoder)
+    }
+}
+
+/// Label set of `meshgate_pod_lookups_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LookupLabels {
+    outcome: LookupOutcome,
+}
+
 /// Handles to the webhook's metrics; cheap to clone (they share the underlying atomics).
 #[derive(Clone, Debug)]
 pub struct Metrics {
     reviews: Family<ReviewLabels, Counter>,
     duration: Histogram,
+    lookups: Family<LookupLabels, Counter>,
+    overflow: Counter,
 }
 
 impl Metrics {
@@ -75,7 +123,36 @@ impl Metrics {
             "Time to answer one pod admission review",
             duration.clone(),
         );
-        Self { reviews, duration }
+        let lookups = Family::<LookupLabels, Counter>::default();
+        registry.register(
+            "meshgate_pod_lookups",
+            "Pods a binding named that the pending-pod cache did not hold, by outcome: looked \
+             up (found, not_found, failed) or refused without a lookup (known_missing, \
+             rate_limited, in_flight_limit)",
+            lookups.clone(),
+        );
+        let overflow = Counter::default();
+        registry.register(
+            "meshgate_pod_cache_overflow",
+            "Unscheduled pods left out of the cache because it held --max-pending-pods",
+            overflow.clone(),
+        );
+        Self {
+            reviews,
+            duration,
+            lookups,
+            overflow,
+        }
+    }
+
+    /// Records what became of one pod lookup.
+    pub fn pod_lookup(&self, outcome: LookupOutcome) {
+        self.lookups.get_or_create(&LookupLabels { outcome }).inc();
+    }
+
+    /// Records one pod the pending-pod cache left out.
+    pub fn pod_cache_overflow(&self) {
+        self.overflow.inc();
     }
 
     /// Records one answered review.
@@ -116,5 +193,15 @@ mod tests {
             out.contains("meshgate_admission_duration_seconds_count 2"),
             "{out}"
         );
+        m.pod_lookup(LookupOutcome::RateLimited);
+        m.pod_cache_overflow();
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
+        for line in [
+            "meshgate_pod_lookups_total{outcome=\"rate_limited\"} 1",
+            "meshgate_pod_cache_overflow_total 1",
+        ] {
+            assert!(out.contains(line), "{out}");
+        }
     }
 }

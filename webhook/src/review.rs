@@ -1,8 +1,8 @@
 //! AdmissionReview ⇄ `core::admission`.
 //!
 //! In: the raw request body the apiserver POSTs (bytes, possibly garbage), and a [`Cluster`]
-//! view (node labels from the cache; a pod's labels for bindings, cache first and a bounded
-//! API GET after; a node's condition reason, only when refusing a pod on a node the cache
+//! view (node labels from the cache; a pod's labels for bindings, cache first and an API GET
+//! within the lookup limits after, or why not; a node's condition reason, only when refusing a pod on a node the cache
 //! knows: a node it does not know is decided from the cache alone, so reviews naming made-up
 //! nodes cost no API request). Out: an [`Outcome`]: the
 //! AdmissionReview response to send, or a "malformed" message for a 400. Every decoding
@@ -15,17 +15,20 @@ use std::time::Instant;
 use kube::core::DynamicObject;
 use kube::core::Status;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
-use meshgate_core::admission::{self, Decision, Input, NodeFacts, PodFacts, RequestKind};
+use meshgate_core::admission::{
+    self, Decision, Input, LookupFailure, NodeFacts, PodFacts, RequestKind,
+};
 use meshgate_core::profile::ProfileSet;
 
 use crate::metrics::{Metrics, Resource};
 
-/// A pod's labels and annotations, as the binding path needs them.
+/// A pod's labels and annotations, as the binding path needs them: only those the profiles
+/// read (`meshgate_core::projection`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PodMeta {
-    /// `metadata.labels`.
+    /// `metadata.labels`, projected.
     pub labels: BTreeMap<String, String>,
-    /// `metadata.annotations`.
+    /// `metadata.annotations`, projected.
     pub annotations: BTreeMap<String, String>,
 }
 
@@ -34,9 +37,13 @@ pub struct PodMeta {
 pub trait Cluster: Send + Sync + 'static {
     /// The node's labels, or `None` when the node is not in the cache.
     fn node_labels(&self, name: &str) -> Option<BTreeMap<String, String>>;
-    /// The pod's labels and annotations (cache, then a bounded API GET), or `None`.
-    fn pod_meta(&self, namespace: &str, name: &str)
-    -> impl Future<Output = Option<PodMeta>> + Send;
+    /// The pod's labels and annotations (cache, then a bounded API GET), or why they are
+    /// not known.
+    fn pod_meta(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> impl Future<Output = Result<PodMeta, LookupFailure>> + Send;
     /// The node's `MeshCNIVerified` condition reason, if it can be read quickly.
     fn node_reason(&self, name: &str) -> impl Future<Output = Option<String>> + Send;
     /// The labels of a Namespace, or `None` when it is not in the cache. Read only when a
@@ -238,11 +245,11 @@ impl<C: Cluster> Reviewer<C> {
             RequestKind::Binding => {
                 looked_up = self.cluster.pod_meta(namespace, pod_name).await;
                 match &looked_up {
-                    Some(m) => PodFacts::Known {
+                    Ok(m) => PodFacts::Known {
                         labels: &m.labels,
                         annotations: &m.annotations,
                     },
-                    None => PodFacts::Unknown,
+                    Err(why) => PodFacts::Unknown(*why),
                 }
             }
         };
@@ -363,13 +370,15 @@ pub(crate) mod tests {
         pub pod_lookups: Mutex<Vec<String>>,
         pub reason_lookups: Mutex<Vec<String>>,
         pub delay: Option<std::time::Duration>,
+        /// Why a pod not in `pods` is not known (default: not found).
+        pub lookup_failure: Option<LookupFailure>,
     }
 
     impl Cluster for FakeCluster {
         fn node_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
             self.nodes.get(name).cloned()
         }
-        async fn pod_meta(&self, namespace: &str, name: &str) -> Option<PodMeta> {
+        async fn pod_meta(&self, namespace: &str, name: &str) -> Result<PodMeta, LookupFailure> {
             if let Some(d) = self.delay {
                 tokio::time::sleep(d).await;
             }
@@ -380,6 +389,7 @@ pub(crate) mod tests {
             self.pods
                 .get(&(namespace.to_string(), name.to_string()))
                 .cloned()
+                .ok_or(self.lookup_failure.unwrap_or(LookupFailure::NotFound))
         }
         async fn node_reason(&self, name: &str) -> Option<String> {
             self.reason_lookups.lock().unwrap().push(name.to_string());
@@ -687,6 +697,30 @@ pub(crate) mod tests {
         // An unknown pod on an unverified node fails closed; the scheduler retries.
         let out = validate(&r, &binding_review("ghost", "bad")).await;
         assert_eq!(out["response"]["allowed"], false);
+        let msg = out["response"]["status"]["message"].as_str().unwrap();
+        assert!(msg.contains("pod shop/ghost was not found"), "{msg}");
+    }
+
+    /// A binding whose pod was not looked up because the lookups are at their limit is
+    /// refused on an unverified node, saying so; on a verified node it needs no lookup.
+    #[tokio::test]
+    async fn a_throttled_lookup_fails_closed_and_says_why() {
+        let mut c = fake_cluster();
+        c.lookup_failure = Some(LookupFailure::Throttled);
+        let (r, _) = reviewer(c);
+        let out = validate(&r, &binding_review("forged-1", "bad")).await;
+        assert_eq!(out["response"]["allowed"], false);
+        assert_eq!(out["response"]["status"]["code"], 403);
+        let msg = out["response"]["status"]["message"].as_str().unwrap();
+        assert!(
+            msg.contains("pod shop/forged-1 was not looked up")
+                && msg.contains("at their limit")
+                && msg.contains("node bad"),
+            "{msg}"
+        );
+        let out = validate(&r, &binding_review("forged-2", "good")).await;
+        assert_eq!(out["response"]["allowed"], true);
+        assert_eq!(*r.cluster().pod_lookups.lock().unwrap(), ["shop/forged-1"]);
     }
 
     #[tokio::test]

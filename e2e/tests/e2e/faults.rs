@@ -1246,10 +1246,15 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
         // Each stalled review waits for a bounded lookup: 2 s (not the default 1 s) so they
         // are still in flight, with a second to spare, when the drain starts at SIGTERM +
         // delay. The request deadline stays above two lookups (a refusal may look up the node
-        // too).
+        // too). The pod lookup limits are raised so that all 40 lookups are made (the
+        // defaults, 20 a second and 8 at once, would refuse most of them at once: that is
+        // `abuse::forged_binding_reviews_cost_the_apiserver_at_most_the_lookup_rate`).
         let mut webhook = WebhookProcess::start(
             &kubeconfig,
-            &["--shutdown-delay", "500ms", "--lookup-timeout", "2s", "--request-timeout", "6s"],
+            &[
+                "--shutdown-delay", "500ms", "--lookup-timeout", "2s", "--request-timeout", "6s",
+                "--pod-lookups-per-second", "1000", "--max-pod-lookups-in-flight", "64",
+            ],
         )?;
         webhook.wait_ready(Duration::from_secs(60)).await?;
         // The cache has every node once its labels answer as expected.

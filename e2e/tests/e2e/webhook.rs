@@ -139,6 +139,7 @@ impl Fixture {
             shutdown_delay: Duration::ZERO,
             shutdown_timeout: Duration::from_secs(5),
             log_format: meshgate_webhook::LogFormat::Text,
+            pods: meshgate_webhook::pods::PodLimits::default(),
         };
         let listener = tokio::net::TcpListener::bind(listen).await?;
         let (stop_tx, stop_rx) = oneshot::channel();
