@@ -1,7 +1,8 @@
 //! Pod inspection and eviction: the backstop for meshed pods that started before the node's
 //! CNI chain was complete.
 //!
-//! In: a watch of this node's pods only (field selector `spec.nodeName`), a metadata-only
+//! In: a watch of this node's pods only (field selector `spec.nodeName`, listed in pages of
+//! [`PAGE_SIZE`]; of each pod the tracker keeps only what inspection reads), a metadata-only
 //! watch of Namespaces when a profile selects on namespace labels (`istio-ambient`), the
 //! node's verdict
 //! (a `watch` channel fed by the verdict loop), the shared state file (eviction history),
@@ -51,6 +52,7 @@ use kube::runtime::watcher;
 use meshgate_core::cni::{Reason, Verdict as NodeVerdict};
 use meshgate_core::evict::{self, Candidate, Decision, Flags, RateLimiter, SandboxKey, SkipWhy};
 use meshgate_core::profile::ProfileSet;
+use meshgate_core::projection::PodKeys;
 use meshgate_core::rules::Verdict;
 use meshgate_runtime::admin::LoopProgress;
 use tokio::sync::watch;
@@ -64,6 +66,12 @@ use eviction::{Answer, Outcome};
 use inspect::{Inspected, Job};
 use tracker::{Due, PodInfo, Tracker};
 
+/// Pods per page of the pod list. A page is held whole, body and decoded Pods, before its
+/// pods are reduced to what the tracker keeps, and anyone who can create pods on this node
+/// decides their size (up to about 1.5 MiB each): 10 of them stay far below the agent's
+/// memory limit; a node's 110 pods are 11 requests.
+pub const PAGE_SIZE: u32 = 10;
+
 /// A burst of pod events ends after this much quiet; then its pods are inspected together.
 const BURST_QUIET: Duration = Duration::from_millis(20);
 /// ... or after this long, however busy the stream: detection is never delayed further.
@@ -76,6 +84,8 @@ pub struct Setup {
     pub node: String,
     /// The profiles whose pods are inspected.
     pub profiles: ProfileSet,
+    /// What of a pod's labels and annotations the profiles and the rules read.
+    pub keys: PodKeys,
     /// `--dry-run`, `--no-evict`, `--evict-unowned`.
     pub flags: Flags,
     /// `--max-evictions-per-minute`.
@@ -94,6 +104,7 @@ impl Setup {
             meshgate_runtime::profiles::load(&args.profiles, args.profile_file.as_deref())?;
         Ok(Self {
             node: args.node_name.clone(),
+            keys: PodKeys::inspection(&profiles),
             profiles,
             flags: Flags {
                 dry_run: args.dry_run,
@@ -180,7 +191,9 @@ pub async fn run(
         "inspecting this node's meshed pods"
     );
     let pods: Api<Pod> = Api::all(client.clone());
-    let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
+    let config = watcher::Config::default()
+        .fields(&format!("spec.nodeName={node}"))
+        .page_size(PAGE_SIZE);
     let mut stream = std::pin::pin!(watcher(pods, config).default_backoff());
     let namespace_keys = setup.profiles.namespace_label_keys();
     // Metadata only (PartialObjectMetadata): a namespace's labels are all a profile reads.
@@ -402,7 +415,8 @@ impl Inspector {
             Ok(watcher::Event::InitApply(pod) | watcher::Event::Apply(pod)) => {
                 let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
                 let labels = self.namespace_labels(namespace);
-                if let Some(info) = PodInfo::from_pod(&pod, &self.setup.profiles, labels) {
+                let (profiles, keys) = (&self.setup.profiles, &self.setup.keys);
+                if let Some(info) = PodInfo::from_pod(&pod, profiles, keys, labels) {
                     self.tracker.apply(info, now);
                 }
             }

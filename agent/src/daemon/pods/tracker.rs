@@ -2,7 +2,9 @@
 //! inspection now.
 //!
 //! In: `Pod` objects from the node-scoped watch (converted by [`PodInfo::from_pod`], so the
-//! full objects are dropped at once and memory stays flat), the labels of their namespaces
+//! full objects are dropped at once and memory stays flat; of their labels and annotations
+//! only those the profiles and the rules read are kept, `core::projection`), the labels of
+//! their namespaces
 //! when a profile selects on them, the node verdict's generation, and the results of
 //! inspections and eviction attempts. Out: the pods due for inspection ([`Tracker::due`])
 //! and when the next deferred retry is due ([`Tracker::next_retry`]).
@@ -23,6 +25,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use meshgate_core::profile::{PodView, ProfileSet, Selected};
+use meshgate_core::projection::PodKeys;
 
 /// First retry delay after a refusal or an `unknown` verdict; it doubles per consecutive one.
 pub const RETRY_MIN: Duration = Duration::from_secs(2);
@@ -34,9 +37,6 @@ pub const RETRY_MIN: Duration = Duration::from_secs(2);
 pub const ENROLL_GRACE: Duration = Duration::from_secs(30);
 /// Retry delay cap.
 pub const RETRY_MAX: Duration = Duration::from_secs(30);
-/// The annotation `kubectl apply` keeps the whole last applied object in: never read, and
-/// often the largest, so it is not kept.
-const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
 
 /// How often an `unknown` verdict is retried before the pod is left alone (until its
 /// sandbox or the node verdict changes): a VM-isolated pod stays unknown for good.
@@ -51,10 +51,11 @@ pub struct PodInfo {
     pub name: String,
     /// `metadata.uid`.
     pub uid: String,
-    /// `metadata.labels`, for selecting again when the namespace's labels change.
+    /// `metadata.labels` the profiles read, for selecting again when the namespace's labels
+    /// change.
     pub labels: BTreeMap<String, String>,
-    /// `metadata.annotations` (without `kubectl apply`'s copy of the object): selection,
-    /// and the rules each mesh writes for this pod follow from them.
+    /// `metadata.annotations` the profiles and the rules read: selection, and the rules each
+    /// mesh writes for this pod follow from them.
     pub annotations: BTreeMap<String, String>,
     /// Names of the containers and native sidecars (init containers with
     /// `restartPolicy: Always`): does it run its mesh's proxy?
@@ -78,19 +79,21 @@ pub struct PodInfo {
 }
 
 impl PodInfo {
-    /// Reads a pod; `None` when it lacks a name, namespace or UID (never from the API).
-    /// `namespace_labels` are its namespace's labels, `None` when not known (yet).
+    /// Reads a pod, keeping of its labels and annotations what `keys` (the profiles'
+    /// [`PodKeys::inspection`]) says; `None` when it lacks a name, namespace or UID (never
+    /// from the API). `namespace_labels` are its namespace's labels, `None` when not known
+    /// (yet).
     pub fn from_pod(
         pod: &Pod,
         profiles: &ProfileSet,
+        keys: &PodKeys,
         namespace_labels: Option<&BTreeMap<String, String>>,
     ) -> Option<Self> {
         let namespace = pod.metadata.namespace.clone()?;
         let name = pod.metadata.name.clone()?;
         let uid = pod.metadata.uid.clone()?;
-        let labels = pod.labels().clone();
-        let mut annotations = pod.annotations().clone();
-        annotations.remove(LAST_APPLIED);
+        let labels = keys.project_labels(pod.labels());
+        let annotations = keys.project_annotations(pod.annotations());
         let containers = pod
             .spec
             .iter()
@@ -536,7 +539,21 @@ mod tests {
 
     fn info(p: &Pod) -> PodInfo {
         // The namespace is known and carries no mesh label.
-        PodInfo::from_pod(p, &ProfileSet::all_builtin(), Some(&BTreeMap::new())).expect("identity")
+        info_in(p, &ProfileSet::all_builtin(), Some(&BTreeMap::new())).expect("identity")
+    }
+
+    /// [`PodInfo::from_pod`] with the keys `profiles` read.
+    fn info_in(
+        p: &Pod,
+        profiles: &ProfileSet,
+        namespace_labels: Option<&BTreeMap<String, String>>,
+    ) -> Option<PodInfo> {
+        PodInfo::from_pod(
+            p,
+            profiles,
+            &PodKeys::inspection(profiles),
+            namespace_labels,
+        )
     }
 
     fn secs(s: u64) -> Duration {
@@ -601,10 +618,7 @@ mod tests {
         // No identity, no info.
         let mut p = meshed("d", "10.1.0.8");
         p.metadata.uid = None;
-        assert_eq!(
-            PodInfo::from_pod(&p, &ProfileSet::all_builtin(), None),
-            None
-        );
+        assert_eq!(info_in(&p, &ProfileSet::all_builtin(), None), None);
     }
 
     #[test]
@@ -808,7 +822,7 @@ mod tests {
         let p = ambient_candidate("a", "10.1.0.1");
         let mut t = Tracker::new();
         t.start_list();
-        t.apply(PodInfo::from_pod(&p, &set, Some(&plain)).unwrap(), secs(0));
+        t.apply(info_in(&p, &set, Some(&plain)).unwrap(), secs(0));
         t.finish_list();
         assert!(t.due(secs(1)).is_empty(), "not meshed yet");
 
@@ -832,7 +846,7 @@ mod tests {
         let q = ambient_candidate("b", "10.1.0.2");
         let mut t = Tracker::new();
         t.start_list();
-        t.apply(PodInfo::from_pod(&q, &set, Some(&plain)).unwrap(), secs(0));
+        t.apply(info_in(&q, &set, Some(&plain)).unwrap(), secs(0));
         t.finish_list();
         let mut labelled = q.clone();
         labelled
@@ -840,10 +854,7 @@ mod tests {
             .labels
             .get_or_insert_with(Default::default)
             .insert("istio.io/dataplane-mode".into(), "ambient".into());
-        t.apply(
-            PodInfo::from_pod(&labelled, &set, Some(&plain)).unwrap(),
-            secs(5),
-        );
+        t.apply(info_in(&labelled, &set, Some(&plain)).unwrap(), secs(5));
         assert!(t.due(secs(5)).is_empty());
         assert_eq!(t.due(secs(5) + ENROLL_GRACE).len(), 1);
     }
@@ -855,7 +866,7 @@ mod tests {
         let mut t = Tracker::new();
         t.start_list();
         // The namespace's labels are not known yet: kept, not selected, not due.
-        let unknown = PodInfo::from_pod(&p, &set, None).unwrap();
+        let unknown = info_in(&p, &set, None).unwrap();
         assert!(unknown.profiles.is_empty() && unknown.namespace_dependent);
         t.apply(unknown, secs(0));
         t.finish_list();
@@ -898,12 +909,12 @@ mod tests {
             .as_mut()
             .unwrap()
             .insert("istio.io/dataplane-mode".into(), "none".into());
-        let i = PodInfo::from_pod(&out, &set, Some(&ambient)).unwrap();
+        let i = info_in(&out, &set, Some(&ambient)).unwrap();
         assert!(i.profiles.is_empty() && !i.namespace_dependent && !i.tracked());
 
         // With only sidecar profiles, an unlabelled pod is not kept at all.
         let sidecars = set.clone().select(&["linkerd".into()]).unwrap();
-        let i = PodInfo::from_pod(&p, &sidecars, None).unwrap();
+        let i = info_in(&p, &sidecars, None).unwrap();
         assert!(!i.tracked());
     }
 
@@ -949,18 +960,46 @@ mod tests {
     #[test]
     fn annotations_are_kept_for_the_rules_but_not_kubectls_copy() {
         let mut p = meshed("a", "10.1.0.1");
+        let fat = "x".repeat(256 * 1024);
         p.metadata.annotations = Some(BTreeMap::from([
             (
                 "traffic.sidecar.istio.io/includeInboundPorts".to_string(),
                 String::new(),
             ),
-            (LAST_APPLIED.to_string(), "{\"huge\": true}".to_string()),
+            (
+                "config.linkerd.io/skip-subnets".to_string(),
+                "10.0.0.0/8,0.0.0.0/0".to_string(),
+            ),
+            (
+                "kubectl.kubernetes.io/last-applied-configuration".to_string(),
+                fat.clone(),
+            ),
+            ("example.com/notes".to_string(), fat),
         ]));
+        p.metadata
+            .labels
+            .as_mut()
+            .unwrap()
+            .insert("team".into(), "payments".into());
         let i = info(&p);
         assert_eq!(
-            i.annotations.keys().collect::<Vec<_>>(),
-            ["traffic.sidecar.istio.io/includeInboundPorts"]
+            i.annotations,
+            BTreeMap::from([
+                (
+                    "config.linkerd.io/skip-subnets".to_string(),
+                    "10.0.0.0/8,0.0.0.0/0".to_string()
+                ),
+                (
+                    "traffic.sidecar.istio.io/includeInboundPorts".to_string(),
+                    String::new()
+                ),
+            ])
         );
+        assert_eq!(
+            i.labels.keys().collect::<Vec<_>>(),
+            ["linkerd.io/control-plane-ns"]
+        );
+        assert_eq!(i.profiles, ["linkerd"]);
     }
 
     #[test]
