@@ -85,6 +85,61 @@ pub fn pending_meshed_pod(name: &str) -> Pod {
     pod
 }
 
+/// The most annotation bytes (keys and values) the API accepts on one object.
+pub const ANNOTATION_LIMIT: usize = 256 * 1024;
+
+/// The annotation `kubectl apply` keeps its copy of the whole object in: the usual reason a
+/// pod's annotations are large.
+pub const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
+/// A pod as large as its author can make it: `annotation_bytes` of annotations (at most
+/// [`ANNOTATION_LIMIT`], all in [`LAST_APPLIED`]) and, when `env_bytes` is not 0, an
+/// environment variable that long in its container. Meshed (linkerd) or plain; bound to
+/// `node`, or left Pending for the nobody scheduler when `node` is `None`.
+pub fn fat_pod(
+    name: &str,
+    node: Option<&str>,
+    meshed: bool,
+    annotation_bytes: usize,
+    env_bytes: usize,
+) -> Pod {
+    let mut pod = match (meshed, node) {
+        (true, Some(n)) => meshed_pod(name, n, &[], Some(0)),
+        (true, None) => pending_meshed_pod(name),
+        (false, _) => bare_pod(name, node, &[], Some(0)),
+    };
+    if let Some(spec) = pod.spec.as_mut() {
+        if node.is_none() {
+            spec.scheduler_name = Some("nobody".into());
+        }
+        if env_bytes > 0 {
+            spec.containers[0].env = Some(vec![k8s_openapi::api::core::v1::EnvVar {
+                name: "FILLER".into(),
+                value: Some(filler(env_bytes)),
+                ..Default::default()
+            }]);
+        }
+    }
+    let value = annotation_bytes
+        .min(ANNOTATION_LIMIT)
+        .saturating_sub(LAST_APPLIED.len());
+    pod.metadata.annotations = Some(BTreeMap::from([(LAST_APPLIED.to_owned(), filler(value))]));
+    pod
+}
+
+/// `len` bytes of printable ASCII that no JSON encoder escapes or compresses well.
+fn filler(len: usize) -> String {
+    let mut x: u32 = 0x9e37_79b9;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            char::from(b'a' + (x % 26) as u8)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -108,6 +163,23 @@ mod tests {
                 }
             })
         );
+        let fat = fat_pod("f", None, true, ANNOTATION_LIMIT, 1024);
+        let annotations = fat.metadata.annotations.as_ref().unwrap();
+        let size: usize = annotations.iter().map(|(k, v)| k.len() + v.len()).sum();
+        assert_eq!(size, ANNOTATION_LIMIT);
+        let spec = fat.spec.as_ref().unwrap();
+        assert_eq!(spec.scheduler_name.as_deref(), Some("nobody"));
+        assert_eq!(
+            spec.containers[0].env.as_ref().unwrap()[0]
+                .value
+                .as_ref()
+                .unwrap()
+                .len(),
+            1024
+        );
+        let bound = fat_pod("b", Some("n"), false, 1000, 0);
+        assert_eq!(bound.spec.as_ref().unwrap().node_name.as_deref(), Some("n"));
+        assert!(bound.spec.as_ref().unwrap().containers[0].env.is_none());
         let pending = serde_json::to_value(pending_meshed_pod("pending")).unwrap();
         assert_eq!(pending["spec"]["schedulerName"], "nobody");
         assert!(pending["spec"].get("nodeName").is_none());

@@ -386,6 +386,16 @@ async fn one_unbounded(
     spec: &Spec,
     review: &Review,
 ) -> Result<Outcome, String> {
+    let (status, body) = exchange(sender, spec, review).await?;
+    Ok(judge(review, status, &body))
+}
+
+/// Sends one review and reads the whole answer: (HTTP status, body).
+async fn exchange(
+    sender: &mut Sender,
+    spec: &Spec,
+    review: &Review,
+) -> Result<(u16, Bytes), String> {
     let req = http::Request::post(spec.path.as_str())
         .header("host", "127.0.0.1")
         .header("content-type", "application/json")
@@ -400,7 +410,26 @@ async fn one_unbounded(
         .await
         .map_err(|e| e.to_string())?
         .to_bytes();
-    Ok(judge(review, status, &body))
+    Ok((status, body))
+}
+
+/// Sends one review over a connection of its own (`spec`'s address, path and connector;
+/// its reviews, rate and connections are not used) and returns the answer's `response`
+/// object, for a test that reads the message; an answer that is not HTTP 200 JSON is an
+/// error. Bounded by [`STEP_TIMEOUT`] per step.
+pub async fn answer(spec: &Spec, review: &Review) -> anyhow::Result<Value> {
+    let mut sender = connect(spec, STEP_TIMEOUT).await?;
+    let (status, body) = tokio::time::timeout(STEP_TIMEOUT, exchange(&mut sender, spec, review))
+        .await
+        .map_err(|_| anyhow::anyhow!("no answer within {STEP_TIMEOUT:?}"))?
+        .map_err(|e| anyhow::anyhow!(e))?;
+    anyhow::ensure!(
+        status == 200,
+        "HTTP {status}: {}",
+        String::from_utf8_lossy(&body[..body.len().min(200)])
+    );
+    let v: Value = serde_json::from_slice(&body)?;
+    Ok(v["response"].clone())
 }
 
 /// One connection's requests. `spec` was validated by [`run`]: at least one connection and
@@ -694,18 +723,11 @@ impl WebhookProcess {
 
     /// Resident set size in KiB (and the peak, `VmHWM`), from /proc.
     pub fn rss_kib(&self) -> Option<(u64, u64)> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()?)).ok()?;
-        let field = |name: &str| {
-            status.lines().find_map(|l| {
-                l.strip_prefix(name)?
-                    .trim()
-                    .strip_suffix("kB")?
-                    .trim()
-                    .parse()
-                    .ok()
-            })
-        };
-        Some((field("VmRSS:")?, field("VmHWM:")?))
+        let pid = self.pid()?;
+        Some((
+            crate::node_sim::proc_status_kib(pid, "VmRSS")?,
+            crate::node_sim::proc_status_kib(pid, "VmHWM")?,
+        ))
     }
 
     /// Sends SIGTERM; returns when it was sent.
