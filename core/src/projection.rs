@@ -9,6 +9,10 @@
 //! object, other tools' annotations, labels no profile names) is dropped however large, so
 //! what a cache holds per pod is bounded by the profiles, not by what a pod's author wrote.
 //!
+//! The maps can also be read straight from their JSON text ([`PodKeys::project_labels_json`]),
+//! allocating only what is kept: a pod's labels decoded as a map cost several times their
+//! size in small allocations, and a pod's author can give it a megabyte of them.
+//!
 //! Values are bounded too: a label or annotation a selector only compares with a few values
 //! keeps its value when it is one of them, and is kept as `""` otherwise, which still says
 //! "present" (for "present, any value" and for exclusions) and equals no wanted value. Only
@@ -17,9 +21,19 @@
 //!
 //! [`AnnotationDialect::annotation_keys`]: crate::rules::AnnotationDialect::annotation_keys
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use serde::Deserialize;
+use serde::de::{DeserializeSeed, IgnoredAny, MapAccess, Visitor};
 
 use crate::profile::{PodSelector, ProfileSet};
+
+/// Labels or annotations whose JSON text is not an object of strings (never from the API).
+#[derive(Debug, thiserror::Error)]
+#[error("labels or annotations are not a JSON object of strings: {0}")]
+pub struct NotAMapOfStrings(String);
 
 /// What a projection keeps of one pod label or annotation.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -74,16 +88,84 @@ fn project(
     map: &BTreeMap<String, String>,
 ) -> BTreeMap<String, String> {
     keys.iter()
-        .filter_map(|(k, keep)| {
-            let v = map.get(k)?;
-            let kept = match keep {
-                Keep::Verbatim => v.clone(),
-                Keep::Values(values) if values.contains(v) => v.clone(),
-                Keep::Values(_) => String::new(),
-            };
-            Some((k.clone(), kept))
-        })
+        .filter_map(|(k, keep)| Some((k.clone(), kept(keep, map.get(k)?))))
         .collect()
+}
+
+/// What `keep` keeps of the value `v`.
+fn kept(keep: &Keep, v: &str) -> String {
+    match keep {
+        Keep::Verbatim => v.to_owned(),
+        Keep::Values(values) if values.contains(v) => v.to_owned(),
+        Keep::Values(_) => String::new(),
+    }
+}
+
+/// A string read from JSON text: borrowed unless it holds escapes.
+struct Text<'de>(Cow<'de, str>);
+
+impl<'de> Deserialize<'de> for Text<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct TextVisitor;
+        impl<'de> Visitor<'de> for TextVisitor {
+            type Value = Text<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Text<'de>, E> {
+                Ok(Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Text<'de>, E> {
+                Ok(Text(Cow::Owned(v.to_owned())))
+            }
+        }
+        d.deserialize_str(TextVisitor)
+    }
+}
+
+/// Reads a JSON object of strings, keeping what `0` keeps; every other entry is skipped
+/// without being allocated.
+struct Projector<'k>(&'k BTreeMap<String, Keep>);
+
+impl<'de> DeserializeSeed<'de> for Projector<'_> {
+    type Value = BTreeMap<String, String>;
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Projector<'_> {
+    type Value = BTreeMap<String, String>;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a map of strings")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut out = BTreeMap::new();
+        while let Some(Text(k)) = map.next_key()? {
+            match self.0.get_key_value(k.as_ref()) {
+                Some((key, keep)) => {
+                    let Text(v) = map.next_value()?;
+                    out.insert(key.clone(), kept(keep, &v));
+                }
+                None => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// [`project`] of the map whose JSON text is `json`.
+fn project_json(
+    keys: &BTreeMap<String, Keep>,
+    json: &str,
+) -> Result<BTreeMap<String, String>, NotAMapOfStrings> {
+    let mut de = serde_json::Deserializer::from_str(json);
+    Projector(keys)
+        .deserialize(&mut de)
+        .and_then(|m| de.end().map(|()| m))
+        .map_err(|e| NotAMapOfStrings(e.to_string()))
 }
 
 impl PodKeys {
@@ -121,6 +203,23 @@ impl PodKeys {
         annotations: &BTreeMap<String, String>,
     ) -> BTreeMap<String, String> {
         project(&self.annotations, annotations)
+    }
+
+    /// [`Self::project_labels`] of the labels whose JSON text (`{"key": "value", ...}`) is
+    /// `json`, reading it without building the whole map.
+    pub fn project_labels_json(
+        &self,
+        json: &str,
+    ) -> Result<BTreeMap<String, String>, NotAMapOfStrings> {
+        project_json(&self.labels, json)
+    }
+
+    /// [`Self::project_annotations`] of the annotations whose JSON text is `json`.
+    pub fn project_annotations_json(
+        &self,
+        json: &str,
+    ) -> Result<BTreeMap<String, String>, NotAMapOfStrings> {
+        project_json(&self.annotations, json)
     }
 
     /// The label keys kept (logs, tests).
@@ -227,6 +326,27 @@ mod tests {
                 .any(|k| k == "config.linkerd.io/skip-subnets")
         );
         assert!(!inspection.annotation_keys().any(|k| k == LAST_APPLIED));
+
+        // The same from the JSON text; escapes in keys and values are read as JSON says.
+        let text = serde_json::to_string(&labels).unwrap();
+        assert_eq!(
+            keys.project_labels_json(&text).unwrap(),
+            keys.project_labels(&labels)
+        );
+        let escaped = r#"{"linkerd.io\/control-plane-ns": "a\"b", "kuma.io/sidecar-injected": "x", "app": "batch"}"#;
+        assert_eq!(
+            keys.project_labels_json(escaped).unwrap(),
+            map(&[("app", "batch"), ("linkerd.io/control-plane-ns", "")])
+        );
+        assert_eq!(
+            keys.project_annotations_json(r#"{"kuma.io/sidecar-injected": "tr\u0075e"}"#)
+                .unwrap(),
+            map(&[("kuma.io/sidecar-injected", "true")])
+        );
+        assert!(keys.project_labels_json("{}").unwrap().is_empty());
+        for bad in ["", "[]", "null", r#"{"app": 1}"#, r#"{"app": "x"} {}"#, "{"] {
+            assert!(keys.project_labels_json(bad).is_err(), "{bad}");
+        }
     }
 
     fn arb_map(keys: Vec<&'static str>) -> impl Strategy<Value = BTreeMap<String, String>> {
@@ -264,6 +384,7 @@ mod tests {
         vec![
             "app",
             "team",
+            "quote\"and\\backslash/é",
             LAST_APPLIED,
             ISTIO_DATAPLANE_MODE,
             ISTIO_SIDECAR_STATUS,
@@ -305,6 +426,11 @@ mod tests {
                 for p in set.iter() {
                     prop_assert_eq!(p.selector.select(&whole), p.selector.select(&projected), "profile {}", p.name);
                 }
+            }
+            for keys in [PodKeys::selection(&set), PodKeys::inspection(&set)] {
+                let (l, a) = (serde_json::to_string(&labels).unwrap(), serde_json::to_string(&annotations).unwrap());
+                prop_assert_eq!(keys.project_labels_json(&l).unwrap(), keys.project_labels(&labels));
+                prop_assert_eq!(keys.project_annotations_json(&a).unwrap(), keys.project_annotations(&annotations));
             }
             let keys = PodKeys::inspection(&set);
             let a = keys.project_annotations(&annotations);

@@ -6,9 +6,12 @@
 //! - [`logging`]: tracing subscriber setup (`--log-format text|json`, `RUST_LOG`).
 //! - [`profiles`]: the mesh profiles from `--profile` and `--profile-file`.
 //! - [`shutdown`]: a future resolving on SIGTERM or SIGINT.
+//! - [`meta`]: object metadata with the labels and annotations left as JSON text, for caches
+//!   that keep only the keys they read.
 
 pub mod admin;
 pub mod client;
 pub mod logging;
+pub mod meta;
 pub mod profiles;
 pub mod shutdown;
