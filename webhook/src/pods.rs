@@ -11,9 +11,10 @@
 //! - each cached pod keeps only the keys the profiles read (values bounded as
 //!   `core::projection` says), so `kubectl apply`'s copy of the object and any other bulk is
 //!   dropped as the pod arrives;
-//! - the watch lists in pages of [`PAGE_SIZE`]: a page is buffered whole (response body and
-//!   decoded objects) before its pods are projected, so the page size, not the number of
-//!   pods, sets the peak of a (re)list;
+//! - the watch lists in pages of [`PAGE_SIZE`]: a page is held whole while it is decoded, so
+//!   the page size, not the number of pods, sets the peak of a (re)list; and a pod's labels
+//!   and annotations are decoded as their JSON text ([`SlimMeta`]), one allocation each, from
+//!   which only the kept keys are read, instead of as maps of thousands of small strings;
 //! - at most `--max-pending-pods` pods are cached (twice that during a relist, when the old
 //!   list keeps serving until the new one is complete). Past the cap a pod is not cached,
 //!   counted in `meshgate_pod_cache_overflow_total` and logged; a binding naming it is looked
@@ -24,6 +25,7 @@
 //! few seconds; at most `--pod-lookups-per-second`) and by `--max-pod-lookups-in-flight`,
 //! each by `--lookup-timeout`. A lookup refused by a limit costs the apiserver nothing.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex, RwLock};
@@ -32,21 +34,24 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
-use kube::api::{Api, PartialObjectMeta};
+use kube::api::{Api, ObjectMeta};
 use kube::runtime::{WatchStreamExt, watcher};
 use meshgate_core::admission::LookupFailure;
 use meshgate_core::lookup::{self, Admit, Gate};
 use meshgate_core::projection::PodKeys;
+use meshgate_runtime::meta::SlimMeta;
+use serde::Deserialize;
 use tokio::sync::{Semaphore, watch};
 
 use crate::metrics::{LookupOutcome, Metrics};
 use crate::review::PodMeta;
 
 /// Pods per page of the unscheduled-pod list. A pod's metadata can be up to about 1.5 MiB
-/// (256 KiB of annotations, the rest labels and managed fields), and a page is held three
-/// times over while it is decoded (the body, a copy of it, the objects): 20 such pods stay
-/// under 100 MiB, the 256 KiB pods under 20 MiB. 1,000 pending pods are 50 requests.
-pub const PAGE_SIZE: u32 = 20;
+/// (256 KiB of annotations, the rest labels and managed fields), and a page is held about
+/// three times over while it is decoded (the body, a copy of it, the labels' and
+/// annotations' text): 10 such pods stay far below the memory limit (docs/reliability.md).
+/// 1,000 pending pods are 100 requests at a relist.
+pub const PAGE_SIZE: u32 = 10;
 /// Default `--max-pending-pods`.
 pub const DEFAULT_MAX_PENDING_PODS: usize = 50_000;
 /// Default `--max-pod-lookups-in-flight`.
@@ -83,17 +88,52 @@ impl Default for PodLimits {
     }
 }
 
+/// An unscheduled pod's metadata, as the list, the watch and a lookup decode it: listed and
+/// fetched metadata-only (`PartialObjectMetadata`), its labels and annotations left as text.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct PendingPod {
+    /// `metadata`.
+    #[serde(default)]
+    pub metadata: SlimMeta,
+}
+
+// The Pod's own API coordinates, metadata only: this is a view of Pods.
+impl kube::Resource for PendingPod {
+    type DynamicType = ();
+    type Scope = k8s_openapi::NamespaceResourceScope;
+
+    fn kind(_: &()) -> Cow<'_, str> {
+        <Pod as k8s_openapi::Resource>::KIND.into()
+    }
+    fn group(_: &()) -> Cow<'_, str> {
+        <Pod as k8s_openapi::Resource>::GROUP.into()
+    }
+    fn version(_: &()) -> Cow<'_, str> {
+        <Pod as k8s_openapi::Resource>::VERSION.into()
+    }
+    fn plural(_: &()) -> Cow<'_, str> {
+        <Pod as k8s_openapi::Resource>::URL_PATH_SEGMENT.into()
+    }
+    fn metadata_api() -> bool {
+        true
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata.meta
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata.meta
+    }
+}
+
 /// `namespace/name`: a pod's key in the cache and the gate (names hold no `/`).
 fn key(namespace: &str, name: &str) -> String {
     format!("{namespace}/{name}")
 }
 
 /// A watched pod's key; `None` without a name or namespace (never from the API).
-fn pod_key(pod: &PartialObjectMeta<Pod>) -> Option<String> {
-    Some(key(
-        pod.metadata.namespace.as_deref()?,
-        pod.metadata.name.as_deref()?,
-    ))
+fn pod_key(pod: &PendingPod) -> Option<String> {
+    let m = &pod.metadata.meta;
+    Some(key(m.namespace.as_deref()?, m.name.as_deref()?))
 }
 
 /// The cached pods.
@@ -152,7 +192,7 @@ impl PendingPods {
     /// Keeps the cache filled from a metadata watch of unscheduled pods, retried with backoff
     /// for as long as it runs.
     pub fn watch(self: Arc<Self>) -> impl Future<Output = ()> + Send + 'static {
-        let api: Api<PartialObjectMeta<Pod>> = Api::all(self.client.clone());
+        let api: Api<PendingPod> = Api::all(self.client.clone());
         let config = watcher::Config::default()
             .fields("spec.nodeName=")
             .page_size(PAGE_SIZE);
@@ -191,20 +231,32 @@ impl PendingPods {
         self.store.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// What the profiles read of a pod's metadata.
-    fn project(&self, pod: &PartialObjectMeta<Pod>) -> PodMeta {
+    /// What the profiles read of a pod's metadata; `None` when its labels or annotations
+    /// are not maps of strings (never from the API: such a pod is not cached, and its lookup
+    /// fails closed).
+    fn project(&self, pod: &PendingPod) -> Option<PodMeta> {
         let m = &pod.metadata;
-        let none = std::collections::BTreeMap::new();
-        PodMeta {
-            labels: self.keys.project_labels(m.labels.as_ref().unwrap_or(&none)),
-            annotations: self
-                .keys
-                .project_annotations(m.annotations.as_ref().unwrap_or(&none)),
+        let projected = self
+            .keys
+            .project_labels_json(m.labels_json())
+            .and_then(|labels| {
+                let annotations = self.keys.project_annotations_json(m.annotations_json())?;
+                Ok(PodMeta {
+                    labels,
+                    annotations,
+                })
+            });
+        match projected {
+            Ok(meta) => Some(meta),
+            Err(e) => {
+                tracing::warn!(pod = ?pod_key(pod), error = %e, "pod metadata not understood; not cached");
+                None
+            }
         }
     }
 
     /// Applies one watch event.
-    pub fn apply(&self, event: watcher::Event<PartialObjectMeta<Pod>>) {
+    pub fn apply(&self, event: watcher::Event<PendingPod>) {
         match event {
             watcher::Event::Init => self.write().relist = Some(HashMap::new()),
             watcher::Event::InitApply(pod) => self.insert(&pod, true),
@@ -239,11 +291,10 @@ impl PendingPods {
 
     /// Caches a pod (in the relist in progress when `listing`), unless that would pass the
     /// cap; a pod already cached is always updated.
-    fn insert(&self, pod: &PartialObjectMeta<Pod>, listing: bool) {
-        let Some(k) = pod_key(pod) else {
+    fn insert(&self, pod: &PendingPod, listing: bool) {
+        let (Some(k), Some(meta)) = (pod_key(pod), self.project(pod)) else {
             return;
         };
-        let meta = self.project(pod);
         let mut store = self.write();
         let store = &mut *store;
         let map = match (listing, store.relist.as_mut()) {
@@ -289,14 +340,14 @@ impl PendingPods {
         let Ok(_permit) = self.in_flight.try_acquire() else {
             return Err(self.throttled(LookupOutcome::InFlightLimit, &k));
         };
-        let api: Api<PartialObjectMeta<Pod>> = Api::namespaced(self.client.clone(), namespace);
+        let api: Api<PendingPod> = Api::namespaced(self.client.clone(), namespace);
         let got = tokio::time::timeout(self.lookup_timeout, api.get_opt(name)).await;
         let gate = || self.gate.lock().unwrap_or_else(|p| p.into_inner());
         match got {
             Ok(Ok(Some(pod))) => {
                 gate().found(&k);
                 self.metrics.pod_lookup(LookupOutcome::Found);
-                Ok(self.project(&pod))
+                self.project(&pod).ok_or(LookupFailure::Failed)
             }
             Ok(Ok(None)) => {
                 gate().not_found(&k, self.origin.elapsed());
@@ -413,18 +464,18 @@ pub(crate) mod tests {
             .collect()
     }
 
-    fn pod(
-        name: &str,
-        labels: &[(&str, &str)],
-        annotations: &[(&str, &str)],
-    ) -> PartialObjectMeta<Pod> {
-        serde_json::from_value(json!({
+    /// A pod's metadata as the API sends it (`PartialObjectMetadata`).
+    fn pod_json(name: &str, labels: &[(&str, &str)], annotations: &[(&str, &str)]) -> Value {
+        json!({
             "apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
             "metadata": {"name": name, "namespace": "shop", "labels": map(labels),
                          "annotations": map(annotations),
                          "managedFields": [{"manager": "kubectl", "operation": "Apply"}]}
-        }))
-        .unwrap()
+        })
+    }
+
+    fn pod(name: &str, labels: &[(&str, &str)], annotations: &[(&str, &str)]) -> PendingPod {
+        serde_json::from_str(&pod_json(name, labels, annotations).to_string()).unwrap()
     }
 
     fn pending(api: &MockApi, limits: PodLimits) -> (Arc<PendingPods>, Registry) {
@@ -441,7 +492,7 @@ pub(crate) mod tests {
         out
     }
 
-    fn listed(p: &PendingPods, pods: Vec<PartialObjectMeta<Pod>>) {
+    fn listed(p: &PendingPods, pods: Vec<PendingPod>) {
         p.apply(watcher::Event::Init);
         for pod in pods {
             p.apply(watcher::Event::InitApply(pod));
@@ -532,13 +583,9 @@ pub(crate) mod tests {
     /// one.
     #[tokio::test]
     async fn a_pod_the_watch_has_not_delivered_is_looked_up() {
-        let found = pod("new", &[(MESH, "linkerd")], &[(LAST_APPLIED, "{}")]);
+        let found = pod_json("new", &[(MESH, "linkerd")], &[(LAST_APPLIED, "{}")]);
         let api = MockApi::new(
-            [(
-                "/api/v1/namespaces/shop/pods/new".to_string(),
-                serde_json::to_value(&found).unwrap(),
-            )]
-            .into(),
+            [("/api/v1/namespaces/shop/pods/new".to_string(), found)].into(),
             Duration::ZERO,
         );
         let (p, registry) = pending(&api, PodLimits::default());
