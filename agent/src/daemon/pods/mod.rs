@@ -2,7 +2,8 @@
 //! CNI chain was complete.
 //!
 //! In: a watch of this node's pods only (field selector `spec.nodeName`, listed in pages of
-//! [`PAGE_SIZE`]; of each pod the tracker keeps only what inspection reads), a metadata-only
+//! [`PAGE_SIZE`], decoded as [`slim::SlimPod`]; of each pod's labels and annotations the
+//! tracker keeps only those inspection reads), a metadata-only
 //! watch of Namespaces when a profile selects on namespace labels (`istio-ambient`), the
 //! node's verdict
 //! (a `watch` channel fed by the verdict loop), the shared state file (eviction history),
@@ -34,6 +35,7 @@
 
 pub mod eviction;
 pub mod inspect;
+pub mod slim;
 pub mod tracker;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -44,7 +46,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use futures::StreamExt;
 use futures::stream::BoxStream;
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::events::{Recorder, Reporter};
@@ -64,13 +66,15 @@ use super::state::Shared;
 use crate::netns::{DEFAULT_NETNS_DIR, Pinned};
 use eviction::{Answer, Outcome};
 use inspect::{Inspected, Job};
+use slim::SlimPod;
 use tracker::{Due, PodInfo, Tracker};
 
-/// Pods per page of the pod list. A page is held whole, body and decoded Pods, before its
-/// pods are reduced to what the tracker keeps, and anyone who can create pods on this node
-/// decides their size (up to about 1.5 MiB each): 10 of them stay far below the agent's
-/// memory limit; a node's 110 pods are 11 requests.
-pub const PAGE_SIZE: u32 = 10;
+/// Pods per page of the pod list. A page's response body is held whole (two or three copies
+/// of it, as the client reads it) while it is decoded, and anyone who can create pods on
+/// this node decides their size (up to about 1.5 MiB each): 5 of them stay far below the
+/// agent's memory limit (measured with 100 pods of 1.25 MiB: docs/reliability.md); a node's
+/// 110 pods are 22 requests.
+pub const PAGE_SIZE: u32 = 5;
 
 /// A burst of pod events ends after this much quiet; then its pods are inspected together.
 const BURST_QUIET: Duration = Duration::from_millis(20);
@@ -190,7 +194,8 @@ pub async fn run(
         max_evictions_per_minute = setup.per_minute,
         "inspecting this node's meshed pods"
     );
-    let pods: Api<Pod> = Api::all(client.clone());
+    // Decoded as `SlimPod`: what inspection reads, the rest skipped while decoding.
+    let pods: Api<SlimPod> = Api::all(client.clone());
     let config = watcher::Config::default()
         .fields(&format!("spec.nodeName={node}"))
         .page_size(PAGE_SIZE);
@@ -408,12 +413,12 @@ impl Inspector {
         }
     }
 
-    fn on_event(&mut self, item: Result<watcher::Event<Pod>, watcher::Error>) {
+    fn on_event(&mut self, item: Result<watcher::Event<SlimPod>, watcher::Error>) {
         let now = self.now();
         match item {
             Ok(watcher::Event::Init) => self.tracker.start_list(),
             Ok(watcher::Event::InitApply(pod) | watcher::Event::Apply(pod)) => {
-                let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
+                let namespace = pod.metadata.meta.namespace.as_deref().unwrap_or_default();
                 let labels = self.namespace_labels(namespace);
                 let (profiles, keys) = (&self.setup.profiles, &self.setup.keys);
                 if let Some(info) = PodInfo::from_pod(&pod, profiles, keys, labels) {
@@ -421,7 +426,7 @@ impl Inspector {
                 }
             }
             Ok(watcher::Event::Delete(pod)) => {
-                if let Some(uid) = pod.metadata.uid.as_deref() {
+                if let Some(uid) = pod.metadata.meta.uid.as_deref() {
                     self.tracker.delete(uid);
                 }
             }

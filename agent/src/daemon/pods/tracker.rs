@@ -1,7 +1,7 @@
 //! This node's meshed pods as the pod watch reports them, and which of them need an
 //! inspection now.
 //!
-//! In: `Pod` objects from the node-scoped watch (converted by [`PodInfo::from_pod`], so the
+//! In: Pods from the node-scoped watch ([`SlimPod`]s, converted by [`PodInfo::from_pod`], so the
 //! full objects are dropped at once and memory stays flat; of their labels and annotations
 //! only those the profiles and the rules read are kept, `core::projection`), the labels of
 //! their namespaces
@@ -22,10 +22,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Pod;
-use kube::ResourceExt;
 use meshgate_core::profile::{PodView, ProfileSet, Selected};
 use meshgate_core::projection::PodKeys;
+
+use super::slim::SlimPod;
 
 /// First retry delay after a refusal or an `unknown` verdict; it doubles per consecutive one.
 pub const RETRY_MIN: Duration = Duration::from_secs(2);
@@ -80,20 +80,23 @@ pub struct PodInfo {
 
 impl PodInfo {
     /// Reads a pod, keeping of its labels and annotations what `keys` (the profiles'
-    /// [`PodKeys::inspection`]) says; `None` when it lacks a name, namespace or UID (never
-    /// from the API). `namespace_labels` are its namespace's labels, `None` when not known
-    /// (yet).
+    /// [`PodKeys::inspection`]) says; `None` when it lacks a name, namespace or UID, or its
+    /// labels or annotations are not maps of strings (never from the API: such a pod is never
+    /// inspected). `namespace_labels` are its namespace's labels, `None` when not known (yet).
     pub fn from_pod(
-        pod: &Pod,
+        pod: &SlimPod,
         profiles: &ProfileSet,
         keys: &PodKeys,
         namespace_labels: Option<&BTreeMap<String, String>>,
     ) -> Option<Self> {
-        let namespace = pod.metadata.namespace.clone()?;
-        let name = pod.metadata.name.clone()?;
-        let uid = pod.metadata.uid.clone()?;
-        let labels = keys.project_labels(pod.labels());
-        let annotations = keys.project_annotations(pod.annotations());
+        let meta = &pod.metadata.meta;
+        let namespace = meta.namespace.clone()?;
+        let name = meta.name.clone()?;
+        let uid = meta.uid.clone()?;
+        let labels = keys.project_labels_json(pod.metadata.labels_json()).ok()?;
+        let annotations = keys
+            .project_annotations_json(pod.metadata.annotations_json())
+            .ok()?;
         let containers = pod
             .spec
             .iter()
@@ -103,16 +106,11 @@ impl PodInfo {
                     .iter()
                     .flatten()
                     .filter(|c| c.restart_policy.as_deref() == Some("Always"));
-                s.containers.iter().chain(sidecars)
+                s.containers.iter().flatten().chain(sidecars)
             })
             .map(|c| c.name.clone())
             .collect();
-        let owned = pod
-            .metadata
-            .owner_references
-            .iter()
-            .flatten()
-            .any(|o| o.controller == Some(true));
+        let owned = pod.metadata.controlled;
         let host_network = pod
             .spec
             .as_ref()
@@ -154,7 +152,7 @@ impl PodInfo {
             owned,
             host_network,
             running,
-            terminating: pod.metadata.deletion_timestamp.is_some(),
+            terminating: meta.deletion_timestamp.is_some(),
             ips,
             restarts,
         };
@@ -511,6 +509,7 @@ impl Tracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::api::core::v1::Pod;
 
     fn pod(json: serde_json::Value) -> Pod {
         serde_json::from_value(json).expect("pod json")
@@ -542,14 +541,15 @@ mod tests {
         info_in(p, &ProfileSet::all_builtin(), Some(&BTreeMap::new())).expect("identity")
     }
 
-    /// [`PodInfo::from_pod`] with the keys `profiles` read.
+    /// [`PodInfo::from_pod`] with the keys `profiles` read, of `p` as the watch decodes it.
     fn info_in(
         p: &Pod,
         profiles: &ProfileSet,
         namespace_labels: Option<&BTreeMap<String, String>>,
     ) -> Option<PodInfo> {
+        let slim: SlimPod = serde_json::from_str(&serde_json::to_string(p).unwrap()).unwrap();
         PodInfo::from_pod(
-            p,
+            &slim,
             profiles,
             &PodKeys::inspection(profiles),
             namespace_labels,
