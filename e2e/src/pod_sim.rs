@@ -92,17 +92,21 @@ pub const ANNOTATION_LIMIT: usize = 256 * 1024;
 /// pod's annotations are large.
 pub const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
 
-/// A pod as large as its author can make it: `annotation_bytes` of annotations (at most
-/// [`ANNOTATION_LIMIT`], all in [`LAST_APPLIED`]) and, when `env_bytes` is not 0, an
-/// environment variable that long in its container. Meshed (linkerd) or plain; bound to
+/// How large [`fat_pod`] makes a pod.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Fat {
+    /// Bytes of annotations (keys and values), at most [`ANNOTATION_LIMIT`], all in
+    /// [`LAST_APPLIED`].
+    pub annotations: usize,
+    /// About this many bytes of extra labels (63-character values under numbered keys).
+    pub labels: usize,
+    /// Bytes of one environment variable's value in the pod's container (0: none).
+    pub env: usize,
+}
+
+/// A pod as large as its author makes it ([`Fat`]). Meshed (linkerd) or plain; bound to
 /// `node`, or left Pending for the nobody scheduler when `node` is `None`.
-pub fn fat_pod(
-    name: &str,
-    node: Option<&str>,
-    meshed: bool,
-    annotation_bytes: usize,
-    env_bytes: usize,
-) -> Pod {
+pub fn fat_pod(name: &str, node: Option<&str>, meshed: bool, fat: Fat) -> Pod {
     let mut pod = match (meshed, node) {
         (true, Some(n)) => meshed_pod(name, n, &[], Some(0)),
         (true, None) => pending_meshed_pod(name),
@@ -112,18 +116,24 @@ pub fn fat_pod(
         if node.is_none() {
             spec.scheduler_name = Some("nobody".into());
         }
-        if env_bytes > 0 {
+        if fat.env > 0 {
             spec.containers[0].env = Some(vec![k8s_openapi::api::core::v1::EnvVar {
                 name: "FILLER".into(),
-                value: Some(filler(env_bytes)),
+                value: Some(filler(fat.env)),
                 ..Default::default()
             }]);
         }
     }
-    let value = annotation_bytes
+    let value = fat
+        .annotations
         .min(ANNOTATION_LIMIT)
         .saturating_sub(LAST_APPLIED.len());
     pod.metadata.annotations = Some(BTreeMap::from([(LAST_APPLIED.to_owned(), filler(value))]));
+    let labels = pod.metadata.labels.get_or_insert_with(BTreeMap::new);
+    let value = filler(63);
+    for i in 0..fat.labels / (63 + 7) {
+        labels.insert(format!("f{i:05}"), value.clone());
+    }
     pod
 }
 
@@ -163,7 +173,17 @@ mod tests {
                 }
             })
         );
-        let fat = fat_pod("f", None, true, ANNOTATION_LIMIT, 1024);
+        let fat = fat_pod(
+            "f",
+            None,
+            true,
+            Fat {
+                annotations: ANNOTATION_LIMIT,
+                labels: 7000,
+                env: 1024,
+            },
+        );
+        assert_eq!(fat.metadata.labels.as_ref().unwrap().len(), 101);
         let annotations = fat.metadata.annotations.as_ref().unwrap();
         let size: usize = annotations.iter().map(|(k, v)| k.len() + v.len()).sum();
         assert_eq!(size, ANNOTATION_LIMIT);
@@ -177,7 +197,15 @@ mod tests {
                 .len(),
             1024
         );
-        let bound = fat_pod("b", Some("n"), false, 1000, 0);
+        let bound = fat_pod(
+            "b",
+            Some("n"),
+            false,
+            Fat {
+                annotations: 1000,
+                ..Fat::default()
+            },
+        );
         assert_eq!(bound.spec.as_ref().unwrap().node_name.as_deref(), Some("n"));
         assert!(bound.spec.as_ref().unwrap().containers[0].env.is_none());
         let pending = serde_json::to_value(pending_meshed_pod("pending")).unwrap();
