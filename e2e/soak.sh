@@ -7,8 +7,8 @@
 # - The fault suite (e2e/tests/e2e/faults.rs) with MESHGATE_SOAK=1, against release binaries
 #   (the webhook load is offered at 5,000 reviews/s for 60 s, which a debug build cannot
 #   serve): 200 agent kills, 60 s of config flapping at 1,000 rewrites a minute, longer
-#   vanishing-namespace churn; and its abuse half (e2e/tests/e2e/abuse.rs) with the issue's
-#   1,000 fat pending pods. One test at a time, so CPU and memory figures are the test's own.
+#   vanishing-namespace churn; and the pods part of its abuse half
+#   (e2e/tests/e2e/abuse_pods.rs) with the 1,000 fat pending pods. One test at a time, so CPU and memory figures are the test's own.
 # - The fuzz targets for MESHGATE_FUZZ_SECONDS each (default 120), in the debug profile so
 #   integer overflow panics too.
 # MESHGATE_FAULT_SEED / MESHGATE_FUZZ_SEED repeat a run's random choices.
@@ -26,7 +26,7 @@ $CARGO build --release --workspace --bins --locked
 
 echo "==> fault suite, soak variants (MESHGATE_SOAK=1)"
 MESHGATE_SOAK=1 $CARGO test --release --locked -p meshgate-e2e --test e2e faults:: -- --include-ignored --test-threads=1 --nocapture
-MESHGATE_SOAK=1 $CARGO test --release --locked -p meshgate-e2e --test e2e abuse:: -- --include-ignored --test-threads=1 --nocapture
+MESHGATE_SOAK=1 $CARGO test --release --locked -p meshgate-e2e --test e2e abuse_pods:: -- --include-ignored --test-threads=1 --nocapture
 
 echo "==> fuzzing, ${MESHGATE_FUZZ_SECONDS:-120} s per target"
 MESHGATE_FUZZ_SECONDS=${MESHGATE_FUZZ_SECONDS:-120} MESHGATE_FUZZ_ITERATIONS=${MESHGATE_FUZZ_ITERATIONS:-1000000000} \

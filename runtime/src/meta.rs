@@ -92,6 +92,45 @@ impl<'de> Deserialize<'de> for SlimMeta {
     }
 }
 
+/// Implements `kube::Resource` for `$view`, a view of Pods (listed, watched and fetched at
+/// the Pod's own URL) whose `metadata` field is a [`SlimMeta`]; `metadata_only` asks the
+/// apiserver for `PartialObjectMetadata` instead of whole Pods. The crate using it depends on
+/// `kube` and `k8s-openapi`.
+#[macro_export]
+macro_rules! pod_view {
+    ($view:ty, metadata_only = $metadata_only:expr) => {
+        impl ::kube::Resource for $view {
+            type DynamicType = ();
+            type Scope = ::k8s_openapi::NamespaceResourceScope;
+
+            fn kind(_: &()) -> ::std::borrow::Cow<'_, str> {
+                <::k8s_openapi::api::core::v1::Pod as ::k8s_openapi::Resource>::KIND.into()
+            }
+            fn group(_: &()) -> ::std::borrow::Cow<'_, str> {
+                <::k8s_openapi::api::core::v1::Pod as ::k8s_openapi::Resource>::GROUP.into()
+            }
+            fn version(_: &()) -> ::std::borrow::Cow<'_, str> {
+                <::k8s_openapi::api::core::v1::Pod as ::k8s_openapi::Resource>::VERSION.into()
+            }
+            fn plural(_: &()) -> ::std::borrow::Cow<'_, str> {
+                <::k8s_openapi::api::core::v1::Pod as ::k8s_openapi::Resource>::URL_PATH_SEGMENT
+                    .into()
+            }
+            fn metadata_api() -> bool {
+                $metadata_only
+            }
+            fn meta(&self) -> &::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                &self.metadata.meta
+            }
+            fn meta_mut(
+                &mut self,
+            ) -> &mut ::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                &mut self.metadata.meta
+            }
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

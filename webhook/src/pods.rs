@@ -25,16 +25,14 @@
 //! few seconds; at most `--pod-lookups-per-second`) and by `--max-pod-lookups-in-flight`,
 //! each by `--lookup-timeout`. A lookup refused by a limit costs the apiserver nothing.
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
-use kube::api::{Api, ObjectMeta};
+use kube::api::Api;
 use kube::runtime::{WatchStreamExt, watcher};
 use meshgate_core::admission::LookupFailure;
 use meshgate_core::lookup::{self, Admit, Gate};
@@ -97,33 +95,8 @@ pub struct PendingPod {
     pub metadata: SlimMeta,
 }
 
-// The Pod's own API coordinates, metadata only: this is a view of Pods.
-impl kube::Resource for PendingPod {
-    type DynamicType = ();
-    type Scope = k8s_openapi::NamespaceResourceScope;
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        <Pod as k8s_openapi::Resource>::KIND.into()
-    }
-    fn group(_: &()) -> Cow<'_, str> {
-        <Pod as k8s_openapi::Resource>::GROUP.into()
-    }
-    fn version(_: &()) -> Cow<'_, str> {
-        <Pod as k8s_openapi::Resource>::VERSION.into()
-    }
-    fn plural(_: &()) -> Cow<'_, str> {
-        <Pod as k8s_openapi::Resource>::URL_PATH_SEGMENT.into()
-    }
-    fn metadata_api() -> bool {
-        true
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata.meta
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata.meta
-    }
-}
+// Listed, watched and fetched at the Pod's URL, metadata only.
+meshgate_runtime::pod_view!(PendingPod, metadata_only = true);
 
 /// `namespace/name`: a pod's key in the cache and the gate (names hold no `/`).
 fn key(namespace: &str, name: &str) -> String {

@@ -1248,7 +1248,7 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
         // delay. The request deadline stays above two lookups (a refusal may look up the node
         // too). The pod lookup limits are raised so that all 40 lookups are made (the
         // defaults, 20 a second and 8 at once, would refuse most of them at once: that is
-        // `abuse::forged_binding_reviews_cost_the_apiserver_at_most_the_lookup_rate`).
+        // `abuse_pods::forged_binding_reviews_cost_the_apiserver_at_most_the_lookup_rate`).
         let mut webhook = WebhookProcess::start(
             &kubeconfig,
             &[

@@ -11,11 +11,6 @@
 //! allocated. A page's response body is still held whole while it is decoded, so the pod
 //! list's page size ([`super::PAGE_SIZE`]) bounds that part.
 
-use std::borrow::Cow;
-
-use k8s_openapi::NamespaceResourceScope;
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::ObjectMeta;
 use meshgate_runtime::meta::SlimMeta;
 use serde::Deserialize;
 
@@ -95,30 +90,8 @@ pub struct SlimContainerStatus {
     pub restart_count: i32,
 }
 
-// The Pod's own API coordinates: this is a view of Pods, listed and watched as Pods.
-impl kube::Resource for SlimPod {
-    type DynamicType = ();
-    type Scope = NamespaceResourceScope;
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        <Pod as k8s_openapi::Resource>::KIND.into()
-    }
-    fn group(_: &()) -> Cow<'_, str> {
-        <Pod as k8s_openapi::Resource>::GROUP.into()
-    }
-    fn version(_: &()) -> Cow<'_, str> {
-        <Pod as k8s_openapi::Resource>::VERSION.into()
-    }
-    fn plural(_: &()) -> Cow<'_, str> {
-        <Pod as k8s_openapi::Resource>::URL_PATH_SEGMENT.into()
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata.meta
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata.meta
-    }
-}
+// Listed and watched at the Pod's URL, as whole Pods.
+meshgate_runtime::pod_view!(SlimPod, metadata_only = false);
 
 #[cfg(test)]
 mod tests {

@@ -1,6 +1,6 @@
-//! The abuse half of the fault suite (`faults.rs` holds the faults): what anyone who can
-//! create pods, or reach the webhook's port, can make the real webhook and agent processes
-//! hold or cost, against the real apiserver.
+//! The fault and abuse suite, pods part: what anyone who can create pods, or reach the
+//! webhook's port, can make the real webhook and agent processes hold or cost, against the
+//! real apiserver.
 //!
 //! - 1,000 unscheduled pods (500 outside soak) with 256 KiB of annotations each: the
 //!   webhook's peak RSS (`VmHWM`) while they arrive through its watch and while a restart
@@ -212,7 +212,7 @@ async fn fat_unscheduled_pods_keep_the_webhook_under_half_its_memory_limit() -> 
         let ready = listing.wait_ready(WAIT).await?;
         let (rss_list, hwm_list) = listing.rss_kib().context("the listing webhook's RSS")?;
         eprintln!(
-            "[abuse] {count} unscheduled pods × {ANNOTATION_LIMIT} B of annotations (and {} B of labels) created in {took:?}; \
+            "[abuse-pods] {count} unscheduled pods × {ANNOTATION_LIMIT} B of annotations (and {} B of labels) created in {took:?}; \
              webhook watching them: RSS {:.1} MiB, peak {:.1} MiB; a new webhook listing them: ready after {:?} \
              (start to /ready {:?}), RSS {:.1} MiB, peak {:.1} MiB (bound {:.0} MiB)",
             fat.labels, mib(rss_watch), mib(hwm_watch), ready, started.elapsed(), mib(rss_list), mib(hwm_list), mib(WEBHOOK_BOUND_KIB),
@@ -294,7 +294,7 @@ async fn fat_pods_on_its_node_keep_the_agent_under_half_its_memory_limit() -> an
         let hwm = agent.peak_rss_kib().context("the agent's peak RSS")?;
         let log = plain(&agent.log());
         eprintln!(
-            "[abuse] {count} pods of {:.2} MiB on one node created in {took:?}; agent: pod list complete {listed:?} after start, \
+            "[abuse-pods] {count} pods of {:.2} MiB on one node created in {took:?}; agent: pod list complete {listed:?} after start, \
              RSS {:.1} MiB, peak {:.1} MiB (bound {:.0} MiB)",
             (fat.annotations + fat.env) as f64 / 1048576.0, mib(rss), mib(hwm), mib(AGENT_BOUND_KIB),
         );
@@ -376,7 +376,7 @@ async fn forged_binding_reviews_cost_the_apiserver_at_most_the_lookup_rate() -> 
         // single review after it.
         let bound = 20 + (20.0 * (elapsed.as_secs_f64() + 1.0)).ceil() as usize;
         eprintln!(
-            "[abuse] {} binding reviews ({FORGED} forged) at 1,000/s over {elapsed:?}: {}; webhook pod GETs in the audit log: {} (bound {bound}), \
+            "[abuse-pods] {} binding reviews ({FORGED} forged) at 1,000/s over {elapsed:?}: {}; webhook pod GETs in the audit log: {} (bound {bound}), \
              of them for the repeated name: {ghost}; lookups by outcome: found {}, not_found {}, known_missing {}, rate_limited {}, \
              in_flight_limit {}, failed {}; a forged binding's refusal: {message}",
             reviews.len(), report.summary(), gets.len(), outcome("found"), outcome("not_found"), outcome("known_missing"),
