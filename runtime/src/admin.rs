@@ -21,6 +21,8 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::server;
+
 /// Anything that can say whether the process is ready to serve (caches synced, ...).
 pub trait Readiness: Clone + Send + Sync + 'static {
     /// True once the process may receive traffic.
@@ -237,27 +239,43 @@ async fn metrics_handler<R: Readiness, L: Liveness>(State(s): State<AdminState<R
     }
 }
 
+/// The admin ports' limits: kubelet probes and a metrics scraper need a handful of
+/// connections with small heads, so a port reachable from the node's network (the agent's is
+/// on the host network) holds at most 256 × 8 KiB of request buffers. A probe that finds the
+/// cap taken waits in the backlog until a connection ends, within 2 s at most for one that
+/// sends nothing.
+pub const LIMITS: server::Limits = server::Limits {
+    max_connections: 256,
+    handshake_timeout: Duration::from_secs(2),
+    header_read_timeout: Duration::from_secs(2),
+    max_buf_size: 8 * 1024,
+};
+
+/// How long requests in flight on an admin port may take to finish once it stops.
+pub const DRAIN: Duration = Duration::from_secs(1);
+
 /// Serves the admin router (always live) on `listener` until `shutdown` resolves.
 pub async fn serve<R: Readiness>(
     listener: TcpListener,
     registry: Arc<Registry>,
     ready: R,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    serve_with(listener, registry, ready, AlwaysLive, shutdown).await
+) {
+    serve_with(listener, registry, ready, AlwaysLive, shutdown).await;
 }
 
-/// Serves the admin router with `/live` answering from `live` until `shutdown` resolves.
+/// Serves the admin router with `/live` answering from `live` until `shutdown` resolves,
+/// within [`LIMITS`], then drains for at most [`DRAIN`]. Errors of single connections are
+/// logged; none ends the server.
 pub async fn serve_with<R: Readiness, L: Liveness>(
     listener: TcpListener,
     registry: Arc<Registry>,
     ready: R,
     live: L,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(listener, router_with(registry, ready, live))
-        .with_graceful_shutdown(shutdown)
-        .await
+) {
+    let app = router_with(registry, ready, live);
+    server::serve_until(listener, server::Plain, app, shutdown, DRAIN, LIMITS).await;
 }
 
 #[cfg(test)]
