@@ -414,6 +414,64 @@ mod tests {
         assert!(both.check().is_ok());
     }
 
+    /// The admin server on a socket is the bounded server: a connection that sends part of a
+    /// head and stops is closed at the 2 s header timeout while `/live` keeps answering, a
+    /// head past 8 KiB gets a 431, and the server stops within its drain although that
+    /// connection was still open when it was asked to.
+    #[tokio::test]
+    async fn the_admin_port_cuts_slow_and_oversized_heads() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(
+            listener,
+            Arc::new(Registry::default()),
+            Arc::new(AtomicBool::new(true)),
+            async move {
+                let _ = stop_rx.await;
+            },
+        ));
+        async fn read_all(s: &mut tokio::net::TcpStream, within: Duration) -> Option<String> {
+            let mut out = Vec::new();
+            tokio::time::timeout(within, s.read_to_end(&mut out))
+                .await
+                .ok()
+                .map(|_| String::from_utf8_lossy(&out).into_owned())
+        }
+        let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+        slow.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+        let mut big = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head = format!("GET /live HTTP/1.1\r\nX-Big: {}\r\n", "b".repeat(9000));
+        let _ = big.write_all(head.as_bytes()).await;
+        let answer = read_all(&mut big, Duration::from_secs(2)).await;
+        assert!(
+            answer.as_deref().is_some_and(|a| a.starts_with("HTTP/1.1 431")),
+            "{answer:?}"
+        );
+        let mut probe = tokio::net::TcpStream::connect(addr).await.unwrap();
+        probe
+            .write_all(b"GET /live HTTP/1.0\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let answer = read_all(&mut probe, Duration::from_secs(2)).await.unwrap();
+        assert!(answer.starts_with("HTTP/1.0 200"), "{answer:?}");
+        let begun = Instant::now();
+        assert!(
+            read_all(&mut slow, Duration::from_secs(4)).await.is_some(),
+            "the slow head was not closed"
+        );
+        assert!(begun.elapsed() < Duration::from_secs(3));
+
+        let mut held = tokio::net::TcpStream::connect(addr).await.unwrap();
+        held.write_all(b"GET / HTTP/1.1\r\n").await.unwrap();
+        drop(stop_tx);
+        tokio::time::timeout(DRAIN + Duration::from_secs(1), server)
+            .await
+            .expect("stopped within the drain")
+            .unwrap();
+    }
+
     #[tokio::test]
     async fn the_plain_router_is_always_live() {
         let app = router(
