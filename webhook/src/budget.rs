@@ -5,13 +5,17 @@
 //! [`Held`] share of the budget, released when the handler has answered; or a [`Refusal`]:
 //! 413 for a body over `--max-body-bytes`, 400 for a body that cannot be read.
 //!
-//! A review is charged as it goes: each chunk of its body as it arrives (so a slow sender
-//! holds only what it has sent), then, once the body is complete, [`WORST_CASE_EXPANSION`]
-//! bytes per body byte for its decoding, held until the answer is built. When the budget is
-//! spent the next charge waits (the per-request timeout bounds the wait: 503), so many large
-//! reviews at once queue instead of taking the pod past its memory limit. The apiserver's
-//! reviews (a few KiB each) cost little: hundreds fit at once. A review costing more than the
-//! whole budget is charged the whole budget, so it still runs, alone.
+//! A review is charged, before a byte of its body is read, what it may cost at worst: its
+//! declared body once plus [`WORST_CASE_EXPANSION`] bytes per body byte for its decoding (a
+//! body without a `Content-Length`, chunked, is charged as one of the largest size), and holds
+//! that share until it is answered. All at once, so no review ever holds a part of the budget
+//! while it waits for more (reviews charged chunk by chunk each held a body while waiting for
+//! the room to decode it, and four large ones at once waited on each other until their
+//! timeout). When the budget is spent, the next review waits for its share, in arrival order,
+//! within the per-request timeout (then 503), so many large reviews at once queue instead of
+//! taking the pod past its memory limit. The apiserver's reviews (a few KiB each) cost little:
+//! hundreds fit at once. A review costing more than the whole budget is charged the whole
+//! budget, so it still runs, alone.
 
 use std::sync::Arc;
 
@@ -39,11 +43,7 @@ pub struct Budget {
 
 /// A share of the budget, released when dropped.
 #[derive(Debug)]
-pub struct Held {
-    permit: Option<OwnedSemaphorePermit>,
-    /// Bytes charged so far (the permit holds them rounded up to whole units).
-    bytes: usize,
-}
+pub struct Held(#[allow(dead_code)] OwnedSemaphorePermit);
 
 /// Why a body was not read.
 #[derive(Debug, thiserror::Error)]
@@ -79,86 +79,63 @@ impl Budget {
         }
     }
 
-    /// Adds `bytes` to what `held` is charged, waiting for room in the budget if needed.
-    /// Past the whole budget nothing more is charged.
-    async fn charge(&self, held: &mut Held, bytes: usize) -> Result<(), Refusal> {
-        held.bytes = held.bytes.saturating_add(bytes);
-        let units = u32::try_from(held.bytes.div_ceil(UNIT))
+    /// What a review whose body has `len` bytes is charged, in units: never more than the
+    /// whole budget.
+    fn cost(&self, len: usize) -> u32 {
+        let bytes = len.saturating_mul(1 + WORST_CASE_EXPANSION);
+        u32::try_from(bytes.div_ceil(UNIT))
             .unwrap_or(u32::MAX)
-            .min(self.total_units);
-        let have = held.permit.as_ref().map_or(0, |p| p.num_permits());
-        let more = units.saturating_sub(u32::try_from(have).unwrap_or(u32::MAX));
-        if more == 0 {
-            return Ok(());
-        }
-        let permit = match self.shares.clone().try_acquire_many_owned(more) {
-            Ok(p) => p,
-            Err(_) => {
-                tracing::debug!(kib = more, "review memory budget spent; waiting");
-                self.shares
-                    .clone()
-                    .acquire_many_owned(more)
-                    .await
-                    .map_err(|_| Refusal::Unreadable("the server is stopping".into()))?
-            }
-        };
-        match &mut held.permit {
-            Some(p) => p.merge(permit),
-            None => held.permit = Some(permit),
-        }
-        Ok(())
+            .clamp(1, self.total_units)
     }
 
-    /// Reads the body within the budget, then charges its decoding: the bytes, and the share
-    /// to hold until the review is answered.
+    /// Waits for the review's share of the budget, then reads its body: the bytes, and the
+    /// share to hold until the review is answered.
     pub async fn read(&self, headers: &HeaderMap, body: Body) -> Result<(Bytes, Held), Refusal> {
         let declared = content_length(headers);
         if declared.is_some_and(|n| n > self.max_body_bytes) {
             return Err(Refusal::TooLarge(self.max_body_bytes));
         }
-        let mut held = Held {
-            permit: None,
-            bytes: 0,
+        let cost = self.cost(declared.unwrap_or(self.max_body_bytes));
+        let permit = match self.shares.clone().try_acquire_many_owned(cost) {
+            Ok(p) => p,
+            Err(_) => {
+                tracing::debug!(kib = cost, "review memory budget spent; waiting");
+                self.shares
+                    .clone()
+                    .acquire_many_owned(cost)
+                    .await
+                    .map_err(|_| Refusal::Unreadable("the server is stopping".into()))?
+            }
         };
-        let bytes = self.read_limited(body, declared, &mut held).await?;
-        self.charge(&mut held, bytes.len().saturating_mul(WORST_CASE_EXPANSION))
-            .await?;
-        Ok((bytes, held))
+        let bytes = read_limited(body, declared, self.max_body_bytes).await?;
+        Ok((bytes, Held(permit)))
     }
+}
 
-    /// Reads `body` into one buffer of at most `--max-body-bytes`, each chunk charged before
-    /// it is kept. Sized from `declared` (hyper holds the body to it) as the bytes arrive, and
-    /// grown by doubling, never past the limit, when there is none.
-    async fn read_limited(
-        &self,
-        mut body: Body,
-        declared: Option<usize>,
-        held: &mut Held,
-    ) -> Result<Bytes, Refusal> {
-        let max = self.max_body_bytes;
-        let mut buf: Vec<u8> = Vec::new();
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|e| Refusal::Unreadable(e.to_string()))?;
-            let Ok(chunk) = frame.into_data() else {
-                continue; // trailers
-            };
-            let len = buf.len() + chunk.len();
-            if len > max {
-                return Err(Refusal::TooLarge(max));
-            }
-            self.charge(held, chunk.len()).await?;
-            if len > buf.capacity() {
-                let want = match declared {
-                    Some(d) => d.max(len),
-                    None => len.max(buf.capacity().saturating_mul(2)),
-                }
-                .min(max);
-                buf.reserve_exact(want - buf.len());
-            }
-            buf.extend_from_slice(&chunk);
+/// Reads `body` into one buffer of at most `max` bytes: sized from `declared` up front (hyper
+/// holds the body to it), or grown by doubling, never past `max`, when there is none.
+async fn read_limited(
+    mut body: Body,
+    declared: Option<usize>,
+    max: usize,
+) -> Result<Bytes, Refusal> {
+    let mut buf: Vec<u8> = Vec::with_capacity(declared.unwrap_or(0).min(max));
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| Refusal::Unreadable(e.to_string()))?;
+        let Ok(chunk) = frame.into_data() else {
+            continue; // trailers
+        };
+        let len = buf.len() + chunk.len();
+        if len > max {
+            return Err(Refusal::TooLarge(max));
         }
-        Ok(Bytes::from(buf))
+        if len > buf.capacity() {
+            let want = len.max(buf.capacity().saturating_mul(2)).min(max);
+            buf.reserve_exact(want - buf.len());
+        }
+        buf.extend_from_slice(&chunk);
     }
+    Ok(Bytes::from(buf))
 }
 
 /// The `Content-Length` header, when there is exactly one valid one.
@@ -210,12 +187,13 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(!second.is_finished(), "the budget had room for two at once");
         drop(first);
-        let (bytes, _second) = tokio::time::timeout(Duration::from_secs(1), second)
+        let (bytes, second) = tokio::time::timeout(Duration::from_secs(1), second)
             .await
             .expect("released with the first")
             .unwrap()
             .unwrap();
         assert_eq!(bytes.len(), max);
+        drop(second);
 
         let over = budget.read(&headers(Some(max + 1)), Body::empty()).await;
         assert!(matches!(over, Err(Refusal::TooLarge(_))));
@@ -223,6 +201,46 @@ mod tests {
             .read(&headers(None), Body::from(vec![0u8; max + 1]))
             .await;
         assert!(matches!(undeclared, Err(Refusal::TooLarge(_))));
+    }
+
+    /// Four large reviews whose bodies arrive at the same time, each in two chunks, whose
+    /// shares fill the budget: each gets its whole share before its body is read, so they run
+    /// one after the other. Charged chunk by chunk, each held a first chunk while waiting for
+    /// room, and none ever got it.
+    #[tokio::test]
+    async fn large_reviews_arriving_together_run_in_turn_and_never_wait_on_each_other() {
+        let max = 64 * 1024;
+        let budget = Budget::new(max * (1 + WORST_CASE_EXPANSION), max);
+        let half = Bytes::from(vec![b'z'; max / 2]);
+        let mut senders = Vec::new();
+        let mut readers = Vec::new();
+        for _ in 0..4 {
+            let (tx, rx) = futures::channel::mpsc::unbounded::<Result<Bytes, std::io::Error>>();
+            senders.push(tx);
+            let budget = budget.clone();
+            readers.push(tokio::spawn(async move {
+                let (bytes, held) = budget
+                    .read(&headers(Some(max)), Body::from_stream(rx))
+                    .await?;
+                drop(held); // answered
+                Ok::<usize, Refusal>(bytes.len())
+            }));
+        }
+        for tx in &senders {
+            tx.unbounded_send(Ok(half.clone())).unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        for tx in senders {
+            tx.unbounded_send(Ok(half.clone())).unwrap();
+        }
+        for r in readers {
+            let len = tokio::time::timeout(Duration::from_secs(2), r)
+                .await
+                .expect("every review ran")
+                .unwrap()
+                .unwrap();
+            assert_eq!(len, max);
+        }
     }
 
     /// A review that alone costs more than the whole budget is charged the whole budget: it
