@@ -5,6 +5,7 @@
 //! [`cp`], creates its own namespace and nodes with unique names, and selects only its own
 //! nodes, so tests run in parallel without seeing each other. One module per area.
 
+mod abuse;
 mod agent;
 mod control_plane;
 mod faults;

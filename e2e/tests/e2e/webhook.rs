@@ -135,6 +135,7 @@ impl Fixture {
             lookup_timeout: Duration::from_secs(1),
             max_body_bytes: 3 * 1024 * 1024,
             max_connections: 1024,
+            review_memory_bytes: meshgate_webhook::budget::DEFAULT_REVIEW_MEMORY_BYTES,
             // Stopped by the test, not by a kubelet: no endpoint removal to wait for.
             shutdown_delay: Duration::ZERO,
             shutdown_timeout: Duration::from_secs(5),
