@@ -440,13 +440,17 @@ mod tests {
                 .map(|_| String::from_utf8_lossy(&out).into_owned())
         }
         let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
-        slow.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+        slow.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .unwrap();
         let mut big = tokio::net::TcpStream::connect(addr).await.unwrap();
         let head = format!("GET /live HTTP/1.1\r\nX-Big: {}\r\n", "b".repeat(9000));
         let _ = big.write_all(head.as_bytes()).await;
         let answer = read_all(&mut big, Duration::from_secs(2)).await;
         assert!(
-            answer.as_deref().is_some_and(|a| a.starts_with("HTTP/1.1 431")),
+            answer
+                .as_deref()
+                .is_some_and(|a| a.starts_with("HTTP/1.1 431")),
             "{answer:?}"
         );
         let mut probe = tokio::net::TcpStream::connect(addr).await.unwrap();

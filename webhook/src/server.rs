@@ -55,8 +55,8 @@ pub struct Limits {
 /// keep-alive connection per concurrent review, and an apiserver's concurrency is bounded by
 /// its in-flight limits, 600 requests by default), and a bound on the memory and tasks that
 /// connections opened by anyone else can cost: a TLS connection whose client fills its
-/// buffers costs at most about 60 KiB (measured: docs/reliability.md), so 1024 of them stay
-/// under 64 MiB.
+/// 16 KiB buffer costs about 38 KiB (measured: docs/reliability.md), so 1024 of them stay
+/// under 40 MiB.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 
 impl Default for Limits {
