@@ -42,7 +42,14 @@ async fn recovers(wh: &WebhookProcess, tls: &Transport) -> anyhow::Result<Durati
     let begun = Instant::now();
     let review = review_load::pod_review("recovery", "nowhere", false, true);
     while begun.elapsed() < WAIT {
-        let got = post_all(wh.listen, tls, "/validate", &[review.body.clone()], WAIT).await;
+        let got = post_all(
+            wh.listen,
+            tls,
+            "/validate",
+            std::slice::from_ref(&review.body),
+            WAIT,
+        )
+        .await;
         if got
             .first()
             .is_some_and(|r| r.as_ref().is_ok_and(|s| *s == 200))
@@ -109,11 +116,10 @@ async fn review_bodies_stay_within_the_review_memory_budget() -> anyhow::Result<
     }
     for (path, what, got) in &statuses {
         for status in got {
-            let ok = match (*what, status) {
-                ("tiny objects", Ok(400)) => true,
-                ("label floods", Ok(200 | 503)) => true,
-                _ => false,
-            };
+            let ok = matches!(
+                (*what, status),
+                ("tiny objects", Ok(400)) | ("label floods", Ok(200 | 503))
+            );
             anyhow::ensure!(ok, "{path} {what}: answered {status:?}");
         }
     }
