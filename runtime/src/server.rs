@@ -125,6 +125,10 @@ pub async fn serve<H: Handshake>(
     limits: Limits,
 ) {
     let max_connections = limits.max_connections.clamp(1, Semaphore::MAX_PERMITS);
+    // Names the server in its logs: a process runs more than one.
+    let addr = listener
+        .local_addr()
+        .map_or_else(|e| e.to_string(), |a| a.to_string());
     let permits = Arc::new(Semaphore::new(max_connections));
     let mut conns = Connections {
         handshake,
@@ -151,7 +155,7 @@ pub async fn serve<H: Handshake>(
                     warned = Some(tokio::time::Instant::now());
                     tracing::warn!(
                         max_connections,
-                        addr = ?listener.local_addr().ok(),
+                        %addr,
                         "connection cap reached; new connections wait until one ends"
                     );
                 }
@@ -193,14 +197,16 @@ pub async fn serve<H: Handshake>(
         }
     });
     tracing::info!(
+        %addr,
         connections = conns.graceful.count(),
         accepted_at_close = late,
         "shutting down: listener closed, draining in-flight requests"
     );
     let graceful = std::mem::take(&mut conns.graceful);
     tokio::select! {
-        () = graceful.shutdown() => tracing::info!("drained"),
+        () = graceful.shutdown() => tracing::info!(%addr, "drained"),
         () = tokio::time::sleep(drain) => tracing::warn!(
+            %addr,
             ?drain,
             connections = conns.tasks.len(),
             "drain timed out; closing remaining connections"
