@@ -694,18 +694,7 @@ impl WebhookProcess {
 
     /// Resident set size in KiB (and the peak, `VmHWM`), from /proc.
     pub fn rss_kib(&self) -> Option<(u64, u64)> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()?)).ok()?;
-        let field = |name: &str| {
-            status.lines().find_map(|l| {
-                l.strip_prefix(name)?
-                    .trim()
-                    .strip_suffix("kB")?
-                    .trim()
-                    .parse()
-                    .ok()
-            })
-        };
-        Some((field("VmRSS:")?, field("VmHWM:")?))
+        crate::http_abuse::memory_kib(self.pid()?)
     }
 
     /// Sends SIGTERM; returns when it was sent.

@@ -390,6 +390,15 @@ mod tests {
         (addr, tx, task)
     }
 
+    /// Asks the server to drain and waits (2 s at most) for it to end.
+    async fn stop(phase: watch::Sender<Phase>, task: tokio::task::JoinHandle<()>) {
+        phase.send_replace(Phase::Draining);
+        tokio::time::timeout(Duration::from_secs(2), task)
+            .await
+            .expect("stopped within 2 s")
+            .unwrap();
+    }
+
     /// Reads until the server closes (or 3 s pass): what it sent, and whether it closed.
     async fn read_to_close(s: &mut TcpStream) -> (String, bool) {
         let mut out = Vec::new();
@@ -437,11 +446,7 @@ mod tests {
             "closed after {took:?}, the timeout is 300 ms"
         );
         assert!(get_ok(addr).await, "served after the slow clients");
-        phase.send_replace(Phase::Draining);
-        tokio::time::timeout(Duration::from_secs(2), task)
-            .await
-            .unwrap()
-            .unwrap();
+        stop(phase, task).await;
     }
 
     /// A head larger than the buffer is answered 431 and closed as soon as the buffer is full,
@@ -466,11 +471,7 @@ mod tests {
         assert!(closed, "not closed");
         assert!(answer.starts_with("HTTP/1.1 431"), "{answer:?}");
         assert!(get_ok(addr).await);
-        phase.send_replace(Phase::Draining);
-        tokio::time::timeout(Duration::from_secs(2), task)
-            .await
-            .unwrap()
-            .unwrap();
+        stop(phase, task).await;
     }
 
     /// With the cap taken by two silent connections, a third is not served until the header
@@ -492,11 +493,7 @@ mod tests {
             waited >= Duration::from_millis(500),
             "served after {waited:?}, while the cap was taken"
         );
-        phase.send_replace(Phase::Draining);
-        tokio::time::timeout(Duration::from_secs(2), task)
-            .await
-            .unwrap()
-            .unwrap();
+        stop(phase, task).await;
     }
 
     /// `serve_until`: the stop future ends serving; a connection holding a request in flight
