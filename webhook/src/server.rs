@@ -55,8 +55,8 @@ pub struct Limits {
 /// keep-alive connection per concurrent review, and an apiserver's concurrency is bounded by
 /// its in-flight limits, 600 requests by default), and a bound on the memory and tasks that
 /// connections opened by anyone else can cost: a TLS connection whose client fills its
-/// 16 KiB buffer costs about 38 KiB (measured: docs/reliability.md), so 1024 of them stay
-/// under 40 MiB.
+/// 8 KiB buffer costs about 25 KiB (measured: docs/reliability.md), so 1024 of them stay
+/// under 26 MiB.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 
 impl Default for Limits {
@@ -74,9 +74,9 @@ impl Default for Limits {
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Deadline for a request head, and for an idle keep-alive connection's next request.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// hyper's input buffer per connection. The apiserver's request heads are a few hundred
-/// bytes; bodies stream through it in chunks.
-pub const MAX_BUF_SIZE: usize = 16 * 1024;
+/// hyper's input buffer per connection, hyper's smallest. The apiserver's request heads are a
+/// few hundred bytes; bodies stream through it in chunks.
+pub const MAX_BUF_SIZE: usize = 8 * 1024;
 
 struct AppState<C> {
     reviewer: Arc<Reviewer<C>>,

@@ -235,7 +235,7 @@ async fn slow_heads_on_the_webhook_port_are_cut_short() -> anyhow::Result<()> {
 }
 
 /// The connection cap times the per-connection cost: 1024 TLS connections (the default cap),
-/// each sending a head just under hyper's 16 KiB buffer and then nothing, so each holds a
+/// each sending a head just under hyper's 8 KiB buffer and then nothing, so each holds a
 /// full buffer until the 10 s header timeout closes it (within 20 s). The peak stays under
 /// 128 MiB.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -243,7 +243,7 @@ async fn heads_filling_every_buffer_up_to_the_cap_stay_within_the_bar() -> anyho
     let attack = Heads {
         what: "webhook full buffers at the cap (TLS)",
         n: 1024,
-        head_bytes: 15_000,
+        head_bytes: 7_000,
         path: "/validate",
         // The header timeout closes them at 10 s; room for a loaded machine.
         hold: Duration::from_secs(20),
@@ -310,4 +310,53 @@ async fn slow_heads_on_the_agent_admin_port_are_cut_short() -> anyhow::Result<()
     let (peak, got) = attack.run(pid, agent.admin, &Transport::Plain).await;
     let recovered = live_again(agent.admin).await?;
     attack.judge(&peak, &got, recovered)
+}
+
+/// Items 1 and 2 at once: 1000 TLS connections each holding a full buffer (the cap's worst
+/// case, leaving 24 places) while 8 label-flood reviews of just under 3 MiB are posted. The
+/// floods are answered 200 or 503 (the budget), every connection is closed, and the peak stays
+/// under 128 MiB: the sum of the two worst cases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn full_buffers_and_label_floods_at_once_stay_within_the_bar() -> anyhow::Result<()> {
+    let (wh, tls) = webhook().await?;
+    let pid = wh.pid().expect("running");
+    let peak = PeakRss::start(pid).expect("its memory");
+    let hold = Duration::from_secs(20);
+    let heads = {
+        let (addr, tls) = (wh.listen, tls.clone());
+        tokio::spawn(async move { slow_heads(addr, &tls, "/validate", 1000, 7_000, hold).await })
+    };
+    // Every head is in before the reviews come.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let floods: Vec<_> = (0..8)
+        .map(|i| label_flood_review(&format!("both-{i}"), BODY))
+        .collect();
+    let statuses = post_all(wh.listen, &tls, "/validate", &floods, WAIT).await;
+    let got = heads.await?;
+    let peak = peak.finish(pid).expect("alive after the attack");
+    let recovered = recovers(&wh, &tls).await?;
+    report(
+        "full buffers and label floods at once",
+        &format!("1000 TLS connections x 7 KB of head, and 8 reviews of {BODY} B of labels"),
+        &peak,
+        recovered,
+    );
+    eprintln!(
+        "[abuse]   floods: {statuses:?}; heads: closed {}, still open after {hold:?}: {}",
+        got.closed.len(),
+        got.still_open
+    );
+    for status in &statuses {
+        anyhow::ensure!(
+            matches!(status, Ok(200 | 503)),
+            "a label flood was answered {status:?}"
+        );
+    }
+    anyhow::ensure!(got.still_open == 0, "connections held open for {hold:?}");
+    anyhow::ensure!(
+        peak.peak_kib < WEBHOOK_BAR_KIB,
+        "peak RSS {:.1} MiB, the bar is half the 256Mi limit",
+        peak.peak_mib()
+    );
+    Ok(())
 }
