@@ -93,7 +93,7 @@ mod tests {
 
     /// The close-on-exec flag is set by `socket(2)` itself; the kernel gave a port id.
     #[test]
-    fn sockets_are_close_on_exec_and_talk_to_the_kernel() {
+    fn sockets_are_close_on_exec_from_the_start() {
         for bus in [Bus::Route, Bus::Netfilter] {
             let s = Socket::open(bus).unwrap();
             let flags = nix::fcntl::fcntl(&s.fd, nix::fcntl::FcntlArg::F_GETFD).unwrap();

@@ -16,7 +16,7 @@ use meshgate_core::cni::{Broken, ProbeOutcome, Reason, Runtime, VerifyOptions, v
 use serde_json::Value;
 
 mod common;
-use common::{GOOD, Node, alive, golden, read_pid};
+use common::{CHAIN, GOOD, Node, alive, golden, read_pid};
 
 fn assert_reason(node: &Node, reason: &str, code: i32, extra: &[&str]) -> Value {
     let (got, json, _) = node.check(extra);
@@ -339,13 +339,7 @@ fn one_deadline_for_the_whole_verification() {
     let node = Node::new();
     node.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
     // Every binary hangs; each alone would get 5 s, the verification as a whole gets 1 s.
-    for p in [
-        "calico",
-        "calico-ipam",
-        "portmap",
-        "bandwidth",
-        "linkerd-cni",
-    ] {
+    for p in CHAIN {
         node.plugin(p, "#!/bin/sh\nexec sleep 60\n");
     }
     let (code, json, took) = node.check(&["--probe-timeout", "5s", "--verify-timeout", "1s"]);
@@ -372,13 +366,7 @@ fn a_plugin_that_never_reads_stdin_and_a_huge_cni_version_cannot_hang_the_check(
         .replace("\"0.3.1\"", &format!("\"{huge}\""));
     node.config("10-calico.conflist", conf.as_bytes());
     // Never reads stdin, answers at once.
-    for p in [
-        "calico",
-        "calico-ipam",
-        "portmap",
-        "bandwidth",
-        "linkerd-cni",
-    ] {
+    for p in CHAIN {
         node.plugin(
             p,
             "#!/bin/sh\necho '{\"cniVersion\":\"1.0.0\",\"supportedVersions\":[\"0.3.1\",\"1.0.0\"]}'\nexec sleep 60\n",
@@ -439,13 +427,7 @@ fn old_plugins_without_version_support_count_as_0_1_0() {
         .replace("\"cniVersion\": \"0.3.1\",", "");
     node.config("10-calico.conflist", conf.as_bytes());
     let old = "#!/bin/sh\necho '{\"code\":4,\"msg\":\"unknown CNI_COMMAND: VERSION\"}'\nexit 1\n";
-    for p in [
-        "calico",
-        "calico-ipam",
-        "portmap",
-        "bandwidth",
-        "linkerd-cni",
-    ] {
+    for p in CHAIN {
         node.plugin(p, old);
     }
     assert_reason(&node, "Verified", 0, &[]);

@@ -15,6 +15,7 @@ use meshgate_core::cni::ProbeOutcome;
 
 mod common;
 use common::{GOOD, Node, alive, read_pid};
+use std::process::{Command, Stdio};
 
 /// The reply part of [`GOOD`].
 fn answer() -> &'static str {
@@ -131,6 +132,75 @@ fn without_cap_sys_admin_nothing_a_plugin_started_survives() {
         assert!(
             !alive(pid),
             "{what}: the setsid grandchild {pid} survived the probe"
+        );
+    }
+}
+
+/// `check` SIGKILLed while its plugin hangs: the plugin dies with it, with a PID namespace
+/// (root) and without (nobody).
+#[test]
+fn a_plugin_dies_with_the_agent_that_probes_it() {
+    let node = Node::new();
+    node.config(
+        "10-calico.conflist",
+        &common::golden("calico-linkerd.conflist"),
+    );
+    let root = node.bin.parent().unwrap().to_path_buf();
+    for d in [&root, &node.conf, &node.bin] {
+        fs::set_permissions(d, fs::Permissions::from_mode(0o777)).unwrap();
+    }
+    let pidfile = root.join("plugin.pid");
+    // The plugin's host pid (its child reads its own stat from the host's procfs, even in a
+    // PID namespace); `exec` keeps it for the sleep.
+    node.plugin(
+        "calico",
+        &format!(
+            "#!/bin/sh\nsh -c 'read pid comm state ppid rest < /proc/self/stat; echo $ppid > {p}.tmp; mv {p}.tmp {p}'\nexec sleep 300\n",
+            p = pidfile.display()
+        ),
+    );
+    let setpriv = Path::new("/usr/bin/setpriv").exists() && nix::unistd::geteuid().is_root();
+    let nobody: &[&str] = &[
+        "/usr/bin/setpriv",
+        "--reuid",
+        "65534",
+        "--regid",
+        "65534",
+        "--clear-groups",
+    ];
+    for wrapper in [&[][..], if setpriv { nobody } else { &[] }] {
+        let _ = fs::remove_file(&pidfile);
+        let agent = env!("CARGO_BIN_EXE_meshgate-agent");
+        let mut cmd = match wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(agent);
+                c
+            }
+            None => Command::new(agent),
+        };
+        let mut check = cmd
+            .arg("check")
+            .arg("--cni-conf-dir")
+            .arg(&node.conf)
+            .arg("--cni-bin-dir")
+            .arg(&node.bin)
+            .args(["--require-plugin", "linkerd-cni", "--probe-timeout", "60s"])
+            .args(["--verify-timeout", "60s"])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let pid = read_pid(&pidfile);
+        assert!(alive(pid), "{wrapper:?}: the plugin runs");
+        check.kill().unwrap();
+        check.wait().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while alive(pid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(
+            !alive(pid),
+            "{wrapper:?}: the plugin {pid} outlived the agent"
         );
     }
 }

@@ -7,7 +7,7 @@
 //! 10,001; loads a `.conf` nested 9,998 levels and refuses 9,999 (`ConfListFromConf` wraps it
 //! in a list two levels deeper); loads a drop-in plugin file nested 10,000 levels.
 
-use meshgate_core::cni::gojson::MAX_DEPTH;
+use meshgate_core::cni::gojson::{self, GoValue, JsonError, MAX_DEPTH};
 use meshgate_core::cni::{
     MemSource, ProbeOutcome, Reason, Runtime, Verdict, VerifyOptions, verify,
 };
@@ -65,6 +65,39 @@ fn on_small_stack(f: impl FnOnce() + Send + 'static) {
         .unwrap()
         .join()
         .unwrap();
+}
+
+/// The decoded tree itself: mapped, compared, shown and dropped without one frame per level.
+#[test]
+fn the_deepest_tree_go_accepts_is_walked_dropped_and_compared_without_recursion() {
+    on_small_stack(|| {
+        for objects in [false, true] {
+            let v = gojson::parse(nested(MAX_DEPTH, objects).as_bytes()).unwrap();
+            assert_eq!(v.depth(), MAX_DEPTH);
+            let m = v.as_go_map();
+            assert!(m == v);
+            assert!(v.numbers_fit_f64());
+            let shown = format!("{v:?}");
+            assert!(shown.len() < 400 && shown.contains('…'), "{shown}");
+            drop(m);
+            drop(v);
+            let over = nested(MAX_DEPTH + 1, objects);
+            assert_eq!(gojson::parse(over.as_bytes()), Err(JsonError::TooDeep));
+        }
+        // Wide and deep at once: every level also holds leaves and an object to sort.
+        let wide = format!(
+            "{}[]{}",
+            r#"[1,{"b":2,"a":3},"#.repeat(MAX_DEPTH - 1),
+            "]".repeat(MAX_DEPTH - 1)
+        );
+        let m = gojson::parse(wide.as_bytes()).unwrap().as_go_map();
+        let GoValue::Array(top) = &m else {
+            panic!("not an array")
+        };
+        assert_eq!(top.len(), 3);
+        let sorted = gojson::parse(br#"{"a":3,"b":2}"#).unwrap();
+        assert!(top[1] == sorted, "keys sorted at every level");
+    });
 }
 
 #[test]

@@ -11,6 +11,15 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+/// The plugin types of `calico-linkerd.conflist`'s chain (IPAM included).
+pub const CHAIN: [&str; 5] = [
+    "calico",
+    "calico-ipam",
+    "portmap",
+    "bandwidth",
+    "linkerd-cni",
+];
+
 /// A plugin answering VERSION like a current plugin.
 pub const GOOD: &str = "#!/bin/sh\ncat >/dev/null\necho '{\"cniVersion\":\"1.0.0\",\"supportedVersions\":[\"0.3.0\",\"0.3.1\",\"0.4.0\",\"1.0.0\"]}'\n";
 
@@ -41,14 +50,7 @@ impl Node {
             conf,
             bin,
         };
-        for p in [
-            "calico",
-            "calico-ipam",
-            "portmap",
-            "bandwidth",
-            "linkerd-cni",
-            "multus",
-        ] {
+        for p in CHAIN.iter().chain(&["multus"]) {
             node.plugin(p, GOOD);
         }
         node

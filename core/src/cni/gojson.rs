@@ -661,66 +661,6 @@ mod tests {
         assert!(parse(b"[1e-400, -0.5e3]").unwrap().numbers_fit_f64());
     }
 
-    /// `levels` nested arrays, or objects (`{"a":{"a":...{}}}`), as one document.
-    pub(crate) fn nested(levels: usize, objects: bool) -> String {
-        if objects {
-            format!(
-                "{}{{}}{}",
-                "{\"a\":".repeat(levels - 1),
-                "}".repeat(levels - 1)
-            )
-        } else {
-            format!("{}{}", "[".repeat(levels), "]".repeat(levels))
-        }
-    }
-
-    /// Runs `f` on a thread with a 256 KiB stack: one recursive step per level of a
-    /// 10,000-deep tree would overflow it (and abort the test binary).
-    pub(crate) fn on_small_stack(f: impl FnOnce() + Send + 'static) {
-        std::thread::Builder::new()
-            .stack_size(256 * 1024)
-            .spawn(f)
-            .unwrap()
-            .join()
-            .unwrap();
-    }
-
-    #[test]
-    fn the_deepest_tree_go_accepts_is_walked_dropped_and_compared_without_recursion() {
-        on_small_stack(|| {
-            for objects in [false, true] {
-                let v = parse(nested(MAX_DEPTH, objects).as_bytes()).unwrap();
-                assert_eq!(v.depth(), MAX_DEPTH);
-                let m = v.as_go_map();
-                assert!(m == v);
-                assert!(v.numbers_fit_f64());
-                let shown = format!("{v:?}");
-                assert!(shown.len() < 400 && shown.contains('…'), "{shown}");
-                drop(m);
-                drop(v);
-                let over = nested(MAX_DEPTH + 1, objects);
-                assert_eq!(parse(over.as_bytes()), Err(JsonError::TooDeep));
-            }
-            // Wide and deep at once: the map of a tree whose every level also holds leaves.
-            let wide = format!(
-                "{}[]{}",
-                "[1,{\"b\":2,\"a\":3},".repeat(MAX_DEPTH - 1),
-                "]".repeat(MAX_DEPTH - 1)
-            );
-            let v = parse(wide.as_bytes()).unwrap();
-            let m = v.as_go_map();
-            let GoValue::Array(top) = &m else {
-                panic!("not an array")
-            };
-            assert_eq!(top.len(), 3);
-            assert_eq!(
-                top[1],
-                parse(br#"{"a":3,"b":2}"#).unwrap(),
-                "keys sorted at every level"
-            );
-        });
-    }
-
     #[test]
     fn folding_matches_go() {
         assert!(field_matches("Type", "type"));
