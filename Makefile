@@ -17,10 +17,10 @@ TARGET_DIR = $${CARGO_TARGET_DIR:-target}
 IMAGE = $(CARGO) build --release --locked -p meshgate-agent -p meshgate-webhook && \
 	bash e2e/images/build-meshgate-image.sh "$(TARGET_DIR)/release" "$(TARGET_DIR)/meshgate-image/meshgate.tar"
 
-.PHONY: test demo deps lint alerts unit check-root bench soak
+.PHONY: test demo deps lint alerts images unit check-root bench soak
 
 ## test: format, lint, and every test (unit, privileged integration, e2e on a real apiserver)
-test: check-root deps lint alerts
+test: check-root deps lint alerts images
 	@echo "==> cargo build --bins (the e2e tests run the real agent and webhook binaries)"
 	$(CARGO) build --workspace --bins --locked
 	@echo "==> meshgate's image for the real node (release build)"
@@ -44,6 +44,11 @@ deps:
 alerts:
 	@echo "==> promtool check rules / test rules"
 	bash manifests/monitoring/test.sh
+
+## images: both installs pin meshgate's image by digest; the e2e overlay runs its local build
+images:
+	@echo "==> manifests/images.sh check"
+	KUBECTL="$$(bash $(DEPS) | tail -n 1)/kubectl" bash manifests/images.sh check
 
 lint:
 	@echo "==> cargo fmt --check"

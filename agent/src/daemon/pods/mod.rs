@@ -221,7 +221,7 @@ pub async fn run(
     loop {
         let retry = me
             .tracker
-            .next_retry()
+            .next_retry(me.now())
             .map(|at| tokio::time::Instant::from_std(me.origin + at));
         let burst = tokio::select! {
             _ = stop.wait_for(|s| *s) => break,
@@ -478,8 +478,7 @@ impl Inspector {
                 tracing::error!(node = %self.setup.node, error = %e, pods = count, "pod inspection batch failed");
                 let now = self.now();
                 for d in &due {
-                    self.tracker
-                        .inspected(&d.info.uid, &d.info.sandbox(), d.generation);
+                    self.tracker.inspected(d);
                     self.tracker.unknown(&d.info.uid, now);
                 }
                 return;
@@ -506,7 +505,7 @@ impl Inspector {
         let pinned = inspected.pinned.take();
         let (node, pod) = (self.setup.node.clone(), info.key());
         let sandbox = info.sandbox();
-        self.tracker.inspected(&info.uid, &sandbox, d.generation);
+        self.tracker.inspected(&d);
         for i in &inspected.inspections {
             self.metrics.inspected(&i.profile, i.verdict.as_str());
         }
