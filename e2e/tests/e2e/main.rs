@@ -6,6 +6,7 @@
 //! nodes, so tests run in parallel without seeing each other. One module per area.
 
 mod agent;
+mod authz;
 mod control_plane;
 mod faults;
 mod pods;

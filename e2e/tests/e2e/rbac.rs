@@ -609,6 +609,7 @@ async fn install_manifests_apply_and_are_wired() -> anyhow::Result<()> {
         "meshgate-agent-own-node",
         "meshgate-agent-own-node-evictions",
         "meshgate-agent-own-events",
+        "meshgate-agent-own-pod-events",
     ] {
         let vap = Api::<ValidatingAdmissionPolicy>::all(client.clone())
             .get(name)
