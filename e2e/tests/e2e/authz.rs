@@ -257,10 +257,14 @@ async fn default_writes(f: &Fixture) -> anyhow::Result<()> {
     let me = f.agent(&f.node_a).await?.own;
     // The policies' Pod parameters come from an informer started with the policy: wait for it.
     let evictions: Api<Pod> = Api::namespaced(me.clone(), &f.app);
-    poll_until("the eviction policy to refuse the pod on node B", WAIT, || async {
-        let r = evictions.evict("on-b", &dry_run_eviction()).await;
-        anyhow::Ok(refused_by_policy(&r, "meshgate-agent-own-node-evictions").then_some(()))
-    })
+    poll_until(
+        "the eviction policy to refuse the pod on node B",
+        WAIT,
+        || async {
+            let r = evictions.evict("on-b", &dry_run_eviction()).await;
+            anyhow::Ok(refused_by_policy(&r, "meshgate-agent-own-node-evictions").then_some(()))
+        },
+    )
     .await?;
     let label_b = Api::<Node>::all(me.clone())
         .patch(
@@ -694,7 +698,9 @@ async fn agent_runs_as_its_node(f: &Fixture) -> anyhow::Result<()> {
     let mut summary: std::collections::BTreeMap<String, usize> = Default::default();
     for r in &mine {
         let who = r.impersonated_user.as_deref().unwrap_or("itself");
-        *summary.entry(format!("{} as {who} -> {:?}", r.kind(), r.code)).or_default() += 1;
+        *summary
+            .entry(format!("{} as {who} -> {:?}", r.kind(), r.code))
+            .or_default() += 1;
     }
     println!("the agent's requests with --impersonate-node: {summary:#?}");
     let as_node = Some(node_user(&f.node_a));

@@ -9,6 +9,7 @@ mod agent;
 mod authz;
 mod control_plane;
 mod faults;
+mod outage;
 mod pods;
 mod rbac;
 mod real_node;

@@ -532,7 +532,16 @@ async fn install_manifests_apply_and_are_wired() -> anyhow::Result<()> {
         .get("meshgate")
         .await?;
     let validating = vwc.webhooks.unwrap_or_default();
-    assert_eq!(validating.len(), 2);
+    let names: Vec<&str> = validating.iter().map(|w| w.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "pods.validate.meshgate.io",
+            "ambient-pods.validate.meshgate.io",
+            "unmarked-pods.validate.meshgate.io",
+            "bindings.validate.meshgate.io"
+        ]
+    );
     let mwc = Api::<MutatingWebhookConfiguration>::all(client.clone())
         .get("meshgate")
         .await?;
