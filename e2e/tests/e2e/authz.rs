@@ -32,16 +32,16 @@ use serde_json::json;
 
 use crate::WAIT;
 use crate::support::{
-    describe, dry_run_eviction, effective_rules, refused_by_policy, refused_by_rbac, status_of,
-    triples, verdict,
+    AGENT, NS, bound_token, dry_run_eviction, effective_rules, expect_forbidden, expect_policy,
+    label_verified_dry_run, refused_by_policy, refused_by_rbac, triples, verdict,
 };
 
-const NS: &str = "meshgate-system";
-const AGENT: &str = "meshgate-agent";
 /// A ServiceAccount of this test only, for what the agent is not granted as the node.
 const PROBE: &str = "meshgate-probe";
 /// The alpha feature behind the component.
 const GATE: &str = "--feature-gates=ConstrainedImpersonation=true";
+/// The Node authorizer's refusal of a pod list or watch not scoped to the node.
+const SELECTOR_ONLY: &str = "can only list/watch pods with spec.nodeName field selector";
 /// The environment variable each application pod carries (what a Pod read discloses).
 const ENV: &str = "DATABASE_PASSWORD";
 
@@ -143,16 +143,7 @@ async fn setup() -> anyhow::Result<Fixture> {
     let on_b = app_pod(&admin, &app, "on-b", &node_b, "default").await?;
     let secret_b = env_value(&on_b).context("on-b's env")?;
     let agent_pod = app_pod(&admin, NS, &unique_name("agent"), &node_a, AGENT).await?;
-    let token = meshgate_e2e::service_account_token(
-        &admin,
-        NS,
-        AGENT,
-        &TokenOptions {
-            bound_pod: Some(agent_pod),
-            ..Default::default()
-        },
-    )
-    .await?;
+    let token = bound_token(&admin, AGENT, agent_pod).await?;
     let agent_kubeconfig = cp.write_token_kubeconfig("authz-agent", &token)?;
     Ok(Fixture {
         cp,
@@ -212,25 +203,16 @@ async fn default_reads(f: &Fixture) -> anyhow::Result<()> {
     let secret = Api::<Secret>::namespaced(me.clone(), &f.app)
         .list(&ListParams::default())
         .await;
-    assert!(refused_by_rbac(&secret), "{}", describe(&secret));
+    expect_forbidden(&secret, "cannot ")?;
     let cm = Api::<ConfigMap>::namespaced(me, &f.app)
         .list(&ListParams::default())
         .await;
-    assert!(refused_by_rbac(&cm), "{}", describe(&cm));
+    expect_forbidden(&cm, "cannot ")?;
     let as_node = Api::<Pod>::all(f.agent(&f.node_a).await?.node)
         .list(&ListParams::default().fields(&format!("spec.nodeName={}", f.node_a)))
         .await;
-    assert!(
-        forbidden_with(&as_node, "cannot impersonate-on:associated-node:list"),
-        "{}",
-        describe(&as_node)
-    );
+    expect_forbidden(&as_node, "cannot impersonate-on:associated-node:list")?;
     Ok(())
-}
-
-/// True when `r` is a 403 whose message contains `needle`.
-fn forbidden_with<T>(r: &Result<T, kube::Error>, needle: &str) -> bool {
-    status_of(r).is_some_and(|(code, msg)| code == 403 && msg.contains(needle))
 }
 
 /// An events.k8s.io Event by meshgate-agent of node A about `regarding`, in `ns`.
@@ -266,18 +248,8 @@ async fn default_writes(f: &Fixture) -> anyhow::Result<()> {
         },
     )
     .await?;
-    let label_b = Api::<Node>::all(me.clone())
-        .patch(
-            &f.node_b,
-            &PatchParams::default().dry_run(),
-            &Patch::Merge(json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}})),
-        )
-        .await;
-    assert!(
-        refused_by_policy(&label_b, "meshgate-agent-own-node"),
-        "{}",
-        describe(&label_b)
-    );
+    let label_b = label_verified_dry_run(&Api::all(me.clone()), &f.node_b).await;
+    expect_policy(&label_b, "meshgate-agent-own-node")?;
     let events: Api<Event> = Api::namespaced(me.clone(), &f.app);
     let pod_ref =
         |name: &str| json!({"apiVersion": "v1", "kind": "Pod", "namespace": f.app, "name": name});
@@ -293,30 +265,17 @@ async fn default_writes(f: &Fixture) -> anyhow::Result<()> {
     let about_b = events
         .create(&dry_run(), &event(&f.node_a, pod_ref("on-b"))?)
         .await;
-    assert!(
-        refused_by_policy(&about_b, "meshgate-agent-own-pod-events"),
-        "{}",
-        describe(&about_b)
+    expect_policy(&about_b, "meshgate-agent-own-pod-events")?;
+    let why = format!(
+        "not about pod {}/on-b, which is on node {}",
+        f.app, f.node_b
     );
-    let msg = status_of(&about_b)
-        .map(|(_, m)| m.to_owned())
-        .unwrap_or_default();
-    ensure!(
-        msg.contains(&format!(
-            "not about pod {}/on-b, which is on node {}",
-            f.app, f.node_b
-        )),
-        "{msg}"
-    );
+    expect_forbidden(&about_b, &why)?;
     // Put in another namespace, where no pod is, the same Event is refused too.
     let elsewhere = Api::<Event>::namespaced(me, "default")
         .create(&dry_run(), &event(&f.node_a, pod_ref("on-b"))?)
         .await;
-    assert!(
-        refused_by_policy(&elsewhere, "meshgate-agent-own-events"),
-        "{}",
-        describe(&elsewhere)
-    );
+    expect_policy(&elsewhere, "meshgate-agent-own-events")?;
     Ok(())
 }
 
@@ -399,7 +358,7 @@ async fn impersonation_reads(f: &Fixture) -> anyhow::Result<()> {
         );
     }
     let own_nodes = Api::<Node>::all(clients.own.clone()).get(&f.node_a).await;
-    assert!(refused_by_rbac(&own_nodes), "{}", describe(&own_nodes));
+    expect_forbidden(&own_nodes, "cannot ")?;
     Api::<Namespace>::all(clients.own.clone())
         .list(&ListParams::default().limit(1))
         .await
@@ -424,13 +383,8 @@ async fn impersonation_reads(f: &Fixture) -> anyhow::Result<()> {
         "watching its node's pods, as the node: refused"
     );
     let every = pods.watch(&WatchParams::default().timeout(1), "0").await;
-    ensure!(
-        forbidden_with(
-            &every,
-            "can only list/watch pods with spec.nodeName field selector"
-        ),
-        "watching every pod was not refused"
-    );
+    expect_forbidden(&every.map(|_| "a watch stream"), SELECTOR_ONLY)
+        .context("watching every pod")?;
     for (what, lp) in [
         ("every pod", ListParams::default()),
         (
@@ -439,14 +393,7 @@ async fn impersonation_reads(f: &Fixture) -> anyhow::Result<()> {
         ),
     ] {
         let r = pods.list(&lp).await;
-        ensure!(
-            forbidden_with(
-                &r,
-                "can only list/watch pods with spec.nodeName field selector"
-            ),
-            "{what}: {}",
-            describe(&r)
-        );
+        expect_forbidden(&r, SELECTOR_ONLY).context(what)?;
     }
     let nodes: Api<Node> = Api::all(clients.node.clone());
     nodes
@@ -454,25 +401,13 @@ async fn impersonation_reads(f: &Fixture) -> anyhow::Result<()> {
         .await
         .context("its own Node, as the node")?;
     let b = nodes.get(&f.node_b).await;
-    ensure!(
-        forbidden_with(&b, "only its own Node object"),
-        "{}",
-        describe(&b)
-    );
+    expect_forbidden(&b, "only its own Node object")?;
     let all = nodes.list(&ListParams::default()).await;
-    ensure!(
-        forbidden_with(&all, "cannot read all nodes"),
-        "{}",
-        describe(&all)
-    );
+    expect_forbidden(&all, "cannot read all nodes")?;
     let secret = Api::<Secret>::namespaced(clients.node, &f.app)
         .list(&ListParams::default())
         .await;
-    ensure!(
-        forbidden_with(&secret, "cannot impersonate-on:associated-node:list"),
-        "{}",
-        describe(&secret)
-    );
+    expect_forbidden(&secret, "cannot impersonate-on:associated-node:list")?;
     Ok(())
 }
 
@@ -482,27 +417,13 @@ async fn impersonation_writes(f: &Fixture) -> anyhow::Result<()> {
     let as_a = f.agent(&f.node_a).await?.node;
     let evictions: Api<Pod> = Api::namespaced(as_a.clone(), &f.app);
     let b = evictions.evict("on-b", &dry_run_eviction()).await;
-    ensure!(
-        forbidden_with(&b, "can only evict pods with spec.nodeName set to itself"),
-        "{}",
-        describe(&b)
-    );
+    expect_forbidden(&b, "can only evict pods with spec.nodeName set to itself")?;
     evictions
         .evict("on-a", &dry_run_eviction())
         .await
         .context("evicting its own node's pod, as the node")?;
-    let label = Api::<Node>::all(as_a.clone())
-        .patch(
-            &f.node_a,
-            &PatchParams::default().dry_run(),
-            &Patch::Merge(json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}})),
-        )
-        .await;
-    ensure!(
-        forbidden_with(&label, "cannot impersonate-on:associated-node:patch"),
-        "{}",
-        describe(&label)
-    );
+    let label = label_verified_dry_run(&Api::all(as_a.clone()), &f.node_a).await;
+    expect_forbidden(&label, "cannot impersonate-on:associated-node:patch")?;
     let ev = Api::<Event>::namespaced(as_a, "default")
         .create(
             &dry_run(),
@@ -512,22 +433,14 @@ async fn impersonation_writes(f: &Fixture) -> anyhow::Result<()> {
             )?,
         )
         .await;
-    ensure!(
-        forbidden_with(&ev, "cannot impersonate-on:associated-node:create"),
-        "{}",
-        describe(&ev)
-    );
+    expect_forbidden(&ev, "cannot impersonate-on:associated-node:create")?;
 
     // Node A's token acting as node B; an unbound token of the same ServiceAccount acting
     // as node A: both refused before any authorizer sees the request.
     let as_b = f.agent(&f.node_b).await?.node;
     let mine_b = ListParams::default().fields(&format!("spec.nodeName={}", f.node_b));
     let r = Api::<Pod>::all(as_b).list(&mine_b).await;
-    ensure!(
-        forbidden_with(&r, "cannot impersonate"),
-        "as node B: {}",
-        describe(&r)
-    );
+    expect_forbidden(&r, "cannot impersonate").context("as node B")?;
     let unbound =
         meshgate_e2e::service_account_token(&f.admin, NS, AGENT, &TokenOptions::default()).await?;
     let path = f.cp.write_token_kubeconfig("authz-unbound", &unbound)?;
@@ -536,11 +449,7 @@ async fn impersonation_writes(f: &Fixture) -> anyhow::Result<()> {
         .node;
     let mine_a = ListParams::default().fields(&format!("spec.nodeName={}", f.node_a));
     let r = Api::<Pod>::all(loose).list(&mine_a).await;
-    ensure!(
-        forbidden_with(&r, "cannot impersonate"),
-        "unbound: {}",
-        describe(&r)
-    );
+    expect_forbidden(&r, "cannot impersonate").context("a token bound to no pod")?;
     Ok(())
 }
 
@@ -574,16 +483,7 @@ async fn node_writes_stay_with_the_service_account(f: &Fixture) -> anyhow::Resul
     f.cp.kubectl(&["apply", "-f", &file.display().to_string()])
         .await?;
     let pod = app_pod(&f.admin, NS, &unique_name("probe"), &f.node_a, PROBE).await?;
-    let token = meshgate_e2e::service_account_token(
-        &f.admin,
-        NS,
-        PROBE,
-        &TokenOptions {
-            bound_pod: Some(pod),
-            ..Default::default()
-        },
-    )
-    .await?;
+    let token = bound_token(&f.admin, PROBE, pod).await?;
     let path = f.cp.write_token_kubeconfig("authz-probe", &token)?;
     let nodes: Api<Node> = Api::all(
         Clients::build(Some(&path), &f.node_a, true, false)
@@ -602,11 +502,7 @@ async fn node_writes_stay_with_the_service_account(f: &Fixture) -> anyhow::Resul
         anyhow::Ok((!refused_by_rbac(&r)).then_some(r))
     })
     .await?;
-    ensure!(
-        forbidden_with(&untaint, "is not allowed to modify taints"),
-        "{}",
-        describe(&untaint)
-    );
+    expect_forbidden(&untaint, "is not allowed to modify taints")?;
     for (what, patch) in [
         ("cordon", json!({"spec": {"unschedulable": true}})),
         (

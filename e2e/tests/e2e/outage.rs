@@ -28,6 +28,8 @@ use crate::webhook::{
 
 /// A custom mesh profile (`--profile-file`) whose pods carry no built-in profile's label.
 const KUMA: &str = r#"[{"name":"kuma","selector":{"annotations":{"kuma.io/sidecar-injected":"true"}},"pluginType":"kuma-cni","inboundPort":15006,"outboundPort":15001}]"#;
+/// Name prefix of this test's pods in kube-system (the only ones it deletes there).
+const SYSTEM_POD: &str = "out-sys";
 /// The scheduler name of pods that must stay unbound (no scheduler serves it).
 const NOBODY: &str = "meshgate-e2e-nobody";
 
@@ -248,94 +250,93 @@ async fn requests_while_dead(
         ns.ambient.as_str(),
         ns.ignored.as_str(),
     );
-    let at = Some(nowhere);
-    let no = json!({});
-    for (what, labels) in [
-        ("pod with spec.nodeName, linkerd label", linkerd()),
-        ("pod with spec.nodeName, istio label", istio()),
-        ("pod with spec.nodeName, ambient label", ambient()),
-        ("pod with spec.nodeName, no mesh label", no.clone()),
-    ] {
-        let name = unique_name("p");
-        record(
-            &mut rows,
-            what,
-            g,
-            create(c, g, pod(&name, at, labels, no.clone())),
-        )
-        .await?;
-    }
-    let p = pod("kuma", at, no.clone(), kuma());
-    record(
-        &mut rows,
-        "pod with spec.nodeName, custom profile (kuma annotation)",
-        g,
-        create(c, g, p),
-    )
-    .await?;
-    let p = pod("plain", at, no.clone(), no.clone());
-    record(
-        &mut rows,
-        "pod with spec.nodeName, no mesh label",
-        a,
-        create(c, a, p),
-    )
-    .await?;
-    for n in ["kube-system", i] {
-        let p = pod(&unique_name("sys"), at, linkerd(), no.clone());
-        record(
-            &mut rows,
+    let (at, no) = (Some(nowhere), json!({}));
+    let bound =
+        |labels: Value, annotations: Value| pod(&unique_name(SYSTEM_POD), at, labels, annotations);
+    let pods = [
+        (
             "pod with spec.nodeName, linkerd label",
-            n,
-            create(c, n, p),
-        )
-        .await?;
+            g,
+            bound(linkerd(), no.clone()),
+        ),
+        (
+            "pod with spec.nodeName, istio label",
+            g,
+            bound(istio(), no.clone()),
+        ),
+        (
+            "pod with spec.nodeName, ambient label",
+            g,
+            bound(ambient(), no.clone()),
+        ),
+        (
+            "pod with spec.nodeName, no mesh label",
+            g,
+            bound(no.clone(), no.clone()),
+        ),
+        (
+            "pod with spec.nodeName, custom profile (kuma annotation)",
+            g,
+            bound(no.clone(), kuma()),
+        ),
+        (
+            "pod with spec.nodeName, no mesh label",
+            a,
+            bound(no.clone(), no.clone()),
+        ),
+        (
+            "pod with spec.nodeName, linkerd label",
+            "kube-system",
+            bound(linkerd(), no.clone()),
+        ),
+        (
+            "pod with spec.nodeName, linkerd label",
+            i,
+            bound(linkerd(), no.clone()),
+        ),
+        (
+            "pod without spec.nodeName, linkerd label",
+            g,
+            pod("unbound", None, linkerd(), no.clone()),
+        ),
+        (
+            "pod without spec.nodeName, no mesh label",
+            g,
+            pod("unbound-plain", None, no.clone(), no.clone()),
+        ),
+    ];
+    for (what, n, p) in pods {
+        record(&mut rows, what, n, create(c, n, p)).await?;
     }
-    let p = pod("unbound", None, linkerd(), no.clone());
+    let what = "pods/binding (what kube-scheduler posts), plain pod";
+    record(&mut rows, what, g, bind(c, g, "unbound-plain", nowhere)).await?;
+    let what = "legacy bindings, plain pod";
     record(
         &mut rows,
-        "pod without spec.nodeName, linkerd label",
-        g,
-        create(c, g, p),
-    )
-    .await?;
-    let p = pod("unbound-plain", None, no.clone(), no.clone());
-    record(
-        &mut rows,
-        "pod without spec.nodeName, no mesh label",
-        g,
-        create(c, g, p),
-    )
-    .await?;
-    record(
-        &mut rows,
-        "pods/binding (what kube-scheduler posts), plain pod",
-        g,
-        bind(c, g, "unbound-plain", nowhere),
-    )
-    .await?;
-    record(
-        &mut rows,
-        "legacy bindings, plain pod",
+        what,
         g,
         bind_legacy(c, g, "unbound-plain", nowhere),
     )
     .await?;
-    let pods: Api<Pod> = Api::namespaced(c.clone(), g);
+    let api: Api<Pod> = Api::namespaced(c.clone(), g);
     let del = async {
-        let r =
-            tokio::time::timeout(CALL, pods.delete("unbound", &DeleteParams::default())).await?;
+        let r = tokio::time::timeout(CALL, api.delete("unbound", &DeleteParams::default())).await?;
         Ok(r.map(|_| ()).map_err(|e| e.to_string()))
     };
     record(&mut rows, "pod delete (not registered)", g, del).await?;
+    rows.push(node_creation(c, &f.tag).await?);
+    Ok(rows)
+}
+
+/// Registers a Node in this test's scope and deletes it again: admitted without meshgate's
+/// taint (its mutating webhook did not run), or the refusal.
+async fn node_creation(c: &Client, tag: &str) -> anyhow::Result<Row> {
     let node = unique_name("out-node");
     let began = Instant::now();
-    let created = create_node(c, &node, &f.tag).await?;
-    let _ = tokio::time::timeout(
-        CALL,
-        Api::<Node>::all(c.clone()).delete(&node, &DeleteParams::default()),
-    )
-    .await;
+    let created = create_node(c, &node, tag).await?;
+    let waited = began.elapsed();
+    let api: Api<Node> = Api::all(c.clone());
+    let _ = tokio::time::timeout(CALL, api.delete(&node, &DeleteParams::default())).await;
     let outcome = match created {
         Ok(0) => Ok(()),
         Ok(n) => Err(format!(
@@ -343,34 +344,33 @@ async fn requests_while_dead(
         )),
         Err(m) => Err(m),
     };
-    rows.push(Row {
+    Ok(Row {
         what: "Node CREATE (registration)".into(),
         namespace: "(cluster)".into(),
         outcome,
-        waited: began.elapsed(),
-    });
-    Ok(rows)
+        waited,
+    })
 }
 
 async fn cleanup(c: &Client, ns: &Namespaces) {
     for n in [&ns.governed, &ns.ambient, &ns.ignored] {
-        let api: Api<Pod> = Api::namespaced(c.clone(), n);
-        if let Ok(Ok(list)) = tokio::time::timeout(CALL, api.list(&Default::default())).await {
-            let names: Vec<String> = list.items.iter().map(ResourceExt::name_any).collect();
-            let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-            force_delete_pods(c, n, &refs).await;
-        }
+        delete_pods(c, n, "").await;
     }
-    let sys: Api<Pod> = Api::namespaced(c.clone(), "kube-system");
-    if let Ok(Ok(list)) = tokio::time::timeout(CALL, sys.list(&Default::default())).await {
+    delete_pods(c, "kube-system", SYSTEM_POD).await;
+}
+
+/// Deletes (grace 0) the pods of `ns` whose names start with `prefix`; best effort.
+async fn delete_pods(c: &Client, ns: &str, prefix: &str) {
+    let api: Api<Pod> = Api::namespaced(c.clone(), ns);
+    if let Ok(Ok(list)) = tokio::time::timeout(CALL, api.list(&Default::default())).await {
         let names: Vec<String> = list
             .items
             .iter()
             .map(ResourceExt::name_any)
-            .filter(|n| n.starts_with("sys-"))
+            .filter(|n| n.starts_with(prefix))
             .collect();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        force_delete_pods(c, "kube-system", &refs).await;
+        force_delete_pods(c, ns, &refs).await;
     }
 }
 
@@ -511,48 +511,26 @@ async fn hung(cp: &meshgate_e2e::ControlPlane, c: &Client, tag: &str) -> anyhow:
             other => ensure!(Instant::now() < deadline, "never gated: {other:?}"),
         }
     }
-    record(
-        &mut rows,
-        "pod with spec.nodeName, linkerd label",
-        &ns,
-        create(c, &ns, pod("meshed", at, linkerd(), no.clone())),
-    )
-    .await?;
-    record(
-        &mut rows,
-        "pod with spec.nodeName, no mesh label",
-        &ns,
-        create(c, &ns, pod("plain", at, no.clone(), no.clone())),
-    )
-    .await?;
-    record(
-        &mut rows,
-        "pod without spec.nodeName",
-        &ns,
-        create(c, &ns, pod("unbound", None, no.clone(), no.clone())),
-    )
-    .await?;
-    record(
-        &mut rows,
-        "pods/binding, plain pod",
-        &ns,
-        bind(c, &ns, "unbound", &nowhere),
-    )
-    .await?;
-    let node = unique_name("hung-node");
-    let began = Instant::now();
-    let created = create_node(c, &node, tag).await?;
-    let _ = tokio::time::timeout(
-        CALL,
-        Api::<Node>::all(c.clone()).delete(&node, &DeleteParams::default()),
-    )
-    .await;
-    rows.push(Row {
-        what: "Node CREATE (registration)".into(),
-        namespace: "(cluster)".into(),
-        outcome: created.map(|_| ()),
-        waited: began.elapsed(),
-    });
+    let pods = [
+        (
+            "pod with spec.nodeName, linkerd label",
+            pod("meshed", at, linkerd(), no.clone()),
+        ),
+        (
+            "pod with spec.nodeName, no mesh label",
+            pod("plain", at, no.clone(), no.clone()),
+        ),
+        (
+            "pod without spec.nodeName",
+            pod("unbound", None, no.clone(), no.clone()),
+        ),
+    ];
+    for (what, p) in pods {
+        record(&mut rows, what, &ns, create(c, &ns, p)).await?;
+    }
+    let what = "pods/binding, plain pod";
+    record(&mut rows, what, &ns, bind(c, &ns, "unbound", &nowhere)).await?;
+    rows.push(node_creation(c, tag).await?);
     print_table(
         "Both webhook replicas hung (connections accepted, never answered):",
         &rows,

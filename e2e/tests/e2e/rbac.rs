@@ -59,12 +59,10 @@ use serde_json::json;
 
 use crate::WAIT;
 use crate::support::{
-    describe, dry_run_eviction, effective_rules, refused_by_policy, refused_by_rbac, status_of,
-    triples, verdict,
+    AGENT, NS, bound_token, describe, dry_run_eviction, effective_rules, label_verified_dry_run,
+    refused_by_policy, refused_by_rbac, status_of, triples, verdict,
 };
 
-const NS: &str = "meshgate-system";
-const AGENT: &str = "meshgate-agent";
 const WEBHOOK: &str = "meshgate-webhook";
 /// The name the apiserver verifies the webhook's certificate against (Service DNS name).
 const SERVICE_DNS: &str = "meshgate-webhook.meshgate-system.svc";
@@ -236,14 +234,6 @@ async fn scheduled_pod(client: &Client, app: &str, node: Option<&str>) -> anyhow
         }))
     })
     .await?)
-}
-
-async fn bound_token(client: &Client, sa: &str, pod: Pod) -> anyhow::Result<String> {
-    let options = TokenOptions {
-        bound_pod: Some(pod),
-        ..Default::default()
-    };
-    Ok(meshgate_e2e::service_account_token(client, NS, sa, &options).await?)
 }
 
 /// The condition's (status, reason).
@@ -813,13 +803,7 @@ async fn agent_runs_with_its_token_and_gates_only_its_own_node() -> anyhow::Resu
 
     // A hand-made write to its own node passes the policy (dry run): the refusals above are
     // about the node, not the kind of write.
-    let own = as_agent
-        .patch(
-            &f.node_a,
-            &PatchParams::default().dry_run(),
-            &Patch::Merge(json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}})),
-        )
-        .await;
+    let own = label_verified_dry_run(&as_agent, &f.node_a).await;
     assert!(own.is_ok(), "{}", describe(&own));
     Ok(())
 }
@@ -1327,13 +1311,7 @@ async fn agent_token_without_a_node_may_write_nothing() -> anyhow::Result<()> {
     assert!(!extra.contains_key(NODE_EXTRA), "{extra:?}");
 
     let nodes: Api<Node> = Api::all(client.clone());
-    let patch = nodes
-        .patch(
-            &f.node_a,
-            &PatchParams::default().dry_run(),
-            &Patch::Merge(json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}})),
-        )
-        .await;
+    let patch = label_verified_dry_run(&nodes, &f.node_a).await;
     assert!(
         refused_by_policy(&patch, "meshgate-agent-own-node"),
         "{}",

@@ -5,9 +5,11 @@ use std::collections::BTreeSet;
 
 use anyhow::{Context, ensure};
 use k8s_openapi::api::authorization::v1::{SelfSubjectRulesReview, SelfSubjectRulesReviewSpec};
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
-use kube::api::{Api, EvictParams, PostParams};
+use kube::api::{Api, EvictParams, Patch, PatchParams, PostParams};
+use meshgate_core::VERIFIED_LABEL;
+use meshgate_e2e::TokenOptions;
 use meshgate_e2e::wait::poll_until;
 use serde_json::json;
 
@@ -34,6 +36,48 @@ pub async fn wait_node(
 }
 
 // Answers of the apiserver to the components' own tokens (rbac.rs, authz.rs).
+
+/// meshgate's namespace.
+pub const NS: &str = "meshgate-system";
+/// The agent's ServiceAccount (and DaemonSet).
+pub const AGENT: &str = "meshgate-agent";
+
+/// A token of `NS/sa` bound to `pod`: it names the pod's node, as the kubelet's projected
+/// tokens do.
+pub async fn bound_token(client: &Client, sa: &str, pod: Pod) -> anyhow::Result<String> {
+    let options = TokenOptions {
+        bound_pod: Some(pod),
+        ..Default::default()
+    };
+    Ok(meshgate_e2e::service_account_token(client, NS, sa, &options).await?)
+}
+
+/// A dry-run patch of meshgate's verified label onto `node` through `nodes` (a write the
+/// policy admits on the token's own node only).
+pub async fn label_verified_dry_run(nodes: &Api<Node>, node: &str) -> Result<Node, kube::Error> {
+    let patch = Patch::Merge(json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}}));
+    nodes
+        .patch(node, &PatchParams::default().dry_run(), &patch)
+        .await
+}
+
+/// `Ok` when `r` is a 403 whose message contains `needle`, else an error saying what it was.
+pub fn expect_forbidden<T: std::fmt::Debug>(
+    r: &Result<T, kube::Error>,
+    needle: &str,
+) -> anyhow::Result<()> {
+    let refused = status_of(r).is_some_and(|(code, msg)| code == 403 && msg.contains(needle));
+    ensure!(refused, "want a 403 saying {needle:?}: {}", describe(r));
+    Ok(())
+}
+
+/// `Ok` when `r` is a 403 from the named ValidatingAdmissionPolicy.
+pub fn expect_policy<T: std::fmt::Debug>(
+    r: &Result<T, kube::Error>,
+    policy: &str,
+) -> anyhow::Result<()> {
+    expect_forbidden(r, &format!("ValidatingAdmissionPolicy '{policy}'"))
+}
 
 /// Eviction parameters for a dry run (admission runs, nothing is evicted).
 pub fn dry_run_eviction() -> EvictParams {
