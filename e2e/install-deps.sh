@@ -44,7 +44,7 @@ istio_cni_version=$(pin istio-cni-version)
   || die "containerd-version and istio-cni-version must be pinned in $root/Cargo.toml [workspace.metadata.meshgate]"
 
 # --- Debian packages -------------------------------------------------------------------------
-apt_packages=(etcd-server iptables nftables iproute2 libnftnl-dev libmnl-dev pkg-config prometheus
+apt_packages=(etcd-server iptables nftables iproute2 prometheus
   runc containernetworking-plugins busybox-static gcc libc6-dev)
 missing=()
 for p in "${apt_packages[@]}"; do
