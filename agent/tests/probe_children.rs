@@ -14,8 +14,8 @@ use meshgate_agent::netns;
 use meshgate_core::cni::ProbeOutcome;
 
 mod common;
-use common::{GOOD, Node, alive, read_pid};
-use std::process::{Command, Stdio};
+use common::{GOOD, NOBODY, Node, agent_via, alive, read_pid};
+use std::process::Stdio;
 
 /// The reply part of [`GOOD`].
 fn answer() -> &'static str {
@@ -70,17 +70,7 @@ fn check_as_nobody(node: &Node, script: &str, timeout: &str) -> (i32, serde_json
     for d in [root, &node.conf, &node.bin] {
         fs::set_permissions(d, fs::Permissions::from_mode(0o777)).unwrap();
     }
-    node.check_via(
-        &[
-            "/usr/bin/setpriv",
-            "--reuid",
-            "65534",
-            "--regid",
-            "65534",
-            "--clear-groups",
-        ],
-        &["--probe-timeout", timeout],
-    )
+    node.check_via(NOBODY, &["--probe-timeout", timeout])
 }
 
 #[test]
@@ -160,26 +150,9 @@ fn a_plugin_dies_with_the_agent_that_probes_it() {
         ),
     );
     let setpriv = Path::new("/usr/bin/setpriv").exists() && nix::unistd::geteuid().is_root();
-    let nobody: &[&str] = &[
-        "/usr/bin/setpriv",
-        "--reuid",
-        "65534",
-        "--regid",
-        "65534",
-        "--clear-groups",
-    ];
-    for wrapper in [&[][..], if setpriv { nobody } else { &[] }] {
+    for wrapper in [&[][..], if setpriv { NOBODY } else { &[] }] {
         let _ = fs::remove_file(&pidfile);
-        let agent = env!("CARGO_BIN_EXE_meshgate-agent");
-        let mut cmd = match wrapper.split_first() {
-            Some((first, rest)) => {
-                let mut c = Command::new(first);
-                c.args(rest).arg(agent);
-                c
-            }
-            None => Command::new(agent),
-        };
-        let mut check = cmd
+        let mut check = agent_via(wrapper)
             .arg("check")
             .arg("--cni-conf-dir")
             .arg(&node.conf)

@@ -11,6 +11,30 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+/// A wrapper that runs the agent as nobody (uid and gid 65534, no groups, no capabilities).
+pub const NOBODY: &[&str] = &[
+    "/usr/bin/setpriv",
+    "--reuid",
+    "65534",
+    "--regid",
+    "65534",
+    "--clear-groups",
+];
+
+/// The built `meshgate-agent`, started through `wrapper` (a command that execs its
+/// arguments), or directly when it is empty.
+pub fn agent_via(wrapper: &[&str]) -> Command {
+    let agent = env!("CARGO_BIN_EXE_meshgate-agent");
+    match wrapper.split_first() {
+        Some((first, rest)) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(agent);
+            c
+        }
+        None => Command::new(agent),
+    }
+}
+
 /// The plugin types of `calico-linkerd.conflist`'s chain (IPAM included).
 pub const CHAIN: [&str; 5] = [
     "calico",
@@ -71,17 +95,9 @@ impl Node {
     }
 
     /// [`Node::check`] started through `wrapper` (a command that execs its arguments, such
-    /// as `setpriv ...`), or directly when it is empty.
+    /// as [`NOBODY`]), or directly when it is empty.
     pub fn check_via(&self, wrapper: &[&str], extra: &[&str]) -> (i32, Value, Duration) {
-        let agent = env!("CARGO_BIN_EXE_meshgate-agent");
-        let mut cmd = match wrapper.split_first() {
-            Some((first, rest)) => {
-                let mut c = Command::new(first);
-                c.args(rest).arg(agent);
-                c
-            }
-            None => Command::new(agent),
-        };
+        let mut cmd = agent_via(wrapper);
         let start = Instant::now();
         let out = cmd
             .arg("check")
