@@ -5,8 +5,8 @@
 #
 #   docker build -t REGISTRY/meshgate:TAG .
 #
-# Build: the Rust toolchain pinned in rust-toolchain.toml (checked below), on Debian 12, with
-# the C libraries the agent links (libmnl; libnftnl for the nftnl crate's -sys build).
+# Build: the Rust toolchain pinned in rust-toolchain.toml (checked below), on Debian 12. The
+# binaries link no C library beyond glibc's.
 # Runtime: distroless cc (glibc, libgcc_s, libm; no shell, no package manager) plus exactly the
 # other shared libraries `ldd` reports for the two binaries (e2e/images/meshgate-files.sh).
 
@@ -14,9 +14,6 @@ ARG RUST_VERSION=1.95.0
 
 FROM docker.io/library/rust:${RUST_VERSION}-slim-bookworm AS build
 ARG RUST_VERSION
-RUN apt-get update \
- && apt-get install -y --no-install-recommends pkg-config libmnl-dev libnftnl-dev \
- && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
 # The image's toolchain is the pinned one; refuse to build if they drifted apart. Using it
@@ -24,8 +21,8 @@ COPY . .
 ENV RUSTUP_TOOLCHAIN=${RUST_VERSION}
 RUN grep -Eq "^channel *= *\"${RUST_VERSION}\"" rust-toolchain.toml \
  || { echo "RUST_VERSION=${RUST_VERSION} does not match rust-toolchain.toml" >&2; exit 1; }
-# Then the binaries and every shared library they need that distroless/cc lacks (today:
-# libmnl.so.0), laid out as in the image by e2e/images/meshgate-files.sh: the same script lays
+# Then the binaries and every shared library they need that distroless/cc lacks (today: none),
+# laid out as in the image by e2e/images/meshgate-files.sh: the same script lays
 # out the image the real-node tests import (e2e/images/build-meshgate-image.sh), so both hold
 # the same files.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \

@@ -1,6 +1,6 @@
 # meshgate: the README's two commands are `make demo` and `make test`.
 #
-# Both first run e2e/install-deps.sh, which installs the Debian packages the tests need and
+# Both first run e2e/install-deps.sh (once: `deps`), which installs the Debian packages the tests need and
 # builds (once, then reuses from ~/.cache/meshgate/...) the Kubernetes control-plane binaries,
 # and the real node's kubelet, containerd, istio-cni and images, that the e2e tests and the
 # demo run.
@@ -9,21 +9,24 @@ SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 CARGO ?= cargo
 DEPS := e2e/install-deps.sh
+# The Kubernetes bin dir install-deps.sh prints last: it runs on first use, once per make run
+# (its progress goes to stderr), and `deps` fails when it did not succeed.
+K8S_BIN_DIR = $(eval K8S_BIN_DIR := $$(shell bash $(DEPS) | tail -n 1))$(K8S_BIN_DIR)
 # meshgate's own image for the real node (release binaries; e2e/images/build-meshgate-image.sh).
 TARGET_DIR = $${CARGO_TARGET_DIR:-target}
 IMAGE = $(CARGO) build --release --locked -p meshgate-agent -p meshgate-webhook && \
 	bash e2e/images/build-meshgate-image.sh "$(TARGET_DIR)/release" "$(TARGET_DIR)/meshgate-image/meshgate.tar"
 
-.PHONY: test demo deps lint alerts unit check-root bench soak
+.PHONY: test demo deps lint alerts images unit check-root bench soak
 
 ## test: format, lint, and every test (unit, privileged integration, e2e on a real apiserver)
-test: check-root deps lint alerts
+test: check-root deps lint alerts images
 	@echo "==> cargo build --bins (the e2e tests run the real agent and webhook binaries)"
 	$(CARGO) build --workspace --bins --locked
 	@echo "==> meshgate's image for the real node (release build)"
 	$(IMAGE)
 	@echo "==> cargo test --workspace (unit, integration and e2e)"
-	MESHGATE_K8S_BIN_DIR="$$(bash $(DEPS) | tail -n 1)" $(CARGO) test --workspace --locked
+	MESHGATE_K8S_BIN_DIR="$(K8S_BIN_DIR)" $(CARGO) test --workspace --locked
 
 ## demo: the main job end to end on a local control plane
 demo: check-root deps
@@ -31,16 +34,21 @@ demo: check-root deps
 	$(CARGO) build --workspace --locked --bins
 	@echo "==> meshgate's image for the real node (release build)"
 	$(IMAGE)
-	MESHGATE_K8S_BIN_DIR="$$(bash $(DEPS) | tail -n 1)" "$(TARGET_DIR)/debug/meshgate-e2e" demo
+	MESHGATE_K8S_BIN_DIR="$(K8S_BIN_DIR)" "$(TARGET_DIR)/debug/meshgate-e2e" demo
 
 ## deps: install Debian packages and build/reuse the Kubernetes binaries
 deps:
-	@bash $(DEPS) >/dev/null
+	@test -d "$(K8S_BIN_DIR)" || { echo "make: $(DEPS) failed (see above)" >&2; exit 1; }
 
 ## alerts: promtool checks and unit tests of the PrometheusRule
 alerts:
 	@echo "==> promtool check rules / test rules"
 	bash manifests/monitoring/test.sh
+
+## images: both installs pin meshgate's image by digest; the e2e overlay runs its local build
+images:
+	@echo "==> manifests/images.sh check"
+	KUBECTL="$$(bash $(DEPS) | tail -n 1)/kubectl" bash manifests/images.sh check
 
 lint:
 	@echo "==> cargo fmt --check"
@@ -51,16 +59,17 @@ lint:
 ## bench: latency and cost figures on a local control plane (release build; not part of test)
 bench: check-root deps
 	$(CARGO) build --release --workspace --bins --locked
-	MESHGATE_K8S_BIN_DIR="$$(bash $(DEPS) | tail -n 1)" $(CARGO) bench --locked -p meshgate-e2e --bench compare
+	MESHGATE_K8S_BIN_DIR="$(K8S_BIN_DIR)" $(CARGO) bench --locked -p meshgate-e2e --bench compare
 	$(CARGO) bench --locked -p meshgate-agent --bench inspect_sweep
 
 ## soak: the long fault-suite variants and longer fuzzing (not part of test)
 soak: check-root deps
-	MESHGATE_K8S_BIN_DIR="$$(bash $(DEPS) | tail -n 1)" bash e2e/soak.sh
+	MESHGATE_K8S_BIN_DIR="$(K8S_BIN_DIR)" bash e2e/soak.sh
 
-## unit: the tests that need neither root nor a control plane
+## unit: the tests that need neither root nor a control plane (libs and core's scenarios)
 unit:
 	$(CARGO) test --workspace --locked --lib
+	$(CARGO) test --locked -p meshgate-core --tests
 
 check-root:
 	@if [[ $$(id -u) -ne 0 ]]; then \

@@ -28,6 +28,14 @@ grep -q "k8s-openapi.*\"v1_${minor}\"" "$root/Cargo.toml" \
 
 cache_root=${MESHGATE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/meshgate}
 bin_dir="$cache_root/kubernetes/$k8s_version/bin"
+# One run at a time per cache: two runs building the same component would move each other's
+# half-written binaries into place. A second run waits, then finds everything built.
+mkdir -p "$cache_root"
+exec 9>"$cache_root/.lock"
+if ! flock -n 9; then
+  log "another install-deps.sh is using $cache_root; waiting for it"
+  flock 9
+fi
 components=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy)
 pin() { sed -n "s/^$1 *= *\"\(v[^\"]*\)\".*/\1/p" "$root/Cargo.toml"; }
 containerd_version=$(pin containerd-version)
@@ -36,7 +44,7 @@ istio_cni_version=$(pin istio-cni-version)
   || die "containerd-version and istio-cni-version must be pinned in $root/Cargo.toml [workspace.metadata.meshgate]"
 
 # --- Debian packages -------------------------------------------------------------------------
-apt_packages=(etcd-server iptables nftables iproute2 libnftnl-dev libmnl-dev pkg-config prometheus
+apt_packages=(etcd-server iptables nftables iproute2 prometheus
   runc containernetworking-plugins busybox-static gcc libc6-dev)
 missing=()
 for p in "${apt_packages[@]}"; do

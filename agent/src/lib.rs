@@ -3,7 +3,7 @@
 //! - [`cni`]: reads the CNI config dir and probes plugin binaries → `core::cni` verdicts.
 //! - [`check`]: the one-shot `check` subcommand.
 //! - [`netns`], [`netfilter`]: find pod network namespaces and read their NAT rules →
-//!   `core::rules` graphs; [`inspect`] is the one-shot `inspect` subcommand.
+//!   `core::rules` graphs, over [`netlink`] sockets (close-on-exec); [`inspect`] is the one-shot `inspect` subcommand.
 //! - [`daemon`]: the `run` subcommand that keeps the Node in step with the verdict.
 
 pub mod check;
@@ -11,6 +11,7 @@ pub mod cni;
 pub mod daemon;
 pub mod inspect;
 pub mod netfilter;
+pub mod netlink;
 pub mod netns;
 
 /// Output format of the one-shot subcommands.

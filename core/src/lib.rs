@@ -9,6 +9,7 @@
 
 pub mod admission;
 pub mod cni;
+pub mod enroll;
 pub mod evict;
 pub mod lookup;
 pub mod profile;

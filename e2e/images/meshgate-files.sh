@@ -9,7 +9,7 @@
 #
 # Usage: meshgate-files.sh [--base] OUT BIN...
 #   (default) OUT/usr/local/bin/<each BIN>, and OUT/usr/lib/<each shared library the BINs load
-#             that distroless/cc lacks> (today libmnl.so.0; /usr/lib is on the loader's default
+#             that distroless/cc lacks> (today none; /usr/lib is on the loader's default
 #             path on every architecture);
 #   --base    what distroless/cc-debian12 itself provides and the BINs need: the C runtime
 #             libraries at the paths ldd resolves them to (glibc, libm, libgcc_s, the loader),

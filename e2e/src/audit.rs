@@ -20,6 +20,8 @@ pub struct Request {
     pub audit_id: String,
     /// The authenticated user name (`system:serviceaccount:<ns>:<name>`).
     pub user: String,
+    /// The user the request acted as through impersonation (`system:node:<name>`), if any.
+    pub impersonated_user: Option<String>,
     /// `get`, `list`, `watch`, `create`, `patch`, `update`, `delete`, ...
     pub verb: String,
     /// Resource (`nodes`, `pods`, `events`), empty for non-resource URLs.
@@ -60,6 +62,8 @@ struct Event {
     request_uri: String,
     #[serde(default)]
     user: User,
+    #[serde(default)]
+    impersonated_user: Option<User>,
     #[serde(default)]
     object_ref: ObjectRef,
     #[serde(default)]
@@ -116,12 +120,17 @@ pub fn read(path: &Path) -> std::io::Result<Vec<Request>> {
             continue;
         };
         let code = e.response_status.and_then(|s| s.code);
+        let impersonated = e.impersonated_user.map(|u| u.username);
         by_id
             .entry(e.audit_id.clone())
-            .and_modify(|r| r.code = r.code.or(code))
+            .and_modify(|r| {
+                r.code = r.code.or(code);
+                r.impersonated_user = r.impersonated_user.take().or(impersonated.clone());
+            })
             .or_insert(Request {
                 audit_id: e.audit_id,
                 user: e.user.username,
+                impersonated_user: impersonated,
                 verb: e.verb,
                 resource: e.object_ref.resource,
                 subresource: e.object_ref.subresource,
@@ -242,7 +251,7 @@ mod tests {
         let lines = [
             r#"{"kind":"Event","auditID":"b","stage":"ResponseStarted","requestURI":"/api/v1/pods?watch=true","verb":"watch","user":{"username":"system:serviceaccount:x:agent"},"objectRef":{"resource":"pods","apiVersion":"v1"},"requestReceivedTimestamp":"2026-01-01T00:00:02.000100Z"}"#,
             r#"{"kind":"Event","auditID":"a","stage":"ResponseComplete","requestURI":"/api/v1/namespaces/x/pods/p/eviction","verb":"create","user":{"username":"system:serviceaccount:x:agent"},"objectRef":{"resource":"pods","namespace":"x","name":"p","subresource":"eviction"},"responseStatus":{"code":201},"requestReceivedTimestamp":"2026-01-01T00:00:01.5Z"}"#,
-            r#"{"kind":"Event","auditID":"b","stage":"ResponseComplete","requestURI":"/api/v1/pods?watch=true","verb":"watch","user":{"username":"system:serviceaccount:x:agent"},"objectRef":{"resource":"pods"},"responseStatus":{"code":200},"requestReceivedTimestamp":"2026-01-01T00:00:02.000100Z"}"#,
+            r#"{"kind":"Event","auditID":"b","stage":"ResponseComplete","requestURI":"/api/v1/pods?watch=true","verb":"watch","user":{"username":"system:serviceaccount:x:agent"},"impersonatedUser":{"username":"system:node:n1","groups":["system:nodes"]},"objectRef":{"resource":"pods"},"responseStatus":{"code":200},"requestReceivedTimestamp":"2026-01-01T00:00:02.000100Z"}"#,
             r#"{"kind":"Event","auditID":"c","stage":"Resp"#,
         ];
         std::fs::write(&path, lines.join("\n")).unwrap();
@@ -251,6 +260,8 @@ mod tests {
         assert_eq!(all[0].audit_id, "a");
         assert_eq!(all[0].kind(), "create pods/eviction");
         assert_eq!(all[0].code, Some(201));
+        assert_eq!(all[0].impersonated_user, None);
+        assert_eq!(all[1].impersonated_user.as_deref(), Some("system:node:n1"));
         assert_eq!(all[1].kind(), "watch pods");
         assert_eq!(all[1].code, Some(200));
         let d = all[1].received.duration_since(all[0].received).unwrap();

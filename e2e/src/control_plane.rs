@@ -107,6 +107,10 @@ pub struct Options {
     /// (`--enable-aggregator-routing`), since its own namespace has no kube-proxy. For the
     /// real-node tier.
     pub routable: bool,
+    /// Extra kube-apiserver flags, appended after the harness's own (a later flag wins), e.g.
+    /// `--feature-gates=ConstrainedImpersonation=true` for a test of an alpha feature. Kept
+    /// for a restart by [`ControlPlane::start_apiserver`].
+    pub apiserver_flags: Vec<String>,
 }
 
 impl Default for Options {
@@ -117,6 +121,7 @@ impl Default for Options {
             binaries: None,
             startup_timeout: Duration::from_secs(180),
             routable: false,
+            apiserver_flags: Vec::new(),
         }
     }
 }
@@ -236,6 +241,7 @@ impl ControlPlane {
             mode,
             timeout: options.startup_timeout,
             address,
+            apiserver_flags: options.apiserver_flags.clone(),
         };
         // Boot on the background thread, so that thread is the children's parent (PDEATHSIG).
         let booted = background
@@ -789,6 +795,8 @@ struct Boot {
     mode: Mode,
     timeout: Duration,
     address: Ipv4Addr,
+    /// [`Options::apiserver_flags`].
+    apiserver_flags: Vec<String>,
 }
 
 /// Processes started so far; stopped on drop unless the boot succeeded.
@@ -914,6 +922,7 @@ impl Boot {
             // endpoints would be invalid (loopback), so do not reconcile them.
             apiserver_args.push("--endpoint-reconciler-type=none".into());
         }
+        apiserver_args.extend(self.apiserver_flags.iter().cloned());
         let apiserver = self.spawn(
             "kube-apiserver",
             &self.binaries.kube_apiserver,

@@ -193,6 +193,14 @@ pub enum Error {
         detail: String,
     },
 
+    /// The host lacks what a real node needs of it (see `host_check`); each line names one
+    /// need, what was found and how to meet it.
+    #[error("this host cannot run real nodes yet:\n{unmet}")]
+    HostNotReady {
+        /// One line per unmet need.
+        unmet: String,
+    },
+
     /// An entry of libcni's result cache (`<cache dir>/results/*`) is not what libcni writes.
     #[error("libcni's result cache, {what}: {detail}")]
     CniCache {

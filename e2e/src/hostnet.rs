@@ -2,13 +2,15 @@
 //! `ip` (iproute2): a routable control plane's dummy link and each real node's veth pair.
 //!
 //! In: names and addresses derived from a run directory. Out: links created or deleted, an
-//! unused address picked, and whether a link still exists (for the residue checks). Every
+//! unused address picked, whether a link still exists (for the residue checks), and whether a
+//! node's namespace reaches the apiserver through them. Every
 //! name is derived from the run directory alone, so a later run can remove what a killed
 //! run left (deleting a link removes its addresses and the routes through it).
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
 
 use crate::Error;
 
@@ -110,6 +112,33 @@ pub(crate) fn unused_net(
     Err(Error::RealNode {
         part: "the host's addresses",
         detail: format!("no unused /{prefix} left in the range"),
+    })
+}
+
+/// A TCP connection from the network namespace pinned at `pin` to `to`, within 2 s. A host
+/// firewall that drops the node's traffic would otherwise show only as a kubelet that never
+/// registers, two minutes later.
+pub(crate) fn reaches_from(part: &'static str, pin: &Path, to: SocketAddr) -> Result<(), Error> {
+    let ns =
+        std::fs::File::open(pin).map_err(|e| Error::io(format!("opening {}", pin.display()), e))?;
+    // A thread of its own enters the namespace and ends with it: the caller's stays put.
+    let probe = std::thread::spawn(move || {
+        nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)
+            .map_err(|e| format!("entering the namespace: {e}"))?;
+        TcpStream::connect_timeout(&to, Duration::from_secs(2))
+            .map(drop)
+            .map_err(|e| e.to_string())
+    });
+    let answer = probe
+        .join()
+        .unwrap_or_else(|_| Err("the probe thread panicked".into()));
+    answer.map_err(|e| Error::RealNode {
+        part,
+        detail: format!(
+            "it cannot reach the apiserver at {to}: {e}. A host firewall (an INPUT policy or an \
+             nftables input hook) or strict reverse-path filtering may drop the node's traffic: \
+             allow 10.200.0.0/16 and 10.202.0.0/16 to reach 10.203.0.0/16"
+        ),
     })
 }
 

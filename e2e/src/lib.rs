@@ -15,7 +15,8 @@
 //!
 //! Beside it, the simulated pieces the tests and the benchmarks share: a node's CNI
 //! dirs and agent ([`node_sim`]), pods ([`pod_sim`]), pod network namespaces ([`netns_sim`]),
-//! the webhook's wiring ([`webhook_sim`]), a load generator for it ([`review_load`]) and the
+//! the webhook's wiring ([`webhook_sim`]), a load generator for it ([`review_load`]), abusive
+//! HTTP clients and peak-memory readings for the fault suite ([`http_abuse`]) and the
 //! quantiles the benchmarks report ([`stats`]).
 //!
 //! Tests share one control plane per test binary through [`ControlPlane::shared`] and isolate
@@ -26,10 +27,13 @@ pub mod audit;
 pub mod control_plane;
 pub mod demo;
 mod error;
+pub mod host_check;
 mod hostnet;
+pub mod http_abuse;
 pub mod identity;
 pub mod kubelet;
 pub mod netns_sim;
+mod node_mounts;
 pub mod node_sim;
 pub mod paths;
 pub mod pki;

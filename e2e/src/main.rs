@@ -118,6 +118,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         binaries,
         startup_timeout: Duration::from_secs(args.startup_timeout),
         routable: false,
+        apiserver_flags: Vec::new(),
     };
     let cp = ControlPlane::start(options)
         .await

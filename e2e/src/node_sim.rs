@@ -285,12 +285,12 @@ impl Agent {
 
     /// The agent's resident set size in KiB, from /proc.
     pub fn rss_kib(&self) -> Option<u64> {
-        proc_status_kib(self.pid()?, "VmRSS")
+        Some(crate::http_abuse::memory_kib(self.pid()?)?.0)
     }
 
     /// The agent's peak resident set size in KiB (`VmHWM`), from /proc.
     pub fn peak_rss_kib(&self) -> Option<u64> {
-        proc_status_kib(self.pid()?, "VmHWM")
+        Some(crate::http_abuse::memory_kib(self.pid()?)?.1)
     }
 
     /// GETs an admin path; `None` while the server is not up.
@@ -315,20 +315,6 @@ impl Agent {
         let (_, body) = self.admin_get("/metrics").await?;
         metric_sample(&body, sample)
     }
-}
-
-/// A `kB` field of `/proc/<pid>/status` (`VmRSS`, `VmHWM`), in KiB.
-pub fn proc_status_kib(pid: u32, field: &str) -> Option<u64> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status.lines().find_map(|l| {
-        l.strip_prefix(field)?
-            .strip_prefix(':')?
-            .trim()
-            .strip_suffix("kB")?
-            .trim()
-            .parse()
-            .ok()
-    })
 }
 
 /// The value of the sample `name{labels}` (exactly as printed) in a Prometheus text body.

@@ -16,14 +16,14 @@
 //! 10.202.0.0/16, and the host routes the node's pod /24 to it; containerd, the kubelet and
 //! kube-proxy (nftables mode) run inside, so their rules, bridge and ports never touch the
 //! host's, and two nodes' hostNetwork pods do not collide. The control plane must be routable
-//! ([`start_control_plane`]). containerd starts in a new mount namespace where `/etc`, `/opt`,
-//! `/var/lib`, `/var/log` and `/run` are overlays with their upper layers in the run dir, and
-//! the standard node paths (`/etc/cni/net.d`, `/opt/cni/bin`, `/var/lib/kubelet`,
-//! `/var/lib/cni`, `/var/log/pods`, `/var/log/containers`, `/var/run/netns`,
-//! `/var/run/meshgate`, `/run/containerd`) are bound to the run dir's; the kubelet and
-//! kube-proxy join it. So the manifests' hostPaths resolve to the run's files, and nothing
-//! touches the host's `/etc`, `/opt`, `/var` or `/run`. The host-wide sysctls the kubelet sets
-//! at start ([`KERNEL_TUNABLES`]) are covered there by files of the run dir too. Facts of this machine kind,
+//! ([`start_control_plane`]). containerd starts in a mount namespace of the node's own
+//! ([`crate::node_mounts`]): shared inside, as on a systemd host, whatever the host's
+//! propagation; overlays over `/etc`, `/opt`, `/var/lib`, `/var/log` and `/run` with their upper
+//! layers in the run dir; the standard node paths bound to the run dir's; the host-wide sysctls
+//! the kubelet sets covered by files of the run dir. The kubelet and kube-proxy join it. So the
+//! manifests' hostPaths resolve to the run's files, and nothing touches the host's `/etc`,
+//! `/opt`, `/var`, `/run` or mounts. What the node still needs of the host is checked before it
+//! starts ([`crate::host_check`]). Facts of this machine kind,
 //! each found by trying (see docs/testing.md): cgroup v1 in hybrid mode (so the kubelet runs
 //! with `failCgroupV1: false` and the `cgroupfs` driver), a VM that refuses a negative
 //! `oom_score_adj` (so containerd runs with `restrict_oom_score_adj`), runc rather than crun
@@ -43,6 +43,7 @@ use crate::control_plane::{
     ControlPlane, cert_kubeconfig_yaml, client_from, tmp_base, unique_name, write_owner,
     write_private,
 };
+use crate::node_mounts::{self, KERNEL_TUNABLES, host_sysctl};
 use crate::paths::{self, env_var, find_on_path, is_executable};
 use crate::process::{self, Mode, Proc};
 use crate::{Error, hostnet, wait};
@@ -67,34 +68,6 @@ const STOP_GRACE: Duration = Duration::from_secs(10);
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 /// Name of the primary CNI config, as a CNI provider's installer would write it.
 pub const CONFLIST: &str = "10-meshgate-e2e-bridge.conflist";
-/// The sysctls the kubelet's container manager sets at start (`setupKernelTunables`, with
-/// `protectKernelDefaults` unset): host-wide ones, with no per-namespace copy. The node's mount
-/// namespace binds a file of the run dir over each (`sysctl/<name>`, holding the host's value
-/// when the node started), so the kubelet reads and writes the node's copy and the host's
-/// values never change; [`host_residue`] checks. (`protectKernelDefaults: true` is no way
-/// out: the kubelet then refuses to start unless the host already holds its values, and
-/// `kernel.panic_on_oops=1` with `kernel.panic=10` would reboot the shared machine on any oops.)
-const KERNEL_TUNABLES: &[&str] = &[
-    "vm.overcommit_memory",
-    "vm.panic_on_oom",
-    "kernel.panic",
-    "kernel.panic_on_oops",
-    "kernel.keys.root_maxkeys",
-    "kernel.keys.root_maxbytes",
-];
-
-/// `/proc/sys/...` of a dotted sysctl name.
-fn sysctl_path(name: &str) -> PathBuf {
-    Path::new("/proc/sys").join(name.replace('.', "/"))
-}
-
-/// The host's value of a sysctl, trimmed; `None` when this kernel has no such entry.
-fn host_sysctl(name: &str) -> Option<String> {
-    std::fs::read_to_string(sysctl_path(name))
-        .ok()
-        .map(|v| v.trim().to_owned())
-}
-
 /// The node's binaries and images, as `e2e/install-deps.sh` caches them.
 #[derive(Debug, Clone)]
 pub struct NodeBinaries {
@@ -272,6 +245,7 @@ impl RealNode {
     /// after real-node runs whose test binary died without a teardown (their [`Footprint`]).
     pub async fn start(cp: &ControlPlane) -> Result<Self, Error> {
         paths::require_root()?;
+        crate::host_check::check()?;
         let bins = NodeBinaries::locate()?;
         let base = tmp_base();
         sweep_stale(&base);
@@ -283,7 +257,13 @@ impl RealNode {
         write_owner(&dir)?;
         let name = unique_name("real-node");
         let fp = Footprint::of(&dir);
-        let net = match cp_reachable(cp).and_then(|()| fp.add_network()) {
+        let apiserver = std::net::SocketAddr::from((cp.address(), cp.ports().apiserver));
+        let net = match cp_reachable(cp)
+            .and_then(|()| fp.add_network())
+            .and_then(|net| {
+                hostnet::reaches_from("the node's network namespace", &fp.netns_pin, apiserver)
+                    .map(|()| net)
+            }) {
             Ok(net) => net,
             Err(e) => {
                 fp.clean();
@@ -339,27 +319,19 @@ impl RealNode {
         for sub in [
             "containerd/root",
             "containerd/state",
-            "cni/conf",
-            "cni/bin",
             "cni/ipam",
             "istio-cni",
-            "kubelet/root",
             "kubelet/pki",
-            "kubelet/pod-logs",
             "logs",
-            "cni/cache",
-            "netns",
-            "meshgate",
-            "containers-logs",
-            "run-containerd",
-            "overlay",
             "kube-proxy",
-            "sysctl",
         ] {
             let path = self.dir.join(sub);
             std::fs::create_dir_all(&path)
                 .map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
         }
+        // What the node's mount namespace binds from (the CNI conf and bin dirs among them),
+        // its copies of the host-wide sysctls the kubelet sets, and its resolver config.
+        node_mounts::prepare(&self.dir)?;
         // The node's CNI bin dir: the reference plugins, copied in as a CNI provider's
         // installer does (not linked: the agent's container runs them for their VERSION
         // through its /opt/cni/bin mount, where a link to a host path would dangle). istio-cni
@@ -370,14 +342,6 @@ impl RealNode {
                 .map_err(|e| Error::io(format!("copying {}", to.display()), e))?;
         }
         write_file(&self.conflist_path(), &self.bridge_conflist())?;
-
-        // The node's copies of the host-wide sysctls the kubelet sets (see KERNEL_TUNABLES),
-        // bound over /proc/sys in the mount namespace containerd starts.
-        for name in KERNEL_TUNABLES {
-            if let Some(value) = host_sysctl(name) {
-                write_file(&self.sysctl_copy(name), &format!("{value}\n"))?;
-            }
-        }
 
         // containerd
         let config = self.dir.join("containerd/config.toml");
@@ -842,7 +806,7 @@ impl RealNode {
                 "--".into(),
                 "/bin/sh".into(),
                 "-ec".into(),
-                self.mount_script()?,
+                node_mounts::script(&self.dir)?,
                 "node-mounts".into(),
             ]);
         }
@@ -894,6 +858,9 @@ state = {state}
   # namespace: where the agent's manifest mounts them from (HostToContainer).
   netns_mounts_under_state_dir = false
   enable_cdi = false
+  # On a host with AppArmor, containerd would load its default profile into the kernel, for
+  # the whole machine: the node keeps to its namespaces instead.
+  disable_apparmor = true
   [plugins.'io.containerd.cri.v1.runtime'.containerd]
     default_runtime_name = "runc"
     [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
@@ -955,88 +922,6 @@ state = {state}
         format!("{}/24", self.net.pod_net)
     }
 
-    /// The mount namespace containerd runs in (the kubelet and kube-proxy join it), as a
-    /// shell script run by `unshare --mount --propagation=slave` before it execs containerd.
-    /// `/etc`, `/opt`, `/var/lib`, `/var/log` and `/run` are covered by overlays whose upper
-    /// layers live in the run dir, so whatever a daemon writes there (the kubelet's hard-coded
-    /// device-plugin dir and `/var/log/containers` links, libcni's cache, the shims' sockets
-    /// in `/run/containerd`) never reaches the host; then the standard node paths the
-    /// manifests mount as hostPaths are bound to the run dir's, so the agent sees the very
-    /// files containerd loads. Host mounts still propagate in (slave), nothing propagates out.
-    fn mount_script(&self) -> Result<String, Error> {
-        let overlaid = ["/etc", "/opt", "/var/lib", "/var/log", "/run"];
-        // An overlay hides what is below it: the run dir must stay where it is.
-        if overlaid
-            .iter()
-            .chain(["/var/run"].iter())
-            .any(|d| self.dir.starts_with(d))
-        {
-            return Err(Error::RealNode {
-                part: "the node's mount namespace",
-                detail: format!(
-                    "the run dir {} is under a directory the node overlays ({overlaid:?}); set {} elsewhere",
-                    self.dir.display(),
-                    crate::control_plane::TMPDIR_ENV
-                ),
-            });
-        }
-        let q = |p: &Path| shell_quote(&p.display().to_string());
-        let d = |sub: &str| q(&self.dir.join(sub));
-        let mut script = String::from(
-            "set -e
-",
-        );
-        for (i, dir) in overlaid.iter().enumerate() {
-            let upper = self.dir.join(format!("overlay/{i}/upper"));
-            let work = self.dir.join(format!("overlay/{i}/work"));
-            script.push_str(&format!(
-                "mkdir -p {u} {w}
-mount -t overlay overlay -o lowerdir={dir},upperdir={u},workdir={w} {dir}
-",
-                u = q(&upper),
-                w = q(&work),
-            ));
-        }
-        for (from, to) in [
-            ("cni/conf", "/etc/cni/net.d"),
-            ("cni/bin", "/opt/cni/bin"),
-            ("kubelet/root", "/var/lib/kubelet"),
-            ("cni/cache", "/var/lib/cni"),
-            ("kubelet/pod-logs", "/var/log/pods"),
-            ("containers-logs", "/var/log/containers"),
-            ("netns", "/run/netns"),
-            ("meshgate", "/run/meshgate"),
-            ("run-containerd", "/run/containerd"),
-        ] {
-            script.push_str(&format!(
-                "mkdir -p {to}
-mount --bind {} {to}
-",
-                d(from)
-            ));
-        }
-        // A file over a /proc/sys entry: the kubelet's sysctl writes land in the run dir.
-        // Only for the entries this kernel has (boot wrote a copy for each of those).
-        for name in KERNEL_TUNABLES {
-            let copy = self.sysctl_copy(name);
-            if copy.exists() {
-                script.push_str(&format!(
-                    "mount --bind {} {}
-",
-                    q(&copy),
-                    q(&sysctl_path(name))
-                ));
-            }
-        }
-        script.push_str("exec \"$@\"\n");
-        Ok(script)
-    }
-
-    /// The node's copy of a host-wide sysctl (see [`KERNEL_TUNABLES`]).
-    fn sysctl_copy(&self, name: &str) -> PathBuf {
-        self.dir.join("sysctl").join(name)
-    }
-
     fn kubelet_config(&self, ca: &Path, port: u16, healthz: u16) -> String {
         let q = |s: &str| serde_json::Value::String(s.to_owned()).to_string();
         format!(
@@ -1076,12 +961,17 @@ nodeStatusUpdateFrequency: 2s
 syncFrequency: 5s
 serializeImagePulls: false
 clusterDomain: cluster.local
-resolvConf: /etc/resolv.conf
+resolvConf: {resolv_conf}
 "#,
             ca = q(&ca.display().to_string()),
             endpoint = q(&format!("unix://{}", self.containerd_socket().display())),
             cgroup_root = q(&self.fp.cgroup_root),
             pod_logs = q(&self.dir.join("kubelet/pod-logs").display().to_string()),
+            resolv_conf = q(&self
+                .dir
+                .join(node_mounts::RESOLV_CONF)
+                .display()
+                .to_string()),
         )
     }
 
@@ -1226,10 +1116,6 @@ pub async fn start_control_plane() -> Result<ControlPlane, Error> {
         ..crate::Options::default()
     })
     .await
-}
-
-fn shell_quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "'\\''"))
 }
 
 impl Drop for RealNode {

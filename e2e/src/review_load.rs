@@ -665,7 +665,7 @@ impl WebhookProcess {
             .env(
                 "RUST_LOG",
                 std::env::var("MESHGATE_WEBHOOK_LOG")
-                    .unwrap_or_else(|_| "warn,meshgate_webhook=info".into()),
+                    .unwrap_or_else(|_| "warn,meshgate_webhook=info,meshgate_runtime=info".into()),
             )
             .stdin(std::process::Stdio::null())
             .stdout(out.try_clone()?)
@@ -723,11 +723,7 @@ impl WebhookProcess {
 
     /// Resident set size in KiB (and the peak, `VmHWM`), from /proc.
     pub fn rss_kib(&self) -> Option<(u64, u64)> {
-        let pid = self.pid()?;
-        Some((
-            crate::node_sim::proc_status_kib(pid, "VmRSS")?,
-            crate::node_sim::proc_status_kib(pid, "VmHWM")?,
-        ))
+        crate::http_abuse::memory_kib(self.pid()?)
     }
 
     /// Sends SIGTERM; returns when it was sent.

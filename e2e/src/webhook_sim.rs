@@ -1,9 +1,11 @@
 //! meshgate's webhook wired into a local control plane, as an operator would install it,
-//! but on loopback: a test CA and serving certificate (rcgen), and the Validating and
-//! Mutating webhook configurations pointing at `https://127.0.0.1:<port>`.
+//! but on loopback: a test CA and serving certificate (rcgen), and the shipped Validating and
+//! Mutating webhook configurations (`manifests/base/webhook-configurations.yaml`) pointing at
+//! `https://127.0.0.1:<port>`.
 //!
-//! In: the API client, the webhook's address, a scope. Out: registered configurations (and a
-//! CA that can rotate the serving certificate). Used by the e2e tests and the benchmarks.
+//! In: the control plane, the webhook's address, a scope. Out: registered configurations
+//! (and a CA that can rotate the serving certificate). Used by the e2e tests and the
+//! benchmarks.
 
 use std::path::Path;
 
@@ -17,9 +19,6 @@ use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::{Value, json};
 
 use crate::wait::API_TIMEOUT;
-
-/// The namespace meshgate itself runs in; never gated by its own webhook.
-pub const MESHGATE_NAMESPACE: &str = "meshgate-system";
 
 /// A CA that signs loopback serving certificates.
 pub struct TestCa {
@@ -83,71 +82,112 @@ pub struct Scope {
     /// Nodes; `None` governs everything, as in production. Tests sharing a control plane use
     /// it so their webhooks never touch each other's objects.
     pub label: Option<(String, String)>,
+    /// Rename each webhook `<x>.meshgate.io` to `<x>.<infix>.meshgate.io`, so the apiserver's
+    /// per-webhook metrics (`apiserver_admission_webhook_*{name=...}`) count this
+    /// registration's calls alone.
+    pub hook_infix: Option<String>,
 }
 
-/// The production namespaceSelector (docs/webhook.md), plus the scope label if any.
-pub fn namespace_selector(scope: &Scope) -> Value {
-    let mut exprs = vec![
-        json!({"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["kube-system", MESHGATE_NAMESPACE]}),
-        json!({"key": "meshgate.io/ignore", "operator": "NotIn", "values": ["true"]}),
-    ];
-    if let Some((k, v)) = &scope.label {
-        exprs.push(json!({"key": k, "operator": "In", "values": [v]}));
+/// The registrations meshgate ships, which every test registers (adapted by [`configurations`]).
+pub const SHIPPED: &str = "manifests/base/webhook-configurations.yaml";
+
+/// The shipped Validating and Mutating webhook configurations ([`SHIPPED`], read through
+/// kubectl as an operator's `kubectl apply` reads them), adapted to a webhook on
+/// `https://127.0.0.1:<port>`: each webhook's `clientConfig` becomes that URL (with the
+/// Service's path) and `ca_pem`, the configurations are named `meshgate-<name>`, and `scope`
+/// is added (a namespace label to every namespaceSelector, an object label to the Node
+/// webhook, the hook infix). Everything else (rules, matchConditions, failure policies,
+/// timeouts, the exempt namespaces) is as shipped.
+pub async fn configurations(
+    cp: &crate::ControlPlane,
+    name: &str,
+    port: u16,
+    ca_pem: &str,
+    scope: &Scope,
+) -> anyhow::Result<(ValidatingWebhookConfiguration, MutatingWebhookConfiguration)> {
+    let path = crate::paths::repo_root().join(SHIPPED);
+    let text = cp
+        .kubectl(&[
+            "create",
+            "--dry-run=client",
+            "-o",
+            "json",
+            "-f",
+            &path.display().to_string(),
+        ])
+        .await
+        .with_context(|| format!("reading {SHIPPED}"))?;
+    let mut objects = Vec::new();
+    for doc in serde_json::Deserializer::from_str(&text).into_iter::<Value>() {
+        let doc = doc.context("kubectl's JSON")?;
+        match doc.get("items").and_then(Value::as_array) {
+            Some(items) if doc["kind"] == "List" => objects.extend(items.iter().cloned()),
+            _ => objects.push(doc),
+        }
     }
-    json!({"matchExpressions": exprs})
+    let ca_bundle = serde_json::to_value(ByteString(ca_pem.as_bytes().to_vec()))?;
+    let adapt = |kind: &str| -> anyhow::Result<Value> {
+        let mut obj = objects
+            .iter()
+            .find(|o| o["kind"] == kind)
+            .cloned()
+            .with_context(|| format!("no {kind} in {SHIPPED}"))?;
+        obj["metadata"] = json!({"name": format!("meshgate-{name}")});
+        let hooks = obj["webhooks"].as_array_mut().context("webhooks")?;
+        for hook in hooks {
+            adapt_hook(hook, kind, port, &ca_bundle, scope)?;
+        }
+        Ok(obj)
+    };
+    let validating = serde_json::from_value(adapt("ValidatingWebhookConfiguration")?)?;
+    let mutating = serde_json::from_value(adapt("MutatingWebhookConfiguration")?)?;
+    Ok((validating, mutating))
 }
 
-/// Registers `meshgate-<name>` Validating (pods, pods/binding and bindings CREATE, failurePolicy Fail)
-/// and Mutating (nodes CREATE, failurePolicy Ignore) webhook configurations for a webhook
-/// listening on `https://127.0.0.1:<port>`.
+/// One webhook of [`configurations`]: URL, CA, scope.
+fn adapt_hook(
+    hook: &mut Value,
+    kind: &str,
+    port: u16,
+    ca_bundle: &Value,
+    scope: &Scope,
+) -> anyhow::Result<()> {
+    let path = hook["clientConfig"]["service"]["path"]
+        .as_str()
+        .context("a shipped webhook without a Service path")?
+        .to_owned();
+    hook["clientConfig"] =
+        json!({"url": format!("https://127.0.0.1:{port}{path}"), "caBundle": ca_bundle});
+    if let Some(infix) = &scope.hook_infix {
+        let name = hook["name"].as_str().context("webhook name")?;
+        let base = name
+            .strip_suffix(".meshgate.io")
+            .with_context(|| format!("webhook {name} not under meshgate.io"))?;
+        hook["name"] = json!(format!("{base}.{infix}.meshgate.io"));
+    }
+    if let Some((k, v)) = &scope.label {
+        if kind == "MutatingWebhookConfiguration" {
+            hook["objectSelector"] = json!({"matchLabels": {k: v}});
+        } else {
+            let exprs = hook["namespaceSelector"]["matchExpressions"]
+                .as_array_mut()
+                .context("a shipped pod webhook without namespaceSelector.matchExpressions")?;
+            exprs.push(json!({"key": k, "operator": "In", "values": [v]}));
+        }
+    }
+    Ok(())
+}
+
+/// Registers [`configurations`] as `meshgate-<name>`.
 pub async fn register(
+    cp: &crate::ControlPlane,
     client: &Client,
     name: &str,
     port: u16,
     ca_pem: &str,
     scope: &Scope,
 ) -> anyhow::Result<()> {
-    let ca_bundle = serde_json::to_value(ByteString(ca_pem.as_bytes().to_vec()))?;
-    let common = |hook: &str, path: &str| {
-        json!({
-            "name": hook,
-            "clientConfig": {"url": format!("https://127.0.0.1:{port}{path}"), "caBundle": ca_bundle},
-            "sideEffects": "None",
-            "admissionReviewVersions": ["v1"],
-            "timeoutSeconds": 5,
-        })
-    };
-    let mut pods = common("pods.validate.meshgate.io", "/validate");
-    pods["rules"] = json!([{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"], "scope": "Namespaced"}]);
-    pods["failurePolicy"] = json!("Fail");
-    pods["namespaceSelector"] = namespace_selector(scope);
-    // Unbound pods are checked when they are bound; skipping them keeps pod creation
-    // (Deployments, Jobs) working through a webhook outage.
-    pods["matchConditions"] = json!([{"name": "bound-at-creation", "expression": "has(object.spec.nodeName) && object.spec.nodeName != ''"}]);
-    let mut bindings = common("bindings.validate.meshgate.io", "/validate");
-    // The subresource the scheduler posts and the legacy `bindings` resource, as in
-    // manifests/base/webhook-configurations.yaml.
-    bindings["rules"] = json!([{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods/binding", "bindings"], "scope": "Namespaced"}]);
-    bindings["failurePolicy"] = json!("Fail");
-    bindings["namespaceSelector"] = namespace_selector(scope);
-    let validating: ValidatingWebhookConfiguration = serde_json::from_value(json!({
-        "metadata": {"name": format!("meshgate-{name}")},
-        "webhooks": [pods, bindings],
-    }))?;
-
-    let mut nodes = common("nodes.mutate.meshgate.io", "/mutate-node");
-    nodes["rules"] = json!([{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["nodes"], "scope": "Cluster"}]);
-    // Node registration must never depend on the webhook.
-    nodes["failurePolicy"] = json!("Ignore");
-    nodes["reinvocationPolicy"] = json!("Never");
-    if let Some((k, v)) = &scope.label {
-        nodes["objectSelector"] = json!({"matchLabels": {k: v}});
-    }
-    let mutating: MutatingWebhookConfiguration = serde_json::from_value(json!({
-        "metadata": {"name": format!("meshgate-{name}")},
-        "webhooks": [nodes],
-    }))?;
-
+    let (validating, mutating) = configurations(cp, name, port, ca_pem, scope).await?;
     let pp = PostParams::default();
     let v: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
     tokio::time::timeout(API_TIMEOUT, v.create(&pp, &validating))

@@ -414,10 +414,15 @@ impl Cluster for FakeCluster {
     fn node_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
         self.nodes.get(name).cloned()
     }
-    async fn pod_meta(&self, namespace: &str, name: &str) -> Option<PodMeta> {
+    async fn pod_meta(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<PodMeta, meshgate_core::admission::LookupFailure> {
         self.pods
             .get(&(namespace.to_string(), name.to_string()))
             .cloned()
+            .ok_or(meshgate_core::admission::LookupFailure::NotFound)
     }
     async fn node_reason(&self, name: &str) -> Option<String> {
         (name == "bad").then(|| "ChainedPluginMissing".to_string())

@@ -21,6 +21,8 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::server;
+
 /// Anything that can say whether the process is ready to serve (caches synced, ...).
 pub trait Readiness: Clone + Send + Sync + 'static {
     /// True once the process may receive traffic.
@@ -237,27 +239,43 @@ async fn metrics_handler<R: Readiness, L: Liveness>(State(s): State<AdminState<R
     }
 }
 
+/// The admin ports' limits: kubelet probes and a metrics scraper need a handful of
+/// connections with small heads, so a port reachable from the node's network (the agent's is
+/// on the host network) holds at most 256 × 8 KiB of request buffers. A probe that finds the
+/// cap taken waits in the backlog until a connection ends, within 2 s at most for one that
+/// sends nothing.
+pub const LIMITS: server::Limits = server::Limits {
+    max_connections: 256,
+    handshake_timeout: Duration::from_secs(2),
+    header_read_timeout: Duration::from_secs(2),
+    max_buf_size: 8 * 1024,
+};
+
+/// How long requests in flight on an admin port may take to finish once it stops.
+pub const DRAIN: Duration = Duration::from_secs(1);
+
 /// Serves the admin router (always live) on `listener` until `shutdown` resolves.
 pub async fn serve<R: Readiness>(
     listener: TcpListener,
     registry: Arc<Registry>,
     ready: R,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    serve_with(listener, registry, ready, AlwaysLive, shutdown).await
+) {
+    serve_with(listener, registry, ready, AlwaysLive, shutdown).await;
 }
 
-/// Serves the admin router with `/live` answering from `live` until `shutdown` resolves.
+/// Serves the admin router with `/live` answering from `live` until `shutdown` resolves,
+/// within [`LIMITS`], then drains for at most [`DRAIN`]. Errors of single connections are
+/// logged; none ends the server.
 pub async fn serve_with<R: Readiness, L: Liveness>(
     listener: TcpListener,
     registry: Arc<Registry>,
     ready: R,
     live: L,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(listener, router_with(registry, ready, live))
-        .with_graceful_shutdown(shutdown)
-        .await
+) {
+    let app = router_with(registry, ready, live);
+    server::serve_until(listener, server::Plain, app, shutdown, DRAIN, LIMITS).await;
 }
 
 #[cfg(test)]
@@ -394,6 +412,68 @@ mod tests {
         assert!(err.contains("the pod inspector"), "{err}");
         pods.pass_ended();
         assert!(both.check().is_ok());
+    }
+
+    /// The admin server on a socket is the bounded server: a connection that sends part of a
+    /// head and stops is closed at the 2 s header timeout while `/live` keeps answering, a
+    /// head past 8 KiB gets a 431, and the server stops within its drain although that
+    /// connection was still open when it was asked to.
+    #[tokio::test]
+    async fn the_admin_port_cuts_slow_and_oversized_heads() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(
+            listener,
+            Arc::new(Registry::default()),
+            Arc::new(AtomicBool::new(true)),
+            async move {
+                let _ = stop_rx.await;
+            },
+        ));
+        async fn read_all(s: &mut tokio::net::TcpStream, within: Duration) -> Option<String> {
+            let mut out = Vec::new();
+            tokio::time::timeout(within, s.read_to_end(&mut out))
+                .await
+                .ok()
+                .map(|_| String::from_utf8_lossy(&out).into_owned())
+        }
+        let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+        slow.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .unwrap();
+        let mut big = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head = format!("GET /live HTTP/1.1\r\nX-Big: {}\r\n", "b".repeat(9000));
+        let _ = big.write_all(head.as_bytes()).await;
+        let answer = read_all(&mut big, Duration::from_secs(2)).await;
+        assert!(
+            answer
+                .as_deref()
+                .is_some_and(|a| a.starts_with("HTTP/1.1 431")),
+            "{answer:?}"
+        );
+        let mut probe = tokio::net::TcpStream::connect(addr).await.unwrap();
+        probe
+            .write_all(b"GET /live HTTP/1.0\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let answer = read_all(&mut probe, Duration::from_secs(2)).await.unwrap();
+        assert!(answer.starts_with("HTTP/1.0 200"), "{answer:?}");
+        let begun = Instant::now();
+        assert!(
+            read_all(&mut slow, Duration::from_secs(4)).await.is_some(),
+            "the slow head was not closed"
+        );
+        assert!(begun.elapsed() < Duration::from_secs(3));
+
+        let mut held = tokio::net::TcpStream::connect(addr).await.unwrap();
+        held.write_all(b"GET / HTTP/1.1\r\n").await.unwrap();
+        drop(stop_tx);
+        tokio::time::timeout(DRAIN + Duration::from_secs(1), server)
+            .await
+            .expect("stopped within the drain")
+            .unwrap();
     }
 
     #[tokio::test]

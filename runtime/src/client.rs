@@ -1,8 +1,9 @@
 //! Builds the Kubernetes client and bounds every call in time.
 //!
-//! In: an optional kubeconfig path. Out: a `kube::Client` whose connections time out, and
-//! [`bounded`], which turns any API future into one that fails with a clear error after a
-//! deadline, so no reconcile step can hang on a half-open connection.
+//! In: an optional kubeconfig path, and optionally a user to impersonate. Out: a
+//! `kube::Client` whose connections time out, and [`bounded`], which turns any API future
+//! into one that fails with a clear error after a deadline, so no reconcile step can hang on
+//! a half-open connection.
 
 use std::future::Future;
 use std::path::Path;
@@ -27,6 +28,21 @@ pub async fn build_without_retry(kubeconfig: Option<&Path>) -> anyhow::Result<ku
     let mut config = config(kubeconfig).await?;
     config.default_retry = false;
     kube::Client::try_from(config).context("building the Kubernetes client")
+}
+
+/// Like [`build`] (`retry`) or [`build_without_retry`], but every request carries
+/// `Impersonate-User: <user>`: the apiserver authorizes and admits it as `user`, once the
+/// caller's own identity may impersonate `user` for that request (Constrained
+/// Impersonation: `impersonate:<mode>` and `impersonate-on:<mode>:<verb>`).
+pub async fn build_impersonating(
+    kubeconfig: Option<&Path>,
+    user: &str,
+    retry: bool,
+) -> anyhow::Result<kube::Client> {
+    let mut config = config(kubeconfig).await?;
+    config.default_retry = retry;
+    config.auth_info.impersonate = Some(user.to_owned());
+    kube::Client::try_from(config).context("building the impersonating Kubernetes client")
 }
 
 async fn config(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Config> {
@@ -58,4 +74,80 @@ pub async fn bounded<T>(timeout: Duration, call: impl Future<Output = T>) -> Res
     tokio::time::timeout(timeout, call)
         .await
         .map_err(|_| Elapsed(timeout))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Serves one request on a loopback port and returns its head (request line and headers).
+    async fn one_request_head(listener: tokio::net::TcpListener) -> String {
+        let (mut conn, _) = listener.accept().await.expect("accept");
+        let mut head = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = conn.read(&mut buf).await.expect("read");
+            assert!(n > 0, "connection closed before the head ended");
+            head.extend_from_slice(&buf[..n]);
+        }
+        let body = br#"{"major":"1","minor":"35"}"#;
+        let answer = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        );
+        conn.write_all(answer.as_bytes()).await.expect("write");
+        conn.write_all(body).await.expect("write");
+        String::from_utf8_lossy(&head).to_lowercase()
+    }
+
+    /// The head of the one request a client built by `build` sends to a local server.
+    async fn head_sent_by<F, Fut>(build: F) -> String
+    where
+        F: FnOnce(std::path::PathBuf) -> Fut,
+        Fut: Future<Output = anyhow::Result<kube::Client>>,
+    {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kubeconfig");
+        std::fs::write(
+            &path,
+            format!(
+                "apiVersion: v1\nkind: Config\ncurrent-context: c\nclusters:\n- name: c\n  cluster:\n    server: http://127.0.0.1:{port}\ncontexts:\n- name: c\n  context:\n    cluster: c\n    user: u\nusers:\n- name: u\n  user:\n    token: the-token\n"
+            ),
+        )
+        .unwrap();
+        let server = tokio::spawn(one_request_head(listener));
+        let client = build(path).await.unwrap();
+        client.apiserver_version().await.unwrap();
+        server.await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn an_impersonating_client_names_the_user_on_every_request() {
+        let head = head_sent_by(|path| async move {
+            build_impersonating(Some(&path), "system:node:node-a", false).await
+        })
+        .await;
+        assert!(
+            head.contains("\r\nimpersonate-user: system:node:node-a\r\n"),
+            "{head}"
+        );
+        // Still authenticated as itself: the apiserver checks that identity may impersonate.
+        assert!(
+            head.contains("\r\nauthorization: bearer the-token\r\n"),
+            "{head}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_plain_client_impersonates_nobody() {
+        let head = head_sent_by(|path| async move { build(Some(&path)).await }).await;
+        assert!(!head.contains("impersonate-"), "{head}");
+        assert!(
+            head.contains("\r\nauthorization: bearer the-token\r\n"),
+            "{head}"
+        );
+    }
 }

@@ -1,6 +1,8 @@
 //! meshgate-runtime: the process glue the agent and the webhook share.
 //!
 //! - [`admin`]: the `/live`, `/ready`, `/metrics` server.
+//! - [`server`]: the bounded HTTP/1 server behind every port (connection cap, handshake and
+//!   header timeouts, buffer cap, delay and drain), for the admin ports and the webhook.
 //! - [`client`]: a `kube::Client` from `--kubeconfig` / `KUBECONFIG` / in-cluster config, with
 //!   connect and request timeouts, plus [`client::bounded`] for per-call deadlines.
 //! - [`logging`]: tracing subscriber setup (`--log-format text|json`, `RUST_LOG`).
@@ -14,4 +16,5 @@ pub mod client;
 pub mod logging;
 pub mod meta;
 pub mod profiles;
+pub mod server;
 pub mod shutdown;

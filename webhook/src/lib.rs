@@ -5,17 +5,21 @@
 //! watches. Out: allow / refuse answers (the decision is `meshgate_core::admission`), JSON
 //! Patches for new Nodes, and `/live` `/ready` `/metrics` on the admin port.
 //!
-//! - [`review`]: AdmissionReview ⇄ `core::admission`, over a [`review::Cluster`] view.
+//! - [`review`]: AdmissionReview ⇄ `core::admission`, over a [`review::Cluster`] view;
+//!   [`decode`]: the request body → only the parts of the review admission reads.
 //! - [`cache`]: the real cluster view (metadata watches, bounded API fallbacks); [`pods`]:
 //!   its unscheduled pods, projected and capped, and the limits on looking one up.
-//! - [`server`]: routes, limits, TLS accept loop, graceful shutdown; [`tls`]: certificates
-//!   re-read on change.
+//! - [`server`]: routes, limits and TLS, on the bounded server shared with the admin ports
+//!   (`meshgate_runtime::server`); [`budget`]: the memory the reviews in flight may hold;
+//!   [`tls`]: certificates re-read on change.
 //! - [`shutdown`]: the stop sequence (signal → not ready but serving for `--shutdown-delay`
 //!   → drain within `--shutdown-timeout` → admin server stops).
 //! - [`metrics`]: the contract metrics, served by `meshgate_runtime::admin` with the agent's
 //!   admin server; logging, client and profiles come from `meshgate_runtime` too.
 
+pub mod budget;
 pub mod cache;
+pub mod decode;
 pub mod metrics;
 pub mod pods;
 pub mod review;
@@ -79,6 +83,12 @@ pub struct Args {
     /// Largest accepted request body in bytes.
     #[arg(long, env = "MESHGATE_MAX_BODY_BYTES", default_value_t = 3 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// Memory, in bytes, that the reviews being read and decoded may hold at once: each is
+    /// charged its body plus its decoding at worst (16 bytes per body byte); past it the next
+    /// review waits within `--request-timeout`.
+    #[arg(long, env = "MESHGATE_REVIEW_MEMORY_BYTES",
+          default_value_t = budget::DEFAULT_REVIEW_MEMORY_BYTES)]
+    pub review_memory_bytes: usize,
     /// Most connections served at once on the HTTPS listener; past it a new connection waits
     /// (unaccepted, in the kernel's backlog) until one ends.
     #[arg(long, env = "MESHGATE_MAX_CONNECTIONS", default_value_t = server::DEFAULT_MAX_CONNECTIONS,
@@ -211,6 +221,7 @@ async fn run_with(
         max_body_bytes: args.max_body_bytes,
         request_timeout: args.request_timeout,
         max_connections: args.max_connections,
+        review_memory_bytes: args.review_memory_bytes,
     };
     let servers = Servers {
         listener,
@@ -288,8 +299,7 @@ async fn serve_until_stopped(servers: Servers, stop: Stop) {
     drop(admin_stop);
     if let Some(a) = admin {
         match tokio::time::timeout(Duration::from_secs(2), a).await {
-            Ok(Ok(Ok(()))) => {}
-            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "admin server failed"),
+            Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(error = %e, "admin server task failed"),
             Err(_) => tracing::warn!("admin server did not stop in time"),
         }

@@ -1,11 +1,12 @@
 //! AdmissionReview ⇄ `core::admission`.
 //!
-//! In: the raw request body the apiserver POSTs (bytes, possibly garbage), and a [`Cluster`]
-//! view (node labels from the cache; a pod's labels for bindings, cache first and an API GET
-//! within the lookup limits after, or why not; a node's condition reason, only when refusing a pod on a node the cache
-//! knows: a node it does not know is decided from the cache alone, so reviews naming made-up
-//! nodes cost no API request). Out: an [`Outcome`]: the
-//! AdmissionReview response to send, or a "malformed" message for a 400. Every decoding
+//! In: the raw request body the apiserver POSTs (bytes, possibly garbage; [`crate::decode`]
+//! keeps only the parts admission reads), and a [`Cluster`] view (node labels from the cache;
+//! a pod's labels for bindings, cache first and an API GET within the lookup limits after, or
+//! why not; a node's condition reason, only when refusing a pod on a node the cache knows: a
+//! node it does not know is decided from the cache alone, so reviews naming made-up nodes cost
+//! no API request). Out: an [`Outcome`]: the AdmissionReview response to send, or a
+//! "malformed" message for a 400. Every decoding
 //! failure is a value, never a panic: the proptest in this module feeds it arbitrary bytes.
 
 use std::collections::BTreeMap;
@@ -14,12 +15,14 @@ use std::time::Instant;
 
 use kube::core::DynamicObject;
 use kube::core::Status;
-use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
+use kube::core::admission::{AdmissionResponse, AdmissionReview, Operation};
 use meshgate_core::admission::{
     self, Decision, Input, LookupFailure, NodeFacts, PodFacts, RequestKind,
 };
 use meshgate_core::profile::ProfileSet;
 
+use crate::decode::Request;
+pub use crate::decode::decode;
 use crate::metrics::{Metrics, Resource};
 
 /// A pod's labels and annotations, as the binding path needs them: only those the profiles
@@ -70,30 +73,11 @@ impl Outcome {
     }
 }
 
-/// Decodes an AdmissionReview request, refusing anything that is not one.
-pub fn decode(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, String> {
-    let review: AdmissionReview<DynamicObject> =
-        serde_json::from_slice(body).map_err(|e| format!("malformed AdmissionReview: {e}"))?;
-    if review.types.kind != "AdmissionReview" {
-        return Err(format!(
-            "malformed AdmissionReview: kind is {:?}, expected \"AdmissionReview\"",
-            review.types.kind
-        ));
-    }
-    let req: AdmissionRequest<DynamicObject> = review
-        .try_into()
-        .map_err(|_| "malformed AdmissionReview: no request".to_string())?;
-    if req.uid.is_empty() {
-        return Err("malformed AdmissionReview: request.uid is empty".into());
-    }
-    Ok(req)
-}
-
 fn answer(resp: AdmissionResponse) -> Outcome {
     Outcome::Answer(Box::new(resp.into_review()))
 }
 
-fn refuse(req: &AdmissionRequest<DynamicObject>, message: String, code: u16) -> Outcome {
+fn refuse(req: &Request, message: String, code: u16) -> Outcome {
     let mut resp = AdmissionResponse::from(req);
     resp.allowed = false;
     let reason = if code == 400 {
@@ -173,11 +157,7 @@ impl<C: Cluster> Reviewer<C> {
         outcome
     }
 
-    async fn validate_create(
-        &self,
-        req: &AdmissionRequest<DynamicObject>,
-        resource: Resource,
-    ) -> Outcome {
+    async fn validate_create(&self, req: &Request, resource: Resource) -> Outcome {
         let Some(obj) = req.object.as_ref() else {
             return refuse(req, "meshgate: CREATE review without an object".into(), 400);
         };
@@ -188,12 +168,7 @@ impl<C: Cluster> Reviewer<C> {
             .unwrap_or_default();
         let (kind, node_name, pod_name) = match resource {
             Resource::Pods => {
-                let Some(node) = obj
-                    .data
-                    .pointer("/spec/nodeName")
-                    .and_then(|v| v.as_str())
-                    .filter(|n| !n.is_empty())
-                else {
+                let Some(node) = obj.node_name().filter(|n| !n.is_empty()) else {
                     // Unbound pods go through the scheduler and are checked at binding.
                     return answer(AdmissionResponse::from(req));
                 };
@@ -206,12 +181,7 @@ impl<C: Cluster> Reviewer<C> {
                 (RequestKind::PodCreate, node, name)
             }
             Resource::PodsBinding => {
-                let Some(node) = obj
-                    .data
-                    .pointer("/target/name")
-                    .and_then(|v| v.as_str())
-                    .filter(|n| !n.is_empty())
-                else {
+                let Some(node) = obj.target_name().filter(|n| !n.is_empty()) else {
                     return refuse(req, "meshgate: Binding without target.name".into(), 400);
                 };
                 // The pod's name: in the URL for pods/binding, and the Binding's own name
@@ -320,14 +290,7 @@ impl<C: Cluster> Reviewer<C> {
         let Some(obj) = req.object.as_ref().filter(|_| is_node_create) else {
             return answer(resp);
         };
-        let node = match serde_json::to_value(obj) {
-            Ok(v) => v,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot re-encode Node; admitting it untainted");
-                return answer(resp);
-            }
-        };
-        let ops = admission::node_registration_patch(&node, "NoSchedule");
+        let ops = admission::node_registration_patch(&obj.registration_view(), "NoSchedule");
         if ops.is_empty() {
             return answer(resp);
         }

@@ -1,4 +1,4 @@
-//! The HTTPS front: routes, limits, TLS accept loop and graceful shutdown.
+//! The HTTPS front: routes, limits and TLS, served by `meshgate_runtime::server`.
 //!
 //! In: a [`Reviewer`], the readiness signal, [`Limits`], a bound TCP listener, a rustls
 //! config (see [`crate::tls`]) and the shutdown [`Phase`]. Out: HTTP responses:
@@ -6,44 +6,34 @@
 //! - a body that is not an AdmissionReview → 400 with a plain-text reason;
 //! - a body over `max_body_bytes` → 413;
 //! - not answered within `request_timeout` → 503, so the apiserver applies the
-//!   webhook's failurePolicy well before its own timeout (10 s by default) fires;
-//! - caches not synced yet → the request waits for them inside that same timeout;
-//! - at most `max_connections` connections at once: past the cap the next connection is not
-//!   accepted until one ends, so it waits in the kernel's accept backlog (and the client's
-//!   own timeout bounds the wait) instead of costing a task, TLS buffers and memory.
+//!   webhook's failurePolicy well before its own timeout (10 s by default) fires; a review
+//!   waiting for room in the review memory budget ([`crate::budget`]) waits inside it;
+//! - caches not synced yet → the request waits for them inside that same timeout.
 //!
-//! Shutdown follows a [`Phase`] watch (see [`crate::shutdown`]):
-//! - [`Phase::Delaying`]: the listener keeps accepting and every request is answered as
-//!   usual, but each response carries `Connection: close`, so a client's next request opens a
-//!   new connection, which the Service routes to another replica once this one has left the
-//!   endpoints. Clients learn of the close from the response itself, so none writes a request
-//!   onto a connection the server is closing.
-//! - [`Phase::Draining`]: the listener closes (connections already waiting in its backlog are
-//!   still accepted), keep-alive connections still idle (they carried no request during the
-//!   whole delay) are closed, and requests in flight finish, bounded by the drain timeout;
-//!   connections still open when it expires are aborted. A connection whose TLS handshake
-//!   ended after the stop request answers its one request even if that request arrives
-//!   after the drain started.
+//! The connections are bounded by the server shared with the admin ports
+//! (`meshgate_runtime::server`): at most `max_connections` at once (past the cap the next one
+//! waits, unaccepted, in the kernel's backlog), a TLS handshake within [`HANDSHAKE_TIMEOUT`],
+//! a request head within [`HEADER_READ_TIMEOUT`] (an idle keep-alive connection is closed
+//! after it too) and at most [`MAX_BUF_SIZE`] bytes buffered per connection (a larger head
+//! gets a 431). The shutdown phases (delay with `Connection: close`, then a bounded drain)
+//! are that server's too; [`crate::shutdown`] drives them.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::extract::{FromRequest, Request, State};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::post;
-use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
+use meshgate_runtime::server::{self as shared, Handshake};
 use rustls::ServerConfig;
-use tokio::net::TcpListener;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
-use tokio::task::JoinSet;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 use tower_http::timeout::TimeoutLayer;
 
+use crate::budget::{Budget, Held};
 use crate::review::{Cluster, Outcome, Reviewer};
 use crate::shutdown::Phase;
 
@@ -57,14 +47,16 @@ pub struct Limits {
     pub request_timeout: Duration,
     /// Connections served at once (see [`serve_tls`]).
     pub max_connections: usize,
+    /// Memory the reviews being read and decoded may hold at once (see [`crate::budget`]).
+    pub review_memory_bytes: usize,
 }
 
 /// Default of `--max-connections`: above what the apiservers keep open to one replica (a
 /// keep-alive connection per concurrent review, and an apiserver's concurrency is bounded by
 /// its in-flight limits, 600 requests by default), and a bound on the memory and tasks that
-/// connections opened by anyone else can cost: an idle keep-alive TLS connection costs at most
-/// 56 KiB (measured with both of its ends in one process), so 1024 of them stay under 60 MiB of
-/// the 256 MiB memory limit.
+/// connections opened by anyone else can cost: a TLS connection whose client fills its
+/// 8 KiB buffer costs about 25 KiB (measured: docs/reliability.md), so 1024 of them stay
+/// under 26 MiB.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 
 impl Default for Limits {
@@ -73,17 +65,23 @@ impl Default for Limits {
             max_body_bytes: 3 * 1024 * 1024,
             request_timeout: Duration::from_secs(3),
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            review_memory_bytes: crate::budget::DEFAULT_REVIEW_MEMORY_BYTES,
         }
     }
 }
 
-/// Timeouts of the connection layer.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Deadline for a TLS handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Deadline for a request head, and for an idle keep-alive connection's next request.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// hyper's input buffer per connection, hyper's smallest. The apiserver's request heads are a
+/// few hundred bytes; bodies stream through it in chunks.
+pub const MAX_BUF_SIZE: usize = 8 * 1024;
 
 struct AppState<C> {
     reviewer: Arc<Reviewer<C>>,
     ready: watch::Receiver<bool>,
+    budget: Budget,
 }
 
 impl<C> Clone for AppState<C> {
@@ -91,6 +89,26 @@ impl<C> Clone for AppState<C> {
         Self {
             reviewer: self.reviewer.clone(),
             ready: self.ready.clone(),
+            budget: self.budget.clone(),
+        }
+    }
+}
+
+/// A review's body, read within the review memory budget, and the share of the budget it
+/// holds until the handler returns.
+struct ReviewBody(axum::body::Bytes, #[allow(dead_code)] Held);
+
+impl<C: Cluster> FromRequest<AppState<C>> for ReviewBody {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, state: &AppState<C>) -> Result<Self, Response> {
+        let (parts, body) = req.into_parts();
+        match state.budget.read(&parts.headers, body).await {
+            Ok((bytes, held)) => Ok(Self(bytes, held)),
+            Err(refusal) => {
+                tracing::debug!(error = %refusal, "refusing a request body");
+                Err(refusal.into_response())
+            }
         }
     }
 }
@@ -108,44 +126,55 @@ async fn wait_ready(ready: &watch::Receiver<bool>) -> bool {
     ready.wait_for(|r| *r).await.is_ok()
 }
 
-async fn validate<C: Cluster>(State(s): State<AppState<C>>, body: Bytes) -> Response {
+async fn validate<C: Cluster>(State(s): State<AppState<C>>, body: ReviewBody) -> Response {
     if !wait_ready(&s.ready).await {
         return (StatusCode::SERVICE_UNAVAILABLE, "caches not synced\n").into_response();
     }
-    respond(s.reviewer.validate(&body).await)
+    respond(s.reviewer.validate(&body.0).await)
 }
 
-async fn mutate_node<C: Cluster>(State(s): State<AppState<C>>, body: Bytes) -> Response {
+async fn mutate_node<C: Cluster>(State(s): State<AppState<C>>, body: ReviewBody) -> Response {
     // Needs no cache: a new node is gated whatever the caches say.
-    respond(s.reviewer.mutate_node(&body))
+    respond(s.reviewer.mutate_node(&body.0))
 }
 
-/// The webhook's routes with body limit and per-request timeout.
+/// The webhook's routes with the body limit, the review memory budget and the per-request
+/// timeout.
 pub fn router<C: Cluster>(
     reviewer: Arc<Reviewer<C>>,
     ready: watch::Receiver<bool>,
     limits: Limits,
 ) -> Router {
+    let budget = Budget::new(limits.review_memory_bytes, limits.max_body_bytes);
     Router::new()
         .route("/validate", post(validate::<C>))
         .route("/mutate-node", post(mutate_node::<C>))
-        .with_state(AppState { reviewer, ready })
-        .layer(DefaultBodyLimit::max(limits.max_body_bytes))
+        .with_state(AppState {
+            reviewer,
+            ready,
+            budget,
+        })
         .layer(TimeoutLayer::with_status_code(
             StatusCode::SERVICE_UNAVAILABLE,
             limits.request_timeout,
         ))
 }
 
+/// The TLS handshake of the shared server.
+#[derive(Clone)]
+struct Tls(TlsAcceptor);
+
+impl Handshake for Tls {
+    type Io = tokio_rustls::server::TlsStream<TcpStream>;
+    fn handshake(&self, tcp: TcpStream) -> impl Future<Output = std::io::Result<Self::Io>> + Send {
+        self.0.accept(tcp)
+    }
+}
+
 /// Serves `app` over TLS on `listener` until `phase` reaches [`Phase::Draining`], then drains
-/// for at most `drain`; connections still open when the drain times out are aborted (their
-/// sockets closed), so nothing outlives the returned future. From [`Phase::Delaying`] on,
-/// responses carry `Connection: close`. Accept and handshake errors are logged, never fatal.
-///
-/// At most `max_connections` connections are open at once (at least 1): each holds a permit
-/// from its accept to its end, and without a free permit the loop does not accept, so excess
-/// connections wait in the kernel's backlog. At the close, backlog connections beyond the cap
-/// are closed unserved.
+/// for at most `drain` (see `meshgate_runtime::server::serve`), with at most
+/// `max_connections` connections at once and this module's handshake, header and buffer
+/// limits.
 pub async fn serve_tls(
     listener: TcpListener,
     tls: Arc<ServerConfig>,
@@ -154,224 +183,25 @@ pub async fn serve_tls(
     drain: Duration,
     max_connections: usize,
 ) {
-    let permits = Arc::new(Semaphore::new(
-        max_connections.clamp(1, Semaphore::MAX_PERMITS),
-    ));
-    let stopping = phase.clone();
-    // Decided when the response is written, so a request in flight when the delay starts is
-    // answered with the close too.
-    let app = app.layer(tower::util::MapResponseLayer::new(
-        move |mut resp: Response| {
-            if *stopping.borrow() != Phase::Serving {
-                resp.headers_mut()
-                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            }
-            resp
-        },
-    ));
-    let mut conns = Connections {
-        acceptor: TlsAcceptor::from(tls),
-        app,
-        phase: phase.clone(),
-        graceful: GracefulShutdown::new(),
-        tasks: JoinSet::new(),
+    let limits = shared::Limits {
+        max_connections,
+        handshake_timeout: HANDSHAKE_TIMEOUT,
+        header_read_timeout: HEADER_READ_TIMEOUT,
+        max_buf_size: MAX_BUF_SIZE,
     };
-    let mut draining = phase.clone();
-    // A dropped sender also ends serving: nobody could ask for the drain any more.
-    let draining = async move {
-        let _ = draining.wait_for(|p| *p == Phase::Draining).await;
-    };
-    let mut draining = std::pin::pin!(draining);
-    // The cap's warning, at most once a minute: a flood reaches it on every freed slot.
-    let mut warned: Option<tokio::time::Instant> = None;
-    loop {
-        let permit = match permits.clone().try_acquire_owned() {
-            Ok(p) => p,
-            Err(_) => {
-                if warned.is_none_or(|at| at.elapsed() >= Duration::from_secs(60)) {
-                    warned = Some(tokio::time::Instant::now());
-                    tracing::warn!(
-                        max_connections,
-                        "connection cap reached; new connections wait until one ends"
-                    );
-                }
-                tokio::select! {
-                    biased;
-                    () = &mut draining => break,
-                    p = permits.clone().acquire_owned() => match p {
-                        Ok(p) => p,
-                        // Never closed; ends the loop rather than spin if it were.
-                        Err(_) => break,
-                    },
-                }
-            }
-        };
-        let (tcp, peer) = tokio::select! {
-            // Checked first, so the backlog left at the close is handled below, in one place.
-            biased;
-            () = &mut draining => break,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // EMFILE and friends: back off briefly instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        conns.reap();
-        conns.spawn(tcp, peer, permit);
-    }
-    // Connections the kernel completed before the close are served, not reset by it (each
-    // answers one request and closes). Accepted with the plain socket call: the async
-    // listener only retries once the reactor reported readiness, which may not have happened.
-    let late = accept_backlog(listener, |tcp, peer| {
-        match permits.clone().try_acquire_owned() {
-            Ok(permit) => conns.spawn(tcp, peer, permit),
-            Err(_) => tracing::debug!(%peer, "connection cap reached at the close; closing it"),
-        }
-    });
-    tracing::info!(
-        connections = conns.graceful.count(),
-        accepted_at_close = late,
-        "shutting down: listener closed, draining in-flight requests"
-    );
-    let graceful = std::mem::take(&mut conns.graceful);
-    tokio::select! {
-        () = graceful.shutdown() => tracing::info!("drained"),
-        () = tokio::time::sleep(drain) => tracing::warn!(
-            ?drain,
-            connections = conns.tasks.len(),
-            "drain timed out; closing remaining connections"
-        ),
-    }
-    // After a timeout, aborts what is left (dropping a task closes its socket); after a
-    // complete drain, only tasks past their last byte remain. Waits for them either way, so
-    // an embedder's runtime holds no connection of ours once this returns.
-    conns.tasks.shutdown().await;
-}
-
-/// The accepted connections: what serves them, and their tasks (aborted if the drain times
-/// out).
-struct Connections {
-    acceptor: TlsAcceptor,
-    app: Router,
-    phase: watch::Receiver<Phase>,
-    graceful: GracefulShutdown,
-    tasks: JoinSet<()>,
-}
-
-impl Connections {
-    /// Forgets the tasks that have ended, so the set holds only live connections.
-    fn reap(&mut self) {
-        while let Some(ended) = self.tasks.try_join_next() {
-            if let Err(e) = ended
-                && e.is_panic()
-            {
-                tracing::error!(error = %e, "connection task panicked");
-            }
-        }
-    }
-
-    /// Handshakes and serves one connection in a task of the set.
-    ///
-    /// Whether the drain may close the connection while it is idle is decided after the TLS
-    /// handshake, from the phase then: one still [`Phase::Serving`] is told to finish at the
-    /// drain (its idle keep-alive is closed, a request in flight completes). One whose
-    /// handshake ended after the stop request is not: its answers carry `Connection: close`,
-    /// so it ends by itself after one request, whereas told to shut down before its request
-    /// was read (the drain having started during, or just after, its handshake) it would be
-    /// closed unanswered. Its watcher is held all the same, so the drain waits for it.
-    ///
-    /// `permit` is held until the connection ends: that is what the connection cap counts.
-    fn spawn(
-        &mut self,
-        tcp: tokio::net::TcpStream,
-        peer: std::net::SocketAddr,
-        permit: OwnedSemaphorePermit,
-    ) {
-        let _ = tcp.set_nodelay(true);
-        let acceptor = self.acceptor.clone();
-        let app = self.app.clone();
-        let phase = self.phase.clone();
-        let watcher = self.graceful.watcher();
-        self.tasks.spawn(async move {
-            let _permit = permit;
-            let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                    return;
-                }
-                Err(_) => {
-                    tracing::debug!(%peer, "TLS handshake timed out");
-                    return;
-                }
-            };
-            let serving = *phase.borrow() == Phase::Serving;
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT)
-                .serve_connection(TokioIo::new(tls), TowerToHyperService::new(app));
-            let result = if serving {
-                watcher.watch(conn).await
-            } else {
-                let _counted = watcher;
-                conn.await
-            };
-            if let Err(e) = result {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
-            }
-        });
-    }
-}
-
-/// At most this many connections still waiting in the kernel are accepted when the listener
-/// closes (the default `somaxconn` is 4096; the rest are reset).
-const ACCEPT_BACKLOG_DRAIN: usize = 4096;
-
-/// Accepts what waits in `listener`'s backlog without waiting for more, hands each to `serve`,
-/// and closes the listener; returns how many there were.
-fn accept_backlog(
-    listener: TcpListener,
-    mut serve: impl FnMut(tokio::net::TcpStream, std::net::SocketAddr),
-) -> usize {
-    let listener = match listener.into_std() {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot take the listener's backlog");
-            return 0;
-        }
-    };
-    let mut n = 0;
-    while n < ACCEPT_BACKLOG_DRAIN {
-        // Still non-blocking (tokio set it): WouldBlock ends the loop.
-        let Ok((tcp, peer)) = listener.accept() else {
-            break;
-        };
-        // An accepted socket does not inherit the listener's O_NONBLOCK.
-        match tcp
-            .set_nonblocking(true)
-            .and_then(|()| tokio::net::TcpStream::from_std(tcp))
-        {
-            Ok(tcp) => {
-                n += 1;
-                serve(tcp, peer);
-            }
-            Err(e) => tracing::debug!(%peer, error = %e, "cannot register a late connection"),
-        }
-    }
-    n
+    let handshake = Tls(TlsAcceptor::from(tls));
+    shared::serve(listener, handshake, app, phase, drain, limits).await;
 }
 
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
     use crate::review::tests::{binding_review, fake_cluster, pod_review, reviewer};
-    use axum::body::Body;
+    use axum::body::{Body, Bytes};
+    use axum::http::header;
     use http::Request;
     use http_body_util::BodyExt;
+    use hyper_util::rt::TokioIo;
     use tower::ServiceExt;
 
     pub(crate) fn app(

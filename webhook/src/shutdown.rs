@@ -19,16 +19,11 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 
-/// Where the webhook is in its life.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Phase {
-    /// Normal service.
-    Serving,
-    /// Stop requested: not ready, still accepting and answering (for `--shutdown-delay`).
-    Delaying,
-    /// Listener closed; requests in flight finish (within `--shutdown-timeout`).
-    Draining,
-}
+/// Where the webhook is in its life: [`Phase::Serving`], [`Phase::Delaying`] (stop requested:
+/// not ready, still accepting and answering for `--shutdown-delay`), [`Phase::Draining`]
+/// (listener closed; requests in flight finish within `--shutdown-timeout`). The server that
+/// follows it is `meshgate_runtime::server`, shared with the admin ports.
+pub use meshgate_runtime::server::Phase;
 
 /// A phase channel starting at [`Phase::Serving`].
 pub fn phase_channel() -> (watch::Sender<Phase>, watch::Receiver<Phase>) {

@@ -22,8 +22,12 @@
 //!   `HeldOutput`), or at the deadline. Then the init is SIGKILLed and the kernel SIGKILLs
 //!   every process left in the namespace, including grandchildren that called `setsid` or
 //!   double-forked: nothing it started survives, ever. Without `CAP_SYS_ADMIN` (a non-root
-//!   `check`) the process group is killed always, plus a sweep that SIGKILLs any process
-//!   still holding the plugin's stdout/stderr pipes.
+//!   `check`) there is no namespace, but the init is the child subreaper of everything the
+//!   plugin starts, so orphans (a `setsid`'d daemon included) stay in its subtree: at the
+//!   end of every run, finished or not, that subtree is SIGKILLed from `/proc` in rounds
+//!   before the init and the process group. The init dies with the agent's spawning thread
+//!   (`PR_SET_PDEATHSIG`), the plugin with the init, so an agent killed mid-probe leaves
+//!   no namespace behind either.
 //! - Output is capped (64 KiB stdout, 4 KiB stderr) and only lengths reach messages.
 //! - Answers are cached by (path, device, inode, size, mtime, ctime, mode): an unchanged
 //!   binary is not run again; any rewrite, replace or chmod is re-probed. Failures to start
@@ -51,8 +55,10 @@ use nix::unistd::Pid;
 const MAX_STDOUT: usize = 64 * 1024;
 /// Largest stderr kept (only its length is ever reported).
 const MAX_STDERR: usize = 4 * 1024;
-/// How long pipes may stay open after the plugin is gone before their holders are hunted.
+/// How long the pipes may stay open once everything the plugin started is dead.
 const PIPE_GRACE: Duration = Duration::from_millis(100);
+/// Scans of the process tree when killing what a plugin left without a PID namespace.
+const KILL_ROUNDS: usize = 50;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct CacheKey {
@@ -234,32 +240,48 @@ impl Prober {
     }
 }
 
-/// Spawns the plugin from a short-lived thread that first moves its future children into a
-/// new PID namespace: only that thread's children are affected, and it exits right after
-/// the spawn (a thread whose children go to another PID namespace cannot create threads,
-/// so everything else happens on the caller's thread). Returns the child (the namespace's
-/// init, see [`spawn`]) and whether it is isolated.
-fn spawn_isolated(path: &Path, status_w: OwnedFd) -> Result<(Child, bool), (Broken, bool)> {
+/// Spawns the plugin from a thread of its own that first moves its future children into a
+/// new PID namespace: only that thread's children are affected (a thread whose children go
+/// to another PID namespace cannot create threads, so everything else happens on the
+/// caller's thread). The thread then waits, as the init's parent, until the returned
+/// [`Holder`] is dropped: the init's parent-death signal fires when its parent *thread*
+/// ends, so the init, and with it the namespace, dies with the run or with the agent.
+/// Returns the child (the namespace's init, see [`spawn`]) and whether it is isolated.
+fn spawn_isolated(path: &Path, status_w: OwnedFd) -> Result<(Child, bool, Holder), (Broken, bool)> {
     let path = path.to_path_buf();
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let (hold_tx, hold_rx) = mpsc::channel::<()>();
     let worker = std::thread::Builder::new()
         .name("cni-probe-spawn".into())
         .spawn(move || {
             let isolated = nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWPID).is_ok();
-            spawn(&path, status_w).map(|c| (c, isolated))
+            let spawned = spawn(&path, status_w).map(|c| (c, isolated));
+            let ok = spawned.is_ok();
+            if ready_tx.send(spawned).is_ok() && ok {
+                // Returns once the Holder is dropped (Err: the sender is gone).
+                let _ = hold_rx.recv();
+            }
         });
-    match worker.map(|h| h.join()) {
-        Ok(Ok(r)) => r,
-        Ok(Err(_)) | Err(_) => Err((
+    let failed = || {
+        (
             Broken::CannotStart("the probe could not start a thread".into()),
             false,
-        )),
-    }
+        )
+    };
+    worker.map_err(|_| failed())?;
+    let (child, isolated) = ready_rx.recv().map_err(|_| failed())??;
+    Ok((child, isolated, Holder(hold_tx)))
 }
+
+/// Keeps the spawning thread, the init's parent, alive until dropped.
+struct Holder(#[allow(dead_code)] mpsc::Sender<()>);
 
 /// Starts a minimal init that starts the plugin as libcni runs it for VERSION.
 ///
 /// The direct child forks once more (in `pre_exec`, async-signal-safe calls only): the
-/// grandchild execs the plugin; the child stays as PID 1 of the new namespace, drops every
+/// grandchild execs the plugin; the child stays as PID 1 of the new namespace (and, with or
+/// without one, the child subreaper of everything the plugin starts, so no descendant can
+/// leave its subtree; it gets SIGKILL when its parent thread ends, the plugin when it ends), drops every
 /// fd but `status_w` (so it holds neither the plugin's pipes nor std's exec-error pipe),
 /// writes the plugin's raw wait status to `status_w` when the plugin exits, then reaps the
 /// plugin's orphans (which the kernel hands to the namespace's init). The caller decides
@@ -267,6 +289,7 @@ fn spawn_isolated(path: &Path, status_w: OwnedFd) -> Result<(Child, bool), (Brok
 /// waits for), and then kills the init: the kernel kills everything left in the namespace.
 fn spawn(path: &Path, status_w: OwnedFd) -> Result<Child, (Broken, bool)> {
     let status_fd = status_w.as_raw_fd();
+    let agent = std::process::id() as libc::pid_t;
     let mut cmd = Command::new(path);
     cmd.env_clear()
         .env(
@@ -285,16 +308,29 @@ fn spawn(path: &Path, status_w: OwnedFd) -> Result<Child, (Broken, bool)> {
         // Its own process group too: the fallback when no PID namespace is available.
         .process_group(0);
     // SAFETY: the closure runs in the forked child before exec and only makes
-    // async-signal-safe system calls (fork, dup2, close_range/close, waitpid, write, _exit);
-    // it allocates nothing and touches no lock.
+    // async-signal-safe system calls (prctl, getppid, fork, dup2, close_range/close, waitpid,
+    // write, _exit); it allocates nothing and touches no lock.
     unsafe {
         cmd.pre_exec(move || {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1);
+            // The agent died before the death signal was armed (in a new PID namespace the
+            // parent is outside it and shows as 0 either way).
+            let parent = libc::getppid();
+            if parent != agent && parent != 0 {
+                libc::_exit(1);
+            }
+            let init = libc::getpid();
             let plugin = libc::fork();
             if plugin < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             if plugin == 0 {
-                // The plugin: status_w is O_CLOEXEC, so exec drops it.
+                // The plugin dies with the init; status_w is O_CLOEXEC, so exec drops it.
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                if libc::getppid() != init {
+                    libc::_exit(1);
+                }
                 return Ok(());
             }
             init_loop(plugin, status_fd)
@@ -355,16 +391,8 @@ fn run_isolated(path: &Path, deadline: Instant) -> Result<Run, (Broken, bool)> {
             false,
         )
     })?;
-    let (mut child, isolated) = spawn_isolated(path, status_w)?;
+    let (mut child, isolated, holder) = spawn_isolated(path, status_w)?;
     let init = child.id() as i32;
-    let pipes: Vec<u64> = [
-        child.stdout.as_ref().map(pipe_inode),
-        child.stderr.as_ref().map(pipe_inode),
-    ]
-    .into_iter()
-    .flatten()
-    .flatten()
-    .collect();
     // Stdin on its own thread, after the timer started: never blocks us, whatever the plugin does.
     if let Some(mut stdin) = child.stdin.take() {
         std::thread::spawn(move || {
@@ -399,16 +427,17 @@ fn run_isolated(path: &Path, deadline: Instant) -> Result<Run, (Broken, bool)> {
         std::thread::sleep(pause.min(deadline - now));
         pause = (pause * 2).min(Duration::from_millis(10));
     };
-    // Always: kill the init (the kernel then kills the rest of its namespace) and the
-    // process group, whether the plugin exited, hung or forked.
+    // Always, whether the plugin exited, hung or forked: without a namespace, kill every
+    // descendant of the init first (it is their subreaper, so none has left its subtree);
+    // then the init (with a namespace, the kernel kills everything left in it) and the
+    // process group.
+    if !isolated {
+        kill_tree(init);
+    }
     let _ = nix::sys::signal::kill(Pid::from_raw(init), Signal::SIGKILL);
     let _ = nix::sys::signal::killpg(Pid::from_raw(init), Signal::SIGKILL);
     let _ = child.wait();
-    if !finished && !isolated {
-        // Without a namespace, a setsid'd grandchild may still hold our pipes: find it by
-        // the pipes themselves and kill it, so the reader threads end.
-        kill_pipe_holders(&pipes);
-    }
+    drop(holder);
     let held_output = !finished && status.is_some();
     let status = status.flatten();
     let out = out.or_else(|| stdout.recv_timeout(PIPE_GRACE).ok());
@@ -439,43 +468,69 @@ fn read_status(mut r: std::fs::File) -> mpsc::Receiver<Option<ExitStatus>> {
     rx
 }
 
-/// The inode of a pipe end (`pipe:[N]` in /proc/*/fd).
-fn pipe_inode(f: &impl std::os::fd::AsFd) -> Option<u64> {
-    nix::sys::stat::fstat(f.as_fd()).ok().map(|s| s.st_ino)
+/// SIGKILLs every descendant of `root` (not `root` itself), in rounds until none is left
+/// alive or [`KILL_ROUNDS`] have passed: a process forked between a scan and the kills is
+/// caught by the next scan. `root` must be their child subreaper and still alive, so that
+/// orphans stay in its subtree (and it reaps the zombies).
+fn kill_tree(root: i32) {
+    for _ in 0..KILL_ROUNDS {
+        let alive = descendants(root);
+        if alive.is_empty() {
+            return;
+        }
+        for pid in alive {
+            let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    tracing::warn!(
+        root,
+        rounds = KILL_ROUNDS,
+        "plugin processes still alive after the kill rounds"
+    );
 }
 
-/// SIGKILLs every process with an fd on one of `pipes` (other than this process).
-fn kill_pipe_holders(pipes: &[u64]) {
-    if pipes.is_empty() {
-        return;
-    }
-    let me = std::process::id();
+/// The living (non-zombie) descendants of `root`, from each process's parent in
+/// `/proc/<pid>/stat`.
+fn descendants(root: i32) -> Vec<i32> {
     let Ok(procs) = std::fs::read_dir("/proc") else {
-        return;
+        return Vec::new();
     };
+    let mut children: HashMap<i32, Vec<(i32, bool)>> = HashMap::new();
     for p in procs.flatten() {
-        let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+        let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
             continue;
         };
-        if pid == me {
-            continue;
-        }
-        let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
             continue;
         };
-        let holds = fds.flatten().any(|fd| {
-            std::fs::read_link(fd.path()).is_ok_and(|l| {
-                let l = l.to_string_lossy();
-                pipes.iter().any(|ino| l == format!("pipe:[{ino}]"))
-            })
-        });
-        if holds {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid as i32),
-                nix::sys::signal::Signal::SIGKILL,
-            );
+        // "pid (comm) state ppid ...": comm may hold anything, so split after the last ')'.
+        let mut rest = stat
+            .rsplit_once(')')
+            .map(|(_, r)| r)
+            .unwrap_or("")
+            .split_whitespace();
+        let zombie = rest.next() == Some("Z");
+        if let Some(ppid) = rest.next().and_then(|s| s.parse::<i32>().ok()) {
+            children.entry(ppid).or_default().push((pid, zombie));
         }
     }
+    let mut found = Vec::new();
+    let mut todo = vec![root];
+    // The scan is not atomic: a reused pid could make a loop, so each pid is visited once.
+    let mut seen = std::collections::HashSet::from([root]);
+    while let Some(parent) = todo.pop() {
+        for &(pid, zombie) in children.get(&parent).into_iter().flatten() {
+            if !seen.insert(pid) {
+                continue;
+            }
+            todo.push(pid);
+            if !zombie {
+                found.push(pid);
+            }
+        }
+    }
+    found
 }
 
 /// Reads a pipe to its end on a thread, keeping at most `cap` bytes and discarding the rest

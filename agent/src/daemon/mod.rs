@@ -13,6 +13,7 @@
 //! retried with capped exponential backoff, and each retry verifies again, so a long API
 //! outage can never end in an untaint based on what the disk said before it.
 
+pub mod clients;
 pub mod fswatch;
 pub mod metrics;
 pub mod node;
@@ -61,6 +62,12 @@ pub struct Args {
     /// Kubeconfig to use (default: KUBECONFIG, else the in-cluster config).
     #[arg(long, env = "MESHGATE_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
+    /// Read the Node and the pods on it, and evict them, as the node itself (Constrained
+    /// Impersonation: Kubernetes 1.35+ with the ConstrainedImpersonation feature gate, and
+    /// the RBAC of manifests/components/node-impersonation). Node writes and Events stay
+    /// with the ServiceAccount.
+    #[arg(long, env = "MESHGATE_IMPERSONATE_NODE")]
+    pub impersonate_node: bool,
     /// Address of the admin server (/live, /ready, /metrics).
     #[arg(long, env = "MESHGATE_ADMIN_ADDR", default_value = "0.0.0.0:9990")]
     pub admin_addr: SocketAddr,
@@ -172,7 +179,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 
     let shared = Arc::new(state::Shared::new(args.state_file.clone(), saved));
 
-    let client = meshgate_runtime::client::build(args.kubeconfig.as_deref()).await?;
+    let clients = clients::Clients::build(
+        args.kubeconfig.as_deref(),
+        &node_name,
+        args.impersonate_node,
+        true,
+    )
+    .await?;
+    let client = clients.own.clone();
     let mut registry = Registry::default();
     let metrics = AgentMetrics::register(&mut registry);
     let ready = Arc::new(AtomicBool::new(false));
@@ -208,7 +222,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         args.taint_effect,
         args.api_timeout,
         recorder,
-    );
+    )
+    .reading_as(clients.node.clone());
 
     // The Node, as last seen by a watch on it alone: reconciles read it instead of GETting,
     // and a change by someone else (our taint removed by hand) wakes the loop.
@@ -226,7 +241,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     )
     .await?;
     let node_watch = tokio::spawn(watch_node(
-        Api::all(client.clone()),
+        Api::all(clients.node.clone()),
         node_name.clone(),
         node_tx,
     ));

@@ -248,7 +248,11 @@ fn is_conflict(e: &kube::Error) -> bool {
 
 /// The agent's handle on its own Node.
 pub struct NodeGate {
+    /// Writes: the taint-and-label patch and the condition.
     api: Api<Node>,
+    /// Reads (a GET when the watch has nothing, or after a conflict); `api` unless
+    /// [`NodeGate::reading_as`] gave it another identity.
+    reader: Api<Node>,
     name: String,
     effect: TaintEffect,
     timeout: Duration,
@@ -264,13 +268,23 @@ impl NodeGate {
         timeout: Duration,
         recorder: Recorder,
     ) -> Self {
+        let api = Api::all(client);
         Self {
-            api: Api::all(client),
+            reader: api.clone(),
+            api,
             name,
             effect,
             timeout,
             recorder,
         }
+    }
+
+    /// Reads the Node through `client` (the node's own identity with `--impersonate-node`);
+    /// writes stay with the client given to [`NodeGate::new`].
+    #[must_use]
+    pub fn reading_as(mut self, client: kube::Client) -> Self {
+        self.reader = Api::all(client);
+        self
     }
 
     /// The Node's name.
@@ -298,7 +312,7 @@ impl NodeGate {
 
     /// Reads the Node from the API (used when the watch cache is empty or stale).
     pub async fn get(&self) -> Result<Node, GateError> {
-        self.call("get node", self.api.get(&self.name)).await
+        self.call("get node", self.reader.get(&self.name)).await
     }
 
     /// Makes the Node say what `verdict` says. `seen` is the latest Node from the watch, if

@@ -95,19 +95,10 @@ pub enum ReadError {
 }
 
 /// Handles bound to one namespace; create them with [`Sockets::open_here`] from inside it.
+#[derive(Debug)]
 pub struct Sockets {
-    nft: mnl::Socket,
+    nft: crate::netlink::Socket,
     legacy: Vec<legacy::LegacyTables>,
-}
-
-// mnl::Socket wraps a raw pointer and is not Debug.
-impl std::fmt::Debug for Sockets {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Sockets")
-            .field("nft_portid", &self.nft.portid())
-            .field("legacy", &self.legacy)
-            .finish()
-    }
 }
 
 impl Sockets {
@@ -117,10 +108,13 @@ impl Sockets {
     /// query for a table that does not exist would make the kernel create it in the pod's
     /// namespace, so only the listed tables are ever queried.
     pub fn open_here() -> Result<Self, ReadError> {
-        let nft = mnl::Socket::new(mnl::Bus::Netfilter).map_err(|source| ReadError::Socket {
-            what: "nf_tables netlink",
-            source,
-        })?;
+        let nft =
+            crate::netlink::Socket::open(crate::netlink::Bus::Netfilter).map_err(|source| {
+                ReadError::Socket {
+                    what: "nf_tables netlink",
+                    source,
+                }
+            })?;
         let mut legacy = Vec::new();
         for fam in [Family::Ip, Family::Ip6] {
             if let Some(t) = legacy::LegacyTables::open_here(fam)? {
@@ -161,8 +155,8 @@ impl Sockets {
 }
 
 /// Splits a buffer of netlink messages into messages, checking every length against the
-/// buffer. (`mnl::NlMessages` panics when the last message's padded length runs past the end
-/// of the buffer; this does not.) Iteration stops at the first malformed header.
+/// buffer, the last message's padding included, so a short or lying header never reads past
+/// the end. Iteration stops at the first malformed header.
 pub(crate) fn split_messages(buf: &[u8]) -> impl Iterator<Item = Result<&[u8], String>> {
     const NLMSG_HDR: usize = 16;
     let mut rest = buf;

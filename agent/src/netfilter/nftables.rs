@@ -1,4 +1,4 @@
-//! nf_tables reader: dumps tables, chains and rules over netlink (an `mnl` socket) and
+//! nf_tables reader: dumps tables, chains and rules over netlink (a [`crate::netlink::Socket`]) and
 //! decodes them into [`meshgate_core::rules`] tables.
 //!
 //! In: a netfilter netlink socket bound to the pod's namespace. Out: every `ip`, `ip6` and
@@ -56,7 +56,7 @@ struct AlignedBuf([u8; BUF_LEN]);
 
 /// Runs dumps on one socket.
 pub struct Dumper<'a> {
-    sock: &'a mnl::Socket,
+    sock: &'a crate::netlink::Socket,
     seq: u32,
     buf: Box<AlignedBuf>,
     limits: DumpLimits,
@@ -141,7 +141,7 @@ pub struct Message {
 
 impl<'a> Dumper<'a> {
     /// A dumper on a socket opened inside the target namespace.
-    pub fn new(sock: &'a mnl::Socket) -> Self {
+    pub fn new(sock: &'a crate::netlink::Socket) -> Self {
         Self {
             sock,
             seq: 0,

@@ -77,7 +77,7 @@ pub struct Batch {
 struct AlignedBuf([u8; BUF_LEN]);
 
 /// Dumps every address of the socket's namespace, retrying an interrupted dump.
-pub fn dump(sock: &mnl::Socket) -> Result<Vec<Address>, AddrError> {
+pub fn dump(sock: &crate::netlink::Socket) -> Result<Vec<Address>, AddrError> {
     let mut buf = Box::new(AlignedBuf([0; BUF_LEN]));
     for attempt in 1..=MAX_ATTEMPTS {
         let seq = attempt;

@@ -172,17 +172,8 @@ fn with_netns_file<T>(ns: &File, path: &Path, f: impl FnOnce() -> T) -> Result<T
 #[derive(Debug)]
 pub struct Opened {
     path: PathBuf,
-    route: RouteSocket,
+    route: crate::netlink::Socket,
     rules: Option<netfilter::Sockets>,
-}
-
-/// mnl's socket is not Debug.
-struct RouteSocket(mnl::Socket);
-
-impl std::fmt::Debug for RouteSocket {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "RouteSocket(portid {})", self.0.portid())
-    }
 }
 
 /// Enters `path` once and opens the rtnetlink socket, plus the netfilter handles when
@@ -194,7 +185,7 @@ pub fn open(path: &Path, with_rules: bool) -> Result<Opened, NetnsError> {
 /// [`open`] through an already open namespace descriptor.
 fn open_file(ns: &File, path: &Path, with_rules: bool) -> Result<Opened, NetnsError> {
     let (route, rules) = with_netns_file(ns, path, || {
-        let route = mnl::Socket::new(mnl::Bus::Route);
+        let route = crate::netlink::Socket::open(crate::netlink::Bus::Route);
         let rules = with_rules.then(netfilter::Sockets::open_here);
         (route, rules)
     })?;
@@ -208,7 +199,7 @@ fn open_file(ns: &File, path: &Path, with_rules: bool) -> Result<Opened, NetnsEr
     })?;
     Ok(Opened {
         path: path.to_owned(),
-        route: RouteSocket(route),
+        route,
         rules,
     })
 }
@@ -216,7 +207,7 @@ fn open_file(ns: &File, path: &Path, with_rules: bool) -> Result<Opened, NetnsEr
 impl Opened {
     /// The namespace's addresses.
     pub fn addresses(&self) -> Result<Vec<Address>, NetnsError> {
-        addr::dump(&self.route.0).map_err(|source| NetnsError::Addresses {
+        addr::dump(&self.route).map_err(|source| NetnsError::Addresses {
             path: self.path.clone(),
             source,
         })

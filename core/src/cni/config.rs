@@ -23,7 +23,12 @@
 //!   a wrong JSON type anywhere in these is a load error. `type` must end up non-empty.
 //! - `.conf` (`ConfFromBytes` + `ConfListFromConf`): the typed decode on the document as
 //!   written, then the list is rebuilt from the Go map (`name` and `cniVersion` from the
-//!   typed decode) and loaded as a `.conflist` would be.
+//!   typed decode) and loaded as a `.conflist` would be. That list is two levels deeper than
+//!   the file, so a `.conf` may nest at most `MAX_DEPTH - 2` = 9,998 levels.
+//!
+//! Depth: Go's `encoding/json` scanner refuses more than 10,000 nested arrays/objects
+//! ([`gojson::MAX_DEPTH`]); every walk here is iterative or shallow (typed fields are read
+//! one or two levels down), so the deepest file Go accepts gets libcni's verdict on any stack.
 
 use super::gojson::{self, GoValue, JsonError};
 
@@ -84,6 +89,13 @@ pub enum ConfigError {
     /// A plugin has no `type` or an empty one.
     #[error("{} has no plugin type", plugin_label(*.0))]
     MissingType(Option<usize>),
+    /// A `.conf` nested deeper than `MAX_DEPTH - 2` levels: libcni's `ConfListFromConf`
+    /// wraps it in a list object and a `plugins` array, and Go's decoder refuses the result.
+    #[error(
+        "is nested {0} levels deep; as a one-plugin list that is more than Go's limit of {max}",
+        max = gojson::MAX_DEPTH
+    )]
+    ConfTooDeepForList(usize),
 }
 
 fn plugin_label(index: Option<usize>) -> String {
@@ -403,6 +415,11 @@ impl NetConfList {
         // ConfListFromConf unmarshals the bytes into map[string]interface{} again.
         if !matches!(doc, GoValue::Object(_)) {
             return Err(ConfigError::NotAnObject);
+        }
+        // The list adds two levels (its object and `plugins`) before Go decodes it again.
+        let depth = doc.depth();
+        if depth + 2 > gojson::MAX_DEPTH {
+            return Err(ConfigError::ConfTooDeepForList(depth));
         }
         let rebuilt = GoValue::Object(vec![
             ("name".into(), GoValue::String(typed.name)),

@@ -18,11 +18,19 @@
 //! Field matching for typed structs (exact name first, then Go's case folding) is
 //! [`field_matches`].
 
-/// Go's `maxNestingDepth` in `encoding/json/scanner.go`.
+/// Go's `maxNestingDepth` in `encoding/json/scanner.go`: the scanner refuses the 10,001st
+/// open bracket with "exceeded max depth".
 pub const MAX_DEPTH: usize = 10_000;
 
+/// How many levels `Debug` shows before it elides a subtree: formatting recurses, so it is
+/// bounded here rather than by the input.
+pub const DEBUG_DEPTH: usize = 16;
+
 /// A decoded JSON value, Go style.
-#[derive(Clone, Debug, PartialEq)]
+///
+/// Trees may be [`MAX_DEPTH`] levels deep, so nothing that walks one recurses: dropping,
+/// comparing and [`GoValue::as_go_map`] use explicit stacks, and `Debug` stops at
+/// [`DEBUG_DEPTH`] levels. There is deliberately no `Clone`: a derived one would recurse.
 pub enum GoValue {
     /// `null`.
     Null,
@@ -83,27 +91,107 @@ impl GoValue {
         true
     }
 
+    /// How many arrays and objects nest at the deepest point (a scalar is 0): what Go's
+    /// scanner counts against [`MAX_DEPTH`] when the value is encoded and decoded again.
+    pub fn depth(&self) -> usize {
+        let mut deepest = 0;
+        let mut stack = vec![(self, 1)];
+        while let Some((v, d)) = stack.pop() {
+            match v {
+                GoValue::Array(items) => {
+                    deepest = deepest.max(d);
+                    stack.extend(items.iter().map(|c| (c, d + 1)));
+                }
+                GoValue::Object(members) => {
+                    deepest = deepest.max(d);
+                    stack.extend(members.iter().map(|(_, c)| (c, d + 1)));
+                }
+                _ => {}
+            }
+        }
+        deepest
+    }
+
     /// The value as Go's `map[string]interface{}` holds it, re-marshalled: in every object
     /// the last of duplicate keys wins and the keys come out sorted bytewise (Go's
     /// `json.Marshal` sorts map keys). This is what libcni's `NetworkConfFromBytes` hands to
     /// the typed plugin decoder, so field order (and thus which duplicate wins in a struct)
     /// follows from it.
+    ///
+    /// A post-order walk on explicit stacks: `todo` holds what is left to visit or to
+    /// assemble, `done` the finished values, children in order, waiting for their parent.
     pub fn as_go_map(&self) -> GoValue {
-        match self {
-            GoValue::Array(items) => GoValue::Array(items.iter().map(GoValue::as_go_map).collect()),
-            GoValue::Object(members) => {
-                let mut map: std::collections::BTreeMap<&str, &GoValue> =
-                    std::collections::BTreeMap::new();
-                for (k, v) in members {
-                    map.insert(k.as_str(), v);
+        enum Step<'a> {
+            Visit(&'a GoValue),
+            Array(usize),
+            Object(Vec<String>),
+        }
+        let mut todo = vec![Step::Visit(self)];
+        let mut done: Vec<GoValue> = Vec::new();
+        while let Some(step) = todo.pop() {
+            match step {
+                Step::Visit(GoValue::Array(items)) => {
+                    todo.push(Step::Array(items.len()));
+                    todo.extend(items.iter().rev().map(Step::Visit));
                 }
-                GoValue::Object(
-                    map.into_iter()
-                        .map(|(k, v)| (k.to_string(), v.as_go_map()))
-                        .collect(),
-                )
+                Step::Visit(GoValue::Object(members)) => {
+                    let mut map = std::collections::BTreeMap::new();
+                    for (k, v) in members {
+                        map.insert(k.as_str(), v);
+                    }
+                    todo.push(Step::Object(map.keys().map(|k| k.to_string()).collect()));
+                    todo.extend(map.values().rev().map(|v| Step::Visit(v)));
+                }
+                Step::Visit(leaf) => done.push(leaf.clone_leaf()),
+                Step::Array(n) => {
+                    let items = done.split_off(done.len().saturating_sub(n));
+                    done.push(GoValue::Array(items));
+                }
+                Step::Object(keys) => {
+                    let values = done.split_off(done.len().saturating_sub(keys.len()));
+                    done.push(GoValue::Object(keys.into_iter().zip(values).collect()));
+                }
             }
-            other => other.clone(),
+        }
+        done.pop().unwrap_or(GoValue::Null)
+    }
+
+    /// A copy of a scalar; a container comes back empty (callers copy children themselves).
+    fn clone_leaf(&self) -> GoValue {
+        match self {
+            GoValue::Null => GoValue::Null,
+            GoValue::Bool(b) => GoValue::Bool(*b),
+            GoValue::Number(n) => GoValue::Number(n.clone()),
+            GoValue::String(s) => GoValue::String(s.clone()),
+            GoValue::Array(_) => GoValue::Array(Vec::new()),
+            GoValue::Object(_) => GoValue::Object(Vec::new()),
+        }
+    }
+
+    /// True for an array or object with at least one child.
+    fn has_children(&self) -> bool {
+        match self {
+            GoValue::Array(items) => !items.is_empty(),
+            GoValue::Object(members) => !members.is_empty(),
+            _ => false,
+        }
+    }
+
+    /// Moves the children that have children of their own into `into`; the rest drop here.
+    fn take_nested(&mut self, into: &mut Vec<GoValue>) {
+        match self {
+            GoValue::Array(items) => {
+                into.extend(items.drain(..).filter(GoValue::has_children));
+            }
+            GoValue::Object(members) => {
+                into.extend(
+                    members
+                        .drain(..)
+                        .map(|(_, v)| v)
+                        .filter(GoValue::has_children),
+                );
+            }
+            _ => {}
         }
     }
 
@@ -115,6 +203,108 @@ impl GoValue {
             }
             _ => None,
         }
+    }
+}
+
+/// The derived drop would recurse once per level: a 10,000-deep tree overflows a 2 MiB
+/// stack. Nested containers are moved onto a heap stack and dropped one level at a time.
+impl Drop for GoValue {
+    fn drop(&mut self) {
+        if !self.has_children() {
+            return;
+        }
+        let mut pending = Vec::new();
+        self.take_nested(&mut pending);
+        while let Some(mut v) = pending.pop() {
+            v.take_nested(&mut pending);
+        }
+    }
+}
+
+/// Structural equality, on an explicit stack (a derived `eq` would recurse).
+impl PartialEq for GoValue {
+    fn eq(&self, other: &Self) -> bool {
+        let mut pairs = vec![(self, other)];
+        while let Some(pair) = pairs.pop() {
+            match pair {
+                (GoValue::Null, GoValue::Null) => {}
+                (GoValue::Bool(a), GoValue::Bool(b)) if a == b => {}
+                (GoValue::Number(a), GoValue::Number(b)) if a == b => {}
+                (GoValue::String(a), GoValue::String(b)) if a == b => {}
+                (GoValue::Array(a), GoValue::Array(b)) if a.len() == b.len() => {
+                    pairs.extend(a.iter().zip(b));
+                }
+                (GoValue::Object(a), GoValue::Object(b)) if a.len() == b.len() => {
+                    for ((ka, va), (kb, vb)) in a.iter().zip(b) {
+                        if ka != kb {
+                            return false;
+                        }
+                        pairs.push((va, vb));
+                    }
+                }
+                _ => return false,
+            }
+        }
+        true
+    }
+}
+
+impl std::fmt::Debug for GoValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        Shown(self, DEBUG_DEPTH).fmt(f)
+    }
+}
+
+/// A value shown down to a number of levels (formatting recurses; the bound keeps it short).
+struct Shown<'a>(&'a GoValue, usize);
+
+impl std::fmt::Debug for Shown<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Shown(v, depth) = *self;
+        match v {
+            GoValue::Null => f.write_str("Null"),
+            GoValue::Bool(b) => f.debug_tuple("Bool").field(b).finish(),
+            GoValue::Number(n) => f.debug_tuple("Number").field(n).finish(),
+            GoValue::String(s) => f.debug_tuple("String").field(s).finish(),
+            v if depth == 0 => write!(
+                f,
+                "{}(…)",
+                if matches!(v, GoValue::Array(_)) {
+                    "Array"
+                } else {
+                    "Object"
+                }
+            ),
+            GoValue::Array(items) => {
+                let list = Entries(items.iter().map(|v| (None, Shown(v, depth - 1))).collect());
+                f.debug_tuple("Array").field(&list).finish()
+            }
+            GoValue::Object(members) => {
+                let list = Entries(
+                    members
+                        .iter()
+                        .map(|(k, v)| (Some(k.as_str()), Shown(v, depth - 1)))
+                        .collect(),
+                );
+                f.debug_tuple("Object").field(&list).finish()
+            }
+        }
+    }
+}
+
+/// Array items, or object members as `(key, value)`.
+struct Entries<'a>(Vec<(Option<&'a str>, Shown<'a>)>);
+
+impl std::fmt::Debug for Entries<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut list = f.debug_list();
+        for (k, v) in &self.0 {
+            match k {
+                Some(k) => list.entry(&(k, v)),
+                None => list.entry(v),
+            };
+        }
+        list.finish()
     }
 }
 

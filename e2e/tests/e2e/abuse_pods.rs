@@ -103,6 +103,14 @@ async fn delete_all(client: &Client, ns: &str, names: &[String]) {
         .await;
 }
 
+/// Deletes the named Nodes (best effort).
+async fn delete_nodes(client: &Client, names: &[&str]) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    for n in names {
+        let _ = tokio::time::timeout(API_TIMEOUT, nodes.delete(n, &DeleteParams::default())).await;
+    }
+}
+
 /// A sample of `/metrics`, 0 when absent.
 async fn metric(webhook: &WebhookProcess, sample: &str) -> anyhow::Result<f64> {
     let (_, body) = webhook.admin_get("/metrics").await.context("/metrics")?;
@@ -212,13 +220,29 @@ async fn fat_unscheduled_pods_keep_the_webhook_under_half_its_memory_limit() -> 
         let ready = listing.wait_ready(WAIT).await?;
         let (rss_list, hwm_list) = listing.rss_kib().context("the listing webhook's RSS")?;
         eprintln!(
-            "[abuse-pods] {count} unscheduled pods × {ANNOTATION_LIMIT} B of annotations (and {} B of labels) created in {took:?}; \
-             webhook watching them: RSS {:.1} MiB, peak {:.1} MiB; a new webhook listing them: ready after {:?} \
-             (start to /ready {:?}), RSS {:.1} MiB, peak {:.1} MiB (bound {:.0} MiB)",
-            fat.labels, mib(rss_watch), mib(hwm_watch), ready, started.elapsed(), mib(rss_list), mib(hwm_list), mib(WEBHOOK_BOUND_KIB),
+            "[abuse-pods] {count} unscheduled pods × {ANNOTATION_LIMIT} B of annotations \
+             (and {} B of labels) created in {took:?}; webhook watching them: RSS {:.1} MiB, \
+             peak {:.1} MiB; a new webhook listing them: ready after {:?} (start to /ready \
+             {:?}), RSS {:.1} MiB, peak {:.1} MiB (bound {:.0} MiB)",
+            fat.labels,
+            mib(rss_watch),
+            mib(hwm_watch),
+            ready,
+            started.elapsed(),
+            mib(rss_list),
+            mib(hwm_list),
+            mib(WEBHOOK_BOUND_KIB),
         );
-        ensure!(hwm_watch < WEBHOOK_BOUND_KIB, "the webhook watching {count} fat pods peaked at {:.1} MiB", mib(hwm_watch));
-        ensure!(hwm_list < WEBHOOK_BOUND_KIB, "the webhook listing {count} fat pods peaked at {:.1} MiB", mib(hwm_list));
+        ensure!(
+            hwm_watch < WEBHOOK_BOUND_KIB,
+            "the webhook watching {count} fat pods peaked at {:.1} MiB",
+            mib(hwm_watch)
+        );
+        ensure!(
+            hwm_list < WEBHOOK_BOUND_KIB,
+            "the webhook listing {count} fat pods peaked at {:.1} MiB",
+            mib(hwm_list)
+        );
 
         // Answered from the cache: every meshed fat pod refused on the unverified node, every
         // plain one allowed there, any of them allowed on the verified node.
@@ -233,26 +257,41 @@ async fn fat_unscheduled_pods_keep_the_webhook_under_half_its_memory_limit() -> 
             })
             .collect();
         let sent = reviews.len();
-        let report = review_load::run(spec(&listing, reviews, 1000.0, paced(sent, 1000.0), 4)?).await?;
+        let report =
+            review_load::run(spec(&listing, reviews, 1000.0, paced(sent, 1000.0), 4)?).await?;
         let errors = report.errors();
-        ensure!(errors.is_empty() && report.samples.len() == sent, "{} of {} bindings answered wrong, first: {:?}", errors.len(), report.samples.len(), errors.first());
+        ensure!(
+            errors.is_empty() && report.samples.len() == sent,
+            "{} of {} bindings answered wrong, first: {:?}",
+            errors.len(),
+            report.samples.len(),
+            errors.first()
+        );
         let meshed = review_load::binding_review("msg", &ns, &names[0], &unverified, false);
-        let answer = review_load::answer(&spec(&listing, vec![], 1.0, Duration::ZERO, 1)?, &meshed).await?;
+        let answer =
+            review_load::answer(&spec(&listing, vec![], 1.0, Duration::ZERO, 1)?, &meshed).await?;
         let message = answer["status"]["message"].as_str().unwrap_or_default();
-        ensure!(message.contains("belongs to mesh profile linkerd"), "{message}");
+        ensure!(
+            message.contains("belongs to mesh profile linkerd"),
+            "{message}"
+        );
         let (_, body) = listing.admin_get("/metrics").await.context("/metrics")?;
-        ensure!(!body.contains("meshgate_pod_lookups_total{"), "bindings of cached pods were looked up:\n{body}");
-        ensure!(listing.pid().is_some(), "the webhook exited:\n{}", tail(&listing.log(), 20));
+        ensure!(
+            !body.contains("meshgate_pod_lookups_total{"),
+            "bindings of cached pods were looked up:\n{body}"
+        );
+        ensure!(
+            listing.pid().is_some(),
+            "the webhook exited:\n{}",
+            tail(&listing.log(), 20)
+        );
         anyhow::Ok(())
     }
     .await;
     let mut all = names.clone();
     all.push("marker".into());
     delete_all(&client, &ns, &all).await;
-    let nodes: Api<Node> = Api::all(client.clone());
-    for n in [&verified, &unverified] {
-        let _ = tokio::time::timeout(API_TIMEOUT, nodes.delete(n, &DeleteParams::default())).await;
-    }
+    delete_nodes(&client, &[&verified, &unverified]).await;
     result
 }
 
@@ -274,7 +313,11 @@ async fn fat_pods_on_its_node_keep_the_agent_under_half_its_memory_limit() -> an
     };
     let names: Vec<String> = (0..count).map(|i| format!("fat-{i}")).collect();
     let result = async {
-        cp.register_node(&client, &NodeSpec::new(&node).label("e2e.meshgate.io/test", &ns)).await?;
+        cp.register_node(
+            &client,
+            &NodeSpec::new(&node).label("e2e.meshgate.io/test", &ns),
+        )
+        .await?;
         let pods = names
             .iter()
             .enumerate()
@@ -282,23 +325,39 @@ async fn fat_pods_on_its_node_keep_the_agent_under_half_its_memory_limit() -> an
             .collect();
         let took = create_all(&client, &ns, pods).await?;
         let dirs = CniDirs::new()?;
-        dirs.config("10-calico-linkerd.conflist", &golden("calico-linkerd.conflist")?)?;
+        dirs.config(
+            "10-calico-linkerd.conflist",
+            &golden("calico-linkerd.conflist")?,
+        )?;
         let started = Instant::now();
         let agent = Agent::start(cp, &node, &dirs, &[])?;
         agent.wait_ready(WAIT).await?;
         let listed = poll_until("the agent to list its node's pods", WAIT, || async {
-            anyhow::Ok(agent.log().contains("pod list complete").then(|| started.elapsed()))
+            anyhow::Ok(
+                agent
+                    .log()
+                    .contains("pod list complete")
+                    .then(|| started.elapsed()),
+            )
         })
         .await?;
         let rss = agent.rss_kib().context("the agent's RSS")?;
         let hwm = agent.peak_rss_kib().context("the agent's peak RSS")?;
         let log = plain(&agent.log());
         eprintln!(
-            "[abuse-pods] {count} pods of {:.2} MiB on one node created in {took:?}; agent: pod list complete {listed:?} after start, \
-             RSS {:.1} MiB, peak {:.1} MiB (bound {:.0} MiB)",
-            (fat.annotations + fat.env) as f64 / 1048576.0, mib(rss), mib(hwm), mib(AGENT_BOUND_KIB),
+            "[abuse-pods] {count} pods of {:.2} MiB on one node created in {took:?}; agent: \
+             pod list complete {listed:?} after start, RSS {:.1} MiB, peak {:.1} MiB \
+             (bound {:.0} MiB)",
+            (fat.annotations + fat.env) as f64 / 1048576.0,
+            mib(rss),
+            mib(hwm),
+            mib(AGENT_BOUND_KIB),
         );
-        ensure!(hwm < AGENT_BOUND_KIB, "the agent listing {count} fat pods peaked at {:.1} MiB", mib(hwm));
+        ensure!(
+            hwm < AGENT_BOUND_KIB,
+            "the agent listing {count} fat pods peaked at {:.1} MiB",
+            mib(hwm)
+        );
         let meshed = count.div_ceil(2);
         ensure!(
             log.contains(&format!("pod list complete node={node} pods={meshed}")),
@@ -309,8 +368,7 @@ async fn fat_pods_on_its_node_keep_the_agent_under_half_its_memory_limit() -> an
     }
     .await;
     delete_all(&client, &ns, &names).await;
-    let nodes: Api<Node> = Api::all(client.clone());
-    let _ = tokio::time::timeout(API_TIMEOUT, nodes.delete(&node, &DeleteParams::default())).await;
+    delete_nodes(&client, &[&node]).await;
     result
 }
 
@@ -339,20 +397,47 @@ async fn forged_binding_reviews_cost_the_apiserver_at_most_the_lookup_rate() -> 
         const FORGED: usize = 3000;
         let mut reviews: Vec<Review> = (0..FORGED)
             .map(|i| {
-                let pod = if i % 10 == 0 { "ghost".to_string() } else { unique_name("forged") };
+                let pod = if i % 10 == 0 {
+                    "ghost".to_string()
+                } else {
+                    unique_name("forged")
+                };
                 review_load::binding_review(&format!("f-{i}"), &ns, &pod, &unverified, false)
             })
             .collect();
         for i in 0..FORGED / 100 {
-            reviews.insert(i * 100, review_load::binding_review(&format!("p-{i}"), &ns, "pending", &unverified, false));
-            reviews.insert(i * 100 + 1, review_load::binding_review(&format!("v-{i}"), &ns, "pending", &verified, true));
+            reviews.insert(
+                i * 100,
+                review_load::binding_review(&format!("p-{i}"), &ns, "pending", &unverified, false),
+            );
+            reviews.insert(
+                i * 100 + 1,
+                review_load::binding_review(&format!("v-{i}"), &ns, "pending", &verified, true),
+            );
         }
         let from = SystemTime::now();
-        let report = review_load::run(spec(&webhook, reviews.clone(), 1000.0, paced(reviews.len(), 1000.0), 8)?).await?;
+        let report = review_load::run(spec(
+            &webhook,
+            reviews.clone(),
+            1000.0,
+            paced(reviews.len(), 1000.0),
+            8,
+        )?)
+        .await?;
         let elapsed = from.elapsed().unwrap_or_default();
-        let forged = review_load::binding_review("one-more", &ns, &unique_name("forged"), &unverified, false);
-        let answer = review_load::answer(&spec(&webhook, vec![], 1.0, Duration::ZERO, 1)?, &forged).await?;
-        let message = answer["status"]["message"].as_str().unwrap_or_default().to_string();
+        let forged = review_load::binding_review(
+            "one-more",
+            &ns,
+            &unique_name("forged"),
+            &unverified,
+            false,
+        );
+        let answer =
+            review_load::answer(&spec(&webhook, vec![], 1.0, Duration::ZERO, 1)?, &forged).await?;
+        let message = answer["status"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
 
         // The audit log lags the requests a little: wait until it stops growing.
         let mut gets = Vec::new();
@@ -371,26 +456,57 @@ async fn forged_binding_reviews_cost_the_apiserver_at_most_the_lookup_rate() -> 
         }
         let ghost = gets.iter().filter(|n| *n == "ghost").count();
         let (_, body) = webhook.admin_get("/metrics").await.context("/metrics")?;
-        let outcome = |o: &str| metric_sample(&body, &format!("meshgate_pod_lookups_total{{outcome=\"{o}\"}}")).unwrap_or(0.0);
+        let outcome = |o: &str| {
+            metric_sample(
+                &body,
+                &format!("meshgate_pod_lookups_total{{outcome=\"{o}\"}}"),
+            )
+            .unwrap_or(0.0)
+        };
         // One second's worth at once, then 20 a second (the defaults), over the flood and the
         // single review after it.
         let bound = 20 + (20.0 * (elapsed.as_secs_f64() + 1.0)).ceil() as usize;
         eprintln!(
-            "[abuse-pods] {} binding reviews ({FORGED} forged) at 1,000/s over {elapsed:?}: {}; webhook pod GETs in the audit log: {} (bound {bound}), \
-             of them for the repeated name: {ghost}; lookups by outcome: found {}, not_found {}, known_missing {}, rate_limited {}, \
-             in_flight_limit {}, failed {}; a forged binding's refusal: {message}",
-            reviews.len(), report.summary(), gets.len(), outcome("found"), outcome("not_found"), outcome("known_missing"),
-            outcome("rate_limited"), outcome("in_flight_limit"), outcome("failed"),
+            "[abuse-pods] {} binding reviews ({FORGED} forged) at 1,000/s over {elapsed:?}: \
+             {}; webhook pod GETs in the audit log: {} (bound {bound}), of them for the \
+             repeated name: {ghost}; lookups by outcome: found {}, not_found {}, known_missing \
+             {}, rate_limited {}, in_flight_limit {}, failed {}; a forged binding's refusal: \
+             {message}",
+            reviews.len(),
+            report.summary(),
+            gets.len(),
+            outcome("found"),
+            outcome("not_found"),
+            outcome("known_missing"),
+            outcome("rate_limited"),
+            outcome("in_flight_limit"),
+            outcome("failed"),
         );
         let errors: Vec<_> = report.errors();
-        ensure!(errors.is_empty() && report.samples.len() == reviews.len(), "{} of {} reviews answered wrong, first: {:?}", errors.len(), report.samples.len(), errors.first());
-        ensure!(!gets.is_empty() && gets.len() <= bound, "{} pod GETs for {FORGED} forged reviews in {elapsed:?} (bound {bound})", gets.len());
+        ensure!(
+            errors.is_empty() && report.samples.len() == reviews.len(),
+            "{} of {} reviews answered wrong, first: {:?}",
+            errors.len(),
+            report.samples.len(),
+            errors.first()
+        );
+        ensure!(
+            !gets.is_empty() && gets.len() <= bound,
+            "{} pod GETs for {FORGED} forged reviews in {elapsed:?} (bound {bound})",
+            gets.len()
+        );
         // Once the API said it does not exist, the name is answered from memory for 5 s;
         // only reviews of it that arrive while that first GET is in flight look it up too,
         // and at most 8 lookups run at once.
         let windows = 1 + (elapsed.as_secs() / 5) as usize;
-        ensure!(ghost <= 8 * windows, "the repeated made-up name cost {ghost} GETs");
-        ensure!(outcome("rate_limited") > 0.0 && outcome("known_missing") > 0.0, "no lookup was refused:\n{body}");
+        ensure!(
+            ghost <= 8 * windows,
+            "the repeated made-up name cost {ghost} GETs"
+        );
+        ensure!(
+            outcome("rate_limited") > 0.0 && outcome("known_missing") > 0.0,
+            "no lookup was refused:\n{body}"
+        );
         ensure!(
             message.contains("was not looked up") || message.contains("was not found"),
             "a forged binding's refusal does not say why: {message}"
@@ -399,10 +515,7 @@ async fn forged_binding_reviews_cost_the_apiserver_at_most_the_lookup_rate() -> 
     }
     .await;
     delete_all(&admin, &ns, &["pending".to_string()]).await;
-    let nodes: Api<Node> = Api::all(admin.clone());
-    for n in [&verified, &unverified] {
-        let _ = tokio::time::timeout(API_TIMEOUT, nodes.delete(n, &DeleteParams::default())).await;
-    }
+    delete_nodes(&admin, &[&verified, &unverified]).await;
     identity.remove(&admin).await;
     result
 }

@@ -5,10 +5,13 @@
 //! [`cp`], creates its own namespace and nodes with unique names, and selects only its own
 //! nodes, so tests run in parallel without seeing each other. One module per area.
 
+mod abuse;
 mod abuse_pods;
 mod agent;
+mod authz;
 mod control_plane;
 mod faults;
+mod outage;
 mod pods;
 mod rbac;
 mod real_node;
@@ -25,6 +28,16 @@ pub const WAIT: Duration = Duration::from_secs(60);
 /// The shared control plane, started on first use and stopped when the binary exits.
 /// A missing binary or a non-root user fails the test with the harness's explanation.
 pub async fn cp() -> &'static ControlPlane {
+    init_logging();
+    match ControlPlane::shared().await {
+        Ok(cp) => cp,
+        Err(e) => panic!("cannot start the e2e control plane: {e}"),
+    }
+}
+
+/// Test logging (`RUST_LOG`, default `meshgate_e2e=info`), for tests that start a control
+/// plane of their own.
+pub fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -32,8 +45,4 @@ pub async fn cp() -> &'static ControlPlane {
         )
         .with_test_writer()
         .try_init();
-    match ControlPlane::shared().await {
-        Ok(cp) => cp,
-        Err(e) => panic!("cannot start the e2e control plane: {e}"),
-    }
 }

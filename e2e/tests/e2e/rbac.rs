@@ -38,7 +38,6 @@ use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingAdmissionPolicy, ValidatingWebhookConfiguration,
 };
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
-use k8s_openapi::api::authorization::v1::{SelfSubjectRulesReview, SelfSubjectRulesReviewSpec};
 use k8s_openapi::api::core::v1::{
     ConfigMap, Namespace, Node, Pod, PodSpec, Secret, Service, ServiceAccount,
 };
@@ -59,9 +58,11 @@ use rustls::pki_types::pem::PemObject;
 use serde_json::json;
 
 use crate::WAIT;
+use crate::support::{
+    AGENT, NS, bound_token, describe, dry_run_eviction, effective_rules, label_verified_dry_run,
+    refused_by_policy, refused_by_rbac, status_of, triples, verdict,
+};
 
-const NS: &str = "meshgate-system";
-const AGENT: &str = "meshgate-agent";
 const WEBHOOK: &str = "meshgate-webhook";
 /// The name the apiserver verifies the webhook's certificate against (Service DNS name).
 const SERVICE_DNS: &str = "meshgate-webhook.meshgate-system.svc";
@@ -235,110 +236,9 @@ async fn scheduled_pod(client: &Client, app: &str, node: Option<&str>) -> anyhow
     .await?)
 }
 
-async fn bound_token(client: &Client, sa: &str, pod: Pod) -> anyhow::Result<String> {
-    let options = TokenOptions {
-        bound_pod: Some(pod),
-        ..Default::default()
-    };
-    Ok(meshgate_e2e::service_account_token(client, NS, sa, &options).await?)
-}
-
-fn dry_run_eviction() -> EvictParams {
-    EvictParams {
-        post_options: PostParams {
-            dry_run: true,
-            ..Default::default()
-        },
-        ..Default::default()
-    }
-}
-
-fn status_of<T>(r: &Result<T, kube::Error>) -> Option<(u16, &str)> {
-    match r {
-        Err(kube::Error::Api(s)) => Some((s.code, s.message.as_str())),
-        _ => None,
-    }
-}
-
-/// True when `r` is a 403 from the named ValidatingAdmissionPolicy (not from RBAC).
-fn refused_by_policy<T>(r: &Result<T, kube::Error>, policy: &str) -> bool {
-    status_of(r).is_some_and(|(code, msg)| {
-        code == 403 && msg.contains(&format!("ValidatingAdmissionPolicy '{policy}'"))
-    })
-}
-
-/// True when `r` is a 403 from RBAC.
-fn refused_by_rbac<T>(r: &Result<T, kube::Error>) -> bool {
-    status_of(r).is_some_and(|(code, msg)| code == 403 && msg.contains("cannot "))
-}
-
-fn describe<T: std::fmt::Debug>(r: &Result<T, kube::Error>) -> String {
-    match r {
-        Ok(v) => format!("allowed: {v:?}"),
-        Err(e) => e.to_string(),
-    }
-}
-
 /// The condition's (status, reason).
 fn condition(n: &Node) -> Option<(String, String)> {
     gate_condition(n).map(|(status, reason, _)| (status, reason))
-}
-
-/// The (apiGroup, resource, verb) triples the apiserver resolves for `client` in `namespace`,
-/// minus the self-review rules every authenticated user has (system:basic-user).
-async fn effective_rules(
-    client: &Client,
-    namespace: &str,
-) -> anyhow::Result<BTreeSet<(String, String, String)>> {
-    let review = SelfSubjectRulesReview {
-        spec: SelfSubjectRulesReviewSpec {
-            namespace: Some(namespace.to_owned()),
-        },
-        ..Default::default()
-    };
-    let answer = Api::<SelfSubjectRulesReview>::all(client.clone())
-        .create(&PostParams::default(), &review)
-        .await?;
-    let status = answer
-        .status
-        .context("no status in SelfSubjectRulesReview")?;
-    ensure!(
-        !status.incomplete,
-        "rules review incomplete: {:?}",
-        status.evaluation_error
-    );
-    let mut out = BTreeSet::new();
-    for rule in status.resource_rules {
-        ensure!(
-            rule.resource_names.as_ref().is_none_or(Vec::is_empty),
-            "unexpected resourceNames rule {rule:?}"
-        );
-        for g in rule.api_groups.iter().flatten() {
-            for r in rule.resources.iter().flatten() {
-                let self_review = (g == "authorization.k8s.io" || g == "authentication.k8s.io")
-                    && r.starts_with("selfsubject");
-                if self_review {
-                    continue;
-                }
-                for v in &rule.verbs {
-                    out.insert((g.clone(), r.clone(), v.clone()));
-                }
-            }
-        }
-    }
-    Ok(out)
-}
-
-fn triples(rules: &[(&str, &[&str], &[&str])]) -> BTreeSet<(String, String, String)> {
-    let mut out = BTreeSet::new();
-    for (group, resources, verbs) in rules {
-        for r in *resources {
-            for v in *verbs {
-                out.insert((group.to_string(), r.to_string(), v.to_string()));
-            }
-        }
-    }
-    out
 }
 
 /// A namespace exempt from the (unserved, fail-closed) pod webhook, with `pods` created in it:
@@ -622,7 +522,16 @@ async fn install_manifests_apply_and_are_wired() -> anyhow::Result<()> {
         .get("meshgate")
         .await?;
     let validating = vwc.webhooks.unwrap_or_default();
-    assert_eq!(validating.len(), 2);
+    let names: Vec<&str> = validating.iter().map(|w| w.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "pods.validate.meshgate.io",
+            "ambient-pods.validate.meshgate.io",
+            "unmarked-pods.validate.meshgate.io",
+            "bindings.validate.meshgate.io"
+        ]
+    );
     let mwc = Api::<MutatingWebhookConfiguration>::all(client.clone())
         .get("meshgate")
         .await?;
@@ -699,6 +608,7 @@ async fn install_manifests_apply_and_are_wired() -> anyhow::Result<()> {
         "meshgate-agent-own-node",
         "meshgate-agent-own-node-evictions",
         "meshgate-agent-own-events",
+        "meshgate-agent-own-pod-events",
     ] {
         let vap = Api::<ValidatingAdmissionPolicy>::all(client.clone())
             .get(name)
@@ -893,35 +803,9 @@ async fn agent_runs_with_its_token_and_gates_only_its_own_node() -> anyhow::Resu
 
     // A hand-made write to its own node passes the policy (dry run): the refusals above are
     // about the node, not the kind of write.
-    let own = as_agent
-        .patch(
-            &f.node_a,
-            &PatchParams::default().dry_run(),
-            &Patch::Merge(json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}})),
-        )
-        .await;
+    let own = label_verified_dry_run(&as_agent, &f.node_a).await;
     assert!(own.is_ok(), "{}", describe(&own));
     Ok(())
-}
-
-/// A verdict as the agent's verification loop hands it to [`NodeGate::reconcile`].
-fn verdict(verified: bool) -> anyhow::Result<meshgate_core::cni::Verdict> {
-    let (reason, message) = if verified {
-        (
-            "Verified",
-            "linkerd-cni is chained in /etc/cni/net.d/10-calico.conflist",
-        )
-    } else {
-        (
-            "ChainedPluginMissing",
-            "linkerd-cni is not in /etc/cni/net.d/10-calico.conflist",
-        )
-    };
-    Ok(serde_json::from_value(json!({
-        "verified": verified, "reason": reason, "message": message,
-        "config_file": "/etc/cni/net.d/10-calico.conflist",
-        "plugins": ["calico"], "runtime": "containerd",
-    }))?)
 }
 
 /// The Node parts the agent must never change, as one comparable value.
@@ -1427,13 +1311,7 @@ async fn agent_token_without_a_node_may_write_nothing() -> anyhow::Result<()> {
     assert!(!extra.contains_key(NODE_EXTRA), "{extra:?}");
 
     let nodes: Api<Node> = Api::all(client.clone());
-    let patch = nodes
-        .patch(
-            &f.node_a,
-            &PatchParams::default().dry_run(),
-            &Patch::Merge(json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}})),
-        )
-        .await;
+    let patch = label_verified_dry_run(&nodes, &f.node_a).await;
     assert!(
         refused_by_policy(&patch, "meshgate-agent-own-node"),
         "{}",

@@ -1,11 +1,17 @@
 //! Test-side helpers shared by the e2e modules; the simulated node itself lives in the
 //! library (`meshgate_e2e::node_sim`) so the demo and benchmarks use the same code.
 
-use anyhow::Context;
-use k8s_openapi::api::core::v1::Node;
+use std::collections::BTreeSet;
+
+use anyhow::{Context, ensure};
+use k8s_openapi::api::authorization::v1::{SelfSubjectRulesReview, SelfSubjectRulesReviewSpec};
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
-use kube::api::Api;
+use kube::api::{Api, EvictParams, Patch, PatchParams, PostParams};
+use meshgate_core::VERIFIED_LABEL;
+use meshgate_e2e::TokenOptions;
 use meshgate_e2e::wait::poll_until;
+use serde_json::json;
 
 pub use meshgate_e2e::node_sim::{Agent, CniDirs, GOOD_PLUGIN, golden};
 
@@ -27,4 +33,165 @@ pub async fn wait_node(
     })
     .await
     .with_context(|| format!("waiting for node {name}: {what}"))
+}
+
+// Answers of the apiserver to the components' own tokens (rbac.rs, authz.rs).
+
+/// meshgate's namespace.
+pub const NS: &str = "meshgate-system";
+/// The agent's ServiceAccount (and DaemonSet).
+pub const AGENT: &str = "meshgate-agent";
+
+/// A token of `NS/sa` bound to `pod`: it names the pod's node, as the kubelet's projected
+/// tokens do.
+pub async fn bound_token(client: &Client, sa: &str, pod: Pod) -> anyhow::Result<String> {
+    let options = TokenOptions {
+        bound_pod: Some(pod),
+        ..Default::default()
+    };
+    Ok(meshgate_e2e::service_account_token(client, NS, sa, &options).await?)
+}
+
+/// A dry-run patch of meshgate's verified label onto `node` through `nodes` (a write the
+/// policy admits on the token's own node only).
+pub async fn label_verified_dry_run(nodes: &Api<Node>, node: &str) -> Result<Node, kube::Error> {
+    let patch = Patch::Merge(json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}}));
+    nodes
+        .patch(node, &PatchParams::default().dry_run(), &patch)
+        .await
+}
+
+/// `Ok` when `r` is a 403 whose message contains `needle`, else an error saying what it was.
+pub fn expect_forbidden<T: std::fmt::Debug>(
+    r: &Result<T, kube::Error>,
+    needle: &str,
+) -> anyhow::Result<()> {
+    let refused = status_of(r).is_some_and(|(code, msg)| code == 403 && msg.contains(needle));
+    ensure!(refused, "want a 403 saying {needle:?}: {}", describe(r));
+    Ok(())
+}
+
+/// `Ok` when `r` is a 403 from the named ValidatingAdmissionPolicy.
+pub fn expect_policy<T: std::fmt::Debug>(
+    r: &Result<T, kube::Error>,
+    policy: &str,
+) -> anyhow::Result<()> {
+    expect_forbidden(r, &format!("ValidatingAdmissionPolicy '{policy}'"))
+}
+
+/// Eviction parameters for a dry run (admission runs, nothing is evicted).
+pub fn dry_run_eviction() -> EvictParams {
+    EvictParams {
+        post_options: PostParams {
+            dry_run: true,
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+/// The status code and message of an API refusal.
+pub fn status_of<T>(r: &Result<T, kube::Error>) -> Option<(u16, &str)> {
+    match r {
+        Err(kube::Error::Api(s)) => Some((s.code, s.message.as_str())),
+        _ => None,
+    }
+}
+
+/// True when `r` is a 403 from the named ValidatingAdmissionPolicy (not from RBAC).
+pub fn refused_by_policy<T>(r: &Result<T, kube::Error>, policy: &str) -> bool {
+    status_of(r).is_some_and(|(code, msg)| {
+        code == 403 && msg.contains(&format!("ValidatingAdmissionPolicy '{policy}'"))
+    })
+}
+
+/// True when `r` is a 403 from RBAC.
+pub fn refused_by_rbac<T>(r: &Result<T, kube::Error>) -> bool {
+    status_of(r).is_some_and(|(code, msg)| code == 403 && msg.contains("cannot "))
+}
+
+/// An API answer, for assertion messages.
+pub fn describe<T: std::fmt::Debug>(r: &Result<T, kube::Error>) -> String {
+    match r {
+        Ok(v) => format!("allowed: {v:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// The (apiGroup, resource, verb) triples the apiserver resolves for `client` in `namespace`,
+/// minus the self-review rules every authenticated user has (system:basic-user).
+pub async fn effective_rules(
+    client: &Client,
+    namespace: &str,
+) -> anyhow::Result<BTreeSet<(String, String, String)>> {
+    let review = SelfSubjectRulesReview {
+        spec: SelfSubjectRulesReviewSpec {
+            namespace: Some(namespace.to_owned()),
+        },
+        ..Default::default()
+    };
+    let answer = Api::<SelfSubjectRulesReview>::all(client.clone())
+        .create(&PostParams::default(), &review)
+        .await?;
+    let status = answer
+        .status
+        .context("no status in SelfSubjectRulesReview")?;
+    ensure!(
+        !status.incomplete,
+        "rules review incomplete: {:?}",
+        status.evaluation_error
+    );
+    let mut out = BTreeSet::new();
+    for rule in status.resource_rules {
+        ensure!(
+            rule.resource_names.as_ref().is_none_or(Vec::is_empty),
+            "unexpected resourceNames rule {rule:?}"
+        );
+        for g in rule.api_groups.iter().flatten() {
+            for r in rule.resources.iter().flatten() {
+                let self_review = (g == "authorization.k8s.io" || g == "authentication.k8s.io")
+                    && r.starts_with("selfsubject");
+                if self_review {
+                    continue;
+                }
+                for v in &rule.verbs {
+                    out.insert((g.clone(), r.clone(), v.clone()));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// (apiGroup, resource, verb) triples from rules written as in a ClusterRole.
+pub fn triples(rules: &[(&str, &[&str], &[&str])]) -> BTreeSet<(String, String, String)> {
+    let mut out = BTreeSet::new();
+    for (group, resources, verbs) in rules {
+        for r in *resources {
+            for v in *verbs {
+                out.insert((group.to_string(), r.to_string(), v.to_string()));
+            }
+        }
+    }
+    out
+}
+
+/// A verdict as the agent's verification loop hands it to [`NodeGate::reconcile`].
+pub fn verdict(verified: bool) -> anyhow::Result<meshgate_core::cni::Verdict> {
+    let (reason, message) = if verified {
+        (
+            "Verified",
+            "linkerd-cni is chained in /etc/cni/net.d/10-calico.conflist",
+        )
+    } else {
+        (
+            "ChainedPluginMissing",
+            "linkerd-cni is not in /etc/cni/net.d/10-calico.conflist",
+        )
+    };
+    Ok(serde_json::from_value(json!({
+        "verified": verified, "reason": reason, "message": message,
+        "config_file": "/etc/cni/net.d/10-calico.conflist",
+        "plugins": ["calico"], "runtime": "containerd",
+    }))?)
 }

@@ -1,15 +1,15 @@
 //! meshgate-webhook against the real control plane.
 //!
 //! In: the shared control plane, an in-process webhook on a loopback port with a test CA and
-//! serving certificate (rcgen), and webhook configurations pointing at it by URL. Out: the
-//! apiserver's real answers: refusals shown to the client, admissions, node taints from the
-//! mutating webhook, survival of a certificate rotation, and fail-closed / fail-open scoping
-//! while the webhook is down.
+//! serving certificate (rcgen), and the shipped webhook configurations pointing at it by URL
+//! (`meshgate_e2e::webhook_sim`). Out: the apiserver's real answers: refusals shown to the
+//! client, admissions, node taints from the mutating webhook, survival of a certificate
+//! rotation. What an outage blocks is `outage.rs`, on this module's [`Fixture`].
 //!
 //! Webhook configurations are cluster-scoped, and other tests share this control plane. Each
 //! test therefore scopes its configurations with a label unique to it: a namespace label for
 //! the validating webhooks, a Node label for the mutating one. Only that test's namespaces
-//! and nodes (and kube-system, labelled for the outage test only) ever reach its webhook, and
+//! and nodes (and kube-system, labelled by the outage test only) ever reach its webhook, and
 //! the configurations are deleted at the end even when the test fails.
 
 use std::net::SocketAddr;
@@ -30,9 +30,9 @@ use tokio::sync::oneshot;
 use crate::cp;
 
 /// Label key that scopes this module's webhook configurations to one test's objects.
-const SCOPE_KEY: &str = "e2e.meshgate.io/webhook";
+pub(crate) const SCOPE_KEY: &str = "e2e.meshgate.io/webhook";
 /// Bound on one API call made by the test itself.
-const CALL: Duration = Duration::from_secs(20);
+pub(crate) const CALL: Duration = Duration::from_secs(20);
 
 /// The certificate the server at `addr` presents to a client trusting `ca`.
 async fn presented(ca: &TestCa, addr: SocketAddr) -> anyhow::Result<Vec<u8>> {
@@ -72,11 +72,22 @@ async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)>
         .with_context(|| format!("no answer from {addr}{path}"))
 }
 
+/// How [`Fixture::start_with`] runs the webhook and registers it.
+pub(crate) struct Start {
+    /// The webhook's API identity.
+    pub kubeconfig: PathBuf,
+    /// `--profile-file` (custom mesh profiles), if any.
+    pub profile_file: Option<PathBuf>,
+    /// Name the webhooks `<x>.<tag>.meshgate.io` ([`Scope::hook_infix`]).
+    pub tag_hooks: bool,
+}
+
 /// One webhook instance, its configurations and their scope label.
-struct Fixture {
-    client: Client,
+pub(crate) struct Fixture {
+    pub(crate) client: Client,
     /// Value of [`SCOPE_KEY`] that selects this test's objects.
-    tag: String,
+    pub(crate) tag: String,
+    tag_hooks: bool,
     ca: TestCa,
     dir: tempfile::TempDir,
     listen: SocketAddr,
@@ -105,6 +116,20 @@ impl Fixture {
         prefix: &str,
         kubeconfig: PathBuf,
     ) -> anyhow::Result<Self> {
+        let start = Start {
+            kubeconfig,
+            profile_file: None,
+            tag_hooks: false,
+        };
+        Self::start_with(cp, prefix, start).await
+    }
+
+    /// Starts the webhook as `start` says, waits for `/ready`, and registers it.
+    pub(crate) async fn start_with(
+        cp: &ControlPlane,
+        prefix: &str,
+        start: Start,
+    ) -> anyhow::Result<Self> {
         let client = cp.client()?;
         let tag = unique_name(prefix);
         let ca = TestCa::new()?;
@@ -113,6 +138,7 @@ impl Fixture {
         let mut f = Self {
             client,
             tag,
+            tag_hooks: start.tag_hooks,
             ca,
             dir,
             listen,
@@ -127,14 +153,15 @@ impl Fixture {
             listen,
             tls_cert: cert,
             tls_key: key,
-            kubeconfig: Some(kubeconfig),
+            kubeconfig: Some(start.kubeconfig),
             admin_addr: Some(admin),
             profiles: Vec::new(),
-            profile_file: None,
+            profile_file: start.profile_file,
             request_timeout: Duration::from_secs(3),
             lookup_timeout: Duration::from_secs(1),
             max_body_bytes: 3 * 1024 * 1024,
             max_connections: 1024,
+            review_memory_bytes: meshgate_webhook::budget::DEFAULT_REVIEW_MEMORY_BYTES,
             // Stopped by the test, not by a kubelet: no endpoint removal to wait for.
             shutdown_delay: Duration::ZERO,
             shutdown_timeout: Duration::from_secs(5),
@@ -171,11 +198,13 @@ impl Fixture {
     fn scope(&self) -> Scope {
         Scope {
             label: Some((SCOPE_KEY.to_string(), self.tag.clone())),
+            hook_infix: self.tag_hooks.then(|| self.tag.clone()),
         }
     }
 
     async fn register(&self) -> anyhow::Result<()> {
         webhook_sim::register(
+            cp().await,
             &self.client,
             &self.tag,
             self.listen.port(),
@@ -186,7 +215,7 @@ impl Fixture {
     }
 
     /// Creates a namespace in this test's scope, with extra labels.
-    async fn namespace(&self, extra: &[(&str, &str)]) -> anyhow::Result<String> {
+    pub(crate) async fn namespace(&self, extra: &[(&str, &str)]) -> anyhow::Result<String> {
         let cp = cp().await;
         let ns = cp.create_namespace(&self.client, "wh").await?;
         let mut labels = serde_json::Map::new();
@@ -208,7 +237,7 @@ impl Fixture {
     }
 
     /// Stops the webhook (graceful shutdown) and waits for it.
-    async fn stop_webhook(&mut self) -> anyhow::Result<()> {
+    pub(crate) async fn stop_webhook(&mut self) -> anyhow::Result<()> {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
@@ -221,7 +250,7 @@ impl Fixture {
     }
 
     /// Deletes the configurations and stops the webhook; run whatever the test's outcome.
-    async fn teardown(mut self) {
+    pub(crate) async fn teardown(mut self) {
         webhook_sim::unregister(&self.client, &self.tag).await;
         if let Err(e) = self.stop_webhook().await {
             tracing::warn!(error = %e, "stopping the webhook");
@@ -253,7 +282,7 @@ fn pod(name: &str, node: Option<&str>, meshed: bool, scheduler: Option<&str>) ->
 }
 
 /// Creates a pod; `Err(message)` is the apiserver's refusal as a client sees it.
-async fn create_pod(
+pub(crate) async fn create_pod(
     client: &Client,
     ns: &str,
     p: &Pod,
@@ -272,7 +301,7 @@ async fn create_pod(
 }
 
 /// Binds a pod the way kube-scheduler does: `POST pods/{name}/binding`.
-async fn bind(
+pub(crate) async fn bind(
     client: &Client,
     ns: &str,
     pod: &str,
@@ -296,7 +325,7 @@ async fn bind(
     }
 }
 
-async fn force_delete_pods(client: &Client, ns: &str, names: &[&str]) {
+pub(crate) async fn force_delete_pods(client: &Client, ns: &str, names: &[&str]) {
     let api: Api<Pod> = Api::namespaced(client.clone(), ns);
     let dp = DeleteParams {
         grace_period_seconds: Some(0),
@@ -307,7 +336,7 @@ async fn force_delete_pods(client: &Client, ns: &str, names: &[&str]) {
     }
 }
 
-fn taint_count(node: &Node) -> usize {
+pub(crate) fn taint_count(node: &Node) -> usize {
     node.spec
         .as_ref()
         .and_then(|s| s.taints.as_ref())
@@ -579,7 +608,7 @@ async fn ambient(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
 
 /// Binds a pod through the legacy `bindings` resource: `POST /api/v1/namespaces/{ns}/bindings`
 /// with a core/v1 Binding named after the pod.
-async fn bind_legacy(
+pub(crate) async fn bind_legacy(
     client: &Client,
     ns: &str,
     pod: &str,
@@ -742,128 +771,6 @@ async fn legacy_and_unknown(
     let dp = DeleteParams::default();
     for n in [&unverified, &verified] {
         let _ = tokio::time::timeout(CALL, nodes.delete(n, &dp)).await;
-    }
-    Ok(())
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn webhook_outage_fails_closed_only_in_governed_namespaces() {
-    let cp = cp().await;
-    let mut f = Fixture::start(cp, "who").await.expect("webhook starts");
-    let result = outage(&mut f).await;
-    // kube-system was put in this test's scope to prove it is exempt; take it out again.
-    let ns: Api<Namespace> = Api::all(f.client.clone());
-    let _ = tokio::time::timeout(
-        CALL,
-        ns.patch(
-            "kube-system",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"labels": {SCOPE_KEY: null}}})),
-        ),
-    )
-    .await;
-    f.teardown().await;
-    result.expect("webhook outage e2e");
-}
-
-async fn outage(f: &mut Fixture) -> anyhow::Result<()> {
-    let c = f.client.clone();
-    let governed = f.namespace(&[]).await?;
-    let ignored = f.namespace(&[("meshgate.io/ignore", "true")]).await?;
-    // Give kube-system this test's scope label: only the production exclusion in the
-    // selector keeps it away from the webhook now.
-    let namespaces: Api<Namespace> = Api::all(c.clone());
-    tokio::time::timeout(
-        CALL,
-        namespaces.patch(
-            "kube-system",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"labels": {SCOPE_KEY: f.tag}}})),
-        ),
-    )
-    .await??;
-    // A node name nobody registered: unknown to the webhook, so mesh pods are refused there.
-    let nowhere = unique_name("who-none");
-
-    // Up: the governed namespace is gated, the exempt ones are not even asked.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match create_pod(
-            &c,
-            &governed,
-            &pod("probe", Some(&nowhere), true, None),
-            true,
-        )
-        .await?
-        {
-            Err(m) if m.contains("pods.validate.meshgate.io") => break,
-            other => ensure!(
-                Instant::now() < deadline,
-                "governed namespace not gated after 10 s: {other:?}"
-            ),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    for ns in ["kube-system", ignored.as_str()] {
-        create_pod(&c, ns, &pod("probe", Some(&nowhere), true, None), true)
-            .await?
-            .map_err(|m| anyhow::anyhow!("exempt namespace {ns} gated: {m}"))?;
-    }
-
-    // Down.
-    f.stop_webhook().await?;
-    let sys_pod = unique_name("who-sys");
-    let refused = create_pod(
-        &c,
-        &governed,
-        &pod("plain", Some(&nowhere), false, None),
-        false,
-    )
-    .await?;
-    match refused {
-        Ok(_) => bail!("governed namespace admitted a bound pod while the webhook was down"),
-        Err(m) => ensure!(
-            m.contains("failed calling webhook") && m.contains("pods.validate.meshgate.io"),
-            "unexpected refusal: {m}"
-        ),
-    }
-    let created = create_pod(
-        &c,
-        "kube-system",
-        &pod(&sys_pod, Some(&nowhere), false, None),
-        false,
-    )
-    .await?;
-    let ignored_created = create_pod(
-        &c,
-        &ignored,
-        &pod("plain", Some(&nowhere), false, None),
-        false,
-    )
-    .await?;
-    // Unbound pods are still created (matchConditions); they are checked at binding.
-    let unbound = create_pod(
-        &c,
-        &governed,
-        &pod("unbound", None, true, Some("meshgate-e2e-nobody")),
-        false,
-    )
-    .await?;
-    let binding = match &unbound {
-        Ok(_) => Some(bind(&c, &governed, "unbound", &nowhere).await?),
-        Err(_) => None,
-    };
-
-    force_delete_pods(&c, "kube-system", &[sys_pod.as_str()]).await;
-    force_delete_pods(&c, &ignored, &["plain"]).await;
-    force_delete_pods(&c, &governed, &["unbound"]).await;
-
-    created.map_err(|m| anyhow::anyhow!("kube-system blocked by the outage: {m}"))?;
-    ignored_created.map_err(|m| anyhow::anyhow!("ignored namespace blocked by the outage: {m}"))?;
-    unbound.map_err(|m| anyhow::anyhow!("unbound pod blocked by the outage: {m}"))?;
-    match binding {
-        Some(Err(m)) => ensure!(m.contains("failed calling webhook"), "binding refusal: {m}"),
-        other => bail!("binding during the outage: {other:?}"),
     }
     Ok(())
 }

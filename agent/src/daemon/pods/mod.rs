@@ -10,7 +10,9 @@
 //! the flags `--profile`, `--profile-file`, `--dry-run`, `--no-evict`,
 //! `--max-evictions-per-minute`, `--evict-unowned`, and the shutdown signal. Out: Eviction
 //! API calls, `MeshRedirectMissing` Pod Events, the pod metrics, and the eviction history in
-//! the state file.
+//! the state file. The pod watch and the evictions go out as the node itself with
+//! `--impersonate-node`, the Namespace watch and Events as the ServiceAccount
+//! ([`super::clients`]).
 //!
 //! Flow: the watch feeds a [`tracker::Tracker`] (no periodic LIST; the watcher relists only
 //! when its watch breaks). Whenever pods are due — newly running, sandbox changed, node
@@ -61,6 +63,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::Args;
+use super::clients::Clients;
 use super::metrics::AgentMetrics;
 use super::state::Shared;
 use crate::netns::{DEFAULT_NETNS_DIR, Pinned};
@@ -122,9 +125,9 @@ impl Setup {
     }
 }
 
-/// Starts the pod inspector for `args`: reads its flags, builds its client (without kube's
-/// 429 retry, so a PDB refusal is seen as one), and spawns it. It stops when `stop` turns
-/// true.
+/// Starts the pod inspector for `args`: reads its flags, builds its clients (without kube's
+/// 429 retry, so a PDB refusal is seen as one; the pod watch and evictions as the node with
+/// `--impersonate-node`), and spawns it. It stops when `stop` turns true.
 pub async fn spawn(
     args: &Args,
     verdict: watch::Receiver<Option<NodeVerdict>>,
@@ -134,17 +137,23 @@ pub async fn spawn(
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<JoinHandle<()>> {
     let setup = Setup::from_args(args)?;
-    let client = meshgate_runtime::client::build_without_retry(args.kubeconfig.as_deref())
-        .await
-        .context("building the pod inspector's client")?;
+    let clients = Clients::build(
+        args.kubeconfig.as_deref(),
+        &args.node_name,
+        args.impersonate_node,
+        false,
+    )
+    .await
+    .context("building the pod inspector's clients")?;
     Ok(tokio::spawn(run(
-        setup, client, verdict, state, metrics, progress, stop,
+        setup, clients, verdict, state, metrics, progress, stop,
     )))
 }
 
 /// The inspector's state between wake-ups.
 struct Inspector {
     setup: Setup,
+    /// Evictions (as the node with `--impersonate-node`).
     client: kube::Client,
     recorder: Recorder,
     state: Arc<Shared>,
@@ -176,7 +185,7 @@ type NamespaceEvent = Result<watcher::Event<PartialObjectMeta<Namespace>>, watch
 /// Runs the inspector until `stop` turns true (or its sender is dropped).
 pub async fn run(
     setup: Setup,
-    client: kube::Client,
+    clients: Clients,
     mut verdict: watch::Receiver<Option<NodeVerdict>>,
     state: Arc<Shared>,
     metrics: AgentMetrics,
@@ -195,7 +204,7 @@ pub async fn run(
         "inspecting this node's meshed pods"
     );
     // Decoded as `SlimPod`: what inspection reads, the rest skipped while decoding.
-    let pods: Api<SlimPod> = Api::all(client.clone());
+    let pods: Api<SlimPod> = Api::all(clients.node.clone());
     let config = watcher::Config::default()
         .fields(&format!("spec.nodeName={node}"))
         .page_size(PAGE_SIZE);
@@ -205,14 +214,14 @@ pub async fn run(
     let mut namespace_stream: BoxStream<'static, NamespaceEvent> = if namespace_keys.is_empty() {
         futures::stream::pending().boxed()
     } else {
-        let api: Api<PartialObjectMeta<Namespace>> = Api::all(client.clone());
+        let api: Api<PartialObjectMeta<Namespace>> = Api::all(clients.own.clone());
         watcher(api, watcher::Config::default())
             .default_backoff()
             .boxed()
     };
     let mut me = Inspector {
         recorder: Recorder::new(
-            client.clone(),
+            clients.own.clone(),
             Reporter {
                 controller: "meshgate-agent".into(),
                 instance: Some(node.clone()),
@@ -220,7 +229,7 @@ pub async fn run(
         ),
         limiter: RateLimiter::new(setup.per_minute),
         setup,
-        client,
+        client: clients.node,
         state,
         metrics,
         progress,
@@ -239,7 +248,7 @@ pub async fn run(
     loop {
         let retry = me
             .tracker
-            .next_retry()
+            .next_retry(me.now())
             .map(|at| tokio::time::Instant::from_std(me.origin + at));
         let burst = tokio::select! {
             _ = stop.wait_for(|s| *s) => break,
@@ -497,8 +506,7 @@ impl Inspector {
                 tracing::error!(node = %self.setup.node, error = %e, pods = count, "pod inspection batch failed");
                 let now = self.now();
                 for d in &due {
-                    self.tracker
-                        .inspected(&d.info.uid, &d.info.sandbox(), d.generation);
+                    self.tracker.inspected(d);
                     self.tracker.unknown(&d.info.uid, now);
                 }
                 return;
@@ -525,7 +533,7 @@ impl Inspector {
         let pinned = inspected.pinned.take();
         let (node, pod) = (self.setup.node.clone(), info.key());
         let sandbox = info.sandbox();
-        self.tracker.inspected(&info.uid, &sandbox, d.generation);
+        self.tracker.inspected(&d);
         for i in &inspected.inspections {
             self.metrics.inspected(&i.profile, i.verdict.as_str());
         }

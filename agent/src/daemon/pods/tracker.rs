@@ -22,6 +22,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
 use std::time::Duration;
 
+use meshgate_core::enroll::Enrollment;
 use meshgate_core::profile::{PodView, ProfileSet, Selected};
 use meshgate_core::projection::PodKeys;
 
@@ -29,12 +30,12 @@ use super::slim::SlimPod;
 
 /// First retry delay after a refusal or an `unknown` verdict; it doubles per consecutive one.
 pub const RETRY_MIN: Duration = Duration::from_secs(2);
-/// How long a running pod that a label change just put under a mesh (a namespace labelled
-/// `istio.io/dataplane-mode=ambient`, a pod label added) is left alone before it is inspected:
-/// the mesh enrolls running pods asynchronously (Istio's node agent adds their redirects one
-/// by one), so an inspection at once would find them `missing` and evict healthy pods that
-/// were about to be enrolled. A new sandbox gets no grace: its CNI chain ran before it started.
-pub const ENROLL_GRACE: Duration = Duration::from_secs(30);
+/// How long a profile that a label change just added to a running pod (a namespace labelled
+/// `istio.io/dataplane-mode=ambient`, a pod label added) waits before it judges the pod: the
+/// mesh enrolls running pods asynchronously, so an inspection at once would find them
+/// `missing` and evict healthy pods that were about to be enrolled. Per (pod, profile): see
+/// [`Enrollment`].
+pub use meshgate_core::enroll::ENROLL_GRACE;
 /// Retry delay cap.
 pub const RETRY_MAX: Duration = Duration::from_secs(30);
 
@@ -227,27 +228,38 @@ impl PodInfo {
 #[derive(Clone, Debug)]
 struct Entry {
     info: PodInfo,
-    /// Sandbox and verdict generation of the last inspection.
-    inspected: Option<(String, u64)>,
+    /// Sandbox, verdict generation and profiles judged of the last inspection.
+    inspected: Option<Judged>,
     /// When a deferred eviction or an unknown verdict is retried.
     retry_at: Option<Duration>,
     /// Consecutive refusals / unknowns for this sandbox: the retry backoff exponent.
     failures: u32,
     /// When the pod was first seen inspectable in this sandbox (detection latency).
     ready_since: Option<Duration>,
-    /// Not inspected before this: a label change enrolled the running pod ([`ENROLL_GRACE`]).
-    not_before: Option<Duration>,
+    /// The profiles a label change added to the running pod, waiting [`ENROLL_GRACE`].
+    enroll: Enrollment,
     /// The sandbox and Event action last published, so one outcome is published once.
     published: Option<(String, &'static str)>,
 }
 
-/// True when `entry` must be inspected at `now` under verdict generation `generation`.
-fn needs_inspection(entry: &Entry, generation: u64, now: Duration) -> bool {
-    if !entry.info.inspectable() || entry.not_before.is_some_and(|t| now < t) {
-        return false;
+/// What one inspection covered: (sandbox, verdict generation, profiles judged).
+type Judged = (String, u64, Vec<String>);
+
+/// The profiles `entry` must be judged for at `now` under verdict generation `generation`,
+/// or `None` when it is not due: every selecting profile out of its grace, once per sandbox,
+/// generation and set of such profiles, and again when a retry is due.
+fn needs_inspection(entry: &Entry, generation: u64, now: Duration) -> Option<Vec<String>> {
+    if !entry.info.inspectable() {
+        return None;
     }
-    let current = Some((entry.info.sandbox(), generation));
-    entry.inspected != current || entry.retry_at.is_some_and(|t| t <= now)
+    let profiles = entry.enroll.judgeable(&entry.info.profiles, now);
+    if profiles.is_empty() {
+        return None;
+    }
+    let current = (entry.info.sandbox(), generation, profiles);
+    let due =
+        entry.inspected.as_ref() != Some(&current) || entry.retry_at.is_some_and(|t| t <= now);
+    due.then_some(current.2)
 }
 
 /// The retry delay after `failures` consecutive refusals: 2 s, 4 s, ... capped at 30 s.
@@ -259,7 +271,8 @@ pub fn retry_delay(failures: u32) -> Duration {
 /// One pod due for inspection.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Due {
-    /// The pod as last seen.
+    /// The pod as last seen, with only the profiles to judge now in `profiles` (those still
+    /// in their enrollment grace are left out).
     pub info: PodInfo,
     /// The verdict generation this inspection answers (pass back to [`Tracker::inspected`]).
     pub generation: u64,
@@ -333,8 +346,8 @@ impl Tracker {
                 e.retry_at = None;
                 e.failures = 0;
                 e.ready_since = e.info.inspectable().then_some(now);
-                let gained = e.info.profiles.iter().any(|p| !before.contains(p));
-                e.not_before = (known_before && gained).then_some(now + ENROLL_GRACE);
+                e.enroll
+                    .reselected(&before, &e.info.profiles, known_before, now);
             }
         }
         changed
@@ -362,15 +375,15 @@ impl Tracker {
                     e.retry_at = None;
                     e.failures = 0;
                     e.ready_since = ready;
-                    e.not_before = None;
+                    e.enroll.clear();
                 } else {
                     if e.ready_since.is_none() {
                         e.ready_since = ready;
                     }
-                    // A label or annotation change put the running pod under another mesh.
-                    if info.profiles.iter().any(|p| !e.info.profiles.contains(p)) {
-                        e.not_before = Some(now + ENROLL_GRACE);
-                    }
+                    // A label or annotation change may have put the running pod under
+                    // another mesh: that profile waits, the others keep their clocks.
+                    e.enroll
+                        .reselected(&e.info.profiles, &info.profiles, true, now);
                 }
                 e.info = info;
             }
@@ -383,7 +396,7 @@ impl Tracker {
                         retry_at: None,
                         failures: 0,
                         ready_since: ready,
-                        not_before: None,
+                        enroll: Enrollment::default(),
                         published: None,
                     },
                 );
@@ -418,11 +431,16 @@ impl Tracker {
         let mut due: Vec<Due> = self
             .pods
             .values()
-            .filter(|e| needs_inspection(e, self.generation, now))
-            .map(|e| Due {
-                info: e.info.clone(),
-                generation: self.generation,
-                ready_since: e.ready_since.unwrap_or(now),
+            .filter_map(|e| {
+                let profiles = needs_inspection(e, self.generation, now)?;
+                Some(Due {
+                    info: PodInfo {
+                        profiles,
+                        ..e.info.clone()
+                    },
+                    generation: self.generation,
+                    ready_since: e.ready_since.unwrap_or(now),
+                })
             })
             .collect();
         // Oldest first: under a rate limit the pods that waited longest go first.
@@ -436,13 +454,14 @@ impl Tracker {
         due
     }
 
-    /// Records an inspection of `sandbox` under `generation`; clears any pending retry.
-    /// Ignored when the pod changed sandbox meanwhile (it is due again).
-    pub fn inspected(&mut self, uid: &str, sandbox: &str, generation: u64) {
-        if let Some(e) = self.pods.get_mut(uid)
+    /// Records the inspection `due` asked for; clears any pending retry. Ignored when the
+    /// pod changed sandbox meanwhile (it is due again).
+    pub fn inspected(&mut self, due: &Due) {
+        let sandbox = due.info.sandbox();
+        if let Some(e) = self.pods.get_mut(&due.info.uid)
             && e.info.sandbox() == sandbox
         {
-            e.inspected = Some((sandbox.to_owned(), generation));
+            e.inspected = Some((sandbox, due.generation, due.info.profiles.clone()));
             e.retry_at = None;
         }
     }
@@ -495,12 +514,13 @@ impl Tracker {
         true
     }
 
-    /// The earliest pending retry, for the loop's timer.
-    pub fn next_retry(&self) -> Option<Duration> {
+    /// The earliest pending retry or enrollment grace end, for the loop's timer. Graces
+    /// that ended before `now` are not pending: the loop would wake at once, for ever.
+    pub fn next_retry(&self, now: Duration) -> Option<Duration> {
         self.pods
             .values()
             .filter(|e| e.info.inspectable())
-            .flat_map(|e| [e.retry_at, e.not_before])
+            .flat_map(|e| [e.retry_at, e.enroll.next_end(now)])
             .flatten()
             .min()
     }
@@ -576,7 +596,7 @@ mod tests {
 
     fn inspect_all(t: &mut Tracker, now: Duration) {
         for d in t.due(now) {
-            t.inspected(&d.info.uid, &d.info.sandbox(), d.generation);
+            t.inspected(&d);
         }
     }
 
@@ -700,7 +720,7 @@ mod tests {
         let batch = t.due(secs(1));
         t.verdict_changed();
         for d in batch {
-            t.inspected(&d.info.uid, &d.info.sandbox(), d.generation);
+            t.inspected(&d);
         }
         assert_eq!(due_names(&t, secs(2)), ["a"]);
     }
@@ -710,11 +730,11 @@ mod tests {
         let mut t = listed(&[&meshed("a", "10.1.0.1")]);
         inspect_all(&mut t, secs(0));
         assert_eq!(t.back_off("uid-a", secs(10)), Some(secs(2)));
-        assert_eq!(t.next_retry(), Some(secs(12)));
+        assert_eq!(t.next_retry(secs(10)), Some(secs(12)));
         assert!(t.due(secs(11)).is_empty());
         assert_eq!(due_names(&t, secs(12)), ["a"]);
         inspect_all(&mut t, secs(12));
-        assert_eq!(t.next_retry(), None, "inspection clears the retry");
+        assert_eq!(t.next_retry(secs(12)), None, "inspection clears the retry");
         assert_eq!(t.back_off("uid-a", secs(12)), Some(secs(4)));
         assert_eq!(t.back_off("uid-a", secs(12)), Some(secs(8)));
         for _ in 0..10 {
@@ -729,7 +749,7 @@ mod tests {
 
         // Redirects found: the slate is clean.
         t.settled("uid-a");
-        assert_eq!(t.next_retry(), None);
+        assert_eq!(t.next_retry(secs(14)), None);
         assert_eq!(t.back_off("uid-a", secs(14)), Some(secs(2)));
     }
 
@@ -763,7 +783,7 @@ mod tests {
         assert_eq!(due_names(&t, secs(6)), ["early", "late"]);
         inspect_all(&mut t, secs(6));
         t.retry_at("uid-late", secs(60));
-        assert_eq!(t.next_retry(), Some(secs(60)));
+        assert_eq!(t.next_retry(secs(6)), Some(secs(60)));
         assert_eq!(due_names(&t, secs(60)), ["late"]);
     }
 
@@ -834,13 +854,19 @@ mod tests {
         assert!(t.due(secs(10)).is_empty());
         assert!(t.due(secs(10) + ENROLL_GRACE - secs(1)).is_empty());
         assert_eq!(
-            t.next_retry(),
+            t.next_retry(secs(10)),
             Some(secs(10) + ENROLL_GRACE),
             "the loop wakes for it"
         );
         let due = t.due(secs(10) + ENROLL_GRACE);
         assert_eq!(due.len(), 1);
         assert_eq!(due[0].info.profiles, ["istio-ambient"]);
+        t.inspected(&due[0]);
+        assert_eq!(
+            t.next_retry(secs(10) + ENROLL_GRACE),
+            None,
+            "an ended grace does not keep the loop awake"
+        );
 
         // The same through the pod's own label, on a pod of a plain namespace.
         let q = ambient_candidate("b", "10.1.0.2");
@@ -857,6 +883,45 @@ mod tests {
         t.apply(info_in(&labelled, &set, Some(&plain)).unwrap(), secs(5));
         assert!(t.due(secs(5)).is_empty());
         assert_eq!(t.due(secs(5) + ENROLL_GRACE).len(), 1);
+    }
+
+    /// A linkerd pod whose ambient label is toggled: only istio-ambient waits for its grace;
+    /// linkerd, which selected the pod all along, is judged at once every time.
+    #[test]
+    fn a_label_toggle_postpones_only_the_profile_it_gains() {
+        let set = ProfileSet::all_builtin();
+        let plain = BTreeMap::new();
+        let p = meshed("a", "10.1.0.1");
+        let mut ambient = p.clone();
+        ambient
+            .metadata
+            .labels
+            .get_or_insert_with(Default::default)
+            .insert("istio.io/dataplane-mode".into(), "ambient".into());
+        let mut t = listed(&[&p]);
+        inspect_all(&mut t, secs(0));
+        let mut now = secs(0);
+        for _ in 0..10 {
+            now += secs(10);
+            t.apply(info_in(&ambient, &set, Some(&plain)).unwrap(), now);
+            now += secs(10);
+            t.verdict_changed();
+            let due = t.due(now);
+            assert_eq!(due.len(), 1, "at {now:?}");
+            assert_eq!(due[0].info.profiles, ["linkerd"], "at {now:?}");
+            t.inspected(&due[0]);
+            now += secs(5);
+            t.apply(info_in(&p, &set, Some(&plain)).unwrap(), now);
+        }
+        // Left labelled, istio-ambient is judged too once its own grace ends.
+        t.apply(info_in(&ambient, &set, Some(&plain)).unwrap(), now);
+        assert_eq!(t.next_retry(now), Some(now + ENROLL_GRACE));
+        assert!(
+            t.due(now + ENROLL_GRACE - secs(1)).is_empty(),
+            "linkerd was judged"
+        );
+        let due = t.due(now + ENROLL_GRACE);
+        assert_eq!(due[0].info.profiles, ["linkerd", "istio-ambient"]);
     }
 
     #[test]
