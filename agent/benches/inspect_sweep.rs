@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use meshgate_agent::inspect::inspect_netns;
 use meshgate_agent::netns;
 use meshgate_core::profile::ProfileSet;
-use meshgate_core::rules::Verdict;
+use meshgate_core::rules::RedirectVerdict;
 use meshgate_core::rules::locate::{Located, locate};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,10 +48,10 @@ impl Kind {
             _ => "linkerd",
         }
     }
-    fn expected(self) -> Verdict {
+    fn expected(self) -> RedirectVerdict {
         match self {
-            Kind::Bare => Verdict::Missing,
-            _ => Verdict::Redirected,
+            Kind::Bare => RedirectVerdict::Missing,
+            _ => RedirectVerdict::Redirected,
         }
     }
 }
@@ -298,16 +298,16 @@ fn main() {
                     Ok(i) => i.verdict,
                     Err(e) => {
                         eprintln!("{}: {e}", pod.ns);
-                        Verdict::Unknown
+                        RedirectVerdict::Unknown
                     }
                 },
                 Located::Unknown(why) => {
                     eprintln!("{}: {why}", pod.ns);
-                    Verdict::Unknown
+                    RedirectVerdict::Unknown
                 }
             };
             per_pod.push(t.elapsed());
-            if verdict == Verdict::Unknown {
+            if verdict == RedirectVerdict::Unknown {
                 unknown += 1;
             } else if verdict != pod.kind.expected() {
                 wrong += 1;

@@ -5,7 +5,7 @@
 
 use std::process::ExitCode;
 
-use meshgate_core::cni::Verdict;
+use meshgate_core::cni::ChainVerdict;
 
 use crate::Output;
 use crate::cni::CniArgs;
@@ -51,7 +51,7 @@ pub fn main(args: Args) -> ExitCode {
 }
 
 /// The human-readable verdict.
-pub fn render_text(v: &Verdict) -> String {
+pub fn render_text(v: &ChainVerdict) -> String {
     let status = if v.verified {
         "VERIFIED"
     } else {

@@ -12,7 +12,7 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use meshgate_core::profile::MeshProfile;
-use meshgate_core::rules::{self, Inspection, IpFamily, Verdict};
+use meshgate_core::rules::{self, Inspection, IpFamily, RedirectVerdict};
 
 use crate::Output;
 use crate::netfilter::ReadError;
@@ -69,9 +69,9 @@ pub fn main(args: Args) -> ExitCode {
                 Output::Text => print!("{}", render_text(&path, &inspection)),
             }
             match inspection.verdict {
-                Verdict::Redirected => ExitCode::SUCCESS,
-                Verdict::Missing => ExitCode::from(1),
-                Verdict::Unknown => ExitCode::from(2),
+                RedirectVerdict::Redirected => ExitCode::SUCCESS,
+                RedirectVerdict::Missing => ExitCode::from(1),
+                RedirectVerdict::Unknown => ExitCode::from(2),
             }
         }
         Err(e) => {
@@ -82,7 +82,7 @@ pub fn main(args: Args) -> ExitCode {
 }
 
 fn run(args: &Args) -> anyhow::Result<(PathBuf, Inspection)> {
-    let profiles = meshgate_runtime::profiles::load(&[], args.profile_file.as_deref())?;
+    let profiles = meshgate_shell::profiles::load(&[], args.profile_file.as_deref())?;
     let profile = profiles
         .select(std::slice::from_ref(&args.profile))
         .context("--profile")?

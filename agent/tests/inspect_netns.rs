@@ -16,7 +16,7 @@ use meshgate_agent::inspect::{inspect_netns, inspect_netns_pod};
 use meshgate_agent::netns;
 use meshgate_core::profile::MeshProfile;
 use meshgate_core::rules::locate::{Located, locate};
-use meshgate_core::rules::{Inspection, IpFamily, Verdict};
+use meshgate_core::rules::{Inspection, IpFamily, RedirectVerdict};
 use meshgate_e2e::netns_sim;
 
 const TOOLS: &[&str] = &[
@@ -176,7 +176,7 @@ table inet istio-proxy-nat {
 /// (`iptables-nft`, `iptables-legacy`) wrote them.
 fn assert_linkerd_redirected_in_both_families(ns: &Netns, backend: &str) {
     let got = inspect(ns, "linkerd");
-    assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+    assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
     assert_eq!(
         got.inbound.via,
         Some(format!(
@@ -210,16 +210,26 @@ fn linkerd_iptables_nft_dual_stack() {
     // IPv4 rules only, on a dual-stack pod: what Linkerd writes on its default
     // (`disableIPv6`), so redirected. Missing for IPv6 only when the mesh is dual-stack.
     let default = inspect(&ns, "linkerd");
-    assert_eq!(default.verdict, Verdict::Redirected, "{}", default.message);
+    assert_eq!(
+        default.verdict,
+        RedirectVerdict::Redirected,
+        "{}",
+        default.message
+    );
     let half = inspect_netns(&ns.path(), &dual_stack("linkerd")).expect("inspect");
-    assert_eq!(half.verdict, Verdict::Missing, "{}", half.message);
+    assert_eq!(half.verdict, RedirectVerdict::Missing, "{}", half.message);
     assert!(half.message.contains("IPv6"), "{}", half.message);
     ns.sh(&linkerd_rules("ip6tables-nft", 4143));
     assert_linkerd_redirected_in_both_families(&ns, "iptables-nft");
     let both = inspect_netns(&ns.path(), &dual_stack("linkerd")).expect("inspect");
-    assert_eq!(both.verdict, Verdict::Redirected, "{}", both.message);
+    assert_eq!(
+        both.verdict,
+        RedirectVerdict::Redirected,
+        "{}",
+        both.message
+    );
     // Istio's ports are elsewhere.
-    assert_eq!(inspect(&ns, "istio").verdict, Verdict::Missing);
+    assert_eq!(inspect(&ns, "istio").verdict, RedirectVerdict::Missing);
 }
 
 #[test]
@@ -239,7 +249,12 @@ fn istio_iptables_layout_both_backends() {
         ns.addr("10.244.2.7/24");
         ns.sh(&istio_rules(ipt));
         let got = inspect(&ns, "istio");
-        assert_eq!(got.verdict, Verdict::Redirected, "{ipt}: {}", got.message);
+        assert_eq!(
+            got.verdict,
+            RedirectVerdict::Redirected,
+            "{ipt}: {}",
+            got.message
+        );
         assert_eq!(
             got.inbound.via,
             Some(format!(
@@ -253,7 +268,7 @@ fn istio_iptables_layout_both_backends() {
             ))
         );
         let linkerd = inspect(&ns, "linkerd");
-        assert_eq!(linkerd.verdict, Verdict::Missing);
+        assert_eq!(linkerd.verdict, RedirectVerdict::Missing);
         assert!(!linkerd.inbound.found && !linkerd.outbound.found);
     }
 }
@@ -266,7 +281,12 @@ fn istio_native_nftables_inet_table() {
     ns.nft(ISTIO_NFT);
     for p in ["istio", "istio-ambient"] {
         let got = inspect(&ns, p);
-        assert_eq!(got.verdict, Verdict::Redirected, "{p}: {}", got.message);
+        assert_eq!(
+            got.verdict,
+            RedirectVerdict::Redirected,
+            "{p}: {}",
+            got.message
+        );
         assert_eq!(
             got.inbound.via.as_deref(),
             Some(
@@ -286,7 +306,7 @@ fn wrong_port_and_unreachable_chain_are_missing() {
     ns.addr("10.244.4.9/24");
     ns.sh(&linkerd_rules("iptables-nft", 4144));
     let got = inspect(&ns, "linkerd");
-    assert_eq!(got.verdict, Verdict::Missing);
+    assert_eq!(got.verdict, RedirectVerdict::Missing);
     assert!(!got.inbound.found, "redirect to 4144 must not count");
     assert!(got.outbound.found);
 
@@ -301,7 +321,7 @@ fn wrong_port_and_unreachable_chain_are_missing() {
         }",
     );
     let got = inspect(&ns, "istio");
-    assert_eq!(got.verdict, Verdict::Missing);
+    assert_eq!(got.verdict, RedirectVerdict::Missing);
     assert!(
         !got.inbound.found,
         "a chain nothing jumps to must not count"
@@ -315,10 +335,10 @@ fn empty_namespace_is_missing_and_a_redirect_in_a_dormant_table_does_not_count()
     let ns = Netns::new("empty");
     ns.addr("10.244.5.11/24");
     let got = inspect(&ns, "istio");
-    assert_eq!(got.verdict, Verdict::Missing);
+    assert_eq!(got.verdict, RedirectVerdict::Missing);
     ns.nft(ISTIO_NFT);
     ns.sh("nft add table inet istio-proxy-nat '{ flags dormant; }'");
-    assert_eq!(inspect(&ns, "istio").verdict, Verdict::Missing);
+    assert_eq!(inspect(&ns, "istio").verdict, RedirectVerdict::Missing);
 }
 
 fn binary(args: &[&str]) -> (i32, String, String) {
@@ -439,7 +459,7 @@ fn reading_never_creates_legacy_tables() {
     assert_eq!(legacy_names(pid), (String::new(), String::new()));
 
     // Library reader, then the binary, by path and by pid.
-    assert_eq!(inspect(&ns, "istio").verdict, Verdict::Redirected);
+    assert_eq!(inspect(&ns, "istio").verdict, RedirectVerdict::Redirected);
     let path = ns.path();
     let (code, _, err) = binary(&[
         "inspect",
@@ -571,7 +591,7 @@ fn concurrent_rule_changes_never_yield_a_torn_read() {
             .ruleset()
             .expect("a consistent read (interrupted dumps are retried)");
         let got = meshgate_core::rules::check(&rs, &profile("istio"), &[]);
-        assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+        assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
         reads += 1;
     }
     writer.join().expect("writer");
@@ -722,7 +742,7 @@ fn istio_tproxy_mode_is_redirected_with_both_backends() {
         let got = inspect_netns(&ns.path(), &dual_stack("istio")).expect("inspect");
         assert_eq!(
             got.verdict,
-            Verdict::Redirected,
+            RedirectVerdict::Redirected,
             "{backend}: {}",
             got.message
         );
@@ -748,7 +768,12 @@ fn istio_tproxy_mode_is_redirected_with_both_backends() {
         };
         ns.sh(&format!("{ipt} -w -t mangle -F ISTIO_TPROXY"));
         let got = inspect(&ns, "istio");
-        assert_eq!(got.verdict, Verdict::Missing, "{backend}: {}", got.message);
+        assert_eq!(
+            got.verdict,
+            RedirectVerdict::Missing,
+            "{backend}: {}",
+            got.message
+        );
         assert!(!got.inbound.found && got.outbound.found);
     }
 }
@@ -781,7 +806,7 @@ fn native_nft_tproxy_is_redirected() {
         }",
     );
     let got = inspect(&ns, "istio");
-    assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+    assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
     assert_eq!(
         got.inbound.via.as_deref(),
         Some("inet istio-proxy-mangle prerouting -> istio-inbound -> istio-tproxy (nftables)")
@@ -789,11 +814,16 @@ fn native_nft_tproxy_is_redirected() {
     // `tproxy ip` and `tproxy ip6` each intercept their own family only.
     ns.addr("fd00:10:244:11::18/64");
     let dual = inspect_netns(&ns.path(), &dual_stack("istio")).expect("inspect");
-    assert_eq!(dual.verdict, Verdict::Redirected, "{}", dual.message);
+    assert_eq!(
+        dual.verdict,
+        RedirectVerdict::Redirected,
+        "{}",
+        dual.message
+    );
     ns.sh("nft flush chain inet istio-proxy-mangle istio-tproxy
            nft add rule inet istio-proxy-mangle istio-tproxy meta l4proto tcp tproxy ip to :15006 meta mark set 0x539 accept");
     let dual = inspect_netns(&ns.path(), &dual_stack("istio")).expect("inspect");
-    assert_eq!(dual.verdict, Verdict::Missing, "{}", dual.message);
+    assert_eq!(dual.verdict, RedirectVerdict::Missing, "{}", dual.message);
     assert_eq!(dual.inbound.missing_families, [IpFamily::V6]);
 }
 
@@ -806,22 +836,22 @@ fn dual_stack_pods_on_the_meshes_defaults_need_ipv4_rules_only() {
     ns.addr("fd00:10:244:12::19/64");
     ns.sh(&istio_rules("iptables-nft"));
     let got = inspect(&ns, "istio");
-    assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+    assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
     // Configured dual-stack, the absent ip6tables rules are missing.
     let dual = inspect_netns(&ns.path(), &dual_stack("istio")).expect("inspect");
-    assert_eq!(dual.verdict, Verdict::Missing, "{}", dual.message);
+    assert_eq!(dual.verdict, RedirectVerdict::Missing, "{}", dual.message);
     assert!(dual.message.contains("IPv6"), "{}", dual.message);
 
     let ns = Netns::new("dslnk");
     ns.addr("10.244.12.20/24");
     ns.addr("fd00:10:244:12::20/64");
     ns.sh(&linkerd_rules("iptables-legacy", 4143));
-    assert_eq!(inspect(&ns, "linkerd").verdict, Verdict::Redirected);
+    assert_eq!(inspect(&ns, "linkerd").verdict, RedirectVerdict::Redirected);
     // An IPv6-only pod still needs IPv6 rules.
     let v6 = Netns::new("v6only");
     v6.addr("fd00:10:244:12::21/64");
     v6.sh(&linkerd_rules("iptables-nft", 4143));
-    assert_eq!(inspect(&v6, "linkerd").verdict, Verdict::Missing);
+    assert_eq!(inspect(&v6, "linkerd").verdict, RedirectVerdict::Missing);
 }
 
 /// istio-iptables with an empty config (golden `empty.golden`: includeInboundPorts "" and
@@ -884,13 +914,23 @@ fn istio_opt_out_pods_match_what_istio_writes_for_their_annotations() {
         let ns = Netns::new("optall");
         ns.addr("10.244.13.22/24");
         ns.sh(&ISTIO_EMPTY.replace("iptables ", &format!("{ipt} -w ")));
-        assert_eq!(inspect(&ns, "istio").verdict, Verdict::Missing);
+        assert_eq!(inspect(&ns, "istio").verdict, RedirectVerdict::Missing);
         let got = inspect_pod(&ns, &istio, &[(IN_PORTS, ""), (OUT_RANGES, "")]);
-        assert_eq!(got.verdict, Verdict::Redirected, "{ipt}: {}", got.message);
+        assert_eq!(
+            got.verdict,
+            RedirectVerdict::Redirected,
+            "{ipt}: {}",
+            got.message
+        );
         assert!(!got.inbound.expected && !got.outbound.expected);
         // Only inbound opted out: outbound must still be there, and is not.
         let got = inspect_pod(&ns, &istio, &[(IN_PORTS, "")]);
-        assert_eq!(got.verdict, Verdict::Missing, "{ipt}: {}", got.message);
+        assert_eq!(
+            got.verdict,
+            RedirectVerdict::Missing,
+            "{ipt}: {}",
+            got.message
+        );
         assert!(!got.outbound.found);
 
         // Inbound opted out, outbound limited to two ports.
@@ -900,7 +940,12 @@ fn istio_opt_out_pods_match_what_istio_writes_for_their_annotations() {
             &istio,
             &[(IN_PORTS, ""), (OUT_RANGES, ""), (OUT_PORTS, "32000,31000")],
         );
-        assert_eq!(got.verdict, Verdict::Redirected, "{ipt}: {}", got.message);
+        assert_eq!(
+            got.verdict,
+            RedirectVerdict::Redirected,
+            "{ipt}: {}",
+            got.message
+        );
         assert_eq!(
             got.outbound.via,
             Some(format!(
@@ -913,9 +958,9 @@ fn istio_opt_out_pods_match_what_istio_writes_for_their_annotations() {
     let ns = Netns::new("optout");
     ns.addr("10.244.13.23/24");
     ns.restore("iptables-nft-restore", ISTIO_INBOUND_WILDCARD);
-    assert_eq!(inspect(&ns, "istio").verdict, Verdict::Missing);
+    assert_eq!(inspect(&ns, "istio").verdict, RedirectVerdict::Missing);
     let got = inspect_pod(&ns, &istio, &[(OUT_RANGES, "")]);
-    assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+    assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
     assert!(got.inbound.found && !got.outbound.expected);
 }
 
@@ -932,27 +977,27 @@ fn linkerd_opt_out_pods_match_what_proxy_init_writes() {
     ));
     let linkerd = profile("linkerd");
     let bare = inspect(&ns, "linkerd");
-    assert_eq!(bare.verdict, Verdict::Missing, "{}", bare.message);
+    assert_eq!(bare.verdict, RedirectVerdict::Missing, "{}", bare.message);
     assert!(!bare.inbound.found && bare.outbound.found);
     let got = inspect_pod(
         &ns,
         &linkerd,
         &[("config.linkerd.io/skip-subnets", "0.0.0.0/0")],
     );
-    assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+    assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
 
     // skip-inbound-ports covering every port: proxy-init still writes the redirect behind a
     // multiport RETURN, which the matcher reads as conditional.
     let ns = Netns::new("lports");
     ns.addr("10.244.14.25/24");
     ns.sh(&linkerd_rules("iptables-legacy", 4143).replace("4190,4191,4567,4568", "1:65535"));
-    assert_eq!(inspect(&ns, "linkerd").verdict, Verdict::Redirected);
+    assert_eq!(inspect(&ns, "linkerd").verdict, RedirectVerdict::Redirected);
     let got = inspect_pod(
         &ns,
         &linkerd,
         &[("config.linkerd.io/skip-inbound-ports", "1-65535")],
     );
-    assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+    assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
     assert!(!got.inbound.expected);
 }
 
@@ -1009,7 +1054,7 @@ fn termination_across_base_chains_follows_the_kernel() {
     let ns = Netns::new("order");
     ns.addr("10.244.16.27/24");
     ns.sh(&linkerd_rules("iptables-nft", 4143));
-    assert_eq!(inspect(&ns, "linkerd").verdict, Verdict::Redirected);
+    assert_eq!(inspect(&ns, "linkerd").verdict, RedirectVerdict::Redirected);
 
     // A filter chain ahead of nat PREROUTING that accepts every TCP packet: the next base
     // chain still runs.
@@ -1018,11 +1063,11 @@ fn termination_across_base_chains_follows_the_kernel() {
             chain pre { type filter hook prerouting priority -200; policy accept; meta l4proto tcp accept; }
         }",
     );
-    assert_eq!(inspect(&ns, "linkerd").verdict, Verdict::Redirected);
+    assert_eq!(inspect(&ns, "linkerd").verdict, RedirectVerdict::Redirected);
     // One that drops every TCP packet: nothing after it runs.
     ns.sh("nft flush chain inet fw pre; nft add rule inet fw pre meta l4proto tcp drop");
     let got = inspect(&ns, "linkerd");
-    assert_eq!(got.verdict, Verdict::Missing, "{}", got.message);
+    assert_eq!(got.verdict, RedirectVerdict::Missing, "{}", got.message);
     assert!(
         got.message.contains("dropped in inet fw pre"),
         "{}",
@@ -1036,9 +1081,9 @@ fn termination_across_base_chains_follows_the_kernel() {
             chain pre { type filter hook prerouting priority -200; policy drop; }
         }",
     );
-    assert_eq!(inspect(&ns, "linkerd").verdict, Verdict::Missing);
+    assert_eq!(inspect(&ns, "linkerd").verdict, RedirectVerdict::Missing);
     ns.sh("nft add rule inet fw pre tcp dport 8080 accept");
-    assert_eq!(inspect(&ns, "linkerd").verdict, Verdict::Redirected);
+    assert_eq!(inspect(&ns, "linkerd").verdict, RedirectVerdict::Redirected);
     ns.sh("nft delete table inet fw");
 
     // A native nat chain at -150 that DNATs every TCP connection binds it first: iptables'
@@ -1049,7 +1094,7 @@ fn termination_across_base_chains_follows_the_kernel() {
         }",
     );
     let got = inspect(&ns, "linkerd");
-    assert_eq!(got.verdict, Verdict::Missing, "{}", got.message);
+    assert_eq!(got.verdict, RedirectVerdict::Missing, "{}", got.message);
     assert!(
         got.message.contains("NAT binding in ip kube pre"),
         "{}",
@@ -1058,7 +1103,7 @@ fn termination_across_base_chains_follows_the_kernel() {
     assert!(got.outbound.found);
     // Limited to one port, it binds only those connections.
     ns.sh("nft flush chain ip kube pre; nft add rule ip kube pre tcp dport 53 dnat to 10.96.0.10");
-    assert_eq!(inspect(&ns, "linkerd").verdict, Verdict::Redirected);
+    assert_eq!(inspect(&ns, "linkerd").verdict, RedirectVerdict::Redirected);
 }
 
 #[test]
@@ -1076,7 +1121,7 @@ fn oversized_rule_dumps_are_unknown_never_missing() {
     ns.sh(&format!("nft -f {}", file.display()));
     let _ = std::fs::remove_file(&file);
     let got = inspect(&ns, "linkerd");
-    assert_eq!(got.verdict, Verdict::Unknown, "{}", got.message);
+    assert_eq!(got.verdict, RedirectVerdict::Unknown, "{}", got.message);
     let path = ns.path();
     let (code, out, err) = binary(&[
         "inspect",
@@ -1112,7 +1157,7 @@ fn oversized_rule_dumps_are_unknown_never_missing() {
     ns.restore("iptables-legacy-restore", &script);
     ns.sh(&linkerd_rules("iptables-legacy", 4143));
     let got = inspect(&ns, "linkerd");
-    assert_eq!(got.verdict, Verdict::Unknown, "{}", got.message);
+    assert_eq!(got.verdict, RedirectVerdict::Unknown, "{}", got.message);
 }
 
 /// Listeners inside a namespace that answer every connection with their name, until dropped.
@@ -1391,21 +1436,21 @@ fn tproxy_delivers_without_the_fwmark_rule_and_the_verdict_follows() {
         Some("proxy at 10.252.0.2:8080"),
         "without the ip rule"
     );
-    assert_eq!(inspect(&pod, "istio").verdict, Verdict::Redirected);
+    assert_eq!(inspect(&pod, "istio").verdict, RedirectVerdict::Redirected);
     pod.sh("ip rule add fwmark 1337 lookup 133; ip route add local default dev lo table 133");
     assert_eq!(
         connect().as_deref(),
         Some("proxy at 10.252.0.2:8080"),
         "with the ip rule"
     );
-    assert_eq!(inspect(&pod, "istio").verdict, Verdict::Redirected);
+    assert_eq!(inspect(&pod, "istio").verdict, RedirectVerdict::Redirected);
     pod.sh("iptables-nft -w -t mangle -F ISTIO_TPROXY");
     assert_eq!(
         connect(),
         None,
         "nothing intercepts without the TPROXY rule"
     );
-    assert_eq!(inspect(&pod, "istio").verdict, Verdict::Missing);
+    assert_eq!(inspect(&pod, "istio").verdict, RedirectVerdict::Missing);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1422,7 +1467,7 @@ mod identity {
 
     use meshgate_agent::daemon::pods::inspect::{Job, inspect_one};
     use meshgate_agent::netns::{self, NetnsError};
-    use meshgate_core::rules::Verdict;
+    use meshgate_core::rules::RedirectVerdict;
     use meshgate_e2e::netns_sim;
 
     use super::{TOOLS, profile};
@@ -1516,11 +1561,15 @@ mod identity {
             ..job(ip)
         };
         let bare = inspect_one(&facts, &istio(&[]));
-        assert_eq!(bare.inspections[0].verdict, Verdict::Missing, "{bare:?}");
+        assert_eq!(
+            bare.inspections[0].verdict,
+            RedirectVerdict::Missing,
+            "{bare:?}"
+        );
         let opted = inspect_one(&facts, &istio(&[(super::OUT_RANGES, "")]));
         assert_eq!(
             opted.inspections[0].verdict,
-            Verdict::Redirected,
+            RedirectVerdict::Redirected,
             "{opted:?}"
         );
         assert!(opted.pinned.is_none(), "nothing to act on");
@@ -1540,7 +1589,11 @@ mod identity {
 
         let (facts, _) = netns::survey(&dirs()).expect("survey");
         let got = inspect_one(&facts, &job(ip));
-        assert_eq!(got.inspections[0].verdict, Verdict::Missing, "{got:?}");
+        assert_eq!(
+            got.inspections[0].verdict,
+            RedirectVerdict::Missing,
+            "{got:?}"
+        );
         let pinned = got.pinned.expect("a missing verdict keeps its namespace");
         pinned.confirm(&[ip]).expect("nothing changed yet");
 
@@ -1557,7 +1610,11 @@ mod identity {
         }
         // The survey taken before the switch: the new namespace is not read in its place.
         let stale = inspect_one(&facts, &job(ip));
-        assert_eq!(stale.inspections[0].verdict, Verdict::Unknown, "{stale:?}");
+        assert_eq!(
+            stale.inspections[0].verdict,
+            RedirectVerdict::Unknown,
+            "{stale:?}"
+        );
         assert!(
             stale.inspections[0]
                 .message
@@ -1567,7 +1624,11 @@ mod identity {
         // A fresh survey reads the new namespace for what it is.
         let (fresh, _) = netns::survey(&dirs()).expect("survey");
         let now = inspect_one(&fresh, &job(ip));
-        assert_eq!(now.inspections[0].verdict, Verdict::Redirected, "{now:?}");
+        assert_eq!(
+            now.inspections[0].verdict,
+            RedirectVerdict::Redirected,
+            "{now:?}"
+        );
         assert!(
             now.pinned.is_none(),
             "nothing to act on: no descriptor kept"
@@ -1609,7 +1670,11 @@ mod identity {
             other => panic!("confirmed without the pod IP: {other:?}"),
         }
         let stale = inspect_one(&facts, &job(ip));
-        assert_eq!(stale.inspections[0].verdict, Verdict::Unknown, "{stale:?}");
+        assert_eq!(
+            stale.inspections[0].verdict,
+            RedirectVerdict::Unknown,
+            "{stale:?}"
+        );
         assert!(
             stale.inspections[0]
                 .message
@@ -1688,7 +1753,11 @@ mod identity {
             Some(PathBuf::from(format!("/proc/{pid}/ns/net"))),
             "{got:?}"
         );
-        assert_eq!(got.inspections[0].verdict, Verdict::Missing, "{got:?}");
+        assert_eq!(
+            got.inspections[0].verdict,
+            RedirectVerdict::Missing,
+            "{got:?}"
+        );
         let pinned = got.pinned.expect("missing keeps it");
         pinned.confirm(&[ip]).expect("nothing changed yet");
 
@@ -1734,7 +1803,11 @@ mod identity {
             other => panic!("the recycled pid's namespace passed for the inspected one: {other:?}"),
         }
         let stale = inspect_one(&facts, &job(ip));
-        assert_eq!(stale.inspections[0].verdict, Verdict::Unknown, "{stale:?}");
+        assert_eq!(
+            stale.inspections[0].verdict,
+            RedirectVerdict::Unknown,
+            "{stale:?}"
+        );
         true
     }
 }

@@ -1,6 +1,6 @@
 //! Which inspected pods to evict: the safety rules around the Eviction API.
 //!
-//! In: one pod's inspection [`Verdict`], whether it runs its mesh's proxy container, whether
+//! In: one pod's inspection [`RedirectVerdict`], whether it runs its mesh's proxy container, whether
 //! it has a controlling owner, its identity
 //! ([`SandboxKey`]: pod UID + sandbox identity), the [`History`] of sandboxes already evicted,
 //! the node's [`RateLimiter`], the operator's [`Flags`] and the current time (a monotonic
@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::rules::Verdict;
+use crate::rules::RedirectVerdict;
 
 /// Default `--max-evictions-per-minute`.
 pub const DEFAULT_MAX_PER_MINUTE: u32 = 10;
@@ -224,7 +224,7 @@ pub enum Decision {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Candidate<'a> {
     /// The inspection verdict.
-    pub verdict: Verdict,
+    pub verdict: RedirectVerdict,
     /// True when the pod runs its mesh's proxy container (or the mesh has none):
     /// [`crate::profile::MeshProfile::proxy_present`].
     pub has_proxy: bool,
@@ -243,9 +243,9 @@ pub fn decide(
     now: Duration,
 ) -> Decision {
     match pod.verdict {
-        Verdict::Redirected => return Decision::NotNeeded,
-        Verdict::Unknown => return Decision::Skip(SkipWhy::Unknown),
-        Verdict::Missing => {}
+        RedirectVerdict::Redirected => return Decision::NotNeeded,
+        RedirectVerdict::Unknown => return Decision::Skip(SkipWhy::Unknown),
+        RedirectVerdict::Missing => {}
     }
     if !pod.has_proxy {
         return Decision::Skip(SkipWhy::NoProxy);
@@ -286,7 +286,7 @@ mod tests {
 
     fn missing(k: &SandboxKey, owned: bool) -> Candidate<'_> {
         Candidate {
-            verdict: Verdict::Missing,
+            verdict: RedirectVerdict::Missing,
             has_proxy: true,
             owned,
             key: k,
@@ -300,9 +300,9 @@ mod tests {
         let h = History::default();
         let f = Flags::default();
         for (verdict, want) in [
-            (Verdict::Redirected, Decision::NotNeeded),
-            (Verdict::Unknown, Decision::Skip(SkipWhy::Unknown)),
-            (Verdict::Missing, Decision::Evict { token: secs(5) }),
+            (RedirectVerdict::Redirected, Decision::NotNeeded),
+            (RedirectVerdict::Unknown, Decision::Skip(SkipWhy::Unknown)),
+            (RedirectVerdict::Missing, Decision::Evict { token: secs(5) }),
         ] {
             let c = Candidate {
                 verdict,
@@ -314,7 +314,7 @@ mod tests {
         }
         // Unknown never evicts, whatever the flags.
         let c = Candidate {
-            verdict: Verdict::Unknown,
+            verdict: RedirectVerdict::Unknown,
             has_proxy: true,
             owned: false,
             key: &k,
@@ -477,7 +477,7 @@ mod tests {
         };
         for owned in [true, false] {
             let c = Candidate {
-                verdict: Verdict::Missing,
+                verdict: RedirectVerdict::Missing,
                 has_proxy: false,
                 owned,
                 key: &k,
@@ -491,7 +491,7 @@ mod tests {
         assert!(lim.try_acquire(secs(0)));
         // Its redirects in place: nothing to report either way.
         let c = Candidate {
-            verdict: Verdict::Redirected,
+            verdict: RedirectVerdict::Redirected,
             has_proxy: false,
             owned: true,
             key: &k,

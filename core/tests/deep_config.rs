@@ -9,7 +9,7 @@
 
 use meshgate_core::cni::gojson::{self, GoValue, JsonError, MAX_DEPTH};
 use meshgate_core::cni::{
-    MemSource, ProbeOutcome, Reason, Runtime, Verdict, VerifyOptions, verify,
+    ChainVerdict, MemSource, ProbeOutcome, Reason, Runtime, VerifyOptions, verify,
 };
 
 /// `levels` nested arrays or objects, as one JSON value.
@@ -44,7 +44,7 @@ fn deep_plugin(plugin_type: &str, total: usize) -> Vec<u8> {
     .into_bytes()
 }
 
-fn check(src: MemSource, runtime: Runtime) -> Verdict {
+fn check(src: MemSource, runtime: Runtime) -> ChainVerdict {
     let opts = VerifyOptions {
         conf_dir: "/etc/cni/net.d".into(),
         runtime,

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use meshgate_core::cni::listing::SourceError;
 use meshgate_core::cni::probe::ReplyError;
 use meshgate_core::cni::{
-    Broken, MemSource, ProbeOutcome, Reason, Runtime, Verdict, VerifyOptions, verify,
+    Broken, ChainVerdict, MemSource, ProbeOutcome, Reason, Runtime, VerifyOptions, verify,
 };
 
 fn golden(name: &str) -> Vec<u8> {
@@ -77,11 +77,11 @@ impl Bins {
     }
 }
 
-fn run_src(src: &mut MemSource, o: &VerifyOptions, bins: &mut Bins) -> Verdict {
+fn run_src(src: &mut MemSource, o: &VerifyOptions, bins: &mut Bins) -> ChainVerdict {
     verify(src, o, |t| bins.probe(t))
 }
 
-fn run(files: &[(&str, Vec<u8>)], o: &VerifyOptions, bins: &mut Bins) -> Verdict {
+fn run(files: &[(&str, Vec<u8>)], o: &VerifyOptions, bins: &mut Bins) -> ChainVerdict {
     run_src(&mut dir(files), o, bins)
 }
 

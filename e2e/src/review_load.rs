@@ -665,7 +665,7 @@ impl WebhookProcess {
             .env(
                 "RUST_LOG",
                 std::env::var("MESHGATE_WEBHOOK_LOG")
-                    .unwrap_or_else(|_| "warn,meshgate_webhook=info,meshgate_runtime=info".into()),
+                    .unwrap_or_else(|_| "warn,meshgate_webhook=info,meshgate_shell=info".into()),
             )
             .stdin(std::process::Stdio::null())
             .stdout(out.try_clone()?)

@@ -32,7 +32,7 @@ use meshgate_core::cni::{
     verify,
 };
 use meshgate_core::profile::ProfileSet;
-use meshgate_core::rules::{self, Family, IpFamily, Ruleset, Verdict};
+use meshgate_core::rules::{self, Family, IpFamily, RedirectVerdict, Ruleset};
 use meshgate_webhook::review::{Cluster, Outcome, PodMeta, Reviewer};
 
 use crate::mutate::Mutator;
@@ -249,9 +249,9 @@ fn check_all(ruleset: &Ruleset, sig: &mut Sig) {
         ] {
             let i = rules::check(ruleset, p, fams);
             sig.add(match i.verdict {
-                Verdict::Redirected => 1,
-                Verdict::Missing => 2,
-                Verdict::Unknown => 3,
+                RedirectVerdict::Redirected => 1,
+                RedirectVerdict::Missing => 2,
+                RedirectVerdict::Unknown => 3,
             });
         }
     }
@@ -618,7 +618,11 @@ fn profiles_exec(input: &[u8]) -> u64 {
             sig.add(2).add(n as u64);
             for p in set.iter() {
                 let i = rules::check(&Ruleset::default(), p, &[IpFamily::V4]);
-                assert_eq!(i.verdict, Verdict::Missing, "no rules can redirect: {i:?}");
+                assert_eq!(
+                    i.verdict,
+                    RedirectVerdict::Missing,
+                    "no rules can redirect: {i:?}"
+                );
             }
         }
     }

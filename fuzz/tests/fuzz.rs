@@ -117,7 +117,7 @@ fn seeds_reach_past_the_first_parse() {
 fn captured_netfilter_seeds_decode_to_the_meshes_redirects() {
     use meshgate_agent::netfilter::{legacy, nftables};
     use meshgate_core::profile::ProfileSet;
-    use meshgate_core::rules::{Family, IpFamily, Ruleset, Verdict, check};
+    use meshgate_core::rules::{Family, IpFamily, RedirectVerdict, Ruleset, check};
     let dir = meshgate_fuzz::runner::crate_dir().join("corpus");
     let profiles = ProfileSet::all_builtin();
     let verdict = |rs: &Ruleset, profile: &str, fam: IpFamily| {
@@ -138,14 +138,32 @@ fn captured_netfilter_seeds_decode_to_the_meshes_redirects() {
         nftables::assemble(t, c, r)
     };
     let rs = assembled("linkerd-iptables-nft-all.bin");
-    assert_eq!(verdict(&rs, "linkerd", IpFamily::V4), Verdict::Redirected);
-    assert_eq!(verdict(&rs, "linkerd", IpFamily::V6), Verdict::Redirected);
-    assert_eq!(verdict(&rs, "istio", IpFamily::V4), Verdict::Missing);
+    assert_eq!(
+        verdict(&rs, "linkerd", IpFamily::V4),
+        RedirectVerdict::Redirected
+    );
+    assert_eq!(
+        verdict(&rs, "linkerd", IpFamily::V6),
+        RedirectVerdict::Redirected
+    );
+    assert_eq!(
+        verdict(&rs, "istio", IpFamily::V4),
+        RedirectVerdict::Missing
+    );
     let rs = assembled("istio-nft-all.bin");
-    assert_eq!(verdict(&rs, "istio", IpFamily::V4), Verdict::Redirected);
-    assert_eq!(verdict(&rs, "linkerd", IpFamily::V4), Verdict::Missing);
+    assert_eq!(
+        verdict(&rs, "istio", IpFamily::V4),
+        RedirectVerdict::Redirected
+    );
+    assert_eq!(
+        verdict(&rs, "linkerd", IpFamily::V4),
+        RedirectVerdict::Missing
+    );
     let rs = assembled("empty-all.bin");
-    assert_eq!(verdict(&rs, "linkerd", IpFamily::V4), Verdict::Missing);
+    assert_eq!(
+        verdict(&rs, "linkerd", IpFamily::V4),
+        RedirectVerdict::Missing
+    );
 
     for (file, fam, ip) in [
         ("linkerd-legacy-ip-nat.bin", Family::Ip, IpFamily::V4),
@@ -158,6 +176,10 @@ fn captured_netfilter_seeds_decode_to_the_meshes_redirects() {
         let rs = Ruleset {
             tables: vec![table],
         };
-        assert_eq!(verdict(&rs, "linkerd", ip), Verdict::Redirected, "{file}");
+        assert_eq!(
+            verdict(&rs, "linkerd", ip),
+            RedirectVerdict::Redirected,
+            "{file}"
+        );
     }
 }

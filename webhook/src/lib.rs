@@ -10,12 +10,12 @@
 //! - [`cache`]: the real cluster view (metadata watches, bounded API fallbacks); [`pods`]:
 //!   its unscheduled pods, projected and capped, and the limits on looking one up.
 //! - [`server`]: routes, limits and TLS, on the bounded server shared with the admin ports
-//!   (`meshgate_runtime::server`); [`budget`]: the memory the reviews in flight may hold;
+//!   (`meshgate_shell::server`); [`budget`]: the memory the reviews in flight may hold;
 //!   [`tls`]: certificates re-read on change.
 //! - [`shutdown`]: the stop sequence (signal → not ready but serving for `--shutdown-delay`
 //!   → drain within `--shutdown-timeout` → admin server stops).
-//! - [`metrics`]: the contract metrics, served by `meshgate_runtime::admin` with the agent's
-//!   admin server; logging, client and profiles come from `meshgate_runtime` too.
+//! - [`metrics`]: the contract metrics, served by `meshgate_shell::admin` with the agent's
+//!   admin server; logging, client and profiles come from `meshgate_shell` too.
 
 pub mod budget;
 pub mod cache;
@@ -28,7 +28,7 @@ pub mod shutdown;
 pub mod tls;
 
 /// `--log-format` values (shared with the agent).
-pub use meshgate_runtime::logging::LogFormat;
+pub use meshgate_shell::logging::LogFormat;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -144,7 +144,7 @@ pub fn parse_max_connections(s: &str) -> Result<usize, String> {
 
 /// The profile set from `--profile-file` and `--profile`.
 pub fn load_profiles(args: &Args) -> anyhow::Result<ProfileSet> {
-    meshgate_runtime::profiles::load(&args.profiles, args.profile_file.as_deref())
+    meshgate_shell::profiles::load(&args.profiles, args.profile_file.as_deref())
 }
 
 /// Runs the webhook until SIGTERM/SIGINT (and the shutdown delay and drain after it).
@@ -181,7 +181,7 @@ async fn run_with(
 ) -> anyhow::Result<()> {
     let profiles = load_profiles(&args)?;
     let tls = tls::server_config(&args.tls_cert, &args.tls_key)?;
-    let client = meshgate_runtime::client::build(args.kubeconfig.as_deref()).await?;
+    let client = meshgate_shell::client::build(args.kubeconfig.as_deref()).await?;
 
     let mut registry = Registry::default();
     let metrics = metrics::Metrics::register(&mut registry);
@@ -275,7 +275,7 @@ async fn serve_until_stopped(servers: Servers, stop: Stop) {
     let sequence = tokio::spawn(shutdown::sequence(stop.requests, stop.delay, phase_tx));
     let (admin_stop, admin_stopped) = oneshot::channel::<()>();
     let admin = servers.admin.map(|l| {
-        tokio::spawn(meshgate_runtime::admin::serve(
+        tokio::spawn(meshgate_shell::admin::serve(
             l,
             servers.registry.clone(),
             shutdown::Readiness::new(servers.synced.clone(), phase.clone()),

@@ -8,7 +8,7 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     let args = meshgate_webhook::Args::parse();
-    meshgate_runtime::logging::init(args.log_format);
+    meshgate_shell::logging::init(args.log_format);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -3,7 +3,7 @@
 //! In: one observation per handled AdmissionReview (resource, allowed, duration), per pod
 //! lookup a binding needed (its outcome), and per pod the pending-pod cache left out for its
 //! cap. Out: the counters and histogram registered in a prometheus-client `Registry`, served
-//! by `meshgate_runtime::admin`. The review metrics follow `shared/design/contract.md`
+//! by `meshgate_shell::admin`. The review metrics follow `shared/design/contract.md`
 //! exactly; the lookup and cache ones are documented in docs/webhook.md (prometheus-client
 //! adds the `_total` suffix to counters).
 

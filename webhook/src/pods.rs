@@ -37,7 +37,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use meshgate_core::admission::LookupFailure;
 use meshgate_core::lookup::{self, Admit, Gate};
 use meshgate_core::projection::PodKeys;
-use meshgate_runtime::meta::SlimMeta;
+use meshgate_shell::meta::SlimMeta;
 use serde::Deserialize;
 use tokio::sync::{Semaphore, watch};
 
@@ -96,7 +96,7 @@ pub struct PendingPod {
 }
 
 // Listed, watched and fetched at the Pod's URL, metadata only.
-meshgate_runtime::pod_view!(PendingPod, metadata_only = true);
+meshgate_shell::pod_view!(PendingPod, metadata_only = true);
 
 /// `namespace/name`: a pod's key in the cache and the gate (names hold no `/`).
 fn key(namespace: &str, name: &str) -> String {

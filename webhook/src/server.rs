@@ -1,4 +1,4 @@
-//! The HTTPS front: routes, limits and TLS, served by `meshgate_runtime::server`.
+//! The HTTPS front: routes, limits and TLS, served by `meshgate_shell::server`.
 //!
 //! In: a [`Reviewer`], the readiness signal, [`Limits`], a bound TCP listener, a rustls
 //! config (see [`crate::tls`]) and the shutdown [`Phase`]. Out: HTTP responses:
@@ -11,7 +11,7 @@
 //! - caches not synced yet → the request waits for them inside that same timeout.
 //!
 //! The connections are bounded by the server shared with the admin ports
-//! (`meshgate_runtime::server`): at most `max_connections` at once (past the cap the next one
+//! (`meshgate_shell::server`): at most `max_connections` at once (past the cap the next one
 //! waits, unaccepted, in the kernel's backlog), a TLS handshake within [`HANDSHAKE_TIMEOUT`],
 //! a request head within [`HEADER_READ_TIMEOUT`] (an idle keep-alive connection is closed
 //! after it too) and at most [`MAX_BUF_SIZE`] bytes buffered per connection (a larger head
@@ -26,7 +26,7 @@ use axum::extract::{FromRequest, Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::post;
-use meshgate_runtime::server::{self as shared, Handshake};
+use meshgate_shell::server::{self as shared, Handshake};
 use rustls::ServerConfig;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
@@ -172,7 +172,7 @@ impl Handshake for Tls {
 }
 
 /// Serves `app` over TLS on `listener` until `phase` reaches [`Phase::Draining`], then drains
-/// for at most `drain` (see `meshgate_runtime::server::serve`), with at most
+/// for at most `drain` (see `meshgate_shell::server::serve`), with at most
 /// `max_connections` connections at once and this module's handshake, header and buffer
 /// limits.
 pub async fn serve_tls(

@@ -22,8 +22,8 @@ use tokio::sync::{mpsc, watch};
 /// Where the webhook is in its life: [`Phase::Serving`], [`Phase::Delaying`] (stop requested:
 /// not ready, still accepting and answering for `--shutdown-delay`), [`Phase::Draining`]
 /// (listener closed; requests in flight finish within `--shutdown-timeout`). The server that
-/// follows it is `meshgate_runtime::server`, shared with the admin ports.
-pub use meshgate_runtime::server::Phase;
+/// follows it is `meshgate_shell::server`, shared with the admin ports.
+pub use meshgate_shell::server::Phase;
 
 /// A phase channel starting at [`Phase::Serving`].
 pub fn phase_channel() -> (watch::Sender<Phase>, watch::Receiver<Phase>) {
@@ -44,7 +44,7 @@ impl Readiness {
     }
 }
 
-impl meshgate_runtime::admin::Readiness for Readiness {
+impl meshgate_shell::admin::Readiness for Readiness {
     fn is_ready(&self) -> bool {
         *self.synced.borrow() && *self.phase.borrow() == Phase::Serving
     }
@@ -140,7 +140,7 @@ async fn forward(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use meshgate_runtime::admin::Readiness as _;
+    use meshgate_shell::admin::Readiness as _;
 
     /// Waits up to `within` for `phase` to reach `want`; how long it took.
     async fn reaches(rx: &watch::Receiver<Phase>, want: Phase, within: Duration) -> Duration {

@@ -1,7 +1,7 @@
 //! The agent's CNI edge: reads the config directory and probes plugin binaries, then hands
 //! the plain data to `meshgate_core::cni::verify`.
 //!
-//! In: [`CniArgs`] (shared by `check` and `run`). Out: a `Verdict`, or an I/O error when the
+//! In: [`CniArgs`] (shared by `check` and `run`). Out: a `ChainVerdict`, or an I/O error when the
 //! directory itself cannot be listed (a missing directory is not an error: it is `NoConfig`,
 //! as for the runtime). Each verification reads lazily within `--max-verify-bytes` and runs
 //! plugins within one overall `--verify-timeout`.
@@ -12,7 +12,7 @@ pub mod reader;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use meshgate_core::cni::{Runtime, Verdict, VerifyOptions, verify};
+use meshgate_core::cni::{ChainVerdict, Runtime, VerifyOptions, verify};
 
 pub use prober::Prober;
 
@@ -89,7 +89,7 @@ impl CniArgs {
     /// (which caches answers, so the daemon passes the same one every time).
     ///
     /// Blocking: it reads files and runs plugin binaries. Call it from a blocking thread.
-    pub fn verify(&self, prober: &Prober) -> std::io::Result<Verdict> {
+    pub fn verify(&self, prober: &Prober) -> std::io::Result<ChainVerdict> {
         reader::check_listable(&self.cni_conf_dir)?;
         // One deadline for every plugin this verification runs, set before any of them.
         let deadline = Instant::now() + self.verify_timeout;

@@ -42,12 +42,12 @@ impl Clients {
         retry: bool,
     ) -> anyhow::Result<Self> {
         let own = if retry {
-            meshgate_runtime::client::build(kubeconfig).await?
+            meshgate_shell::client::build(kubeconfig).await?
         } else {
-            meshgate_runtime::client::build_without_retry(kubeconfig).await?
+            meshgate_shell::client::build_without_retry(kubeconfig).await?
         };
         let node = if impersonate_node {
-            meshgate_runtime::client::build_impersonating(kubeconfig, &node_user(node), retry)
+            meshgate_shell::client::build_impersonating(kubeconfig, &node_user(node), retry)
                 .await
                 .with_context(|| format!("acting as node {node} (--impersonate-node)"))?
         } else {

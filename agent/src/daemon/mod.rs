@@ -34,9 +34,9 @@ use k8s_openapi::api::core::v1::Node;
 use kube::api::Api;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::events::{Recorder, Reporter};
-use meshgate_core::cni::{Reason, Runtime, Verdict};
-use meshgate_runtime::admin::LoopProgress;
-use meshgate_runtime::logging::LogFormat;
+use meshgate_core::cni::{ChainVerdict, Reason, Runtime};
+use meshgate_shell::admin::LoopProgress;
+use meshgate_shell::logging::LogFormat;
 use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, watch};
 
@@ -121,7 +121,7 @@ pub struct Args {
 
 /// Builds the runtime and runs the daemon; exit 0 after a graceful shutdown.
 pub fn main(args: Args) -> ExitCode {
-    meshgate_runtime::logging::init(args.log_format);
+    meshgate_shell::logging::init(args.log_format);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -201,7 +201,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     // The pod inspector's batches are bounded by the same stall timeout; it may idle for as
     // long as no pod needs inspecting, so only its passes are bounded.
     let pod_progress = LoopProgress::idle("the pod inspector", args.stall_timeout, Duration::MAX);
-    let admin = tokio::spawn(meshgate_runtime::admin::serve_with(
+    let admin = tokio::spawn(meshgate_shell::admin::serve_with(
         listener,
         Arc::new(registry),
         ready.clone(),
@@ -230,7 +230,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let (node_tx, mut node_rx) = watch::channel::<Option<Node>>(None);
     // The verdict as the pod inspector sees it: sent only when it changes, so pods are
     // inspected again after a change, not after every resync.
-    let (verdict_tx, verdict_rx) = watch::channel::<Option<Verdict>>(None);
+    let (verdict_tx, verdict_rx) = watch::channel::<Option<ChainVerdict>>(None);
     let pods = pods::spawn(
         &args,
         verdict_rx,
@@ -258,7 +258,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut resync = tokio::time::interval(args.resync_interval);
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     resync.tick().await; // the first tick is immediate; the start-up verification covers it
-    let mut shutdown = std::pin::pin!(meshgate_runtime::shutdown::signal());
+    let mut shutdown = std::pin::pin!(meshgate_shell::shutdown::signal());
 
     let backoff = || {
         ExponentialBuilder::default()
@@ -272,7 +272,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut retry_at: Option<tokio::time::Instant>;
     // When the disk last changed: the start of the untaint-latency measurement.
     let mut changed_at = Instant::now();
-    let mut verdict: Option<Verdict> = None;
+    let mut verdict: Option<ChainVerdict> = None;
     let mut wake = Wake::Resync;
 
     loop {
@@ -401,7 +401,7 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
 
 /// Verifies on a blocking thread (it reads files and runs plugin binaries). An unreadable
 /// config dir is a verdict, not a crash: the node stays gated.
-async fn verify(cni: Arc<CniArgs>, prober: Arc<crate::cni::Prober>) -> Verdict {
+async fn verify(cni: Arc<CniArgs>, prober: Arc<crate::cni::Prober>) -> ChainVerdict {
     let dir = cni.cni_conf_dir.display().to_string();
     let runtime: Runtime = cni.runtime.into();
     let result = tokio::task::spawn_blocking(move || cni.verify(&prober)).await;
@@ -410,7 +410,7 @@ async fn verify(cni: Arc<CniArgs>, prober: Arc<crate::cni::Prober>) -> Verdict {
         Ok(Err(e)) => format!("cannot read {dir}: {e}"),
         Err(e) => format!("verification failed: {e}"),
     };
-    Verdict {
+    ChainVerdict {
         verified: false,
         reason: Reason::ConfigInvalid,
         message: why,

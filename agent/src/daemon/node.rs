@@ -23,7 +23,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Resource, ResourceExt};
-use meshgate_core::cni::Verdict;
+use meshgate_core::cni::ChainVerdict;
 use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL, event_reason};
 use serde_json::{Value, json};
 
@@ -139,7 +139,7 @@ pub fn plan_label(labels: &BTreeMap<String, String>, verified: bool) -> Option<&
 /// `lastTransitionTime` is kept unless the status changes.
 pub fn plan_condition(
     current: Option<&NodeCondition>,
-    verdict: &Verdict,
+    verdict: &ChainVerdict,
     now: Timestamp,
 ) -> Option<NodeCondition> {
     let status = if verdict.verified { "True" } else { "False" };
@@ -167,7 +167,7 @@ pub fn plan_condition(
 }
 
 /// The Event to publish for a condition change, if the status or reason changed.
-pub fn plan_event(current: Option<&NodeCondition>, verdict: &Verdict) -> Option<Event> {
+pub fn plan_event(current: Option<&NodeCondition>, verdict: &ChainVerdict) -> Option<Event> {
     let status = if verdict.verified { "True" } else { "False" };
     if let Some(c) = current
         && c.status == status
@@ -320,7 +320,7 @@ impl NodeGate {
     pub async fn reconcile(
         &self,
         seen: Option<Node>,
-        verdict: &Verdict,
+        verdict: &ChainVerdict,
     ) -> Result<Applied, GateError> {
         // `fresh`: `node` came from the API just now (a GET or a patch response), not the cache.
         let (mut node, mut fresh) = match seen {
@@ -445,8 +445,8 @@ mod tests {
         }
     }
 
-    fn verdict(reason: Reason, message: &str) -> Verdict {
-        Verdict {
+    fn verdict(reason: Reason, message: &str) -> ChainVerdict {
+        ChainVerdict {
             verified: reason == Reason::Verified,
             reason,
             message: message.into(),

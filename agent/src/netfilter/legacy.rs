@@ -736,7 +736,7 @@ mod tests {
             let got = meshgate_core::rules::check(&rs, linkerd, &[ip]);
             assert_eq!(
                 got.verdict,
-                meshgate_core::rules::Verdict::Redirected,
+                meshgate_core::rules::RedirectVerdict::Redirected,
                 "{}",
                 got.message
             );

@@ -3,7 +3,7 @@
 //! In: a lazy view of the CNI config directory ([`listing::ConfSource`]), the runtime's
 //! loading semantics, the required chained plugin types, and a closure that reports what
 //! each plugin binary answered to `CNI_COMMAND=VERSION` ([`probe`]).
-//! Out: a [`Verdict`]: one contract reason, a message naming the effective file and the
+//! Out: a [`ChainVerdict`]: one contract reason, a message naming the effective file and the
 //! offending position (never file content), and the chain's plugin types.
 //!
 //! The source and the closure are the only ways files and binaries are looked at, so this
@@ -22,4 +22,4 @@ pub use config::{ConfigError, NetConfList, PluginConf};
 pub use listing::{ConfSource, Dirent, MemSource, SourceError};
 pub use probe::{Broken, ProbeOutcome};
 pub use select::{EffectiveConfig, Runtime};
-pub use verdict::{Reason, Verdict, VerifyOptions, verify};
+pub use verdict::{ChainVerdict, Reason, VerifyOptions, verify};

@@ -2,7 +2,7 @@
 //!
 //! In: a [`ConfSource`] over the config directory, [`VerifyOptions`] (directory path for
 //! messages, runtime semantics, required chained plugin types) and a probe closure answering
-//! what each plugin binary said to `VERSION`. Out: a [`Verdict`], which is also the JSON
+//! what each plugin binary said to `VERSION`. Out: a [`ChainVerdict`], which is also the JSON
 //! object printed by `meshgate-agent check --output json`.
 //!
 //! Checks run from the cheapest to the costliest: selection (`NoConfig`, `ConfigInvalid`;
@@ -14,7 +14,7 @@
 //!
 //! Messages never quote file content or plugin output: they name files (config dir entry
 //! names), positions ("plugin #2"), the operator's own `--require-plugin` names, counts and
-//! lengths. The chain's types are in [`Verdict::plugins`] for the `check` command only.
+//! lengths. The chain's types are in [`ChainVerdict::plugins`] for the `check` command only.
 
 use std::collections::HashMap;
 
@@ -97,7 +97,7 @@ pub struct VerifyOptions {
 
 /// The outcome of one verification.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Verdict {
+pub struct ChainVerdict {
     /// True exactly when `reason` is `Verified`.
     pub verified: bool,
     /// The contract reason.
@@ -213,7 +213,7 @@ pub fn verify(
     src: &mut dyn ConfSource,
     opts: &VerifyOptions,
     probe: impl FnMut(&str) -> ProbeOutcome,
-) -> Verdict {
+) -> ChainVerdict {
     let path = |file: &[u8]| {
         let name = display(file);
         if opts.conf_dir.is_empty() {
@@ -222,14 +222,15 @@ pub fn verify(
             format!("{}/{}", opts.conf_dir.trim_end_matches('/'), name)
         }
     };
-    let verdict = |reason, message: String, file: Option<String>, plugins: Vec<String>| Verdict {
-        verified: reason == Reason::Verified,
-        reason,
-        message,
-        config_file: file,
-        plugins,
-        runtime: opts.runtime,
-    };
+    let verdict =
+        |reason, message: String, file: Option<String>, plugins: Vec<String>| ChainVerdict {
+            verified: reason == Reason::Verified,
+            reason,
+            message,
+            config_file: file,
+            plugins,
+            runtime: opts.runtime,
+        };
     let dir = if opts.conf_dir.is_empty() {
         "the CNI config directory"
     } else {

@@ -40,8 +40,8 @@ use serde::{Deserialize, Serialize};
 
 use super::expect::{Expectation, Expected, expectation};
 use super::{
-    Action, ChainType, DumpLimits, Family, Hook, IpFamily, Protocol, Ruleset, Source, Table,
-    Verdict,
+    Action, ChainType, DumpLimits, Family, Hook, IpFamily, Protocol, RedirectVerdict, Ruleset,
+    Source, Table,
 };
 use crate::profile::MeshProfile;
 
@@ -424,7 +424,7 @@ pub struct Inspection {
     pub profile: String,
     /// `redirected` when every expected direction is found, else `missing` (or `unknown`,
     /// built by [`Inspection::unknown`] or for a ruleset beyond [`DumpLimits`]).
-    pub verdict: Verdict,
+    pub verdict: RedirectVerdict,
     /// Inbound: redirect from nat PREROUTING or TPROXY from PREROUTING.
     pub inbound: DirectionResult,
     /// Outbound: redirect from nat OUTPUT.
@@ -446,7 +446,7 @@ impl Inspection {
         };
         Self {
             profile: profile.name.clone(),
-            verdict: Verdict::Unknown,
+            verdict: RedirectVerdict::Unknown,
             inbound: dir(profile.inbound_port),
             outbound: dir(profile.outbound_port),
             message: why.to_owned(),
@@ -501,9 +501,9 @@ pub fn check_expected(
     let outbound = DirectionResult::compute(ruleset, Hook::Output, &exp.outbound, &pod);
     let ok = |d: &DirectionResult| !d.expected || d.found;
     let verdict = if ok(&inbound) && ok(&outbound) {
-        Verdict::Redirected
+        RedirectVerdict::Redirected
     } else {
-        Verdict::Missing
+        RedirectVerdict::Missing
     };
     let message = message(profile, &inbound, &outbound);
     Inspection {
@@ -734,7 +734,7 @@ mod tests {
     fn linkerd_layout_is_redirected_with_via() {
         let rs = set(vec![linkerd_nat(Family::Ip, Source::IptablesNft)]);
         let got = check(&rs, &profile("linkerd"), V4);
-        assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+        assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
         assert_eq!(
             got.inbound.via.as_deref(),
             Some("ip nat PREROUTING -> PROXY_INIT_REDIRECT (iptables-nft)")
@@ -750,7 +750,7 @@ mod tests {
     fn istio_layout_is_redirected_and_linkerd_is_not() {
         let rs = set(vec![istio_nat(Family::Ip, Source::IptablesLegacy)]);
         let got = check(&rs, &profile("istio"), V4);
-        assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+        assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
         assert_eq!(
             got.inbound.via.as_deref(),
             Some("ip nat PREROUTING -> ISTIO_INBOUND -> ISTIO_IN_REDIRECT (iptables-legacy)")
@@ -761,7 +761,7 @@ mod tests {
         );
         // Istio's ports are not Linkerd's: wrong ports never count.
         let other = check(&rs, &profile("linkerd"), V4);
-        assert_eq!(other.verdict, Verdict::Missing);
+        assert_eq!(other.verdict, RedirectVerdict::Missing);
         assert!(!other.inbound.found && !other.outbound.found);
         assert_eq!(other.inbound.via, None);
         assert!(
@@ -775,7 +775,7 @@ mod tests {
     fn native_nft_inet_table_serves_both_families() {
         let rs = set(vec![istio_nft()]);
         let got = check(&rs, &profile("istio"), DUAL);
-        assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+        assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
         // One inet path covers IPv4 and IPv6: reported once.
         assert_eq!(
             got.inbound.via.as_deref(),
@@ -792,7 +792,7 @@ mod tests {
     #[test]
     fn empty_ruleset_is_missing_both() {
         let got = check(&Ruleset::default(), &profile("istio"), V4);
-        assert_eq!(got.verdict, Verdict::Missing);
+        assert_eq!(got.verdict, RedirectVerdict::Missing);
         assert!(!got.inbound.found && !got.outbound.found);
         assert!(got.message.contains("IPv4"), "{}", got.message);
     }
@@ -807,7 +807,7 @@ mod tests {
             }
         }
         let got = check(&set(vec![t]), &profile("linkerd"), V4);
-        assert_eq!(got.verdict, Verdict::Missing);
+        assert_eq!(got.verdict, RedirectVerdict::Missing);
         assert!(!got.inbound.found && !got.outbound.found);
     }
 
@@ -835,7 +835,7 @@ mod tests {
         );
         assert_eq!(
             check(&set(vec![t]), &profile("linkerd"), V4).verdict,
-            Verdict::Missing
+            RedirectVerdict::Missing
         );
         // A filter-type base chain on the right hooks is no entry point.
         let mut f = istio_nft();
@@ -846,7 +846,7 @@ mod tests {
         }
         assert_eq!(
             check(&set(vec![f]), &profile("istio"), V4).verdict,
-            Verdict::Missing
+            RedirectVerdict::Missing
         );
     }
 
@@ -1078,19 +1078,24 @@ mod tests {
         let rs = set(vec![linkerd_nat(Family::Ip, Source::IptablesLegacy)]);
         assert_eq!(
             check(&rs, &profile("linkerd"), V4).verdict,
-            Verdict::Redirected
+            RedirectVerdict::Redirected
         );
         // On the mesh's default (disableIPv6) a dual-stack pod gets IPv4 rules only, and that
         // is what Linkerd writes: redirected. (This used to be `missing`, which evicted every
         // meshed pod of a dual-stack cluster in a loop.)
         let default = check(&rs, &profile("linkerd"), DUAL);
-        assert_eq!(default.verdict, Verdict::Redirected, "{}", default.message);
+        assert_eq!(
+            default.verdict,
+            RedirectVerdict::Redirected,
+            "{}",
+            default.message
+        );
         assert!(default.inbound.missing_families.is_empty());
         // With a profile configured dual-stack, the forgotten ip6tables rules are missing.
         let mut dual_profile = profile("linkerd");
         dual_profile.dual_stack = true;
         let dual = check(&rs, &dual_profile, DUAL);
-        assert_eq!(dual.verdict, Verdict::Missing);
+        assert_eq!(dual.verdict, RedirectVerdict::Missing);
         assert_eq!(dual.inbound.missing_families, [IpFamily::V6]);
         assert!(dual.message.contains("IPv6"), "{}", dual.message);
         // A found IPv4 path is still reported for operators.
@@ -1101,7 +1106,7 @@ mod tests {
             linkerd_nat(Family::Ip6, Source::IptablesLegacy),
         ]);
         let got = check(&both, &dual_profile, DUAL);
-        assert_eq!(got.verdict, Verdict::Redirected);
+        assert_eq!(got.verdict, RedirectVerdict::Redirected);
         assert_eq!(
             got.inbound.via.as_deref(),
             Some(
@@ -1113,11 +1118,11 @@ mod tests {
         let v6 = set(vec![linkerd_nat(Family::Ip6, Source::IptablesNft)]);
         assert_eq!(
             check(&v6, &profile("linkerd"), &[IpFamily::V6]).verdict,
-            Verdict::Redirected
+            RedirectVerdict::Redirected
         );
         assert_eq!(
             check(&v6, &profile("linkerd"), V4).verdict,
-            Verdict::Missing
+            RedirectVerdict::Missing
         );
     }
 
@@ -1130,7 +1135,7 @@ mod tests {
             c.rules.clear();
         }
         let got = check(&set(vec![empty, istio_nft()]), &profile("istio"), V4);
-        assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+        assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
         assert!(
             got.inbound
                 .via
@@ -1267,7 +1272,7 @@ mod tests {
     fn istio_tproxy_mode_is_redirected() {
         let rs = set(istio_tproxy(Family::Ip));
         let got = check(&rs, &profile("istio"), V4);
-        assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+        assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
         assert_eq!(
             got.inbound.via.as_deref(),
             Some("ip mangle PREROUTING -> ISTIO_INBOUND -> ISTIO_TPROXY (iptables-legacy)")
@@ -1349,7 +1354,7 @@ mod tests {
         )];
         tables.push(linkerd_nat(Family::Ip, Source::IptablesNft));
         let got = check(&set(tables), &profile("linkerd"), V4);
-        assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+        assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
     }
 
     #[test]
@@ -1373,7 +1378,7 @@ mod tests {
             linkerd_nat(Family::Ip, Source::IptablesNft),
         ]);
         let got = check(&rs, &profile("linkerd"), V4);
-        assert_eq!(got.verdict, Verdict::Missing);
+        assert_eq!(got.verdict, RedirectVerdict::Missing);
         assert!(!got.inbound.found && got.outbound.found);
         assert!(
             got.message
@@ -1403,7 +1408,7 @@ mod tests {
                 }
             }
             let got = check(&set(vec![blocker, nat]), &profile("linkerd"), V4);
-            assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+            assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
         }
     }
 
@@ -1431,7 +1436,7 @@ mod tests {
                 ChainType::Filter,
                 vec![Rule::tcp(Action::Accept).when(), Rule::all(Action::Drop)]
             )),
-            Verdict::Redirected
+            RedirectVerdict::Redirected
         );
         // The same escape through a conditional return from the base chain, or through a
         // jumped-to chain that accepts some packets.
@@ -1440,7 +1445,7 @@ mod tests {
                 ChainType::Filter,
                 vec![Rule::all(Action::Return).when(), Rule::all(Action::Drop)]
             )),
-            Verdict::Redirected
+            RedirectVerdict::Redirected
         );
         let mut t = early(
             ChainType::Filter,
@@ -1450,7 +1455,7 @@ mod tests {
             "SOME",
             vec![Rule::tcp(Action::Accept).when()],
         ));
-        assert_eq!(verdict(t), Verdict::Redirected);
+        assert_eq!(verdict(t), RedirectVerdict::Redirected);
         // Without an escape the drop hides the redirect.
         let mut t = early(
             ChainType::Filter,
@@ -1458,7 +1463,7 @@ mod tests {
         );
         t.chains
             .push(Chain::regular("NONE", vec![Rule::tcp(Action::Drop).when()]));
-        assert_eq!(verdict(t), Verdict::Missing);
+        assert_eq!(verdict(t), RedirectVerdict::Missing);
         // NAT: connections accepted unbound go on to the next nat chain; dropped ones do not
         // matter.
         assert_eq!(
@@ -1466,14 +1471,14 @@ mod tests {
                 ChainType::Nat,
                 vec![Rule::tcp(Action::Accept).when(), Rule::tcp(Action::Nat)]
             )),
-            Verdict::Redirected
+            RedirectVerdict::Redirected
         );
         assert_eq!(
             verdict(early(
                 ChainType::Nat,
                 vec![Rule::tcp(Action::Drop).when(), Rule::tcp(Action::Nat)]
             )),
-            Verdict::Missing
+            RedirectVerdict::Missing
         );
     }
 
@@ -1502,7 +1507,7 @@ mod tests {
             &profile("linkerd"),
             V4,
         );
-        assert_eq!(got.verdict, Verdict::Missing);
+        assert_eq!(got.verdict, RedirectVerdict::Missing);
         assert!(!got.inbound.found && got.outbound.found);
         assert!(
             got.message.contains("NAT binding in ip kube pre first"),
@@ -1530,7 +1535,7 @@ mod tests {
                 &profile("linkerd"),
                 V4,
             );
-            assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+            assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
         }
         // Another family's NAT is irrelevant.
         let mut v6 = dnat(Rule::tcp(Action::Nat), -150);
@@ -1540,7 +1545,7 @@ mod tests {
             &profile("linkerd"),
             V4,
         );
-        assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+        assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
     }
 
     #[test]
@@ -1554,14 +1559,17 @@ mod tests {
             }
         }
         let rs = set(vec![t]);
-        assert_eq!(check(&rs, &profile("istio"), V4).verdict, Verdict::Missing);
+        assert_eq!(
+            check(&rs, &profile("istio"), V4).verdict,
+            RedirectVerdict::Missing
+        );
         let ann: BTreeMap<String, String> = [(
             "traffic.sidecar.istio.io/includeInboundPorts".to_string(),
             String::new(),
         )]
         .into();
         let got = check_pod(&rs, &profile("istio"), V4, &ann);
-        assert_eq!(got.verdict, Verdict::Redirected, "{}", got.message);
+        assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
         assert!(!got.inbound.expected && !got.inbound.found);
         assert!(got.outbound.expected && got.outbound.found);
         assert!(
@@ -1574,7 +1582,7 @@ mod tests {
         assert!(v["outbound"].get("expected").is_none());
         // The direction it kept is still checked.
         let got = check_pod(&Ruleset::default(), &profile("istio"), V4, &ann);
-        assert_eq!(got.verdict, Verdict::Missing);
+        assert_eq!(got.verdict, RedirectVerdict::Missing);
     }
 
     #[test]
@@ -1586,14 +1594,14 @@ mod tests {
         );
         t.chains.push(filler);
         let got = check(&set(vec![t]), &profile("linkerd"), V4);
-        assert_eq!(got.verdict, Verdict::Unknown);
+        assert_eq!(got.verdict, RedirectVerdict::Unknown);
         assert!(got.message.contains("rules (limit"), "{}", got.message);
         let many = Ruleset {
             tables: vec![table(Family::Ip, "t", Source::Nftables, vec![]); 300],
         };
         assert_eq!(
             check(&many, &profile("linkerd"), V4).verdict,
-            Verdict::Unknown
+            RedirectVerdict::Unknown
         );
     }
 

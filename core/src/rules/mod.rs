@@ -7,7 +7,7 @@
 //! [`MeshProfile`](crate::profile::MeshProfile), and what the mesh is expected to have written
 //! for this pod ([`expect::Expectation`], derived from the profile, the pod's IP families and
 //! its annotations). Out: an [`Inspection`] with one [`DirectionResult`] per direction and a
-//! [`Verdict`] (`redirected` / `missing`; `unknown` when the rules could not be read or were
+//! [`RedirectVerdict`] (`redirected` / `missing`; `unknown` when the rules could not be read or were
 //! too large to judge, see [`DumpLimits`]).
 //!
 //! The model keeps only what the decision needs: per rule, whether it applies to every TCP
@@ -388,7 +388,7 @@ impl Default for DumpLimits {
 /// The outcome of inspecting one pod for one profile (metric label `verdict`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Verdict {
+pub enum RedirectVerdict {
     /// Every expected interception (redirect, or TPROXY inbound) is reachable, for every
     /// family the [`Expectation`] requires. A direction the pod opted out of is not expected.
     Redirected,
@@ -399,18 +399,18 @@ pub enum Verdict {
     Unknown,
 }
 
-impl Verdict {
+impl RedirectVerdict {
     /// `redirected` / `missing` / `unknown`, as in metrics and JSON.
     pub fn as_str(self) -> &'static str {
         match self {
-            Verdict::Redirected => "redirected",
-            Verdict::Missing => "missing",
-            Verdict::Unknown => "unknown",
+            RedirectVerdict::Redirected => "redirected",
+            RedirectVerdict::Missing => "missing",
+            RedirectVerdict::Unknown => "unknown",
         }
     }
 }
 
-impl fmt::Display for Verdict {
+impl fmt::Display for RedirectVerdict {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
     }

@@ -177,7 +177,7 @@ pub fn triples(rules: &[(&str, &[&str], &[&str])]) -> BTreeSet<(String, String, 
 }
 
 /// A verdict as the agent's verification loop hands it to [`NodeGate::reconcile`].
-pub fn verdict(verified: bool) -> anyhow::Result<meshgate_core::cni::Verdict> {
+pub fn verdict(verified: bool) -> anyhow::Result<meshgate_core::cni::ChainVerdict> {
     let (reason, message) = if verified {
         (
             "Verified",

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use meshgate_core::profile::MeshProfile;
 use meshgate_core::rules::locate::{self, Located, NetnsFacts};
-use meshgate_core::rules::{self, Inspection, Verdict};
+use meshgate_core::rules::{self, Inspection, RedirectVerdict};
 
 use crate::netns::{self, NetnsError, NetnsRef, Pinned};
 
@@ -82,9 +82,17 @@ pub fn combine(
 ) -> Option<&Inspection> {
     inspections
         .iter()
-        .find(|i| i.verdict == Verdict::Missing && has_proxy(&i.profile))
-        .or_else(|| inspections.iter().find(|i| i.verdict == Verdict::Missing))
-        .or_else(|| inspections.iter().find(|i| i.verdict == Verdict::Unknown))
+        .find(|i| i.verdict == RedirectVerdict::Missing && has_proxy(&i.profile))
+        .or_else(|| {
+            inspections
+                .iter()
+                .find(|i| i.verdict == RedirectVerdict::Missing)
+        })
+        .or_else(|| {
+            inspections
+                .iter()
+                .find(|i| i.verdict == RedirectVerdict::Unknown)
+        })
         .or_else(|| inspections.first())
 }
 
@@ -126,7 +134,9 @@ pub fn inspect_one(facts: &[NetnsFacts<NetnsRef>], job: &Job) -> Inspected {
                     .iter()
                     .map(|p| rules::check_pod(&ruleset, p, &families, &job.annotations))
                     .collect();
-                let missing = inspections.iter().any(|i| i.verdict == Verdict::Missing);
+                let missing = inspections
+                    .iter()
+                    .any(|i| i.verdict == RedirectVerdict::Missing);
                 (inspections, Some(r.path), missing.then_some(pinned))
             }
             Err(e) => (
@@ -212,8 +222,8 @@ mod tests {
     fn missing_wins_over_unknown_and_redirected() {
         let unknown = Inspection::unknown(&profile("istio"), "no netns");
         let mut redirected = missing("istio-ambient");
-        redirected.verdict = Verdict::Redirected;
-        assert_eq!(missing("linkerd").verdict, Verdict::Missing);
+        redirected.verdict = RedirectVerdict::Redirected;
+        assert_eq!(missing("linkerd").verdict, RedirectVerdict::Missing);
 
         let any = |_: &str| true;
         let all = [redirected.clone(), unknown.clone(), missing("linkerd")];
@@ -224,11 +234,11 @@ mod tests {
         let no_missing = [redirected.clone(), unknown.clone()];
         assert_eq!(
             combine(&no_missing, any).map(|i| i.verdict),
-            Some(Verdict::Unknown)
+            Some(RedirectVerdict::Unknown)
         );
         assert_eq!(
             combine(std::slice::from_ref(&redirected), any).map(|i| i.verdict),
-            Some(Verdict::Redirected)
+            Some(RedirectVerdict::Redirected)
         );
         assert!(combine(&[], any).is_none());
     }
@@ -266,7 +276,7 @@ mod tests {
         assert!(
             got.inspections
                 .iter()
-                .all(|i| i.verdict == Verdict::Unknown && i.message.contains("10.99.0.1")),
+                .all(|i| i.verdict == RedirectVerdict::Unknown && i.message.contains("10.99.0.1")),
             "{:?}",
             got.inspections
         );

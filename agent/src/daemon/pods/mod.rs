@@ -53,12 +53,12 @@ use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::watcher;
-use meshgate_core::cni::{Reason, Verdict as NodeVerdict};
+use meshgate_core::cni::{ChainVerdict, Reason};
 use meshgate_core::evict::{self, Candidate, Decision, Flags, RateLimiter, SandboxKey, SkipWhy};
 use meshgate_core::profile::ProfileSet;
 use meshgate_core::projection::PodKeys;
-use meshgate_core::rules::Verdict;
-use meshgate_runtime::admin::LoopProgress;
+use meshgate_core::rules::RedirectVerdict;
+use meshgate_shell::admin::LoopProgress;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -108,7 +108,7 @@ impl Setup {
     /// typo stops the agent at start instead of silently inspecting nothing.
     pub fn from_args(args: &Args) -> anyhow::Result<Self> {
         let profiles =
-            meshgate_runtime::profiles::load(&args.profiles, args.profile_file.as_deref())?;
+            meshgate_shell::profiles::load(&args.profiles, args.profile_file.as_deref())?;
         Ok(Self {
             node: args.node_name.clone(),
             keys: PodKeys::inspection(&profiles),
@@ -130,7 +130,7 @@ impl Setup {
 /// `--impersonate-node`), and spawns it. It stops when `stop` turns true.
 pub async fn spawn(
     args: &Args,
-    verdict: watch::Receiver<Option<NodeVerdict>>,
+    verdict: watch::Receiver<Option<ChainVerdict>>,
     state: Arc<Shared>,
     metrics: AgentMetrics,
     progress: LoopProgress,
@@ -186,7 +186,7 @@ type NamespaceEvent = Result<watcher::Event<PartialObjectMeta<Namespace>>, watch
 pub async fn run(
     setup: Setup,
     clients: Clients,
-    mut verdict: watch::Receiver<Option<NodeVerdict>>,
+    mut verdict: watch::Receiver<Option<ChainVerdict>>,
     state: Arc<Shared>,
     metrics: AgentMetrics,
     progress: LoopProgress,
@@ -316,7 +316,7 @@ impl Inspector {
         self.origin.elapsed()
     }
 
-    fn on_verdict(&mut self, v: &Option<NodeVerdict>) {
+    fn on_verdict(&mut self, v: &Option<ChainVerdict>) {
         let Some(v) = v else { return };
         let seen = (v.verified, v.reason);
         if self.last_verdict.is_some_and(|last| last != seen) {
@@ -558,17 +558,17 @@ impl Inspector {
         let profile = decided.profile.clone();
         let now = self.now();
         match decided.verdict {
-            Verdict::Redirected => {
+            RedirectVerdict::Redirected => {
                 self.tracker.settled(&info.uid);
                 tracing::debug!(node = %node, pod = %pod, %profile, inspect_us = inspected.elapsed.as_micros() as u64, "mesh redirects in place");
                 return;
             }
-            Verdict::Unknown => {
+            RedirectVerdict::Unknown => {
                 let retry = self.tracker.unknown(&info.uid, now);
                 tracing::info!(node = %node, pod = %pod, %profile, why = %decided.message, retry_in_ms = retry.map(|r| r.as_millis() as u64), "pod's network namespace not inspectable; never evicting on unknown");
                 return;
             }
-            Verdict::Missing => {}
+            RedirectVerdict::Missing => {}
         }
 
         let key = SandboxKey {
@@ -576,7 +576,7 @@ impl Inspector {
             sandbox: sandbox.clone(),
         };
         let candidate = Candidate {
-            verdict: Verdict::Missing,
+            verdict: RedirectVerdict::Missing,
             has_proxy,
             owned: info.owned,
             key: &key,

@@ -2,7 +2,7 @@
 //!
 //! In: the JSON of a Pod from this node's pod list and watch. Out: [`SlimPod`], a kube
 //! `Resource` the watcher decodes directly: its identity and owner, its labels and
-//! annotations as JSON text (`meshgate_runtime::meta`, read by `core::projection` for the
+//! annotations as JSON text (`meshgate_shell::meta`, read by `core::projection` for the
 //! keys inspection needs), the names of its containers (and
 //! of its init containers, with their restart policy), `hostNetwork`, and of its status the
 //! phase, the IPs and the containers' restart counts. Anyone who can create pods on the node
@@ -11,7 +11,7 @@
 //! allocated. A page's response body is still held whole while it is decoded, so the pod
 //! list's page size ([`super::PAGE_SIZE`]) bounds that part.
 
-use meshgate_runtime::meta::SlimMeta;
+use meshgate_shell::meta::SlimMeta;
 use serde::Deserialize;
 
 /// What the inspector reads of a Pod.
@@ -91,7 +91,7 @@ pub struct SlimContainerStatus {
 }
 
 // Listed and watched at the Pod's URL, as whole Pods.
-meshgate_runtime::pod_view!(SlimPod, metadata_only = false);
+meshgate_shell::pod_view!(SlimPod, metadata_only = false);
 
 #[cfg(test)]
 mod tests {

@@ -1,4 +1,4 @@
-//! meshgate-runtime: the process glue the agent and the webhook share.
+//! meshgate-shell: the process glue the agent and the webhook share.
 //!
 //! - [`admin`]: the `/live`, `/ready`, `/metrics` server.
 //! - [`server`]: the bounded HTTP/1 server behind every port (connection cap, handshake and
