@@ -6,6 +6,7 @@
 //! - [`client`]: a `kube::Client` from `--kubeconfig` / `KUBECONFIG` / in-cluster config, with
 //!   connect and request timeouts, plus [`client::bounded`] for per-call deadlines.
 //! - [`logging`]: tracing subscriber setup (`--log-format text|json`, `RUST_LOG`).
+//! - [`node_gate`]: `--taint-effect`, the node gate's flag both binaries take.
 //! - [`profiles`]: the mesh profiles from `--profile` and `--profile-file`.
 //! - [`shutdown`]: a future resolving on SIGTERM or SIGINT.
 //! - [`meta`]: object metadata with the labels and annotations left as JSON text, for caches
@@ -15,6 +16,7 @@ pub mod admin;
 pub mod client;
 pub mod logging;
 pub mod meta;
+pub mod node_gate;
 pub mod profiles;
 pub mod server;
 pub mod shutdown;

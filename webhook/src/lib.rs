@@ -110,6 +110,9 @@ pub struct Args {
     /// What is kept and looked up about unscheduled pods.
     #[command(flatten)]
     pub pods: pods::PodLimits,
+    /// `--taint-effect`, the effect of the taint `/mutate-node` puts on new Nodes.
+    #[command(flatten)]
+    pub gate: meshgate_shell::node_gate::NodeGateArgs,
 }
 
 /// Parses `1.5s`, `500ms` or plain seconds.
@@ -216,7 +219,9 @@ async fn run_with(
         shutdown_delay = ?args.shutdown_delay,
         "webhook listening"
     );
-    let reviewer = Arc::new(review::Reviewer::new(caches, profiles, metrics));
+    let reviewer = Arc::new(
+        review::Reviewer::new(caches, profiles, metrics).with_taint_effect(args.gate.taint_effect),
+    );
     let limits = server::Limits {
         max_body_bytes: args.max_body_bytes,
         request_timeout: args.request_timeout,
@@ -382,6 +387,18 @@ mod tests {
         let bad = parse(&["--profile", "consul"]).unwrap();
         assert!(load_profiles(&bad).is_err());
         assert!(Args::try_parse_from(["meshgate-webhook", "--listen", "x"]).is_err());
+    }
+
+    #[test]
+    fn the_taint_effect_flag_is_the_agents() {
+        use meshgate_core::gate::TaintEffect;
+        assert_eq!(
+            parse(&[]).unwrap().gate.taint_effect,
+            TaintEffect::NoSchedule
+        );
+        let a = parse(&["--taint-effect", "NoExecute"]).unwrap();
+        assert_eq!(a.gate.taint_effect, TaintEffect::NoExecute);
+        assert!(parse(&["--taint-effect", "PreferNoSchedule"]).is_err());
     }
 
     /// A plain HTTP/1.0 GET on the admin port: the status, or `None` when nothing answers.

@@ -167,6 +167,7 @@ impl Fixture {
             shutdown_timeout: Duration::from_secs(5),
             log_format: meshgate_webhook::LogFormat::Text,
             pods: meshgate_webhook::pods::PodLimits::default(),
+            gate: Default::default(),
         };
         let listener = tokio::net::TcpListener::bind(listen).await?;
         let (stop_tx, stop_rx) = oneshot::channel();
