@@ -135,14 +135,7 @@ impl Daemon {
             .context("building the pod inspector's clients")?;
         let mut registry = Registry::default();
         let metrics = AgentMetrics::register(&mut registry);
-        let progress = LoopProgress::new(
-            config.stall_timeout,
-            config.resync_interval.saturating_add(config.stall_timeout),
-        );
-        // The pod inspector's batches are bounded by the same stall timeout; it may idle for
-        // as long as no pod needs inspecting, so only its passes are bounded.
-        let pod_progress =
-            LoopProgress::idle("the pod inspector", config.stall_timeout, Duration::MAX);
+        let (progress, pod_progress) = progress(&config);
         let ready = Arc::new(AtomicBool::new(false));
         let (stop, stop_rx) = watch::channel(false);
         let admin = start_admin(
@@ -171,12 +164,7 @@ impl Daemon {
             node.clone(),
             node_tx,
         ));
-        let (fs_tx, fs_rx) = mpsc::unbounded_channel();
-        let fs = FsWatch::start(&config.cni.cni_conf_dir, &config.cni.cni_bin_dirs, fs_tx)
-            .context("starting inotify watches")?;
-        if !fs.all_direct() {
-            tracing::info!(node = %node, dir = %config.cni.cni_conf_dir.display(), "a CNI directory does not exist yet; waiting for it");
-        }
+        let (fs, fs_rx) = watch_files(&config)?;
         let mut resync = tokio::time::interval(config.resync_interval);
         resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         resync.tick().await; // the first tick is immediate; the first pass covers it
@@ -337,6 +325,27 @@ fn node_gate(config: &Config, clients: &Clients) -> NodeGate {
         recorder,
     )
     .reading_as(clients.node.clone())
+}
+
+/// What `/live` checks: the verdict loop's passes and waits, the pod inspector's batches.
+fn progress(config: &Config) -> (LoopProgress, LoopProgress) {
+    let max_wait = config.resync_interval.saturating_add(config.stall_timeout);
+    let verdict_loop = LoopProgress::new(config.stall_timeout, max_wait);
+    // The pod inspector's batches are bounded by the same stall timeout; it may idle for as
+    // long as no pod needs inspecting, so only its passes are bounded.
+    let pods = LoopProgress::idle("the pod inspector", config.stall_timeout, Duration::MAX);
+    (verdict_loop, pods)
+}
+
+/// Starts the inotify watches on the CNI dirs; a dir that does not exist yet is waited for.
+fn watch_files(config: &Config) -> anyhow::Result<(FsWatch, mpsc::UnboundedReceiver<Instant>)> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let fs = FsWatch::start(&config.cni.cni_conf_dir, &config.cni.cni_bin_dirs, tx)
+        .context("starting inotify watches")?;
+    if !fs.all_direct() {
+        tracing::info!(node = %config.node, dir = %config.cni.cni_conf_dir.display(), "a CNI directory does not exist yet; waiting for it");
+    }
+    Ok((fs, rx))
 }
 
 /// Binds the admin port and serves `/live` (both loops' progress), `/ready` and `/metrics`
