@@ -276,19 +276,16 @@ impl NodeGate {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use meshgate_core::cni::{Reason, Runtime};
+    use meshgate_core::cni::Reason;
     use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL, event_reason};
     use serde_json::Value;
 
     fn verdict(reason: Reason, message: &str) -> ChainVerdict {
-        ChainVerdict {
-            verified: reason == Reason::Verified,
-            reason,
-            message: message.into(),
-            config_file: None,
-            plugins: vec![],
-            runtime: Runtime::Containerd,
-        }
+        let v = json!({
+            "verified": reason == Reason::Verified, "reason": reason, "message": message,
+            "config_file": null, "plugins": [], "runtime": "containerd",
+        });
+        serde_json::from_value(v).expect("a verdict")
     }
 
     #[test]

@@ -17,6 +17,7 @@ use super::eviction::{self, Answer, Outcome};
 use super::pod_info::PodInfo;
 use super::sweep::{self, Inspected, Job};
 use super::tracker::{Due, Tracker};
+use crate::daemon::state::State;
 use crate::netns::Pinned;
 
 /// A pod whose redirects are missing, as judged from its inspection.
@@ -54,24 +55,44 @@ impl Inspector {
     /// Forgets the evictions of pods no longer on the node.
     async fn prune(&self) {
         let live = self.tracker.uids();
-        let state = self.state.clone();
-        let pruned = tokio::task::spawn_blocking(move || {
-            state.update(|s| {
+        self.save(
+            move |s| {
                 let before = s.evicted.len();
                 s.evicted.retain_pods(&live);
                 s.evicted.len() != before
-            })
-        })
+            },
+            "cannot save the pruned eviction history",
+        )
         .await;
-        match pruned {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => {
-                tracing::warn!(node = %self.config.node, error = %e, "cannot save the pruned eviction history")
-            }
-            Err(e) => {
-                tracing::warn!(node = %self.config.node, error = %e, "history pruning failed")
-            }
-        }
+    }
+
+    /// Writes an accepted eviction to the state file before anything else can happen.
+    async fn record_eviction(&self, key: SandboxKey) {
+        self.save(
+            move |s| {
+                s.evicted.record(key);
+                true
+            },
+            "cannot save the eviction history; it is kept in memory",
+        )
+        .await;
+    }
+
+    /// Changes the state and saves it on the blocking pool; a failure is logged as `failed`
+    /// (the change stays in memory).
+    async fn save(
+        &self,
+        change: impl FnOnce(&mut State) -> bool + Send + 'static,
+        failed: &'static str,
+    ) {
+        let state = self.state.clone();
+        let saved = tokio::task::spawn_blocking(move || state.update(change)).await;
+        let error = match saved {
+            Ok(Ok(_)) => return,
+            Ok(Err(e)) => e.to_string(),
+            Err(e) => e.to_string(),
+        };
+        tracing::warn!(node = %self.config.node, %error, "{failed}");
     }
 
     /// Inspects the pods due on the blocking pool; `None` when the batch failed (every pod
@@ -306,27 +327,6 @@ impl Inspector {
             let event = outcome.event(&m.summary, self.config.per_minute);
             let regarding = eviction::pod_reference(&info.namespace, &info.name, &info.uid);
             self.events.publish(&event, &regarding).await;
-        }
-    }
-
-    /// Writes an accepted eviction to the state file before anything else can happen.
-    async fn record_eviction(&self, key: SandboxKey) {
-        let state = self.state.clone();
-        let saved = tokio::task::spawn_blocking(move || {
-            state.update(|s| {
-                s.evicted.record(key);
-                true
-            })
-        })
-        .await;
-        match saved {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => {
-                tracing::warn!(node = %self.config.node, error = %e, "cannot save the eviction history; it is kept in memory")
-            }
-            Err(e) => {
-                tracing::warn!(node = %self.config.node, error = %e, "saving the eviction history failed")
-            }
         }
     }
 }
