@@ -8,7 +8,8 @@
 //! instant it is created ([`node_registration_patch`]).
 //!
 //! Pure: the agent's `daemon::node` carries the plans out on its own Node, the webhook's
-//! `/mutate-node` answers with the registration patch. Both take `--taint-effect`.
+//! `/mutate-node` answers with the registration patch. Both take `--taint-effect`. The Node
+//! types are k8s-openapi's (data only, no client), so a plan is exactly what is written.
 
 use std::collections::BTreeMap;
 use std::fmt;
