@@ -56,3 +56,93 @@ impl Events {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::{Request, Response};
+    use kube::client::Body;
+    use kube::runtime::events::EventType;
+    use std::pin::pin;
+    use tower_test::mock;
+
+    fn event() -> Event {
+        Event {
+            type_: EventType::Warning,
+            reason: "MeshRedirectMissing".into(),
+            note: Some("linkerd redirects missing".into()),
+            action: "Evict".into(),
+            secondary: None,
+        }
+    }
+
+    fn pod() -> ObjectReference {
+        ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            namespace: Some("ns1".into()),
+            name: Some("web-1".into()),
+            uid: Some("uid-1".into()),
+            ..ObjectReference::default()
+        }
+    }
+
+    /// An API that never answers costs the caller one timeout, not a hang.
+    #[tokio::test]
+    async fn a_silent_api_costs_one_timeout() {
+        let (svc, handle) = mock::pair::<Request<Body>, Response<Body>>();
+        let events = Events::new(
+            kube::Client::new(svc, "default"),
+            "n1",
+            Duration::from_millis(50),
+        );
+        let server = tokio::spawn(async move {
+            let mut handle = pin!(handle);
+            // Take the request and never answer it.
+            let held = handle.next_request().await;
+            std::future::pending::<()>().await;
+            drop(held);
+        });
+        let published =
+            tokio::time::timeout(Duration::from_secs(5), events.publish(&event(), &pod())).await;
+        assert_eq!(
+            published.ok(),
+            Some(false),
+            "bounded by its timeout, and reported unpublished"
+        );
+        server.abort();
+    }
+
+    /// A refusal is reported, not retried: exactly one request.
+    #[tokio::test]
+    async fn a_refused_event_is_dropped_after_one_request() {
+        let (svc, handle) = mock::pair::<Request<Body>, Response<Body>>();
+        let events = Events::new(
+            kube::Client::new(svc, "default"),
+            "n1",
+            Duration::from_secs(5),
+        );
+        let server = tokio::spawn(async move {
+            let mut handle = pin!(handle);
+            let (req, send) = handle.next_request().await.expect("one request");
+            assert_eq!(req.method(), http::Method::POST);
+            assert_eq!(
+                req.uri().path(),
+                "/apis/events.k8s.io/v1/namespaces/ns1/events"
+            );
+            let status = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                "reason": "Forbidden", "code": 403, "message": "forbidden"});
+            send.send_response(
+                Response::builder()
+                    .status(403)
+                    .body(Body::from(serde_json::to_vec(&status).unwrap()))
+                    .unwrap(),
+            );
+            tokio::time::timeout(Duration::from_millis(100), handle.next_request())
+                .await
+                .is_err()
+        });
+        assert!(!events.publish(&event(), &pod()).await);
+        assert!(server.await.unwrap(), "no second request");
+    }
+}
