@@ -14,7 +14,7 @@
 //!   [`tls`]: certificates re-read on change.
 //! - [`shutdown`]: the stop sequence (signal → not ready but serving for `--shutdown-delay`
 //!   → drain within `--shutdown-timeout` → admin server stops).
-//! - [`metrics`]: the contract metrics, served by `meshgate_shell::admin` with the agent's
+//! - [`metrics`]: the metrics of docs/operations.md, served by `meshgate_shell::admin` with the agent's
 //!   admin server; logging, client and profiles come from `meshgate_shell` too.
 
 pub mod budget;
