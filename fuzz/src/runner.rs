@@ -493,4 +493,32 @@ mod tests {
         assert_eq!((r.executed, r.seeds, r.regressions), (500, 1, 1));
         assert!(r.signatures > 1 && r.corpus > 2, "{r}");
     }
+
+    /// The conflist target's seeds are its own edge cases plus the core's goldens, read from
+    /// core/testdata (the one copy), each once.
+    #[test]
+    fn conflist_seeds_include_the_core_goldens_once() {
+        let seeds = load_seeds("conflist").unwrap();
+        let names: Vec<&str> = seeds.iter().map(|(n, _)| n.as_str()).collect();
+        for golden in [
+            "calico-linkerd.conflist",
+            "istio-cni.conflist",
+            "multus.conf",
+        ] {
+            assert_eq!(
+                names.iter().filter(|n| **n == golden).count(),
+                1,
+                "{names:?}"
+            );
+        }
+        assert!(names.contains(&"truncated.conflist"), "{names:?}");
+        let core = load_dir(&crate_dir().join("../core/testdata")).unwrap();
+        assert!(core.iter().all(|g| seeds.contains(g)));
+        assert!(
+            load_seeds("netlink")
+                .unwrap()
+                .iter()
+                .all(|(n, _)| n.ends_with(".bin"))
+        );
+    }
 }
