@@ -47,7 +47,7 @@ pub struct CniArgs {
     )]
     pub runtime: RuntimeArg,
     /// How long a plugin binary may take to answer VERSION before it is killed.
-    #[arg(long, env = "MESHGATE_PROBE_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "MESHGATE_PROBE_TIMEOUT", default_value = "2s", value_parser = meshgate_shell::cli::duration)]
     pub probe_timeout: Duration,
     /// Config files larger than this are reported as ConfigInvalid without being read.
     #[arg(long, env = "MESHGATE_MAX_CONFIG_BYTES", default_value_t = reader::DEFAULT_MAX_FILE_BYTES)]
@@ -57,7 +57,7 @@ pub struct CniArgs {
     #[arg(long, env = "MESHGATE_MAX_VERIFY_BYTES", default_value_t = reader::DEFAULT_BUDGET_BYTES)]
     pub max_verify_bytes: u64,
     /// Overall time one verification may spend running plugin binaries.
-    #[arg(long, env = "MESHGATE_VERIFY_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "MESHGATE_VERIFY_TIMEOUT", default_value = "10s", value_parser = meshgate_shell::cli::duration)]
     pub verify_timeout: Duration,
 }
 

@@ -20,9 +20,7 @@ pub mod node;
 pub mod pods;
 pub mod state;
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -36,7 +34,7 @@ use kube::runtime::WatchStreamExt;
 use kube::runtime::events::{Recorder, Reporter};
 use meshgate_core::cni::{ChainVerdict, Reason, Runtime};
 use meshgate_shell::admin::LoopProgress;
-use meshgate_shell::logging::LogFormat;
+use meshgate_shell::cli::{Common, duration};
 use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, watch};
 
@@ -53,24 +51,15 @@ pub struct Args {
     pub node_name: String,
     #[command(flatten)]
     pub cni: CniArgs,
-    /// Mesh profile whose pods are inspected; repeat for several (default: every built-in).
-    #[arg(long = "profile", env = "MESHGATE_PROFILES", value_delimiter = ',')]
-    pub profiles: Vec<String>,
-    /// Extra mesh profiles (JSON array), added to the built-in ones.
-    #[arg(long, env = "MESHGATE_PROFILE_FILE")]
-    pub profile_file: Option<PathBuf>,
-    /// Kubeconfig to use (default: KUBECONFIG, else the in-cluster config).
-    #[arg(long, env = "MESHGATE_KUBECONFIG")]
-    pub kubeconfig: Option<PathBuf>,
+    /// Kubeconfig, admin address, profiles, log format.
+    #[command(flatten)]
+    pub common: Common,
     /// Read the Node and the pods on it, and evict them, as the node itself (Constrained
     /// Impersonation: Kubernetes 1.35+ with the ConstrainedImpersonation feature gate, and
     /// the RBAC of manifests/components/node-impersonation). Node writes and Events stay
     /// with the ServiceAccount.
     #[arg(long, env = "MESHGATE_IMPERSONATE_NODE")]
     pub impersonate_node: bool,
-    /// Address of the admin server (/live, /ready, /metrics).
-    #[arg(long, env = "MESHGATE_ADMIN_ADDR", default_value = "0.0.0.0:9990")]
-    pub admin_addr: SocketAddr,
     /// Effect of the meshgate.io/cni-unverified taint.
     #[arg(
         long,
@@ -99,47 +88,21 @@ pub struct Args {
     )]
     pub state_file: PathBuf,
     /// Re-verify at least this often, as a safety net for missed inotify events.
-    #[arg(long, env = "MESHGATE_RESYNC_INTERVAL", default_value = "60s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "MESHGATE_RESYNC_INTERVAL", default_value = "60s", value_parser = duration)]
     pub resync_interval: Duration,
     /// Quiet time that ends a burst of file events (a write-then-rename is one change); a
     /// burst that never goes quiet is cut after ten times this.
-    #[arg(long, env = "MESHGATE_COALESCE", default_value = "20ms", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "MESHGATE_COALESCE", default_value = "20ms", value_parser = duration)]
     pub coalesce: Duration,
     /// Deadline for each Kubernetes API call.
-    #[arg(long, env = "MESHGATE_API_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "MESHGATE_API_TIMEOUT", default_value = "5s", value_parser = duration)]
     pub api_timeout: Duration,
     /// /live fails when one pass of the loop (verify, then write the Node) runs longer than
     /// this, or when no pass begins within --resync-interval plus this. A pass is a
     /// verification (each plugin probe bounded by --probe-timeout) and a few API calls (each
     /// bounded by --api-timeout): well under a second normally.
-    #[arg(long, env = "MESHGATE_STALL_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "MESHGATE_STALL_TIMEOUT", default_value = "60s", value_parser = duration)]
     pub stall_timeout: Duration,
-    /// Log format.
-    #[arg(long, env = "MESHGATE_LOG_FORMAT", value_enum, default_value = "text")]
-    pub log_format: LogFormat,
-}
-
-/// Builds the runtime and runs the daemon; exit 0 after a graceful shutdown.
-pub fn main(args: Args) -> ExitCode {
-    meshgate_shell::logging::init(args.log_format);
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot start the async runtime");
-            return ExitCode::from(2);
-        }
-    };
-    match rt.block_on(run(args)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            tracing::error!(error = format!("{e:#}"), "meshgate-agent stopped");
-            ExitCode::from(1)
-        }
-    }
 }
 
 /// Why the loop woke up.
@@ -180,7 +143,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let shared = Arc::new(state::Shared::new(args.state_file.clone(), saved));
 
     let clients = clients::Clients::build(
-        args.kubeconfig.as_deref(),
+        args.common.kubeconfig.as_deref(),
         &node_name,
         args.impersonate_node,
         true,
@@ -190,9 +153,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut registry = Registry::default();
     let metrics = AgentMetrics::register(&mut registry);
     let ready = Arc::new(AtomicBool::new(false));
-    let listener = tokio::net::TcpListener::bind(args.admin_addr)
-        .await
-        .with_context(|| format!("binding the admin server to {}", args.admin_addr))?;
+    let listener = args.common.bind_admin().await?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let progress = LoopProgress::new(
         args.stall_timeout,
@@ -201,13 +162,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     // The pod inspector's batches are bounded by the same stall timeout; it may idle for as
     // long as no pod needs inspecting, so only its passes are bounded.
     let pod_progress = LoopProgress::idle("the pod inspector", args.stall_timeout, Duration::MAX);
-    let admin = tokio::spawn(meshgate_shell::admin::serve_with(
-        listener,
-        Arc::new(registry),
-        ready.clone(),
-        (progress.clone(), pod_progress.clone()),
-        wait_stop(stop_rx.clone()),
-    ));
+    let admin = listener.map(|listener| {
+        tokio::spawn(meshgate_shell::admin::serve_with(
+            listener,
+            Arc::new(registry),
+            ready.clone(),
+            (progress.clone(), pod_progress.clone()),
+            wait_stop(stop_rx.clone()),
+        ))
+    });
 
     let recorder = Recorder::new(
         client.clone(),
@@ -356,7 +319,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     tracing::info!(node = %node_name, "stopping; the Node keeps its taint state as it is");
     let _ = stop_tx.send(true);
     node_watch.abort();
-    let _ = admin.await;
+    if let Some(admin) = admin {
+        let _ = admin.await;
+    }
     let _ = pods.await;
     if let Err(e) = shared.save() {
         tracing::warn!(node = %node_name, error = %e, "cannot save state");

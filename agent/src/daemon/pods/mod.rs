@@ -107,8 +107,7 @@ impl Setup {
     /// Reads the flags; fails on an unreadable profile file or an unknown `--profile`, so a
     /// typo stops the agent at start instead of silently inspecting nothing.
     pub fn from_args(args: &Args) -> anyhow::Result<Self> {
-        let profiles =
-            meshgate_shell::profiles::load(&args.profiles, args.profile_file.as_deref())?;
+        let profiles = args.common.load_profiles()?;
         Ok(Self {
             node: args.node_name.clone(),
             keys: PodKeys::inspection(&profiles),
@@ -138,7 +137,7 @@ pub async fn spawn(
 ) -> anyhow::Result<JoinHandle<()>> {
     let setup = Setup::from_args(args)?;
     let clients = Clients::build(
-        args.kubeconfig.as_deref(),
+        args.common.kubeconfig.as_deref(),
         &args.node_name,
         args.impersonate_node,
         false,
