@@ -38,7 +38,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use super::expect::{Expectation, Expected, expectation};
+use super::expect::expectation;
+use super::expected::{Expectation, Expected};
 use super::{
     Action, ChainType, DumpLimits, Family, Hook, IpFamily, Protocol, RedirectVerdict, Ruleset,
     Source, Table,
@@ -568,7 +569,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     fn profile(name: &str) -> MeshProfile {
-        crate::profile::builtin_named(name).expect("built-in profile")
+        crate::meshes::builtin_named(name).expect("built-in profile")
     }
 
     fn jump(c: &str) -> Action {
