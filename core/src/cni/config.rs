@@ -338,10 +338,10 @@ impl NetConfList {
             Some(GoValue::String(s)) => s.clone(),
             Some(v) => return Err(ty("cniVersion", v)),
         };
-        if let Some(raw) = doc.get_exact("cniVersions") {
-            if let Some(highest) = highest_supported(raw, &cni_version)? {
-                cni_version = highest;
-            }
+        if let Some(raw) = doc.get_exact("cniVersions")
+            && let Some(highest) = highest_supported(raw, &cni_version)?
+        {
+            cni_version = highest;
         }
         let read_bool = |key: &'static str| -> Result<bool, ConfigError> {
             match doc.get_exact(key) {
