@@ -59,8 +59,11 @@ impl<'de> serde::Deserialize<'de> for AnnotationDialect {
         let name = <std::borrow::Cow<'de, str>>::deserialize(d)?;
         dialect_named(&name).ok_or_else(|| {
             let mut known = vec![NO_DIALECT.name];
-            known.extend(ALL.iter().map(|m| m.dialect.name));
-            known.dedup();
+            for m in &ALL {
+                if !known.contains(&m.dialect.name) {
+                    known.push(m.dialect.name);
+                }
+            }
             serde::de::Error::custom(format!(
                 "unknown variant `{name}`, expected one of {}",
                 known

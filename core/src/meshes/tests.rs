@@ -121,3 +121,29 @@ fn builtins_round_trip_through_the_file_format() {
         assert_eq!(back, p, "{text}");
     }
 }
+
+#[test]
+fn a_profile_file_names_a_dialect_the_meshes_know() {
+    let with = |dialect: &str| {
+        format!(
+            r#"[{{"name":"x","selector":{{"labels":{{"a":""}}}},"pluginType":"x","inboundPort":1,"outboundPort":2,"annotationDialect":"{dialect}"}}]"#
+        )
+    };
+    for (name, keys) in [("none", 0), ("istio", 5), ("linkerd", 3)] {
+        let set = ProfileSet::all_builtin()
+            .with_custom_json(&with(name))
+            .unwrap();
+        let d = set.get("x").unwrap().annotation_dialect;
+        assert_eq!((d.name(), d.annotation_keys().len()), (name, keys));
+    }
+    let err = ProfileSet::all_builtin()
+        .with_custom_json(&with("kuma"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(
+            "unknown variant `kuma`, expected one of `none`, `linkerd`, `istio` at line 1"
+        ),
+        "{err}"
+    );
+}
