@@ -14,6 +14,7 @@ pub mod cni;
 pub mod enroll;
 pub mod evict;
 pub mod lookup;
+pub mod meshes;
 pub mod profile;
 pub mod projection;
 pub mod rules;

@@ -368,7 +368,7 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
 /// config dir is a verdict, not a crash: the node stays gated.
 async fn verify(cni: Arc<CniArgs>, prober: Arc<crate::cni::Prober>) -> ChainVerdict {
     let dir = cni.cni_conf_dir.display().to_string();
-    let runtime: Runtime = cni.runtime.into();
+    let runtime: Runtime = cni.runtime;
     let result = tokio::task::spawn_blocking(move || cni.verify(&prober)).await;
     let why = match result {
         Ok(Ok(v)) => return v,
