@@ -1,12 +1,14 @@
 //! `meshgate-agent`: parses the command line and hands off to the library.
 //!
-//! `run` is the DaemonSet daemon, `check` a one-shot CNI chain verification, `inspect` a
-//! one-shot check of one pod network namespace. Exit codes follow the contract: 0 verified /
-//! redirected, 1 not, 2 usage or I/O error.
+//! `run` is the DaemonSet daemon, started through the shared entry point; `check` a one-shot
+//! CNI chain verification, `inspect` a one-shot check of one pod network namespace. Exit
+//! codes follow the one table (docs/operations.md, "Exit codes"): 0 verified / redirected /
+//! clean stop, 1 not / stopped on an error, 2 usage or I/O error.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use meshgate_shell::entry::{self, Process};
 
 #[derive(Parser)]
 #[command(name = "meshgate-agent", version, about = "meshgate node agent")]
@@ -30,7 +32,15 @@ fn main() -> ExitCode {
     // clap exits with 2 on usage errors, matching the contract.
     let cli = Cli::parse();
     match cli.command {
-        Command::Run(args) => meshgate_agent::daemon::main(*args),
+        Command::Run(args) => {
+            let process = Process {
+                name: "meshgate-agent",
+                log_format: args.common.log_format,
+                // A node daemon: two workers keep its CPU share small on every node.
+                worker_threads: Some(2),
+            };
+            entry::run(process, meshgate_agent::daemon::run(*args))
+        }
         Command::Check(args) => meshgate_agent::check::main(args),
         Command::Inspect(args) => meshgate_agent::inspect::main(args),
     }

@@ -92,7 +92,7 @@ impl Netns {
 }
 
 fn profile(name: &str) -> MeshProfile {
-    meshgate_core::profile::builtin_named(name).expect("built-in profile")
+    meshgate_core::meshes::builtin_named(name).expect("built-in profile")
 }
 
 fn inspect(ns: &Netns, p: &str) -> Inspection {

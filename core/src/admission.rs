@@ -123,43 +123,63 @@ pub fn node_is_verified(labels: &BTreeMap<String, String>) -> bool {
     labels.get(VERIFIED_LABEL).map(String::as_str) == Some("true")
 }
 
-/// Decides one pod placement.
-///
-/// A verified node admits every pod, so a pod that could not be looked up is only a problem on
-/// an unverified node; there it is refused (fail closed): the scheduler retries the binding.
-pub fn decide(input: &Input<'_>, profiles: &ProfileSet) -> Decision {
-    if let NodeFacts::Known { labels } = input.node
-        && node_is_verified(labels)
-    {
-        return Decision::Allow(AllowReason::NodeVerified);
+/// The rules that let a placement through, in order: the first that allows it decides, and
+/// a placement no rule allows is refused with [`refusal_message`]. A new admission rule is
+/// one function below and one entry here (with its [`AllowReason`]).
+const ALLOW_RULES: [AllowRule; 2] = [node_verified, not_meshed];
+
+/// One admission rule: `Some(why)` when it allows the placement.
+type AllowRule = fn(&Input<'_>, &[Mesh<'_>]) -> Option<AllowReason>;
+
+/// A verified node admits every pod.
+fn node_verified(input: &Input<'_>, _: &[Mesh<'_>]) -> Option<AllowReason> {
+    match input.node {
+        NodeFacts::Known { labels } if node_is_verified(labels) => Some(AllowReason::NodeVerified),
+        _ => None,
     }
-    let meshes: Vec<Mesh<'_>> = match input.pod {
-        PodFacts::Known {
-            labels,
-            annotations,
-        } => {
-            let view = PodView {
-                labels,
-                annotations,
-                namespace_labels: input.namespace_labels,
-            };
-            profiles
-                .selection(view)
-                .map(|(p, s)| Mesh {
-                    name: p.name.as_str(),
-                    plugin: p.plugin_type.as_str(),
-                    certain: s == Selected::Yes,
-                })
-                .collect()
-        }
-        PodFacts::Unknown(_) => Vec::new(),
-    };
-    if meshes.is_empty() && matches!(input.pod, PodFacts::Known { .. }) {
-        return Decision::Allow(AllowReason::NotMeshed);
+}
+
+/// A pod known to belong to no mesh may land anywhere. A pod that could not be looked up is
+/// not known to be unmeshed: on an unverified node it is refused (fail closed), and the
+/// scheduler retries the binding.
+fn not_meshed(input: &Input<'_>, meshes: &[Mesh<'_>]) -> Option<AllowReason> {
+    (meshes.is_empty() && matches!(input.pod, PodFacts::Known { .. }))
+        .then_some(AllowReason::NotMeshed)
+}
+
+/// Decides one pod placement by [`ALLOW_RULES`].
+pub fn decide(input: &Input<'_>, profiles: &ProfileSet) -> Decision {
+    let meshes = selecting_meshes(input, profiles);
+    if let Some(why) = ALLOW_RULES.iter().find_map(|rule| rule(input, &meshes)) {
+        return Decision::Allow(why);
     }
     Decision::Refuse {
         message: refusal_message(input, &meshes),
     }
+}
+
+/// The profiles that select (or may select) the pod; none when the pod is not known.
+fn selecting_meshes<'a>(input: &Input<'a>, profiles: &'a ProfileSet) -> Vec<Mesh<'a>> {
+    let PodFacts::Known {
+        labels,
+        annotations,
+    } = input.pod
+    else {
+        return Vec::new();
+    };
+    let view = PodView {
+        labels,
+        annotations,
+        namespace_labels: input.namespace_labels,
+    };
+    profiles
+        .selection(view)
+        .map(|(p, s)| Mesh {
+            name: p.name.as_str(),
+            plugin: p.plugin_type.as_str(),
+            certain: s == Selected::Yes,
+        })
+        .collect()
 }
 
 /// A profile that selects (or, its namespace's labels unknown, may select) the pod.
@@ -169,10 +189,18 @@ struct Mesh<'a> {
     certain: bool,
 }
 
+/// What the client reads: who the pod is, what the node's state is, and the remedy.
 fn refusal_message(input: &Input<'_>, meshes: &[Mesh<'_>]) -> String {
-    let node = input.node_name;
     let mut m = String::with_capacity(512);
     let _ = write!(m, "meshgate: pod {}/{} ", input.namespace, input.pod_name);
+    write_pod_part(&mut m, input, meshes);
+    write_node_part(&mut m, input);
+    write_remedy(&mut m, input, meshes);
+    m
+}
+
+/// Why the pod counts as meshed.
+fn write_pod_part(m: &mut String, input: &Input<'_>, meshes: &[Mesh<'_>]) {
     if let PodFacts::Unknown(why) = input.pod {
         m.push_str(match why {
             LookupFailure::NotFound => {
@@ -203,7 +231,15 @@ fn refusal_message(input: &Input<'_>, meshes: &[Mesh<'_>]) -> String {
             .collect();
         let _ = write!(m, "belongs to mesh profile {}, but", names.join(", "));
     }
-    let _ = write!(m, " node {node} is not verified for the mesh CNI chain: ");
+}
+
+/// The node's state: not known, not labelled, or labelled unverified, and its reason.
+fn write_node_part(m: &mut String, input: &Input<'_>) {
+    let _ = write!(
+        m,
+        " node {} is not verified for the mesh CNI chain: ",
+        input.node_name
+    );
     match input.node {
         NodeFacts::Unknown => {
             m.push_str("the node is not known yet (not registered, or registered a moment ago)")
@@ -226,6 +262,11 @@ fn refusal_message(input: &Input<'_>, meshes: &[Mesh<'_>]) -> String {
         }
         _ => {}
     }
+}
+
+/// What to fix on the node, and what to do meanwhile for this admission path.
+fn write_remedy(m: &mut String, input: &Input<'_>, meshes: &[Mesh<'_>]) {
+    let node = input.node_name;
     m.push_str(". Remedy: ");
     if meshes.is_empty() {
         m.push_str("retry; ");
@@ -259,7 +300,6 @@ fn refusal_message(input: &Input<'_>, meshes: &[Mesh<'_>]) -> String {
             );
         }
     }
-    m
 }
 
 #[cfg(test)]

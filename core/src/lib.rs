@@ -4,8 +4,10 @@
 //! and node metadata). Out: verdicts and decisions. Nothing here touches the filesystem, the
 //! network, netlink or a Kubernetes client, so every decision is tested without a cluster.
 //!
-//! The string constants below are the public contract (`shared/design/contract.md`): operators
-//! write alerts, runbooks and tolerations against them, so they are defined once, here.
+//! The string constants below are the names operators write alerts, runbooks and tolerations
+//! against, as docs/operations.md states them ("Reading `kubectl describe node`" for the
+//! taint, label, condition and Events; "The webhook's failure policy" for
+//! `meshgate.io/ignore`): they are defined once, here.
 
 pub mod admission;
 pub mod cni;
@@ -13,6 +15,7 @@ pub mod enroll;
 pub mod evict;
 pub mod gate;
 pub mod lookup;
+pub mod meshes;
 pub mod profile;
 pub mod projection;
 pub mod rules;

@@ -15,12 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-/// Istio's enrollment label, on a pod or its namespace (`istio.io/dataplane-mode`).
-pub const ISTIO_DATAPLANE_MODE: &str = "istio.io/dataplane-mode";
-/// The annotation Istio's sidecar injector writes on every pod it injected. Istio never
-/// enrolls such a pod into ambient (`podHasSidecar` in istio/istio
-/// `cni/pkg/util/enablement_selector.go`).
-pub const ISTIO_SIDECAR_STATUS: &str = "sidecar.istio.io/status";
+use crate::rules::expected::AnnotationDialect;
 
 /// How a profile recognises its pods.
 ///
@@ -197,7 +192,7 @@ pub struct MeshProfile {
     pub dual_stack: bool,
     /// Whose pod annotations narrow the expected rules (opt-outs of a direction or family).
     #[serde(default)]
-    pub annotation_dialect: crate::rules::AnnotationDialect,
+    pub annotation_dialect: AnnotationDialect,
     /// Names of the proxy container the mesh injects (`linkerd-proxy`, `istio-proxy`). A
     /// selected pod running none of them is not the mesh's: its label was copied or its
     /// injection skipped, the mesh's CNI plugin skips it too, and evicting it would only
@@ -235,13 +230,6 @@ pub enum ProfileError {
     Invalid { name: String, why: String },
 }
 
-fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-    pairs
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
-}
-
 /// A container name as the API accepts it: a DNS-1123 label.
 fn is_container_name(s: &str) -> bool {
     !s.is_empty()
@@ -252,79 +240,6 @@ fn is_container_name(s: &str) -> bool {
         && !s.ends_with('-')
 }
 
-/// The built-in profile named `name` (`linkerd`, `istio`, `istio-ambient`), if there is one.
-pub fn builtin_named(name: &str) -> Option<MeshProfile> {
-    builtin().into_iter().find(|p| p.name == name)
-}
-
-/// The built-in profiles: `linkerd`, `istio`, `istio-ambient`.
-///
-/// `istio-ambient` selects as Istio's default ambient enablement selectors do
-/// (istio/istio `cni/pkg/util/enablement_selector.go`, `Matches`, and the chart's default
-/// `ambient.enablementSelectors`): the pod label `istio.io/dataplane-mode=ambient`, or the
-/// namespace label `istio.io/dataplane-mode=ambient` unless the pod is labelled
-/// `istio.io/dataplane-mode=none`; never a pod Istio injected a sidecar into (it carries
-/// `sidecar.istio.io/status`). Host-network pods Istio skips too; the agent never inspects
-/// them. The contract's `ambient.istio.io/redirection=enabled` annotation is written by
-/// istio-cni only *after* it set the redirects up, so a pod whose setup failed never carried
-/// it: selecting on it could never find the pods meshgate exists for.
-pub fn builtin() -> Vec<MeshProfile> {
-    vec![
-        MeshProfile {
-            name: "linkerd".into(),
-            selector: PodSelector {
-                labels: map(&[("linkerd.io/control-plane-ns", "")]),
-                ..PodSelector::default()
-            },
-            plugin_type: "linkerd-cni".into(),
-            inbound_port: 4143,
-            outbound_port: 4140,
-            dual_stack: false,
-            annotation_dialect: crate::rules::AnnotationDialect::Linkerd,
-            proxy_containers: vec!["linkerd-proxy".into()],
-        },
-        MeshProfile {
-            name: "istio".into(),
-            selector: PodSelector {
-                labels: map(&[("security.istio.io/tlsMode", "istio")]),
-                ..PodSelector::default()
-            },
-            plugin_type: "istio-cni".into(),
-            inbound_port: 15006,
-            outbound_port: 15001,
-            dual_stack: false,
-            annotation_dialect: crate::rules::AnnotationDialect::Istio,
-            proxy_containers: vec!["istio-proxy".into()],
-        },
-        MeshProfile {
-            name: "istio-ambient".into(),
-            selector: PodSelector {
-                exclude_annotations: map(&[(ISTIO_SIDECAR_STATUS, "")]),
-                any_of: vec![
-                    PodSelector {
-                        labels: map(&[(ISTIO_DATAPLANE_MODE, "ambient")]),
-                        ..PodSelector::default()
-                    },
-                    PodSelector {
-                        namespace_labels: map(&[(ISTIO_DATAPLANE_MODE, "ambient")]),
-                        exclude_labels: map(&[(ISTIO_DATAPLANE_MODE, "none")]),
-                        ..PodSelector::default()
-                    },
-                ],
-                ..PodSelector::default()
-            },
-            plugin_type: "istio-cni".into(),
-            inbound_port: 15006,
-            outbound_port: 15001,
-            // Ambient pods carry no sidecar annotations istio-cni would honour.
-            dual_stack: false,
-            annotation_dialect: crate::rules::AnnotationDialect::None,
-            // Ambient runs no sidecar: ztunnel is a node proxy.
-            proxy_containers: Vec::new(),
-        },
-    ]
-}
-
 /// The profiles one component acts on.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProfileSet {
@@ -332,11 +247,9 @@ pub struct ProfileSet {
 }
 
 impl ProfileSet {
-    /// Every built-in profile: the default when no `--profile` is given.
-    pub fn all_builtin() -> Self {
-        Self {
-            profiles: builtin(),
-        }
+    /// A set of exactly these profiles (the built-in ones: [`crate::meshes`]).
+    pub(crate) fn new(profiles: Vec<MeshProfile>) -> Self {
+        Self { profiles }
     }
 
     /// Parses a profile file: a JSON array of [`MeshProfile`] objects. Custom profiles are
@@ -457,111 +370,6 @@ impl ProfileSet {
 mod tests {
     use super::*;
 
-    fn view<'a>(
-        labels: &'a BTreeMap<String, String>,
-        annotations: &'a BTreeMap<String, String>,
-        ns: Option<&'a BTreeMap<String, String>>,
-    ) -> PodView<'a> {
-        PodView {
-            labels,
-            annotations,
-            namespace_labels: ns,
-        }
-    }
-
-    #[test]
-    fn builtin_profiles_select_their_pods_only() {
-        let set = ProfileSet::all_builtin();
-        let none = BTreeMap::new();
-        let linkerd = map(&[("linkerd.io/control-plane-ns", "linkerd")]);
-        let names = |l: &BTreeMap<String, String>, a: &BTreeMap<String, String>| {
-            set.selecting(l, a)
-                .map(|p| p.name.clone())
-                .collect::<Vec<_>>()
-        };
-        assert_eq!(names(&linkerd, &none), ["linkerd"]);
-        assert_eq!(
-            names(&map(&[("security.istio.io/tlsMode", "istio")]), &none),
-            ["istio"]
-        );
-        assert!(names(&map(&[("security.istio.io/tlsMode", "disabled")]), &none).is_empty());
-        assert_eq!(
-            names(&map(&[(ISTIO_DATAPLANE_MODE, "ambient")]), &none),
-            ["istio-ambient"]
-        );
-        assert!(names(&map(&[("app", "web")]), &none).is_empty());
-    }
-
-    /// Istio's default enablement selectors, case by case, with the label and annotation
-    /// values Istio's own code and installer write.
-    #[test]
-    fn ambient_selects_as_istio_enrolls() {
-        let set = ProfileSet::all_builtin();
-        let ambient = set.get("istio-ambient").unwrap();
-        let none = BTreeMap::new();
-        let ns_ambient = map(&[(ISTIO_DATAPLANE_MODE, "ambient"), ("name", "shop")]);
-        let ns_plain = map(&[("kubernetes.io/metadata.name", "shop")]);
-        let pod_ambient = map(&[(ISTIO_DATAPLANE_MODE, "ambient"), ("app", "web")]);
-        let pod_none = map(&[(ISTIO_DATAPLANE_MODE, "none"), ("app", "web")]);
-        let pod_plain = map(&[("app", "web")]);
-        let injected = map(&[(
-            ISTIO_SIDECAR_STATUS,
-            r#"{"initContainers":["istio-init"],"containers":["istio-proxy"],"volumes":["istio-envoy"],"imagePullSecrets":null,"revision":"default"}"#,
-        )]);
-        let sel = |l, a, ns| ambient.selector.select(&view(l, a, ns));
-
-        // The pod's own label enrolls it, whatever its namespace (known or not).
-        assert_eq!(sel(&pod_ambient, &none, Some(&ns_plain)), Selected::Yes);
-        assert_eq!(sel(&pod_ambient, &none, None), Selected::Yes);
-        // A labelled namespace enrolls its pods ...
-        assert_eq!(sel(&pod_plain, &none, Some(&ns_ambient)), Selected::Yes);
-        // ... except those opting out with dataplane-mode=none.
-        assert_eq!(sel(&pod_none, &none, Some(&ns_ambient)), Selected::No);
-        assert_eq!(sel(&pod_none, &none, None), Selected::No);
-        // Neither: not ambient.
-        assert_eq!(sel(&pod_plain, &none, Some(&ns_plain)), Selected::No);
-        // A pod with a sidecar is never ambient, even labelled.
-        assert_eq!(
-            sel(&pod_ambient, &injected, Some(&ns_ambient)),
-            Selected::No
-        );
-        assert_eq!(sel(&pod_plain, &injected, Some(&ns_ambient)), Selected::No);
-        // Without the namespace's labels the answer is not guessed.
-        assert_eq!(sel(&pod_plain, &none, None), Selected::Unknown);
-        // The annotation istio-cni writes after success no longer selects by itself.
-        let redirected = map(&[("ambient.istio.io/redirection", "enabled")]);
-        assert_eq!(sel(&pod_plain, &redirected, Some(&ns_plain)), Selected::No);
-
-        assert!(set.uses_namespace_labels());
-        assert_eq!(
-            set.namespace_label_keys().into_iter().collect::<Vec<_>>(),
-            [ISTIO_DATAPLANE_MODE]
-        );
-        let sidecar_only = ProfileSet::all_builtin()
-            .select(&["linkerd".into(), "istio".into()])
-            .unwrap();
-        assert!(!sidecar_only.uses_namespace_labels());
-        let v = view(&pod_plain, &none, None);
-        let got: Vec<_> = set
-            .selection(v)
-            .map(|(p, s)| (p.name.as_str(), s))
-            .collect();
-        assert_eq!(got, [("istio-ambient", Selected::Unknown)]);
-    }
-
-    #[test]
-    fn proxy_containers_of_the_builtins() {
-        let set = ProfileSet::all_builtin();
-        let linkerd = set.get("linkerd").unwrap();
-        assert!(linkerd.proxy_present(["app", "linkerd-proxy"]));
-        assert!(!linkerd.proxy_present(["app"]));
-        assert!(!linkerd.proxy_present(["app", "istio-proxy"]));
-        assert!(set.get("istio").unwrap().proxy_present(["istio-proxy"]));
-        assert!(!set.get("istio").unwrap().proxy_present(["app"]));
-        // Ambient has no sidecar: every pod passes.
-        assert!(set.get("istio-ambient").unwrap().proxy_present(["app"]));
-    }
-
     #[test]
     fn select_by_name_rejects_unknown() {
         let err = ProfileSet::all_builtin()
@@ -623,16 +431,5 @@ mod tests {
             ProfileSet::all_builtin().with_custom_json("{"),
             Err(ProfileError::Parse(_))
         ));
-    }
-
-    #[test]
-    fn builtins_round_trip_through_the_file_format() {
-        // What docs/operations.md tells operators to copy: the built-ins as JSON parse back
-        // into the same profiles.
-        for p in builtin() {
-            let text = serde_json::to_string(&p).unwrap();
-            let back: MeshProfile = serde_json::from_str(&text).unwrap();
-            assert_eq!(back, p, "{text}");
-        }
     }
 }

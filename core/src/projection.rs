@@ -236,7 +236,8 @@ impl PodKeys {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::profile::{ISTIO_DATAPLANE_MODE, ISTIO_SIDECAR_STATUS, PodView};
+    use crate::meshes::{ISTIO_DATAPLANE_MODE, ISTIO_SIDECAR_STATUS};
+    use crate::profile::PodView;
     use crate::rules::{IpFamily, expectation};
     use proptest::prelude::*;
 

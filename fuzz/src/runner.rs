@@ -183,6 +183,29 @@ pub fn load_dir(dir: &Path) -> io::Result<Vec<(String, Vec<u8>)>> {
     Ok(out)
 }
 
+/// Seed directories a target shares with other crates' tests, beside its own
+/// `corpus/<target>/` (paths from the fuzz crate's directory): the conflist target's best seeds
+/// are the core's golden configs, kept once, in core/testdata.
+const SHARED_SEEDS: &[(&str, &str)] = &[("conflist", "../core/testdata")];
+
+/// A target's committed seeds: `corpus/<target>/` and its [`SHARED_SEEDS`] directories, which
+/// must exist.
+pub fn load_seeds(target: &str) -> io::Result<Vec<(String, Vec<u8>)>> {
+    let dir = crate_dir();
+    let mut seeds = load_dir(&dir.join("corpus").join(target))?;
+    for (_, shared) in SHARED_SEEDS.iter().filter(|(t, _)| *t == target) {
+        let shared = dir.join(shared);
+        if !shared.is_dir() {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("no seed directory {}", shared.display()),
+            ));
+        }
+        seeds.extend(load_dir(&shared)?);
+    }
+    Ok(seeds)
+}
+
 /// The fuzz crate's directory (corpora, regressions, artifacts live under it).
 pub fn crate_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -375,7 +398,9 @@ pub fn run_committed(target: &Target) -> Result<Report, Failure> {
             .map(|v| v.into_iter().map(|(_, b)| b).collect::<Vec<_>>())
             .map_err(|e| Failure::Io(format!("reading {sub}/{}: {e}", target.name)))
     };
-    let seeds = load("corpus")?;
+    let seeds = load_seeds(target.name)
+        .map(|v| v.into_iter().map(|(_, b)| b).collect::<Vec<_>>())
+        .map_err(|e| Failure::Io(format!("reading the seeds of {}: {e}", target.name)))?;
     if seeds.is_empty() {
         return Err(Failure::Io(format!(
             "no seeds in fuzz/corpus/{}: the corpus is committed with the crate",
@@ -467,5 +492,33 @@ mod tests {
         .expect("no failure");
         assert_eq!((r.executed, r.seeds, r.regressions), (500, 1, 1));
         assert!(r.signatures > 1 && r.corpus > 2, "{r}");
+    }
+
+    /// The conflist target's seeds are its own edge cases plus the core's goldens, read from
+    /// core/testdata (the one copy), each once.
+    #[test]
+    fn conflist_seeds_include_the_core_goldens_once() {
+        let seeds = load_seeds("conflist").unwrap();
+        let names: Vec<&str> = seeds.iter().map(|(n, _)| n.as_str()).collect();
+        for golden in [
+            "calico-linkerd.conflist",
+            "istio-cni.conflist",
+            "multus.conf",
+        ] {
+            assert_eq!(
+                names.iter().filter(|n| **n == golden).count(),
+                1,
+                "{names:?}"
+            );
+        }
+        assert!(names.contains(&"truncated.conflist"), "{names:?}");
+        let core = load_dir(&crate_dir().join("../core/testdata")).unwrap();
+        assert!(core.iter().all(|g| seeds.contains(g)));
+        assert!(
+            load_seeds("netlink")
+                .unwrap()
+                .iter()
+                .all(|(n, _)| n.ends_with(".bin"))
+        );
     }
 }

@@ -26,7 +26,7 @@ use std::sync::OnceLock;
 
 use meshgate_agent::netfilter::{legacy, nftables, redirect_port};
 use meshgate_core::cni::probe::{decode_error_reply, decode_version_reply};
-use meshgate_core::cni::select::{Selection, Validation, select_effective};
+use meshgate_core::cni::select::{NotSelected, Validation, select_effective};
 use meshgate_core::cni::{
     Broken, MemSource, NetConfList, PluginConf, ProbeOutcome, Runtime, VerifyOptions, gojson,
     verify,
@@ -200,14 +200,14 @@ fn conflist_exec(input: &[u8]) -> u64 {
         for runtime in [Runtime::Containerd, Runtime::Crio] {
             let mut s = src.clone();
             let mut valid = |_: &NetConfList| Validation::Valid;
-            match select_effective(&mut s, runtime, &mut valid) {
-                Selection::Found(eff) => {
+            match select_effective(&mut s, runtime.rules(), &mut valid) {
+                Ok(eff) => {
                     sig.add(1).add(eff.list.plugins.len().min(8) as u64);
                 }
-                Selection::NoConfig => {
+                Err(NotSelected::NoConfig) => {
                     sig.add(2);
                 }
-                _ => {
+                Err(_) => {
                     sig.add(3);
                 }
             }

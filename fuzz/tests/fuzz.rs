@@ -50,9 +50,9 @@ fn profile_file_parser_never_panics() {
 /// deep paths (a corpus of inputs rejected at the first byte would fuzz nothing).
 #[test]
 fn seeds_reach_past_the_first_parse() {
-    use meshgate_fuzz::runner::{crate_dir, load_dir};
+    use meshgate_fuzz::runner::{crate_dir, load_dir, load_seeds};
     let dir = crate_dir().join("corpus");
-    let conf = load_dir(&dir.join("conflist")).expect("conflist corpus");
+    let conf = load_seeds("conflist").expect("conflist seeds");
     let parsed = conf
         .iter()
         .filter(|(_, b)| {

@@ -1,11 +1,10 @@
 //! Builds the Kubernetes client and bounds every call in time.
 //!
 //! In: an optional kubeconfig path, and optionally a user to impersonate. Out: a
-//! `kube::Client` whose connections time out, and [`bounded`], which turns any API future
-//! into one that fails with a clear error after a deadline, so no reconcile step can hang on
-//! a half-open connection.
+//! `kube::Client` whose connections time out. Each caller puts its own deadline on every
+//! non-watch call (`--api-timeout`, `--lookup-timeout`), so no step hangs on a half-open
+//! connection.
 
-use std::future::Future;
 use std::path::Path;
 use std::time::Duration;
 
@@ -60,25 +59,14 @@ async fn config(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Config> {
     };
     config.connect_timeout = Some(CONNECT_TIMEOUT);
     // read_timeout stays unset: watches hold a response open for minutes by design. Every
-    // non-watch call is bounded by `bounded` instead.
+    // non-watch call is bounded by its caller's deadline instead.
     Ok(config)
-}
-
-/// An API call that did not finish within its deadline.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("the API call did not finish within {0:?}")]
-pub struct Elapsed(pub Duration);
-
-/// Runs `call` with a deadline of `timeout`.
-pub async fn bounded<T>(timeout: Duration, call: impl Future<Output = T>) -> Result<T, Elapsed> {
-    tokio::time::timeout(timeout, call)
-        .await
-        .map_err(|_| Elapsed(timeout))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::future::Future;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// Serves one request on a loopback port and returns its head (request line and headers).

@@ -3,8 +3,10 @@
 //! - [`admin`]: the `/live`, `/ready`, `/metrics` server.
 //! - [`server`]: the bounded HTTP/1 server behind every port (connection cap, handshake and
 //!   header timeouts, buffer cap, delay and drain), for the admin ports and the webhook.
+//! - [`cli`]: the flags both daemons share ([`cli::Common`]) and the duration grammar.
+//! - [`entry`]: logging, the async runtime and the exit-code table ([`entry::Exit`]).
 //! - [`client`]: a `kube::Client` from `--kubeconfig` / `KUBECONFIG` / in-cluster config, with
-//!   connect and request timeouts, plus [`client::bounded`] for per-call deadlines.
+//!   a connect timeout.
 //! - [`logging`]: tracing subscriber setup (`--log-format text|json`, `RUST_LOG`).
 //! - [`node_gate`]: `--taint-effect`, the node gate's flag both binaries take.
 //! - [`profiles`]: the mesh profiles from `--profile` and `--profile-file`.
@@ -13,7 +15,9 @@
 //!   that keep only the keys they read.
 
 pub mod admin;
+pub mod cli;
 pub mod client;
+pub mod entry;
 pub mod logging;
 pub mod meta;
 pub mod node_gate;

@@ -145,48 +145,94 @@ pub async fn serve<H: Handshake>(
         let _ = draining.wait_for(|p| *p == Phase::Draining).await;
     };
     let mut draining = std::pin::pin!(draining);
-    // The cap's warning, at most once a minute: a flood reaches it on every freed slot.
-    let mut warned: Option<tokio::time::Instant> = None;
-    loop {
-        let permit = match permits.clone().try_acquire_owned() {
-            Ok(p) => p,
-            Err(_) => {
-                if warned.is_none_or(|at| at.elapsed() >= Duration::from_secs(60)) {
-                    warned = Some(tokio::time::Instant::now());
-                    tracing::warn!(
-                        max_connections,
-                        %addr,
-                        "connection cap reached; new connections wait until one ends"
-                    );
-                }
-                tokio::select! {
-                    biased;
-                    () = &mut draining => break,
-                    p = permits.clone().acquire_owned() => match p {
-                        Ok(p) => p,
-                        // Never closed; ends the loop rather than spin if it were.
-                        Err(_) => break,
-                    },
-                }
-            }
-        };
-        let (tcp, peer) = tokio::select! {
-            // Checked first, so the backlog left at the close is handled below, in one place.
-            biased;
-            () = &mut draining => break,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // EMFILE and friends: back off briefly instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+    let mut cap = CapWarning {
+        max_connections,
+        addr: &addr,
+        warned: None,
+    };
+    while let Some(permit) = next_permit(&permits, &mut cap, &mut draining).await {
+        let Some((tcp, peer)) = next_connection(&listener, &mut draining).await else {
+            break;
         };
         conns.reap();
         conns.spawn(tcp, peer, permit);
     }
+    close(listener, &permits, conns, drain, &addr).await;
+}
+
+/// The warning that the connection cap is reached, at most once a minute: a flood reaches the
+/// cap on every freed slot.
+struct CapWarning<'a> {
+    max_connections: usize,
+    addr: &'a str,
+    warned: Option<tokio::time::Instant>,
+}
+
+impl CapWarning<'_> {
+    fn reached(&mut self) {
+        if self
+            .warned
+            .is_none_or(|at| at.elapsed() >= Duration::from_secs(60))
+        {
+            self.warned = Some(tokio::time::Instant::now());
+            tracing::warn!(
+                max_connections = self.max_connections,
+                addr = %self.addr,
+                "connection cap reached; new connections wait until one ends"
+            );
+        }
+    }
+}
+
+/// A free connection slot, waiting for one while the cap is reached; `None` once draining.
+async fn next_permit(
+    permits: &Arc<Semaphore>,
+    cap: &mut CapWarning<'_>,
+    draining: &mut (impl Future<Output = ()> + Unpin),
+) -> Option<OwnedSemaphorePermit> {
+    if let Ok(p) = permits.clone().try_acquire_owned() {
+        return Some(p);
+    }
+    cap.reached();
+    tokio::select! {
+        biased;
+        () = draining => None,
+        // Never closed; `None` ends the loop rather than spin if it were.
+        p = permits.clone().acquire_owned() => p.ok(),
+    }
+}
+
+/// The next accepted connection; `None` once draining. Accept errors are logged and retried.
+async fn next_connection(
+    listener: &TcpListener,
+    draining: &mut (impl Future<Output = ()> + Unpin),
+) -> Option<(TcpStream, SocketAddr)> {
+    loop {
+        tokio::select! {
+            // Checked first, so the backlog left at the close is handled in one place.
+            biased;
+            () = &mut *draining => return None,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => return Some(a),
+                Err(e) => {
+                    // EMFILE and friends: back off briefly instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+        }
+    }
+}
+
+/// Closes the listener, serves the connections left in its backlog, and drains within
+/// `drain`.
+async fn close<H: Handshake>(
+    listener: TcpListener,
+    permits: &Arc<Semaphore>,
+    mut conns: Connections<H>,
+    drain: Duration,
+    addr: &str,
+) {
     // Connections the kernel completed before the close are served, not reset by it (each
     // answers one request and closes). Accepted with the plain socket call: the async
     // listener only retries once the reactor reported readiness, which may not have happened.

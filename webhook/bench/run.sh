@@ -16,7 +16,11 @@ VERIFIED=${1:-4500}
 UNVERIFIED=${2:-500}
 DURATION=${3:-10}
 CONNECTIONS=${4:-8}
-export MESHGATE_K8S_BIN_DIR=${MESHGATE_K8S_BIN_DIR:-/root/.cache/meshgate/kubernetes/v1.35.4/bin}
+# The version pinned in Cargo.toml, in the cache install-deps.sh builds it into.
+k8s_version=$(sed -n 's/^kubernetes-version *= *"\(v[0-9.]*\)".*/\1/p' Cargo.toml)
+[[ -n "$k8s_version" ]] || { echo "no kubernetes-version in Cargo.toml" >&2; exit 1; }
+cache_root=${MESHGATE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/meshgate}
+export MESHGATE_K8S_BIN_DIR=${MESHGATE_K8S_BIN_DIR:-$cache_root/kubernetes/$k8s_version/bin}
 
 cargo build --release --locked -p meshgate-webhook --bin meshgate-webhook >&2
 cargo build --release --locked -p meshgate-e2e --example webhook_load >&2

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use http_body_util::BodyExt;
+use futures::StreamExt as _;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::decode::WORST_CASE_EXPANSION;
@@ -114,17 +114,12 @@ impl Budget {
 
 /// Reads `body` into one buffer of at most `max` bytes: sized from `declared` up front (hyper
 /// holds the body to it), or grown by doubling, never past `max`, when there is none.
-async fn read_limited(
-    mut body: Body,
-    declared: Option<usize>,
-    max: usize,
-) -> Result<Bytes, Refusal> {
+async fn read_limited(body: Body, declared: Option<usize>, max: usize) -> Result<Bytes, Refusal> {
     let mut buf: Vec<u8> = Vec::with_capacity(declared.unwrap_or(0).min(max));
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| Refusal::Unreadable(e.to_string()))?;
-        let Ok(chunk) = frame.into_data() else {
-            continue; // trailers
-        };
+    // Data frames only: trailers are skipped.
+    let mut chunks = body.into_data_stream();
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk.map_err(|e| Refusal::Unreadable(e.to_string()))?;
         let len = buf.len() + chunk.len();
         if len > max {
             return Err(Refusal::TooLarge(max));

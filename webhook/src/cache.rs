@@ -226,11 +226,6 @@ impl Caches {
         )
     }
 
-    /// Number of cached nodes (logs, tests).
-    pub fn node_count(&self) -> usize {
-        self.nodes.len()
-    }
-
     async fn fetch_reason(&self, name: &str) -> Option<String> {
         let api: Api<Node> = Api::all(self.client.clone());
         match tokio::time::timeout(self.lookup_timeout, api.get_opt(name)).await {

@@ -14,7 +14,7 @@
 //!   [`tls`]: certificates re-read on change.
 //! - [`shutdown`]: the stop sequence (signal → not ready but serving for `--shutdown-delay`
 //!   → drain within `--shutdown-timeout` → admin server stops).
-//! - [`metrics`]: the contract metrics, served by `meshgate_shell::admin` with the agent's
+//! - [`metrics`]: the metrics of docs/operations.md, served by `meshgate_shell::admin` with the agent's
 //!   admin server; logging, client and profiles come from `meshgate_shell` too.
 
 pub mod budget;
@@ -27,9 +27,6 @@ pub mod server;
 pub mod shutdown;
 pub mod tls;
 
-/// `--log-format` values (shared with the agent).
-pub use meshgate_shell::logging::LogFormat;
-
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -37,13 +34,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use meshgate_core::profile::ProfileSet;
+use meshgate_shell::cli::{Common, duration};
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
 
-/// `meshgate-webhook` command line (contract: `--listen --tls-cert --tls-key [--kubeconfig]
-/// [--admin-addr] [--profile ...]`).
+/// `meshgate-webhook` command line (docs/operations.md, "`meshgate-webhook`"): its own flags
+/// plus the ones it shares with the agent ([`Common`]).
 #[derive(Clone, Debug, clap::Parser)]
 #[command(
     name = "meshgate-webhook",
@@ -60,25 +57,15 @@ pub struct Args {
     /// PEM private key; re-read when it changes on disk.
     #[arg(long, env = "MESHGATE_TLS_KEY")]
     pub tls_key: PathBuf,
-    /// Kubeconfig file; else `KUBECONFIG`, else the in-cluster service account.
-    #[arg(long, env = "MESHGATE_KUBECONFIG")]
-    pub kubeconfig: Option<PathBuf>,
-    /// Plain-HTTP admin address for `/live`, `/ready`, `/metrics`; none when unset.
-    #[arg(long, env = "MESHGATE_ADMIN_ADDR")]
-    pub admin_addr: Option<SocketAddr>,
-    /// Mesh profiles whose pods are gated (repeatable or comma-separated); default: all
-    /// built-in and file-defined profiles.
-    #[arg(long = "profile", env = "MESHGATE_PROFILES", value_delimiter = ',')]
-    pub profiles: Vec<String>,
-    /// JSON file of custom mesh profiles, added to the built-in ones.
-    #[arg(long, env = "MESHGATE_PROFILE_FILE")]
-    pub profile_file: Option<PathBuf>,
+    /// Kubeconfig, admin address, profiles, log format.
+    #[command(flatten)]
+    pub common: Common,
     /// Deadline for answering one review (e.g. `3s`, `500ms`); keep it well below the
     /// webhook configuration's `timeoutSeconds`.
-    #[arg(long, env = "MESHGATE_REQUEST_TIMEOUT", default_value = "3s", value_parser = parse_duration)]
+    #[arg(long, env = "MESHGATE_REQUEST_TIMEOUT", default_value = "3s", value_parser = duration)]
     pub request_timeout: Duration,
     /// Deadline for one API lookup (pod for a binding, node condition for a refusal).
-    #[arg(long, env = "MESHGATE_LOOKUP_TIMEOUT", default_value = "1s", value_parser = parse_duration)]
+    #[arg(long, env = "MESHGATE_LOOKUP_TIMEOUT", default_value = "1s", value_parser = duration)]
     pub lookup_timeout: Duration,
     /// Largest accepted request body in bytes.
     #[arg(long, env = "MESHGATE_MAX_BODY_BYTES", default_value_t = 3 * 1024 * 1024)]
@@ -99,40 +86,17 @@ pub struct Args {
     /// apiserver: a readiness probe failing twice 1 s apart (or the pod's deletion), then the
     /// EndpointSlice update and kube-proxy's sync (1 s minimum period), with room to spare;
     /// it adds only 5 s to a rollout. A second SIGTERM/SIGINT ends the delay early.
-    #[arg(long, env = "MESHGATE_SHUTDOWN_DELAY", default_value = "5s", value_parser = parse_duration)]
+    #[arg(long, env = "MESHGATE_SHUTDOWN_DELAY", default_value = "5s", value_parser = duration)]
     pub shutdown_delay: Duration,
     /// How long in-flight requests may take to finish once the shutdown delay is over.
-    #[arg(long, env = "MESHGATE_SHUTDOWN_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
+    #[arg(long, env = "MESHGATE_SHUTDOWN_TIMEOUT", default_value = "20s", value_parser = duration)]
     pub shutdown_timeout: Duration,
-    /// Log format on stderr (`RUST_LOG` filters, default `info`).
-    #[arg(long, env = "MESHGATE_LOG_FORMAT", value_enum, default_value = "text")]
-    pub log_format: LogFormat,
     /// What is kept and looked up about unscheduled pods.
     #[command(flatten)]
     pub pods: pods::PodLimits,
     /// `--taint-effect`, the effect of the taint `/mutate-node` puts on new Nodes.
     #[command(flatten)]
     pub gate: meshgate_shell::node_gate::NodeGateArgs,
-}
-
-/// Parses `1.5s`, `500ms` or plain seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
-        (n, 0.001)
-    } else if let Some(n) = s.strip_suffix('s') {
-        (n, 1.0)
-    } else {
-        (s, 1.0)
-    };
-    let v: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("invalid duration {s:?}: use e.g. 3s or 500ms"))?;
-    if !v.is_finite() || v < 0.0 {
-        return Err(format!("invalid duration {s:?}: must be a positive number"));
-    }
-    Duration::try_from_secs_f64(v * scale).map_err(|e| format!("invalid duration {s:?}: {e}"))
 }
 
 /// Parses `--max-connections`: a positive count.
@@ -143,11 +107,6 @@ pub fn parse_max_connections(s: &str) -> Result<usize, String> {
             "invalid connection count {s:?}: use a positive number"
         )),
     }
-}
-
-/// The profile set from `--profile-file` and `--profile`.
-pub fn load_profiles(args: &Args) -> anyhow::Result<ProfileSet> {
-    meshgate_shell::profiles::load(&args.profiles, args.profile_file.as_deref())
 }
 
 /// Runs the webhook until SIGTERM/SIGINT (and the shutdown delay and drain after it).
@@ -182,9 +141,9 @@ async fn run_with(
     listener: TcpListener,
     requests: mpsc::Receiver<()>,
 ) -> anyhow::Result<()> {
-    let profiles = load_profiles(&args)?;
+    let profiles = args.common.load_profiles()?;
     let tls = tls::server_config(&args.tls_cert, &args.tls_key)?;
-    let client = meshgate_shell::client::build(args.kubeconfig.as_deref()).await?;
+    let client = meshgate_shell::client::build(args.common.kubeconfig.as_deref()).await?;
 
     let mut registry = Registry::default();
     let metrics = metrics::Metrics::register(&mut registry);
@@ -200,16 +159,7 @@ async fn run_with(
         tokio::spawn(watches.synced),
     ];
 
-    let admin = match args.admin_addr {
-        Some(addr) => {
-            let l = TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("binding admin address {addr}"))?;
-            tracing::info!(addr = %l.local_addr()?, "admin server listening");
-            Some(l)
-        }
-        None => None,
-    };
+    let admin = args.common.bind_admin().await?;
 
     let profile_names: Vec<&str> = profiles.iter().map(|p| p.name.as_str()).collect();
     tracing::info!(
@@ -316,16 +266,6 @@ mod tests {
     use super::*;
     use clap::Parser;
 
-    #[test]
-    fn durations_parse() {
-        assert_eq!(parse_duration("3s"), Ok(Duration::from_secs(3)));
-        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
-        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
-        assert!(parse_duration("-1s").is_err());
-        assert!(parse_duration("soon").is_err());
-        assert!(parse_duration("NaNs").is_err());
-    }
-
     /// Parses the required flags plus `extra`.
     fn parse(extra: &[&str]) -> Result<Args, clap::Error> {
         let required = [
@@ -353,7 +293,7 @@ mod tests {
             "istio",
         ])
         .unwrap();
-        assert_eq!(a.profiles, ["linkerd", "istio"]);
+        assert_eq!(a.common.profiles, ["linkerd", "istio"]);
         assert_eq!(a.request_timeout, Duration::from_secs(3));
         assert_eq!(a.max_connections, server::DEFAULT_MAX_CONNECTIONS);
         assert_eq!(
@@ -381,11 +321,11 @@ mod tests {
             (10, 0, 2)
         );
         assert!(parse(&["--max-connections", "many"]).is_err());
-        let set = load_profiles(&a).unwrap();
+        let set = a.common.load_profiles().unwrap();
         assert_eq!(set.iter().count(), 2);
 
         let bad = parse(&["--profile", "consul"]).unwrap();
-        assert!(load_profiles(&bad).is_err());
+        assert!(bad.common.load_profiles().is_err());
         assert!(Args::try_parse_from(["meshgate-webhook", "--listen", "x"]).is_err());
     }
 
@@ -572,7 +512,7 @@ mod tests {
         let err = parse(&["--shutdown-delay=-1s"]).expect_err("a negative delay is refused");
         assert!(
             err.to_string().contains("must be a positive number"),
-            "refused by parse_duration: {err}"
+            "refused by the duration parser: {err}"
         );
         let err = parse(&["--shutdown-timeout=soon"]).expect_err("a malformed timeout is refused");
         assert!(err.to_string().contains("use e.g. 3s"), "{err}");

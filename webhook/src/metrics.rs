@@ -3,9 +3,9 @@
 //! In: one observation per handled AdmissionReview (resource, allowed, duration), per pod
 //! lookup a binding needed (its outcome), and per pod the pending-pod cache left out for its
 //! cap. Out: the counters and histogram registered in a prometheus-client `Registry`, served
-//! by `meshgate_shell::admin`. The review metrics follow `shared/design/contract.md`
-//! exactly; the lookup and cache ones are documented in docs/webhook.md (prometheus-client
-//! adds the `_total` suffix to counters).
+//! by `meshgate_shell::admin`. Names, labels and label values are those of docs/operations.md,
+//! "Metrics" (prometheus-client adds the `_total` suffix to counters); the lookup and cache
+//! metrics are explained in docs/webhook.md too.
 
 use std::time::Duration;
 
@@ -26,7 +26,7 @@ pub enum Resource {
 }
 
 impl Resource {
-    /// The label value from the contract.
+    /// The label value (docs/operations.md, "Metrics").
     pub fn as_str(self) -> &'static str {
         match self {
             Resource::Pods => "pods",

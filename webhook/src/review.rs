@@ -22,8 +22,8 @@ use meshgate_core::admission::{
 use meshgate_core::gate::{self, TaintEffect};
 use meshgate_core::profile::ProfileSet;
 
-use crate::decode::Request;
 pub use crate::decode::decode;
+use crate::decode::{Object, Request};
 use crate::metrics::{Metrics, Resource};
 
 /// A pod's labels and annotations, as the binding path needs them: only those the profiles
@@ -88,6 +88,73 @@ fn refuse(req: &Request, message: String, code: u16) -> Outcome {
     };
     resp.result = Status::failure(&message, reason).with_code(code);
     answer(resp)
+}
+
+/// The pod and the node a CREATE review names.
+struct Target<'a> {
+    kind: RequestKind,
+    object: &'a Object,
+    namespace: &'a str,
+    node: &'a str,
+    /// The pod's name (its `generateName` prefix for a pod not named yet).
+    pod: &'a str,
+}
+
+impl<'a> Target<'a> {
+    /// What `req` asks to place where, or the answer when there is nothing to decide (a pod
+    /// not bound to a node yet) or the review cannot be decided (no object, no target).
+    fn of(req: &'a Request, resource: Resource) -> Result<Self, Outcome> {
+        let Some(object) = req.object.as_ref() else {
+            return Err(refuse(
+                req,
+                "meshgate: CREATE review without an object".into(),
+                400,
+            ));
+        };
+        let namespace = req
+            .namespace
+            .as_deref()
+            .or(object.metadata.namespace.as_deref())
+            .unwrap_or_default();
+        let (kind, node, pod) = match resource {
+            Resource::Pods => {
+                let Some(node) = object.node_name().filter(|n| !n.is_empty()) else {
+                    // Unbound pods go through the scheduler and are checked at binding.
+                    return Err(answer(AdmissionResponse::from(req)));
+                };
+                let name = object
+                    .metadata
+                    .name
+                    .as_deref()
+                    .or(object.metadata.generate_name.as_deref())
+                    .unwrap_or(req.name.as_str());
+                (RequestKind::PodCreate, node, name)
+            }
+            Resource::PodsBinding => {
+                let Some(node) = object.target_name().filter(|n| !n.is_empty()) else {
+                    return Err(refuse(
+                        req,
+                        "meshgate: Binding without target.name".into(),
+                        400,
+                    ));
+                };
+                // The pod's name: in the URL for pods/binding, and the Binding's own name for
+                // the legacy resource (which the apiserver also puts in request.name).
+                let pod = Some(req.name.as_str())
+                    .filter(|n| !n.is_empty())
+                    .or(object.metadata.name.as_deref())
+                    .unwrap_or_default();
+                (RequestKind::Binding, node, pod)
+            }
+        };
+        Ok(Self {
+            kind,
+            object,
+            namespace,
+            node,
+            pod,
+        })
+    }
 }
 
 static EMPTY: BTreeMap<String, String> = BTreeMap::new();
@@ -169,43 +236,11 @@ impl<C: Cluster> Reviewer<C> {
     }
 
     async fn validate_create(&self, req: &Request, resource: Resource) -> Outcome {
-        let Some(obj) = req.object.as_ref() else {
-            return refuse(req, "meshgate: CREATE review without an object".into(), 400);
+        let t = match Target::of(req, resource) {
+            Ok(t) => t,
+            Err(outcome) => return outcome,
         };
-        let namespace = req
-            .namespace
-            .as_deref()
-            .or(obj.metadata.namespace.as_deref())
-            .unwrap_or_default();
-        let (kind, node_name, pod_name) = match resource {
-            Resource::Pods => {
-                let Some(node) = obj.node_name().filter(|n| !n.is_empty()) else {
-                    // Unbound pods go through the scheduler and are checked at binding.
-                    return answer(AdmissionResponse::from(req));
-                };
-                let name = obj
-                    .metadata
-                    .name
-                    .as_deref()
-                    .or(obj.metadata.generate_name.as_deref())
-                    .unwrap_or(req.name.as_str());
-                (RequestKind::PodCreate, node, name)
-            }
-            Resource::PodsBinding => {
-                let Some(node) = obj.target_name().filter(|n| !n.is_empty()) else {
-                    return refuse(req, "meshgate: Binding without target.name".into(), 400);
-                };
-                // The pod's name: in the URL for pods/binding, and the Binding's own name
-                // for the legacy resource (which the apiserver also puts in request.name).
-                let pod = Some(req.name.as_str())
-                    .filter(|n| !n.is_empty())
-                    .or(obj.metadata.name.as_deref())
-                    .unwrap_or_default();
-                (RequestKind::Binding, node, pod)
-            }
-        };
-
-        let node_labels = self.cluster.node_labels(node_name);
+        let node_labels = self.cluster.node_labels(t.node);
         let node = match &node_labels {
             Some(labels) => NodeFacts::Known { labels },
             None => NodeFacts::Unknown,
@@ -217,70 +252,75 @@ impl<C: Cluster> Reviewer<C> {
             return answer(AdmissionResponse::from(req));
         }
 
-        let looked_up;
-        let pod = match kind {
-            RequestKind::PodCreate => PodFacts::Known {
-                labels: obj.metadata.labels.as_ref().unwrap_or(&EMPTY),
-                annotations: obj.metadata.annotations.as_ref().unwrap_or(&EMPTY),
+        let looked_up = match t.kind {
+            RequestKind::PodCreate => None,
+            RequestKind::Binding => Some(self.cluster.pod_meta(t.namespace, t.pod).await),
+        };
+        let pod = match &looked_up {
+            None => PodFacts::Known {
+                labels: t.object.metadata.labels.as_ref().unwrap_or(&EMPTY),
+                annotations: t.object.metadata.annotations.as_ref().unwrap_or(&EMPTY),
             },
-            RequestKind::Binding => {
-                looked_up = self.cluster.pod_meta(namespace, pod_name).await;
-                match &looked_up {
-                    Ok(m) => PodFacts::Known {
-                        labels: &m.labels,
-                        annotations: &m.annotations,
-                    },
-                    Err(why) => PodFacts::Unknown(*why),
-                }
-            }
+            Some(Ok(m)) => PodFacts::Known {
+                labels: &m.labels,
+                annotations: &m.annotations,
+            },
+            Some(Err(why)) => PodFacts::Unknown(*why),
         };
         let namespace_labels = if self.profiles.uses_namespace_labels() {
-            self.cluster.namespace_labels(namespace)
+            self.cluster.namespace_labels(t.namespace)
         } else {
             None
         };
-        let mut input = Input {
-            kind,
-            namespace,
-            pod_name,
+        let input = Input {
+            kind: t.kind,
+            namespace: t.namespace,
+            pod_name: t.pod,
             pod,
             namespace_labels: namespace_labels.as_ref(),
-            node_name,
+            node_name: t.node,
             node,
             node_reason: None,
         };
         match admission::decide(&input, &self.profiles) {
             Decision::Allow(why) => {
-                tracing::debug!(uid = %req.uid, node = node_name, ?why, "allowed");
+                tracing::debug!(uid = %req.uid, node = t.node, ?why, "allowed");
                 answer(AdmissionResponse::from(req))
             }
-            Decision::Refuse { .. } => {
-                // Refusals are rare and read by people: spend a bounded lookup on the reason,
-                // but only for a node the cache knows. A node it does not know is refused as
-                // "not known yet" from the cache alone: otherwise every review naming a
-                // made-up node would cost the apiserver a GET.
-                let reason = match node {
-                    NodeFacts::Known { .. } => self.cluster.node_reason(node_name).await,
-                    NodeFacts::Unknown => None,
-                };
-                input.node_reason = reason.as_deref();
-                let message = match admission::decide(&input, &self.profiles) {
-                    Decision::Refuse { message } => message,
-                    // `decide` does not look at the reason to allow; keep the first verdict.
-                    Decision::Allow(_) => return answer(AdmissionResponse::from(req)),
-                };
-                tracing::info!(
-                    uid = %req.uid,
-                    namespace,
-                    pod = pod_name,
-                    node = node_name,
-                    resource = resource.as_str(),
-                    dry_run = req.dry_run,
-                    "refused mesh pod on unverified node"
-                );
-                refuse(req, message, 403)
-            }
+            Decision::Refuse { .. } => self.refusal(req, resource, input).await,
         }
+    }
+
+    /// The answer to a review `decide` refused: decided again with the node's condition
+    /// reason, so the message says why the node is not verified.
+    async fn refusal(&self, req: &Request, resource: Resource, input: Input<'_>) -> Outcome {
+        // Refusals are rare and read by people: spend a bounded lookup on the reason, but only
+        // for a node the cache knows. A node it does not know is refused as "not known yet"
+        // from the cache alone: otherwise every review naming a made-up node would cost the
+        // apiserver a GET.
+        let reason = match input.node {
+            NodeFacts::Known { .. } => self.cluster.node_reason(input.node_name).await,
+            NodeFacts::Unknown => None,
+        };
+        let input = Input {
+            node_reason: reason.as_deref(),
+            ..input
+        };
+        let message = match admission::decide(&input, &self.profiles) {
+            Decision::Refuse { message } => message,
+            // `decide` does not look at the reason to allow; keep the first verdict.
+            Decision::Allow(_) => return answer(AdmissionResponse::from(req)),
+        };
+        tracing::info!(
+            uid = %req.uid,
+            namespace = input.namespace,
+            pod = input.pod_name,
+            node = input.node_name,
+            resource = resource.as_str(),
+            dry_run = req.dry_run,
+            "refused mesh pod on unverified node"
+        );
+        refuse(req, message, 403)
     }
 
     /// `POST /mutate-node`: taint and label a Node being created. Always allows: node

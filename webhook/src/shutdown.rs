@@ -115,7 +115,7 @@ pub fn signals() -> std::io::Result<(mpsc::Receiver<()>, tokio::task::JoinHandle
             signal = name,
             "stop signal received while draining: exiting now, requests in flight are cut"
         );
-        std::process::exit(1)
+        std::process::exit(meshgate_shell::entry::Exit::Failed as i32)
     }));
     Ok((rx, task))
 }

@@ -12,12 +12,13 @@
 //! are tried again on the next handshake.
 
 use std::fs;
-use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use rustls::ServerConfig;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 
@@ -81,16 +82,14 @@ pub fn load_pair(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> {
     };
     let cert_pem = read(cert)?;
     let key_pem = read(key)?;
-    let chain = rustls_pemfile::certs(&mut BufReader::new(cert_pem.as_slice()))
+    let chain = CertificateDer::pem_slice_iter(&cert_pem)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|_| TlsError::NoCertificate(cert.to_path_buf()))?;
     if chain.is_empty() {
         return Err(TlsError::NoCertificate(cert.to_path_buf()));
     }
-    let der = rustls_pemfile::private_key(&mut BufReader::new(key_pem.as_slice()))
-        .ok()
-        .flatten()
-        .ok_or_else(|| TlsError::NoKey(key.to_path_buf()))?;
+    let der =
+        PrivateKeyDer::from_pem_slice(&key_pem).map_err(|_| TlsError::NoKey(key.to_path_buf()))?;
     let unusable = |source| TlsError::Unusable {
         cert: cert.to_path_buf(),
         key: key.to_path_buf(),

@@ -12,6 +12,7 @@ pub mod reader;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use meshgate_core::cni::{ChainVerdict, Runtime, VerifyOptions, verify};
 
 pub use prober::Prober;
@@ -42,12 +43,12 @@ pub struct CniArgs {
     #[arg(
         long,
         env = "MESHGATE_RUNTIME",
-        value_enum,
-        default_value = "containerd"
+        default_value = "containerd",
+        value_parser = runtime_parser()
     )]
-    pub runtime: RuntimeArg,
+    pub runtime: Runtime,
     /// How long a plugin binary may take to answer VERSION before it is killed.
-    #[arg(long, env = "MESHGATE_PROBE_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "MESHGATE_PROBE_TIMEOUT", default_value = "2s", value_parser = meshgate_shell::cli::duration)]
     pub probe_timeout: Duration,
     /// Config files larger than this are reported as ConfigInvalid without being read.
     #[arg(long, env = "MESHGATE_MAX_CONFIG_BYTES", default_value_t = reader::DEFAULT_MAX_FILE_BYTES)]
@@ -57,26 +58,17 @@ pub struct CniArgs {
     #[arg(long, env = "MESHGATE_MAX_VERIFY_BYTES", default_value_t = reader::DEFAULT_BUDGET_BYTES)]
     pub max_verify_bytes: u64,
     /// Overall time one verification may spend running plugin binaries.
-    #[arg(long, env = "MESHGATE_VERIFY_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "MESHGATE_VERIFY_TIMEOUT", default_value = "10s", value_parser = meshgate_shell::cli::duration)]
     pub verify_timeout: Duration,
 }
 
-/// `--runtime` values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum RuntimeArg {
-    /// containerd: the first file wins, an invalid first file is fatal.
-    Containerd,
-    /// CRI-O: files that fail to load or to validate (plugin binaries) are skipped.
-    Crio,
-}
-
-impl From<RuntimeArg> for Runtime {
-    fn from(r: RuntimeArg) -> Self {
-        match r {
-            RuntimeArg::Containerd => Runtime::Containerd,
-            RuntimeArg::Crio => Runtime::Crio,
-        }
-    }
+/// `--runtime` values: the names of the runtimes core has rules for, each with its summary
+/// in `--help`.
+fn runtime_parser() -> impl TypedValueParser<Value = Runtime> {
+    let names = Runtime::ALL.into_iter().map(|r| {
+        PossibleValue::new(r.as_str()).help(format!("{}: {}", r.rules().display, r.rules().summary))
+    });
+    PossibleValuesParser::new(names).try_map(|name| Runtime::named(&name).ok_or("unknown runtime"))
 }
 
 impl CniArgs {
@@ -100,7 +92,7 @@ impl CniArgs {
         );
         let opts = VerifyOptions {
             conf_dir: self.cni_conf_dir.display().to_string(),
-            runtime: self.runtime.into(),
+            runtime: self.runtime,
             required: self.require_plugins.clone(),
         };
         Ok(verify(&mut source, &opts, |t| prober.probe(t, deadline)))

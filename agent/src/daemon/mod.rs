@@ -25,13 +25,11 @@ pub mod pods;
 pub mod state;
 pub mod verdict_loop;
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::ExitCode;
 use std::time::Duration;
 
 use meshgate_core::gate::TaintEffect;
-use meshgate_shell::logging::LogFormat;
+use meshgate_shell::cli::{Common, duration};
 use meshgate_shell::node_gate::NodeGateArgs;
 
 use crate::cni::CniArgs;
@@ -45,24 +43,15 @@ pub struct Args {
     pub node_name: String,
     #[command(flatten)]
     pub cni: CniArgs,
-    /// Mesh profile whose pods are inspected; repeat for several (default: every built-in).
-    #[arg(long = "profile", env = "MESHGATE_PROFILES", value_delimiter = ',')]
-    pub profiles: Vec<String>,
-    /// Extra mesh profiles (JSON array), added to the built-in ones.
-    #[arg(long, env = "MESHGATE_PROFILE_FILE")]
-    pub profile_file: Option<PathBuf>,
-    /// Kubeconfig to use (default: KUBECONFIG, else the in-cluster config).
-    #[arg(long, env = "MESHGATE_KUBECONFIG")]
-    pub kubeconfig: Option<PathBuf>,
+    /// Kubeconfig, admin address, profiles, log format.
+    #[command(flatten)]
+    pub common: Common,
     /// Read the Node and the pods on it, and evict them, as the node itself (Constrained
     /// Impersonation: Kubernetes 1.35+ with the ConstrainedImpersonation feature gate, and
     /// the RBAC of manifests/components/node-impersonation). Node writes and Events stay
     /// with the ServiceAccount.
     #[arg(long, env = "MESHGATE_IMPERSONATE_NODE")]
     pub impersonate_node: bool,
-    /// Address of the admin server (/live, /ready, /metrics).
-    #[arg(long, env = "MESHGATE_ADMIN_ADDR", default_value = "0.0.0.0:9990")]
-    pub admin_addr: SocketAddr,
     /// `--taint-effect`, shared with the webhook.
     #[command(flatten)]
     pub gate: NodeGateArgs,
@@ -86,47 +75,21 @@ pub struct Args {
     )]
     pub state_file: PathBuf,
     /// Re-verify at least this often, as a safety net for missed inotify events.
-    #[arg(long, env = "MESHGATE_RESYNC_INTERVAL", default_value = "60s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "MESHGATE_RESYNC_INTERVAL", default_value = "60s", value_parser = duration)]
     pub resync_interval: Duration,
     /// Quiet time that ends a burst of file events (a write-then-rename is one change); a
     /// burst that never goes quiet is cut after ten times this.
-    #[arg(long, env = "MESHGATE_COALESCE", default_value = "20ms", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "MESHGATE_COALESCE", default_value = "20ms", value_parser = duration)]
     pub coalesce: Duration,
     /// Deadline for each Kubernetes API call.
-    #[arg(long, env = "MESHGATE_API_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "MESHGATE_API_TIMEOUT", default_value = "5s", value_parser = duration)]
     pub api_timeout: Duration,
     /// /live fails when one pass of the loop (verify, then write the Node) runs longer than
     /// this, or when no pass begins within --resync-interval plus this. A pass is a
     /// verification (each plugin probe bounded by --probe-timeout) and a few API calls (each
     /// bounded by --api-timeout): well under a second normally.
-    #[arg(long, env = "MESHGATE_STALL_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "MESHGATE_STALL_TIMEOUT", default_value = "60s", value_parser = duration)]
     pub stall_timeout: Duration,
-    /// Log format.
-    #[arg(long, env = "MESHGATE_LOG_FORMAT", value_enum, default_value = "text")]
-    pub log_format: LogFormat,
-}
-
-/// Builds the runtime and runs the daemon; exit 0 after a graceful shutdown.
-pub fn main(args: Args) -> ExitCode {
-    meshgate_shell::logging::init(args.log_format);
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot start the async runtime");
-            return ExitCode::from(2);
-        }
-    };
-    match rt.block_on(run(args)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            tracing::error!(error = format!("{e:#}"), "meshgate-agent stopped");
-            ExitCode::from(1)
-        }
-    }
 }
 
 /// What each part of the daemon takes from the flags: the one place that reads [`Args`].
@@ -134,12 +97,10 @@ pub fn main(args: Args) -> ExitCode {
 pub struct Config {
     /// This node's name.
     pub node: String,
-    /// `--kubeconfig`.
-    pub kubeconfig: Option<PathBuf>,
+    /// `--kubeconfig`, `--admin-addr` (the profiles are read into `pods`).
+    pub common: Common,
     /// `--impersonate-node`.
     pub impersonate_node: bool,
-    /// `--admin-addr`.
-    pub admin_addr: SocketAddr,
     /// `--state-file`.
     pub state_file: PathBuf,
     /// The CNI dirs, runtime and probes to verify with.
@@ -162,8 +123,7 @@ impl Config {
     /// Reads the flags; fails on an unreadable profile file or an unknown `--profile`, so a
     /// typo stops the agent at start instead of silently inspecting nothing.
     pub fn from_args(args: &Args) -> anyhow::Result<Self> {
-        let profiles =
-            meshgate_shell::profiles::load(&args.profiles, args.profile_file.as_deref())?;
+        let profiles = args.common.load_profiles()?;
         let pods = pods::Config {
             node: args.node_name.clone(),
             keys: meshgate_core::projection::PodKeys::inspection(&profiles),
@@ -179,9 +139,8 @@ impl Config {
         };
         Ok(Self {
             node: args.node_name.clone(),
-            kubeconfig: args.kubeconfig.clone(),
+            common: args.common.clone(),
             impersonate_node: args.impersonate_node,
-            admin_addr: args.admin_addr,
             state_file: args.state_file.clone(),
             cni: args.cni.clone(),
             taint_effect: args.gate.taint_effect,

@@ -50,7 +50,7 @@ pub enum Wake {
 /// The tasks the loop started, stopped with it.
 struct Tasks {
     stop: watch::Sender<bool>,
-    admin: JoinHandle<()>,
+    admin: Option<JoinHandle<()>>,
     pods: JoinHandle<()>,
     node_watch: JoinHandle<()>,
 }
@@ -127,7 +127,7 @@ impl Daemon {
             config.state_file.clone(),
             restore_state(&node, &config)?,
         ));
-        let kubeconfig = config.kubeconfig.as_deref();
+        let kubeconfig = config.common.kubeconfig.as_deref();
         let clients = Clients::build(kubeconfig, &node, config.impersonate_node, true).await?;
         // Without kube's 429 retry, so a PodDisruptionBudget's refusal is seen as one.
         let pod_clients = Clients::build(kubeconfig, &node, config.impersonate_node, false)
@@ -237,7 +237,9 @@ impl Daemon {
         tracing::info!(node = %self.node, "stopping; the Node keeps its taint state as it is");
         let _ = self.tasks.stop.send(true);
         self.tasks.node_watch.abort();
-        let _ = self.tasks.admin.await;
+        if let Some(admin) = self.tasks.admin {
+            let _ = admin.await;
+        }
         let _ = self.tasks.pods.await;
         if let Err(e) = self.shared.save() {
             tracing::warn!(node = %self.node, error = %e, "cannot save state");
@@ -348,25 +350,25 @@ fn watch_files(config: &Config) -> anyhow::Result<(FsWatch, mpsc::UnboundedRecei
     Ok((fs, rx))
 }
 
-/// Binds the admin port and serves `/live` (both loops' progress), `/ready` and `/metrics`
-/// until `stop` turns true.
+/// Binds `--admin-addr`, if set, and serves `/live` (both loops' progress), `/ready` and
+/// `/metrics` until `stop` turns true.
 async fn start_admin(
     config: &Config,
     registry: Registry,
     ready: Arc<AtomicBool>,
     progress: (LoopProgress, LoopProgress),
     stop: watch::Receiver<bool>,
-) -> anyhow::Result<JoinHandle<()>> {
-    let listener = tokio::net::TcpListener::bind(config.admin_addr)
-        .await
-        .with_context(|| format!("binding the admin server to {}", config.admin_addr))?;
-    Ok(tokio::spawn(meshgate_shell::admin::serve_with(
+) -> anyhow::Result<Option<JoinHandle<()>>> {
+    let Some(listener) = config.common.bind_admin().await? else {
+        return Ok(None);
+    };
+    Ok(Some(tokio::spawn(meshgate_shell::admin::serve_with(
         listener,
         Arc::new(registry),
         ready,
         progress,
         wait_stop(stop),
-    )))
+    ))))
 }
 
 /// A burst of file events ends after `quiet` without one, and at the latest
@@ -409,7 +411,7 @@ pub(crate) async fn sleep_until(at: Option<tokio::time::Instant>) {
 /// config dir is a verdict, not a crash: the node stays gated.
 async fn verify(cni: Arc<CniArgs>, prober: Arc<Prober>) -> ChainVerdict {
     let dir = cni.cni_conf_dir.display().to_string();
-    let runtime: Runtime = cni.runtime.into();
+    let runtime: Runtime = cni.runtime;
     let result = tokio::task::spawn_blocking(move || cni.verify(&prober)).await;
     let why = match result {
         Ok(Ok(v)) => return v,

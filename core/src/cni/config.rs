@@ -338,31 +338,10 @@ impl NetConfList {
             Some(GoValue::String(s)) => s.clone(),
             Some(v) => return Err(ty("cniVersion", v)),
         };
-        if let Some(raw) = doc.get_exact("cniVersions") {
-            let GoValue::Array(items) = raw else {
-                return Err(ty("cniVersions", raw));
-            };
-            let current = parse_version(CURRENT_SPEC_VERSION);
-            let mut vs: Vec<String> = Vec::new();
-            for (i, item) in items.iter().enumerate() {
-                let GoValue::String(v) = item else {
-                    return Err(ConfigError::CniVersionsEntryType(i));
-                };
-                let parsed = parse_version(v).ok_or(ConfigError::InvalidCniVersionsEntry(i))?;
-                if Some(parsed) <= current {
-                    vs.push(v.clone());
-                }
-            }
-            if !cni_version.is_empty() {
-                let parsed = parse_version(&cni_version).ok_or(ConfigError::InvalidCniVersion)?;
-                if Some(parsed) <= current {
-                    vs.push(cni_version.clone());
-                }
-            }
-            go_sort_versions(&mut vs);
-            if let Some(last) = vs.pop() {
-                cni_version = last;
-            }
+        if let Some(raw) = doc.get_exact("cniVersions")
+            && let Some(highest) = highest_supported(raw, &cni_version)?
+        {
+            cni_version = highest;
         }
         let read_bool = |key: &'static str| -> Result<bool, ConfigError> {
             match doc.get_exact(key) {
@@ -448,6 +427,36 @@ impl NetConfList {
     pub fn plugin_types(&self) -> Vec<String> {
         self.plugins.iter().map(|p| p.plugin_type.clone()).collect()
     }
+}
+
+/// libcni's `cniVersions` handling: the highest version, of the list and `cniVersion`, that
+/// this spec supports (`None`: none of them). An entry that is no string or no version fails.
+fn highest_supported(raw: &GoValue, cni_version: &str) -> Result<Option<String>, ConfigError> {
+    let GoValue::Array(items) = raw else {
+        return Err(ConfigError::ListFieldType {
+            field: "cniVersions",
+            got: raw.kind(),
+        });
+    };
+    let current = parse_version(CURRENT_SPEC_VERSION);
+    let mut vs: Vec<String> = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let GoValue::String(v) = item else {
+            return Err(ConfigError::CniVersionsEntryType(i));
+        };
+        let parsed = parse_version(v).ok_or(ConfigError::InvalidCniVersionsEntry(i))?;
+        if Some(parsed) <= current {
+            vs.push(v.clone());
+        }
+    }
+    if !cni_version.is_empty() {
+        let parsed = parse_version(cni_version).ok_or(ConfigError::InvalidCniVersion)?;
+        if Some(parsed) <= current {
+            vs.push(cni_version.to_string());
+        }
+    }
+    go_sort_versions(&mut vs);
+    Ok(vs.pop())
 }
 
 /// libcni's `version.ParseVersion`: one to three dot-separated parts, each a Go

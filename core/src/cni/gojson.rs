@@ -374,85 +374,101 @@ impl Parser<'_> {
     fn value(&mut self) -> Result<GoValue, JsonError> {
         let mut stack: Vec<Frame> = Vec::new();
         loop {
-            // Parse the start of a value.
-            self.ws();
-            let mut done = match self.peek()? {
-                b'[' => {
-                    self.i += 1;
-                    if stack.len() >= MAX_DEPTH {
-                        return Err(JsonError::TooDeep);
-                    }
-                    self.ws();
-                    if self.peek()? == b']' {
-                        self.i += 1;
-                        Some(GoValue::Array(Vec::new()))
-                    } else {
-                        stack.push(Frame::Array(Vec::new()));
-                        continue;
-                    }
-                }
-                b'{' => {
-                    self.i += 1;
-                    if stack.len() >= MAX_DEPTH {
-                        return Err(JsonError::TooDeep);
-                    }
-                    self.ws();
-                    if self.peek()? == b'}' {
-                        self.i += 1;
-                        Some(GoValue::Object(Vec::new()))
-                    } else {
-                        let key = self.key()?;
-                        stack.push(Frame::Object(Vec::new(), key));
-                        continue;
-                    }
-                }
-                b'"' => Some(GoValue::String(self.string()?)),
-                b't' => self.literal(b"true", GoValue::Bool(true))?,
-                b'f' => self.literal(b"false", GoValue::Bool(false))?,
-                b'n' => self.literal(b"null", GoValue::Null)?,
-                b'-' | b'0'..=b'9' => Some(GoValue::Number(self.number()?)),
-                _ => return Err(JsonError::Syntax(self.i)),
+            let Some(mut done) = self.open(&mut stack)? else {
+                continue;
             };
             // Attach finished values to their containers, closing containers as they end.
-            while let Some(v) = done.take() {
+            loop {
                 let Some(top) = stack.last_mut() else {
-                    return Ok(v);
+                    return Ok(done);
                 };
                 self.ws();
-                match top {
-                    Frame::Array(items) => {
-                        items.push(v);
-                        match self.peek()? {
-                            b',' => self.i += 1,
-                            b']' => {
-                                self.i += 1;
-                                let items = std::mem::take(items);
-                                stack.pop();
-                                done = Some(GoValue::Array(items));
-                            }
-                            _ => return Err(JsonError::Syntax(self.i)),
-                        }
+                match self.attach(top, done)? {
+                    Some(closed) => {
+                        stack.pop();
+                        done = closed;
                     }
-                    Frame::Object(members, key) => {
-                        members.push((std::mem::take(key), v));
-                        match self.peek()? {
-                            b',' => {
-                                self.i += 1;
-                                self.ws();
-                                *key = self.key()?;
-                            }
-                            b'}' => {
-                                self.i += 1;
-                                let members = std::mem::take(members);
-                                stack.pop();
-                                done = Some(GoValue::Object(members));
-                            }
-                            _ => return Err(JsonError::Syntax(self.i)),
-                        }
-                    }
+                    None => break,
                 }
             }
         }
+    }
+
+    /// Parses the start of a value: a scalar or an empty container is finished (`Some`); a
+    /// container with members is pushed on `stack` (`None`).
+    fn open(&mut self, stack: &mut Vec<Frame>) -> Result<Option<GoValue>, JsonError> {
+        self.ws();
+        Ok(match self.peek()? {
+            b'[' => {
+                self.i += 1;
+                if stack.len() >= MAX_DEPTH {
+                    return Err(JsonError::TooDeep);
+                }
+                self.ws();
+                if self.peek()? == b']' {
+                    self.i += 1;
+                    Some(GoValue::Array(Vec::new()))
+                } else {
+                    stack.push(Frame::Array(Vec::new()));
+                    None
+                }
+            }
+            b'{' => {
+                self.i += 1;
+                if stack.len() >= MAX_DEPTH {
+                    return Err(JsonError::TooDeep);
+                }
+                self.ws();
+                if self.peek()? == b'}' {
+                    self.i += 1;
+                    Some(GoValue::Object(Vec::new()))
+                } else {
+                    let key = self.key()?;
+                    stack.push(Frame::Object(Vec::new(), key));
+                    None
+                }
+            }
+            b'"' => Some(GoValue::String(self.string()?)),
+            b't' => self.literal(b"true", GoValue::Bool(true))?,
+            b'f' => self.literal(b"false", GoValue::Bool(false))?,
+            b'n' => self.literal(b"null", GoValue::Null)?,
+            b'-' | b'0'..=b'9' => Some(GoValue::Number(self.number()?)),
+            _ => return Err(JsonError::Syntax(self.i)),
+        })
+    }
+
+    /// Adds a finished value to the innermost container. Returns the container when this
+    /// closed it (the caller pops it), `None` when another member follows.
+    fn attach(&mut self, top: &mut Frame, v: GoValue) -> Result<Option<GoValue>, JsonError> {
+        match top {
+            Frame::Array(items) => {
+                items.push(v);
+                match self.peek()? {
+                    b',' => self.i += 1,
+                    b']' => {
+                        self.i += 1;
+                        return Ok(Some(GoValue::Array(std::mem::take(items))));
+                    }
+                    _ => return Err(JsonError::Syntax(self.i)),
+                }
+            }
+            Frame::Object(members, key) => {
+                members.push((std::mem::take(key), v));
+                match self.peek()? {
+                    b',' => {
+                        self.i += 1;
+                        self.ws();
+                        *key = self.key()?;
+                    }
+                    b'}' => {
+                        self.i += 1;
+                        return Ok(Some(GoValue::Object(std::mem::take(members))));
+                    }
+                    _ => return Err(JsonError::Syntax(self.i)),
+                }
+            }
+        }
+        Ok(None)
     }
 
     /// `"key" :` at the current position.
@@ -550,73 +566,70 @@ impl Parser<'_> {
                     self.i += 1;
                     let e = self.peek()?;
                     self.i += 1;
-                    match e {
-                        b'"' => out.push('"'),
-                        b'\\' => out.push('\\'),
-                        b'/' => out.push('/'),
-                        b'b' => out.push('\u{8}'),
-                        b'f' => out.push('\u{c}'),
-                        b'n' => out.push('\n'),
-                        b'r' => out.push('\r'),
-                        b't' => out.push('\t'),
-                        b'u' => {
-                            let first = self.hex4()?;
-                            if (0xD800..0xDC00).contains(&first) {
-                                // A valid pair is consumed whole; anything else leaves the
-                                // next escape for the next round and yields U+FFFD.
-                                let save = self.i;
-                                if self.b.get(self.i) == Some(&b'\\')
-                                    && self.b.get(self.i + 1) == Some(&b'u')
-                                {
-                                    self.i += 2;
-                                    match self.hex4() {
-                                        Ok(second) if (0xDC00..0xE000).contains(&second) => {
-                                            let cp = 0x10000
-                                                + ((first - 0xD800) << 10)
-                                                + (second - 0xDC00);
-                                            out.push(char::from_u32(cp).unwrap_or('\u{FFFD}'));
-                                            continue;
-                                        }
-                                        _ => self.i = save,
-                                    }
-                                }
-                                out.push('\u{FFFD}');
-                            } else {
-                                out.push(char::from_u32(first).unwrap_or('\u{FFFD}'));
-                            }
-                        }
+                    out.push(match e {
+                        b'"' => '"',
+                        b'\\' => '\\',
+                        b'/' => '/',
+                        b'b' => '\u{8}',
+                        b'f' => '\u{c}',
+                        b'n' => '\n',
+                        b'r' => '\r',
+                        b't' => '\t',
+                        b'u' => self.unicode_escape()?,
                         _ => return Err(JsonError::Syntax(self.i - 1)),
-                    }
+                    });
                 }
                 0..=0x1f => return Err(JsonError::Syntax(self.i)),
                 0x20..=0x7f => {
                     out.push(c as char);
                     self.i += 1;
                 }
-                _ => {
-                    // A multi-byte sequence: copy it if valid, else one U+FFFD per bad byte,
-                    // as Go's utf8.DecodeRune does.
-                    let rest = &self.b[self.i..self.b.len().min(self.i + 4)];
-                    let valid = match std::str::from_utf8(rest) {
-                        Ok(s) => s.chars().next(),
-                        Err(e) if e.valid_up_to() > 0 => {
-                            std::str::from_utf8(&rest[..e.valid_up_to()])
-                                .ok()
-                                .and_then(|s| s.chars().next())
-                        }
-                        Err(_) => None,
-                    };
-                    match valid {
-                        Some(ch) => {
-                            out.push(ch);
-                            self.i += ch.len_utf8();
-                        }
-                        None => {
-                            out.push('\u{FFFD}');
-                            self.i += 1;
-                        }
-                    }
+                _ => out.push(self.rune()),
+            }
+        }
+    }
+
+    /// The character of a `\uXXXX` escape whose `\u` was consumed.
+    fn unicode_escape(&mut self) -> Result<char, JsonError> {
+        let first = self.hex4()?;
+        if !(0xD800..0xDC00).contains(&first) {
+            return Ok(char::from_u32(first).unwrap_or('\u{FFFD}'));
+        }
+        // A valid pair is consumed whole; anything else leaves the next escape for the next
+        // round and yields U+FFFD.
+        let save = self.i;
+        if self.b.get(self.i) == Some(&b'\\') && self.b.get(self.i + 1) == Some(&b'u') {
+            self.i += 2;
+            match self.hex4() {
+                Ok(second) if (0xDC00..0xE000).contains(&second) => {
+                    let cp = 0x10000 + ((first - 0xD800) << 10) + (second - 0xDC00);
+                    return Ok(char::from_u32(cp).unwrap_or('\u{FFFD}'));
                 }
+                _ => self.i = save,
+            }
+        }
+        Ok('\u{FFFD}')
+    }
+
+    /// A multi-byte sequence at the current position: the character if it is valid, else
+    /// U+FFFD for its first byte alone, as Go's utf8.DecodeRune does.
+    fn rune(&mut self) -> char {
+        let rest = &self.b[self.i..self.b.len().min(self.i + 4)];
+        let valid = match std::str::from_utf8(rest) {
+            Ok(s) => s.chars().next(),
+            Err(e) if e.valid_up_to() > 0 => std::str::from_utf8(&rest[..e.valid_up_to()])
+                .ok()
+                .and_then(|s| s.chars().next()),
+            Err(_) => None,
+        };
+        match valid {
+            Some(ch) => {
+                self.i += ch.len_utf8();
+                ch
+            }
+            None => {
+                self.i += 1;
+                '\u{FFFD}'
             }
         }
     }

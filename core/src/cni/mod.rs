@@ -11,15 +11,20 @@
 //! binaries, the tests pass plain data. JSON is decoded with Go's rules ([`gojson`]),
 //! because libcni's Go decoder is what decides what the runtime loads.
 
+mod binaries;
 pub mod config;
 pub mod gojson;
 pub mod listing;
 pub mod probe;
+pub mod reason;
+pub mod runtime;
 pub mod select;
 pub mod verdict;
 
 pub use config::{ConfigError, NetConfList, PluginConf};
 pub use listing::{ConfSource, Dirent, MemSource, SourceError};
 pub use probe::{Broken, ProbeOutcome};
-pub use select::{EffectiveConfig, Runtime};
-pub use verdict::{ChainVerdict, Reason, VerifyOptions, verify};
+pub use reason::Reason;
+pub use runtime::{Runtime, RuntimeRules};
+pub use select::EffectiveConfig;
+pub use verdict::{ChainVerdict, VerifyOptions, verify};

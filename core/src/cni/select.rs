@@ -1,19 +1,20 @@
 //! Which config file the container runtime really loads: the *effective* config.
 //!
-//! In: a [`ConfSource`] over the config directory, the runtime's semantics and, for CRI-O,
-//! a validation closure (ocicni runs libcni's `ValidateNetworkList` on every list). Out: a
-//! [`Selection`]: the effective file loaded into a [`NetConfList`] (drop-in plugins
-//! appended), or why there is none. Messages name files and positions, never content.
+//! In: a [`ConfSource`] over the config directory, the runtime's [`RuntimeRules`] and, for a
+//! runtime that validates chains (CRI-O: ocicni runs libcni's `ValidateNetworkList` on every
+//! list), a validation closure. Out: a [`EffectiveConfig`]: the effective file loaded into a
+//! [`NetConfList`] (drop-in plugins appended), or why there is none ([`NotSelected`]). Messages name files and
+//! positions, never content.
 //!
 //! Files are read lazily, in sorted order, and only as far as the runtime would get:
 //! - Candidates (libcni `ConfFiles`): entries whose dirent is not a directory (a symlink to
 //!   a directory *is* a candidate, and fails to load with `EISDIR`) and whose
 //!   `filepath.Ext` is `.conf`, `.conflist` or `.json`, sorted bytewise (`sort.Strings`).
-//! - containerd (go-cni `loadFromConfDir` with containerd's default `max_conf_num = 1`):
-//!   the first candidate is loaded; if it fails, loading fails; if it loads, the loop
-//!   breaks (`i == max`), so no second file is ever read.
-//! - CRI-O (ocicni `loadNetworks`): candidates that fail to load, have no plugins, or fail
-//!   `ValidateNetworkList` are skipped; the first one left is the default network.
+//! - A runtime whose rules say [`OnInvalid::Fatal`] (containerd) loads the first candidate
+//!   and stops there, loaded or not; one that says [`OnInvalid::Skip`] (CRI-O) skips
+//!   candidates that fail to load, have no plugins, or (when it validates chains) fail
+//!   `ValidateNetworkList`; the first one left is the default network. Each runtime's
+//!   record in [`super::runtime`] names the upstream code it follows.
 //! - `.conflist` (libcni `NetworkConfFromFile`): unless `loadOnlyInlinedPlugins`, the
 //!   `.conf` files of `filepath.Join(confDir, name)` are appended in name order
 //!   (`NetworkPluginConfsFromFiles`): a missing directory adds nothing, an empty name makes
@@ -23,30 +24,8 @@
 
 use super::config::{NetConfList, PluginConf};
 use super::listing::{ConfSource, Dirent, SourceError, display, ext, is_config_name, join_clean};
-use super::verdict::Reason;
-
-/// The container runtime whose loading semantics are applied.
-#[derive(
-    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum Runtime {
-    /// containerd (go-cni): the first file wins; an invalid first file is fatal.
-    #[default]
-    Containerd,
-    /// CRI-O (ocicni): files that fail to load or validate are skipped.
-    Crio,
-}
-
-impl Runtime {
-    /// The name used in flags and JSON output.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Runtime::Containerd => "containerd",
-            Runtime::Crio => "crio",
-        }
-    }
-}
+use super::reason::Reason;
+use super::runtime::{OnInvalid, RuntimeRules};
 
 /// What ocicni's `ValidateNetworkList` concluded about a loaded list.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,7 +38,7 @@ pub enum Validation {
     Undecidable(Reason, String),
 }
 
-/// A candidate CRI-O skipped, and why.
+/// A candidate a skipping runtime (CRI-O) passed over, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Skipped {
     /// Its raw file name.
@@ -79,27 +58,28 @@ pub struct EffectiveConfig {
     pub list: NetConfList,
     /// Drop-in plugin file names appended to the chain, in order.
     pub drop_ins: Vec<Vec<u8>>,
-    /// Files sorting before the effective one that CRI-O skipped.
+    /// Files sorting before the effective one that the runtime skipped (CRI-O).
     pub skipped: Vec<Skipped>,
 }
 
-/// The outcome of effective-config selection.
+/// Why effective-config selection found no config the runtime loads.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Selection {
-    /// The runtime loads this config.
-    Found(EffectiveConfig),
+pub enum NotSelected {
     /// No candidate file at all (or no config directory).
     NoConfig,
     /// The config directory itself cannot be listed.
     Unlistable(String),
-    /// containerd: the first candidate does not load, so nothing loads.
+    /// A runtime whose first candidate decides (containerd): it does not load, so nothing
+    /// loads.
     Invalid {
         /// The offending file name.
         file: Vec<u8>,
+        /// `ConfigInvalid` for a load failure, or the binary reason for a validation failure.
+        reason: Reason,
         /// Why it cannot be loaded.
         why: String,
     },
-    /// CRI-O: every candidate was skipped.
+    /// A skipping runtime (CRI-O): every candidate was skipped.
     NoneValid {
         /// Each candidate and why it was skipped, in name order.
         skipped: Vec<Skipped>,
@@ -128,16 +108,17 @@ fn from_source(e: SourceError) -> LoadFail {
     }
 }
 
-/// Selects the effective config. `validate` is called only for CRI-O, on lists that load.
+/// Selects the effective config. `validate` is called only when the runtime's rules
+/// validate chains, on lists that load.
 pub fn select_effective(
     src: &mut dyn ConfSource,
-    runtime: Runtime,
+    rules: &RuntimeRules,
     validate: &mut dyn FnMut(&NetConfList) -> Validation,
-) -> Selection {
+) -> Result<EffectiveConfig, NotSelected> {
     let entries = match src.list(b"") {
         Ok(e) => e,
-        Err(SourceError::NotFound) => return Selection::NoConfig,
-        Err(e) => return Selection::Unlistable(e.to_string()),
+        Err(SourceError::NotFound) => return Err(NotSelected::NoConfig),
+        Err(e) => return Err(NotSelected::Unlistable(e.to_string())),
     };
     let mut candidates: Vec<Dirent> = entries
         .into_iter()
@@ -146,51 +127,64 @@ pub fn select_effective(
     // Go's sort.Strings compares bytes; so does Vec<u8>'s Ord.
     candidates.sort_by(|a, b| a.name.cmp(&b.name));
     if candidates.is_empty() {
-        return Selection::NoConfig;
+        return Err(NotSelected::NoConfig);
     }
 
     let mut skipped = Vec::new();
     for c in candidates {
         let file = c.name;
-        match load(src, &file) {
-            Ok((list, drop_ins)) => {
-                if runtime == Runtime::Crio {
-                    match validate(&list) {
-                        Validation::Valid => {}
-                        Validation::Fails(reason, why) => {
-                            skipped.push(Skipped { file, reason, why });
-                            continue;
-                        }
-                        Validation::Undecidable(reason, why) => {
-                            return Selection::Undecidable { file, reason, why };
-                        }
-                    }
+        let (reason, why) = match load(src, &file) {
+            Ok((list, drop_ins)) => match validated(rules, validate, &list) {
+                Ok(()) => {
+                    return Ok(EffectiveConfig {
+                        file,
+                        list,
+                        drop_ins,
+                        skipped,
+                    });
                 }
-                return Selection::Found(EffectiveConfig {
+                Err(Candidate::Fails(reason, why)) => (reason, why),
+                Err(Candidate::Undecidable(reason, why)) => {
+                    return Err(NotSelected::Undecidable { file, reason, why });
+                }
+            },
+            Err(LoadFail::Undecidable(why)) => {
+                return Err(NotSelected::Undecidable {
                     file,
-                    list,
-                    drop_ins,
-                    skipped,
+                    reason: Reason::ConfigInvalid,
+                    why,
                 });
             }
-            Err(LoadFail::Undecidable(why)) => {
-                return Selection::Undecidable {
-                    file,
-                    reason: Reason::ConfigInvalid,
-                    why,
-                };
-            }
-            Err(LoadFail::Error(why)) => match runtime {
-                Runtime::Containerd => return Selection::Invalid { file, why },
-                Runtime::Crio => skipped.push(Skipped {
-                    file,
-                    reason: Reason::ConfigInvalid,
-                    why,
-                }),
-            },
+            Err(LoadFail::Error(why)) => (Reason::ConfigInvalid, why),
+        };
+        match rules.on_invalid {
+            OnInvalid::Fatal => return Err(NotSelected::Invalid { file, reason, why }),
+            OnInvalid::Skip => skipped.push(Skipped { file, reason, why }),
         }
     }
-    Selection::NoneValid { skipped }
+    Err(NotSelected::NoneValid { skipped })
+}
+
+/// Why a loaded candidate is not chosen.
+enum Candidate {
+    Fails(Reason, String),
+    Undecidable(Reason, String),
+}
+
+/// Runs the runtime's chain validation on a loaded list, when its rules have one.
+fn validated(
+    rules: &RuntimeRules,
+    validate: &mut dyn FnMut(&NetConfList) -> Validation,
+    list: &NetConfList,
+) -> Result<(), Candidate> {
+    if !rules.validates_chain {
+        return Ok(());
+    }
+    match validate(list) {
+        Validation::Valid => Ok(()),
+        Validation::Fails(reason, why) => Err(Candidate::Fails(reason, why)),
+        Validation::Undecidable(reason, why) => Err(Candidate::Undecidable(reason, why)),
+    }
 }
 
 /// Loads one candidate as go-cni / ocicni would, drop-ins included.

@@ -6,7 +6,8 @@
 //! object printed by `meshgate-agent check --output json`.
 //!
 //! Checks run from the cheapest to the costliest: selection (`NoConfig`, `ConfigInvalid`;
-//! for CRI-O the chain binaries already take part here, as ocicni validates every list),
+//! for a runtime whose rules validate chains, CRI-O, the chain binaries already take part
+//! here, as ocicni validates every list),
 //! chain structure (`ChainedPluginMissing`, `PrimaryPluginMissing`), then binaries
 //! (`PluginBinaryMissing`, `PluginBinaryBroken`): each chain plugin with the list's
 //! cniVersion (libcni `ValidateNetworkList`, an empty version checked as 0.1.0), then each
@@ -16,73 +17,15 @@
 //! names), positions ("plugin #2"), the operator's own `--require-plugin` names, counts and
 //! lengths. The chain's types are in [`ChainVerdict::plugins`] for the `check` command only.
 
-use std::collections::HashMap;
-
 use serde::{Deserialize, Serialize};
 
+use super::binaries::{self, Binaries};
 use super::config::NetConfList;
 use super::listing::{CONFIG_EXTENSIONS, ConfSource, display};
-use super::probe::{Broken, ProbeOutcome, is_plain_name};
-use super::select::{EffectiveConfig, Runtime, Selection, Validation, select_effective};
-
-/// The contract's verification reasons.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub enum Reason {
-    /// The effective config chains every required plugin after a primary plugin, and every
-    /// plugin binary answers VERSION supporting the config's cniVersion.
-    Verified,
-    /// No `.conf`, `.conflist` or `.json` file in the config directory.
-    NoConfig,
-    /// The effective file does not load as the runtime loads it (not JSON for Go, a wrong
-    /// value type, no plugins, a bad drop-in, ...), CRI-O skips every file, or the file
-    /// cannot be verified (over the read budget, a FIFO or device).
-    ConfigInvalid,
-    /// The effective config lacks a required plugin type.
-    ChainedPluginMissing,
-    /// A required chained plugin is first in the chain: nothing before it creates the interface.
-    PrimaryPluginMissing,
-    /// A plugin type in the chain has no file of that name in any CNI bin dir.
-    PluginBinaryMissing,
-    /// A plugin file exists but is not a usable plugin.
-    PluginBinaryBroken,
-}
-
-impl Reason {
-    /// Every reason, for metrics pre-registration and docs.
-    pub const ALL: [Reason; 7] = [
-        Reason::Verified,
-        Reason::NoConfig,
-        Reason::ConfigInvalid,
-        Reason::ChainedPluginMissing,
-        Reason::PrimaryPluginMissing,
-        Reason::PluginBinaryMissing,
-        Reason::PluginBinaryBroken,
-    ];
-
-    /// The reason as written in conditions, JSON and metric labels.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::Verified => "Verified",
-            Reason::NoConfig => "NoConfig",
-            Reason::ConfigInvalid => "ConfigInvalid",
-            Reason::ChainedPluginMissing => "ChainedPluginMissing",
-            Reason::PrimaryPluginMissing => "PrimaryPluginMissing",
-            Reason::PluginBinaryMissing => "PluginBinaryMissing",
-            Reason::PluginBinaryBroken => "PluginBinaryBroken",
-        }
-    }
-
-    /// Parses a reason as written by [`Reason::as_str`].
-    pub fn parse(s: &str) -> Option<Reason> {
-        Reason::ALL.into_iter().find(|r| r.as_str() == s)
-    }
-}
-
-impl std::fmt::Display for Reason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+use super::probe::ProbeOutcome;
+use super::reason::Reason;
+use super::runtime::Runtime;
+use super::select::{EffectiveConfig, NotSelected, Validation, select_effective};
 
 /// What to verify against.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -125,88 +68,6 @@ const INTERFACE_LESS_PLUGINS: [&str; 7] = [
     "istio-cni",
 ];
 
-/// A binary problem: the reason, what is wrong, and whether it may be transient.
-struct Problem {
-    reason: Reason,
-    why: String,
-    /// The failure says nothing lasting about the binary: it ran out of time, kept its output
-    /// open, or could not be started at all (`ETXTBSY` while an installer rewrites it in place,
-    /// a failed fork, thread or pipe). CRI-O would skip its list only if the same happened to
-    /// CRI-O, which cannot be predicted: selection stops on it instead of skipping.
-    undecidable: bool,
-}
-
-/// Probes each plugin type at most once per verification and judges its answer.
-struct Binaries<P: FnMut(&str) -> ProbeOutcome> {
-    probe: P,
-    seen: HashMap<String, ProbeOutcome>,
-}
-
-impl<P: FnMut(&str) -> ProbeOutcome> Binaries<P> {
-    fn check(&mut self, plugin_type: &str, version: &str) -> Result<(), Problem> {
-        if !is_plain_name(plugin_type) {
-            return Err(Problem {
-                reason: Reason::PluginBinaryMissing,
-                why: "its type is not a plain file name, which libcni's FindInPath refuses (CVE-2021-20206); it was not looked up or run".into(),
-                undecidable: false,
-            });
-        }
-        let outcome = match self.seen.get(plugin_type) {
-            Some(o) => o.clone(),
-            None => {
-                let o = (self.probe)(plugin_type);
-                self.seen.insert(plugin_type.to_string(), o.clone());
-                o
-            }
-        };
-        match outcome {
-            ProbeOutcome::Answered { supported, .. } => {
-                if supported.iter().any(|v| v == version) {
-                    Ok(())
-                } else {
-                    Err(Problem {
-                        reason: Reason::PluginBinaryBroken,
-                        why: format!(
-                            "its binary's VERSION reply does not list the list's cniVersion ({} version{} listed)",
-                            supported.len(),
-                            if supported.len() == 1 { "" } else { "s" }
-                        ),
-                        undecidable: false,
-                    })
-                }
-            }
-            ProbeOutcome::Missing { searched } => Err(Problem {
-                reason: Reason::PluginBinaryMissing,
-                why: format!(
-                    "no regular file of that name in the CNI bin dirs ({})",
-                    searched.join(", ")
-                ),
-                undecidable: false,
-            }),
-            ProbeOutcome::Broken { why, .. } => Err(Problem {
-                reason: Reason::PluginBinaryBroken,
-                undecidable: matches!(
-                    why,
-                    Broken::TimedOut { .. } | Broken::HeldOutput { .. } | Broken::CannotStart(_)
-                ),
-                why: format!("its binary {why}"),
-            }),
-        }
-    }
-
-    /// libcni `ValidateNetworkList`: every chain plugin (not IPAM) against the list version.
-    fn validate_chain(&mut self, list: &NetConfList) -> Vec<(usize, Problem)> {
-        let version = list.version_to_check().to_string();
-        let mut out = Vec::new();
-        for (i, p) in list.plugins.iter().enumerate() {
-            if let Err(problem) = self.check(&p.plugin_type, &version) {
-                out.push((i, problem));
-            }
-        }
-        out
-    }
-}
-
 /// Verifies a config directory. `probe(type)` reports what the binary of that plugin type
 /// answered to VERSION; it is called at most once per type, only for plain file names.
 pub fn verify(
@@ -214,132 +75,161 @@ pub fn verify(
     opts: &VerifyOptions,
     probe: impl FnMut(&str) -> ProbeOutcome,
 ) -> ChainVerdict {
-    let path = |file: &[u8]| {
+    let out = Report { opts };
+    let mut bins = Binaries::new(probe);
+    let eff = match select(src, &out, &mut bins) {
+        Ok(eff) => eff,
+        Err(verdict) => return verdict,
+    };
+    let file = out.path(&eff.file);
+    let plugins = eff.list.plugin_types();
+    let problem = check_structure(&eff, &opts.required, &file)
+        .err()
+        .or_else(|| binary_problem(&mut bins, &eff, &opts.required, &file));
+    if let Some((reason, message)) = problem {
+        return out.verdict(reason, message, Some(file), plugins);
+    }
+    let message = verified_message(opts, &eff, &file, bins.distinct());
+    out.verdict(Reason::Verified, message, Some(file), plugins)
+}
+
+/// Names files and builds verdicts for one verification.
+struct Report<'a> {
+    opts: &'a VerifyOptions,
+}
+
+impl Report<'_> {
+    /// The config file's path as messages show it.
+    fn path(&self, file: &[u8]) -> String {
         let name = display(file);
-        if opts.conf_dir.is_empty() {
+        if self.opts.conf_dir.is_empty() {
             name
         } else {
-            format!("{}/{}", opts.conf_dir.trim_end_matches('/'), name)
+            format!("{}/{}", self.opts.conf_dir.trim_end_matches('/'), name)
         }
-    };
-    let verdict =
-        |reason, message: String, file: Option<String>, plugins: Vec<String>| ChainVerdict {
+    }
+
+    /// The config directory as messages show it.
+    fn dir(&self) -> &str {
+        if self.opts.conf_dir.is_empty() {
+            "the CNI config directory"
+        } else {
+            &self.opts.conf_dir
+        }
+    }
+
+    fn verdict(
+        &self,
+        reason: Reason,
+        message: String,
+        file: Option<String>,
+        plugins: Vec<String>,
+    ) -> ChainVerdict {
+        ChainVerdict {
             verified: reason == Reason::Verified,
             reason,
             message,
             config_file: file,
             plugins,
-            runtime: opts.runtime,
-        };
-    let dir = if opts.conf_dir.is_empty() {
-        "the CNI config directory"
-    } else {
-        &opts.conf_dir
-    };
-    let mut bins = Binaries {
-        probe,
-        seen: HashMap::new(),
-    };
-
-    let mut validate = |list: &NetConfList| {
-        let problems = bins.validate_chain(list);
-        match problems.into_iter().next() {
-            None => Validation::Valid,
-            Some((i, p)) => {
-                let msg = format!(
-                    "fails CRI-O's ValidateNetworkList: {}: {}",
-                    bins_label(&opts.required, i, &list.plugins[i].plugin_type),
-                    p.why
-                );
-                if p.undecidable {
-                    Validation::Undecidable(p.reason, msg)
-                } else {
-                    Validation::Fails(p.reason, msg)
-                }
-            }
+            runtime: self.opts.runtime,
         }
-    };
-    let selection = select_effective(src, opts.runtime, &mut validate);
-    let eff = match selection {
-        Selection::Found(eff) => eff,
-        Selection::NoConfig => {
-            return verdict(
+    }
+
+    /// The verdict when the runtime loads no config.
+    fn not_selected(&self, why: NotSelected) -> ChainVerdict {
+        let rt = self.opts.runtime.rules().display;
+        let dir = self.dir();
+        let (reason, message, file) = match why {
+            NotSelected::NoConfig => (
                 Reason::NoConfig,
                 format!("no {} file in {dir}", CONFIG_EXTENSIONS.join(", ")),
                 None,
-                Vec::new(),
-            );
-        }
-        Selection::Unlistable(why) => {
-            return verdict(
+            ),
+            NotSelected::Unlistable(why) => (
                 Reason::ConfigInvalid,
                 format!("{dir} cannot be listed: {why}"),
                 None,
-                Vec::new(),
-            );
-        }
-        Selection::Invalid { file, why } => {
-            return verdict(
-                Reason::ConfigInvalid,
-                format!(
-                    "{} {why} (containerd loads only the first config file and refuses every pod sandbox while it is invalid)",
-                    path(&file)
-                ),
-                Some(path(&file)),
-                Vec::new(),
-            );
-        }
-        Selection::NoneValid { skipped } => {
-            let n = skipped.len();
-            let Some(first) = skipped.into_iter().next() else {
-                return verdict(
-                    Reason::NoConfig,
-                    format!("no loadable config in {dir}"),
-                    None,
-                    Vec::new(),
-                );
-            };
-            return verdict(
-                first.reason,
-                format!(
-                    "CRI-O skips every config file in {dir} ({n} skipped); the first, {}, {}",
-                    path(&first.file),
-                    first.why
-                ),
-                Some(path(&first.file)),
-                Vec::new(),
-            );
-        }
-        Selection::Undecidable { file, reason, why } => {
-            return verdict(
+            ),
+            NotSelected::Invalid { file, reason, why } => (
                 reason,
-                format!("{} cannot be verified: {why}", path(&file)),
-                Some(path(&file)),
-                Vec::new(),
-            );
+                format!(
+                    "{} {why} ({rt} loads only the first config file and refuses every pod sandbox while it is invalid)",
+                    self.path(&file)
+                ),
+                Some(self.path(&file)),
+            ),
+            NotSelected::NoneValid { skipped } => {
+                let n = skipped.len();
+                match skipped.into_iter().next() {
+                    None => (
+                        Reason::NoConfig,
+                        format!("no loadable config in {dir}"),
+                        None,
+                    ),
+                    Some(first) => (
+                        first.reason,
+                        format!(
+                            "{rt} skips every config file in {dir} ({n} skipped); the first, {}, {}",
+                            self.path(&first.file),
+                            first.why
+                        ),
+                        Some(self.path(&first.file)),
+                    ),
+                }
+            }
+            NotSelected::Undecidable { file, reason, why } => (
+                reason,
+                format!("{} cannot be verified: {why}", self.path(&file)),
+                Some(self.path(&file)),
+            ),
+        };
+        self.verdict(reason, message, file, Vec::new())
+    }
+}
+
+/// Selection as the runtime's rules say, with chain validation (when the rules have it) done
+/// by `bins`, so a binary probed then is not probed again.
+fn select<P: FnMut(&str) -> ProbeOutcome>(
+    src: &mut dyn ConfSource,
+    out: &Report<'_>,
+    bins: &mut Binaries<P>,
+) -> Result<EffectiveConfig, ChainVerdict> {
+    let rules = out.opts.runtime.rules();
+    let required = &out.opts.required;
+    let mut validate = |list: &NetConfList| {
+        let Some((i, p)) = bins.validate_chain(list).into_iter().next() else {
+            return Validation::Valid;
+        };
+        let msg = format!(
+            "fails {}'s ValidateNetworkList: {}: {}",
+            rules.display,
+            binaries::label(required, i, &list.plugins[i].plugin_type),
+            p.why
+        );
+        if p.undecidable {
+            Validation::Undecidable(p.reason, msg)
+        } else {
+            Validation::Fails(p.reason, msg)
         }
     };
-    let file = path(&eff.file);
-    let plugins = eff.list.plugin_types();
+    select_effective(src, rules, &mut validate).map_err(|why| out.not_selected(why))
+}
 
-    if let Err((reason, message)) = check_structure(&eff, &opts.required, &file) {
-        return verdict(reason, message, Some(file), plugins);
-    }
-
-    // Chain plugins (libcni ValidateNetworkList), then delegated IPAM plugins.
+/// The first binary problem of the effective chain, with how many more there are: chain
+/// plugins (libcni `ValidateNetworkList`), then delegated IPAM plugins.
+fn binary_problem<P: FnMut(&str) -> ProbeOutcome>(
+    bins: &mut Binaries<P>,
+    eff: &EffectiveConfig,
+    required: &[String],
+    file: &str,
+) -> Option<(Reason, String)> {
     let version = eff.list.version_to_check().to_string();
     let mut problems: Vec<(Reason, String)> = bins
         .validate_chain(&eff.list)
         .into_iter()
         .map(|(i, p)| {
-            (
-                p.reason,
-                format!(
-                    "{}: {}",
-                    bins_label(&opts.required, i, &eff.list.plugins[i].plugin_type),
-                    p.why
-                ),
-            )
+            let label = binaries::label(required, i, &eff.list.plugins[i].plugin_type);
+            (p.reason, format!("{label}: {}", p.why))
         })
         .collect();
     for (i, p) in eff.list.plugins.iter().enumerate() {
@@ -351,23 +241,27 @@ pub fn verify(
             ));
         }
     }
-    if let Some((reason, first)) = problems.first().cloned() {
-        let more = match problems.len() {
-            1 => String::new(),
-            n => format!(
-                " (and {} more plugin problem{})",
-                n - 1,
-                if n > 2 { "s" } else { "" }
-            ),
-        };
-        return verdict(
-            reason,
-            format!("{file}: {first}{more}"),
-            Some(file),
-            plugins,
-        );
-    }
+    let n = problems.len();
+    let (reason, first) = problems.into_iter().next()?;
+    let more = match n {
+        1 => String::new(),
+        n => format!(
+            " (and {} more plugin problem{})",
+            n - 1,
+            if n > 2 { "s" } else { "" }
+        ),
+    };
+    Some((reason, format!("{file}: {first}{more}")))
+}
 
+/// What a verified chain's message says: the required plugins, the drop-ins, the binaries
+/// that answered, and the files the runtime skipped.
+fn verified_message(
+    opts: &VerifyOptions,
+    eff: &EffectiveConfig,
+    file: &str,
+    distinct: usize,
+) -> String {
     let required = opts.required.join(", ");
     let n = eff.list.plugins.len();
     let mut message = if required.is_empty() {
@@ -386,18 +280,18 @@ pub fn verify(
             name_list(eff.drop_ins.iter())
         ));
     }
-    let distinct = bins.seen.len();
     message.push_str(&format!(
         "; {distinct} plugin binar{} answer VERSION supporting the list's cniVersion",
         if distinct == 1 { "y" } else { "ies" }
     ));
     if !eff.skipped.is_empty() {
         message.push_str(&format!(
-            "; CRI-O skips the earlier {}",
+            "; {} skips the earlier {}",
+            opts.runtime.rules().display,
             name_list(eff.skipped.iter().map(|s| &s.file))
         ));
     }
-    verdict(Reason::Verified, message, Some(file), plugins)
+    message
 }
 
 /// At most five names, then a count: a directory of thousands of files must not make a
@@ -410,16 +304,6 @@ fn name_list<'a>(names: impl ExactSizeIterator<Item = &'a Vec<u8>>) -> String {
         out.push(format!("and {} more", total - SHOWN));
     }
     out.join(", ")
-}
-
-/// "plugin #2", naming the type only when it is one of the operator's `--require-plugin`
-/// names (which come from the flags, not from the file).
-fn bins_label(required: &[String], index: usize, plugin_type: &str) -> String {
-    if required.iter().any(|r| r == plugin_type) {
-        format!("plugin #{} (the required {plugin_type})", index + 1)
-    } else {
-        format!("plugin #{}", index + 1)
-    }
 }
 
 /// The chain-structure checks, which need no binary.

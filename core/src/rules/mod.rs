@@ -20,6 +20,7 @@
 //! belongs to a pod.
 
 pub mod expect;
+pub mod expected;
 pub mod locate;
 mod matcher;
 
@@ -27,31 +28,12 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-pub use expect::{AnnotationDialect, Expectation, Expected, expectation};
+pub use expect::expectation;
+pub use expected::{AnnotationDialect, Dialect, Expectation, Expected, IpFamily};
 pub use matcher::{
     DirectionResult, Inspection, Path, check, check_expected, check_pod, find_interception,
     find_redirect,
 };
-
-/// The IP family a pod uses. IPv6 rules are required only when the pod has an IPv6 address.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum IpFamily {
-    /// IPv4.
-    V4,
-    /// IPv6.
-    V6,
-}
-
-impl IpFamily {
-    /// `IPv4` / `IPv6`, for messages.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            IpFamily::V4 => "IPv4",
-            IpFamily::V6 => "IPv6",
-        }
-    }
-}
 
 /// The netfilter family a table lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]

@@ -153,10 +153,13 @@ impl Fixture {
             listen,
             tls_cert: cert,
             tls_key: key,
-            kubeconfig: Some(start.kubeconfig),
-            admin_addr: Some(admin),
-            profiles: Vec::new(),
-            profile_file: start.profile_file,
+            common: meshgate_shell::cli::Common {
+                kubeconfig: Some(start.kubeconfig),
+                admin_addr: Some(admin),
+                profiles: Vec::new(),
+                profile_file: start.profile_file,
+                log_format: meshgate_shell::logging::LogFormat::Text,
+            },
             request_timeout: Duration::from_secs(3),
             lookup_timeout: Duration::from_secs(1),
             max_body_bytes: 3 * 1024 * 1024,
@@ -165,7 +168,6 @@ impl Fixture {
             // Stopped by the test, not by a kubelet: no endpoint removal to wait for.
             shutdown_delay: Duration::ZERO,
             shutdown_timeout: Duration::from_secs(5),
-            log_format: meshgate_webhook::LogFormat::Text,
             pods: meshgate_webhook::pods::PodLimits::default(),
             gate: Default::default(),
         };

@@ -212,7 +212,7 @@ mod tests {
     use meshgate_core::rules::Ruleset;
 
     fn profile(name: &str) -> MeshProfile {
-        meshgate_core::profile::builtin_named(name).expect("built-in")
+        meshgate_core::meshes::builtin_named(name).expect("built-in")
     }
 
     fn missing(name: &str) -> Inspection {
