@@ -8,7 +8,6 @@
 //! - [`client`]: a `kube::Client` from `--kubeconfig` / `KUBECONFIG` / in-cluster config, with
 //!   a connect timeout.
 //! - [`logging`]: tracing subscriber setup (`--log-format text|json`, `RUST_LOG`).
-//! - [`node_gate`]: `--taint-effect`, the node gate's flag both binaries take.
 //! - [`profiles`]: the mesh profiles from `--profile` and `--profile-file`.
 //! - [`shutdown`]: a future resolving on SIGTERM or SIGINT.
 //! - [`meta`]: object metadata with the labels and annotations left as JSON text, for caches
@@ -20,7 +19,6 @@ pub mod client;
 pub mod entry;
 pub mod logging;
 pub mod meta;
-pub mod node_gate;
 pub mod profiles;
 pub mod server;
 pub mod shutdown;

@@ -94,9 +94,6 @@ pub struct Args {
     /// What is kept and looked up about unscheduled pods.
     #[command(flatten)]
     pub pods: pods::PodLimits,
-    /// `--taint-effect`, the effect of the taint `/mutate-node` puts on new Nodes.
-    #[command(flatten)]
-    pub gate: meshgate_shell::node_gate::NodeGateArgs,
 }
 
 /// Parses `--max-connections`: a positive count.
@@ -170,7 +167,8 @@ async fn run_with(
         "webhook listening"
     );
     let reviewer = Arc::new(
-        review::Reviewer::new(caches, profiles, metrics).with_taint_effect(args.gate.taint_effect),
+        review::Reviewer::new(caches, profiles, metrics)
+            .with_taint_effect(args.common.taint_effect),
     );
     let limits = server::Limits {
         max_body_bytes: args.max_body_bytes,
@@ -333,11 +331,11 @@ mod tests {
     fn the_taint_effect_flag_is_the_agents() {
         use meshgate_core::gate::TaintEffect;
         assert_eq!(
-            parse(&[]).unwrap().gate.taint_effect,
+            parse(&[]).unwrap().common.taint_effect,
             TaintEffect::NoSchedule
         );
         let a = parse(&["--taint-effect", "NoExecute"]).unwrap();
-        assert_eq!(a.gate.taint_effect, TaintEffect::NoExecute);
+        assert_eq!(a.common.taint_effect, TaintEffect::NoExecute);
         assert!(parse(&["--taint-effect", "PreferNoSchedule"]).is_err());
     }
 

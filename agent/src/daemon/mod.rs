@@ -30,7 +30,6 @@ use std::time::Duration;
 
 use meshgate_core::gate::TaintEffect;
 use meshgate_shell::cli::{Common, duration};
-use meshgate_shell::node_gate::NodeGateArgs;
 
 use crate::cni::CniArgs;
 use verdict_loop::{Daemon, Wake};
@@ -43,7 +42,7 @@ pub struct Args {
     pub node_name: String,
     #[command(flatten)]
     pub cni: CniArgs,
-    /// Kubeconfig, admin address, profiles, log format.
+    /// Kubeconfig, admin address, profiles, log format, taint effect.
     #[command(flatten)]
     pub common: Common,
     /// Read the Node and the pods on it, and evict them, as the node itself (Constrained
@@ -52,9 +51,6 @@ pub struct Args {
     /// with the ServiceAccount.
     #[arg(long, env = "MESHGATE_IMPERSONATE_NODE")]
     pub impersonate_node: bool,
-    /// `--taint-effect`, shared with the webhook.
-    #[command(flatten)]
-    pub gate: NodeGateArgs,
     /// Decide and report evictions, but evict nothing.
     #[arg(long, env = "MESHGATE_DRY_RUN")]
     pub dry_run: bool,
@@ -143,7 +139,7 @@ impl Config {
             impersonate_node: args.impersonate_node,
             state_file: args.state_file.clone(),
             cni: args.cni.clone(),
-            taint_effect: args.gate.taint_effect,
+            taint_effect: args.common.taint_effect,
             api_timeout: args.api_timeout,
             resync_interval: args.resync_interval,
             coalesce: args.coalesce,

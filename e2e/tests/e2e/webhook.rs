@@ -159,6 +159,7 @@ impl Fixture {
                 profiles: Vec::new(),
                 profile_file: start.profile_file,
                 log_format: meshgate_shell::logging::LogFormat::Text,
+                taint_effect: Default::default(),
             },
             request_timeout: Duration::from_secs(3),
             lookup_timeout: Duration::from_secs(1),
@@ -169,7 +170,6 @@ impl Fixture {
             shutdown_delay: Duration::ZERO,
             shutdown_timeout: Duration::from_secs(5),
             pods: meshgate_webhook::pods::PodLimits::default(),
-            gate: Default::default(),
         };
         let listener = tokio::net::TcpListener::bind(listen).await?;
         let (stop_tx, stop_rx) = oneshot::channel();
