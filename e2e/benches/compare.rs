@@ -39,12 +39,12 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
-use meshgate_e2e::audit::AuditedIdentity;
-use meshgate_e2e::netns_sim::{PodNetns, Rules, private_subnet, require_privileges};
-use meshgate_e2e::node_sim::{Agent, CniDirs, golden, plain, workspace_bin};
-use meshgate_e2e::pod_sim::{MESH_LABEL, meshed_pod, pending_meshed_pod};
-use meshgate_e2e::review_load::{self, Review, WebhookProcess};
-use meshgate_e2e::stats::quantile;
+use meshgate_e2e::harness::audit::AuditedIdentity;
+use meshgate_e2e::sim::netns::{PodNetns, Rules, private_subnet, require_privileges};
+use meshgate_e2e::sim::node::{Agent, CniDirs, golden, plain, workspace_bin};
+use meshgate_e2e::sim::pod::{MESH_LABEL, meshed_pod, pending_meshed_pod};
+use meshgate_e2e::load::review::{self, Review, WebhookProcess};
+use meshgate_e2e::load::stats::quantile;
 use meshgate_e2e::{ControlPlane, NodeSpec, Options, mark_pod_running};
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
@@ -1153,7 +1153,7 @@ async fn webhook(
     let synced = hook.wait_ready(Duration::from_secs(120)).await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let (rss_idle, _) = hook.rss_kib().unwrap_or((0, 0));
-    let connector = review_load::tls_connector(&hook.ca_der)?;
+    let connector = review::tls_connector(&hook.ca_der)?;
     // Typical: what a cluster sends all day, answered from the caches (meshed pods on
     // verified nodes, plain pods anywhere, bindings to verified nodes).
     let mut typical: Vec<Review> = Vec::new();
@@ -1164,21 +1164,21 @@ async fn webhook(
         let uid = format!("bench-{i}");
         let (v, u) = (format!("wh-v-{}", i % 4500), format!("wh-u-{}", i % 500));
         typical.push(match i % 10 {
-            0..=5 => review_load::pod_review(&uid, &v, true, true),
-            6 | 7 => review_load::pod_review(&uid, &u, false, true),
-            8 => review_load::pod_review(&uid, &v, false, true),
-            _ => review_load::binding_review(&uid, ns, "pending", &v, true),
+            0..=5 => review::pod_review(&uid, &v, true, true),
+            6 | 7 => review::pod_review(&uid, &u, false, true),
+            8 => review::pod_review(&uid, &v, false, true),
+            _ => review::binding_review(&uid, ns, "pending", &v, true),
         });
         refusals.push(match i % 10 {
-            0..=3 => review_load::pod_review(&uid, &v, true, true),
-            4..=6 => review_load::pod_review(&uid, &u, true, false),
-            7 | 8 => review_load::pod_review(&uid, &u, false, true),
-            _ => review_load::binding_review(&uid, ns, "pending", &u, false),
+            0..=3 => review::pod_review(&uid, &v, true, true),
+            4..=6 => review::pod_review(&uid, &u, true, false),
+            7 | 8 => review::pod_review(&uid, &u, false, true),
+            _ => review::binding_review(&uid, ns, "pending", &u, false),
         });
     }
     let (typical, refusals) = (Arc::new(typical), Arc::new(refusals));
     let spec =
-        |reviews: &Arc<Vec<Review>>, rate: f64, secs: f64, connections: usize| review_load::Spec {
+        |reviews: &Arc<Vec<Review>>, rate: f64, secs: f64, connections: usize| review::Spec {
             addr: hook.listen,
             path: "/validate".into(),
             connector: connector.clone(),
@@ -1188,7 +1188,7 @@ async fn webhook(
             connections,
         };
     // Warm up (connections, first refusal-reason lookups).
-    let warm = review_load::run(spec(&refusals, 500.0, 2.0, 8)).await?;
+    let warm = review::run(spec(&refusals, 500.0, 2.0, 8)).await?;
     if !warm.errors().is_empty() {
         bail!(
             "webhook warm-up errors: {:?}\n{}",
@@ -1213,7 +1213,7 @@ async fn webhook(
         ("refusal-heavy mix at 2,000/s", &refusals, 2000.0, 16),
     ] {
         let before = scrape().await;
-        let r = review_load::run(spec(reviews, rate, secs, connections)).await?;
+        let r = review::run(spec(reviews, rate, secs, connections)).await?;
         let after = scrape().await;
         let server = format!(
             "server-side handling p50 {}, p99 {}",
@@ -1223,7 +1223,7 @@ async fn webhook(
         eprintln!("  {name}: {}; {server}", r.summary());
         runs.push((name, r, server));
     }
-    let sat = review_load::run(spec(&typical, 30000.0, 5.0, 64)).await?;
+    let sat = review::run(spec(&typical, 30000.0, 5.0, 64)).await?;
     let (rss_after, hwm) = hook.rss_kib().unwrap_or((0, 0));
     drop(hook);
 
@@ -1309,7 +1309,7 @@ async fn main() -> anyhow::Result<()> {
         // The controller manager has no part in admission, but with 5,000 kubelet-less Nodes
         // its node-lifecycle work would share the 2 CPUs with the measurement: frozen.
         cp.freeze_component("kube-controller-manager", true)?;
-        let measured = match review_load::create_nodes(&client, "wh", 4500, 500, 32).await {
+        let measured = match review::create_nodes(&client, "wh", 4500, 500, 32).await {
             Ok(created) => webhook(&cp, &client, &ns, created, &mut table).await,
             Err(e) => Err(e),
         };

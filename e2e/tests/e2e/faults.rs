@@ -31,13 +31,13 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
-use meshgate_e2e::audit::AuditedIdentity;
-use meshgate_e2e::netns_sim::{PodNetns, Rules, private_subnet, require_privileges};
-use meshgate_e2e::node_sim::{Agent, CniDirs, GOOD_PLUGIN, gate_condition, golden, tail, tainted};
-use meshgate_e2e::pod_sim::{self, MESH_LABEL};
-use meshgate_e2e::review_load::{self, Outcome, Review, WebhookProcess};
-use meshgate_e2e::stats::quantile as percentile;
-use meshgate_e2e::wait::API_TIMEOUT;
+use meshgate_e2e::harness::audit::AuditedIdentity;
+use meshgate_e2e::sim::netns::{PodNetns, Rules, private_subnet, require_privileges};
+use meshgate_e2e::sim::node::{Agent, CniDirs, GOOD_PLUGIN, gate_condition, golden, tail, tainted};
+use meshgate_e2e::sim::pod::{self, MESH_LABEL};
+use meshgate_e2e::load::review::{self, Outcome, Review, WebhookProcess};
+use meshgate_e2e::load::stats::quantile as percentile;
+use meshgate_e2e::harness::wait::API_TIMEOUT;
 use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
 use serde_json::json;
 
@@ -229,7 +229,7 @@ impl Rig {
 
 /// A bare meshed pause pod bound to `node`.
 fn meshed_pod(name: &str, node: &str) -> anyhow::Result<Pod> {
-    Ok(pod_sim::meshed_pod(name, node, &[], Some(1)))
+    Ok(pod::meshed_pod(name, node, &[], Some(1)))
 }
 
 fn ip_of(subnet: [u8; 3], host: u8) -> Ipv4Addr {
@@ -438,7 +438,7 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
 
     // Every pod without rules is evicted in the end; then count evictions in the audit log.
     let bad: Vec<&String> = pods.iter().filter(|(_, r)| !**r).map(|(n, _)| n).collect();
-    meshgate_e2e::wait::poll_until("every pod without rules evicted", WAIT, || async {
+    meshgate_e2e::harness::wait::poll_until("every pod without rules evicted", WAIT, || async {
         let live = api.list(&Default::default()).await?.items;
         let left: Vec<String> = live
             .iter()
@@ -1053,7 +1053,7 @@ async fn vanishing_netns_and_unmatched_ips_are_never_evicted_blindly() -> anyhow
     meshgate_e2e::mark_pod_running(&client, &ns, "control-ok", IpAddr::V4(control_ok.ip)).await?;
 
     // The control pod without rules is evicted: the agent is working.
-    meshgate_e2e::wait::poll_until("control-missing evicted", WAIT, || async {
+    meshgate_e2e::harness::wait::poll_until("control-missing evicted", WAIT, || async {
         let p = api.get("control-missing").await?;
         anyhow::Ok(p.metadata.deletion_timestamp.is_some().then_some(()))
     })
@@ -1217,7 +1217,7 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
     let ns = cp.create_namespace(&client, "faults-load").await?;
     let tag = unique_name("load");
     let nodes: Api<Node> = Api::all(client.clone());
-    // The names `review_load::create_nodes` gives: known up front, so the cleanup below deletes
+    // The names `review::create_nodes` gives: known up front, so the cleanup below deletes
     // whichever of them were created, even when a step fails half-way.
     let good: Vec<String> = (0..20).map(|i| format!("{tag}-v-{i}")).collect();
     let bad: Vec<String> = (0..20).map(|i| format!("{tag}-u-{i}")).collect();
@@ -1230,14 +1230,14 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
         }
     };
     let result = async {
-        review_load::create_nodes(&client, &tag, good.len(), bad.len(), 8).await?;
+        review::create_nodes(&client, &tag, good.len(), bad.len(), 8).await?;
         // A pending meshed pod: bindings of it are answered from the webhook's pod cache.
         let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
         let pending: Pod = serde_json::from_value(json!({
             "metadata": {"name": "pending", "labels": {MESH_LABEL: "linkerd"}},
             "spec": {"schedulerName": "nobody", "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]}
         }))?;
-        meshgate_e2e::wait::api("creating the pending pod", pods.create(&PostParams::default(), &pending)).await?;
+        meshgate_e2e::harness::wait::api("creating the pending pod", pods.create(&PostParams::default(), &pending)).await?;
 
         let dir = tempfile::tempdir()?;
         let apiserver: SocketAddr = cp.apiserver_url().trim_start_matches("https://").parse()?;
@@ -1258,22 +1258,22 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
         )?;
         webhook.wait_ready(Duration::from_secs(60)).await?;
         // The cache has every node once its labels answer as expected.
-        let connector = review_load::tls_connector(&webhook.ca_der)?;
+        let connector = review::tls_connector(&webhook.ca_der)?;
         let mut reviews: Vec<Review> = Vec::new();
         for i in 0..400 {
             let (g, b) = (&good[i % good.len()], &bad[i % bad.len()]);
             let uid = format!("{tag}-{i}");
             reviews.push(match i % 10 {
-                0..=3 => review_load::pod_review(&uid, g, true, true),
-                4..=6 => review_load::pod_review(&uid, b, true, false),
-                7 | 8 => review_load::pod_review(&uid, b, false, true),
-                _ => review_load::binding_review(&uid, &ns, "pending", b, false),
+                0..=3 => review::pod_review(&uid, g, true, true),
+                4..=6 => review::pod_review(&uid, b, true, false),
+                7 | 8 => review::pod_review(&uid, b, false, true),
+                _ => review::binding_review(&uid, &ns, "pending", b, false),
             });
         }
         let reviews = Arc::new(reviews);
         // Warm up until the caches answer every kind right.
-        meshgate_e2e::wait::poll_until("the webhook's caches to hold the test's nodes and pod", WAIT, || async {
-            let r = review_load::run(review_load::Spec {
+        meshgate_e2e::harness::wait::poll_until("the webhook's caches to hold the test's nodes and pod", WAIT, || async {
+            let r = review::run(review::Spec {
                 addr: webhook.listen,
                 path: "/validate".into(),
                 connector: connector.clone(),
@@ -1296,7 +1296,7 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
             .and_then(|r| r.parse().ok())
             .unwrap_or(if cfg!(debug_assertions) { 1000.0 } else { 5000.0 });
         let duration = Duration::from_secs(if soak() { 60 } else { 10 });
-        let report = review_load::run(review_load::Spec {
+        let report = review::run(review::Spec {
             addr: webhook.listen,
             path: "/validate".into(),
             connector: connector.clone(),
@@ -1353,9 +1353,9 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
             let uid = format!("{tag}-slow-{i}");
             // A binding of a pod the cache does not hold, to an unverified node: the pod is
             // looked up (stalled, bounded by --lookup-timeout 2 s), then refused.
-            slow.push(review_load::binding_review(&uid, &ns, &format!("absent-{i}"), &bad[i % bad.len()], false));
+            slow.push(review::binding_review(&uid, &ns, &format!("absent-{i}"), &bad[i % bad.len()], false));
         }
-        let slow_load = tokio::spawn(review_load::run(review_load::Spec {
+        let slow_load = tokio::spawn(review::run(review::Spec {
             addr: webhook.listen,
             path: "/validate".into(),
             connector: connector.clone(),
@@ -1368,7 +1368,7 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
         // names it), which now stalls for the 2 s lookup timeout and would hold a background
         // connection through most of the delay.
         let allowed: Vec<Review> = reviews.iter().filter(|r| r.allowed).cloned().collect();
-        let background = tokio::spawn(review_load::run(review_load::Spec {
+        let background = tokio::spawn(review::run(review::Spec {
             addr: webhook.listen,
             path: "/validate".into(),
             connector: connector.clone(),

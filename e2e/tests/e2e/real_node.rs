@@ -16,16 +16,16 @@ use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
-use meshgate_e2e::node_sim::{gate_condition, tainted};
-use meshgate_e2e::real_cluster::RealCluster;
-use meshgate_e2e::real_node::{
+use meshgate_e2e::sim::node::{gate_condition, tainted};
+use meshgate_e2e::real::cluster::RealCluster;
+use meshgate_e2e::real::node::{
     CONFLIST, CachedAttachment, RealNode, host_residue, start_control_plane,
 };
-use meshgate_e2e::real_story::{
+use meshgate_e2e::real::story::{
     self, Transcript, all_running, app_pid, in_netns, inspect_pid, istio_cni_kubeconfig,
     istio_cni_log, wait_verdict,
 };
-use meshgate_e2e::wait::poll_until;
+use meshgate_e2e::harness::wait::poll_until;
 
 /// A pod's containers start within this on the real node (images are local).
 const POD_START: Duration = Duration::from_secs(90);
@@ -796,11 +796,11 @@ async fn assert_clean(client: &Client, node: &RealNode) -> anyhow::Result<()> {
 
 /// A busybox pod for the real node: tolerates its taint and is bound to it directly. With
 /// `meshed`, it looks as Istio's sidecar injector leaves a pod in CNI mode
-/// ([`real_story::sidecar_pod_template`]: an `istio-proxy` container running as 1337 and the
+/// ([`story::sidecar_pod_template`]: an `istio-proxy` container running as 1337 and the
 /// `sidecar.istio.io/status` annotation istio-cni's plugin checks before it programs the
 /// redirect); without, the same pod with its `app` container alone.
 fn pod(node: &RealNode, name: &str, meshed: bool) -> Pod {
-    let mut pod = real_story::sidecar_pod_template(name);
+    let mut pod = story::sidecar_pod_template(name);
     pod["metadata"]["name"] = serde_json::json!(name);
     if !meshed {
         pod["metadata"]["labels"] = serde_json::json!({"app": name});
@@ -860,7 +860,7 @@ fn check_plugins(
     node: &RealNode,
     plugin: &str,
 ) -> anyhow::Result<(Option<i32>, serde_json::Value)> {
-    let bin = meshgate_e2e::node_sim::workspace_bin("meshgate-agent")?;
+    let bin = meshgate_e2e::sim::node::workspace_bin("meshgate-agent")?;
     let out = std::process::Command::new(bin)
         .arg("check")
         .arg("--cni-conf-dir")
@@ -968,7 +968,7 @@ async fn meshgate_installs_from_its_manifests_onto_real_nodes() -> anyhow::Resul
     // The ValidatingAdmissionPolicy, under the very token the kubelet projected into A's
     // agent (read through the container's root): A's agent wrote A's verdict above, and the
     // same token may not touch B. The refusal names A, so the token carries the node claim.
-    let agent_pid = real_story::container_pid(&a, &agent_a, "agent").await?;
+    let agent_pid = story::container_pid(&a, &agent_a, "agent").await?;
     let token = std::fs::read_to_string(format!(
         "/proc/{agent_pid}/root/var/run/secrets/kubernetes.io/serviceaccount/token"
     ))
@@ -999,14 +999,14 @@ fn on_node(p: &Pod) -> Option<&str> {
 }
 
 /// Issue 12's story on real nodes, with meshgate installed from its manifests: S3 → S1 → S4
-/// and an agent restart (`meshgate_e2e::real_story`, which `make demo` tells too). Each step
+/// and an agent restart (`meshgate_e2e::real::story`, which `make demo` tells too). Each step
 /// asserts inside the story; the figures are checked here.
 #[tokio::test]
 async fn meshgate_from_its_manifests_gates_real_nodes_through_the_whole_story() -> anyhow::Result<()>
 {
     let _one = ONE_NODE.lock().await;
     let transcript = Transcript::default();
-    let outcome = real_story::run(&transcript)
+    let outcome = story::run(&transcript)
         .await
         .with_context(|| format!("the story so far:\n{}", transcript.text()))?;
     eprintln!("{}", transcript.text());

@@ -3,7 +3,7 @@
 //! does) or plain, and a meshed pod that stays Pending for binding reviews.
 //!
 //! In: names, a node, labels. Out: `Pod` objects to create through the real API; nothing is
-//! sent from here. The kubelet stand-in ([`crate::kubelet`]) then runs the bound ones.
+//! sent from here. The kubelet stand-in ([`crate::sim::kubelet`]) then runs the bound ones.
 
 use std::collections::BTreeMap;
 

@@ -141,7 +141,7 @@ pub enum Error {
     },
 
     /// `down` was pointed at a directory `up` did not create.
-    #[error("{} holds no meshgate-e2e state file ({}); was it created by `meshgate-e2e up`?", dir.display(), crate::control_plane::STATE_FILE)]
+    #[error("{} holds no meshgate-e2e state file ({}); was it created by `meshgate-e2e up`?", dir.display(), crate::harness::control_plane::STATE_FILE)]
     NotStateDir {
         /// The directory.
         dir: PathBuf,

@@ -121,7 +121,7 @@ pub(crate) fn script(dir: &Path) -> Result<String, Error> {
             detail: format!(
                 "the run dir {} is under a directory the node overlays ({OVERLAID:?}); set {} elsewhere",
                 dir.display(),
-                crate::control_plane::TMPDIR_ENV
+                crate::harness::control_plane::TMPDIR_ENV
             ),
         });
     }
@@ -253,7 +253,7 @@ wait
     /// never reaches the container. Needs root, like every real-node test.
     #[test]
     fn the_nodes_mounts_are_a_systemd_hosts_whatever_the_host() {
-        crate::paths::require_root().expect("the node mount namespace test needs root");
+        crate::harness::paths::require_root().expect("the node mount namespace test needs root");
         let dir = tempfile::Builder::new()
             .prefix("meshgate-mounts-")
             .tempdir_in("/dev/shm")

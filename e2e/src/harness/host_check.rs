@@ -138,7 +138,7 @@ fn tools() -> Result<(), String> {
         "timeout",
     ]
     .into_iter()
-    .filter(|t| crate::paths::find_on_path(t).is_none())
+    .filter(|t| crate::harness::paths::find_on_path(t).is_none())
     .collect();
     if missing.is_empty() {
         Ok(())
@@ -149,7 +149,7 @@ fn tools() -> Result<(), String> {
 
 /// A scratch dir on the run dirs' filesystem (overlay's upper layer must support it).
 fn scratch() -> Result<tempfile::TempDir, String> {
-    let base = crate::control_plane::tmp_base();
+    let base = crate::harness::control_plane::tmp_base();
     tempfile::Builder::new()
         .prefix("meshgate-host-check-")
         .tempdir_in(&base)
@@ -231,7 +231,7 @@ fn inotify() -> Result<(), String> {
 
 fn free_space() -> Result<(), String> {
     const NEEDED: u64 = 1 << 30;
-    let base = crate::control_plane::tmp_base();
+    let base = crate::harness::control_plane::tmp_base();
     let st = nix::sys::statvfs::statvfs(&base).map_err(|e| format!("{}: {e}", base.display()))?;
     let free = st.blocks_available() as u64 * st.fragment_size() as u64;
     if free >= NEEDED {
@@ -345,7 +345,7 @@ mod tests {
     /// a probe that refused a good host would block every real node.
     #[test]
     fn this_host_meets_every_need() {
-        crate::paths::require_root().expect("the host check needs root");
+        crate::harness::paths::require_root().expect("the host check needs root");
         if let Err(e) = check() {
             panic!("{e}");
         }

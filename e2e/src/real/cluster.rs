@@ -16,8 +16,8 @@ use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams, WatchEvent, WatchParams};
 
-use crate::real_node::{RealNode, start_control_plane};
-use crate::wait::{self, poll_until};
+use crate::real::node::{RealNode, start_control_plane};
+use crate::harness::wait::{self, poll_until};
 use crate::{ControlPlane, Error};
 
 /// meshgate's namespace in its manifests.
@@ -121,9 +121,9 @@ impl RealCluster {
     /// agent on every node are Ready; the error carries their statuses and logs otherwise.
     pub async fn install_meshgate(&self) -> Result<(), Error> {
         let tree = self.cp.dir().join("install");
-        let root = crate::paths::repo_root();
-        crate::paths::copy_tree(&root.join("manifests"), &tree.join("manifests"))?;
-        crate::paths::copy_tree(&root.join("e2e/overlay"), &tree.join("e2e/overlay"))?;
+        let root = crate::harness::paths::repo_root();
+        crate::harness::paths::copy_tree(&root.join("manifests"), &tree.join("manifests"))?;
+        crate::harness::paths::copy_tree(&root.join("e2e/overlay"), &tree.join("e2e/overlay"))?;
         let generate = tree.join("manifests/tls/generate.sh");
         let mut cmd = tokio::process::Command::new("bash");
         cmd.arg(&generate);

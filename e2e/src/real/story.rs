@@ -36,10 +36,10 @@ use kube::{Client, ResourceExt};
 use meshgate_core::{CONDITION_TYPE, TAINT_KEY};
 use serde_json::json;
 
-use crate::node_sim::{gate_condition, metric_sample, tainted};
-use crate::real_cluster::{RealCluster, SYSTEM_NAMESPACE, is_ready};
-use crate::real_node::{BUSYBOX_IMAGE, RealNode};
-use crate::wait::{self, poll_until};
+use crate::sim::node::{gate_condition, metric_sample, tainted};
+use crate::real::cluster::{RealCluster, SYSTEM_NAMESPACE, is_ready};
+use crate::real::node::{BUSYBOX_IMAGE, RealNode};
+use crate::harness::wait::{self, poll_until};
 use crate::{TokenOptions, service_account_token};
 
 /// The namespace the story's workload runs in.
@@ -117,7 +117,7 @@ pub struct Outcome {
 
 /// Runs the story.
 pub async fn run(n: &dyn Narrator) -> anyhow::Result<Outcome> {
-    crate::paths::require_root()?;
+    crate::harness::paths::require_root()?;
     n.say("starting etcd, kube-apiserver, kube-controller-manager and kube-scheduler");
     let cluster = RealCluster::start().await?;
     match steps(&cluster, n).await {
@@ -428,7 +428,7 @@ async fn steps(cluster: &RealCluster, n: &dyn Narrator) -> anyhow::Result<Outcom
     ));
     n.detail(&describe_excerpt(cluster, a.name()).await?);
 
-    let metrics = crate::node_sim::http_get(agent, "/metrics")
+    let metrics = crate::sim::node::http_get(agent, "/metrics")
         .await
         .map(|(_, body)| body)
         .context("the agent's /metrics did not answer")?;
@@ -541,7 +541,7 @@ fn pod_ip(p: &Pod) -> String {
 /// One sample of the agent's `/metrics`; a series not printed yet is 0 (prometheus-client
 /// prints a labelled series only once it was touched).
 async fn metric(agent: std::net::SocketAddr, name: &str) -> anyhow::Result<f64> {
-    let (_, body) = crate::node_sim::http_get(agent, "/metrics")
+    let (_, body) = crate::sim::node::http_get(agent, "/metrics")
         .await
         .context("the agent's /metrics did not answer")?;
     Ok(metric_sample(&body, name).unwrap_or(0.0))
@@ -561,7 +561,7 @@ fn condition_since(node: &Node) -> Option<(String, String)> {
 
 async fn wait_metric(agent: std::net::SocketAddr, name: &str, at_least: f64) -> anyhow::Result<()> {
     poll_until(&format!("{name} ≥ {at_least}"), STEP, || async {
-        let (_, body) = crate::node_sim::http_get(agent, "/metrics")
+        let (_, body) = crate::sim::node::http_get(agent, "/metrics")
             .await
             .context("the agent's /metrics did not answer")?;
         match metric_sample(&body, name) {
@@ -898,7 +898,7 @@ pub async fn container_pid(node: &RealNode, pod: &Pod, name: &str) -> anyhow::Re
 /// operator would: its exit code, and the verdict it printed (or, when it printed none, what
 /// it printed instead, so an assertion on the verdict shows it).
 pub async fn inspect_pid(pid: i32) -> anyhow::Result<(Option<i32>, String)> {
-    let bin = crate::node_sim::workspace_bin("meshgate-agent")?;
+    let bin = crate::sim::node::workspace_bin("meshgate-agent")?;
     let mut cmd = tokio::process::Command::new(bin);
     cmd.args(["inspect", "--pid", &pid.to_string(), "--profile", "istio"])
         .args(["--output", "json"]);

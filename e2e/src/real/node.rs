@@ -17,13 +17,13 @@
 //! kube-proxy (nftables mode) run inside, so their rules, bridge and ports never touch the
 //! host's, and two nodes' hostNetwork pods do not collide. The control plane must be routable
 //! ([`start_control_plane`]). containerd starts in a mount namespace of the node's own
-//! ([`crate::node_mounts`]): shared inside, as on a systemd host, whatever the host's
+//! ([`crate::real::mounts`]): shared inside, as on a systemd host, whatever the host's
 //! propagation; overlays over `/etc`, `/opt`, `/var/lib`, `/var/log` and `/run` with their upper
 //! layers in the run dir; the standard node paths bound to the run dir's; the host-wide sysctls
 //! the kubelet sets covered by files of the run dir. The kubelet and kube-proxy join it. So the
 //! manifests' hostPaths resolve to the run's files, and nothing touches the host's `/etc`,
 //! `/opt`, `/var`, `/run` or mounts. What the node still needs of the host is checked before it
-//! starts ([`crate::host_check`]). Facts of this machine kind,
+//! starts ([`crate::harness::host_check`]). Facts of this machine kind,
 //! each found by trying (see docs/testing.md): cgroup v1 in hybrid mode (so the kubelet runs
 //! with `failCgroupV1: false` and the `cgroupfs` driver), a VM that refuses a negative
 //! `oom_score_adj` (so containerd runs with `restrict_oom_score_adj`), runc rather than crun
@@ -39,14 +39,15 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams};
 
-use crate::control_plane::{
+use crate::harness::control_plane::{
     ControlPlane, cert_kubeconfig_yaml, client_from, tmp_base, unique_name, write_owner,
     write_private,
 };
-use crate::node_mounts::{self, KERNEL_TUNABLES, host_sysctl};
-use crate::paths::{self, env_var, find_on_path, is_executable};
-use crate::process::{self, Mode, Proc};
-use crate::{Error, hostnet, wait};
+use crate::real::mounts::{self, KERNEL_TUNABLES, host_sysctl};
+use crate::harness::paths::{self, env_var, find_on_path, is_executable};
+use crate::harness::process::{self, Mode, Proc};
+use crate::Error;
+use crate::harness::{hostnet, wait};
 
 /// The pause image containerd runs every pod sandbox with (see `e2e/images/pause.c`).
 pub const PAUSE_IMAGE: &str = "localhost/meshgate-e2e/pause:1";
@@ -143,7 +144,7 @@ impl NodeBinaries {
         };
         let meshgate_image = match env_var(MESHGATE_IMAGE_ENV) {
             Some(path) => PathBuf::from(path),
-            None => crate::node_sim::workspace_bin_dir()
+            None => crate::sim::node::workspace_bin_dir()
                 .map_err(|e| Error::io("finding the workspace's target dir", e))?
                 .parent()
                 .map(|target| target.join("meshgate-image/meshgate.tar"))
@@ -245,7 +246,7 @@ impl RealNode {
     /// after real-node runs whose test binary died without a teardown (their [`Footprint`]).
     pub async fn start(cp: &ControlPlane) -> Result<Self, Error> {
         paths::require_root()?;
-        crate::host_check::check()?;
+        crate::harness::host_check::check()?;
         let bins = NodeBinaries::locate()?;
         let base = tmp_base();
         sweep_stale(&base);
@@ -331,7 +332,7 @@ impl RealNode {
         }
         // What the node's mount namespace binds from (the CNI conf and bin dirs among them),
         // its copies of the host-wide sysctls the kubelet sets, and its resolver config.
-        node_mounts::prepare(&self.dir)?;
+        mounts::prepare(&self.dir)?;
         // The node's CNI bin dir: the reference plugins, copied in as a CNI provider's
         // installer does (not linked: the agent's container runs them for their VERSION
         // through its /opt/cni/bin mount, where a link to a host path would dangle). istio-cni
@@ -417,7 +418,7 @@ impl RealNode {
         )?;
         self.create_cgroup_root()?;
         let ports = (0..2)
-            .map(|_| crate::node_sim::free_port())
+            .map(|_| crate::sim::node::free_port())
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| Error::io("reserving the kubelet's ports", e))?;
         let kubelet_config = self.dir.join("kubelet/config.yaml");
@@ -806,7 +807,7 @@ impl RealNode {
                 "--".into(),
                 "/bin/sh".into(),
                 "-ec".into(),
-                node_mounts::script(&self.dir)?,
+                mounts::script(&self.dir)?,
                 "node-mounts".into(),
             ]);
         }
@@ -969,7 +970,7 @@ resolvConf: {resolv_conf}
             pod_logs = q(&self.dir.join("kubelet/pod-logs").display().to_string()),
             resolv_conf = q(&self
                 .dir
-                .join(node_mounts::RESOLV_CONF)
+                .join(mounts::RESOLV_CONF)
                 .display()
                 .to_string()),
         )
@@ -2060,7 +2061,7 @@ mod tests {
     /// directory. Needs root, like every real-node test.
     #[test]
     fn a_dead_runs_leftovers_are_swept() {
-        crate::paths::require_root().expect("the real-node sweep test needs root");
+        crate::harness::paths::require_root().expect("the real-node sweep test needs root");
         let base = tempfile::tempdir_in("/dev/shm").unwrap();
         let dir = tempfile::Builder::new()
             .prefix(DIR_PREFIX)

@@ -185,7 +185,7 @@ impl AuditedIdentity {
         let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
         let sa: ServiceAccount =
             serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
-        crate::wait::api(
+        crate::harness::wait::api(
             "creating a ServiceAccount",
             sas.create(&PostParams::default(), &sa),
         )
@@ -197,7 +197,7 @@ impl AuditedIdentity {
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]
         }))?;
         let crbs: Api<ClusterRoleBinding> = Api::all(client.clone());
-        crate::wait::api(
+        crate::harness::wait::api(
             "binding the ServiceAccount",
             crbs.create(&PostParams::default(), &crb),
         )
@@ -233,7 +233,7 @@ impl AuditedIdentity {
         use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
         let crbs: kube::api::Api<ClusterRoleBinding> = kube::api::Api::all(client.clone());
         let _ = tokio::time::timeout(
-            crate::wait::API_TIMEOUT,
+            crate::harness::wait::API_TIMEOUT,
             crbs.delete(&self.binding, &kube::api::DeleteParams::default()),
         )
         .await;

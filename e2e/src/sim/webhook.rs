@@ -18,7 +18,7 @@ use kube::Client;
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::{Value, json};
 
-use crate::wait::API_TIMEOUT;
+use crate::harness::wait::API_TIMEOUT;
 
 /// A CA that signs loopback serving certificates.
 pub struct TestCa {
@@ -105,7 +105,7 @@ pub async fn configurations(
     ca_pem: &str,
     scope: &Scope,
 ) -> anyhow::Result<(ValidatingWebhookConfiguration, MutatingWebhookConfiguration)> {
-    let path = crate::paths::repo_root().join(SHIPPED);
+    let path = crate::harness::paths::repo_root().join(SHIPPED);
     let text = cp
         .kubectl(&[
             "create",

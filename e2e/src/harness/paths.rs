@@ -5,7 +5,7 @@
 //! `MESHGATE_ETCD`, `PATH`) and the filesystem. Out: the paths of etcd, kube-apiserver,
 //! kube-controller-manager, kube-scheduler and kubectl, or an error that says how to get them,
 //! and the other versions pinned beside Kubernetes' ([`pinned_version`]: the real node's
-//! containerd and istio-cni, located by [`crate::real_node::NodeBinaries`]). The lookup rules
+//! containerd and istio-cni, located by [`crate::real::node::NodeBinaries`]). The lookup rules
 //! mirror `e2e/install-deps.sh`, which builds into the same cache.
 
 use std::os::unix::fs::PermissionsExt;
@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use crate::Error;
 
 /// The workspace manifest, holding `[workspace.metadata.meshgate] kubernetes-version`.
-const WORKSPACE_TOML: &str = include_str!("../../Cargo.toml");
+const WORKSPACE_TOML: &str = include_str!("../../../Cargo.toml");
 
 /// Env var naming the directory of the built Kubernetes binaries (set by `make test`).
 pub const BIN_DIR_ENV: &str = "MESHGATE_K8S_BIN_DIR";

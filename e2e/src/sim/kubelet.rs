@@ -34,7 +34,7 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 
 use crate::Error;
-use crate::wait::{self, API_TIMEOUT};
+use crate::harness::wait::{self, API_TIMEOUT};
 
 /// Namespace of node heartbeat Leases.
 pub const LEASE_NAMESPACE: &str = "kube-node-lease";

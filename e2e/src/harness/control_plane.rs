@@ -31,12 +31,13 @@ use kube::{Client, Config};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::kubelet::{self, NodeSpec, PodRunner};
-use crate::paths::{self, Binaries};
-use crate::pki::{self, Pki};
-use crate::process::{self, Mode, Proc};
-use crate::wait::{self, API_TIMEOUT};
-use crate::{Error, hostnet};
+use crate::sim::kubelet::{self, NodeSpec, PodRunner};
+use crate::harness::paths::{self, Binaries};
+use crate::harness::pki::{self, Pki};
+use crate::harness::process::{self, Mode, Proc};
+use crate::harness::wait::{self, API_TIMEOUT};
+use crate::Error;
+use crate::harness::hostnet;
 
 /// Name of the state file `up` writes into its directory and `down` reads.
 pub const STATE_FILE: &str = "meshgate-e2e.json";
@@ -539,7 +540,7 @@ impl ControlPlane {
         &self.dir
     }
 
-    /// kube-apiserver's audit log (JSON lines; see [`crate::audit`]): the metadata of every
+    /// kube-apiserver's audit log (JSON lines; see [`crate::harness::audit`]): the metadata of every
     /// request by a ServiceAccount outside kube-system, so a component run under its own
     /// token can be counted and timed.
     pub fn audit_log(&self) -> PathBuf {
@@ -638,7 +639,7 @@ impl ControlPlane {
     }
 
     /// A client authenticating with `token` (for example a ServiceAccount token from
-    /// [`crate::identity::service_account_token`]); 429 retries are off as in [`Self::client`].
+    /// [`crate::harness::identity::service_account_token`]); 429 retries are off as in [`Self::client`].
     pub fn client_for_token(&self, token: &str) -> Result<Client, Error> {
         let kc = Kubeconfig::from_yaml(&token_kubeconfig_yaml(
             &self.apiserver_url(),
@@ -1110,7 +1111,7 @@ pub(crate) fn client_from(kubeconfig: Kubeconfig, what: &str) -> Result<Client, 
 /// restarted on its port (`start_apiserver`) finds it free (see `node_sim::free_port`).
 fn free_ports() -> Result<Ports, Error> {
     let ports = (0..5)
-        .map(|_| crate::node_sim::free_port())
+        .map(|_| crate::sim::node::free_port())
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| Error::io("reserving loopback ports", e))?;
     Ok(Ports {
@@ -1321,7 +1322,7 @@ mod tests {
     /// control plane keeps it (handed over).
     #[test]
     fn a_failed_starts_link_is_deleted_and_a_handed_over_one_kept() {
-        crate::paths::require_root().expect("the link guard test needs root");
+        crate::harness::paths::require_root().expect("the link guard test needs root");
         let dir = tempfile::tempdir_in("/dev/shm").unwrap();
         let name = link_name(dir.path());
         let failed = || -> Result<(), Error> {
@@ -1439,7 +1440,7 @@ mod tests {
     /// sweep removes it with the directory. Needs root, like the real-node sweep test.
     #[test]
     fn a_dead_routable_runs_link_is_swept() {
-        crate::paths::require_root().expect("the link sweep test needs root");
+        crate::harness::paths::require_root().expect("the link sweep test needs root");
         let base = tempfile::tempdir_in("/dev/shm").unwrap();
         let dead = base.path().join("meshgate-e2e-deadlink");
         std::fs::create_dir(&dead).unwrap();

@@ -38,8 +38,8 @@ use kube::Client;
 use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
 
-use crate::stats::quantile;
-use crate::wait::API_TIMEOUT;
+use crate::load::stats::quantile;
+use crate::harness::wait::API_TIMEOUT;
 
 /// Bound on connecting (TCP connect, TLS and HTTP handshakes) and on one request (from
 /// sending it to the end of the answer's body). Well above the webhook's own request deadline
@@ -643,14 +643,14 @@ impl WebhookProcess {
     pub fn start(kubeconfig: &std::path::Path, extra: &[&str]) -> anyhow::Result<Self> {
         use anyhow::Context;
         let dir = tempfile::tempdir()?;
-        let ca = crate::webhook_sim::TestCa::new()?;
+        let ca = crate::sim::webhook::TestCa::new()?;
         let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
         ca.issue(&cert, &key)?;
-        let listen = SocketAddr::from(([127, 0, 0, 1], crate::node_sim::free_port()?));
-        let admin = SocketAddr::from(([127, 0, 0, 1], crate::node_sim::free_port()?));
+        let listen = SocketAddr::from(([127, 0, 0, 1], crate::sim::node::free_port()?));
+        let admin = SocketAddr::from(([127, 0, 0, 1], crate::sim::node::free_port()?));
         let log = dir.path().join("webhook.log");
         let out = std::fs::File::create(&log)?;
-        let child = std::process::Command::new(crate::node_sim::workspace_bin("meshgate-webhook")?)
+        let child = std::process::Command::new(crate::sim::node::workspace_bin("meshgate-webhook")?)
             .arg("--listen")
             .arg(listen.to_string())
             .arg("--admin-addr")
@@ -713,7 +713,7 @@ impl WebhookProcess {
 
     /// GETs an admin path: (status, body).
     pub async fn admin_get(&self, path: &str) -> Option<(u16, String)> {
-        crate::node_sim::http_get(self.admin, path).await
+        crate::sim::node::http_get(self.admin, path).await
     }
 
     /// The process id, while it runs.
@@ -723,7 +723,7 @@ impl WebhookProcess {
 
     /// Resident set size in KiB (and the peak, `VmHWM`), from /proc.
     pub fn rss_kib(&self) -> Option<(u64, u64)> {
-        crate::http_abuse::memory_kib(self.pid()?)
+        crate::load::http_abuse::memory_kib(self.pid()?)
     }
 
     /// Sends SIGTERM; returns when it was sent.
@@ -779,7 +779,7 @@ mod tests {
     /// A TLS server on loopback that answers every review after `delay`, right for the
     /// reviews built below: allowed unless the uid starts with `refuse`.
     async fn answering_server(
-        ca: &crate::webhook_sim::TestCa,
+        ca: &crate::sim::webhook::TestCa,
         delay: Duration,
     ) -> anyhow::Result<SocketAddr> {
         let dir = tempfile::tempdir()?;
@@ -830,7 +830,7 @@ mod tests {
 
     #[tokio::test]
     async fn open_loop_paces_requests_and_closed_loop_sends_back_to_back() {
-        let ca = crate::webhook_sim::TestCa::new().unwrap();
+        let ca = crate::sim::webhook::TestCa::new().unwrap();
         let service = Duration::from_millis(2);
         let addr = answering_server(&ca, service).await.unwrap();
         let reviews = Arc::new(vec![
@@ -869,7 +869,7 @@ mod tests {
 
     #[tokio::test]
     async fn unusable_specs_are_refused_before_anything_is_sent() {
-        let ca = crate::webhook_sim::TestCa::new().unwrap();
+        let ca = crate::sim::webhook::TestCa::new().unwrap();
         // Nothing listens there: a spec that got past validation would record failures.
         let spec = |rate: f64, connections: usize, reviews: Vec<Review>| Spec {
             addr: SocketAddr::from(([127, 0, 0, 1], 9)),
@@ -904,7 +904,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_stalled_server_ends_the_run_with_timeouts_instead_of_hanging() {
-        let ca = crate::webhook_sim::TestCa::new().unwrap();
+        let ca = crate::sim::webhook::TestCa::new().unwrap();
         // Accepts TCP connections and never says a word: the TLS handshake stalls.
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();

@@ -285,12 +285,12 @@ impl Agent {
 
     /// The agent's resident set size in KiB, from /proc.
     pub fn rss_kib(&self) -> Option<u64> {
-        Some(crate::http_abuse::memory_kib(self.pid()?)?.0)
+        Some(crate::load::http_abuse::memory_kib(self.pid()?)?.0)
     }
 
     /// The agent's peak resident set size in KiB (`VmHWM`), from /proc.
     pub fn peak_rss_kib(&self) -> Option<u64> {
-        Some(crate::http_abuse::memory_kib(self.pid()?)?.1)
+        Some(crate::load::http_abuse::memory_kib(self.pid()?)?.1)
     }
 
     /// GETs an admin path; `None` while the server is not up.

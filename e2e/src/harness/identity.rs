@@ -13,7 +13,8 @@ use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 
-use crate::{Error, wait};
+use crate::Error;
+use crate::harness::wait;
 
 /// What to ask the TokenRequest API for.
 #[derive(Debug, Clone, Default)]
