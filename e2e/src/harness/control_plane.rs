@@ -31,13 +31,13 @@ use kube::{Client, Config};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::sim::kubelet::{self, NodeSpec, PodRunner};
+use crate::Error;
+use crate::harness::hostnet;
 use crate::harness::paths::{self, Binaries};
 use crate::harness::pki::{self, Pki};
 use crate::harness::process::{self, Mode, Proc};
 use crate::harness::wait::{self, API_TIMEOUT};
-use crate::Error;
-use crate::harness::hostnet;
+use crate::sim::kubelet::{self, NodeSpec, PodRunner};
 
 /// Name of the state file `up` writes into its directory and `down` reads.
 pub const STATE_FILE: &str = "meshgate-e2e.json";

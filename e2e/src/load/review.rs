@@ -38,8 +38,8 @@ use kube::Client;
 use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
 
-use crate::load::stats::quantile;
 use crate::harness::wait::API_TIMEOUT;
+use crate::load::stats::quantile;
 
 /// Bound on connecting (TCP connect, TLS and HTTP handshakes) and on one request (from
 /// sending it to the end of the answer's body). Well above the webhook's own request deadline
@@ -650,28 +650,30 @@ impl WebhookProcess {
         let admin = SocketAddr::from(([127, 0, 0, 1], crate::sim::node::free_port()?));
         let log = dir.path().join("webhook.log");
         let out = std::fs::File::create(&log)?;
-        let child = std::process::Command::new(crate::sim::node::workspace_bin("meshgate-webhook")?)
-            .arg("--listen")
-            .arg(listen.to_string())
-            .arg("--admin-addr")
-            .arg(admin.to_string())
-            .arg("--tls-cert")
-            .arg(&cert)
-            .arg("--tls-key")
-            .arg(&key)
-            .arg("--kubeconfig")
-            .arg(kubeconfig)
-            .args(extra)
-            .env(
-                "RUST_LOG",
-                std::env::var("MESHGATE_WEBHOOK_LOG")
-                    .unwrap_or_else(|_| "warn,meshgate_webhook=info,meshgate_shell=info".into()),
-            )
-            .stdin(std::process::Stdio::null())
-            .stdout(out.try_clone()?)
-            .stderr(out)
-            .spawn()
-            .context("starting meshgate-webhook")?;
+        let child =
+            std::process::Command::new(crate::sim::node::workspace_bin("meshgate-webhook")?)
+                .arg("--listen")
+                .arg(listen.to_string())
+                .arg("--admin-addr")
+                .arg(admin.to_string())
+                .arg("--tls-cert")
+                .arg(&cert)
+                .arg("--tls-key")
+                .arg(&key)
+                .arg("--kubeconfig")
+                .arg(kubeconfig)
+                .args(extra)
+                .env(
+                    "RUST_LOG",
+                    std::env::var("MESHGATE_WEBHOOK_LOG").unwrap_or_else(|_| {
+                        "warn,meshgate_webhook=info,meshgate_shell=info".into()
+                    }),
+                )
+                .stdin(std::process::Stdio::null())
+                .stdout(out.try_clone()?)
+                .stderr(out)
+                .spawn()
+                .context("starting meshgate-webhook")?;
         Ok(Self {
             child: Some(child),
             listen,

@@ -16,8 +16,8 @@ use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams, WatchEvent, WatchParams};
 
-use crate::real::node::{RealNode, start_control_plane};
 use crate::harness::wait::{self, poll_until};
+use crate::real::node::{RealNode, start_control_plane};
 use crate::{ControlPlane, Error};
 
 /// meshgate's namespace in its manifests.

@@ -36,10 +36,10 @@ use kube::{Client, ResourceExt};
 use meshgate_core::{CONDITION_TYPE, TAINT_KEY};
 use serde_json::json;
 
-use crate::sim::node::{gate_condition, metric_sample, tainted};
+use crate::harness::wait::{self, poll_until};
 use crate::real::cluster::{RealCluster, SYSTEM_NAMESPACE, is_ready};
 use crate::real::node::{BUSYBOX_IMAGE, RealNode};
-use crate::harness::wait::{self, poll_until};
+use crate::sim::node::{gate_condition, metric_sample, tainted};
 use crate::{TokenOptions, service_account_token};
 
 /// The namespace the story's workload runs in.

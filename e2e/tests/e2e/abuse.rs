@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use meshgate_e2e::load::http_abuse::{
     self, PeakRss, Transport, label_flood_review, post_all, slow_heads, tiny_objects_review,
 };
-use meshgate_e2e::sim::node::{Agent, CniDirs, golden};
 use meshgate_e2e::load::review::{self, WebhookProcess};
+use meshgate_e2e::sim::node::{Agent, CniDirs, golden};
 use meshgate_e2e::{NodeSpec, unique_name};
 
 use crate::{WAIT, cp};

@@ -25,10 +25,10 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
 use kube::api::{Api, DeleteParams, PostParams};
 use meshgate_e2e::harness::audit::AuditedIdentity;
+use meshgate_e2e::harness::wait::{API_TIMEOUT, poll_until};
+use meshgate_e2e::load::review::{self, Review, WebhookProcess};
 use meshgate_e2e::sim::node::{Agent, CniDirs, golden, metric_sample, plain, tail};
 use meshgate_e2e::sim::pod::{self, ANNOTATION_LIMIT, Fat};
-use meshgate_e2e::load::review::{self, Review, WebhookProcess};
-use meshgate_e2e::harness::wait::{API_TIMEOUT, poll_until};
 use meshgate_e2e::{NodeSpec, unique_name};
 
 use crate::{WAIT, cp};
@@ -257,8 +257,7 @@ async fn fat_unscheduled_pods_keep_the_webhook_under_half_its_memory_limit() -> 
             })
             .collect();
         let sent = reviews.len();
-        let report =
-            review::run(spec(&listing, reviews, 1000.0, paced(sent, 1000.0), 4)?).await?;
+        let report = review::run(spec(&listing, reviews, 1000.0, paced(sent, 1000.0), 4)?).await?;
         let errors = report.errors();
         ensure!(
             errors.is_empty() && report.samples.len() == sent,
@@ -425,13 +424,8 @@ async fn forged_binding_reviews_cost_the_apiserver_at_most_the_lookup_rate() -> 
         )?)
         .await?;
         let elapsed = from.elapsed().unwrap_or_default();
-        let forged = review::binding_review(
-            "one-more",
-            &ns,
-            &unique_name("forged"),
-            &unverified,
-            false,
-        );
+        let forged =
+            review::binding_review("one-more", &ns, &unique_name("forged"), &unverified, false);
         let answer =
             review::answer(&spec(&webhook, vec![], 1.0, Duration::ZERO, 1)?, &forged).await?;
         let message = answer["status"]["message"]

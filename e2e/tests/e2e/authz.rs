@@ -24,9 +24,9 @@ use meshgate_agent::daemon::clients::{Clients, node_user};
 use meshgate_agent::daemon::node::{NodeGate, TaintEffect};
 use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
 use meshgate_e2e::harness::audit;
-use meshgate_e2e::sim::node::{Agent, CniDirs, golden, tainted};
 use meshgate_e2e::harness::paths::{copy_tree, repo_root};
 use meshgate_e2e::harness::wait::poll_until;
+use meshgate_e2e::sim::node::{Agent, CniDirs, golden, tainted};
 use meshgate_e2e::{ControlPlane, NodeSpec, Options, TokenOptions, unique_name};
 use serde_json::json;
 

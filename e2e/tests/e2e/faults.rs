@@ -32,12 +32,12 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
 use meshgate_e2e::harness::audit::AuditedIdentity;
+use meshgate_e2e::harness::wait::API_TIMEOUT;
+use meshgate_e2e::load::review::{self, Outcome, Review, WebhookProcess};
+use meshgate_e2e::load::stats::quantile as percentile;
 use meshgate_e2e::sim::netns::{PodNetns, Rules, private_subnet, require_privileges};
 use meshgate_e2e::sim::node::{Agent, CniDirs, GOOD_PLUGIN, gate_condition, golden, tail, tainted};
 use meshgate_e2e::sim::pod::{self, MESH_LABEL};
-use meshgate_e2e::load::review::{self, Outcome, Review, WebhookProcess};
-use meshgate_e2e::load::stats::quantile as percentile;
-use meshgate_e2e::harness::wait::API_TIMEOUT;
 use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
 use serde_json::json;
 

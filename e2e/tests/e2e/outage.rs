@@ -17,8 +17,8 @@ use anyhow::{Context as _, bail, ensure};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
-use meshgate_e2e::unique_name;
 use meshgate_e2e::sim::webhook::{self, Scope, TestCa};
+use meshgate_e2e::unique_name;
 use serde_json::{Value, json};
 
 use crate::cp;

@@ -24,10 +24,10 @@ use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
+use meshgate_e2e::harness::wait::poll_until;
 use meshgate_e2e::sim::netns::{PodNetns, Rules, private_subnet, require_privileges};
 use meshgate_e2e::sim::node::{GOOD_PLUGIN, plain, tail};
 use meshgate_e2e::sim::pod::{self, LINKERD_PROXY, MESH_LABEL, meshed_pod};
-use meshgate_e2e::harness::wait::poll_until;
 use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
 use serde_json::json;
 

@@ -48,10 +48,10 @@ use kube::api::{
 };
 use kube::{Client, ResourceExt};
 use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
-use meshgate_e2e::sim::node::{CniDirs, free_port, golden, workspace_bin};
-use meshgate_e2e::sim::node::{gate_condition, tainted, verified_label as label};
 use meshgate_e2e::harness::paths::{copy_tree, repo_root};
 use meshgate_e2e::harness::wait::poll_until;
+use meshgate_e2e::sim::node::{CniDirs, free_port, golden, workspace_bin};
+use meshgate_e2e::sim::node::{gate_condition, tainted, verified_label as label};
 use meshgate_e2e::{ControlPlane, NodeSpec, Options, TokenOptions, unique_name};
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;

@@ -16,7 +16,7 @@ use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
-use meshgate_e2e::sim::node::{gate_condition, tainted};
+use meshgate_e2e::harness::wait::poll_until;
 use meshgate_e2e::real::cluster::RealCluster;
 use meshgate_e2e::real::node::{
     CONFLIST, CachedAttachment, RealNode, host_residue, start_control_plane,
@@ -25,7 +25,7 @@ use meshgate_e2e::real::story::{
     self, Transcript, all_running, app_pid, in_netns, inspect_pid, istio_cni_kubeconfig,
     istio_cni_log, wait_verdict,
 };
-use meshgate_e2e::harness::wait::poll_until;
+use meshgate_e2e::sim::node::{gate_condition, tainted};
 
 /// A pod's containers start within this on the real node (images are local).
 const POD_START: Duration = Duration::from_secs(90);

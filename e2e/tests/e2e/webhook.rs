@@ -641,9 +641,10 @@ async fn legacy_bindings_are_gated_and_unknown_nodes_cost_no_request() {
         .create_namespace(&admin, "wh-id")
         .await
         .expect("identity namespace");
-    let identity = meshgate_e2e::harness::audit::AuditedIdentity::new(cp, &admin, &home, "meshgate-webhook")
-        .await
-        .expect("an audited identity for the webhook");
+    let identity =
+        meshgate_e2e::harness::audit::AuditedIdentity::new(cp, &admin, &home, "meshgate-webhook")
+            .await
+            .expect("an audited identity for the webhook");
     let f = Fixture::start_as(cp, "whl", identity.kubeconfig.clone())
         .await
         .expect("webhook starts");
