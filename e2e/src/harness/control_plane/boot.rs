@@ -112,47 +112,92 @@ impl Drop for Started {
     }
 }
 
+/// The controller manager's and the scheduler's kubeconfigs, in the run dir.
+const KCM_KUBECONFIG: &str = "controller-manager.kubeconfig";
+const SCHED_KUBECONFIG: &str = "scheduler.kubeconfig";
+
 impl Boot {
+    /// Certificates and kubeconfigs, then etcd, kube-apiserver, the controller manager and the
+    /// scheduler, each healthy before the next; the whole within `timeout`.
     pub(super) async fn run(self) -> Result<Booted, Error> {
         let deadline = Instant::now() + self.timeout;
         let logs = self.dir.join("logs");
         std::fs::create_dir_all(&logs)
             .map_err(|e| Error::io(format!("creating {}", logs.display()), e))?;
-        let routable = !self.address.is_loopback();
-        let extra_ips: Vec<IpAddr> = if routable {
-            vec![IpAddr::V4(self.address)]
-        } else {
+        let extra_ips: Vec<IpAddr> = if self.address.is_loopback() {
             Vec::new()
+        } else {
+            vec![IpAddr::V4(self.address)]
         };
         let pki = Pki::generate(&self.dir.join("pki"), &extra_ips)?;
         let ports = free_ports()?;
         let server = format!("https://{}:{}", self.address, ports.apiserver);
+        let (admin_kubeconfig_path, admin_kubeconfig) = self.write_kubeconfigs(&server, &pki)?;
 
+        let mut started = Started(Vec::new());
+        let etcd_url = self.start_etcd(&ports, &mut started, deadline).await?;
+        let apiserver_args = self.apiserver_args(&etcd_url, &ports, &pki)?;
+        let apiserver = self.spawn(
+            "kube-apiserver",
+            &self.binaries.kube_apiserver,
+            apiserver_args.clone(),
+        )?;
+        started.0.push(apiserver.clone());
+        let admin = client_from(admin_kubeconfig.clone(), "admin")?;
+        wait_healthy(&apiserver, deadline, || get_text(&admin, "/readyz")).await?;
+        self.start_controllers(&ports, &pki, &mut started, deadline)
+            .await?;
+
+        // The controllers are healthy only in a shallow sense until they act: wait for the
+        // serviceaccount controller to create `default/default`.
+        let sas: Api<ServiceAccount> = Api::namespaced(admin.clone(), "default");
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        wait::poll_until(
+            "the controller manager to create ServiceAccount default/default",
+            remaining,
+            || async { sas.get_opt("default").await.map(|sa| sa.map(|_| ())) },
+        )
+        .await?;
+
+        let procs = std::mem::take(&mut started.0);
+        Ok(Booted {
+            procs,
+            apiserver_args,
+            ports,
+            pki,
+            admin_kubeconfig_path,
+            admin_kubeconfig,
+        })
+    }
+
+    /// The admin's, the controller manager's and the scheduler's kubeconfigs; returns the
+    /// admin's path and contents.
+    fn write_kubeconfigs(&self, server: &str, pki: &Pki) -> Result<(PathBuf, Kubeconfig), Error> {
         let admin_kubeconfig_path = self.dir.join("admin.kubeconfig");
-        let kcm_kubeconfig = self.dir.join("controller-manager.kubeconfig");
-        let sched_kubeconfig = self.dir.join("scheduler.kubeconfig");
-        write_private(
-            &admin_kubeconfig_path,
-            &cert_kubeconfig_yaml(&server, &pki.ca_cert, &pki.admin),
-        )?;
-        write_private(
-            &kcm_kubeconfig,
-            &cert_kubeconfig_yaml(&server, &pki.ca_cert, &pki.controller_manager),
-        )?;
-        write_private(
-            &sched_kubeconfig,
-            &cert_kubeconfig_yaml(&server, &pki.ca_cert, &pki.scheduler),
-        )?;
+        for (path, cert) in [
+            (&admin_kubeconfig_path, &pki.admin),
+            (&self.dir.join(KCM_KUBECONFIG), &pki.controller_manager),
+            (&self.dir.join(SCHED_KUBECONFIG), &pki.scheduler),
+        ] {
+            write_private(path, &cert_kubeconfig_yaml(server, &pki.ca_cert, cert))?;
+        }
         let admin_kubeconfig =
             Kubeconfig::read_from(&admin_kubeconfig_path).map_err(|source| Error::Kubeconfig {
                 what: admin_kubeconfig_path.display().to_string(),
                 source,
             })?;
+        Ok((admin_kubeconfig_path, admin_kubeconfig))
+    }
 
-        let mut started = Started(Vec::new());
+    /// etcd, loopback only, its data in the control plane's directory; returns its URL once
+    /// it is healthy.
+    async fn start_etcd(
+        &self,
+        ports: &Ports,
+        started: &mut Started,
+        deadline: Instant,
+    ) -> Result<String, Error> {
         let s = |p: &Path| p.display().to_string();
-
-        // etcd: loopback only; its data lives in the control plane's directory.
         let etcd_url = format!("http://127.0.0.1:{}", ports.etcd_client);
         let peer_url = format!("http://127.0.0.1:{}", ports.etcd_peer);
         let etcd = self.spawn(
@@ -173,7 +218,19 @@ impl Boot {
         )?;
         started.0.push(etcd.clone());
         wait_healthy(&etcd, deadline, || etcd_health(ports.etcd_client)).await?;
+        Ok(etcd_url)
+    }
 
+    /// kube-apiserver's command line (kept for a restart); writes its audit policy.
+    fn apiserver_args(
+        &self,
+        etcd_url: &str,
+        ports: &Ports,
+        pki: &Pki,
+    ) -> Result<Vec<String>, Error> {
+        let s = |p: &Path| p.display().to_string();
+        let logs = self.dir.join("logs");
+        let routable = !self.address.is_loopback();
         let audit_policy = logs.join("audit-policy.yaml");
         write_private(&audit_policy, AUDIT_POLICY)?;
         let mut apiserver_args: Vec<String> = vec![
@@ -227,15 +284,18 @@ impl Boot {
             apiserver_args.push("--endpoint-reconciler-type=none".into());
         }
         apiserver_args.extend(self.apiserver_flags.iter().cloned());
-        let apiserver = self.spawn(
-            "kube-apiserver",
-            &self.binaries.kube_apiserver,
-            apiserver_args.clone(),
-        )?;
-        started.0.push(apiserver.clone());
-        let admin = client_from(admin_kubeconfig.clone(), "admin")?;
-        wait_healthy(&apiserver, deadline, || get_text(&admin, "/readyz")).await?;
+        Ok(apiserver_args)
+    }
 
+    /// The controller manager and the scheduler, both healthy.
+    async fn start_controllers(
+        &self,
+        ports: &Ports,
+        pki: &Pki,
+        started: &mut Started,
+        deadline: Instant,
+    ) -> Result<(), Error> {
+        let s = |p: &Path| p.display().to_string();
         let common = |port: u16, kubeconfig: &Path, serving: &pki::CertFiles| {
             vec![
                 format!("--kubeconfig={}", s(kubeconfig)),
@@ -251,7 +311,7 @@ impl Boot {
         };
         let mut kcm_args = common(
             ports.controller_manager,
-            &kcm_kubeconfig,
+            &self.dir.join(KCM_KUBECONFIG),
             &pki.controller_manager_serving,
         );
         kcm_args.extend([
@@ -281,35 +341,18 @@ impl Boot {
         let scheduler = self.spawn(
             "kube-scheduler",
             &self.binaries.kube_scheduler,
-            common(ports.scheduler, &sched_kubeconfig, &pki.scheduler_serving),
+            common(
+                ports.scheduler,
+                &self.dir.join(SCHED_KUBECONFIG),
+                &pki.scheduler_serving,
+            ),
         )?;
         started.0.push(scheduler.clone());
 
-        let kcm_health = health_client(ports.controller_manager, &pki)?;
-        let sched_health = health_client(ports.scheduler, &pki)?;
+        let kcm_health = health_client(ports.controller_manager, pki)?;
+        let sched_health = health_client(ports.scheduler, pki)?;
         wait_healthy(&kcm, deadline, || get_text(&kcm_health, "/healthz")).await?;
-        wait_healthy(&scheduler, deadline, || get_text(&sched_health, "/healthz")).await?;
-
-        // The controllers are healthy only in a shallow sense until they act: wait for the
-        // serviceaccount controller to create `default/default`.
-        let sas: Api<ServiceAccount> = Api::namespaced(admin.clone(), "default");
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        wait::poll_until(
-            "the controller manager to create ServiceAccount default/default",
-            remaining,
-            || async { sas.get_opt("default").await.map(|sa| sa.map(|_| ())) },
-        )
-        .await?;
-
-        let procs = std::mem::take(&mut started.0);
-        Ok(Booted {
-            procs,
-            apiserver_args,
-            ports,
-            pki,
-            admin_kubeconfig_path,
-            admin_kubeconfig,
-        })
+        wait_healthy(&scheduler, deadline, || get_text(&sched_health, "/healthz")).await
     }
 
     pub(super) fn spawn(&self, name: &str, bin: &Path, args: Vec<String>) -> Result<Proc, Error> {
@@ -479,7 +522,7 @@ mod tests {
     /// A start that fails after the link was added deletes it (the guard), and a started
     /// control plane keeps it (handed over).
     #[test]
-    pub(super) fn a_failed_starts_link_is_deleted_and_a_handed_over_one_kept() {
+    fn a_failed_starts_link_is_deleted_and_a_handed_over_one_kept() {
         crate::harness::paths::require_root().expect("the link guard test needs root");
         let dir = tempfile::tempdir_in("/dev/shm").unwrap();
         let name = link_name(dir.path());
@@ -507,7 +550,7 @@ mod tests {
     }
 
     #[test]
-    pub(super) fn free_ports_are_distinct() {
+    fn free_ports_are_distinct() {
         let p = free_ports().unwrap();
         let all = BTreeSet::from([
             p.etcd_client,
@@ -522,7 +565,7 @@ mod tests {
     /// A routable control plane killed outright leaves its link on the host: the next run's
     /// sweep removes it with the directory. Needs root, like the real-node sweep test.
     #[test]
-    pub(super) fn a_dead_routable_runs_link_is_swept() {
+    fn a_dead_routable_runs_link_is_swept() {
         crate::harness::paths::require_root().expect("the link sweep test needs root");
         let base = tempfile::tempdir_in("/dev/shm").unwrap();
         let dead = base.path().join("meshgate-e2e-deadlink");

@@ -6,7 +6,6 @@
 
 use std::path::{Path, PathBuf};
 
-
 use crate::Error;
 use crate::harness::hostnet;
 use crate::harness::pki::{self};
@@ -194,12 +193,40 @@ pub(super) fn keep_logs(dir: &Path) {
     }
 }
 
+/// The run dir `dir` names (prepared), or a fresh temporary one (kept as a `TempDir`, so
+/// an early return removes it).
+pub(super) fn run_dir(
+    dir: Option<&PathBuf>,
+) -> Result<(PathBuf, Option<tempfile::TempDir>), Error> {
+    Ok(match dir {
+        Some(dir) => {
+            prepare_dir(dir)?;
+            (dir.clone(), None)
+        }
+        None => {
+            let base = tmp_base();
+            sweep_stale(&base);
+            let temp = tempfile::Builder::new()
+                .prefix(TMP_PREFIX)
+                .tempdir_in(&base)
+                .map_err(|e| {
+                    Error::io(
+                        format!("creating a temporary directory in {}", base.display()),
+                        e,
+                    )
+                })?;
+            write_owner(temp.path())?;
+            (temp.path().to_owned(), Some(temp))
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    pub(super) fn kubeconfigs_parse_and_carry_their_credentials() {
+    fn kubeconfigs_parse_and_carry_their_credentials() {
         let certs = pki::CertFiles {
             cert: PathBuf::from("/d/pki/admin.crt"),
             key: PathBuf::from("/d/pki/a \"b\".key"),
@@ -229,7 +256,7 @@ mod tests {
     }
 
     #[test]
-    pub(super) fn down_refuses_a_directory_up_did_not_create() {
+    fn down_refuses_a_directory_up_did_not_create() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("keep.txt"), "user data").unwrap();
         assert!(matches!(
@@ -240,7 +267,7 @@ mod tests {
     }
 
     #[test]
-    pub(super) fn sweep_removes_only_directories_of_dead_owners() {
+    fn sweep_removes_only_directories_of_dead_owners() {
         let base = tempfile::tempdir().unwrap();
         let dead = base.path().join("meshgate-e2e-dead");
         let live = base.path().join("meshgate-e2e-live");
@@ -259,7 +286,7 @@ mod tests {
     }
 
     #[test]
-    pub(super) fn remove_layout_leaves_foreign_files() {
+    fn remove_layout_leaves_foreign_files() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("etcd/member")).unwrap();
         std::fs::write(dir.path().join("admin.kubeconfig"), "x").unwrap();

@@ -8,7 +8,6 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-
 use crate::Error;
 use crate::harness::hostnet;
 use crate::harness::process::{self, Proc};

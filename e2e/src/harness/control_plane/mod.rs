@@ -173,27 +173,7 @@ impl ControlPlane {
         let begun = Instant::now();
 
         // A temporary dir stays a TempDir (removed on drop) until the control plane is up.
-        let (dir, temp) = match &options.dir {
-            Some(dir) => {
-                prepare_dir(dir)?;
-                (dir.clone(), None)
-            }
-            None => {
-                let base = tmp_base();
-                sweep_stale(&base);
-                let temp = tempfile::Builder::new()
-                    .prefix(TMP_PREFIX)
-                    .tempdir_in(&base)
-                    .map_err(|e| {
-                        Error::io(
-                            format!("creating a temporary directory in {}", base.display()),
-                            e,
-                        )
-                    })?;
-                write_owner(temp.path())?;
-                (temp.path().to_owned(), Some(temp))
-            }
-        };
+        let (dir, temp) = run_dir(options.dir.as_ref())?;
 
         // The routable address first: the serving certificate names it.
         // Until the ControlPlane owns it, the link is deleted by the guard on any early
@@ -270,7 +250,12 @@ impl ControlPlane {
                 cp.nodes.clone(),
             ));
         }
-        let pids: Vec<String> = cp
+        cp.log_healthy();
+        Ok(cp)
+    }
+
+    fn log_healthy(&self) {
+        let pids: Vec<String> = self
             .procs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -278,12 +263,11 @@ impl ControlPlane {
             .map(|p| format!("{}={}", p.name, p.pid))
             .collect();
         tracing::info!(
-            dir = %cp.dir.display(),
+            dir = %self.dir.display(),
             pids = %pids.join(","),
-            elapsed_ms = cp.started_in.as_millis() as u64,
+            elapsed_ms = self.started_in.as_millis() as u64,
             "control plane healthy"
         );
-        Ok(cp)
     }
 
     /// The control plane shared by every test in this process: started by the first caller,

@@ -319,7 +319,7 @@ mod tests {
     const CACHED_LO: &str =
         "cni-loopback-41dd11e953eae272521ffcb4835d2fec046790da37dc1dd9aead70f07eddad77-lo";
 
-    pub(super) fn testdata(name: &str) -> Vec<u8> {
+    fn testdata(name: &str) -> Vec<u8> {
         let path = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("testdata/cni-cache")
             .join(name);
@@ -327,7 +327,7 @@ mod tests {
     }
 
     #[test]
-    pub(super) fn a_cached_attachment_names_the_chain_that_ran() {
+    fn a_cached_attachment_names_the_chain_that_ran() {
         let a = CachedAttachment::parse(&testdata(CACHED_CHAIN)).unwrap();
         assert_eq!(a.network_name, "meshgate-e2e");
         assert_eq!(
@@ -374,7 +374,7 @@ mod tests {
     }
 
     #[test]
-    pub(super) fn what_libcni_does_not_write_is_refused() {
+    fn what_libcni_does_not_write_is_refused() {
         let good: serde_json::Value = serde_json::from_slice(&testdata(CACHED_CHAIN)).unwrap();
         let with = |edit: &dyn Fn(&mut serde_json::Value)| {
             let mut v = good.clone();
@@ -451,7 +451,7 @@ mod tests {
     }
 
     #[test]
-    pub(super) fn a_pods_attachments_are_found_by_its_uid() {
+    fn a_pods_attachments_are_found_by_its_uid() {
         let dir = tempfile::tempdir().unwrap();
         assert_eq!(
             attachments_of(dir.path(), "x").unwrap(),
@@ -484,7 +484,7 @@ mod tests {
     }
 
     #[test]
-    pub(super) fn istio_cni_entry_has_the_installer_fields() {
+    fn istio_cni_entry_has_the_installer_fields() {
         let e = istio_cni_entry(Path::new("/run/istio-cni"), true);
         assert_eq!(e["type"], "istio-cni");
         assert_eq!(e["cni_agent_run_dir"], "/run/istio-cni");

@@ -396,7 +396,7 @@ mod tests {
     /// mount, the bridge, the node's network namespace and veth, the cgroups and the
     /// directory. Needs root, like every real-node test.
     #[test]
-    pub(super) fn a_dead_runs_leftovers_are_swept() {
+    fn a_dead_runs_leftovers_are_swept() {
         crate::harness::paths::require_root().expect("the real-node sweep test needs root");
         let base = tempfile::tempdir_in("/dev/shm").unwrap();
         let dir = tempfile::Builder::new()
@@ -494,7 +494,7 @@ mod tests {
     }
 
     #[test]
-    pub(super) fn mount_paths_are_unescaped() {
+    fn mount_paths_are_unescaped() {
         assert_eq!(unescape_mount_path("/a\\040b/c"), PathBuf::from("/a b/c"));
     }
 }
