@@ -36,12 +36,12 @@ impl Story<'_> {
     pub(super) async fn before_meshgate(&self) -> anyhow::Result<Pod> {
         let Story { client, a, .. } = self;
         let n = self.n;
-        say_node(n, &a);
+        say_node(n, a);
         n.say(&format!(
             "{}: a bridge network (bridge → portmap); Istio's CNI plugin is NOT appended yet (scenario S3)",
             a.conflist_path().display()
         ));
-        create_namespace(&client).await?;
+        create_namespace(client).await?;
         let deployments: Api<Deployment> = Api::namespaced(client.clone(), NAMESPACE);
         let web: Deployment = serde_json::from_value(web_deployment(a.name()))?;
         wait::api(
@@ -49,8 +49,8 @@ impl Story<'_> {
             deployments.create(&PostParams::default(), &web),
         )
         .await?;
-        let first = running_web(&client, &[]).await?;
-        let verdict = inspect_pod(&a, &first).await?;
+        let first = running_web(client, &[]).await?;
+        let verdict = inspect_pod(a, &first).await?;
         ensure!(
             verdict == "missing",
             "the web pod started before istio-cni was chained must have no redirect rules; `meshgate-agent inspect` says {verdict}"
@@ -79,7 +79,7 @@ impl Story<'_> {
             a.name()
         ));
         n.detail(&system_pods(cluster).await?);
-        let gated = wait_node(&client, a.name(), "gated", |n| {
+        let gated = wait_node(client, a.name(), "gated", |n| {
             tainted(n) && gate_condition(n).is_some_and(|c| c.0 == "False")
         })
         .await?;
@@ -108,7 +108,7 @@ impl Story<'_> {
             anyhow::Ok(gone.then_some(()))
         })
         .await?;
-        let event = pod_event(&client, &first.name_any(), "MeshRedirectMissing", "Evict").await?;
+        let event = pod_event(client, &first.name_any(), "MeshRedirectMissing", "Evict").await?;
         n.say(&format!(
             "agent: pod {} has no redirect rules → evicted through the Eviction API; Event MeshRedirectMissing:",
             first.name_any()
@@ -133,7 +133,7 @@ impl Story<'_> {
             ),
             STEP,
             || async {
-                let about = events_about(&client, &pending.name_any()).await?;
+                let about = events_about(client, &pending.name_any()).await?;
                 anyhow::Ok(about.into_iter().find(|e| e.note.contains(&verdict)))
             },
         )
@@ -180,7 +180,7 @@ impl Story<'_> {
             b.name(),
             agent_b.len()
         );
-        let gated_b = wait_verdict(&client, b.name(), false).await?;
+        let gated_b = wait_verdict(client, b.name(), false).await?;
         ensure!(
             tainted(&gated_b),
             "node {} lost its taint while its conflist lacks istio-cni",
@@ -239,10 +239,10 @@ impl Story<'_> {
         let n = self.n;
         n.say("Istio's installer appends istio-cni to the bridge conflist, with its kubeconfig (scenario S1)");
         let written = Instant::now();
-        a.install_istio_cni(&kubeconfig, false)?;
-        wait_node(&client, a.name(), "untainted", |n| !tainted(n)).await?;
+        a.install_istio_cni(kubeconfig, false)?;
+        wait_node(client, a.name(), "untainted", |n| !tainted(n)).await?;
         let untaint = written.elapsed();
-        wait_verdict(&client, a.name(), true).await?;
+        wait_verdict(client, a.name(), true).await?;
         n.say(&format!(
             "agent: {} untainted {} ms after the write — {CONDITION_TYPE}=True (Verified)",
             a.name(),
@@ -250,24 +250,24 @@ impl Story<'_> {
         ));
         n.detail(&describe_excerpt(cluster, a.name()).await?);
 
-        let replacement = running_web(&client, &[first_uid]).await?;
-        let rules = netfilter_dump(&a, &replacement, false).await?;
+        let replacement = running_web(client, &[first_uid]).await?;
+        let rules = netfilter_dump(a, &replacement, false).await?;
         ensure!(
             rules.contains("ISTIO_OUTPUT") && rules.contains("ISTIO_REDIRECT"),
             "istio-cni's iptables chains are not in the replacement's namespace:\n{rules}"
         );
-        let verdict = inspect_pod(&a, &replacement).await?;
+        let verdict = inspect_pod(a, &replacement).await?;
         ensure!(
             verdict == "redirected",
             "the replacement istio-cni set up must be judged redirected; `inspect` says {verdict}; istio-cni's log:\n{}",
-            istio_cni_log(&a)
+            istio_cni_log(a)
         );
         ensure!(
-            istio_cni_log(&a).contains(&replacement.name_any()),
+            istio_cni_log(a).contains(&replacement.name_any()),
             "istio-cni's log does not name the replacement {}",
             replacement.name_any()
         );
-        let agent = cluster.agent_admin(&a);
+        let agent = cluster.agent_admin(a);
         wait_metric(
             agent,
             "meshgate_pod_inspections_total{profile=\"istio\",verdict=\"redirected\"}",
@@ -303,7 +303,7 @@ impl Story<'_> {
         // for a while (many times the agent's coalescing window) and its condition must not
         // have transitioned.
         let before = condition_since(&read_node(&nodes, a.name()).await?);
-        a.install_istio_cni(&kubeconfig, true)?;
+        a.install_istio_cni(kubeconfig, true)?;
         let watched = Instant::now();
         while watched.elapsed() < Duration::from_millis(1500) {
             ensure!(
@@ -339,13 +339,13 @@ impl Story<'_> {
         )
         .await?;
         let replacement_uid = replacement.uid().unwrap_or_default();
-        let nft = running_web(&client, &[first_uid, &replacement_uid]).await?;
-        let ruleset = netfilter_dump(&a, &nft, true).await?;
+        let nft = running_web(client, &[first_uid, &replacement_uid]).await?;
+        let ruleset = netfilter_dump(a, &nft, true).await?;
         ensure!(
             ruleset.contains("istio"),
             "istio-cni's nftables tables are not in the pod's namespace:\n{ruleset}"
         );
-        let verdict = inspect_pod(&a, &nft).await?;
+        let verdict = inspect_pod(a, &nft).await?;
         ensure!(
             verdict == "redirected",
             "a pod istio-cni set up in native_nftables mode must be judged redirected; `inspect` says {verdict}"
@@ -376,9 +376,9 @@ impl Story<'_> {
         n.say("the primary CNI rewrites its conflist without istio-cni (scenario S4)");
         let written = Instant::now();
         a.remove_istio_cni()?;
-        wait_node(&client, a.name(), "re-tainted", tainted).await?;
+        wait_node(client, a.name(), "re-tainted", tainted).await?;
         let retaint = written.elapsed();
-        wait_verdict(&client, a.name(), false).await?;
+        wait_verdict(client, a.name(), false).await?;
         n.say(&format!(
             "agent: {} re-tainted {} ms after the drift — {CONDITION_TYPE}=False (ChainedPluginMissing), Event CNIChainUnverified",
             a.name(),
@@ -420,7 +420,7 @@ impl Story<'_> {
         let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
         let agent = cluster.agent_admin(a);
         let redirected = REDIRECTED;
-        let agent_pod = cluster.agent_pod(&a).await?;
+        let agent_pod = cluster.agent_pod(a).await?;
         n.say(&format!(
             "the agent pod {} is deleted; its DaemonSet recreates it",
             agent_pod.name_any()
@@ -439,7 +439,7 @@ impl Story<'_> {
                 "{} lost its taint while its agent restarted, with istio-cni still missing",
                 a.name()
             );
-            if let Ok(p) = cluster.agent_pod(&a).await
+            if let Ok(p) = cluster.agent_pod(a).await
                 && p.uid() != Some(old_uid.clone())
                 && is_ready(&p)
             {
@@ -470,7 +470,7 @@ impl Story<'_> {
             "the redirected pod {} was evicted after the agent restarted",
             nft.name_any()
         );
-        let evictions = pod_events(&client, "MeshRedirectMissing").await?;
+        let evictions = pod_events(client, "MeshRedirectMissing").await?;
         ensure!(
             evictions.len() == 1 && evictions.iter().all(|e| e.action == "Evict"),
             "MeshRedirectMissing Events after the restart: {evictions:?}; exactly one, an Evict, was expected"
