@@ -14,18 +14,15 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::Client;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use meshgate_e2e::harness::wait::poll_until;
-use meshgate_e2e::real::cluster::RealCluster;
 use meshgate_e2e::real::node::{
     CONFLIST, CachedAttachment, RealNode, host_residue, start_control_plane,
 };
 use meshgate_e2e::real::story::{
     self, Transcript, all_running, app_pid, in_netns, inspect_pid, istio_cni_kubeconfig,
-    istio_cni_log, wait_verdict,
+    istio_cni_log,
 };
-use meshgate_e2e::sim::node::{gate_condition, tainted};
 
 /// A pod's containers start within this on the real node (images are local).
 const POD_START: Duration = Duration::from_secs(90);
@@ -877,125 +874,6 @@ fn check_plugins(
         )
     })?;
     Ok((out.status.code(), verdict))
-}
-
-/// meshgate installed as a user installs it: `kubectl apply -k` of the e2e overlay over the
-/// project's own manifests (only the local image name and the mesh's plugin, istio-cni, set),
-/// onto real nodes. Node A registers before meshgate exists; after the install the webhook's
-/// Deployment (2 replicas) and A's agent pod run there and become Ready, the agent under the
-/// kubelet-projected token the ValidatingAdmissionPolicy keys on. Node B then registers: the
-/// webhook's mutating hook taints it at CREATE (in the Node as first stored, seen by a watch
-/// opened before the registration), and B's agent keeps `MeshCNIVerified=False` while B's
-/// conflist lacks istio-cni. The token the kubelet projected into A's agent may not touch B:
-/// the policy's refusal names A, its node claim.
-#[tokio::test]
-async fn meshgate_installs_from_its_manifests_onto_real_nodes() -> anyhow::Result<()> {
-    let _one = ONE_NODE.lock().await;
-    let cluster = RealCluster::start().await?;
-    let cp = cluster.control_plane();
-    let client = cp.client()?;
-    // add_node lifts the harness's own taint (which keeps the shared control plane's pods off
-    // real nodes): this cluster is dedicated, and the webhook tolerates only meshgate's taint.
-    let a = cluster
-        .add_node()
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"))
-        .context("node A did not come up")?;
-
-    // The webhook's two replicas and A's agent become Ready on A (install_meshgate waits).
-    let installed = Instant::now();
-    cluster.install_meshgate().await?;
-    eprintln!(
-        "install → webhook's 2 replicas and the agent Ready on {}: {:?}",
-        a.name(),
-        installed.elapsed()
-    );
-    let webhook = cluster.ready_pods("meshgate-webhook", None, 2).await?;
-    let agent_a = cluster.agent_pod(&a).await?;
-    ensure!(
-        webhook.iter().all(|p| on_node(p) == Some(a.name())),
-        "the webhook's pods are not on node A"
-    );
-    ensure!(
-        agent_a
-            .spec
-            .as_ref()
-            .and_then(|s| s.service_account_name.as_deref())
-            == Some("meshgate-agent"),
-        "the agent pod does not run as meshgate-agent"
-    );
-    let node_a = wait_verdict(&client, a.name(), false).await?;
-    ensure!(
-        tainted(&node_a),
-        "node A has no {TAINT_KEY} taint while its conflist lacks istio-cni: {:?}",
-        node_a.spec.as_ref().and_then(|s| s.taints.clone())
-    );
-
-    // Node B registers while the webhook runs: its Node as the apiserver stored it at CREATE,
-    // after the mutating webhook (the first event of a watch opened before its kubelet).
-    let (b, first) = cluster
-        .add_node_seen_at_create()
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"))
-        .context("node B did not come up")?;
-    ensure!(
-        tainted(&first),
-        "node B was created without meshgate's taint (the mutating webhook did not taint it at CREATE): {:?}",
-        first.spec.as_ref().and_then(|s| s.taints.clone())
-    );
-    eprintln!(
-        "node {} tainted at CREATE (registration {:?} after the kubelet started)",
-        b.name(),
-        b.times().registered
-    );
-    let agent_b = cluster.ready_pods("meshgate-agent", Some(&b), 1).await?;
-    ensure!(
-        agent_b.len() == 1,
-        "node B has {} agent pods",
-        agent_b.len()
-    );
-    let node_b = wait_verdict(&client, b.name(), false).await?;
-    ensure!(
-        tainted(&node_b),
-        "node B lost its taint while its conflist lacks istio-cni"
-    );
-    let message = gate_condition(&node_b).map(|c| c.2).unwrap_or_default();
-    ensure!(
-        message.contains("istio-cni"),
-        "B's MeshCNIVerified message does not name the missing plugin: {message:?}"
-    );
-
-    // The ValidatingAdmissionPolicy, under the very token the kubelet projected into A's
-    // agent (read through the container's root): A's agent wrote A's verdict above, and the
-    // same token may not touch B. The refusal names A, so the token carries the node claim.
-    let agent_pid = story::container_pid(&a, &agent_a, "agent").await?;
-    let token = std::fs::read_to_string(format!(
-        "/proc/{agent_pid}/root/var/run/secrets/kubernetes.io/serviceaccount/token"
-    ))
-    .context("reading the agent's projected token")?;
-    let as_agent: Api<Node> = Api::all(cp.client_for_token(token.trim())?);
-    let label = serde_json::json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}});
-    let refused = as_agent
-        .patch(b.name(), &PatchParams::default(), &Patch::Merge(&label))
-        .await;
-    let want = format!(
-        "meshgate-agent on node {} may not modify Node {}",
-        a.name(),
-        b.name()
-    );
-    ensure!(
-        matches!(&refused, Err(kube::Error::Api(e)) if e.message.contains(&want)),
-        "A's agent token labelling node B: want the policy's refusal {want:?}, got {refused:?}"
-    );
-
-    b.stop();
-    a.stop();
-    assert_clean(&client, &b).await?;
-    assert_clean(&client, &a).await
-}
-
-fn on_node(p: &Pod) -> Option<&str> {
-    p.spec.as_ref().and_then(|s| s.node_name.as_deref())
 }
 
 /// Issue 12's story on real nodes, with meshgate installed from its manifests: S3 → S1 → S4

@@ -34,12 +34,9 @@ mod observe;
 mod steps;
 mod workload;
 
-pub use observe::{all_running, istio_cni_log, wait_verdict};
+pub use observe::{all_running, istio_cni_log};
 use steps::Story;
-pub use workload::{
-    app_pid, container_pid, in_netns, inspect_pid, inspect_pod, istio_cni_kubeconfig,
-    netfilter_dump, sidecar_pod_template,
-};
+pub use workload::{app_pid, in_netns, inspect_pid, istio_cni_kubeconfig, sidecar_pod_template};
 
 /// The namespace the story's workload runs in.
 pub const NAMESPACE: &str = "demo";

@@ -87,7 +87,11 @@ pub(super) async fn wait_metric(
 }
 
 /// Waits until the agent has written its verdict on `node`: `MeshCNIVerified` = `verified`.
-pub async fn wait_verdict(client: &Client, node: &str, verified: bool) -> anyhow::Result<Node> {
+pub(super) async fn wait_verdict(
+    client: &Client,
+    node: &str,
+    verified: bool,
+) -> anyhow::Result<Node> {
     let want = if verified { "True" } else { "False" };
     wait_node(client, node, &format!("{CONDITION_TYPE}={want}"), |n| {
         gate_condition(n).is_some_and(|c| c.0 == want)

@@ -142,7 +142,7 @@ pub async fn app_pid(node: &RealNode, pod: &Pod) -> anyhow::Result<i32> {
 }
 
 /// The host pid of the pod's container `name`, from containerd's task list.
-pub async fn container_pid(node: &RealNode, pod: &Pod, name: &str) -> anyhow::Result<i32> {
+pub(super) async fn container_pid(node: &RealNode, pod: &Pod, name: &str) -> anyhow::Result<i32> {
     let id = pod
         .status
         .as_ref()
@@ -178,7 +178,7 @@ pub async fn inspect_pid(pid: i32) -> anyhow::Result<(Option<i32>, String)> {
 
 /// [`inspect_pid`] on the pod's `app` container: the verdict, which must be one and agree
 /// with the exit code (0 redirected, 1 missing, 2 unknown, for scripts).
-pub async fn inspect_pod(node: &RealNode, pod: &Pod) -> anyhow::Result<String> {
+pub(super) async fn inspect_pod(node: &RealNode, pod: &Pod) -> anyhow::Result<String> {
     let (exit, verdict) = inspect_pid(app_pid(node, pod).await?).await?;
     let code = match verdict.as_str() {
         "redirected" => 0,
@@ -195,7 +195,11 @@ pub async fn inspect_pod(node: &RealNode, pod: &Pod) -> anyhow::Result<String> {
 
 /// The pod's netfilter rules as the host's tools print them inside its network namespace:
 /// `nft list ruleset` with `nft`, else `iptables-save`.
-pub async fn netfilter_dump(node: &RealNode, pod: &Pod, nft: bool) -> anyhow::Result<String> {
+pub(super) async fn netfilter_dump(
+    node: &RealNode,
+    pod: &Pod,
+    nft: bool,
+) -> anyhow::Result<String> {
     let tool: &[&str] = if nft {
         &["nft", "list", "ruleset"]
     } else {
