@@ -51,15 +51,27 @@ fn foreign_parts(n: &Node) -> serde_json::Value {
 
 #[tokio::test]
 async fn agent_token_changes_only_meshgates_taint_label_and_condition() -> anyhow::Result<()> {
-    use kube::runtime::events::{Event as Note, EventType, Recorder, Reporter};
-    use meshgate_agent::daemon::node::{NodeGate, TaintEffect};
-
     let f = fixture().await;
     let admin = f.cp.client()?;
     let nodes: Api<Node> = Api::all(admin.clone());
     let agent = f.cp.client_for_token(&f.agent_token_c)?;
-    let as_agent: Api<Node> = Api::all(agent.clone());
     let c = f.node_c.as_str();
+    make_it_big(&nodes, c).await?;
+    let before = nodes.get(c).await?;
+    let foreign = foreign_parts(&before);
+    assert!(
+        foreign.to_string().contains(FOREIGN_TAINT)
+            && foreign.to_string().contains(RESTRICTED_LABEL),
+        "node C carries another taint and a restricted label: {foreign}"
+    );
+
+    the_agents_own_writes_pass(&admin, &agent, c, &before, &foreign).await?;
+    every_other_change_is_refused(&nodes, &agent, c, &foreign).await?;
+    its_events_name_it_and_its_node(f, &agent, c).await
+}
+
+/// Node C made as big as a real Node: 50 images and 40 more labels.
+async fn make_it_big(nodes: &Api<Node>, c: &str) -> anyhow::Result<()> {
     // A Node as big as a real one: the kubelet reports up to 50 images, cloud nodes carry
     // dozens of labels. The policy compares all of it on every write of the agent, within
     // the apiserver's CEL cost limit.
@@ -96,14 +108,20 @@ async fn agent_token_changes_only_meshgates_taint_label_and_condition() -> anyho
             &Patch::Merge(json!({"metadata": {"labels": many}})),
         )
         .await?;
-    let before = nodes.get(c).await?;
-    let foreign = foreign_parts(&before);
-    assert!(
-        foreign.to_string().contains(FOREIGN_TAINT)
-            && foreign.to_string().contains(RESTRICTED_LABEL),
-        "node C carries another taint and a restricted label: {foreign}"
-    );
+    Ok(())
+}
 
+/// 1. Everything the real agent writes passes: `NodeGate` and its Events, under its token.
+async fn the_agents_own_writes_pass(
+    admin: &Client,
+    agent: &Client,
+    c: &str,
+    before: &Node,
+    foreign: &serde_json::Value,
+) -> anyhow::Result<()> {
+    use kube::runtime::events::{Event as Note, EventType, Recorder, Reporter};
+    use meshgate_agent::daemon::node::{NodeGate, TaintEffect};
+    let nodes: Api<Node> = Api::all(admin.clone());
     // 1. Everything the real agent writes passes: NodeGate (the taint and label JSON patch
     //    guarded by a resourceVersion test, the condition by strategic merge on nodes/status,
     //    the Event) with the agent's real token, through unverified → verified → unverified:
@@ -140,7 +158,7 @@ async fn agent_token_changes_only_meshgates_taint_label_and_condition() -> anyho
         );
         assert_eq!(
             foreign_parts(&n),
-            foreign,
+            *foreign,
             "the agent's writes kept the rest"
         );
     }
@@ -166,7 +184,7 @@ async fn agent_token_changes_only_meshgates_taint_label_and_condition() -> anyho
         action: "Probe".into(),
         secondary: None,
     };
-    let node_ref = kube::Resource::object_ref(&before, &());
+    let node_ref = kube::Resource::object_ref(before, &());
     for _ in 0..2 {
         recorder
             .publish(&note, &node_ref)
@@ -186,6 +204,17 @@ async fn agent_token_changes_only_meshgates_taint_label_and_condition() -> anyho
         .await
         .context("the agent's Event about a Pod")?;
 
+    Ok(())
+}
+
+/// 2. Every other change to its own Node is refused, each with the policy's message.
+async fn every_other_change_is_refused(
+    nodes: &Api<Node>,
+    agent: &Client,
+    c: &str,
+    foreign: &serde_json::Value,
+) -> anyhow::Result<()> {
+    let as_agent: Api<Node> = Api::all(agent.clone());
     // 2. Every other change to its own Node is refused, each with the policy's message.
     let own = "meshgate-agent-own-node";
     let n = nodes.get(c).await?;
@@ -387,11 +416,20 @@ async fn agent_token_changes_only_meshgates_taint_label_and_condition() -> anyho
     let after = nodes.get(c).await?;
     assert_eq!(
         foreign_parts(&after),
-        foreign,
+        *foreign,
         "nothing but meshgate's parts changed"
     );
     assert!(tainted(&after) && label(&after) == Some("false"));
 
+    Ok(())
+}
+
+/// 3. Its Events must name it and concern its own Node or a Pod.
+async fn its_events_name_it_and_its_node(
+    f: &Fixture,
+    agent: &Client,
+    c: &str,
+) -> anyhow::Result<()> {
     // 3. Its Events must name it and concern its own Node or a Pod.
     let agent_events: Api<Event> = Api::namespaced(agent.clone(), "default");
     let forged =
