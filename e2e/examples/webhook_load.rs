@@ -1,6 +1,6 @@
 //! `webhook/bench/run.sh`'s load generator and fixture tool: the harness's
-//! [`review_load`] in a process of its own, so the webhook's figures are not inflated by
-//! sharing a runtime with the generator.
+//! [`meshgate_e2e::load::review`] in a process of its own, so the webhook's figures are not
+//! inflated by sharing a runtime with the generator.
 //!
 //! In: flags (each with an env twin). Out, per subcommand:
 //! - `certs --dir D`: a test CA (`ca.crt`) and a 127.0.0.1 serving pair (`tls.crt`,

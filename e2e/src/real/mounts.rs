@@ -41,7 +41,7 @@ pub(crate) const BINDS: [(&str, &str); 9] = [
 /// `protectKernelDefaults` unset): host-wide ones, with no per-namespace copy. The node's mount
 /// namespace binds a file of the run dir over each (`sysctl/<name>`, holding the host's value
 /// when the node started), so the kubelet reads and writes the node's copy and the host's
-/// values never change; `real_node::host_residue` checks. (`protectKernelDefaults: true` is no
+/// values never change; `real::node::host_residue` checks. (`protectKernelDefaults: true` is no
 /// way out: the kubelet then refuses to start unless the host already holds its values, and
 /// `kernel.panic_on_oops=1` with `kernel.panic=10` would reboot the shared machine on any oops.)
 pub(crate) const KERNEL_TUNABLES: &[&str] = &[
@@ -101,7 +101,7 @@ pub(crate) fn prepare(dir: &Path) -> Result<(), Error> {
     }
     write(
         dir.join(RESOLV_CONF),
-        "# The real node's resolver config (e2e/src/node_mounts.rs); no test pod resolves names.\n\
+        "# The real node's resolver config (e2e/src/real/mounts.rs); no test pod resolves names.\n\
          nameserver 127.0.0.1\n"
             .into(),
     )
@@ -205,7 +205,7 @@ wait_for "$d/outside.done"
 "#;
 
     /// The "host": a private mount namespace, as on a machine without systemd, that starts the
-    /// node's namespace as `real_node` does and looks for the pin while the node holds it.
+    /// node's namespace as `real::node` does and looks for the pin while the node holds it.
     const CHECK: &str = r#"set -e
 d=$1
 unshare --mount --propagation=slave -- sh -ec "$(cat "$d/node-mounts.sh")" node-mounts sh -ec "$(cat "$d/node.sh")" node "$d" &

@@ -458,7 +458,7 @@ pub(crate) fn client_from(kubeconfig: Kubeconfig, what: &str) -> Result<Client, 
 }
 
 /// Picks five distinct free loopback ports, below the ephemeral range so a component
-/// restarted on its port (`start_apiserver`) finds it free (see `node_sim::free_port`).
+/// restarted on its port (`start_apiserver`) finds it free (see `sim::node::free_port`).
 pub(super) fn free_ports() -> Result<Ports, Error> {
     let ports = (0..5)
         .map(|_| crate::sim::node::free_port())

@@ -15,7 +15,7 @@ impl RealNode {
         let d = |sub: &str| toml_str(&self.dir.join(sub).display().to_string());
         let runc = toml_str(&self.bins.runc.display().to_string());
         format!(
-            r#"# The real node's containerd: everything under one run directory (see real_node.rs).
+            r#"# The real node's containerd: everything under one run directory (see e2e/src/real/node).
 version = 3
 root = {root}
 state = {state}
