@@ -16,9 +16,7 @@ use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use meshgate_e2e::harness::wait::poll_until;
-use meshgate_e2e::real::node::{
-    CONFLIST, CachedAttachment, RealNode, host_residue, start_control_plane,
-};
+use meshgate_e2e::real::node::{CachedAttachment, RealNode, host_residue, start_control_plane};
 use meshgate_e2e::real::story::{
     self, Transcript, all_running, app_pid, in_netns, inspect_pid, istio_cni_kubeconfig,
     istio_cni_log,
@@ -31,131 +29,6 @@ const POD_START: Duration = Duration::from_secs(90);
 /// compete for the 2 CPUs, and after each test nothing may be left on the host, which can
 /// only be checked once no other real node runs.
 static ONE_NODE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-#[tokio::test]
-async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() -> anyhow::Result<()>
-{
-    let _one = ONE_NODE.lock().await;
-    let cp = &start_control_plane().await?;
-    let client = cp.client()?;
-    let node = RealNode::start(cp)
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"))
-        .context("the real node did not come up")?;
-    let times = node.times();
-    eprintln!(
-        "real node {}: containerd {:?}, images {:?}, kubelet→registered {:?}, registered→Ready {:?}, Ready→kube-proxy's rules {:?}",
-        node.name(),
-        times.containerd,
-        times.images,
-        times.registered,
-        times.ready_after_registration,
-        times.kube_proxy_after_ready
-    );
-    let ns = cp.create_namespace(&client, "real-node").await?;
-
-    // S3: a pod through containerd and the real bridge CNI, with no mesh plugin: no rules.
-    let (plain, started) = run_pod(&client, &node, &ns, pod(&node, "plain", false)).await?;
-    eprintln!("pod {ns}/plain running after {started:?}");
-    let ip = plain
-        .status
-        .as_ref()
-        .and_then(|s| s.pod_ip.clone())
-        .unwrap_or_default();
-    ensure!(
-        ip.starts_with("10.200."),
-        "the plain pod has no address from the bridge network: {ip:?}"
-    );
-    let pid = app_pid(&node, &plain).await?;
-    let (code, verdict) = inspect_pid(pid).await?;
-    ensure!(
-        code == Some(1) && verdict == "missing",
-        "a pod without istio-cni must inspect as missing (exit 1); got exit {code:?}, {verdict}"
-    );
-
-    // The conf dir containerd just ran that pod from does not chain istio-cni: not verified.
-    let (code, verdict) = check(&node)?;
-    ensure!(
-        code == Some(1) && verdict["verified"] == false,
-        "check on the real node's conf dir without istio-cni: exit {code:?}, {verdict}"
-    );
-
-    // istio-cni chained the way Istio's installer does, with its own ServiceAccount's token.
-    let kubeconfig = istio_cni_kubeconfig(cp, &client, &ns).await?;
-    node.install_istio_cni(&kubeconfig, false)?;
-    let (code, verdict) = check(&node)?;
-    ensure!(
-        code == Some(0)
-            && verdict["verified"] == true
-            && verdict["config_file"]
-                .as_str()
-                .is_some_and(|f| f.ends_with(CONFLIST))
-            && verdict["plugins"] == serde_json::json!(["bridge", "portmap", "istio-cni"]),
-        "check on the real node's conf dir with istio-cni chained: exit {code:?}, {verdict}"
-    );
-    let (meshed, started) = run_pod(&client, &node, &ns, pod(&node, "meshed", true)).await?;
-    eprintln!("pod {ns}/meshed (istio-cni, iptables) running after {started:?}");
-    let pid = app_pid(&node, &meshed).await?;
-    let (code, verdict) = inspect_pid(pid).await?;
-    ensure!(
-        code == Some(0) && verdict == "redirected",
-        "a pod istio-cni (iptables mode) set up must inspect as redirected (exit 0); got exit {code:?}, {verdict}; \
-         istio-cni's log:\n{}",
-        istio_cni_log(&node)
-    );
-    // The rules came from istio-cni itself: its log names the pod it programmed.
-    ensure!(
-        istio_cni_log(&node).contains("meshed"),
-        "istio-cni's log does not mention the pod:\n{}",
-        istio_cni_log(&node)
-    );
-    let rules = in_netns(pid, &["iptables-save"]).await?;
-    ensure!(
-        rules.contains("ISTIO_OUTPUT") && rules.contains("ISTIO_REDIRECT"),
-        "istio-cni's iptables chains are not in the pod's namespace:\n{rules}"
-    );
-
-    // The same plugin in native_nftables mode: its own nftables tables, no iptables.
-    node.install_istio_cni(&kubeconfig, true)?;
-    let (nft_pod, started) = run_pod(&client, &node, &ns, pod(&node, "meshed-nft", true)).await?;
-    eprintln!("pod {ns}/meshed-nft (istio-cni, native nftables) running after {started:?}");
-    let pid = app_pid(&node, &nft_pod).await?;
-    let ruleset = in_netns(pid, &["nft", "list", "ruleset"]).await?;
-    ensure!(
-        ruleset.contains("istio"),
-        "istio-cni's nftables tables are not in the pod's namespace:\n{ruleset}"
-    );
-    let (code, verdict) = inspect_pid(pid).await?;
-    ensure!(
-        code == Some(0) && verdict == "redirected",
-        "a pod istio-cni (native nftables mode) set up must inspect as redirected (exit 0); got exit {code:?}, {verdict}; \
-         its ruleset:\n{ruleset}"
-    );
-
-    // The unmeshed pod is still judged missing: the verdict is per namespace, not per node.
-    let (code, _) = inspect_pid(app_pid(&node, &plain).await?).await?;
-    ensure!(code == Some(1), "the plain pod changed verdict: {code:?}");
-
-    // istio-cni uninstalled (its entry removed from the conflist): not verified again, and a
-    // new pod gets no rules.
-    node.remove_istio_cni()?;
-    let (code, verdict) = check(&node)?;
-    ensure!(
-        code == Some(1) && verdict["verified"] == false,
-        "check after istio-cni's entry was removed: exit {code:?}, {verdict}"
-    );
-    let (after, _) = run_pod(&client, &node, &ns, pod(&node, "after-uninstall", true)).await?;
-    let (code, verdict) = inspect_pid(app_pid(&node, &after).await?).await?;
-    ensure!(
-        code == Some(1) && verdict == "missing",
-        "a sidecar pod started after istio-cni was removed must inspect as missing; got exit {code:?}, {verdict}"
-    );
-
-    // Teardown leaves nothing behind: no directory, mount, bridge, cgroup, shim or host path,
-    // and no Node object.
-    node.stop();
-    assert_clean(&client, &node).await
-}
 
 /// A test that fails with pods running still tears its node down: the node is dropped while
 /// the panic unwinds, and its drop runs the same teardown as `stop`.
@@ -213,6 +86,7 @@ async fn check_names_the_config_containerd_really_loaded() -> anyhow::Result<()>
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))
         .context("the real node did not come up")?;
+    print_times(&node);
     let dir = node.cni_conf_dir();
     let write = |name: &str, text: &str| std::fs::write(dir.join(name), text);
     let single = |name: &str| {
@@ -777,6 +651,20 @@ fn meshgate_network(node: &RealNode, verdict: &serde_json::Value) -> String {
     describe(Some((name, &plugins)))
 }
 
+/// How long the node took to come up, for docs/testing.md's figures.
+fn print_times(node: &RealNode) {
+    let times = node.times();
+    eprintln!(
+        "real node {}: containerd {:?}, images {:?}, kubelet→registered {:?}, registered→Ready {:?}, Ready→kube-proxy's rules {:?}",
+        node.name(),
+        times.containerd,
+        times.images,
+        times.registered,
+        times.ready_after_registration,
+        times.kube_proxy_after_ready
+    );
+}
+
 /// Nothing of `node` is left on the host or in the API.
 async fn assert_clean(client: &Client, node: &RealNode) -> anyhow::Result<()> {
     let mut left = node.footprint().residue();
@@ -843,12 +731,6 @@ async fn run_pod(
             )
         }
     }
-}
-
-/// `meshgate-agent check` on the real node's CNI dirs, requiring istio-cni: exit code and the
-/// JSON verdict.
-fn check(node: &RealNode) -> anyhow::Result<(Option<i32>, serde_json::Value)> {
-    check_plugins(node, "istio-cni")
 }
 
 /// `meshgate-agent check --runtime containerd --require-plugin <plugin>` on the real node's
