@@ -1,20 +1,5 @@
 //! Detection: an un-redirected pod Running → its eviction.
 
-use std::collections::HashMap;
-use std::net::{IpAddr, Ipv4Addr};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
-
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, EvictParams, ListParams, PostParams};
-use kube::{Client, ResourceExt};
-use meshgate_e2e::harness::audit::AuditedIdentity;
-use meshgate_e2e::load::stats::quantile;
-use meshgate_e2e::sim::netns::{PodNetns, Rules, private_subnet, require_privileges};
-use meshgate_e2e::sim::node::{Agent, CniDirs, golden, workspace_bin};
-use meshgate_e2e::sim::pod::MESH_LABEL;
-use meshgate_e2e::{ControlPlane, NodeSpec, mark_pod_running};
-
 use super::*;
 
 /// The Cilium-style sweep: every `interval`, list the node's pods and evict each Running

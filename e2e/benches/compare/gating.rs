@@ -1,19 +1,5 @@
 //! Gating: untaint and re-taint, against the node-readiness-controller mechanism.
 
-use std::path::PathBuf;
-use std::time::{Duration, Instant};
-
-use anyhow::{Context, bail};
-use futures::StreamExt;
-use k8s_openapi::api::core::v1::Node;
-use kube::api::{Api, Patch, PatchParams};
-use kube::{Client, ResourceExt};
-use meshgate_e2e::load::stats::quantile;
-use meshgate_e2e::sim::node::{Agent, CniDirs, golden, workspace_bin};
-use meshgate_e2e::{ControlPlane, NodeSpec};
-use serde_json::json;
-use tokio::sync::{mpsc, watch};
-
 use super::*;
 
 /// Waits for the watch to report the wanted taint state; returns when it was seen.

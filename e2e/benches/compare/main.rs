@@ -28,19 +28,26 @@
 //! (250 real pod namespaces: inspection cost, full sweep, agent RSS, idle API requests),
 //! webhook (5,000 cached Nodes: RSS, latency at 2,000/s and 5,000/s, saturation throughput).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
-
 use anyhow::{Context, bail};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
-use meshgate_e2e::load::review::{self};
+use meshgate_e2e::harness::audit::AuditedIdentity;
+use meshgate_e2e::load::review;
+use meshgate_e2e::load::review::{Review, WebhookProcess};
 use meshgate_e2e::load::stats::quantile;
-use meshgate_e2e::sim::pod::meshed_pod;
-use meshgate_e2e::{ControlPlane, Options};
+use meshgate_e2e::sim::netns::{PodNetns, Rules, private_subnet, require_privileges};
+use meshgate_e2e::sim::node::{Agent, CniDirs, golden, plain, workspace_bin};
+use meshgate_e2e::sim::pod::{MESH_LABEL, meshed_pod, pending_meshed_pod};
+use meshgate_e2e::{ControlPlane, NodeSpec, Options, mark_pod_running};
+use serde_json::json;
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+use tokio::sync::{mpsc, watch};
 
 mod detection;
 mod gating;

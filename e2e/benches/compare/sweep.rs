@@ -1,20 +1,5 @@
 //! Sweep: 250 real pod namespaces; RSS; idle API requests.
 
-use std::collections::{BTreeMap, HashMap};
-use std::net::{IpAddr, Ipv4Addr};
-use std::time::{Duration, Instant, SystemTime};
-
-use anyhow::bail;
-use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, PostParams};
-use kube::{Client, ResourceExt};
-use meshgate_e2e::harness::audit::AuditedIdentity;
-use meshgate_e2e::load::stats::quantile;
-use meshgate_e2e::sim::netns::{PodNetns, Rules, private_subnet, require_privileges};
-use meshgate_e2e::sim::node::{Agent, CniDirs, golden, plain};
-use meshgate_e2e::{ControlPlane, NodeSpec};
-
 use super::*;
 
 /// Values of `key=` in the agent's log lines containing `marker` (colour codes removed).

@@ -1,16 +1,5 @@
 //! Webhook: 5,000 cached Nodes, latency and throughput on loopback.
 
-use std::sync::Arc;
-use std::time::Duration;
-
-use anyhow::bail;
-use k8s_openapi::api::core::v1::Pod;
-use kube::Client;
-use kube::api::{Api, PostParams};
-use meshgate_e2e::ControlPlane;
-use meshgate_e2e::load::review::{self, Review, WebhookProcess};
-use meshgate_e2e::sim::pod::pending_meshed_pod;
-
 use super::*;
 
 /// `meshgate_admission_duration_seconds` buckets as (upper bound, cumulative count).

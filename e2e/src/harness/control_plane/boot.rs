@@ -5,24 +5,6 @@
 //! In: a run dir, the binaries, an address. Out: [`Booted`] (processes, ports, PKI, admin
 //! kubeconfig), or the first component that did not answer, with the end of its log.
 
-use std::net::{IpAddr, Ipv4Addr};
-use std::path::{Path, PathBuf};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
-
-use k8s_openapi::api::core::v1::ServiceAccount;
-use kube::api::Api;
-use kube::config::Kubeconfig;
-use kube::{Client, Config};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-use crate::Error;
-use crate::harness::hostnet;
-use crate::harness::paths::Binaries;
-use crate::harness::pki::{self, Pki};
-use crate::harness::process::{self, Mode, Proc};
-use crate::harness::wait::{self};
-
 use super::*;
 
 /// A thread running a current-thread tokio runtime: the parent of the control-plane processes

@@ -4,13 +4,6 @@
 //! In: paths, certificates, tokens. Out: files written with private modes, directories
 //! prepared, swept or removed (only the entries a control plane creates).
 
-use std::path::{Path, PathBuf};
-
-use crate::Error;
-use crate::harness::hostnet;
-use crate::harness::pki::{self};
-use crate::harness::process::{self, Proc};
-
 use super::*;
 
 /// Entries a control plane creates in its directory; `down` removes exactly these.

@@ -4,14 +4,6 @@
 //! In: a [`ControlPlane`] or a directory `up` wrote. Out: processes signalled by pid (start
 //! time checked), the directory removed.
 
-use std::path::Path;
-use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
-
-use crate::Error;
-use crate::harness::hostnet;
-use crate::harness::process::{self, Proc};
-
 use super::*;
 
 impl ControlPlane {

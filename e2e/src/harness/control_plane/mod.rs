@@ -21,30 +21,30 @@ mod boot;
 mod files;
 mod lifecycle;
 
+use crate::Error;
+use crate::harness::paths::Binaries;
+use crate::harness::pki::Pki;
+use crate::harness::process::{Mode, Proc};
+use crate::harness::wait::API_TIMEOUT;
+use crate::harness::{hostnet, paths, pki, process, wait};
+use crate::sim::kubelet;
+use crate::sim::kubelet::{NodeSpec, PodRunner};
 pub(crate) use boot::client_from;
 use boot::*;
 use files::*;
 pub(crate) use files::{cert_kubeconfig_yaml, tmp_base, write_owner, write_private};
-
+use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use kube::api::{Api, PostParams};
+use kube::config::Kubeconfig;
+use kube::{Client, Config};
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-
-use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
-use kube::Client;
-use kube::api::{Api, PostParams};
-use kube::config::Kubeconfig;
-use serde::{Deserialize, Serialize};
-
-use crate::Error;
-use crate::harness::paths::{self, Binaries};
-use crate::harness::pki::Pki;
-use crate::harness::process::{Mode, Proc};
-use crate::harness::wait::{self, API_TIMEOUT};
-use crate::sim::kubelet::{self, NodeSpec, PodRunner};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Name of the state file `up` writes into its directory and `down` reads.
 pub const STATE_FILE: &str = "meshgate-e2e.json";

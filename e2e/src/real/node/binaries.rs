@@ -4,11 +4,6 @@
 //! `e2e/install-deps.sh` fills, and `PATH`. Out: [`NodeBinaries`], or [`Error::RealNode`]
 //! naming the missing part and the command that builds it.
 
-use std::path::{Path, PathBuf};
-
-use crate::Error;
-use crate::harness::paths::{self, env_var, find_on_path, is_executable};
-
 use super::*;
 
 /// The node's binaries and images, as `e2e/install-deps.sh` caches them.

@@ -4,17 +4,6 @@
 //! In: a [`RealNode`] whose network is up, its [`ControlPlane`]. Out: [`NodeTimes`], or
 //! [`Error::RealNode`] naming the part that did not start, with the end of its log.
 
-use std::time::{Duration, Instant};
-
-use k8s_openapi::api::core::v1::Node;
-use kube::api::Api;
-
-use crate::Error;
-use crate::harness::control_plane::{ControlPlane, cert_kubeconfig_yaml, write_private};
-use crate::harness::process::Proc;
-use crate::harness::wait;
-use crate::real::mounts::{self};
-
 use super::*;
 
 impl RealNode {

@@ -5,13 +5,6 @@
 //! In: the node's CNI conf dir, containerd's socket, libcni's cache dir. Out: files written,
 //! containerd's verbose status, [`CachedAttachment`]s.
 
-use std::path::{Path, PathBuf};
-use std::time::Duration;
-
-use crate::Error;
-use crate::harness::control_plane::write_private;
-use crate::harness::wait;
-
 use super::*;
 
 impl RealNode {

@@ -3,11 +3,6 @@
 //!
 //! In: a [`RealNode`]'s dir, binaries and addresses. Out: the files' text.
 
-use std::path::Path;
-
-use crate::Error;
-use crate::real::mounts::{self};
-
 use super::*;
 
 impl RealNode {

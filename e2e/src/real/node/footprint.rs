@@ -4,16 +4,6 @@
 //! network added and cleaned), and [`host_residue`]: the standard node paths, kube-proxy
 //! tables and host-wide sysctls that changed on the host since the first node started.
 
-use std::net::Ipv4Addr;
-use std::path::{Path, PathBuf};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
-
-use crate::Error;
-use crate::harness::hostnet;
-use crate::harness::paths::find_on_path;
-use crate::real::mounts::{KERNEL_TUNABLES, host_sysctl};
-
 use super::*;
 
 /// The node's addresses: a veth pair between the host and the node's network namespace, and

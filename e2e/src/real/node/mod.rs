@@ -30,16 +30,27 @@
 //! (crun refuses hybrid cgroups), and no systemd (so the harness starts and supervises both
 //! daemons itself, as it does the control plane).
 
+use crate::Error;
+use crate::harness::control_plane::{
+    ControlPlane, cert_kubeconfig_yaml, client_from, tmp_base, unique_name, write_owner,
+    write_private,
+};
+use crate::harness::paths::{env_var, find_on_path, is_executable};
+use crate::harness::process::{Mode, Proc};
+use crate::harness::{hostnet, paths, process, wait};
+use crate::real::mounts;
+use crate::real::mounts::{KERNEL_TUNABLES, host_sysctl};
+use boot::*;
+use config::*;
+use footprint::*;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, DeleteParams, ListParams};
+use spawn::*;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
-use std::time::Duration;
-
-use crate::Error;
-use crate::harness::control_plane::{ControlPlane, tmp_base, unique_name, write_owner};
-use crate::harness::hostnet;
-use crate::harness::paths::{self};
-use crate::harness::process::Proc;
+use std::sync::{Mutex, mpsc};
+use std::time::{Duration, Instant};
+use teardown::*;
 
 mod binaries;
 mod boot;
@@ -50,13 +61,8 @@ mod spawn;
 mod teardown;
 
 pub use binaries::{CNI_PLUGINS_ENV, NodeBinaries};
-use boot::*;
 pub use cni::{CachedAttachment, istio_cni_entry};
-use config::*;
-use footprint::*;
 pub use footprint::{Footprint, host_residue};
-use spawn::*;
-use teardown::*;
 
 /// The pause image containerd runs every pod sandbox with (see `e2e/images/pause.c`).
 pub const PAUSE_IMAGE: &str = "localhost/meshgate-e2e/pause:1";

@@ -4,13 +4,6 @@
 //!
 //! In: a daemon's binary, arguments and environment. Out: a tracked [`Proc`].
 
-use std::path::Path;
-use std::sync::mpsc;
-
-use crate::Error;
-use crate::harness::process::{self, Mode, Proc};
-use crate::real::mounts::{self};
-
 use super::*;
 
 impl RealNode {

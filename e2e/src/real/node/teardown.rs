@@ -4,16 +4,6 @@
 //! its daemons stopped, containerd's containers, shims and mounts removed, its cgroups, the Node
 //! object and the directory gone. Everything by pid or by path under the run dir.
 
-use std::path::{Path, PathBuf};
-use std::time::Duration;
-
-use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, DeleteParams, ListParams};
-
-use crate::harness::control_plane::client_from;
-use crate::harness::process::{self, Proc};
-use crate::harness::wait;
-
 use super::*;
 
 impl RealNode {

@@ -24,18 +24,29 @@
 //! 5. A's agent pod is deleted and its DaemonSet recreates it: A stays tainted, nothing is
 //!    evicted twice.
 
+use crate::harness::wait;
+use crate::harness::wait::poll_until;
+use crate::real::cluster::{RealCluster, SYSTEM_NAMESPACE, is_ready};
+use crate::real::node::{BUSYBOX_IMAGE, RealNode};
+use crate::sim::node::{gate_condition, metric_sample, tainted};
+use crate::{TokenOptions, service_account_token};
+use anyhow::{Context, bail, ensure};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
+use kube::{Client, ResourceExt};
+use meshgate_core::{CONDITION_TYPE, TAINT_KEY};
+use serde_json::json;
 use std::time::{Duration, Instant};
-
-use kube::ResourceExt;
-
-use crate::real::cluster::RealCluster;
+use steps::Story;
 
 mod observe;
 mod steps;
 mod workload;
 
 pub use observe::{all_running, istio_cni_log};
-use steps::Story;
 pub use workload::{app_pid, in_netns, inspect_pid, istio_cni_kubeconfig, sidecar_pod_template};
 
 /// The namespace the story's workload runs in.

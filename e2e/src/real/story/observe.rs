@@ -4,21 +4,6 @@
 //! In: a client, the cluster, the agent's admin address. Out: the objects, samples and lines,
 //! every wait bounded by the story's step time.
 
-use std::time::{Duration, Instant};
-
-use anyhow::{Context, bail, ensure};
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
-use k8s_openapi::api::events::v1::Event;
-use kube::api::{Api, ListParams, PostParams};
-use kube::{Client, ResourceExt};
-use meshgate_core::CONDITION_TYPE;
-use serde_json::json;
-
-use crate::harness::wait::{self, poll_until};
-use crate::real::cluster::{RealCluster, SYSTEM_NAMESPACE};
-use crate::real::node::RealNode;
-use crate::sim::node::{gate_condition, metric_sample};
-
 use super::*;
 
 /// The node's start, for the timeline.

@@ -3,22 +3,9 @@
 //! In: the cluster, node A and what earlier steps produced. Out: what later steps and the
 //! [`super::Outcome`] need; every step asserts what it shows and narrates it.
 
-use std::time::{Duration, Instant};
-
-use anyhow::{Context, bail, ensure};
-use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
-use kube::{Client, ResourceExt};
-use meshgate_core::{CONDITION_TYPE, TAINT_KEY};
-
 use super::observe::*;
 use super::workload::*;
-use super::{NAMESPACE, Narrator, STEP};
-use crate::harness::wait::{self, poll_until};
-use crate::real::cluster::{RealCluster, SYSTEM_NAMESPACE, is_ready};
-use crate::real::node::RealNode;
-use crate::sim::node::{gate_condition, metric_sample, tainted};
+use super::*;
 
 /// The agent's counter of pods it judged redirected.
 const REDIRECTED: &str = "meshgate_pod_inspections_total{profile=\"istio\",verdict=\"redirected\"}";

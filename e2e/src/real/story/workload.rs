@@ -4,20 +4,6 @@
 //! In: a real node and its pods. Out: pod specs, a kubeconfig path, pids, verdicts and rule
 //! dumps, each command bounded in time.
 
-use std::time::Duration;
-
-use anyhow::{Context, bail, ensure};
-use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
-use kube::Client;
-use kube::api::{Api, ObjectMeta, PostParams};
-use meshgate_core::TAINT_KEY;
-use serde_json::json;
-
-use crate::harness::wait::{self};
-use crate::real::node::{BUSYBOX_IMAGE, RealNode};
-use crate::{TokenOptions, service_account_token};
-
 use super::*;
 
 /// A pod as Istio's sidecar injector leaves it in CNI mode: an `istio-proxy` container running

@@ -1,14 +1,5 @@
 //! A config flapping fast keeps the agent's CPU bounded and ends on the right verdict.
 
-use std::collections::BTreeMap;
-use std::time::{Duration, Instant, SystemTime};
-
-use anyhow::{Context, ensure};
-use meshgate_e2e::harness::audit::AuditedIdentity;
-use meshgate_e2e::sim::node::{Agent, golden, tail};
-
-use crate::cp;
-
 use super::*;
 
 /// The config is rewritten every 60 ms (1,000 times a minute) for 20 s (60 s in soak): valid

@@ -1,13 +1,5 @@
 //! Hostile entries in the CNI conf and bin dirs never hang or bloat the daemon.
 
-use std::path::Path;
-use std::time::{Duration, Instant};
-
-use anyhow::{Context, ensure};
-use meshgate_e2e::sim::node::{Agent, GOOD_PLUGIN, golden, tail};
-
-use crate::cp;
-
 use super::*;
 
 /// One hostile input the agent has answered: what it was, the verdict it showed, and how long

@@ -20,20 +20,28 @@
 //! `agent.rs`. `MESHGATE_SOAK=1` (`make soak`) runs the long variants; `MESHGATE_FAULT_SEED`
 //! repeats a run's random choices (every test prints the seed it used).
 
-use std::net::Ipv4Addr;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
-
-use anyhow::{Context, bail};
+use crate::{WAIT, cp};
+use anyhow::{Context, bail, ensure};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::Client;
-use kube::api::Api;
-use meshgate_e2e::sim::node::{Agent, CniDirs, gate_condition, golden, tail, tainted};
-use meshgate_e2e::sim::pod::{self};
-use meshgate_e2e::{NodeSpec, unique_name};
-
-use crate::{WAIT, cp};
+use kube::api::{Api, DeleteParams, PostParams};
+use kube::{Client, ResourceExt};
+use meshgate_e2e::harness::audit::AuditedIdentity;
+use meshgate_e2e::harness::wait::API_TIMEOUT;
+use meshgate_e2e::load::review;
+use meshgate_e2e::load::review::{Outcome, Review, WebhookProcess};
+use meshgate_e2e::load::stats::quantile as percentile;
+use meshgate_e2e::sim::netns::{PodNetns, Rules, private_subnet, require_privileges};
+use meshgate_e2e::sim::node::{Agent, CniDirs, GOOD_PLUGIN, gate_condition, golden, tail, tainted};
+use meshgate_e2e::sim::pod;
+use meshgate_e2e::sim::pod::MESH_LABEL;
+use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
+use serde_json::json;
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 mod flapping;
 mod hostile;

@@ -1,18 +1,5 @@
 //! Vanishing pod namespaces and IPs that match no namespace are never evicted blindly.
 
-use std::collections::HashMap;
-use std::net::{IpAddr, Ipv4Addr};
-use std::time::{Duration, Instant};
-
-use anyhow::{Context, ensure};
-use k8s_openapi::api::core::v1::Pod;
-use kube::ResourceExt;
-use kube::api::{Api, PostParams};
-use meshgate_e2e::sim::netns::{PodNetns, Rules, private_subnet, require_privileges};
-use meshgate_e2e::sim::node::{Agent, tail};
-
-use crate::{WAIT, cp};
-
 use super::*;
 
 /// Pods whose namespace is deleted around the moment they start (before, during or after

@@ -1,24 +1,6 @@
 //! The agent SIGKILLed at random moments during verification, reconciles, inspections and
 //! evictions converges after each restart and never untaints an unverified node.
 
-use std::collections::{BTreeMap, HashMap};
-use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
-
-use anyhow::{Context, bail, ensure};
-use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
-use kube::ResourceExt;
-use kube::api::{Api, PostParams};
-use meshgate_e2e::harness::audit::AuditedIdentity;
-use meshgate_e2e::load::stats::quantile as percentile;
-use meshgate_e2e::sim::netns::{PodNetns, Rules, private_subnet, require_privileges};
-use meshgate_e2e::sim::node::{Agent, CniDirs, golden, tail};
-use meshgate_e2e::{NodeSpec, unique_name};
-
-use crate::{WAIT, cp};
-
 use super::*;
 
 /// A plugin that answers like a healthy one after 50 ms, so verification takes long enough

@@ -1,22 +1,5 @@
 //! The webhook sustains load, then drains its in-flight reviews on SIGTERM.
 
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-use anyhow::{Context, ensure};
-use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, DeleteParams, PostParams};
-use meshgate_e2e::harness::wait::API_TIMEOUT;
-use meshgate_e2e::load::review::{self, Outcome, Review, WebhookProcess};
-use meshgate_e2e::sim::node::tail;
-use meshgate_e2e::sim::pod::MESH_LABEL;
-use meshgate_e2e::{ControlPlane, unique_name};
-use serde_json::json;
-
-use crate::{WAIT, cp};
-
 use super::*;
 
 /// A TCP proxy between the webhook and the apiserver that can stall every byte on demand, so

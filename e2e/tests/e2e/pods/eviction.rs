@@ -1,21 +1,6 @@
 //! Pods without redirect rules are evicted, as the PDB, the rate limit, dry-run and a
 //! restart allow.
 
-use std::time::{Duration, Instant};
-
-use anyhow::{Context, bail, ensure};
-use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use kube::ResourceExt;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
-use meshgate_e2e::harness::wait::poll_until;
-use meshgate_e2e::sim::netns::Rules;
-use meshgate_e2e::sim::node::{plain, tail};
-use serde_json::json;
-
-use crate::support::golden;
-use crate::{WAIT, cp};
-
 use super::*;
 
 #[tokio::test]

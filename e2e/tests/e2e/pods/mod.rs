@@ -12,26 +12,26 @@
 //!
 //! Needs root and `ip`, `iptables-nft`, `iptables-legacy` (e2e/install-deps.sh installs them).
 
+use crate::support::{Agent, CniDirs, golden};
+use crate::{WAIT, cp};
+use anyhow::{Context, bail, ensure};
+use k8s_openapi::api::apps::v1::ReplicaSet;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use meshgate_e2e::harness::wait::poll_until;
+use meshgate_e2e::sim::netns::{PodNetns, Rules, private_subnet, require_privileges};
+use meshgate_e2e::sim::node::{GOOD_PLUGIN, plain, tail};
+use meshgate_e2e::sim::pod;
+use meshgate_e2e::sim::pod::{LINKERD_PROXY, MESH_LABEL, meshed_pod};
+use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
+use serde_json::json;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-
-use anyhow::{bail, ensure};
-use k8s_openapi::api::apps::v1::ReplicaSet;
-use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::events::v1::Event;
-use kube::api::{Api, ListParams, PostParams};
-use kube::{Client, ResourceExt};
-use meshgate_e2e::harness::wait::poll_until;
-use meshgate_e2e::sim::netns::{PodNetns, Rules, private_subnet, require_privileges};
-use meshgate_e2e::sim::node::tail;
-use meshgate_e2e::sim::pod::{self, LINKERD_PROXY, MESH_LABEL, meshed_pod};
-use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
-use serde_json::json;
-
-use crate::support::{Agent, CniDirs, golden};
-use crate::{WAIT, cp};
 
 mod eviction;
 mod report;

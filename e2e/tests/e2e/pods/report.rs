@@ -1,21 +1,6 @@
 //! What is reported and never evicted: a busy node under no-evict, several PDBs, the mesh
 //! label without a proxy, and ambient pods by their namespace's label.
 
-use std::time::{Duration, Instant};
-
-use k8s_openapi::api::apps::v1::ReplicaSet;
-use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use kube::ResourceExt;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
-use meshgate_e2e::harness::wait::poll_until;
-use meshgate_e2e::sim::netns::Rules;
-use meshgate_e2e::sim::node::{GOOD_PLUGIN, plain};
-use serde_json::json;
-
-use crate::support::golden;
-use crate::{WAIT, cp};
-
 use super::*;
 
 #[tokio::test]

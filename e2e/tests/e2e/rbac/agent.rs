@@ -1,27 +1,6 @@
 //! The agent under its real token: it gates only its own Node, may evict no pod on another
 //! node, may write nothing without a node claim, and reads no Secrets.
 
-use std::collections::BTreeMap;
-
-use anyhow::{Context as _, bail, ensure};
-use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{Node, Pod, Secret, ServiceAccount};
-use k8s_openapi::api::events::v1::Event;
-use kube::ResourceExt;
-use kube::api::{Api, EvictParams, ListParams, Patch, PatchParams, PostParams};
-use meshgate_core::{CONDITION_TYPE, VERIFIED_LABEL};
-use meshgate_e2e::TokenOptions;
-use meshgate_e2e::harness::wait::poll_until;
-use meshgate_e2e::sim::node::{CniDirs, golden};
-use meshgate_e2e::sim::node::{tainted, verified_label as label};
-use serde_json::json;
-
-use crate::WAIT;
-use crate::support::{
-    AGENT, NS, describe, dry_run_eviction, effective_rules, label_verified_dry_run,
-    refused_by_policy, refused_by_rbac, status_of, triples,
-};
-
 use super::*;
 
 #[tokio::test]

@@ -1,23 +1,6 @@
 //! The install manifests apply and are wired (workloads, caBundles, policies, the
 //! NetworkPolicy component, the cert-manager overlay); the alert rules pass promtool.
 
-use std::collections::BTreeSet;
-use std::process::Command;
-
-use anyhow::{Context as _, ensure};
-use k8s_openapi::api::admissionregistration::v1::{
-    MutatingWebhookConfiguration, ValidatingAdmissionPolicy, ValidatingWebhookConfiguration,
-};
-use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{Pod, Service};
-use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use kube::api::{Api, ListParams};
-use meshgate_e2e::harness::paths::repo_root;
-use meshgate_e2e::harness::wait::poll_until;
-
-use crate::WAIT;
-use crate::support::{AGENT, NS};
-
 use super::*;
 
 #[tokio::test]

@@ -27,26 +27,40 @@
 //! change what the other modules' tests see. This one starts in about 5 s and is stopped when
 //! the test binary exits.
 
-use std::collections::BTreeMap;
+use crate::WAIT;
+use crate::support::{
+    AGENT, NS, bound_token, describe, dry_run_eviction, effective_rules, label_verified_dry_run,
+    refused_by_policy, refused_by_rbac, status_of, triples, verdict,
+};
+use anyhow::{Context as _, bail, ensure};
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingAdmissionPolicy, ValidatingWebhookConfiguration,
+};
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Namespace, Node, Pod, PodSpec, Secret, Service, ServiceAccount,
+};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{
+    Api, DeleteParams, EvictParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams,
+};
+use kube::{Client, ResourceExt};
+use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
+use meshgate_e2e::harness::paths::{copy_tree, repo_root};
+use meshgate_e2e::harness::wait::poll_until;
+use meshgate_e2e::sim::node::{
+    CniDirs, free_port, gate_condition, golden, tainted, verified_label as label, workspace_bin,
+};
+use meshgate_e2e::{ControlPlane, NodeSpec, Options, TokenOptions, unique_name};
+use rustls::pki_types::CertificateDer;
+use rustls::pki_types::pem::PemObject;
+use serde_json::json;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
-
-use anyhow::{Context as _, bail, ensure};
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod, PodSpec, Secret};
-use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
-use kube::{Client, ResourceExt};
-use meshgate_core::TAINT_KEY;
-use meshgate_e2e::harness::paths::{copy_tree, repo_root};
-use meshgate_e2e::harness::wait::poll_until;
-use meshgate_e2e::sim::node::gate_condition;
-use meshgate_e2e::sim::node::{free_port, workspace_bin};
-use meshgate_e2e::{ControlPlane, NodeSpec, Options, unique_name};
-use serde_json::json;
-
-use crate::WAIT;
-use crate::support::{AGENT, NS, bound_token, dry_run_eviction, refused_by_policy};
+use std::sync::{Arc, OnceLock};
 
 mod agent;
 mod install;

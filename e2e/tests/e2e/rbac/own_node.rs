@@ -1,19 +1,6 @@
 //! On its own Node the agent's real writes pass the policies, and every other change, and
 //! every Event not in its own name or about another node, is refused with the policy's message.
 
-use anyhow::Context as _;
-use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::events::v1::Event;
-use kube::ResourceExt;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
-use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
-use meshgate_e2e::harness::wait::poll_until;
-use meshgate_e2e::sim::node::{tainted, verified_label as label};
-use serde_json::json;
-
-use crate::WAIT;
-use crate::support::{AGENT, describe, refused_by_policy, status_of, verdict};
-
 use super::*;
 
 /// The Node parts the agent must never change, as one comparable value.

@@ -1,27 +1,6 @@
 //! The webhook under its real token: ready with its caches, serving the generated certificate,
 //! and able to write nothing.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
-
-use anyhow::{Context as _, bail};
-use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
-use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret};
-use k8s_openapi::api::events::v1::Event;
-use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use meshgate_core::VERIFIED_LABEL;
-use meshgate_e2e::harness::wait::poll_until;
-use rustls::pki_types::CertificateDer;
-use rustls::pki_types::pem::PemObject;
-use serde_json::json;
-
-use crate::WAIT;
-use crate::support::{
-    AGENT, NS, describe, dry_run_eviction, effective_rules, refused_by_rbac, triples,
-};
-
 use super::*;
 
 #[tokio::test]
