@@ -7,8 +7,6 @@ use super::*;
 /// for kills to land inside it.
 const SLOW_GOOD_PLUGIN: &str = "#!/bin/sh\nsleep 0.05\ncat >/dev/null\necho '{\"cniVersion\":\"1.0.0\",\"supportedVersions\":[\"0.3.0\",\"0.3.1\",\"0.4.0\",\"1.0.0\"]}'\n";
 
-// Agent SIGKILL
-
 /// The agent is SIGKILLed 50 times (200 in soak) at a random moment 0-250 ms after a config
 /// flip and/or the creation of pods without redirect rules, so kills land before, inside and
 /// after verification (plugins take 50 ms to answer VERSION), inside reconciles and inside
@@ -50,46 +48,7 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
     // When each pod was first seen terminating (or gone), by a watch of the test's own; and a
     // clock pair to compare those instants with the audit log's wall-clock times.
     let clock = (Instant::now(), SystemTime::now());
-    let terminating: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-    // Watch errors: after one the watcher relists, and a pod deleted in the gap is never
-    // seen terminating; the check below then fails, naming these.
-    let watch_errors: Arc<Mutex<Vec<String>>> = Arc::default();
-    let term_watch = {
-        let (api, seen, errors) = (
-            Api::<Pod>::namespaced(client.clone(), &ns),
-            terminating.clone(),
-            watch_errors.clone(),
-        );
-        tokio::spawn(async move {
-            let mut s = std::pin::pin!(kube::runtime::watcher(api, Default::default()));
-            while let Some(ev) = s.next().await {
-                let p = match ev {
-                    Err(e) => {
-                        errors
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .push(e.to_string());
-                        continue;
-                    }
-                    Ok(
-                        kube::runtime::watcher::Event::Apply(p)
-                        | kube::runtime::watcher::Event::InitApply(p),
-                    ) => {
-                        if p.metadata.deletion_timestamp.is_none() {
-                            continue;
-                        }
-                        p
-                    }
-                    Ok(kube::runtime::watcher::Event::Delete(p)) => p,
-                    _ => continue,
-                };
-                seen.lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .entry(p.name_any())
-                    .or_insert_with(Instant::now);
-            }
-        })
-    };
+    let (term_watch, terminating, watch_errors) = watch_terminating(&client, &ns);
     let mut agent = Agent::start_with_kubeconfig(
         &id.kubeconfig,
         &node,
@@ -157,42 +116,15 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
         agent.kill9();
         let restarted = Instant::now();
         agent.restart()?;
-        // Converged: the node shows the verdict of the config on disk, and the new process
-        // reports ready (it is ready once its verdict is on the Node).
-        let want_verified = valid_now;
-        let deadline = restarted + Duration::from_secs(10);
-        let took = loop {
-            let right = log.last().is_some_and(|s| {
-                if want_verified {
-                    verified(&s)
-                } else {
-                    gated("ChainedPluginMissing")(&s)
-                }
-            });
-            if right && agent.admin_get("/ready").await.is_some_and(|r| r.0 == 200) {
-                break restarted.elapsed();
-            }
-            // The admin port can be taken by another process on the machine in the instant
-            // between kill and restart (its own free-port probe or listener). That is the rig,
-            // not the property under test: start again, and say so.
-            if agent.pid().is_some_and(|pid| !alive(pid))
-                && tail(&agent.log(), 3).contains("Address already in use")
-            {
-                eprintln!(
-                    "[faults] sigkill: round {round}: the admin port was taken by another process at restart; restarting"
-                );
-                port_collisions += 1;
-                agent.restart()?;
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "round {round}: not converged 10 s after the restart (want verified={want_verified}, last {:?})\n{}",
-                    log.last(),
-                    tail(&agent.log(), 60)
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        };
+        let took = converged(
+            &log,
+            &mut agent,
+            valid_now,
+            round,
+            restarted,
+            &mut port_collisions,
+        )
+        .await?;
         if took > Duration::from_secs(2) {
             slow_rounds.push(format!(
                 "round {round}: {took:?} (flip {flip}, pods {new_pods}, kill after {delay:?})"
@@ -267,22 +199,8 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
         .collect();
     let unrequested: Vec<_> = bad.iter().filter(|n| !by_pod.contains_key(**n)).collect();
 
-    // The continuous check: an untainted state seen while the config has been invalid for
-    // longer than GRACE (one verify-to-patch race plus watch delivery) is a wrong untaint.
-    const GRACE: Duration = Duration::from_millis(300);
     let seen = log.all();
-    let mut wrong = Vec::new();
-    for s in seen.iter().filter(|s| !s.tainted) {
-        let Some(&(since, valid)) = timeline.iter().rev().find(|(t, _)| *t <= s.at) else {
-            continue;
-        };
-        if !valid && s.at.duration_since(since) > GRACE {
-            wrong.push(format!(
-                "untainted {:?} after the config turned invalid",
-                s.at.duration_since(since)
-            ));
-        }
-    }
+    let wrong = wrong_untaints(&seen, &timeline);
 
     converge.sort();
     let attempts: usize = by_pod.values().map(Vec::len).sum();
@@ -329,4 +247,122 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
     drop(netns);
     id.remove(&client).await;
     Ok(())
+}
+
+/// When each pod of `ns` was first seen terminating (or gone), by a watch of the test's own,
+/// and the watch's errors: after one the watcher relists, and a pod deleted in the gap is never
+/// seen terminating; the test then fails, naming these.
+#[allow(clippy::type_complexity)]
+fn watch_terminating(
+    client: &Client,
+    ns: &str,
+) -> (
+    tokio::task::JoinHandle<()>,
+    Arc<Mutex<HashMap<String, Instant>>>,
+    Arc<Mutex<Vec<String>>>,
+) {
+    let terminating: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let watch_errors: Arc<Mutex<Vec<String>>> = Arc::default();
+    let term_watch = {
+        let (api, seen, errors) = (
+            Api::<Pod>::namespaced(client.clone(), ns),
+            terminating.clone(),
+            watch_errors.clone(),
+        );
+        tokio::spawn(async move {
+            let mut s = std::pin::pin!(kube::runtime::watcher(api, Default::default()));
+            while let Some(ev) = s.next().await {
+                let p = match ev {
+                    Err(e) => {
+                        errors
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push(e.to_string());
+                        continue;
+                    }
+                    Ok(
+                        kube::runtime::watcher::Event::Apply(p)
+                        | kube::runtime::watcher::Event::InitApply(p),
+                    ) => {
+                        if p.metadata.deletion_timestamp.is_none() {
+                            continue;
+                        }
+                        p
+                    }
+                    Ok(kube::runtime::watcher::Event::Delete(p)) => p,
+                    _ => continue,
+                };
+                seen.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .entry(p.name_any())
+                    .or_insert_with(Instant::now);
+            }
+        })
+    };
+    (term_watch, terminating, watch_errors)
+}
+
+/// The continuous check: an untainted state seen while the config has been invalid for
+/// longer than GRACE (one verify-to-patch race plus watch delivery) is a wrong untaint.
+fn wrong_untaints(seen: &[Seen], timeline: &[(Instant, bool)]) -> Vec<String> {
+    const GRACE: Duration = Duration::from_millis(300);
+    let mut wrong = Vec::new();
+    for s in seen.iter().filter(|s| !s.tainted) {
+        let Some(&(since, valid)) = timeline.iter().rev().find(|(t, _)| *t <= s.at) else {
+            continue;
+        };
+        if !valid && s.at.duration_since(since) > GRACE {
+            wrong.push(format!(
+                "untainted {:?} after the config turned invalid",
+                s.at.duration_since(since)
+            ));
+        }
+    }
+    wrong
+}
+
+/// Waits until the restarted agent converged: the node shows the verdict of the config on
+/// disk (`want_verified`) and the new process reports ready (it is ready once its verdict is
+/// on the Node); the time since `restarted`. Fails after 10 s.
+async fn converged(
+    log: &NodeLog,
+    agent: &mut Agent,
+    want_verified: bool,
+    round: u64,
+    restarted: Instant,
+    port_collisions: &mut u32,
+) -> anyhow::Result<Duration> {
+    let deadline = restarted + Duration::from_secs(10);
+    loop {
+        let right = log.last().is_some_and(|s| {
+            if want_verified {
+                verified(&s)
+            } else {
+                gated("ChainedPluginMissing")(&s)
+            }
+        });
+        if right && agent.admin_get("/ready").await.is_some_and(|r| r.0 == 200) {
+            return Ok(restarted.elapsed());
+        }
+        // The admin port can be taken by another process on the machine in the instant
+        // between kill and restart (its own free-port probe or listener). That is the rig,
+        // not the property under test: start again, and say so.
+        if agent.pid().is_some_and(|pid| !alive(pid))
+            && tail(&agent.log(), 3).contains("Address already in use")
+        {
+            eprintln!(
+                "[faults] sigkill: round {round}: the admin port was taken by another process at restart; restarting"
+            );
+            *port_collisions += 1;
+            agent.restart()?;
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "round {round}: not converged 10 s after the restart (want verified={want_verified}, last {:?})\n{}",
+                log.last(),
+                tail(&agent.log(), 60)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
