@@ -229,7 +229,6 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
     let drop_in = dir.join("meshgate-e2e");
     let staged = dir.with_file_name("drop-in.staged");
     type Change<'a> = Box<dyn Fn() -> anyhow::Result<()> + 'a>;
-    type Network = (&'static str, &'static [&'static str]);
     // (layout, how it is written, the network both views must name, whether the pod is meshed)
     let steps: Vec<(&str, Change, Network, bool)> = vec![
         (
@@ -299,51 +298,8 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
     ];
     for (i, (what, change, want, meshed)) in steps.into_iter().enumerate() {
         change().with_context(|| format!("writing the layout: {what}"))?;
-        let (verdict, files) = agree_on(&node, what, Some(want)).await?;
         let name = format!("chain-{i}");
-        let (pod, started) = run_pod(&client, &node, &ns, pod(&node, &name, meshed)).await?;
-        let uid = pod.metadata.uid.clone().unwrap_or_default();
-        let ran = node.pod_attachments(&uid)?;
-        // One sandbox, one pod network: exactly one eth0 entry, made for that sandbox.
-        let eth0s: Vec<&CachedAttachment> = ran.iter().filter(|a| a.if_name == "eth0").collect();
-        let [eth0] = eth0s[..] else {
-            bail!(
-                "layout \"{what}\": not one eth0 attachment of pod {ns}/{name} (uid {uid}) in {}: {ran:?}",
-                node.cni_cache_dir().display()
-            );
-        };
-        ensure!(
-            eth0.cni_arg("K8S_POD_INFRA_CONTAINER_ID") == Some(eth0.container_id.as_str())
-                && eth0.cni_arg("K8S_POD_NAME") == Some(name.as_str()),
-            "layout \"{what}\": the eth0 entry of {name} names another sandbox or pod: {eth0:?}"
-        );
-        let effective = effective_file(&node, &verdict)?;
-        let matched = compare_chain(eth0, &verdict, &effective)
-            .with_context(|| format!("layout \"{what}\" {files:?}: pod {ns}/{name}"))?;
-        // The entry is this pod's sandbox: the address its chain returned is the one on the
-        // eth0 of the pod's network namespace.
-        let pid = app_pid(&node, &pod).await?;
-        ensure_address(pid, eth0)
-            .await
-            .with_context(|| format!("layout \"{what}\": pod {name}"))?;
-        if !effective.drop_ins.is_empty() {
-            // The drop-in is istio-cni: it ran if it programmed this pod.
-            let (code, judged) = inspect_pid(pid).await?;
-            ensure!(
-                istio_cni_log(&node).contains(&name) && code == Some(0) && judged == "redirected",
-                "layout \"{what}\": the drop-in istio-cni did not run for {name} (inspect: exit \
-                 {code:?}, {judged}); its log:\n{}",
-                istio_cni_log(&node)
-            );
-        }
-        eprintln!(
-            "layout \"{what}\": pod {name} running after {started:?}; sandbox {} ran {} {:?} on \
-             eth0 ({matched}); its attachments: {:?}",
-            eth0.container_id,
-            eth0.network_name,
-            eth0.plugins,
-            ran.iter().map(|a| a.file_name()).collect::<Vec<_>>()
-        );
+        the_chain_that_ran(&node, &client, &ns, &name, what, want, meshed).await?;
     }
     // Layouts where nothing is loaded: check says ConfigInvalid, containerd loads nothing, and
     // no chain runs. A pod created meanwhile is refused by the kubelet (`NetworkNotReady`) or
@@ -389,26 +345,7 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
     for (j, (what, spoil, restore, after)) in invalid.into_iter().enumerate() {
         spoil().with_context(|| format!("writing the layout: {what}"))?;
         let name = format!("chain-invalid-{j}");
-        let refused = async {
-            agree_on(&node, what, None).await?;
-            let created = pods
-                .create(&PostParams::default(), &pod(&node, &name, false))
-                .await?;
-            let lp = ListParams::default().fields(&format!("involvedObject.name={name}"));
-            let event = poll_until(&format!("the refusal of {name}"), POD_START, || async {
-                let list = events.list(&lp).await?;
-                anyhow::Ok(list.items.into_iter().find(|e| {
-                    matches!(
-                        e.reason.as_deref(),
-                        Some("NetworkNotReady" | "FailedCreatePodSandBox")
-                    )
-                }))
-            })
-            .await?;
-            let uid = created.metadata.uid.unwrap_or_default();
-            anyhow::Ok((event, node.pod_attachments(&uid)?))
-        }
-        .await;
+        let refused = refusal(&node, &pods, &events, what, &name).await;
         let _ = pods
             .delete(&name, &DeleteParams::default().grace_period(0))
             .await;
@@ -427,6 +364,96 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
     }
     node.stop();
     assert_clean(&client, &node).await
+}
+
+/// A pod network both views must name: its name and plugin types.
+type Network = (&'static str, &'static [&'static str]);
+/// Once both views name `want` for layout `what`, a pod runs (a sidecar pod when `meshed`), and
+/// the chain libcni cached for its `eth0` is the file `check` calls effective: one entry, made
+/// for its sandbox, with the address its namespace holds; a drop-in (istio-cni) shows it ran
+/// by programming the pod.
+async fn the_chain_that_ran(
+    node: &RealNode,
+    client: &Client,
+    ns: &str,
+    name: &str,
+    what: &str,
+    want: Network,
+    meshed: bool,
+) -> anyhow::Result<()> {
+    let (verdict, files) = agree_on(node, what, Some(want)).await?;
+    let (pod, started) = run_pod(client, node, ns, pod(node, name, meshed)).await?;
+    let uid = pod.metadata.uid.clone().unwrap_or_default();
+    let ran = node.pod_attachments(&uid)?;
+    // One sandbox, one pod network: exactly one eth0 entry, made for that sandbox.
+    let eth0s: Vec<&CachedAttachment> = ran.iter().filter(|a| a.if_name == "eth0").collect();
+    let [eth0] = eth0s[..] else {
+        bail!(
+            "layout \"{what}\": not one eth0 attachment of pod {ns}/{name} (uid {uid}) in {}: {ran:?}",
+            node.cni_cache_dir().display()
+        );
+    };
+    ensure!(
+        eth0.cni_arg("K8S_POD_INFRA_CONTAINER_ID") == Some(eth0.container_id.as_str())
+            && eth0.cni_arg("K8S_POD_NAME") == Some(name),
+        "layout \"{what}\": the eth0 entry of {name} names another sandbox or pod: {eth0:?}"
+    );
+    let effective = effective_file(node, &verdict)?;
+    let matched = compare_chain(eth0, &verdict, &effective)
+        .with_context(|| format!("layout \"{what}\" {files:?}: pod {ns}/{name}"))?;
+    // The entry is this pod's sandbox: the address its chain returned is the one on the
+    // eth0 of the pod's network namespace.
+    let pid = app_pid(node, &pod).await?;
+    ensure_address(pid, eth0)
+        .await
+        .with_context(|| format!("layout \"{what}\": pod {name}"))?;
+    if !effective.drop_ins.is_empty() {
+        // The drop-in is istio-cni: it ran if it programmed this pod.
+        let (code, judged) = inspect_pid(pid).await?;
+        ensure!(
+            istio_cni_log(node).contains(name) && code == Some(0) && judged == "redirected",
+            "layout \"{what}\": the drop-in istio-cni did not run for {name} (inspect: exit \
+             {code:?}, {judged}); its log:\n{}",
+            istio_cni_log(node)
+        );
+    }
+    eprintln!(
+        "layout \"{what}\": pod {name} running after {started:?}; sandbox {} ran {} {:?} on \
+         eth0 ({matched}); its attachments: {:?}",
+        eth0.container_id,
+        eth0.network_name,
+        eth0.plugins,
+        ran.iter().map(|a| a.file_name()).collect::<Vec<_>>()
+    );
+    Ok(())
+}
+
+/// Once both views say nothing is loaded for layout `what`, a pod created is refused by the
+/// kubelet or containerd: the Event that says so, and what libcni cached for the pod.
+async fn refusal(
+    node: &RealNode,
+    pods: &Api<Pod>,
+    events: &Api<Event>,
+    what: &str,
+    name: &str,
+) -> anyhow::Result<(Event, Vec<CachedAttachment>)> {
+    agree_on(node, what, None).await?;
+    let created = pods
+        .create(&PostParams::default(), &pod(node, name, false))
+        .await?;
+    let lp = ListParams::default().fields(&format!("involvedObject.name={name}"));
+    let event = poll_until(&format!("the refusal of {name}"), POD_START, || async {
+        let list = events.list(&lp).await?;
+        anyhow::Ok(list.items.into_iter().find(|e| {
+            matches!(
+                e.reason.as_deref(),
+                Some("NetworkNotReady" | "FailedCreatePodSandBox")
+            )
+        }))
+    })
+    .await?;
+    let uid = created.metadata.uid.unwrap_or_default();
+    Ok((event, node.pod_attachments(&uid)?))
 }
 
 /// The addresses `ran` cached for its interface are on that interface in `pid`'s namespace.
