@@ -7,8 +7,17 @@ use super::*;
 async fn install_manifests_apply_and_are_wired() -> anyhow::Result<()> {
     let f = fixture().await;
     let client = f.cp.client()?;
+    the_agent_runs_on_every_node(f, &client).await?;
+    the_webhook_replicas_are_scheduled(&client).await?;
+    every_webhook_trusts_the_generated_ca(f, &client).await?;
+    the_network_policy_opens_the_named_ports(&client).await?;
+    the_policies_type_check(&client).await?;
+    the_cert_manager_overlay_validates(f).await?;
+    Ok(())
+}
 
-    // The DaemonSet wants a pod on every node, and got them; the priority class resolved.
+/// The DaemonSet wants a pod on every node, and got them; the priority class resolved.
+async fn the_agent_runs_on_every_node(f: &Fixture, client: &Client) -> anyhow::Result<()> {
     let ds: Api<DaemonSet> = Api::namespaced(client.clone(), NS);
     let desired = poll_until("the DaemonSet to count the 3 nodes", WAIT, || async {
         let s = ds.get(AGENT).await?.status.unwrap_or_default();
@@ -17,7 +26,7 @@ async fn install_manifests_apply_and_are_wired() -> anyhow::Result<()> {
     .await?;
     assert_eq!(desired, 3);
     for node in [&f.node_a, &f.node_b, &f.node_c] {
-        let pod = scheduled_pod(&client, AGENT, Some(node)).await?;
+        let pod = scheduled_pod(client, AGENT, Some(node)).await?;
         let spec = pod.spec.context("spec")?;
         assert_eq!(
             spec.priority,
@@ -30,8 +39,11 @@ async fn install_manifests_apply_and_are_wired() -> anyhow::Result<()> {
             "the agent runs as its own ServiceAccount"
         );
     }
+    Ok(())
+}
 
-    // The webhook Deployment's two replicas exist and were scheduled despite the node taint.
+/// The webhook Deployment's two replicas exist and were scheduled despite the node taint.
+async fn the_webhook_replicas_are_scheduled(client: &Client) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
     let lp = ListParams::default().labels(&format!("app.kubernetes.io/name={WEBHOOK}"));
     poll_until("2 webhook pods scheduled", WAIT, || async {
@@ -56,8 +68,11 @@ async fn install_manifests_apply_and_are_wired() -> anyhow::Result<()> {
         .and_then(|p| p.into_iter().next())
         .context("service port")?;
     assert_eq!(port.port, 443);
+    Ok(())
+}
 
-    // Every webhook trusts exactly the CA generate.sh made.
+/// Every webhook trusts exactly the CA generate.sh made.
+async fn every_webhook_trusts_the_generated_ca(f: &Fixture, client: &Client) -> anyhow::Result<()> {
     let ca = std::fs::read(f.manifests.join("tls/ca.crt"))?;
     let vwc = Api::<ValidatingWebhookConfiguration>::all(client.clone())
         .get("meshgate")
@@ -96,14 +111,17 @@ async fn install_manifests_apply_and_are_wired() -> anyhow::Result<()> {
     for (name, bundle) in bundles {
         assert_eq!(bundle, Some(&ca), "caBundle of {name}");
     }
+    Ok(())
+}
 
-    // The NetworkPolicy selects the webhook's pods, and the ports it opens are the
-    // container's named ports: the webhook port (from the control plane) and the admin port.
+/// The NetworkPolicy selects the webhook's pods, and the ports it opens are the
+/// container's named ports: the webhook port (from the control plane) and the admin port.
+async fn the_network_policy_opens_the_named_ports(client: &Client) -> anyhow::Result<()> {
     let np = Api::<k8s_openapi::api::networking::v1::NetworkPolicy>::namespaced(client.clone(), NS)
         .get(WEBHOOK)
         .await?;
     let np_spec = np.spec.context("NetworkPolicy spec")?;
-    let webhook_pod = scheduled_pod(&client, WEBHOOK, None).await?;
+    let webhook_pod = scheduled_pod(client, WEBHOOK, None).await?;
     let pod_labels = webhook_pod.metadata.labels.clone().unwrap_or_default();
     let selector = np_spec
         .pod_selector
@@ -143,8 +161,11 @@ async fn install_manifests_apply_and_are_wired() -> anyhow::Result<()> {
         opened.is_subset(&container_ports),
         "{opened:?} vs {container_ports:?}"
     );
+    Ok(())
+}
 
-    // The policies' CEL type-checks against the real schemas.
+/// The policies' CEL type-checks against the real schemas.
+async fn the_policies_type_check(client: &Client) -> anyhow::Result<()> {
     for name in [
         "meshgate-agent-own-node",
         "meshgate-agent-own-node-evictions",
@@ -161,9 +182,12 @@ async fn install_manifests_apply_and_are_wired() -> anyhow::Result<()> {
             .unwrap_or_default();
         assert!(warnings.is_empty(), "{name}: {warnings:?}");
     }
+    Ok(())
+}
 
-    // The cert-manager overlay: its built-in objects pass the server's validation (a dry run);
-    // cert-manager's own kinds cannot (no CRDs here), so they are checked by content only.
+/// The cert-manager overlay: its built-in objects pass the server's validation (a dry run);
+/// cert-manager's own kinds cannot (no CRDs here), so they are checked by content only.
+async fn the_cert_manager_overlay_validates(f: &Fixture) -> anyhow::Result<()> {
     let overlay = f.manifests.join("cert-manager");
     let built =
         f.cp.kubectl(&["kustomize", overlay.to_str().context("path")?])
