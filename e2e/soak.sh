@@ -4,7 +4,7 @@
 # In: root, the Kubernetes binaries (MESHGATE_K8S_BIN_DIR, else e2e/install-deps.sh's cache).
 # Out: pass/fail, and every figure the suite prints ([faults] and fuzz lines) on stderr.
 #
-# - The fault suite (e2e/tests/e2e/faults.rs) with MESHGATE_SOAK=1, against release binaries
+# - The fault suite (e2e/tests/e2e/faults/) with MESHGATE_SOAK=1, against release binaries
 #   (the webhook load is offered at 5,000 reviews/s for 60 s, which a debug build cannot
 #   serve): 200 agent kills, 60 s of config flapping at 1,000 rewrites a minute, longer
 #   vanishing-namespace churn; and the pods part of its abuse half

@@ -17,7 +17,7 @@ use meshgate_agent::netns;
 use meshgate_core::profile::MeshProfile;
 use meshgate_core::rules::locate::{Located, locate};
 use meshgate_core::rules::{Inspection, IpFamily, RedirectVerdict};
-use meshgate_e2e::netns_sim;
+use meshgate_e2e::sim::netns as netns_sim;
 
 const TOOLS: &[&str] = &[
     "ip",
@@ -1468,7 +1468,7 @@ mod identity {
     use meshgate_agent::daemon::pods::sweep::{Job, inspect_one};
     use meshgate_agent::netns::{self, NetnsError};
     use meshgate_core::rules::RedirectVerdict;
-    use meshgate_e2e::netns_sim;
+    use meshgate_e2e::sim::netns as netns_sim;
 
     use super::{TOOLS, profile};
 

@@ -1,13 +1,13 @@
 //! `webhook/bench/run.sh`'s load generator and fixture tool: the harness's
-//! [`review_load`] in a process of its own, so the webhook's figures are not inflated by
-//! sharing a runtime with the generator.
+//! [`meshgate_e2e::load::review`] in a process of its own, so the webhook's figures are not
+//! inflated by sharing a runtime with the generator.
 //!
 //! In: flags (each with an env twin). Out, per subcommand:
 //! - `certs --dir D`: a test CA (`ca.crt`) and a 127.0.0.1 serving pair (`tls.crt`,
 //!   `tls.key`) for the webhook.
 //! - `nodes --kubeconfig K --count N --unverified M`: N verified Nodes named `bench-v-*` and M
 //!   unverified ones named `bench-u-*`, labelled as cloud nodes are
-//!   ([`review_load::create_nodes`]), and one pending meshed pod `bench/pending` for the
+//!   ([`review::create_nodes`]), and one pending meshed pod `bench/pending` for the
 //!   binding scenarios.
 //! - `load --url U --ca C --scenario S --connections N --duration D --nodes K`: a closed loop
 //!   (each of N keep-alive HTTPS connections sends its next review as soon as the answer
@@ -23,10 +23,10 @@ use clap::{Parser, Subcommand, ValueEnum};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{Api, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use meshgate_e2e::pod_sim::pending_meshed_pod;
-use meshgate_e2e::review_load::{self, Outcome, Review};
-use meshgate_e2e::wait::API_TIMEOUT;
-use meshgate_e2e::webhook_sim::TestCa;
+use meshgate_e2e::harness::wait::API_TIMEOUT;
+use meshgate_e2e::load::review::{self, Outcome, Review};
+use meshgate_e2e::sim::pod::pending_meshed_pod;
+use meshgate_e2e::sim::webhook::TestCa;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 use serde_json::json;
@@ -108,14 +108,14 @@ fn reviews(scenario: Scenario, nodes: usize) -> Vec<Review> {
             let uid = format!("{scenario:?}-{i}");
             let (v, u) = (format!("bench-v-{i}"), format!("bench-u-{i}"));
             match scenario {
-                Scenario::Allowed => review_load::pod_review(&uid, &v, true, true),
-                Scenario::Plain => review_load::pod_review(&uid, &u, false, true),
-                Scenario::Refused => review_load::pod_review(&uid, &u, true, false),
+                Scenario::Allowed => review::pod_review(&uid, &v, true, true),
+                Scenario::Plain => review::pod_review(&uid, &u, false, true),
+                Scenario::Refused => review::pod_review(&uid, &u, true, false),
                 Scenario::BindingAllowed => {
-                    review_load::binding_review(&uid, NAMESPACE, "pending", &v, true)
+                    review::binding_review(&uid, NAMESPACE, "pending", &v, true)
                 }
                 Scenario::BindingRefused => {
-                    review_load::binding_review(&uid, NAMESPACE, "pending", &u, false)
+                    review::binding_review(&uid, NAMESPACE, "pending", &u, false)
                 }
             }
         })
@@ -140,7 +140,7 @@ async fn nodes(
         .with_context(|| format!("reading {}", kubeconfig.display()))?;
     let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
     let client = kube::Client::try_from(config)?;
-    let took = review_load::create_nodes(&client, "bench", count, unverified, parallel).await?;
+    let took = review::create_nodes(&client, "bench", count, unverified, parallel).await?;
     eprintln!(
         "created {} nodes in {:.1} s",
         count + unverified,
@@ -201,13 +201,13 @@ async fn load(
         .with_context(|| format!("reading the CA certificate {}", ca.display()))?;
     let reviews = Arc::new(reviews(scenario, nodes));
     let body_bytes = reviews[0].body.len();
-    let spec = |connections: usize, secs: u64| -> anyhow::Result<review_load::Spec> {
-        Ok(review_load::Spec {
+    let spec = |connections: usize, secs: u64| -> anyhow::Result<review::Spec> {
+        Ok(review::Spec {
             addr: addr
                 .parse()
                 .with_context(|| format!("--url address {addr}"))?,
             path: path.to_owned(),
-            connector: review_load::tls_connector(&ca_der)?,
+            connector: review::tls_connector(&ca_der)?,
             reviews: reviews.clone(),
             rate: f64::INFINITY,
             duration: Duration::from_secs(secs),
@@ -217,9 +217,9 @@ async fn load(
 
     // Warm-up: one second on one connection, not measured (connection setup, first cache
     // lookups).
-    review_load::run(spec(1, 1)?).await?;
+    review::run(spec(1, 1)?).await?;
 
-    let report = review_load::run(spec(connections.max(1), duration)?).await?;
+    let report = review::run(spec(connections.max(1), duration)?).await?;
     let (mut answered, mut unexpected, mut errors) = (0usize, 0usize, 0usize);
     for s in &report.samples {
         match s.outcome {

@@ -4,7 +4,7 @@
 #   - busybox: Debian's busybox-static, the workload and stand-in sidecar containers.
 # Usage: build-images.sh OUT_DIR. Writes OUT_DIR/{pause,busybox}.tar, each importable with
 # `ctr -n k8s.io images import`, named by the io.containerd.image.name annotation. The names are
-# fully qualified under localhost/ (never pullable) and must match e2e/src/real_node.rs.
+# fully qualified under localhost/ (never pullable) and must match e2e/src/real/node/mod.rs.
 # The tarballs are written by oci_image (oci-image.sh), deterministically.
 set -euo pipefail
 

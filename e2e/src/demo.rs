@@ -10,11 +10,11 @@
 //! part; it never falls back to a stand-in. Everything it starts is torn down at the end, on an
 //! error, and on Ctrl-C.
 //!
-//! The story itself is [`crate::real_story`], which the e2e suite runs too.
+//! The story itself is [`crate::real::story`], which the e2e suite runs too.
 
 use std::time::Instant;
 
-use crate::real_story::{self, Narrator};
+use crate::real::story::{self, Narrator};
 
 /// Prints timeline lines with the time since the demo started.
 struct Timeline(Instant);
@@ -36,7 +36,7 @@ pub async fn run() -> anyhow::Result<String> {
         "meshgate demo: real nodes (kubelet, containerd, runc), Istio's real CNI plugin, and meshgate installed from its manifests on a local kube-apiserver\n"
     );
     let started = Instant::now();
-    let outcome = real_story::run(&Timeline(started)).await?;
+    let outcome = story::run(&Timeline(started)).await?;
     Ok(format!(
         "demo OK in {:.0}s: node gated until verified, untainted in {} ms, re-tainted on drift in {} ms, {} un-redirected pod evicted, 1 meshed pod refused",
         started.elapsed().as_secs_f64(),

@@ -105,7 +105,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     let binaries = match args.k8s_bin_dir {
         Some(dir) => Some(Binaries::locate_in(&dir, args.etcd)?),
         None if args.etcd.is_some() => {
-            let dir = meshgate_e2e::paths::k8s_bin_dir()?;
+            let dir = meshgate_e2e::harness::paths::k8s_bin_dir()?;
             Some(Binaries::locate_in(&dir, args.etcd)?)
         }
         None => None,

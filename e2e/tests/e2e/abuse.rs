@@ -11,11 +11,11 @@
 
 use std::time::{Duration, Instant};
 
-use meshgate_e2e::http_abuse::{
+use meshgate_e2e::load::http_abuse::{
     self, PeakRss, Transport, label_flood_review, post_all, slow_heads, tiny_objects_review,
 };
-use meshgate_e2e::node_sim::{Agent, CniDirs, golden};
-use meshgate_e2e::review_load::{self, WebhookProcess};
+use meshgate_e2e::load::review::{self, WebhookProcess};
+use meshgate_e2e::sim::node::{Agent, CniDirs, golden};
 use meshgate_e2e::{NodeSpec, unique_name};
 
 use crate::{WAIT, cp};
@@ -33,14 +33,14 @@ async fn webhook() -> anyhow::Result<(WebhookProcess, Transport)> {
     let cp = cp().await;
     let mut wh = WebhookProcess::start(cp.admin_kubeconfig_path(), &[])?;
     wh.wait_ready(WAIT).await?;
-    let tls = Transport::Tls(review_load::tls_connector(&wh.ca_der)?);
+    let tls = Transport::Tls(review::tls_connector(&wh.ca_der)?);
     Ok((wh, tls))
 }
 
 /// Waits until a well-formed review is answered 200 again; how long that took.
 async fn recovers(wh: &WebhookProcess, tls: &Transport) -> anyhow::Result<Duration> {
     let begun = Instant::now();
-    let review = review_load::pod_review("recovery", "nowhere", false, true);
+    let review = review::pod_review("recovery", "nowhere", false, true);
     while begun.elapsed() < WAIT {
         let got = post_all(
             wh.listen,
@@ -256,7 +256,7 @@ async fn heads_filling_every_buffer_up_to_the_cap_stay_within_the_bar() -> anyho
 async fn live_again(admin: std::net::SocketAddr) -> anyhow::Result<Duration> {
     let begun = Instant::now();
     while begun.elapsed() < WAIT {
-        if meshgate_e2e::node_sim::http_get(admin, "/live")
+        if meshgate_e2e::sim::node::http_get(admin, "/live")
             .await
             .is_some_and(|(c, _)| c == 200)
         {

@@ -24,11 +24,11 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
 use kube::api::{Api, DeleteParams, PostParams};
-use meshgate_e2e::audit::AuditedIdentity;
-use meshgate_e2e::node_sim::{Agent, CniDirs, golden, metric_sample, plain, tail};
-use meshgate_e2e::pod_sim::{self, ANNOTATION_LIMIT, Fat};
-use meshgate_e2e::review_load::{self, Review, WebhookProcess};
-use meshgate_e2e::wait::{API_TIMEOUT, poll_until};
+use meshgate_e2e::harness::audit::AuditedIdentity;
+use meshgate_e2e::harness::wait::{API_TIMEOUT, poll_until};
+use meshgate_e2e::load::review::{self, Review, WebhookProcess};
+use meshgate_e2e::sim::node::{Agent, CniDirs, golden, metric_sample, plain, tail};
+use meshgate_e2e::sim::pod::{self, ANNOTATION_LIMIT, Fat};
 use meshgate_e2e::{NodeSpec, unique_name};
 
 use crate::{WAIT, cp};
@@ -123,11 +123,11 @@ fn spec(
     rate: f64,
     duration: Duration,
     connections: usize,
-) -> anyhow::Result<review_load::Spec> {
-    Ok(review_load::Spec {
+) -> anyhow::Result<review::Spec> {
+    Ok(review::Spec {
         addr: webhook.listen,
         path: "/validate".into(),
-        connector: review_load::tls_connector(&webhook.ca_der)?,
+        connector: review::tls_connector(&webhook.ca_der)?,
         reviews: Arc::new(reviews),
         rate,
         duration,
@@ -151,7 +151,7 @@ async fn wait_cached(
     pod: &str,
     node: &str,
 ) -> anyhow::Result<()> {
-    let review = review_load::binding_review("marker", ns, pod, node, false);
+    let review = review::binding_review("marker", ns, pod, node, false);
     let s = spec(
         webhook,
         vec![review.clone()],
@@ -164,7 +164,7 @@ async fn wait_cached(
         WAIT,
         || async {
             let before = metric(webhook, FOUND).await?;
-            let answer = review_load::answer(&s, &review).await?;
+            let answer = review::answer(&s, &review).await?;
             ensure!(
                 answer["allowed"] == false,
                 "the marker was admitted: {answer}"
@@ -200,17 +200,17 @@ async fn fat_unscheduled_pods_keep_the_webhook_under_half_its_memory_limit() -> 
     };
     let names: Vec<String> = (0..count).map(|i| format!("fat-{i}")).collect();
     let result = async {
-        review_load::create_nodes(&client, &tag, 1, 1, 2).await?;
+        review::create_nodes(&client, &tag, 1, 1, 2).await?;
         let mut watching = WebhookProcess::start(cp.admin_kubeconfig_path(), &[])?;
         watching.wait_ready(WAIT).await?;
         let pods = names
             .iter()
             .enumerate()
-            .map(|(i, n)| pod_sim::fat_pod(n, None, i % 2 == 0, fat))
+            .map(|(i, n)| pod::fat_pod(n, None, i % 2 == 0, fat))
             .collect();
         let took = create_all(&client, &ns, pods).await?;
         // Created after every fat pod: once it is cached, they all went through the watch.
-        create_all(&client, &ns, vec![pod_sim::pending_meshed_pod("marker")]).await?;
+        create_all(&client, &ns, vec![pod::pending_meshed_pod("marker")]).await?;
         wait_cached(&watching, &ns, "marker", &unverified).await?;
         let (rss_watch, hwm_watch) = watching.rss_kib().context("the watching webhook's RSS")?;
         drop(watching);
@@ -251,14 +251,13 @@ async fn fat_unscheduled_pods_keep_the_webhook_under_half_its_memory_limit() -> 
             .enumerate()
             .flat_map(|(i, n)| {
                 [
-                    review_load::binding_review(&format!("u-{n}"), &ns, n, &unverified, i % 2 != 0),
-                    review_load::binding_review(&format!("v-{n}"), &ns, n, &verified, true),
+                    review::binding_review(&format!("u-{n}"), &ns, n, &unverified, i % 2 != 0),
+                    review::binding_review(&format!("v-{n}"), &ns, n, &verified, true),
                 ]
             })
             .collect();
         let sent = reviews.len();
-        let report =
-            review_load::run(spec(&listing, reviews, 1000.0, paced(sent, 1000.0), 4)?).await?;
+        let report = review::run(spec(&listing, reviews, 1000.0, paced(sent, 1000.0), 4)?).await?;
         let errors = report.errors();
         ensure!(
             errors.is_empty() && report.samples.len() == sent,
@@ -267,9 +266,9 @@ async fn fat_unscheduled_pods_keep_the_webhook_under_half_its_memory_limit() -> 
             report.samples.len(),
             errors.first()
         );
-        let meshed = review_load::binding_review("msg", &ns, &names[0], &unverified, false);
+        let meshed = review::binding_review("msg", &ns, &names[0], &unverified, false);
         let answer =
-            review_load::answer(&spec(&listing, vec![], 1.0, Duration::ZERO, 1)?, &meshed).await?;
+            review::answer(&spec(&listing, vec![], 1.0, Duration::ZERO, 1)?, &meshed).await?;
         let message = answer["status"]["message"].as_str().unwrap_or_default();
         ensure!(
             message.contains("belongs to mesh profile linkerd"),
@@ -321,7 +320,7 @@ async fn fat_pods_on_its_node_keep_the_agent_under_half_its_memory_limit() -> an
         let pods = names
             .iter()
             .enumerate()
-            .map(|(i, n)| pod_sim::fat_pod(n, Some(&node), i % 2 == 0, fat))
+            .map(|(i, n)| pod::fat_pod(n, Some(&node), i % 2 == 0, fat))
             .collect();
         let took = create_all(&client, &ns, pods).await?;
         let dirs = CniDirs::new()?;
@@ -388,8 +387,8 @@ async fn forged_binding_reviews_cost_the_apiserver_at_most_the_lookup_rate() -> 
     let tag = unique_name("forged");
     let (verified, unverified) = (format!("{tag}-v-0"), format!("{tag}-u-0"));
     let result = async {
-        review_load::create_nodes(&admin, &tag, 1, 1, 2).await?;
-        create_all(&admin, &ns, vec![pod_sim::pending_meshed_pod("pending")]).await?;
+        review::create_nodes(&admin, &tag, 1, 1, 2).await?;
+        create_all(&admin, &ns, vec![pod::pending_meshed_pod("pending")]).await?;
         let mut webhook = WebhookProcess::start(&identity.kubeconfig, &[])?;
         webhook.wait_ready(WAIT).await?;
         wait_cached(&webhook, &ns, "pending", &unverified).await?;
@@ -402,21 +401,21 @@ async fn forged_binding_reviews_cost_the_apiserver_at_most_the_lookup_rate() -> 
                 } else {
                     unique_name("forged")
                 };
-                review_load::binding_review(&format!("f-{i}"), &ns, &pod, &unverified, false)
+                review::binding_review(&format!("f-{i}"), &ns, &pod, &unverified, false)
             })
             .collect();
         for i in 0..FORGED / 100 {
             reviews.insert(
                 i * 100,
-                review_load::binding_review(&format!("p-{i}"), &ns, "pending", &unverified, false),
+                review::binding_review(&format!("p-{i}"), &ns, "pending", &unverified, false),
             );
             reviews.insert(
                 i * 100 + 1,
-                review_load::binding_review(&format!("v-{i}"), &ns, "pending", &verified, true),
+                review::binding_review(&format!("v-{i}"), &ns, "pending", &verified, true),
             );
         }
         let from = SystemTime::now();
-        let report = review_load::run(spec(
+        let report = review::run(spec(
             &webhook,
             reviews.clone(),
             1000.0,
@@ -425,15 +424,10 @@ async fn forged_binding_reviews_cost_the_apiserver_at_most_the_lookup_rate() -> 
         )?)
         .await?;
         let elapsed = from.elapsed().unwrap_or_default();
-        let forged = review_load::binding_review(
-            "one-more",
-            &ns,
-            &unique_name("forged"),
-            &unverified,
-            false,
-        );
+        let forged =
+            review::binding_review("one-more", &ns, &unique_name("forged"), &unverified, false);
         let answer =
-            review_load::answer(&spec(&webhook, vec![], 1.0, Duration::ZERO, 1)?, &forged).await?;
+            review::answer(&spec(&webhook, vec![], 1.0, Duration::ZERO, 1)?, &forged).await?;
         let message = answer["status"]["message"]
             .as_str()
             .unwrap_or_default()

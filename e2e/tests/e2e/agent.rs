@@ -12,7 +12,7 @@ use meshgate_e2e::{ControlPlane, NodeSpec, Options, unique_name};
 
 use crate::cp;
 use crate::support::{Agent, CniDirs, golden, wait_node};
-use meshgate_e2e::node_sim::{gate_condition as condition, tainted, verified_label as label};
+use meshgate_e2e::sim::node::{gate_condition as condition, tainted, verified_label as label};
 
 /// Gated: tainted, label false, condition False with `reason`.
 fn gated_with(reason: &'static str) -> impl Fn(&Node) -> bool {

@@ -23,10 +23,10 @@ use kube::{Client, ResourceExt};
 use meshgate_agent::daemon::clients::{Clients, node_user};
 use meshgate_agent::daemon::node::{NodeGate, TaintEffect};
 use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
-use meshgate_e2e::audit;
-use meshgate_e2e::node_sim::{Agent, CniDirs, golden, tainted};
-use meshgate_e2e::paths::{copy_tree, repo_root};
-use meshgate_e2e::wait::poll_until;
+use meshgate_e2e::harness::audit;
+use meshgate_e2e::harness::paths::{copy_tree, repo_root};
+use meshgate_e2e::harness::wait::poll_until;
+use meshgate_e2e::sim::node::{Agent, CniDirs, golden, tainted};
 use meshgate_e2e::{ControlPlane, NodeSpec, Options, TokenOptions, unique_name};
 use serde_json::json;
 

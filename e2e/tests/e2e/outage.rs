@@ -17,8 +17,8 @@ use anyhow::{Context as _, bail, ensure};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
+use meshgate_e2e::sim::webhook::{self, Scope, TestCa};
 use meshgate_e2e::unique_name;
-use meshgate_e2e::webhook_sim::{self, Scope, TestCa};
 use serde_json::{Value, json};
 
 use crate::cp;
@@ -483,11 +483,11 @@ async fn a_hung_webhook_holds_each_call_for_its_timeout() {
         label: Some((SCOPE_KEY.into(), tag.clone())),
         hook_infix: Some(tag.clone()),
     };
-    webhook_sim::register(cp, &c, &tag, port, ca.pem(), &scope)
+    webhook::register(cp, &c, &tag, port, ca.pem(), &scope)
         .await
         .expect("registering");
     let result = hung(cp, &c, &tag).await;
-    webhook_sim::unregister(&c, &tag).await;
+    webhook::unregister(&c, &tag).await;
     holder.abort();
     result.expect("hung webhook e2e");
 }

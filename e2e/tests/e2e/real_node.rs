@@ -14,18 +14,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::Client;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
-use meshgate_e2e::node_sim::{gate_condition, tainted};
-use meshgate_e2e::real_cluster::RealCluster;
-use meshgate_e2e::real_node::{
-    CONFLIST, CachedAttachment, RealNode, host_residue, start_control_plane,
-};
-use meshgate_e2e::real_story::{
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use meshgate_e2e::harness::wait::poll_until;
+use meshgate_e2e::real::node::{CachedAttachment, RealNode, host_residue, start_control_plane};
+use meshgate_e2e::real::story::{
     self, Transcript, all_running, app_pid, in_netns, inspect_pid, istio_cni_kubeconfig,
-    istio_cni_log, wait_verdict,
+    istio_cni_log,
 };
-use meshgate_e2e::wait::poll_until;
 
 /// A pod's containers start within this on the real node (images are local).
 const POD_START: Duration = Duration::from_secs(90);
@@ -34,131 +29,6 @@ const POD_START: Duration = Duration::from_secs(90);
 /// compete for the 2 CPUs, and after each test nothing may be left on the host, which can
 /// only be checked once no other real node runs.
 static ONE_NODE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-#[tokio::test]
-async fn real_pods_are_judged_missing_then_redirected_by_the_real_istio_cni() -> anyhow::Result<()>
-{
-    let _one = ONE_NODE.lock().await;
-    let cp = &start_control_plane().await?;
-    let client = cp.client()?;
-    let node = RealNode::start(cp)
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"))
-        .context("the real node did not come up")?;
-    let times = node.times();
-    eprintln!(
-        "real node {}: containerd {:?}, images {:?}, kubelet→registered {:?}, registered→Ready {:?}, Ready→kube-proxy's rules {:?}",
-        node.name(),
-        times.containerd,
-        times.images,
-        times.registered,
-        times.ready_after_registration,
-        times.kube_proxy_after_ready
-    );
-    let ns = cp.create_namespace(&client, "real-node").await?;
-
-    // S3: a pod through containerd and the real bridge CNI, with no mesh plugin: no rules.
-    let (plain, started) = run_pod(&client, &node, &ns, pod(&node, "plain", false)).await?;
-    eprintln!("pod {ns}/plain running after {started:?}");
-    let ip = plain
-        .status
-        .as_ref()
-        .and_then(|s| s.pod_ip.clone())
-        .unwrap_or_default();
-    ensure!(
-        ip.starts_with("10.200."),
-        "the plain pod has no address from the bridge network: {ip:?}"
-    );
-    let pid = app_pid(&node, &plain).await?;
-    let (code, verdict) = inspect_pid(pid).await?;
-    ensure!(
-        code == Some(1) && verdict == "missing",
-        "a pod without istio-cni must inspect as missing (exit 1); got exit {code:?}, {verdict}"
-    );
-
-    // The conf dir containerd just ran that pod from does not chain istio-cni: not verified.
-    let (code, verdict) = check(&node)?;
-    ensure!(
-        code == Some(1) && verdict["verified"] == false,
-        "check on the real node's conf dir without istio-cni: exit {code:?}, {verdict}"
-    );
-
-    // istio-cni chained the way Istio's installer does, with its own ServiceAccount's token.
-    let kubeconfig = istio_cni_kubeconfig(cp, &client, &ns).await?;
-    node.install_istio_cni(&kubeconfig, false)?;
-    let (code, verdict) = check(&node)?;
-    ensure!(
-        code == Some(0)
-            && verdict["verified"] == true
-            && verdict["config_file"]
-                .as_str()
-                .is_some_and(|f| f.ends_with(CONFLIST))
-            && verdict["plugins"] == serde_json::json!(["bridge", "portmap", "istio-cni"]),
-        "check on the real node's conf dir with istio-cni chained: exit {code:?}, {verdict}"
-    );
-    let (meshed, started) = run_pod(&client, &node, &ns, pod(&node, "meshed", true)).await?;
-    eprintln!("pod {ns}/meshed (istio-cni, iptables) running after {started:?}");
-    let pid = app_pid(&node, &meshed).await?;
-    let (code, verdict) = inspect_pid(pid).await?;
-    ensure!(
-        code == Some(0) && verdict == "redirected",
-        "a pod istio-cni (iptables mode) set up must inspect as redirected (exit 0); got exit {code:?}, {verdict}; \
-         istio-cni's log:\n{}",
-        istio_cni_log(&node)
-    );
-    // The rules came from istio-cni itself: its log names the pod it programmed.
-    ensure!(
-        istio_cni_log(&node).contains("meshed"),
-        "istio-cni's log does not mention the pod:\n{}",
-        istio_cni_log(&node)
-    );
-    let rules = in_netns(pid, &["iptables-save"]).await?;
-    ensure!(
-        rules.contains("ISTIO_OUTPUT") && rules.contains("ISTIO_REDIRECT"),
-        "istio-cni's iptables chains are not in the pod's namespace:\n{rules}"
-    );
-
-    // The same plugin in native_nftables mode: its own nftables tables, no iptables.
-    node.install_istio_cni(&kubeconfig, true)?;
-    let (nft_pod, started) = run_pod(&client, &node, &ns, pod(&node, "meshed-nft", true)).await?;
-    eprintln!("pod {ns}/meshed-nft (istio-cni, native nftables) running after {started:?}");
-    let pid = app_pid(&node, &nft_pod).await?;
-    let ruleset = in_netns(pid, &["nft", "list", "ruleset"]).await?;
-    ensure!(
-        ruleset.contains("istio"),
-        "istio-cni's nftables tables are not in the pod's namespace:\n{ruleset}"
-    );
-    let (code, verdict) = inspect_pid(pid).await?;
-    ensure!(
-        code == Some(0) && verdict == "redirected",
-        "a pod istio-cni (native nftables mode) set up must inspect as redirected (exit 0); got exit {code:?}, {verdict}; \
-         its ruleset:\n{ruleset}"
-    );
-
-    // The unmeshed pod is still judged missing: the verdict is per namespace, not per node.
-    let (code, _) = inspect_pid(app_pid(&node, &plain).await?).await?;
-    ensure!(code == Some(1), "the plain pod changed verdict: {code:?}");
-
-    // istio-cni uninstalled (its entry removed from the conflist): not verified again, and a
-    // new pod gets no rules.
-    node.remove_istio_cni()?;
-    let (code, verdict) = check(&node)?;
-    ensure!(
-        code == Some(1) && verdict["verified"] == false,
-        "check after istio-cni's entry was removed: exit {code:?}, {verdict}"
-    );
-    let (after, _) = run_pod(&client, &node, &ns, pod(&node, "after-uninstall", true)).await?;
-    let (code, verdict) = inspect_pid(app_pid(&node, &after).await?).await?;
-    ensure!(
-        code == Some(1) && verdict == "missing",
-        "a sidecar pod started after istio-cni was removed must inspect as missing; got exit {code:?}, {verdict}"
-    );
-
-    // Teardown leaves nothing behind: no directory, mount, bridge, cgroup, shim or host path,
-    // and no Node object.
-    node.stop();
-    assert_clean(&client, &node).await
-}
 
 /// A test that fails with pods running still tears its node down: the node is dropped while
 /// the panic unwinds, and its drop runs the same teardown as `stop`.
@@ -216,6 +86,7 @@ async fn check_names_the_config_containerd_really_loaded() -> anyhow::Result<()>
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))
         .context("the real node did not come up")?;
+    print_times(&node);
     let dir = node.cni_conf_dir();
     let write = |name: &str, text: &str| std::fs::write(dir.join(name), text);
     let single = |name: &str| {
@@ -358,7 +229,6 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
     let drop_in = dir.join("meshgate-e2e");
     let staged = dir.with_file_name("drop-in.staged");
     type Change<'a> = Box<dyn Fn() -> anyhow::Result<()> + 'a>;
-    type Network = (&'static str, &'static [&'static str]);
     // (layout, how it is written, the network both views must name, whether the pod is meshed)
     let steps: Vec<(&str, Change, Network, bool)> = vec![
         (
@@ -428,51 +298,8 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
     ];
     for (i, (what, change, want, meshed)) in steps.into_iter().enumerate() {
         change().with_context(|| format!("writing the layout: {what}"))?;
-        let (verdict, files) = agree_on(&node, what, Some(want)).await?;
         let name = format!("chain-{i}");
-        let (pod, started) = run_pod(&client, &node, &ns, pod(&node, &name, meshed)).await?;
-        let uid = pod.metadata.uid.clone().unwrap_or_default();
-        let ran = node.pod_attachments(&uid)?;
-        // One sandbox, one pod network: exactly one eth0 entry, made for that sandbox.
-        let eth0s: Vec<&CachedAttachment> = ran.iter().filter(|a| a.if_name == "eth0").collect();
-        let [eth0] = eth0s[..] else {
-            bail!(
-                "layout \"{what}\": not one eth0 attachment of pod {ns}/{name} (uid {uid}) in {}: {ran:?}",
-                node.cni_cache_dir().display()
-            );
-        };
-        ensure!(
-            eth0.cni_arg("K8S_POD_INFRA_CONTAINER_ID") == Some(eth0.container_id.as_str())
-                && eth0.cni_arg("K8S_POD_NAME") == Some(name.as_str()),
-            "layout \"{what}\": the eth0 entry of {name} names another sandbox or pod: {eth0:?}"
-        );
-        let effective = effective_file(&node, &verdict)?;
-        let matched = compare_chain(eth0, &verdict, &effective)
-            .with_context(|| format!("layout \"{what}\" {files:?}: pod {ns}/{name}"))?;
-        // The entry is this pod's sandbox: the address its chain returned is the one on the
-        // eth0 of the pod's network namespace.
-        let pid = app_pid(&node, &pod).await?;
-        ensure_address(pid, eth0)
-            .await
-            .with_context(|| format!("layout \"{what}\": pod {name}"))?;
-        if !effective.drop_ins.is_empty() {
-            // The drop-in is istio-cni: it ran if it programmed this pod.
-            let (code, judged) = inspect_pid(pid).await?;
-            ensure!(
-                istio_cni_log(&node).contains(&name) && code == Some(0) && judged == "redirected",
-                "layout \"{what}\": the drop-in istio-cni did not run for {name} (inspect: exit \
-                 {code:?}, {judged}); its log:\n{}",
-                istio_cni_log(&node)
-            );
-        }
-        eprintln!(
-            "layout \"{what}\": pod {name} running after {started:?}; sandbox {} ran {} {:?} on \
-             eth0 ({matched}); its attachments: {:?}",
-            eth0.container_id,
-            eth0.network_name,
-            eth0.plugins,
-            ran.iter().map(|a| a.file_name()).collect::<Vec<_>>()
-        );
+        the_chain_that_ran(&node, &client, &ns, &name, what, want, meshed).await?;
     }
     // Layouts where nothing is loaded: check says ConfigInvalid, containerd loads nothing, and
     // no chain runs. A pod created meanwhile is refused by the kubelet (`NetworkNotReady`) or
@@ -518,26 +345,7 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
     for (j, (what, spoil, restore, after)) in invalid.into_iter().enumerate() {
         spoil().with_context(|| format!("writing the layout: {what}"))?;
         let name = format!("chain-invalid-{j}");
-        let refused = async {
-            agree_on(&node, what, None).await?;
-            let created = pods
-                .create(&PostParams::default(), &pod(&node, &name, false))
-                .await?;
-            let lp = ListParams::default().fields(&format!("involvedObject.name={name}"));
-            let event = poll_until(&format!("the refusal of {name}"), POD_START, || async {
-                let list = events.list(&lp).await?;
-                anyhow::Ok(list.items.into_iter().find(|e| {
-                    matches!(
-                        e.reason.as_deref(),
-                        Some("NetworkNotReady" | "FailedCreatePodSandBox")
-                    )
-                }))
-            })
-            .await?;
-            let uid = created.metadata.uid.unwrap_or_default();
-            anyhow::Ok((event, node.pod_attachments(&uid)?))
-        }
-        .await;
+        let refused = refusal(&node, &pods, &events, what, &name).await;
         let _ = pods
             .delete(&name, &DeleteParams::default().grace_period(0))
             .await;
@@ -556,6 +364,96 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
     }
     node.stop();
     assert_clean(&client, &node).await
+}
+
+/// A pod network both views must name: its name and plugin types.
+type Network = (&'static str, &'static [&'static str]);
+/// Once both views name `want` for layout `what`, a pod runs (a sidecar pod when `meshed`), and
+/// the chain libcni cached for its `eth0` is the file `check` calls effective: one entry, made
+/// for its sandbox, with the address its namespace holds; a drop-in (istio-cni) shows it ran
+/// by programming the pod.
+async fn the_chain_that_ran(
+    node: &RealNode,
+    client: &Client,
+    ns: &str,
+    name: &str,
+    what: &str,
+    want: Network,
+    meshed: bool,
+) -> anyhow::Result<()> {
+    let (verdict, files) = agree_on(node, what, Some(want)).await?;
+    let (pod, started) = run_pod(client, node, ns, pod(node, name, meshed)).await?;
+    let uid = pod.metadata.uid.clone().unwrap_or_default();
+    let ran = node.pod_attachments(&uid)?;
+    // One sandbox, one pod network: exactly one eth0 entry, made for that sandbox.
+    let eth0s: Vec<&CachedAttachment> = ran.iter().filter(|a| a.if_name == "eth0").collect();
+    let [eth0] = eth0s[..] else {
+        bail!(
+            "layout \"{what}\": not one eth0 attachment of pod {ns}/{name} (uid {uid}) in {}: {ran:?}",
+            node.cni_cache_dir().display()
+        );
+    };
+    ensure!(
+        eth0.cni_arg("K8S_POD_INFRA_CONTAINER_ID") == Some(eth0.container_id.as_str())
+            && eth0.cni_arg("K8S_POD_NAME") == Some(name),
+        "layout \"{what}\": the eth0 entry of {name} names another sandbox or pod: {eth0:?}"
+    );
+    let effective = effective_file(node, &verdict)?;
+    let matched = compare_chain(eth0, &verdict, &effective)
+        .with_context(|| format!("layout \"{what}\" {files:?}: pod {ns}/{name}"))?;
+    // The entry is this pod's sandbox: the address its chain returned is the one on the
+    // eth0 of the pod's network namespace.
+    let pid = app_pid(node, &pod).await?;
+    ensure_address(pid, eth0)
+        .await
+        .with_context(|| format!("layout \"{what}\": pod {name}"))?;
+    if !effective.drop_ins.is_empty() {
+        // The drop-in is istio-cni: it ran if it programmed this pod.
+        let (code, judged) = inspect_pid(pid).await?;
+        ensure!(
+            istio_cni_log(node).contains(name) && code == Some(0) && judged == "redirected",
+            "layout \"{what}\": the drop-in istio-cni did not run for {name} (inspect: exit \
+             {code:?}, {judged}); its log:\n{}",
+            istio_cni_log(node)
+        );
+    }
+    eprintln!(
+        "layout \"{what}\": pod {name} running after {started:?}; sandbox {} ran {} {:?} on \
+         eth0 ({matched}); its attachments: {:?}",
+        eth0.container_id,
+        eth0.network_name,
+        eth0.plugins,
+        ran.iter().map(|a| a.file_name()).collect::<Vec<_>>()
+    );
+    Ok(())
+}
+
+/// Once both views say nothing is loaded for layout `what`, a pod created is refused by the
+/// kubelet or containerd: the Event that says so, and what libcni cached for the pod.
+async fn refusal(
+    node: &RealNode,
+    pods: &Api<Pod>,
+    events: &Api<Event>,
+    what: &str,
+    name: &str,
+) -> anyhow::Result<(Event, Vec<CachedAttachment>)> {
+    agree_on(node, what, None).await?;
+    let created = pods
+        .create(&PostParams::default(), &pod(node, name, false))
+        .await?;
+    let lp = ListParams::default().fields(&format!("involvedObject.name={name}"));
+    let event = poll_until(&format!("the refusal of {name}"), POD_START, || async {
+        let list = events.list(&lp).await?;
+        anyhow::Ok(list.items.into_iter().find(|e| {
+            matches!(
+                e.reason.as_deref(),
+                Some("NetworkNotReady" | "FailedCreatePodSandBox")
+            )
+        }))
+    })
+    .await?;
+    let uid = created.metadata.uid.unwrap_or_default();
+    Ok((event, node.pod_attachments(&uid)?))
 }
 
 /// The addresses `ran` cached for its interface are on that interface in `pid`'s namespace.
@@ -780,6 +678,20 @@ fn meshgate_network(node: &RealNode, verdict: &serde_json::Value) -> String {
     describe(Some((name, &plugins)))
 }
 
+/// How long the node took to come up, for docs/testing.md's figures.
+fn print_times(node: &RealNode) {
+    let times = node.times();
+    eprintln!(
+        "real node {}: containerd {:?}, images {:?}, kubelet→registered {:?}, registered→Ready {:?}, Ready→kube-proxy's rules {:?}",
+        node.name(),
+        times.containerd,
+        times.images,
+        times.registered,
+        times.ready_after_registration,
+        times.kube_proxy_after_ready
+    );
+}
+
 /// Nothing of `node` is left on the host or in the API.
 async fn assert_clean(client: &Client, node: &RealNode) -> anyhow::Result<()> {
     let mut left = node.footprint().residue();
@@ -796,11 +708,11 @@ async fn assert_clean(client: &Client, node: &RealNode) -> anyhow::Result<()> {
 
 /// A busybox pod for the real node: tolerates its taint and is bound to it directly. With
 /// `meshed`, it looks as Istio's sidecar injector leaves a pod in CNI mode
-/// ([`real_story::sidecar_pod_template`]: an `istio-proxy` container running as 1337 and the
+/// ([`story::sidecar_pod_template`]: an `istio-proxy` container running as 1337 and the
 /// `sidecar.istio.io/status` annotation istio-cni's plugin checks before it programs the
 /// redirect); without, the same pod with its `app` container alone.
 fn pod(node: &RealNode, name: &str, meshed: bool) -> Pod {
-    let mut pod = real_story::sidecar_pod_template(name);
+    let mut pod = story::sidecar_pod_template(name);
     pod["metadata"]["name"] = serde_json::json!(name);
     if !meshed {
         pod["metadata"]["labels"] = serde_json::json!({"app": name});
@@ -848,19 +760,13 @@ async fn run_pod(
     }
 }
 
-/// `meshgate-agent check` on the real node's CNI dirs, requiring istio-cni: exit code and the
-/// JSON verdict.
-fn check(node: &RealNode) -> anyhow::Result<(Option<i32>, serde_json::Value)> {
-    check_plugins(node, "istio-cni")
-}
-
 /// `meshgate-agent check --runtime containerd --require-plugin <plugin>` on the real node's
 /// CNI dirs: exit code and the JSON verdict.
 fn check_plugins(
     node: &RealNode,
     plugin: &str,
 ) -> anyhow::Result<(Option<i32>, serde_json::Value)> {
-    let bin = meshgate_e2e::node_sim::workspace_bin("meshgate-agent")?;
+    let bin = meshgate_e2e::sim::node::workspace_bin("meshgate-agent")?;
     let out = std::process::Command::new(bin)
         .arg("check")
         .arg("--cni-conf-dir")
@@ -879,134 +785,15 @@ fn check_plugins(
     Ok((out.status.code(), verdict))
 }
 
-/// meshgate installed as a user installs it: `kubectl apply -k` of the e2e overlay over the
-/// project's own manifests (only the local image name and the mesh's plugin, istio-cni, set),
-/// onto real nodes. Node A registers before meshgate exists; after the install the webhook's
-/// Deployment (2 replicas) and A's agent pod run there and become Ready, the agent under the
-/// kubelet-projected token the ValidatingAdmissionPolicy keys on. Node B then registers: the
-/// webhook's mutating hook taints it at CREATE (in the Node as first stored, seen by a watch
-/// opened before the registration), and B's agent keeps `MeshCNIVerified=False` while B's
-/// conflist lacks istio-cni. The token the kubelet projected into A's agent may not touch B:
-/// the policy's refusal names A, its node claim.
-#[tokio::test]
-async fn meshgate_installs_from_its_manifests_onto_real_nodes() -> anyhow::Result<()> {
-    let _one = ONE_NODE.lock().await;
-    let cluster = RealCluster::start().await?;
-    let cp = cluster.control_plane();
-    let client = cp.client()?;
-    // add_node lifts the harness's own taint (which keeps the shared control plane's pods off
-    // real nodes): this cluster is dedicated, and the webhook tolerates only meshgate's taint.
-    let a = cluster
-        .add_node()
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"))
-        .context("node A did not come up")?;
-
-    // The webhook's two replicas and A's agent become Ready on A (install_meshgate waits).
-    let installed = Instant::now();
-    cluster.install_meshgate().await?;
-    eprintln!(
-        "install → webhook's 2 replicas and the agent Ready on {}: {:?}",
-        a.name(),
-        installed.elapsed()
-    );
-    let webhook = cluster.ready_pods("meshgate-webhook", None, 2).await?;
-    let agent_a = cluster.agent_pod(&a).await?;
-    ensure!(
-        webhook.iter().all(|p| on_node(p) == Some(a.name())),
-        "the webhook's pods are not on node A"
-    );
-    ensure!(
-        agent_a
-            .spec
-            .as_ref()
-            .and_then(|s| s.service_account_name.as_deref())
-            == Some("meshgate-agent"),
-        "the agent pod does not run as meshgate-agent"
-    );
-    let node_a = wait_verdict(&client, a.name(), false).await?;
-    ensure!(
-        tainted(&node_a),
-        "node A has no {TAINT_KEY} taint while its conflist lacks istio-cni: {:?}",
-        node_a.spec.as_ref().and_then(|s| s.taints.clone())
-    );
-
-    // Node B registers while the webhook runs: its Node as the apiserver stored it at CREATE,
-    // after the mutating webhook (the first event of a watch opened before its kubelet).
-    let (b, first) = cluster
-        .add_node_seen_at_create()
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"))
-        .context("node B did not come up")?;
-    ensure!(
-        tainted(&first),
-        "node B was created without meshgate's taint (the mutating webhook did not taint it at CREATE): {:?}",
-        first.spec.as_ref().and_then(|s| s.taints.clone())
-    );
-    eprintln!(
-        "node {} tainted at CREATE (registration {:?} after the kubelet started)",
-        b.name(),
-        b.times().registered
-    );
-    let agent_b = cluster.ready_pods("meshgate-agent", Some(&b), 1).await?;
-    ensure!(
-        agent_b.len() == 1,
-        "node B has {} agent pods",
-        agent_b.len()
-    );
-    let node_b = wait_verdict(&client, b.name(), false).await?;
-    ensure!(
-        tainted(&node_b),
-        "node B lost its taint while its conflist lacks istio-cni"
-    );
-    let message = gate_condition(&node_b).map(|c| c.2).unwrap_or_default();
-    ensure!(
-        message.contains("istio-cni"),
-        "B's MeshCNIVerified message does not name the missing plugin: {message:?}"
-    );
-
-    // The ValidatingAdmissionPolicy, under the very token the kubelet projected into A's
-    // agent (read through the container's root): A's agent wrote A's verdict above, and the
-    // same token may not touch B. The refusal names A, so the token carries the node claim.
-    let agent_pid = real_story::container_pid(&a, &agent_a, "agent").await?;
-    let token = std::fs::read_to_string(format!(
-        "/proc/{agent_pid}/root/var/run/secrets/kubernetes.io/serviceaccount/token"
-    ))
-    .context("reading the agent's projected token")?;
-    let as_agent: Api<Node> = Api::all(cp.client_for_token(token.trim())?);
-    let label = serde_json::json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}});
-    let refused = as_agent
-        .patch(b.name(), &PatchParams::default(), &Patch::Merge(&label))
-        .await;
-    let want = format!(
-        "meshgate-agent on node {} may not modify Node {}",
-        a.name(),
-        b.name()
-    );
-    ensure!(
-        matches!(&refused, Err(kube::Error::Api(e)) if e.message.contains(&want)),
-        "A's agent token labelling node B: want the policy's refusal {want:?}, got {refused:?}"
-    );
-
-    b.stop();
-    a.stop();
-    assert_clean(&client, &b).await?;
-    assert_clean(&client, &a).await
-}
-
-fn on_node(p: &Pod) -> Option<&str> {
-    p.spec.as_ref().and_then(|s| s.node_name.as_deref())
-}
-
 /// Issue 12's story on real nodes, with meshgate installed from its manifests: S3 → S1 → S4
-/// and an agent restart (`meshgate_e2e::real_story`, which `make demo` tells too). Each step
+/// and an agent restart (`meshgate_e2e::real::story`, which `make demo` tells too). Each step
 /// asserts inside the story; the figures are checked here.
 #[tokio::test]
 async fn meshgate_from_its_manifests_gates_real_nodes_through_the_whole_story() -> anyhow::Result<()>
 {
     let _one = ONE_NODE.lock().await;
     let transcript = Transcript::default();
-    let outcome = real_story::run(&transcript)
+    let outcome = story::run(&transcript)
         .await
         .with_context(|| format!("the story so far:\n{}", transcript.text()))?;
     eprintln!("{}", transcript.text());

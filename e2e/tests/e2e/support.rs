@@ -1,5 +1,5 @@
 //! Test-side helpers shared by the e2e modules; the simulated node itself lives in the
-//! library (`meshgate_e2e::node_sim`) so the demo and benchmarks use the same code.
+//! library (`meshgate_e2e::sim::node`) so the demo and benchmarks use the same code.
 
 use std::collections::BTreeSet;
 
@@ -10,10 +10,10 @@ use kube::Client;
 use kube::api::{Api, EvictParams, Patch, PatchParams, PostParams};
 use meshgate_core::VERIFIED_LABEL;
 use meshgate_e2e::TokenOptions;
-use meshgate_e2e::wait::poll_until;
+use meshgate_e2e::harness::wait::poll_until;
 use serde_json::json;
 
-pub use meshgate_e2e::node_sim::{Agent, CniDirs, GOOD_PLUGIN, golden};
+pub use meshgate_e2e::sim::node::{Agent, CniDirs, GOOD_PLUGIN, golden};
 
 /// Waits until the Node satisfies `pred`; the error says what the Node looked like last.
 pub async fn wait_node(

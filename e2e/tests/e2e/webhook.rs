@@ -2,7 +2,7 @@
 //!
 //! In: the shared control plane, an in-process webhook on a loopback port with a test CA and
 //! serving certificate (rcgen), and the shipped webhook configurations pointing at it by URL
-//! (`meshgate_e2e::webhook_sim`). Out: the apiserver's real answers: refusals shown to the
+//! (`meshgate_e2e::sim::webhook`). Out: the apiserver's real answers: refusals shown to the
 //! client, admissions, node taints from the mutating webhook, survival of a certificate
 //! rotation. What an outage blocks is `outage.rs`, on this module's [`Fixture`].
 //!
@@ -22,7 +22,7 @@ use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
-use meshgate_e2e::webhook_sim::{self, Scope, TestCa};
+use meshgate_e2e::sim::webhook::{self, Scope, TestCa};
 use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
@@ -61,13 +61,13 @@ async fn presented(ca: &TestCa, addr: SocketAddr) -> anyhow::Result<Vec<u8>> {
 fn free_port() -> anyhow::Result<SocketAddr> {
     Ok(SocketAddr::from((
         [127, 0, 0, 1],
-        meshgate_e2e::node_sim::free_port()?,
+        meshgate_e2e::sim::node::free_port()?,
     )))
 }
 
 /// A plain HTTP/1.0 GET on the admin port: (status code, body).
 async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
-    meshgate_e2e::node_sim::http_get(addr, path)
+    meshgate_e2e::sim::node::http_get(addr, path)
         .await
         .with_context(|| format!("no answer from {addr}{path}"))
 }
@@ -206,7 +206,7 @@ impl Fixture {
     }
 
     async fn register(&self) -> anyhow::Result<()> {
-        webhook_sim::register(
+        webhook::register(
             cp().await,
             &self.client,
             &self.tag,
@@ -254,7 +254,7 @@ impl Fixture {
 
     /// Deletes the configurations and stops the webhook; run whatever the test's outcome.
     pub(crate) async fn teardown(mut self) {
-        webhook_sim::unregister(&self.client, &self.tag).await;
+        webhook::unregister(&self.client, &self.tag).await;
         if let Err(e) = self.stop_webhook().await {
             tracing::warn!(error = %e, "stopping the webhook");
         }
@@ -644,9 +644,10 @@ async fn legacy_bindings_are_gated_and_unknown_nodes_cost_no_request() {
         .create_namespace(&admin, "wh-id")
         .await
         .expect("identity namespace");
-    let identity = meshgate_e2e::audit::AuditedIdentity::new(cp, &admin, &home, "meshgate-webhook")
-        .await
-        .expect("an audited identity for the webhook");
+    let identity =
+        meshgate_e2e::harness::audit::AuditedIdentity::new(cp, &admin, &home, "meshgate-webhook")
+            .await
+            .expect("an audited identity for the webhook");
     let f = Fixture::start_as(cp, "whl", identity.kubeconfig.clone())
         .await
         .expect("webhook starts");
@@ -659,7 +660,7 @@ async fn legacy_bindings_are_gated_and_unknown_nodes_cost_no_request() {
 async fn legacy_and_unknown(
     cp: &ControlPlane,
     f: &Fixture,
-    identity: &meshgate_e2e::audit::AuditedIdentity,
+    identity: &meshgate_e2e::harness::audit::AuditedIdentity,
 ) -> anyhow::Result<()> {
     let c = &f.client;
     let nodes: Api<Node> = Api::all(c.clone());

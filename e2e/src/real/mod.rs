@@ -1,0 +1,11 @@
+//! The real-node tier: real kubelets, containerd and kube-proxy beside the control plane.
+//!
+//! In: the node binaries and images `e2e/install-deps.sh` caches, root. Out: real nodes, each
+//! in its own network and mount namespaces ([`node`], laid out by [`mounts`]), a routable
+//! control plane with nodes added one by one and meshgate installed from its own manifests
+//! ([`cluster`]), and meshgate's main job told on them ([`story`]).
+
+pub mod cluster;
+pub(crate) mod mounts;
+pub mod node;
+pub mod story;

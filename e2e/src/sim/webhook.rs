@@ -1,0 +1,211 @@
+//! meshgate's webhook wired into a local control plane, as an operator would install it,
+//! but on loopback: a test CA and serving certificate (rcgen), and the shipped Validating and
+//! Mutating webhook configurations (`manifests/base/webhook-configurations.yaml`) pointing at
+//! `https://127.0.0.1:<port>`.
+//!
+//! In: the control plane, the webhook's address, a scope. Out: registered configurations
+//! (and a CA that can rotate the serving certificate). Used by the e2e tests and the
+//! benchmarks.
+
+use std::path::Path;
+
+use anyhow::Context;
+use k8s_openapi::ByteString;
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
+use kube::Client;
+use kube::api::{Api, DeleteParams, PostParams};
+use serde_json::{Value, json};
+
+use crate::harness::wait::API_TIMEOUT;
+
+/// A CA that signs loopback serving certificates.
+pub struct TestCa {
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+    pem: String,
+    der: Vec<u8>,
+}
+
+impl TestCa {
+    /// A fresh self-signed CA.
+    pub fn new() -> anyhow::Result<Self> {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "meshgate e2e webhook CA");
+        params.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
+        let key = rcgen::KeyPair::generate()?;
+        let cert = params.self_signed(&key)?;
+        Ok(Self {
+            pem: cert.pem(),
+            der: cert.der().to_vec(),
+            issuer: rcgen::Issuer::new(params, key),
+        })
+    }
+
+    /// The CA certificate (PEM): the webhook configurations' `caBundle`.
+    pub fn pem(&self) -> &str {
+        &self.pem
+    }
+
+    /// The CA certificate (DER), for clients that verify the webhook.
+    pub fn der(&self) -> &[u8] {
+        &self.der
+    }
+
+    /// Issues a serving certificate for 127.0.0.1 and writes the key, then the certificate,
+    /// as a rotation tool would; returns the certificate's DER.
+    pub fn issue(&self, cert: &Path, key: &Path) -> anyhow::Result<Vec<u8>> {
+        let kp = rcgen::KeyPair::generate()?;
+        let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()])?;
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "meshgate-webhook");
+        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+        let c = params.signed_by(&kp, &self.issuer)?;
+        std::fs::write(key, kp.serialize_pem())
+            .with_context(|| format!("writing {}", key.display()))?;
+        std::fs::write(cert, c.pem()).with_context(|| format!("writing {}", cert.display()))?;
+        Ok(c.der().to_vec())
+    }
+}
+
+/// Which objects one registration governs.
+#[derive(Clone, Debug, Default)]
+pub struct Scope {
+    /// Also require this namespace label (key, value) for pods, and this object label for
+    /// Nodes; `None` governs everything, as in production. Tests sharing a control plane use
+    /// it so their webhooks never touch each other's objects.
+    pub label: Option<(String, String)>,
+    /// Rename each webhook `<x>.meshgate.io` to `<x>.<infix>.meshgate.io`, so the apiserver's
+    /// per-webhook metrics (`apiserver_admission_webhook_*{name=...}`) count this
+    /// registration's calls alone.
+    pub hook_infix: Option<String>,
+}
+
+/// The registrations meshgate ships, which every test registers (adapted by [`configurations`]).
+pub const SHIPPED: &str = "manifests/base/webhook-configurations.yaml";
+
+/// The shipped Validating and Mutating webhook configurations ([`SHIPPED`], read through
+/// kubectl as an operator's `kubectl apply` reads them), adapted to a webhook on
+/// `https://127.0.0.1:<port>`: each webhook's `clientConfig` becomes that URL (with the
+/// Service's path) and `ca_pem`, the configurations are named `meshgate-<name>`, and `scope`
+/// is added (a namespace label to every namespaceSelector, an object label to the Node
+/// webhook, the hook infix). Everything else (rules, matchConditions, failure policies,
+/// timeouts, the exempt namespaces) is as shipped.
+pub async fn configurations(
+    cp: &crate::ControlPlane,
+    name: &str,
+    port: u16,
+    ca_pem: &str,
+    scope: &Scope,
+) -> anyhow::Result<(ValidatingWebhookConfiguration, MutatingWebhookConfiguration)> {
+    let path = crate::harness::paths::repo_root().join(SHIPPED);
+    let text = cp
+        .kubectl(&[
+            "create",
+            "--dry-run=client",
+            "-o",
+            "json",
+            "-f",
+            &path.display().to_string(),
+        ])
+        .await
+        .with_context(|| format!("reading {SHIPPED}"))?;
+    let mut objects = Vec::new();
+    for doc in serde_json::Deserializer::from_str(&text).into_iter::<Value>() {
+        let doc = doc.context("kubectl's JSON")?;
+        match doc.get("items").and_then(Value::as_array) {
+            Some(items) if doc["kind"] == "List" => objects.extend(items.iter().cloned()),
+            _ => objects.push(doc),
+        }
+    }
+    let ca_bundle = serde_json::to_value(ByteString(ca_pem.as_bytes().to_vec()))?;
+    let adapt = |kind: &str| -> anyhow::Result<Value> {
+        let mut obj = objects
+            .iter()
+            .find(|o| o["kind"] == kind)
+            .cloned()
+            .with_context(|| format!("no {kind} in {SHIPPED}"))?;
+        obj["metadata"] = json!({"name": format!("meshgate-{name}")});
+        let hooks = obj["webhooks"].as_array_mut().context("webhooks")?;
+        for hook in hooks {
+            adapt_hook(hook, kind, port, &ca_bundle, scope)?;
+        }
+        Ok(obj)
+    };
+    let validating = serde_json::from_value(adapt("ValidatingWebhookConfiguration")?)?;
+    let mutating = serde_json::from_value(adapt("MutatingWebhookConfiguration")?)?;
+    Ok((validating, mutating))
+}
+
+/// One webhook of [`configurations`]: URL, CA, scope.
+fn adapt_hook(
+    hook: &mut Value,
+    kind: &str,
+    port: u16,
+    ca_bundle: &Value,
+    scope: &Scope,
+) -> anyhow::Result<()> {
+    let path = hook["clientConfig"]["service"]["path"]
+        .as_str()
+        .context("a shipped webhook without a Service path")?
+        .to_owned();
+    hook["clientConfig"] =
+        json!({"url": format!("https://127.0.0.1:{port}{path}"), "caBundle": ca_bundle});
+    if let Some(infix) = &scope.hook_infix {
+        let name = hook["name"].as_str().context("webhook name")?;
+        let base = name
+            .strip_suffix(".meshgate.io")
+            .with_context(|| format!("webhook {name} not under meshgate.io"))?;
+        hook["name"] = json!(format!("{base}.{infix}.meshgate.io"));
+    }
+    if let Some((k, v)) = &scope.label {
+        if kind == "MutatingWebhookConfiguration" {
+            hook["objectSelector"] = json!({"matchLabels": {k: v}});
+        } else {
+            let exprs = hook["namespaceSelector"]["matchExpressions"]
+                .as_array_mut()
+                .context("a shipped pod webhook without namespaceSelector.matchExpressions")?;
+            exprs.push(json!({"key": k, "operator": "In", "values": [v]}));
+        }
+    }
+    Ok(())
+}
+
+/// Registers [`configurations`] as `meshgate-<name>`.
+pub async fn register(
+    cp: &crate::ControlPlane,
+    client: &Client,
+    name: &str,
+    port: u16,
+    ca_pem: &str,
+    scope: &Scope,
+) -> anyhow::Result<()> {
+    let (validating, mutating) = configurations(cp, name, port, ca_pem, scope).await?;
+    let pp = PostParams::default();
+    let v: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
+    tokio::time::timeout(API_TIMEOUT, v.create(&pp, &validating))
+        .await
+        .context("registering the validating webhook")??;
+    let m: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
+    tokio::time::timeout(API_TIMEOUT, m.create(&pp, &mutating))
+        .await
+        .context("registering the mutating webhook")??;
+    Ok(())
+}
+
+/// Deletes what [`register`] created (best effort).
+pub async fn unregister(client: &Client, name: &str) {
+    let name = format!("meshgate-{name}");
+    let dp = DeleteParams::default();
+    let v: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
+    let _ = tokio::time::timeout(API_TIMEOUT, v.delete(&name, &dp)).await;
+    let m: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
+    let _ = tokio::time::timeout(API_TIMEOUT, m.delete(&name, &dp)).await;
+}
