@@ -566,6 +566,36 @@ fn the_thread_returns_to_its_own_namespace() {
     assert_eq!(here(), before);
 }
 
+/// A process of the pod's namespace (root, so `CAP_NET_ADMIN` there) cannot slip a forged
+/// answer (here an early end of dump) into the agent's netlink sockets: they are connected to
+/// the kernel, which refuses datagrams from any other socket.
+#[test]
+fn forged_netlink_answers_from_the_pod_are_refused() {
+    use meshgate_agent::netlink::{Bus, Socket};
+    use netlink_sys::{Socket as RawSocket, SocketAddr, protocols};
+    let ns = Netns::new("forge");
+    let (victims, forgers) = netns::with_netns(&ns.path(), || {
+        let victims = [Bus::Route, Bus::Netfilter].map(|b| Socket::open(b).expect("open"));
+        let forgers = [protocols::NETLINK_ROUTE, protocols::NETLINK_NETFILTER].map(|p| {
+            let mut s = RawSocket::new(p).expect("forger socket");
+            s.bind_auto().expect("bind");
+            s
+        });
+        (victims, forgers)
+    })
+    .expect("enter");
+    let mut done = [0u8; 20];
+    done[0..4].copy_from_slice(&20u32.to_ne_bytes());
+    done[4..6].copy_from_slice(&(libc::NLMSG_DONE as u16).to_ne_bytes());
+    for (victim, forger) in victims.iter().zip(&forgers) {
+        let to = SocketAddr::new(victim.portid(), 0);
+        let e = forger
+            .send_to(&done, &to, 0)
+            .expect_err("a forged datagram was accepted");
+        assert_eq!(e.raw_os_error(), Some(libc::ECONNREFUSED), "{e}");
+    }
+}
+
 #[test]
 fn concurrent_rule_changes_never_yield_a_torn_read() {
     let ns = Netns::new("churn");
