@@ -13,13 +13,13 @@
 //!
 //! `cargo bench -p meshgate-agent --bench inspect_sweep` (MESHGATE_BENCH_PODS=N to resize).
 
+use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use meshgate_agent::inspect::inspect_netns;
 use meshgate_agent::netns;
 use meshgate_core::profile::ProfileSet;
 use meshgate_core::rules::RedirectVerdict;
@@ -294,7 +294,7 @@ fn main() {
             let profile = profiles.get(pod.kind.profile()).expect("profile");
             let t = Instant::now();
             let verdict = match locate(&facts, &pod.ips, None) {
-                Located::Found(r) => match inspect_netns(&r.path, profile) {
+                Located::Found(r) => match netns::check_pod(&r.path, profile, &BTreeMap::new()) {
                     Ok(i) => i.verdict,
                     Err(e) => {
                         eprintln!("{}: {e}", pod.ns);

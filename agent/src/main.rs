@@ -23,9 +23,9 @@ enum Command {
     // Boxed: the daemon's flags dwarf the others, and the enum is built once.
     Run(Box<meshgate_agent::daemon::Args>),
     /// Verify the node's effective CNI config once and print the verdict.
-    Check(meshgate_agent::check::Args),
+    Check(meshgate_agent::cli::check::Args),
     /// Inspect one pod network namespace for the mesh's redirect rules.
-    Inspect(meshgate_agent::inspect::Args),
+    Inspect(meshgate_agent::cli::inspect::Args),
 }
 
 fn main() -> ExitCode {
@@ -41,7 +41,7 @@ fn main() -> ExitCode {
             };
             entry::run(process, meshgate_agent::daemon::run(*args))
         }
-        Command::Check(args) => meshgate_agent::check::main(args),
-        Command::Inspect(args) => meshgate_agent::inspect::main(args),
+        Command::Check(args) => meshgate_agent::cli::check::main(args),
+        Command::Inspect(args) => meshgate_agent::cli::inspect::main(args),
     }
 }

@@ -1,22 +1,24 @@
-//! The agent's netlink sockets (rtnetlink for addresses, nfnetlink for nf_tables dumps),
-//! always opened close-on-exec.
+//! The agent's netlink sockets (rtnetlink for addresses, nfnetlink for nf_tables dumps), on
+//! `netlink-sys`, always close-on-exec.
 //!
 //! In: a [`Bus`] and request bytes. Out: the kernel's answer bytes, or an `io::Error`
 //! (a reply larger than the buffer is `ENOSPC`, never silently cut).
 //!
-//! Why not libmnl (`mnl::Socket`): it opens its socket without `SOCK_CLOEXEC` and offers
-//! no way to ask for it, and the agent runs CNI plugin binaries (VERSION probes) on other
-//! threads while pods are inspected: every socket open at the moment of a fork would be
-//! inherited by the plugin. Here the flag is part of the `socket(2)` call itself, so there
-//! is no window between opening and marking.
+//! Close-on-exec matters because the agent runs CNI plugin binaries (VERSION probes) on
+//! other threads while pods are inspected: every socket open at the moment of a fork would
+//! be inherited by the plugin. `netlink_sys::Socket::new` passes `SOCK_CLOEXEC` to
+//! `socket(2)` itself (0.9), so there is no window between opening and marking; the test
+//! below fails if a later version stops doing so.
+//!
+//! Each socket is also connected to the kernel (port id 0): the kernel then refuses
+//! (`ECONNREFUSED`) any datagram another socket addresses to it. The socket lives in the pod's
+//! namespace, where a process with `CAP_NET_ADMIN` could otherwise send it forged answers (a
+//! made-up redirect rule, an early end of dump).
 
-use std::io::{self, IoSliceMut};
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
 
-use nix::sys::socket::{
-    AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, bind, getsockname,
-    recvmsg, sendto, socket,
-};
+use netlink_sys::{Socket as NlSocket, SocketAddr, protocols};
 
 /// Which netlink family to talk to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,7 +32,7 @@ pub enum Bus {
 /// A bound netlink socket talking to the kernel.
 #[derive(Debug)]
 pub struct Socket {
-    fd: OwnedFd,
+    inner: NlSocket,
     portid: u32,
 }
 
@@ -39,40 +41,30 @@ impl Socket {
     /// binds it to a port id the kernel picks.
     pub fn open(bus: Bus) -> io::Result<Self> {
         let protocol = match bus {
-            Bus::Route => SockProtocol::NetlinkRoute,
-            Bus::Netfilter => SockProtocol::NetlinkNetFilter,
+            Bus::Route => protocols::NETLINK_ROUTE,
+            Bus::Netfilter => protocols::NETLINK_NETFILTER,
         };
-        let fd = socket(
-            AddressFamily::Netlink,
-            SockType::Raw,
-            SockFlag::SOCK_CLOEXEC,
-            protocol,
-        )?;
-        bind(fd.as_raw_fd(), &NetlinkAddr::new(0, 0))?;
-        let portid = getsockname::<NetlinkAddr>(fd.as_raw_fd())?.pid();
-        Ok(Self { fd, portid })
+        let mut inner = NlSocket::new(protocol)?;
+        let portid = inner.bind_auto()?.port_number();
+        inner.connect(&SocketAddr::new(0, 0))?;
+        Ok(Self { inner, portid })
     }
 
     /// Sends one datagram to the kernel. Returns the bytes sent.
     pub fn send(&self, data: &[u8]) -> io::Result<usize> {
-        let kernel = NetlinkAddr::new(0, 0);
-        Ok(sendto(
-            self.fd.as_raw_fd(),
-            data,
-            &kernel,
-            MsgFlags::empty(),
-        )?)
+        self.inner.send(data, 0)
     }
 
     /// Receives one datagram (possibly several netlink messages) into `buf`. Returns the
     /// bytes received; a datagram that did not fit is `ENOSPC`.
     pub fn recv_raw(&self, buf: &mut [u8]) -> io::Result<usize> {
-        let mut iov = [IoSliceMut::new(buf)];
-        let msg = recvmsg::<NetlinkAddr>(self.fd.as_raw_fd(), &mut iov, None, MsgFlags::empty())?;
-        if msg.flags.contains(MsgFlags::MSG_TRUNC) {
+        let cap = buf.len();
+        // MSG_TRUNC: the kernel returns the datagram's real length even when it was cut.
+        let n = self.inner.recv(&mut &mut buf[..], libc::MSG_TRUNC)?;
+        if n > cap {
             return Err(io::Error::from_raw_os_error(libc::ENOSPC));
         }
-        Ok(msg.bytes)
+        Ok(n)
     }
 
     /// The port id the kernel gave the socket.
@@ -83,7 +75,7 @@ impl Socket {
 
 impl AsRawFd for Socket {
     fn as_raw_fd(&self) -> RawFd {
-        self.fd.as_raw_fd()
+        self.inner.as_raw_fd()
     }
 }
 
@@ -96,9 +88,25 @@ mod tests {
     fn sockets_are_close_on_exec_from_the_start() {
         for bus in [Bus::Route, Bus::Netfilter] {
             let s = Socket::open(bus).unwrap();
-            let flags = nix::fcntl::fcntl(&s.fd, nix::fcntl::FcntlArg::F_GETFD).unwrap();
+            let flags = nix::fcntl::fcntl(&s.inner, nix::fcntl::FcntlArg::F_GETFD).unwrap();
             assert_ne!(flags & libc::FD_CLOEXEC, 0, "{bus:?}");
             assert_ne!(s.portid(), 0);
         }
+    }
+
+    /// A datagram larger than the buffer is `ENOSPC`, not a silently cut answer.
+    #[test]
+    fn a_reply_larger_than_the_buffer_is_refused() {
+        let s = Socket::open(Bus::Route).unwrap();
+        // RTM_GETLINK dump: the loopback link alone is far more than 32 bytes.
+        let mut req = [0u8; 32];
+        req[0..4].copy_from_slice(&32u32.to_ne_bytes());
+        req[4..6].copy_from_slice(&libc::RTM_GETLINK.to_ne_bytes());
+        let flags = (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16;
+        req[6..8].copy_from_slice(&flags.to_ne_bytes());
+        s.send(&req).unwrap();
+        let mut small = [0u8; 32];
+        let e = s.recv_raw(&mut small).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOSPC));
     }
 }

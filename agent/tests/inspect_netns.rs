@@ -12,7 +12,6 @@ use std::process::Command;
 
 use std::collections::BTreeMap;
 
-use meshgate_agent::inspect::{inspect_netns, inspect_netns_pod};
 use meshgate_agent::netns;
 use meshgate_core::profile::MeshProfile;
 use meshgate_core::rules::locate::{Located, locate};
@@ -96,7 +95,8 @@ fn profile(name: &str) -> MeshProfile {
 }
 
 fn inspect(ns: &Netns, p: &str) -> Inspection {
-    inspect_netns(&ns.path(), &profile(p)).unwrap_or_else(|e| panic!("inspect {}: {e}", ns.name()))
+    netns::check_pod(&ns.path(), &profile(p), &BTreeMap::new())
+        .unwrap_or_else(|e| panic!("inspect {}: {e}", ns.name()))
 }
 
 /// linkerd proxy-init's rules, as its iptables mode writes them.
@@ -216,12 +216,14 @@ fn linkerd_iptables_nft_dual_stack() {
         "{}",
         default.message
     );
-    let half = inspect_netns(&ns.path(), &dual_stack("linkerd")).expect("inspect");
+    let half =
+        netns::check_pod(&ns.path(), &dual_stack("linkerd"), &BTreeMap::new()).expect("inspect");
     assert_eq!(half.verdict, RedirectVerdict::Missing, "{}", half.message);
     assert!(half.message.contains("IPv6"), "{}", half.message);
     ns.sh(&linkerd_rules("ip6tables-nft", 4143));
     assert_linkerd_redirected_in_both_families(&ns, "iptables-nft");
-    let both = inspect_netns(&ns.path(), &dual_stack("linkerd")).expect("inspect");
+    let both =
+        netns::check_pod(&ns.path(), &dual_stack("linkerd"), &BTreeMap::new()).expect("inspect");
     assert_eq!(
         both.verdict,
         RedirectVerdict::Redirected,
@@ -566,6 +568,36 @@ fn the_thread_returns_to_its_own_namespace() {
     assert_eq!(here(), before);
 }
 
+/// A process of the pod's namespace (root, so `CAP_NET_ADMIN` there) cannot slip a forged
+/// answer (here an early end of dump) into the agent's netlink sockets: they are connected to
+/// the kernel, which refuses datagrams from any other socket.
+#[test]
+fn forged_netlink_answers_from_the_pod_are_refused() {
+    use meshgate_agent::netlink::{Bus, Socket};
+    use netlink_sys::{Socket as RawSocket, SocketAddr, protocols};
+    let ns = Netns::new("forge");
+    let (victims, forgers) = netns::with_netns(&ns.path(), || {
+        let victims = [Bus::Route, Bus::Netfilter].map(|b| Socket::open(b).expect("open"));
+        let forgers = [protocols::NETLINK_ROUTE, protocols::NETLINK_NETFILTER].map(|p| {
+            let mut s = RawSocket::new(p).expect("forger socket");
+            s.bind_auto().expect("bind");
+            s
+        });
+        (victims, forgers)
+    })
+    .expect("enter");
+    let mut done = [0u8; 20];
+    done[0..4].copy_from_slice(&20u32.to_ne_bytes());
+    done[4..6].copy_from_slice(&(libc::NLMSG_DONE as u16).to_ne_bytes());
+    for (victim, forger) in victims.iter().zip(&forgers) {
+        let to = SocketAddr::new(victim.portid(), 0);
+        let e = forger
+            .send_to(&done, &to, 0)
+            .expect_err("a forged datagram was accepted");
+        assert_eq!(e.raw_os_error(), Some(libc::ECONNREFUSED), "{e}");
+    }
+}
+
 #[test]
 fn concurrent_rule_changes_never_yield_a_torn_read() {
     let ns = Netns::new("churn");
@@ -590,7 +622,7 @@ fn concurrent_rule_changes_never_yield_a_torn_read() {
         let rs = opened
             .ruleset()
             .expect("a consistent read (interrupted dumps are retried)");
-        let got = meshgate_core::rules::check(&rs, &profile("istio"), &[]);
+        let got = meshgate_core::rules::check_pod(&rs, &profile("istio"), &[], &BTreeMap::new());
         assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
         reads += 1;
     }
@@ -606,7 +638,7 @@ fn annotations(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
 }
 
 fn inspect_pod(ns: &Netns, p: &MeshProfile, ann: &[(&str, &str)]) -> Inspection {
-    inspect_netns_pod(&ns.path(), p, &annotations(ann))
+    netns::check_pod(&ns.path(), p, &annotations(ann))
         .unwrap_or_else(|e| panic!("inspect {}: {e}", ns.name()))
 }
 
@@ -739,7 +771,8 @@ fn istio_tproxy_mode_is_redirected_with_both_backends() {
                ip -4 route add local default dev lo table 133
                ip -6 rule add fwmark 1337 lookup 133
                ip -6 route add local default dev lo table 133");
-        let got = inspect_netns(&ns.path(), &dual_stack("istio")).expect("inspect");
+        let got =
+            netns::check_pod(&ns.path(), &dual_stack("istio"), &BTreeMap::new()).expect("inspect");
         assert_eq!(
             got.verdict,
             RedirectVerdict::Redirected,
@@ -813,7 +846,8 @@ fn native_nft_tproxy_is_redirected() {
     );
     // `tproxy ip` and `tproxy ip6` each intercept their own family only.
     ns.addr("fd00:10:244:11::18/64");
-    let dual = inspect_netns(&ns.path(), &dual_stack("istio")).expect("inspect");
+    let dual =
+        netns::check_pod(&ns.path(), &dual_stack("istio"), &BTreeMap::new()).expect("inspect");
     assert_eq!(
         dual.verdict,
         RedirectVerdict::Redirected,
@@ -822,7 +856,8 @@ fn native_nft_tproxy_is_redirected() {
     );
     ns.sh("nft flush chain inet istio-proxy-mangle istio-tproxy
            nft add rule inet istio-proxy-mangle istio-tproxy meta l4proto tcp tproxy ip to :15006 meta mark set 0x539 accept");
-    let dual = inspect_netns(&ns.path(), &dual_stack("istio")).expect("inspect");
+    let dual =
+        netns::check_pod(&ns.path(), &dual_stack("istio"), &BTreeMap::new()).expect("inspect");
     assert_eq!(dual.verdict, RedirectVerdict::Missing, "{}", dual.message);
     assert_eq!(dual.inbound.missing_families, [IpFamily::V6]);
 }
@@ -838,7 +873,8 @@ fn dual_stack_pods_on_the_meshes_defaults_need_ipv4_rules_only() {
     let got = inspect(&ns, "istio");
     assert_eq!(got.verdict, RedirectVerdict::Redirected, "{}", got.message);
     // Configured dual-stack, the absent ip6tables rules are missing.
-    let dual = inspect_netns(&ns.path(), &dual_stack("istio")).expect("inspect");
+    let dual =
+        netns::check_pod(&ns.path(), &dual_stack("istio"), &BTreeMap::new()).expect("inspect");
     assert_eq!(dual.verdict, RedirectVerdict::Missing, "{}", dual.message);
     assert!(dual.message.contains("IPv6"), "{}", dual.message);
 

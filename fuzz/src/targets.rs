@@ -247,7 +247,7 @@ fn check_all(ruleset: &Ruleset, sig: &mut Sig) {
             &[IpFamily::V6],
             &[IpFamily::V4, IpFamily::V6],
         ] {
-            let i = rules::check(ruleset, p, fams);
+            let i = rules::check_pod(ruleset, p, fams, &BTreeMap::new());
             sig.add(match i.verdict {
                 RedirectVerdict::Redirected => 1,
                 RedirectVerdict::Missing => 2,
@@ -617,7 +617,7 @@ fn profiles_exec(input: &[u8]) -> u64 {
             let n = set.selecting(&labels, &annotations).count();
             sig.add(2).add(n as u64);
             for p in set.iter() {
-                let i = rules::check(&Ruleset::default(), p, &[IpFamily::V4]);
+                let i = rules::check_pod(&Ruleset::default(), p, &[IpFamily::V4], &annotations);
                 assert_eq!(
                     i.verdict,
                     RedirectVerdict::Missing,

@@ -117,12 +117,12 @@ fn seeds_reach_past_the_first_parse() {
 fn captured_netfilter_seeds_decode_to_the_meshes_redirects() {
     use meshgate_agent::netfilter::{legacy, nftables};
     use meshgate_core::profile::ProfileSet;
-    use meshgate_core::rules::{Family, IpFamily, RedirectVerdict, Ruleset, check};
+    use meshgate_core::rules::{Family, IpFamily, RedirectVerdict, Ruleset, check_pod};
     let dir = meshgate_fuzz::runner::crate_dir().join("corpus");
     let profiles = ProfileSet::all_builtin();
     let verdict = |rs: &Ruleset, profile: &str, fam: IpFamily| {
         let p = profiles.get(profile).expect("built-in profile");
-        check(rs, p, &[fam]).verdict
+        check_pod(rs, p, &[fam], &std::collections::BTreeMap::new()).verdict
     };
     let assembled = |file: &str| -> Ruleset {
         let bytes = std::fs::read(dir.join("netlink").join(file)).expect("seed");

@@ -154,6 +154,23 @@ impl Sockets {
     }
 }
 
+/// The native-endian u16 at `at`, if the buffer holds it.
+pub(crate) fn u16_at(b: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_ne_bytes(b.get(at..at + 2)?.try_into().ok()?))
+}
+
+/// The native-endian u32 at `at`, if the buffer holds it.
+pub(crate) fn u32_at(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?))
+}
+
+/// A name up to its first NUL (a fixed-size field or a netlink string), lossily as UTF-8:
+/// names are whatever a pod with `NET_ADMIN` wrote, and never make a read fail.
+pub(crate) fn c_name(b: &[u8]) -> String {
+    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+    String::from_utf8_lossy(&b[..end]).into_owned()
+}
+
 /// Splits a buffer of netlink messages into messages, checking every length against the
 /// buffer, the last message's padding included, so a short or lying header never reads past
 /// the end. Iteration stops at the first malformed header.
@@ -164,11 +181,7 @@ pub(crate) fn split_messages(buf: &[u8]) -> impl Iterator<Item = Result<&[u8], S
         if rest.len() < NLMSG_HDR {
             return None;
         }
-        let len = rest
-            .get(0..4)
-            .and_then(|b| b.try_into().ok())
-            .map(u32::from_ne_bytes)
-            .unwrap_or(0) as usize;
+        let len = u32_at(rest, 0).unwrap_or(0) as usize;
         if len < NLMSG_HDR || len > rest.len() {
             rest = &[];
             return Some(Err(format!("netlink message claims {len} bytes")));

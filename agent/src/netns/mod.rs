@@ -21,8 +21,12 @@
 //! even if the closure panics. The sockets stay bound to the pod's namespace afterwards, so
 //! every query runs from the agent's own namespace. Never call this across an `.await`: the
 //! daemon runs it on a blocking thread.
+//!
+//! [`read_netns`] and [`check_pod`] read one namespace by path in one visit (the one-shot
+//! `inspect` subcommand, the privileged tests and the bench).
 
 pub mod addr;
+mod read;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
@@ -37,6 +41,7 @@ use nix::sched::{CloneFlags, setns};
 
 use crate::netfilter::{self, ReadError};
 pub use addr::Address;
+pub use read::{NetnsContents, check_pod, read_netns};
 
 /// Where `ip netns` and the container runtimes bind-mount named namespaces.
 pub const DEFAULT_NETNS_DIR: &str = "/var/run/netns";

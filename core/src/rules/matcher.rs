@@ -463,13 +463,6 @@ impl Inspection {
     }
 }
 
-/// Checks one namespace's rules against a profile for a pod without annotations. `families`
-/// are the IP families the pod has addresses in; an empty slice means IPv4 only. Kept for
-/// callers that have no pod context; [`check_pod`] is the daemon's entry point.
-pub fn check(ruleset: &Ruleset, profile: &MeshProfile, families: &[IpFamily]) -> Inspection {
-    check_pod(ruleset, profile, families, &BTreeMap::new())
-}
-
 /// Checks one namespace's rules against what `profile`'s mesh writes for a pod with these IP
 /// families (empty: IPv4 only) and annotations ([`expectation`]).
 pub fn check_pod(

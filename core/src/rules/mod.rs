@@ -31,8 +31,7 @@ use serde::{Deserialize, Serialize};
 pub use expect::expectation;
 pub use expected::{AnnotationDialect, Dialect, Expectation, Expected, IpFamily};
 pub use matcher::{
-    DirectionResult, Inspection, Path, check, check_expected, check_pod, find_interception,
-    find_redirect,
+    DirectionResult, Inspection, Path, check_expected, check_pod, find_interception, find_redirect,
 };
 
 /// The netfilter family a table lives in.

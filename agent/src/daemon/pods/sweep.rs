@@ -37,7 +37,7 @@ pub struct Job {
     /// `metadata.annotations`: the rules a mesh writes follow from them (Istio's
     /// `traffic.sidecar.istio.io/*` and `sidecar.istio.io/interceptionMode`, Linkerd's
     /// `config.linkerd.io/skip-*`), so the expected rules are derived from them at the
-    /// `rules::check` call in [`inspect_one`].
+    /// `rules::check_pod` call in [`inspect_one`].
     pub annotations: BTreeMap<String, String>,
     /// The profiles that select it.
     pub profiles: Vec<MeshProfile>,
@@ -216,7 +216,7 @@ mod tests {
     }
 
     fn missing(name: &str) -> Inspection {
-        rules::check(&Ruleset::default(), &profile(name), &[])
+        rules::check_pod(&Ruleset::default(), &profile(name), &[], &BTreeMap::new())
     }
 
     #[test]

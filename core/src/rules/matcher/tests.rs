@@ -5,6 +5,11 @@ use super::super::{Chain, Rule, Table};
 use super::*;
 use std::collections::BTreeMap;
 
+/// [`check_pod`] for a pod without annotations.
+fn check(ruleset: &Ruleset, profile: &MeshProfile, families: &[IpFamily]) -> Inspection {
+    check_pod(ruleset, profile, families, &BTreeMap::new())
+}
+
 fn profile(name: &str) -> MeshProfile {
     crate::meshes::builtin_named(name).expect("built-in profile")
 }

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use meshgate_core::cni::ChainVerdict;
 
-use crate::Output;
+use super::Output;
 use crate::cni::CniArgs;
 
 /// `meshgate-agent check --cni-conf-dir DIR --cni-bin-dir DIR --require-plugin TYPE ...`

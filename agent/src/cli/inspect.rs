@@ -2,21 +2,19 @@
 //!
 //! In: [`Args`] (a namespace path or a pid, a profile name, optionally a profile file and the
 //! pod's annotations). Out: the verdict on stdout, as text or the contract's JSON object, and
-//! the exit code: 0 redirected, 1 missing, 2 unknown, usage or I/O error. [`inspect_netns_pod`]
-//! is the library half, also used by the privileged tests and the bench: enter once, read
-//! addresses and rules, derive what the mesh writes for this pod, match.
+//! the exit code: 0 redirected, 1 missing, 2 unknown, usage or I/O error. The library half
+//! is [`crate::netns::check_pod`]: enter once, read addresses and rules, derive what the mesh
+//! writes for this pod, match.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context as _;
-use meshgate_core::profile::MeshProfile;
-use meshgate_core::rules::{self, Inspection, IpFamily, RedirectVerdict};
+use meshgate_core::rules::{self, Inspection, RedirectVerdict};
 
-use crate::Output;
-use crate::netfilter::ReadError;
-use crate::netns::{self, NetnsError};
+use super::Output;
+use crate::netns;
 
 /// `meshgate-agent inspect (--netns PATH | --pid PID) --profile NAME [--output text|json]`
 #[derive(Debug, clap::Args)]
@@ -95,7 +93,7 @@ fn run(args: &Args) -> anyhow::Result<(PathBuf, Inspection)> {
         (None, None) => anyhow::bail!("give --netns PATH or --pid PID"),
     };
     let annotations = annotations(args)?;
-    let inspection = inspect_netns_pod(&path, &profile, &annotations)?;
+    let inspection = netns::check_pod(&path, &profile, &annotations)?;
     Ok((path, inspection))
 }
 
@@ -118,88 +116,6 @@ fn annotations(args: &Args) -> anyhow::Result<BTreeMap<String, String>> {
         out.insert(k.clone(), v.clone());
     }
     Ok(out)
-}
-
-/// What one visit to a namespace reads: its addresses and its rules.
-#[derive(Debug)]
-pub struct NetnsContents {
-    /// Interface addresses.
-    pub addresses: Vec<netns::Address>,
-    /// NAT-relevant rules of every backend.
-    pub ruleset: rules::Ruleset,
-}
-
-impl NetnsContents {
-    /// The IP families of the namespace's global addresses; IPv4 alone when it has none.
-    /// (The daemon uses the pod's `status.podIPs` instead:
-    /// [`meshgate_core::rules::locate::required_families`].)
-    pub fn families(&self) -> Vec<IpFamily> {
-        let mut families = Vec::new();
-        if self
-            .addresses
-            .iter()
-            .any(|a| a.is_global() && a.ip.is_ipv4())
-        {
-            families.push(IpFamily::V4);
-        }
-        if self
-            .addresses
-            .iter()
-            .any(|a| a.is_global() && a.ip.is_ipv6())
-        {
-            families.push(IpFamily::V6);
-        }
-        if families.is_empty() {
-            families.push(IpFamily::V4);
-        }
-        families
-    }
-}
-
-/// Enters `path` once to open the sockets, then reads its addresses and rules. Blocking;
-/// the daemon calls it from a blocking thread, and can match the result against every
-/// profile that selects the pod with [`meshgate_core::rules::check`].
-pub fn read_netns(path: &Path) -> Result<NetnsContents, NetnsError> {
-    let opened = netns::open(path, true)?;
-    Ok(NetnsContents {
-        addresses: opened.addresses()?,
-        ruleset: opened.ruleset()?,
-    })
-}
-
-/// Inspects one namespace for one profile, for a pod without annotations.
-pub fn inspect_netns(path: &Path, profile: &MeshProfile) -> Result<Inspection, NetnsError> {
-    inspect_netns_pod(path, profile, &BTreeMap::new())
-}
-
-/// Inspects one namespace for one profile and a pod with these annotations. The families
-/// are the namespace's global addresses'; what is required of each follows
-/// [`meshgate_core::rules::expectation`].
-pub fn inspect_netns_pod(
-    path: &Path,
-    profile: &MeshProfile,
-    annotations: &BTreeMap<String, String>,
-) -> Result<Inspection, NetnsError> {
-    let contents = match read_netns(path) {
-        Ok(c) => c,
-        // Past the dump caps the verdict is unknown (exit 2), never missing.
-        Err(NetnsError::Rules {
-            source: e @ ReadError::TooLarge { .. },
-            ..
-        }) => {
-            return Ok(Inspection::unknown(
-                profile,
-                &format!("{}: {e}", profile.name),
-            ));
-        }
-        Err(e) => return Err(e),
-    };
-    Ok(rules::check_pod(
-        &contents.ruleset,
-        profile,
-        &contents.families(),
-        annotations,
-    ))
 }
 
 /// The contract's JSON object.
