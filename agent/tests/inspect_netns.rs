@@ -1501,7 +1501,7 @@ mod identity {
     use std::process::{Child, Command, Stdio};
     use std::time::Duration;
 
-    use meshgate_agent::daemon::pods::inspect::{Job, inspect_one};
+    use meshgate_agent::daemon::pods::sweep::{Job, inspect_one};
     use meshgate_agent::netns::{self, NetnsError};
     use meshgate_core::rules::RedirectVerdict;
     use meshgate_e2e::sim::netns as netns_sim;

@@ -1,4 +1,4 @@
-//! Admission decisions: may this pod land on this node, and how is a new Node gated?
+//! Admission decisions: may this pod land on this node?
 //!
 //! In: what is being admitted (a Pod created with `spec.nodeName` set, or a `pods/binding`),
 //! the pod's labels and annotations (or why they could not be looked up: not found, lookups
@@ -8,15 +8,12 @@
 //! names the node, the reason when known, and the remedy. The message is shown verbatim to the
 //! client (`kubectl`, the scheduler's event), so it is written for an operator.
 //!
-//! Also [`node_registration_patch`]: the JSON Patch that gates a Node from the instant it is
-//! created (taint + `meshgate.io/cni-verified=false` label).
+//! The JSON Patch that gates a new Node is the node gate's (`crate::gate`).
 //!
 //! No I/O: the webhook crate feeds this from its caches and the AdmissionReview.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-
-use serde_json::{Value, json};
 
 use crate::profile::{PodView, ProfileSet, Selected};
 use crate::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
@@ -303,69 +300,6 @@ fn write_remedy(m: &mut String, input: &Input<'_>, meshes: &[Mesh<'_>]) {
             );
         }
     }
-}
-
-/// Escapes a key for a JSON Pointer path segment (RFC 6901: `~` → `~0`, `/` → `~1`).
-fn pointer_segment(key: &str) -> String {
-    key.replace('~', "~0").replace('/', "~1")
-}
-
-/// The JSON Patch (RFC 6902 operations) that gates a Node being created: the
-/// `meshgate.io/cni-unverified` taint with `effect`, unless a taint with that key is already
-/// there (kubelet's `--register-with-taints` may have set it, perhaps with `NoExecute`), and the
-/// label `meshgate.io/cni-verified=false`, which replaces any value a registering node claims
-/// for itself: a node that was just created has not been verified by the agent.
-///
-/// `node` is the Node object as JSON. Returns an empty list when nothing needs to change.
-pub fn node_registration_patch(node: &Value, effect: &str) -> Vec<Value> {
-    let mut ops = Vec::new();
-
-    let labels = node.pointer("/metadata/labels");
-    match labels {
-        Some(Value::Object(map)) => {
-            if map.get(VERIFIED_LABEL).and_then(Value::as_str) != Some("false") {
-                // `add` on an existing member replaces it (RFC 6902 §4.1).
-                ops.push(json!({
-                    "op": "add",
-                    "path": format!("/metadata/labels/{}", pointer_segment(VERIFIED_LABEL)),
-                    "value": "false",
-                }));
-            }
-        }
-        _ => {
-            let path = if node.get("metadata").is_some_and(Value::is_object) {
-                "/metadata/labels"
-            } else {
-                "/metadata"
-            };
-            let value = if path == "/metadata/labels" {
-                json!({ VERIFIED_LABEL: "false" })
-            } else {
-                json!({ "labels": { VERIFIED_LABEL: "false" } })
-            };
-            ops.push(json!({ "op": "add", "path": path, "value": value }));
-        }
-    }
-
-    let taint = json!({ "key": TAINT_KEY, "effect": effect });
-    match node.pointer("/spec/taints") {
-        Some(Value::Array(taints)) => {
-            let present = taints
-                .iter()
-                .any(|t| t.get("key").and_then(Value::as_str) == Some(TAINT_KEY));
-            if !present {
-                ops.push(json!({ "op": "add", "path": "/spec/taints/-", "value": taint }));
-            }
-        }
-        _ => {
-            if node.get("spec").is_some_and(Value::is_object) {
-                ops.push(json!({ "op": "add", "path": "/spec/taints", "value": [taint] }));
-            } else {
-                ops.push(json!({ "op": "add", "path": "/spec", "value": { "taints": [taint] } }));
-            }
-        }
-    }
-    ops
 }
 
 #[cfg(test)]
@@ -667,67 +601,5 @@ mod tests {
             decide(&input, &istio_only),
             Decision::Allow(AllowReason::NotMeshed)
         );
-    }
-
-    #[test]
-    fn registration_patch_adds_taint_and_label() {
-        let node = json!({
-            "metadata": {"name": "n1", "labels": {"kubernetes.io/hostname": "n1"}},
-            "spec": {}
-        });
-        let ops = node_registration_patch(&node, "NoSchedule");
-        assert_eq!(
-            ops,
-            vec![
-                json!({"op":"add","path":"/metadata/labels/meshgate.io~1cni-verified","value":"false"}),
-                json!({"op":"add","path":"/spec/taints","value":[{"key":TAINT_KEY,"effect":"NoSchedule"}]}),
-            ]
-        );
-    }
-
-    #[test]
-    fn registration_patch_appends_to_existing_taints_and_builds_missing_maps() {
-        let node = json!({
-            "metadata": {"name": "n1"},
-            "spec": {"taints": [{"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}]}
-        });
-        let ops = node_registration_patch(&node, "NoSchedule");
-        assert_eq!(
-            ops,
-            vec![
-                json!({"op":"add","path":"/metadata/labels","value":{VERIFIED_LABEL:"false"}}),
-                json!({"op":"add","path":"/spec/taints/-","value":{"key":TAINT_KEY,"effect":"NoSchedule"}}),
-            ]
-        );
-        let bare = json!({});
-        let ops = node_registration_patch(&bare, "NoExecute");
-        assert_eq!(
-            ops,
-            vec![
-                json!({"op":"add","path":"/metadata","value":{"labels":{VERIFIED_LABEL:"false"}}}),
-                json!({"op":"add","path":"/spec","value":{"taints":[{"key":TAINT_KEY,"effect":"NoExecute"}]}}),
-            ]
-        );
-    }
-
-    #[test]
-    fn registration_patch_never_duplicates_the_taint_and_overrides_a_claimed_label() {
-        // kubelet --register-with-taints already set it (with another effect): keep theirs.
-        let node = json!({
-            "metadata": {"labels": {VERIFIED_LABEL: "true"}},
-            "spec": {"taints": [{"key": TAINT_KEY, "effect": "NoExecute"}]}
-        });
-        let ops = node_registration_patch(&node, "NoSchedule");
-        assert_eq!(
-            ops,
-            vec![
-                json!({"op":"add","path":"/metadata/labels/meshgate.io~1cni-verified","value":"false"})
-            ]
-        );
-        let gated = json!({
-            "metadata": {"labels": {VERIFIED_LABEL: "false"}},
-            "spec": {"taints": [{"key": TAINT_KEY, "effect": "NoSchedule"}]}
-        });
-        assert!(node_registration_patch(&gated, "NoSchedule").is_empty());
     }
 }

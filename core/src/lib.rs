@@ -13,6 +13,7 @@ pub mod admission;
 pub mod cni;
 pub mod enroll;
 pub mod evict;
+pub mod gate;
 pub mod lookup;
 pub mod meshes;
 pub mod profile;
@@ -38,4 +39,19 @@ pub mod event_reason {
     pub const CHAIN_UNVERIFIED: &str = "CNIChainUnverified";
     /// Pod, Warning: the pod's netns lacks the expected redirect rules.
     pub const REDIRECT_MISSING: &str = "MeshRedirectMissing";
+}
+
+/// Most bytes of an Event's note the API accepts (events.k8s.io/v1).
+pub const EVENT_NOTE_MAX_BYTES: usize = 1024;
+
+/// `text` cut to [`EVENT_NOTE_MAX_BYTES`] on a character boundary, ending in `…` when cut.
+pub fn event_note(text: &str) -> String {
+    if text.len() <= EVENT_NOTE_MAX_BYTES {
+        return text.to_string();
+    }
+    let mut end = EVENT_NOTE_MAX_BYTES - '…'.len_utf8();
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
 }

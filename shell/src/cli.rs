@@ -2,7 +2,8 @@
 //! grammar every meshgate flag uses.
 //!
 //! In: the command line and its environment twins (docs/operations.md, "Configuration
-//! reference"). Out: [`Common`] (kubeconfig, admin address, profiles, log format) and
+//! reference"). Out: [`Common`] (kubeconfig, admin address, profiles, log format, taint
+//! effect) and
 //! [`duration`] values; each binary adds only the flags that are its own.
 
 use std::net::SocketAddr;
@@ -10,6 +11,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use clap::builder::{PossibleValuesParser, TypedValueParser};
+use meshgate_core::gate::TaintEffect;
 use meshgate_core::profile::ProfileSet;
 use tokio::net::TcpListener;
 
@@ -37,6 +40,23 @@ pub struct Common {
     /// Log format on stderr (`RUST_LOG` filters, default `info`).
     #[arg(long, env = "MESHGATE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// Effect of the meshgate.io/cni-unverified taint (the agent's on its Node, the webhook's
+    /// on new Nodes): NoSchedule keeps new pods off the node; NoExecute also evicts running
+    /// pods that do not tolerate it (use with care).
+    #[arg(
+        long,
+        env = "MESHGATE_TAINT_EFFECT",
+        default_value = "NoSchedule",
+        value_parser = taint_effect_parser()
+    )]
+    pub taint_effect: TaintEffect,
+}
+
+/// Accepts exactly the effects core knows (`TaintEffect::ALL`), as the API spells them, and
+/// lists them in `--help`.
+fn taint_effect_parser() -> impl TypedValueParser<Value = TaintEffect> {
+    PossibleValuesParser::new(TaintEffect::ALL.map(TaintEffect::as_str))
+        .try_map(|s| s.parse::<TaintEffect>())
 }
 
 impl Common {
@@ -139,6 +159,26 @@ mod tests {
         assert_eq!(c.log_format, LogFormat::Json);
         assert!(Cli::try_parse_from(["x", "--admin-addr", "localhost"]).is_err());
         assert!(Cli::try_parse_from(["x", "--log-format", "xml"]).is_err());
+    }
+
+    #[test]
+    fn the_taint_effect_takes_the_api_names_and_defaults_to_no_schedule() {
+        let effect = |args: &[&str]| {
+            let argv = std::iter::once("x").chain(args.iter().copied());
+            Cli::try_parse_from(argv).map(|c| c.common.taint_effect)
+        };
+        assert_eq!(effect(&[]).ok(), Some(TaintEffect::NoSchedule));
+        assert_eq!(
+            effect(&["--taint-effect", "NoExecute"]).ok(),
+            Some(TaintEffect::NoExecute)
+        );
+        assert_eq!(
+            effect(&["--taint-effect=NoSchedule"]).ok(),
+            Some(TaintEffect::NoSchedule)
+        );
+        for bad in ["PreferNoSchedule", "noexecute", ""] {
+            assert!(effect(&["--taint-effect", bad]).is_err(), "{bad:?}");
+        }
     }
 
     #[tokio::test]

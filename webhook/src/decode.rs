@@ -129,7 +129,7 @@ impl Object {
         self.target.0.as_ref()?.name.as_deref()
     }
 
-    /// The Node as `meshgate_core::admission::node_registration_patch` reads it: exactly the
+    /// The Node as `meshgate_core::gate::node_registration_patch` reads it: exactly the
     /// members it looks at, with the values they had.
     pub fn registration_view(&self) -> Value {
         let mut metadata = json!({});
@@ -487,7 +487,7 @@ mod tests {
     /// The registration view gives the Node patch the same operations as the whole Node did.
     #[test]
     fn the_registration_view_patches_like_the_whole_node() {
-        use meshgate_core::admission::node_registration_patch;
+        use meshgate_core::gate::{TaintEffect, node_registration_patch};
         for node in [
             json!({"metadata": {"name": "n"}}),
             json!({"metadata": {"labels": {"a": "b"}}, "spec": {}}),
@@ -512,8 +512,8 @@ mod tests {
                 whole["metadata"].as_object_mut().unwrap().remove("labels");
             }
             assert_eq!(
-                node_registration_patch(&o.registration_view(), "NoSchedule"),
-                node_registration_patch(&whole, "NoSchedule"),
+                node_registration_patch(&o.registration_view(), TaintEffect::NoSchedule),
+                node_registration_patch(&whole, TaintEffect::NoSchedule),
                 "{node}"
             );
         }

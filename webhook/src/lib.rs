@@ -166,7 +166,10 @@ async fn run_with(
         shutdown_delay = ?args.shutdown_delay,
         "webhook listening"
     );
-    let reviewer = Arc::new(review::Reviewer::new(caches, profiles, metrics));
+    let reviewer = Arc::new(
+        review::Reviewer::new(caches, profiles, metrics)
+            .with_taint_effect(args.common.taint_effect),
+    );
     let limits = server::Limits {
         max_body_bytes: args.max_body_bytes,
         request_timeout: args.request_timeout,
@@ -322,6 +325,18 @@ mod tests {
         let bad = parse(&["--profile", "consul"]).unwrap();
         assert!(bad.common.load_profiles().is_err());
         assert!(Args::try_parse_from(["meshgate-webhook", "--listen", "x"]).is_err());
+    }
+
+    #[test]
+    fn the_taint_effect_flag_is_the_agents() {
+        use meshgate_core::gate::TaintEffect;
+        assert_eq!(
+            parse(&[]).unwrap().common.taint_effect,
+            TaintEffect::NoSchedule
+        );
+        let a = parse(&["--taint-effect", "NoExecute"]).unwrap();
+        assert_eq!(a.common.taint_effect, TaintEffect::NoExecute);
+        assert!(parse(&["--taint-effect", "PreferNoSchedule"]).is_err());
     }
 
     /// A plain HTTP/1.0 GET on the admin port: the status, or `None` when nothing answers.

@@ -19,6 +19,7 @@ use kube::core::admission::{AdmissionResponse, AdmissionReview, Operation};
 use meshgate_core::admission::{
     self, Decision, Input, LookupFailure, NodeFacts, PodFacts, RequestKind,
 };
+use meshgate_core::gate::{self, TaintEffect};
 use meshgate_core::profile::ProfileSet;
 
 pub use crate::decode::decode;
@@ -163,6 +164,8 @@ pub struct Reviewer<C> {
     cluster: C,
     profiles: ProfileSet,
     metrics: Metrics,
+    /// The effect of the taint new Nodes get (`--taint-effect`).
+    taint_effect: TaintEffect,
 }
 
 impl<C: Cluster> Reviewer<C> {
@@ -172,7 +175,15 @@ impl<C: Cluster> Reviewer<C> {
             cluster,
             profiles,
             metrics,
+            taint_effect: TaintEffect::default(),
         }
+    }
+
+    /// Taints new Nodes with `effect` (`--taint-effect`) instead of `NoSchedule`.
+    #[must_use]
+    pub fn with_taint_effect(mut self, effect: TaintEffect) -> Self {
+        self.taint_effect = effect;
+        self
     }
 
     /// The cluster view (for tests and the server's readiness).
@@ -330,7 +341,7 @@ impl<C: Cluster> Reviewer<C> {
         let Some(obj) = req.object.as_ref().filter(|_| is_node_create) else {
             return answer(resp);
         };
-        let ops = admission::node_registration_patch(&obj.registration_view(), "NoSchedule");
+        let ops = gate::node_registration_patch(&obj.registration_view(), self.taint_effect);
         if ops.is_empty() {
             return answer(resp);
         }
@@ -823,6 +834,24 @@ pub(crate) mod tests {
         let out = wire(r.mutate_node(&body));
         assert_eq!(out["response"]["allowed"], true);
         assert!(out["response"].get("patch").is_none(), "{out}");
+    }
+
+    /// `--taint-effect NoExecute` reaches the registration patch, as it reaches the agent.
+    #[test]
+    fn new_nodes_get_the_configured_taint_effect() {
+        let (r, _) = reviewer(fake_cluster());
+        let r = r.with_taint_effect(TaintEffect::NoExecute);
+        let body = node_review(json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": "n1", "labels": {"meshgate.io/cni-verified": "false"}},
+            "spec": {}
+        }));
+        assert_eq!(
+            decoded_patch(&wire(r.mutate_node(&body))),
+            json!([
+                {"op": "add", "path": "/spec/taints", "value": [{"key": "meshgate.io/cni-unverified", "effect": "NoExecute"}]}
+            ])
+        );
     }
 
     proptest! {

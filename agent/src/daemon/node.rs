@@ -3,6 +3,7 @@
 //! In: the latest verdict and the latest Node seen by the Node watch. Out: the smallest set of
 //! writes that makes the Node say what the verdict says, and what changed ([`Applied`]).
 //!
+//! What to write is planned in `meshgate_core::gate` (pure); [`NodeGate`] carries it out:
 //! - Taint and label go in one JSON patch guarded by a `test` of `metadata.resourceVersion`,
 //!   so a concurrent writer's taints are never overwritten: on conflict the Node is re-read
 //!   and the patch recomputed (bounded). Taints other than meshgate's are kept as they are.
@@ -11,47 +12,26 @@
 //! - Events are published only when the condition's status or reason changes, after the
 //!   condition is written: a restart then finds the condition already current and publishes
 //!   nothing, so one transition never yields two Events.
-//!
-//! The planning functions are pure and unit-tested; [`NodeGate`] is the thin I/O around them.
 
-use std::collections::BTreeMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Node, NodeCondition, Taint};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::jiff::Timestamp;
+use kube::Resource;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder};
-use kube::{Resource, ResourceExt};
 use meshgate_core::cni::ChainVerdict;
-use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL, event_reason};
-use serde_json::{Value, json};
+use meshgate_core::gate::{self, MetadataPlan, NodeEvent};
+use serde_json::json;
+
+use super::events::Events;
+
+/// `--taint-effect` values; [`NodeGate::new`] takes one.
+pub use meshgate_core::gate::TaintEffect;
 
 /// Conflicting writers are retried this many times before the reconcile is reported failed
 /// (and retried later with backoff).
 const MAX_CONFLICT_RETRIES: usize = 8;
-
-/// `--taint-effect` values.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum TaintEffect {
-    /// New pods without a toleration are not scheduled; running pods stay.
-    #[default]
-    #[value(name = "NoSchedule")]
-    NoSchedule,
-    /// Also evicts running pods without a toleration (use with care).
-    #[value(name = "NoExecute")]
-    NoExecute,
-}
-
-impl TaintEffect {
-    /// The effect as the API spells it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            TaintEffect::NoSchedule => "NoSchedule",
-            TaintEffect::NoExecute => "NoExecute",
-        }
-    }
-}
 
 /// Why a reconcile failed. The caller retries with backoff; nothing is assumed meanwhile.
 #[derive(Debug, thiserror::Error)]
@@ -88,7 +68,7 @@ pub struct Applied {
     pub taint: Option<bool>,
     /// When the API accepted the taint change (the end of the untaint-latency measurement,
     /// before the condition and Event writes that follow it).
-    pub taint_at: Option<std::time::Instant>,
+    pub taint_at: Option<Instant>,
     /// The label value written, if it changed.
     pub label: Option<&'static str>,
     /// True when the condition was written.
@@ -97,148 +77,11 @@ pub struct Applied {
     pub event: Option<&'static str>,
 }
 
-/// The taint list the Node should have, or `None` when `current` is already right.
-/// Only meshgate's own taint is added, changed or removed; every other taint is kept.
-pub fn plan_taints(current: &[Taint], verified: bool, effect: TaintEffect) -> Option<Vec<Taint>> {
-    let ours: Vec<&Taint> = current.iter().filter(|t| t.key == TAINT_KEY).collect();
-    let want_ours = !verified;
-    let is_right = if want_ours {
-        ours.len() == 1
-            && ours[0].effect == effect.as_str()
-            && ours[0].value.as_deref().unwrap_or("").is_empty()
-    } else {
-        ours.is_empty()
-    };
-    if is_right {
-        return None;
-    }
-    let mut next: Vec<Taint> = current
-        .iter()
-        .filter(|t| t.key != TAINT_KEY)
-        .cloned()
-        .collect();
-    if want_ours {
-        next.push(Taint {
-            key: TAINT_KEY.to_string(),
-            value: None,
-            effect: effect.as_str().to_string(),
-            // The API server only records timeAdded for NoExecute taints.
-            time_added: (effect == TaintEffect::NoExecute).then(|| Time(Timestamp::now())),
-        });
-    }
-    Some(next)
-}
-
-/// The label value the Node should have, or `None` when it already has it.
-pub fn plan_label(labels: &BTreeMap<String, String>, verified: bool) -> Option<&'static str> {
-    let want = if verified { "true" } else { "false" };
-    (labels.get(VERIFIED_LABEL).map(String::as_str) != Some(want)).then_some(want)
-}
-
-/// The condition to write, or `None` when status, reason and message are already current.
-/// `lastTransitionTime` is kept unless the status changes.
-pub fn plan_condition(
-    current: Option<&NodeCondition>,
-    verdict: &ChainVerdict,
-    now: Timestamp,
-) -> Option<NodeCondition> {
-    let status = if verdict.verified { "True" } else { "False" };
-    let reason = verdict.reason.as_str();
-    if let Some(c) = current
-        && c.status == status
-        && c.reason.as_deref() == Some(reason)
-        && c.message.as_deref() == Some(verdict.message.as_str())
-    {
-        return None;
-    }
-    let transition = match current {
-        Some(c) if c.status == status => c.last_transition_time.clone(),
-        _ => None,
-    }
-    .unwrap_or(Time(now));
-    Some(NodeCondition {
-        type_: CONDITION_TYPE.to_string(),
-        status: status.to_string(),
-        reason: Some(reason.to_string()),
-        message: Some(verdict.message.clone()),
-        last_heartbeat_time: Some(Time(now)),
-        last_transition_time: Some(transition),
-    })
-}
-
-/// The Event to publish for a condition change, if the status or reason changed.
-pub fn plan_event(current: Option<&NodeCondition>, verdict: &ChainVerdict) -> Option<Event> {
-    let status = if verdict.verified { "True" } else { "False" };
-    if let Some(c) = current
-        && c.status == status
-        && c.reason.as_deref() == Some(verdict.reason.as_str())
-    {
-        return None;
-    }
-    let (type_, reason) = if verdict.verified {
-        (EventType::Normal, event_reason::CHAIN_VERIFIED)
-    } else {
-        (EventType::Warning, event_reason::CHAIN_UNVERIFIED)
-    };
-    Some(Event {
-        type_,
-        reason: reason.to_string(),
-        note: Some(truncate(
-            &format!("{}: {}", verdict.reason, verdict.message),
-            1024,
-        )),
-        action: if verdict.verified { "Untaint" } else { "Taint" }.to_string(),
-        secondary: None,
-    })
-}
-
-/// The JSON patch for taints and label, guarded by the resourceVersion we planned from.
-pub fn metadata_patch(
-    resource_version: &str,
-    has_labels: bool,
-    taints: Option<&[Taint]>,
-    label: Option<&str>,
-) -> Value {
-    let mut ops =
-        vec![json!({"op": "test", "path": "/metadata/resourceVersion", "value": resource_version})];
-    if let Some(taints) = taints {
-        ops.push(json!({"op": "add", "path": "/spec/taints", "value": taints}));
-    }
-    if let Some(value) = label {
-        if has_labels {
-            // "~1" is how JSON pointer escapes the "/" in the label key.
-            let path = format!(
-                "/metadata/labels/{}",
-                VERIFIED_LABEL.replace('~', "~0").replace('/', "~1")
-            );
-            ops.push(json!({"op": "add", "path": path, "value": value}));
-        } else {
-            ops.push(
-                json!({"op": "add", "path": "/metadata/labels", "value": {VERIFIED_LABEL: value}}),
-            );
-        }
-    }
-    Value::Array(ops)
-}
-
-fn truncate(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &s[..end])
-}
-
-fn condition_of(node: &Node) -> Option<&NodeCondition> {
-    node.status
-        .as_ref()?
-        .conditions
-        .as_ref()?
-        .iter()
-        .find(|c| c.type_ == CONDITION_TYPE)
+/// The Node as last read, and whether it came from the API just now (a GET or a patch
+/// response) rather than the watch cache.
+struct Seen {
+    node: Node,
+    fresh: bool,
 }
 
 fn is_conflict(e: &kube::Error) -> bool {
@@ -246,7 +89,22 @@ fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 409 || s.code == 422)
 }
 
-/// The agent's handle on its own Node.
+/// The kube Event for a planned Node Event.
+fn to_event(planned: NodeEvent) -> Event {
+    Event {
+        type_: if planned.warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
+        reason: planned.reason.to_string(),
+        note: Some(planned.note),
+        action: planned.action.to_string(),
+        secondary: None,
+    }
+}
+
+/// The agent's handle on its own Node: carries out `core::gate`'s plans.
 pub struct NodeGate {
     /// Writes: the taint-and-label patch and the condition.
     api: Api<Node>,
@@ -256,11 +114,11 @@ pub struct NodeGate {
     name: String,
     effect: TaintEffect,
     timeout: Duration,
-    recorder: Recorder,
+    events: Events,
 }
 
 impl NodeGate {
-    /// A gate for Node `name`, bounding each API call by `timeout`.
+    /// A gate for Node `name`, bounding each API call (and each Event) by `timeout`.
     pub fn new(
         client: kube::Client,
         name: String,
@@ -275,7 +133,7 @@ impl NodeGate {
             name,
             effect,
             timeout,
-            recorder,
+            events: Events::with_recorder(recorder, timeout),
         }
     }
 
@@ -285,11 +143,6 @@ impl NodeGate {
     pub fn reading_as(mut self, client: kube::Client) -> Self {
         self.reader = Api::all(client);
         self
-    }
-
-    /// The Node's name.
-    pub fn name(&self) -> &str {
-        &self.name
     }
 
     async fn call<T>(
@@ -322,56 +175,44 @@ impl NodeGate {
         seen: Option<Node>,
         verdict: &ChainVerdict,
     ) -> Result<Applied, GateError> {
-        // `fresh`: `node` came from the API just now (a GET or a patch response), not the cache.
-        let (mut node, mut fresh) = match seen {
-            Some(n) => (n, false),
-            None => (self.get().await?, true),
+        let seen = match seen {
+            Some(node) => Seen { node, fresh: false },
+            None => Seen {
+                node: self.get().await?,
+                fresh: true,
+            },
         };
         let mut applied = Applied::default();
+        let seen = self.write_metadata(seen, verdict, &mut applied).await?;
+        self.write_condition(seen, verdict, &mut applied).await?;
+        Ok(applied)
+    }
+
+    /// Writes the taint and label, re-planning from a fresh read after each conflict.
+    async fn write_metadata(
+        &self,
+        mut seen: Seen,
+        verdict: &ChainVerdict,
+        applied: &mut Applied,
+    ) -> Result<Seen, GateError> {
         let mut attempts = 0;
         loop {
-            let taints = node
-                .spec
-                .as_ref()
-                .and_then(|s| s.taints.clone())
-                .unwrap_or_default();
-            let planned_taints = plan_taints(&taints, verdict.verified, self.effect);
-            let planned_label = plan_label(node.labels(), verdict.verified);
-            if planned_taints.is_none() && planned_label.is_none() {
-                break;
-            }
-            let rv = node.resource_version().unwrap_or_default();
-            let patch = metadata_patch(
-                &rv,
-                node.metadata.labels.is_some(),
-                planned_taints.as_deref(),
-                planned_label,
-            );
-            let patch: json_patch::Patch =
-                serde_json::from_value(patch).map_err(|e| GateError::Api {
-                    op: "build patch",
-                    source: kube::Error::SerdeError(e),
-                })?;
-            match self
-                .call(
-                    "patch node taints",
-                    self.api.patch(
-                        &self.name,
-                        &PatchParams::default(),
-                        &Patch::<()>::Json(patch),
-                    ),
-                )
-                .await
-            {
+            let Some(plan) =
+                gate::plan_metadata(&seen.node, verdict.verified, self.effect, Timestamp::now())
+            else {
+                return Ok(seen);
+            };
+            match self.patch_metadata(&plan).await {
                 Ok(updated) => {
-                    if planned_taints.is_some() {
+                    if plan.taints.is_some() {
                         applied.taint = Some(!verdict.verified);
-                        applied.taint_at = Some(std::time::Instant::now());
+                        applied.taint_at = Some(Instant::now());
                     }
-                    applied.label = planned_label;
-                    node = updated;
-                    fresh = true;
-                    break;
+                    applied.label = plan.label;
+                    return Ok(Seen {
+                        node: updated,
+                        fresh: true,
+                    });
                 }
                 Err(GateError::Api { source, .. }) if is_conflict(&source) => {
                     attempts += 1;
@@ -379,198 +220,83 @@ impl NodeGate {
                         return Err(GateError::Conflicts);
                     }
                     tracing::debug!(node = %self.name, attempts, "node changed under us; re-reading");
-                    node = self.get().await?;
-                    fresh = true;
+                    seen = Seen {
+                        node: self.get().await?,
+                        fresh: true,
+                    };
                 }
                 Err(e) => return Err(e),
             }
         }
+    }
 
+    async fn patch_metadata(&self, plan: &MetadataPlan) -> Result<Node, GateError> {
+        let patch: json_patch::Patch =
+            serde_json::from_value(plan.patch()).map_err(|e| GateError::Api {
+                op: "build patch",
+                source: kube::Error::SerdeError(e),
+            })?;
+        let (params, patch) = (PatchParams::default(), Patch::<()>::Json(patch));
+        let call = self.api.patch(&self.name, &params, &patch);
+        self.call("patch node taints", call).await
+    }
+
+    /// Writes the condition when it is not current, then publishes the transition's Event.
+    async fn write_condition(
+        &self,
+        mut seen: Seen,
+        verdict: &ChainVerdict,
+        applied: &mut Applied,
+    ) -> Result<(), GateError> {
+        let planned =
+            |node: &Node| gate::plan_condition(gate::condition_of(node), verdict, Timestamp::now());
         // The watch cache can lag behind our own last condition write; writing from a stale
         // view would publish the same transition's Event twice. So a write planned from the
         // cache is re-planned from a fresh read (this costs one GET per transition only).
-        if plan_condition(condition_of(&node), verdict, Timestamp::now()).is_some() && !fresh {
-            node = self.get().await?;
+        if planned(&seen.node).is_some() && !seen.fresh {
+            seen.node = self.get().await?;
         }
-        let current = condition_of(&node).cloned();
-        if let Some(condition) = plan_condition(current.as_ref(), verdict, Timestamp::now()) {
-            let patch = json!({"status": {"conditions": [condition]}});
-            self.call(
-                "patch node condition",
-                self.api.patch_status(
-                    &self.name,
-                    &PatchParams::default(),
-                    &Patch::Strategic(patch),
-                ),
-            )
-            .await?;
-            applied.condition = true;
-            if let Some(event) = plan_event(current.as_ref(), verdict) {
-                applied.event = Some(if verdict.verified {
-                    event_reason::CHAIN_VERIFIED
-                } else {
-                    event_reason::CHAIN_UNVERIFIED
-                });
-                // An Event is a notification, not state: a failure is logged, never retried,
-                // so a retry can never publish the same transition twice.
-                let reference = node.object_ref(&());
-                match tokio::time::timeout(self.timeout, self.recorder.publish(&event, &reference))
-                    .await
-                {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => {
-                        tracing::warn!(node = %self.name, error = %e, "publishing the Node Event failed")
-                    }
-                    Err(_) => {
-                        tracing::warn!(node = %self.name, "publishing the Node Event timed out")
-                    }
-                }
-            }
+        let Some(condition) = planned(&seen.node) else {
+            return Ok(());
+        };
+        let patch = json!({"status": {"conditions": [condition]}});
+        let (params, patch) = (PatchParams::default(), Patch::Strategic(patch));
+        let call = self.api.patch_status(&self.name, &params, &patch);
+        self.call("patch node condition", call).await?;
+        applied.condition = true;
+        if let Some(event) = gate::plan_event(gate::condition_of(&seen.node), verdict) {
+            applied.event = Some(event.reason);
+            let regarding = seen.node.object_ref(&());
+            self.events.publish(&to_event(event), &regarding).await;
         }
-        Ok(applied)
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use meshgate_core::cni::{Reason, Runtime};
-
-    fn taint(key: &str, effect: &str) -> Taint {
-        Taint {
-            key: key.into(),
-            effect: effect.into(),
-            value: None,
-            time_added: None,
-        }
-    }
+    use meshgate_core::cni::Reason;
+    use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL, event_reason};
+    use serde_json::Value;
 
     fn verdict(reason: Reason, message: &str) -> ChainVerdict {
-        ChainVerdict {
-            verified: reason == Reason::Verified,
-            reason,
-            message: message.into(),
-            config_file: None,
-            plugins: vec![],
-            runtime: Runtime::Containerd,
-        }
+        let v = json!({
+            "verified": reason == Reason::Verified, "reason": reason, "message": message,
+            "config_file": null, "plugins": [], "runtime": "containerd",
+        });
+        serde_json::from_value(v).expect("a verdict")
     }
 
     #[test]
-    fn taint_is_added_and_removed_keeping_other_taints() {
-        let others = vec![
-            taint("node.kubernetes.io/not-ready", "NoSchedule"),
-            taint("dedicated", "NoExecute"),
-        ];
-        let added = plan_taints(&others, false, TaintEffect::NoSchedule).unwrap();
-        assert_eq!(added.len(), 3);
-        assert_eq!(&added[..2], &others[..]);
-        assert_eq!(added[2].key, TAINT_KEY);
-        assert_eq!(added[2].effect, "NoSchedule");
-        assert!(added[2].time_added.is_none());
-
-        assert_eq!(
-            plan_taints(&added, false, TaintEffect::NoSchedule),
-            None,
-            "already tainted"
-        );
-        assert_eq!(
-            plan_taints(&added, true, TaintEffect::NoSchedule).unwrap(),
-            others
-        );
-        assert_eq!(
-            plan_taints(&others, true, TaintEffect::NoSchedule),
-            None,
-            "already untainted"
-        );
-
-        // An effect change replaces our taint; duplicates of ours are collapsed to one.
-        let ne = plan_taints(&added, false, TaintEffect::NoExecute).unwrap();
-        assert_eq!(ne.iter().filter(|t| t.key == TAINT_KEY).count(), 1);
-        assert!(ne[2].time_added.is_some());
-        let dup = [added.clone(), vec![taint(TAINT_KEY, "NoSchedule")]].concat();
-        assert_eq!(
-            plan_taints(&dup, false, TaintEffect::NoSchedule)
-                .unwrap()
-                .len(),
-            3
-        );
-    }
-
-    #[test]
-    fn label_follows_the_verdict() {
-        let mut labels = BTreeMap::new();
-        assert_eq!(plan_label(&labels, false), Some("false"));
-        labels.insert(VERIFIED_LABEL.into(), "false".into());
-        assert_eq!(plan_label(&labels, false), None);
-        assert_eq!(plan_label(&labels, true), Some("true"));
-    }
-
-    #[test]
-    fn condition_transition_time_moves_only_on_status_change() {
-        let t0 = Timestamp::from_second(1_000).unwrap();
-        let t1 = Timestamp::from_second(2_000).unwrap();
-        let missing = verdict(Reason::ChainedPluginMissing, "a");
-        let first = plan_condition(None, &missing, t0).unwrap();
-        assert_eq!(first.status, "False");
-        assert_eq!(first.last_transition_time, Some(Time(t0)));
-        assert_eq!(
-            plan_condition(Some(&first), &missing, t1),
-            None,
-            "unchanged: no write"
-        );
-
-        // Same status, new reason: written, transition time kept.
-        let invalid = verdict(Reason::ConfigInvalid, "b");
-        let second = plan_condition(Some(&first), &invalid, t1).unwrap();
-        assert_eq!(second.reason.as_deref(), Some("ConfigInvalid"));
-        assert_eq!(second.last_transition_time, Some(Time(t0)));
-
-        let ok = verdict(Reason::Verified, "c");
-        let third = plan_condition(Some(&second), &ok, t1).unwrap();
-        assert_eq!(third.status, "True");
-        assert_eq!(third.last_transition_time, Some(Time(t1)));
-    }
-
-    #[test]
-    fn events_only_on_status_or_reason_change() {
-        let missing = verdict(Reason::ChainedPluginMissing, "a");
-        let ev = plan_event(None, &missing).unwrap();
-        assert_eq!(ev.reason, event_reason::CHAIN_UNVERIFIED);
-        assert!(matches!(ev.type_, EventType::Warning));
-        assert!(ev.note.unwrap().starts_with("ChainedPluginMissing: "));
-        let cond = plan_condition(None, &missing, Timestamp::now()).unwrap();
-        assert!(
-            plan_event(
-                Some(&cond),
-                &verdict(Reason::ChainedPluginMissing, "other text")
-            )
-            .is_none()
-        );
-        let ok = plan_event(Some(&cond), &verdict(Reason::Verified, "ok")).unwrap();
-        assert_eq!(ok.reason, event_reason::CHAIN_VERIFIED);
-    }
-
-    #[test]
-    fn patch_is_guarded_by_resource_version_and_escapes_the_label_key() {
-        let p = metadata_patch(
-            "42",
-            true,
-            Some(&[taint(TAINT_KEY, "NoSchedule")]),
-            Some("false"),
-        );
-        assert_eq!(
-            p[0],
-            json!({"op": "test", "path": "/metadata/resourceVersion", "value": "42"})
-        );
-        assert_eq!(p[1]["path"], "/spec/taints");
-        assert_eq!(p[2]["path"], "/metadata/labels/meshgate.io~1cni-verified");
-        let p = metadata_patch("7", false, None, Some("true"));
-        assert_eq!(
-            p[1],
-            json!({"op": "add", "path": "/metadata/labels", "value": {VERIFIED_LABEL: "true"}})
-        );
-        assert!(serde_json::from_value::<json_patch::Patch>(p).is_ok());
+    fn planned_patches_decode_as_json_patch() {
+        let node: Node = serde_json::from_value(json!({
+            "metadata": {"name": "n1", "resourceVersion": "7"},
+        }))
+        .unwrap();
+        let plan =
+            gate::plan_metadata(&node, true, TaintEffect::NoSchedule, Timestamp::now()).unwrap();
+        assert!(serde_json::from_value::<json_patch::Patch>(plan.patch()).is_ok());
     }
 
     mod requests {
@@ -748,7 +474,9 @@ mod tests {
                 .unwrap()
                 .insert(VERIFIED_LABEL.into(), "true".into());
             seen.status = Some(k8s_openapi::api::core::v1::NodeStatus {
-                conditions: Some(vec![plan_condition(None, &v, Timestamp::now()).unwrap()]),
+                conditions: Some(vec![
+                    gate::plan_condition(None, &v, Timestamp::now()).unwrap(),
+                ]),
                 ..Default::default()
             });
             assert_eq!(

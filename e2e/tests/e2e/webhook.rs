@@ -159,6 +159,7 @@ impl Fixture {
                 profiles: Vec::new(),
                 profile_file: start.profile_file,
                 log_format: meshgate_shell::logging::LogFormat::Text,
+                taint_effect: Default::default(),
             },
             request_timeout: Duration::from_secs(3),
             lookup_timeout: Duration::from_secs(1),

@@ -18,8 +18,8 @@ use kube::Resource;
 use kube::api::EvictParams;
 use kube::core::Request;
 use kube::runtime::events::{Event, EventType};
-use meshgate_core::event_reason;
 use meshgate_core::evict::SkipWhy;
+use meshgate_core::{event_note, event_reason};
 
 /// The API's answer to one eviction.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -177,10 +177,10 @@ impl Outcome {
         Event {
             type_: EventType::Warning,
             reason: event_reason::REDIRECT_MISSING.to_string(),
-            note: Some(truncate(
-                &format!("{summary}; {}", self.describe(per_minute)),
-                1024,
-            )),
+            note: Some(event_note(&format!(
+                "{summary}; {}",
+                self.describe(per_minute)
+            ))),
             action: self.action().to_string(),
             secondary: None,
         }
@@ -197,17 +197,6 @@ pub fn pod_reference(namespace: &str, name: &str, uid: &str) -> ObjectReference 
         uid: Some(uid.into()),
         ..ObjectReference::default()
     }
-}
-
-fn truncate(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut end = max.saturating_sub('…'.len_utf8());
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &s[..end])
 }
 
 #[cfg(test)]

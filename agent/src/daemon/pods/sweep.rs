@@ -1,4 +1,5 @@
-//! One batch of pod inspections, on a blocking thread.
+//! One sweep: a batch of pod inspections on a blocking thread (the node's namespaces surveyed
+//! once, then each pod located, pinned and read).
 //!
 //! In: the pods due ([`Job`]: UID, IPs, annotations, the profiles that select it) and the
 //! netns directories. Out: per pod, one [`Inspection`] per profile, the namespace it was read

@@ -1,0 +1,148 @@
+//! Kubernetes Events, published through one bounded helper for the node gate and the pod
+//! inspector alike.
+//!
+//! In: an Event and the object it is about. Out: one events.k8s.io/v1 write (the Recorder
+//! creates the Event, or patches its series when the same one repeats), within the API
+//! timeout. An Event is a notification, not state: a failure or a timeout is logged and never
+//! retried, so a retry can never publish the same transition twice, and a slow API delays the
+//! caller by one timeout at most.
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::runtime::events::{Event, Recorder, Reporter};
+
+/// The controller name the agent's Events carry (`reportingController`).
+pub const REPORTER: &str = "meshgate-agent";
+
+/// Publishes Events, each within `timeout`.
+#[derive(Clone)]
+pub struct Events {
+    recorder: Recorder,
+    timeout: Duration,
+}
+
+impl Events {
+    /// Events sent through `client`, reported by the agent of `node`.
+    pub fn new(client: kube::Client, node: &str, timeout: Duration) -> Self {
+        let reporter = Reporter {
+            controller: REPORTER.into(),
+            instance: Some(node.to_owned()),
+        };
+        Self::with_recorder(Recorder::new(client, reporter), timeout)
+    }
+
+    /// Events sent through an existing `recorder`.
+    pub fn with_recorder(recorder: Recorder, timeout: Duration) -> Self {
+        Self { recorder, timeout }
+    }
+
+    /// Publishes `event` about `regarding`; logs and drops it when the API fails or is slow.
+    /// Returns whether the API accepted it.
+    pub async fn publish(&self, event: &Event, regarding: &ObjectReference) -> bool {
+        let kind = regarding.kind.as_deref().unwrap_or_default();
+        let name = regarding.name.as_deref().unwrap_or_default();
+        let namespace = regarding.namespace.as_deref().unwrap_or_default();
+        match tokio::time::timeout(self.timeout, self.recorder.publish(event, regarding)).await {
+            Ok(Ok(())) => true,
+            Ok(Err(e)) => {
+                tracing::warn!(kind, namespace, name, reason = %event.reason, error = %e, "publishing an Event failed");
+                false
+            }
+            Err(_) => {
+                tracing::warn!(kind, namespace, name, reason = %event.reason, timeout_ms = self.timeout.as_millis() as u64, "publishing an Event timed out");
+                false
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::{Request, Response};
+    use kube::client::Body;
+    use kube::runtime::events::EventType;
+    use std::pin::pin;
+    use tower_test::mock;
+
+    fn event() -> Event {
+        Event {
+            type_: EventType::Warning,
+            reason: "MeshRedirectMissing".into(),
+            note: Some("linkerd redirects missing".into()),
+            action: "Evict".into(),
+            secondary: None,
+        }
+    }
+
+    fn pod() -> ObjectReference {
+        ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            namespace: Some("ns1".into()),
+            name: Some("web-1".into()),
+            uid: Some("uid-1".into()),
+            ..ObjectReference::default()
+        }
+    }
+
+    /// An API that never answers costs the caller one timeout, not a hang.
+    #[tokio::test]
+    async fn a_silent_api_costs_one_timeout() {
+        let (svc, handle) = mock::pair::<Request<Body>, Response<Body>>();
+        let events = Events::new(
+            kube::Client::new(svc, "default"),
+            "n1",
+            Duration::from_millis(50),
+        );
+        let server = tokio::spawn(async move {
+            let mut handle = pin!(handle);
+            // Take the request and never answer it.
+            let held = handle.next_request().await;
+            std::future::pending::<()>().await;
+            drop(held);
+        });
+        let published =
+            tokio::time::timeout(Duration::from_secs(5), events.publish(&event(), &pod())).await;
+        assert_eq!(
+            published.ok(),
+            Some(false),
+            "bounded by its timeout, and reported unpublished"
+        );
+        server.abort();
+    }
+
+    /// A refusal is reported, not retried: exactly one request.
+    #[tokio::test]
+    async fn a_refused_event_is_dropped_after_one_request() {
+        let (svc, handle) = mock::pair::<Request<Body>, Response<Body>>();
+        let events = Events::new(
+            kube::Client::new(svc, "default"),
+            "n1",
+            Duration::from_secs(5),
+        );
+        let server = tokio::spawn(async move {
+            let mut handle = pin!(handle);
+            let (req, send) = handle.next_request().await.expect("one request");
+            assert_eq!(req.method(), http::Method::POST);
+            assert_eq!(
+                req.uri().path(),
+                "/apis/events.k8s.io/v1/namespaces/ns1/events"
+            );
+            let status = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                "reason": "Forbidden", "code": 403, "message": "forbidden"});
+            send.send_response(
+                Response::builder()
+                    .status(403)
+                    .body(Body::from(serde_json::to_vec(&status).unwrap()))
+                    .unwrap(),
+            );
+            tokio::time::timeout(Duration::from_millis(100), handle.next_request())
+                .await
+                .is_err()
+        });
+        assert!(!events.publish(&event(), &pod()).await);
+        assert!(server.await.unwrap(), "no second request");
+    }
+}

@@ -1,0 +1,492 @@
+//! The verdict loop: `start` → `pass` → `next_wake`, until SIGTERM.
+//!
+//! In: the daemon's [`Config`], inotify events, the resync tick, the Node watch and SIGTERM.
+//! Out: one pass per wake-up — verify, hand the verdict to the pod inspector when it changed,
+//! reconcile the Node ([`NodeGate`]), then record the outcome (metrics, readiness, state
+//! file) or schedule a retry with capped backoff — and, at `stop`, the tasks it started.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::Api;
+use kube::runtime::WatchStreamExt;
+use kube::runtime::events::{Recorder, Reporter};
+use meshgate_core::cni::{ChainVerdict, Reason, Runtime};
+use meshgate_shell::admin::LoopProgress;
+use prometheus_client::registry::Registry;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+
+use super::Config;
+use super::clients::Clients;
+use super::events::REPORTER;
+use super::fswatch::FsWatch;
+use super::metrics::AgentMetrics;
+use super::node::{Applied, GateError, NodeGate};
+use super::pods;
+use super::state::{self, Loaded, Shared, State};
+use crate::cni::{CniArgs, Prober};
+
+/// Why the loop woke up.
+#[derive(Clone, Copy, Debug)]
+pub enum Wake {
+    /// The CNI dirs changed; the burst's last event happened then.
+    Files(Instant),
+    /// The resync tick (and the first pass).
+    Resync,
+    /// The Node changed (someone else's write, or our own coming back through the watch).
+    NodeChanged,
+    /// A failed reconcile's retry is due.
+    Retry,
+}
+
+/// The tasks the loop started, stopped with it.
+struct Tasks {
+    stop: watch::Sender<bool>,
+    admin: Option<JoinHandle<()>>,
+    pods: JoinHandle<()>,
+    node_watch: JoinHandle<()>,
+}
+
+/// Everything a pass needs, between wake-ups.
+pub struct Daemon {
+    node: String,
+    cni: Arc<CniArgs>,
+    prober: Arc<Prober>,
+    gate: NodeGate,
+    metrics: AgentMetrics,
+    ready: Arc<AtomicBool>,
+    shared: Arc<Shared>,
+    progress: LoopProgress,
+    /// The Node, as last seen by a watch on it alone: reconciles read it instead of GETting,
+    /// and a change by someone else (our taint removed by hand) wakes the loop.
+    node_rx: watch::Receiver<Option<Node>>,
+    /// The verdict as the pod inspector sees it: sent only when it changes, so pods are
+    /// inspected again after a change, not after every resync.
+    verdict_tx: watch::Sender<Option<ChainVerdict>>,
+    fs_rx: mpsc::UnboundedReceiver<Instant>,
+    fs: FsWatch,
+    resync: tokio::time::Interval,
+    coalesce: Duration,
+    retry: ExponentialBackoff,
+    retry_at: Option<tokio::time::Instant>,
+    /// When the disk last changed: the start of the untaint-latency measurement.
+    changed_at: Instant,
+    verdict: Option<ChainVerdict>,
+    shutdown: Pin<Box<dyn Future<Output = ()> + Send>>,
+    tasks: Tasks,
+}
+
+/// The reconcile retry schedule: 50 ms doubling to 500 ms, jittered, for ever.
+fn backoff() -> ExponentialBackoff {
+    ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(50))
+        .with_max_delay(Duration::from_millis(500))
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
+/// The state saved by an agent earlier in this boot, or a fresh one.
+fn restore_state(node: &str, config: &Config) -> anyhow::Result<State> {
+    let boot_id = state::boot_id().context("reading the boot id")?;
+    let fresh = || State {
+        version: state::FORMAT_VERSION,
+        boot_id: boot_id.clone(),
+        ..State::default()
+    };
+    Ok(match state::load(&config.state_file, &boot_id) {
+        Loaded::Restarted(s) => {
+            tracing::info!(node, last = ?s.last_verdict, evictions = s.evicted.len(), "agent restarted within the same boot; state restored");
+            s
+        }
+        Loaded::FreshBoot { previous_boot } => {
+            tracing::info!(node, ?previous_boot, "fresh boot: verifying from scratch");
+            fresh()
+        }
+        Loaded::Refused(e) => {
+            tracing::error!(node, error = %e, "refusing the state file; starting fresh");
+            fresh()
+        }
+    })
+}
+
+impl Daemon {
+    /// Restores the state, binds the admin port, starts the Node watch, the pod inspector and
+    /// the inotify watches. Nothing is verified yet: the first [`Daemon::pass`] does that.
+    pub async fn start(config: Config) -> anyhow::Result<Self> {
+        let node = config.node.clone();
+        let shared = Arc::new(Shared::new(
+            config.state_file.clone(),
+            restore_state(&node, &config)?,
+        ));
+        let kubeconfig = config.common.kubeconfig.as_deref();
+        let clients = Clients::build(kubeconfig, &node, config.impersonate_node, true).await?;
+        // Without kube's 429 retry, so a PodDisruptionBudget's refusal is seen as one.
+        let pod_clients = Clients::build(kubeconfig, &node, config.impersonate_node, false)
+            .await
+            .context("building the pod inspector's clients")?;
+        let mut registry = Registry::default();
+        let metrics = AgentMetrics::register(&mut registry);
+        let (progress, pod_progress) = progress(&config);
+        let ready = Arc::new(AtomicBool::new(false));
+        let (stop, stop_rx) = watch::channel(false);
+        let admin = start_admin(
+            &config,
+            registry,
+            ready.clone(),
+            (progress.clone(), pod_progress.clone()),
+            stop_rx.clone(),
+        )
+        .await?;
+        let (node_tx, node_rx) = watch::channel::<Option<Node>>(None);
+        let (verdict_tx, verdict_rx) = watch::channel::<Option<ChainVerdict>>(None);
+        let pods = pods::spawn(
+            config.pods.clone(),
+            pod_clients,
+            pods::Inputs {
+                verdict: verdict_rx,
+                state: shared.clone(),
+                metrics: metrics.clone(),
+                progress: pod_progress,
+                stop: stop_rx,
+            },
+        );
+        let node_watch = tokio::spawn(watch_node(
+            Api::all(clients.node.clone()),
+            node.clone(),
+            node_tx,
+        ));
+        let (fs, fs_rx) = watch_files(&config)?;
+        let mut resync = tokio::time::interval(config.resync_interval);
+        resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        resync.tick().await; // the first tick is immediate; the first pass covers it
+        Ok(Self {
+            gate: node_gate(&config, &clients),
+            prober: Arc::new(config.cni.prober()),
+            cni: Arc::new(config.cni),
+            coalesce: config.coalesce,
+            node,
+            metrics,
+            ready,
+            shared,
+            progress,
+            node_rx,
+            verdict_tx,
+            fs_rx,
+            fs,
+            resync,
+            retry: backoff(),
+            retry_at: None,
+            changed_at: Instant::now(),
+            verdict: None,
+            shutdown: Box::pin(meshgate_shell::shutdown::signal()),
+            tasks: Tasks {
+                stop,
+                admin,
+                pods,
+                node_watch,
+            },
+        })
+    }
+
+    /// One pass: verify (unless only the Node changed and the verdict is fresh), then make
+    /// the Node say what the verdict says, and record the outcome.
+    pub async fn pass(&mut self, wake: &Wake) {
+        self.progress.pass_started();
+        if !matches!(wake, Wake::NodeChanged) || self.verdict.is_none() {
+            let v = verify(self.cni.clone(), self.prober.clone()).await;
+            self.adopt(v);
+        }
+        if let Some(v) = self.verdict.clone() {
+            let seen = self.node_rx.borrow_and_update().clone();
+            match self.gate.reconcile(seen, &v).await {
+                Ok(applied) => self.settled(&v, &applied),
+                Err(e) => self.failed(&e),
+            }
+        }
+        self.progress.pass_ended();
+    }
+
+    /// Waits for the next reason to pass; `None` on SIGTERM/SIGINT. A burst of file events
+    /// is waited out before returning.
+    pub async fn next_wake(&mut self) -> Option<Wake> {
+        let wake = tokio::select! {
+            _ = &mut self.shutdown => return None,
+            Some(t) = self.fs_rx.recv() => Wake::Files(t),
+            _ = self.resync.tick() => Wake::Resync,
+            Ok(()) = self.node_rx.changed() => Wake::NodeChanged,
+            _ = sleep_until(self.retry_at) => Wake::Retry,
+        };
+        if let Wake::Files(first) = wake {
+            self.changed_at = coalesce(&mut self.fs_rx, first, self.coalesce).await;
+            self.fs.ensure();
+        }
+        Some(wake)
+    }
+
+    /// Stops the tasks it started and saves the state; the Node keeps its taint state.
+    pub async fn stop(self) {
+        tracing::info!(node = %self.node, "stopping; the Node keeps its taint state as it is");
+        let _ = self.tasks.stop.send(true);
+        self.tasks.node_watch.abort();
+        if let Some(admin) = self.tasks.admin {
+            let _ = admin.await;
+        }
+        let _ = self.tasks.pods.await;
+        if let Err(e) = self.shared.save() {
+            tracing::warn!(node = %self.node, error = %e, "cannot save state");
+        }
+    }
+
+    /// Takes a new verdict: counts and logs it, and hands it to the pod inspector when its
+    /// outcome (verified, reason) changed.
+    fn adopt(&mut self, v: ChainVerdict) {
+        self.metrics.verified(v.reason.as_str());
+        let last = self.verdict.as_ref().map(|o| (o.reason, &o.message));
+        if last != Some((v.reason, &v.message)) {
+            tracing::info!(node = %self.node, reason = %v.reason, verified = v.verified, message = %v.message, "verdict");
+        }
+        self.verdict_tx.send_if_modified(|cur| {
+            let changed =
+                cur.as_ref().map(|c| (c.verified, c.reason)) != Some((v.verified, v.reason));
+            if changed {
+                *cur = Some(v.clone());
+            }
+            changed
+        });
+        self.verdict = Some(v);
+    }
+
+    /// The Node says what `v` says: metrics, readiness, the state file.
+    fn settled(&mut self, v: &ChainVerdict, applied: &Applied) {
+        self.retry = backoff();
+        self.retry_at = None;
+        if let Some(added) = applied.taint {
+            self.metrics.taint(added);
+            if added {
+                tracing::warn!(node = %self.node, reason = %v.reason, "node tainted: CNI chain not verified");
+            } else {
+                let latency = applied
+                    .taint_at
+                    .unwrap_or_else(Instant::now)
+                    .saturating_duration_since(self.changed_at);
+                self.metrics.untaint_latency.observe(latency.as_secs_f64());
+                tracing::info!(node = %self.node, latency_ms = latency.as_millis() as u64, "node untainted: CNI chain verified");
+            }
+        }
+        if let Some(event) = applied.event {
+            tracing::info!(node = %self.node, event, "event published");
+        }
+        self.metrics.node_verified.set(i64::from(v.verified));
+        self.ready.store(true, Ordering::Release);
+        let last = state::LastVerdict {
+            reason: v.reason.as_str().to_string(),
+            verified: v.verified,
+        };
+        let saved = self.shared.update(|s| {
+            let changed = s.last_verdict.as_ref() != Some(&last);
+            s.last_verdict = Some(last);
+            changed
+        });
+        if let Err(e) = saved {
+            tracing::warn!(node = %self.node, error = %e, "cannot save state");
+        }
+    }
+
+    /// The reconcile failed: the Node keeps its state; retried after the next backoff step.
+    fn failed(&mut self, e: &GateError) {
+        let delay = self.retry.next().unwrap_or(Duration::from_millis(500));
+        tracing::warn!(node = %self.node, error = %e, retry_in_ms = delay.as_millis() as u64, "reconcile failed; the Node keeps its current state");
+        self.retry_at = Some(tokio::time::Instant::now() + delay);
+    }
+}
+
+/// The gate of this node: writes and Events as the ServiceAccount, reads as the node with
+/// `--impersonate-node`.
+fn node_gate(config: &Config, clients: &Clients) -> NodeGate {
+    let recorder = Recorder::new(
+        clients.own.clone(),
+        Reporter {
+            controller: REPORTER.into(),
+            instance: Some(config.node.clone()),
+        },
+    );
+    NodeGate::new(
+        clients.own.clone(),
+        config.node.clone(),
+        config.taint_effect,
+        config.api_timeout,
+        recorder,
+    )
+    .reading_as(clients.node.clone())
+}
+
+/// What `/live` checks: the verdict loop's passes and waits, the pod inspector's batches.
+fn progress(config: &Config) -> (LoopProgress, LoopProgress) {
+    let max_wait = config.resync_interval.saturating_add(config.stall_timeout);
+    let verdict_loop = LoopProgress::new(config.stall_timeout, max_wait);
+    // The pod inspector's batches are bounded by the same stall timeout; it may idle for as
+    // long as no pod needs inspecting, so only its passes are bounded.
+    let pods = LoopProgress::idle("the pod inspector", config.stall_timeout, Duration::MAX);
+    (verdict_loop, pods)
+}
+
+/// Starts the inotify watches on the CNI dirs; a dir that does not exist yet is waited for.
+fn watch_files(config: &Config) -> anyhow::Result<(FsWatch, mpsc::UnboundedReceiver<Instant>)> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let fs = FsWatch::start(&config.cni.cni_conf_dir, &config.cni.cni_bin_dirs, tx)
+        .context("starting inotify watches")?;
+    if !fs.all_direct() {
+        tracing::info!(node = %config.node, dir = %config.cni.cni_conf_dir.display(), "a CNI directory does not exist yet; waiting for it");
+    }
+    Ok((fs, rx))
+}
+
+/// Binds `--admin-addr`, if set, and serves `/live` (both loops' progress), `/ready` and
+/// `/metrics` until `stop` turns true.
+async fn start_admin(
+    config: &Config,
+    registry: Registry,
+    ready: Arc<AtomicBool>,
+    progress: (LoopProgress, LoopProgress),
+    stop: watch::Receiver<bool>,
+) -> anyhow::Result<Option<JoinHandle<()>>> {
+    let Some(listener) = config.common.bind_admin().await? else {
+        return Ok(None);
+    };
+    Ok(Some(tokio::spawn(meshgate_shell::admin::serve_with(
+        listener,
+        Arc::new(registry),
+        ready,
+        progress,
+        wait_stop(stop),
+    ))))
+}
+
+/// A burst of file events ends after `quiet` without one, and at the latest
+/// `COALESCE_LIMIT` times `quiet` after it began.
+const COALESCE_LIMIT: u32 = 10;
+
+/// Waits until a burst of file events is over, so a write-then-rename is one change, and
+/// returns when the last event of the burst happened. The bound matters: a writer touching
+/// the directories more often than `quiet`, forever (a flapping installer, a log rotated into
+/// the conf dir), would otherwise keep the node from ever being verified again.
+async fn coalesce(
+    rx: &mut mpsc::UnboundedReceiver<Instant>,
+    first: Instant,
+    quiet: Duration,
+) -> Instant {
+    let end = tokio::time::Instant::now() + quiet * COALESCE_LIMIT;
+    let mut last = first;
+    loop {
+        let at = (tokio::time::Instant::now() + quiet).min(end);
+        match tokio::time::timeout_at(at, rx.recv()).await {
+            Ok(Some(t)) => last = t,
+            Ok(None) | Err(_) => return last,
+        }
+    }
+}
+
+async fn wait_stop(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|stop| *stop).await;
+}
+
+/// Sleeps until `at`, or for ever when there is nothing to wait for.
+pub(crate) async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Verifies on a blocking thread (it reads files and runs plugin binaries). An unreadable
+/// config dir is a verdict, not a crash: the node stays gated.
+async fn verify(cni: Arc<CniArgs>, prober: Arc<Prober>) -> ChainVerdict {
+    let dir = cni.cni_conf_dir.display().to_string();
+    let runtime: Runtime = cni.runtime;
+    let result = tokio::task::spawn_blocking(move || cni.verify(&prober)).await;
+    let why = match result {
+        Ok(Ok(v)) => return v,
+        Ok(Err(e)) => format!("cannot read {dir}: {e}"),
+        Err(e) => format!("verification failed: {e}"),
+    };
+    ChainVerdict {
+        verified: false,
+        reason: Reason::ConfigInvalid,
+        message: why,
+        config_file: None,
+        plugins: Vec::new(),
+        runtime,
+    }
+}
+
+/// Feeds `tx` with the Node as the API reports it, reconnecting with backoff.
+async fn watch_node(api: Api<Node>, name: String, tx: watch::Sender<Option<Node>>) {
+    let mut stream =
+        std::pin::pin!(kube::runtime::watcher::watch_object(api, &name).default_backoff());
+    while let Some(item) = stream.next().await {
+        match item {
+            Ok(node) => {
+                let _ = tx.send(node);
+            }
+            Err(e) => tracing::debug!(node = %name, error = %e, "node watch error; retrying"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_burst_ends_when_it_goes_quiet_and_reports_its_last_event() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let first = Instant::now();
+        let mut sent = Vec::new();
+        for _ in 0..3 {
+            let t = Instant::now();
+            tx.send(t).unwrap();
+            sent.push(t);
+        }
+        let last = coalesce(&mut rx, first, Duration::from_millis(20)).await;
+        assert_eq!(last, sent[2]);
+    }
+
+    /// A writer touching the directory every 5 ms forever: the burst is cut at its bound
+    /// (200 ms here) instead of keeping the loop from verifying while the writes go on.
+    #[tokio::test]
+    async fn a_burst_that_never_goes_quiet_is_cut_at_its_bound() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let writer = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                if tx.send(Instant::now()).is_err() {
+                    break;
+                }
+            }
+        });
+        let start = Instant::now();
+        let ended = tokio::time::timeout(
+            Duration::from_secs(5),
+            coalesce(&mut rx, start, Duration::from_millis(20)),
+        )
+        .await;
+        assert!(
+            ended.is_ok(),
+            "the burst was never cut while the writes went on"
+        );
+        assert!(
+            !writer.is_finished(),
+            "the writer was still writing when it was cut"
+        );
+        writer.abort();
+    }
+}

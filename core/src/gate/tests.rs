@@ -1,0 +1,254 @@
+use super::*;
+use crate::cni::{Reason, Runtime};
+
+/// A fixed clock.
+const T: Timestamp = Timestamp::constant(1_700_000_000, 0);
+
+fn taint(key: &str, effect: &str) -> Taint {
+    Taint {
+        key: key.into(),
+        effect: effect.into(),
+        value: None,
+        time_added: None,
+    }
+}
+
+fn verdict(reason: Reason, message: &str) -> ChainVerdict {
+    ChainVerdict {
+        verified: reason == Reason::Verified,
+        reason,
+        message: message.into(),
+        config_file: None,
+        plugins: vec![],
+        runtime: Runtime::Containerd,
+    }
+}
+
+#[test]
+fn taint_effects_parse_as_the_api_spells_them() {
+    for e in TaintEffect::ALL {
+        assert_eq!(e.as_str().parse::<TaintEffect>(), Ok(e));
+    }
+    assert_eq!(TaintEffect::default(), TaintEffect::NoSchedule);
+    assert!("PreferNoSchedule".parse::<TaintEffect>().is_err());
+    assert!("noschedule".parse::<TaintEffect>().is_err());
+}
+
+#[test]
+fn taint_is_added_and_removed_keeping_other_taints() {
+    let others = vec![
+        taint("node.kubernetes.io/not-ready", "NoSchedule"),
+        taint("dedicated", "NoExecute"),
+    ];
+    let added = plan_taints(&others, false, TaintEffect::NoSchedule, T).unwrap();
+    assert_eq!(added.len(), 3);
+    assert_eq!(&added[..2], &others[..]);
+    assert_eq!(added[2].key, TAINT_KEY);
+    assert_eq!(added[2].effect, "NoSchedule");
+    assert!(added[2].time_added.is_none());
+
+    assert_eq!(
+        plan_taints(&added, false, TaintEffect::NoSchedule, T),
+        None,
+        "already tainted"
+    );
+    assert_eq!(
+        plan_taints(&added, true, TaintEffect::NoSchedule, T).unwrap(),
+        others
+    );
+    assert_eq!(
+        plan_taints(&others, true, TaintEffect::NoSchedule, T),
+        None,
+        "already untainted"
+    );
+
+    // An effect change replaces our taint; duplicates of ours are collapsed to one.
+    let ne = plan_taints(&added, false, TaintEffect::NoExecute, T).unwrap();
+    assert_eq!(ne.iter().filter(|t| t.key == TAINT_KEY).count(), 1);
+    assert!(ne[2].time_added.is_some());
+    let dup = [added.clone(), vec![taint(TAINT_KEY, "NoSchedule")]].concat();
+    assert_eq!(
+        plan_taints(&dup, false, TaintEffect::NoSchedule, T)
+            .unwrap()
+            .len(),
+        3
+    );
+}
+
+#[test]
+fn label_follows_the_verdict() {
+    let mut labels = BTreeMap::new();
+    assert_eq!(plan_label(&labels, false), Some("false"));
+    labels.insert(VERIFIED_LABEL.into(), "false".into());
+    assert_eq!(plan_label(&labels, false), None);
+    assert_eq!(plan_label(&labels, true), Some("true"));
+}
+
+#[test]
+fn metadata_plan_is_one_guarded_patch_or_nothing() {
+    let node: Node = serde_json::from_value(json!({
+        "metadata": {"name": "n1", "resourceVersion": "5"},
+        "spec": {"taints": [{"key": "dedicated", "effect": "NoExecute"}]},
+    }))
+    .unwrap();
+    let plan = plan_metadata(&node, false, TaintEffect::NoSchedule, T).unwrap();
+    assert_eq!(plan.label, Some("false"));
+    assert_eq!(plan.taints.as_ref().map(Vec::len), Some(2));
+    assert!(!plan.has_labels);
+    let patch = plan.patch();
+    assert_eq!(patch[0]["value"], "5");
+    assert_eq!(patch[2]["path"], "/metadata/labels");
+
+    let mut gated = node.clone();
+    gated.metadata.labels = Some(BTreeMap::from([(VERIFIED_LABEL.into(), "false".into())]));
+    gated.spec.as_mut().unwrap().taints = plan.taints.clone();
+    assert_eq!(
+        plan_metadata(&gated, false, TaintEffect::NoSchedule, T),
+        None
+    );
+    let open = plan_metadata(&gated, true, TaintEffect::NoSchedule, T).unwrap();
+    assert_eq!(open.label, Some("true"));
+    assert!(open.has_labels);
+    assert_eq!(open.taints.as_ref().map(Vec::len), Some(1));
+}
+
+#[test]
+fn condition_transition_time_moves_only_on_status_change() {
+    let t0 = Timestamp::from_second(1_000).unwrap();
+    let t1 = Timestamp::from_second(2_000).unwrap();
+    let missing = verdict(Reason::ChainedPluginMissing, "a");
+    let first = plan_condition(None, &missing, t0).unwrap();
+    assert_eq!(first.status, "False");
+    assert_eq!(first.last_transition_time, Some(Time(t0)));
+    assert_eq!(
+        plan_condition(Some(&first), &missing, t1),
+        None,
+        "unchanged: no write"
+    );
+
+    // Same status, new reason: written, transition time kept.
+    let invalid = verdict(Reason::ConfigInvalid, "b");
+    let second = plan_condition(Some(&first), &invalid, t1).unwrap();
+    assert_eq!(second.reason.as_deref(), Some("ConfigInvalid"));
+    assert_eq!(second.last_transition_time, Some(Time(t0)));
+
+    let ok = verdict(Reason::Verified, "c");
+    let third = plan_condition(Some(&second), &ok, t1).unwrap();
+    assert_eq!(third.status, "True");
+    assert_eq!(third.last_transition_time, Some(Time(t1)));
+}
+
+#[test]
+fn events_only_on_status_or_reason_change() {
+    let missing = verdict(Reason::ChainedPluginMissing, "a");
+    let ev = plan_event(None, &missing).unwrap();
+    assert_eq!(ev.reason, event_reason::CHAIN_UNVERIFIED);
+    assert!(ev.warning);
+    assert!(ev.note.starts_with("ChainedPluginMissing: "));
+    let cond = plan_condition(None, &missing, T).unwrap();
+    assert!(
+        plan_event(
+            Some(&cond),
+            &verdict(Reason::ChainedPluginMissing, "other text")
+        )
+        .is_none()
+    );
+    let ok = plan_event(Some(&cond), &verdict(Reason::Verified, "ok")).unwrap();
+    assert_eq!(ok.reason, event_reason::CHAIN_VERIFIED);
+    assert!(!ok.warning);
+}
+
+#[test]
+fn a_long_verdict_message_fits_the_event_note() {
+    let long = verdict(Reason::ConfigInvalid, &"é".repeat(2000));
+    let ev = plan_event(None, &long).unwrap();
+    assert!(
+        ev.note.len() <= crate::EVENT_NOTE_MAX_BYTES,
+        "{}",
+        ev.note.len()
+    );
+    assert!(ev.note.ends_with('…'));
+}
+
+#[test]
+fn patch_is_guarded_by_resource_version_and_escapes_the_label_key() {
+    let p = metadata_patch(
+        "42",
+        true,
+        Some(&[taint(TAINT_KEY, "NoSchedule")]),
+        Some("false"),
+    );
+    assert_eq!(
+        p[0],
+        json!({"op": "test", "path": "/metadata/resourceVersion", "value": "42"})
+    );
+    assert_eq!(p[1]["path"], "/spec/taints");
+    assert_eq!(p[2]["path"], "/metadata/labels/meshgate.io~1cni-verified");
+    let p = metadata_patch("7", false, None, Some("true"));
+    assert_eq!(
+        p[1],
+        json!({"op": "add", "path": "/metadata/labels", "value": {VERIFIED_LABEL: "true"}})
+    );
+}
+
+#[test]
+fn registration_patch_adds_taint_and_label() {
+    let node = json!({
+        "metadata": {"name": "n1", "labels": {"kubernetes.io/hostname": "n1"}},
+        "spec": {}
+    });
+    let ops = node_registration_patch(&node, TaintEffect::NoSchedule);
+    assert_eq!(
+        ops,
+        vec![
+            json!({"op":"add","path":"/metadata/labels/meshgate.io~1cni-verified","value":"false"}),
+            json!({"op":"add","path":"/spec/taints","value":[{"key":TAINT_KEY,"effect":"NoSchedule"}]}),
+        ]
+    );
+}
+
+#[test]
+fn registration_patch_appends_to_existing_taints_and_builds_missing_maps() {
+    let node = json!({
+        "metadata": {"name": "n1"},
+        "spec": {"taints": [{"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}]}
+    });
+    let ops = node_registration_patch(&node, TaintEffect::NoSchedule);
+    assert_eq!(
+        ops,
+        vec![
+            json!({"op":"add","path":"/metadata/labels","value":{VERIFIED_LABEL:"false"}}),
+            json!({"op":"add","path":"/spec/taints/-","value":{"key":TAINT_KEY,"effect":"NoSchedule"}}),
+        ]
+    );
+    let bare = json!({});
+    let ops = node_registration_patch(&bare, TaintEffect::NoExecute);
+    assert_eq!(
+        ops,
+        vec![
+            json!({"op":"add","path":"/metadata","value":{"labels":{VERIFIED_LABEL:"false"}}}),
+            json!({"op":"add","path":"/spec","value":{"taints":[{"key":TAINT_KEY,"effect":"NoExecute"}]}}),
+        ]
+    );
+}
+
+#[test]
+fn registration_patch_never_duplicates_the_taint_and_overrides_a_claimed_label() {
+    // kubelet --register-with-taints already set it (with another effect): keep theirs.
+    let node = json!({
+        "metadata": {"labels": {VERIFIED_LABEL: "true"}},
+        "spec": {"taints": [{"key": TAINT_KEY, "effect": "NoExecute"}]}
+    });
+    let ops = node_registration_patch(&node, TaintEffect::NoSchedule);
+    assert_eq!(
+        ops,
+        vec![
+            json!({"op":"add","path":"/metadata/labels/meshgate.io~1cni-verified","value":"false"})
+        ]
+    );
+    let gated = json!({
+        "metadata": {"labels": {VERIFIED_LABEL: "false"}},
+        "spec": {"taints": [{"key": TAINT_KEY, "effect": "NoSchedule"}]}
+    });
+    assert!(node_registration_patch(&gated, TaintEffect::NoSchedule).is_empty());
+}
