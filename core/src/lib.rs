@@ -28,8 +28,6 @@ pub const VERIFIED_LABEL: &str = "meshgate.io/cni-verified";
 pub const CONDITION_TYPE: &str = "MeshCNIVerified";
 /// Namespace label that exempts a namespace from the pod admission webhook.
 pub const IGNORE_NAMESPACE_LABEL: &str = "meshgate.io/ignore";
-/// Field manager / reporting controller name used on every write.
-pub const MANAGER: &str = "meshgate";
 
 /// Event reasons (events.k8s.io/v1), from the contract's Events table.
 pub mod event_reason {

@@ -23,6 +23,7 @@ pub mod metrics;
 pub mod node;
 pub mod pods;
 pub mod state;
+mod timer;
 pub mod verdict_loop;
 
 use std::path::PathBuf;

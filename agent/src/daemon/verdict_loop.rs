@@ -32,6 +32,7 @@ use super::metrics::AgentMetrics;
 use super::node::{Applied, GateError, NodeGate};
 use super::pods;
 use super::state::{self, Loaded, Shared, State};
+use super::timer::sleep_until;
 use crate::cni::{CniArgs, Prober};
 
 /// Why the loop woke up.
@@ -397,14 +398,6 @@ async fn coalesce(
 
 async fn wait_stop(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|stop| *stop).await;
-}
-
-/// Sleeps until `at`, or for ever when there is nothing to wait for.
-pub(crate) async fn sleep_until(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
 }
 
 /// Verifies on a blocking thread (it reads files and runs plugin binaries). An unreadable

@@ -66,7 +66,7 @@ use super::clients::Clients;
 use super::events::Events;
 use super::metrics::AgentMetrics;
 use super::state::Shared;
-use super::verdict_loop::sleep_until;
+use super::timer::sleep_until;
 use namespaces::{NamespaceEvent, Namespaces};
 use pod_info::PodInfo;
 use slim::SlimPod;
