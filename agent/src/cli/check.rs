@@ -6,6 +6,7 @@
 use std::process::ExitCode;
 
 use meshgate_core::cni::ChainVerdict;
+use meshgate_shell::entry::Exit;
 
 use super::Output;
 use crate::cni::CniArgs;
@@ -30,7 +31,7 @@ pub fn main(args: Args) -> ExitCode {
                 "meshgate-agent check: cannot read {}: {e}",
                 args.cni.cni_conf_dir.display()
             );
-            return ExitCode::from(2);
+            return Exit::UsageOrIo.into();
         }
     };
     match args.output {
@@ -38,15 +39,15 @@ pub fn main(args: Args) -> ExitCode {
             Ok(json) => println!("{json}"),
             Err(e) => {
                 eprintln!("meshgate-agent check: cannot encode the verdict: {e}");
-                return ExitCode::from(2);
+                return Exit::UsageOrIo.into();
             }
         },
         Output::Text => print!("{}", render_text(&verdict)),
     }
     if verdict.verified {
-        ExitCode::SUCCESS
+        Exit::Success.into()
     } else {
-        ExitCode::from(1)
+        Exit::Failed.into()
     }
 }
 

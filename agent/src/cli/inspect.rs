@@ -10,6 +10,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use meshgate_shell::entry::Exit;
+
 use anyhow::Context as _;
 use meshgate_core::rules::{self, Inspection, RedirectVerdict};
 
@@ -61,20 +63,20 @@ pub fn main(args: Args) -> ExitCode {
                     Ok(json) => println!("{json}"),
                     Err(e) => {
                         eprintln!("meshgate-agent inspect: cannot encode the verdict: {e}");
-                        return ExitCode::from(2);
+                        return Exit::UsageOrIo.into();
                     }
                 },
                 Output::Text => print!("{}", render_text(&path, &inspection)),
             }
             match inspection.verdict {
-                RedirectVerdict::Redirected => ExitCode::SUCCESS,
-                RedirectVerdict::Missing => ExitCode::from(1),
-                RedirectVerdict::Unknown => ExitCode::from(2),
+                RedirectVerdict::Redirected => Exit::Success.into(),
+                RedirectVerdict::Missing => Exit::Failed.into(),
+                RedirectVerdict::Unknown => Exit::UsageOrIo.into(),
             }
         }
         Err(e) => {
             eprintln!("meshgate-agent inspect: {e:#}");
-            ExitCode::from(2)
+            Exit::UsageOrIo.into()
         }
     }
 }
