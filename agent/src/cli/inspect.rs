@@ -10,10 +10,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use meshgate_shell::entry::Exit;
-
 use anyhow::Context as _;
 use meshgate_core::rules::{self, Inspection, RedirectVerdict};
+use meshgate_shell::entry::Exit;
 
 use super::Output;
 use crate::netns;
