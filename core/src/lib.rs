@@ -10,6 +10,7 @@
 //! `meshgate.io/ignore`): they are defined once, here.
 
 pub mod admission;
+pub mod cleanup;
 pub mod cni;
 pub mod enroll;
 pub mod evict;
@@ -19,6 +20,7 @@ pub mod meshes;
 pub mod profile;
 pub mod projection;
 pub mod rules;
+pub mod status;
 
 /// Taint kept on a Node while its effective CNI config is not verified.
 pub const TAINT_KEY: &str = "meshgate.io/cni-unverified";

@@ -281,7 +281,7 @@ pub fn untaint_latency(note: &str) -> Option<Duration> {
 }
 
 /// Escapes a key for a JSON Pointer path segment (RFC 6901: `~` → `~0`, `/` → `~1`).
-fn pointer_segment(key: &str) -> String {
+pub(crate) fn pointer_segment(key: &str) -> String {
     key.replace('~', "~0").replace('/', "~1")
 }
 
