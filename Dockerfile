@@ -1,7 +1,9 @@
 # syntax=docker/dockerfile:1
 #
-# meshgate: one image with both binaries, /usr/local/bin/meshgate-agent and
-# /usr/local/bin/meshgate-webhook (the manifests pick one with `command`).
+# meshgate: one image with its binaries, /usr/local/bin/meshgate-agent,
+# /usr/local/bin/meshgate-webhook (the manifests pick one with `command`) and
+# /usr/local/bin/kubectl-meshgate (the kubectl plugin; the chart's uninstall hook runs its
+# `cleanup`).
 #
 #   docker build -t REGISTRY/meshgate:TAG .
 #
@@ -21,7 +23,8 @@ COPY . .
 ENV RUSTUP_TOOLCHAIN=${RUST_VERSION}
 RUN grep -Eq "^channel *= *\"${RUST_VERSION}\"" rust-toolchain.toml \
  || { echo "RUST_VERSION=${RUST_VERSION} does not match rust-toolchain.toml" >&2; exit 1; }
-# Then the binaries and every shared library they need that distroless/cc lacks (today: none),
+# Then the binaries (the agent crate's two: meshgate-agent and kubectl-meshgate) and every
+# shared library they need that distroless/cc lacks (today: none),
 # laid out as in the image by e2e/images/meshgate-files.sh: the same script lays
 # out the image the real-node tests import (e2e/images/build-meshgate-image.sh), so both hold
 # the same files.
@@ -29,6 +32,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     cargo build --release --locked -p meshgate-agent -p meshgate-webhook \
  && bash e2e/images/meshgate-files.sh /out target/release/meshgate-agent target/release/meshgate-webhook \
+      target/release/kubectl-meshgate \
  && find /out -type f | sort
 
 FROM gcr.io/distroless/cc-debian12

@@ -7,7 +7,8 @@
 # (e2e/overlay) points the manifests at that name.
 #
 # Usage: build-meshgate-image.sh BIN_DIR OUT_TAR
-#   BIN_DIR  holds meshgate-agent and meshgate-webhook (make: target/release)
+#   BIN_DIR  holds meshgate-agent, meshgate-webhook and kubectl-meshgate (make: target/release;
+#            `cargo build -p meshgate-agent` builds the agent crate's two binaries)
 set -euo pipefail
 
 bin_dir=${1:?usage: build-meshgate-image.sh BIN_DIR OUT_TAR}
@@ -16,7 +17,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=oci-image.sh
 source "$here/oci-image.sh"
 
-bins=("$bin_dir/meshgate-agent" "$bin_dir/meshgate-webhook")
+bins=("$bin_dir/meshgate-agent" "$bin_dir/meshgate-webhook" "$bin_dir/kubectl-meshgate")
 root=$(mktemp -d)
 chmod 755 "$root"  # the image's /: the webhook runs as 65532 and must traverse it
 trap 'rm -rf "$root"' EXIT

@@ -1,0 +1,235 @@
+//! `kubectl meshgate status` against the real control plane: its JSON and table name the
+//! gated node, its reason and since when, the verified node's last untaint latency from its
+//! Event, the pods without redirects and the evictions, the mode from the ConfigMap, and the
+//! webhook reachable while it runs and unreachable once it stopped.
+
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use kube::api::{Api, PostParams};
+use meshgate_core::TAINT_KEY;
+use meshgate_e2e::{NodeSpec, unique_name};
+use serde_json::{Value, json};
+
+use super::{agent_event, condition, gated_node, run};
+use crate::cp;
+use crate::webhook::{Fixture, Start};
+
+/// The entry of `list` whose `key` is `value`.
+fn find<'a>(list: &'a Value, key: &str, value: &str) -> anyhow::Result<&'a Value> {
+    list.as_array()
+        .and_then(|a| a.iter().find(|v| v[key] == value))
+        .ok_or_else(|| anyhow::anyhow!("no {key}={value} in {list}"))
+}
+
+#[tokio::test]
+async fn status_reports_nodes_pods_evictions_mode_and_the_webhook() -> anyhow::Result<()> {
+    let cp = cp().await;
+    let start = Start {
+        kubeconfig: cp.admin_kubeconfig_path().to_path_buf(),
+        profile_file: None,
+        tag_hooks: false,
+    };
+    let mut hook = Fixture::start_with(cp, "status", start).await?;
+    let result = scenario(&mut hook).await;
+    hook.teardown().await;
+    result
+}
+
+async fn scenario(hook: &mut Fixture) -> anyhow::Result<()> {
+    let cp = cp().await;
+    let client = &hook.client.clone();
+    let kubeconfig = cp.admin_kubeconfig_path();
+    let (gated, verified) = (unique_name("st-gated"), unique_name("st-ok"));
+    gated_node(cp, client, &gated, TAINT_KEY, "ChainedPluginMissing").await?;
+    cp.register_node(
+        client,
+        &NodeSpec::new(&verified).label(meshgate_core::VERIFIED_LABEL, "true"),
+    )
+    .await?;
+    condition(client, &verified, "True", "Verified", "chains linkerd-cni").await?;
+    let node_ref = |n: &str| json!({"apiVersion": "v1", "kind": "Node", "name": n, "uid": n});
+    agent_event(
+        client,
+        "default",
+        node_ref(&verified),
+        "CNIChainVerified",
+        "Untaint",
+        "Verified: chains linkerd-cni [untaint latency: 183 ms]",
+        &verified,
+    )
+    .await?;
+
+    // Pods the agent judged: one evicted, one blocked by a PDB, in a governed namespace.
+    let ns = hook.namespace(&[]).await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let mut pod_refs = Vec::new();
+    for name in ["web-evicted", "web-blocked"] {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "spec": {"nodeName": verified, "containers": [{"name": "app", "image": "registry.invalid/app:1"}]},
+        }))?;
+        let pod = pods.create(&PostParams::default(), &pod).await?;
+        pod_refs.push(
+            json!({"apiVersion": "v1", "kind": "Pod", "namespace": ns, "name": name,
+            "uid": pod.metadata.uid}),
+        );
+    }
+    agent_event(client, &ns, pod_refs[0].clone(), "MeshRedirectMissing", "Evict",
+        "linkerd redirects missing; evicted, so that its controller recreates it on a verified node", &verified).await?;
+    agent_event(client, &ns, pod_refs[1].clone(), "MeshRedirectMissing", "EvictBlocked",
+        "linkerd redirects missing; not evicted: blocked by a PodDisruptionBudget; retrying with backoff", &verified).await?;
+
+    // meshgate's namespace (for the mode): a namespace of this test.
+    let home = cp.create_namespace(client, "st-home").await?;
+    let cm: ConfigMap = serde_json::from_value(
+        json!({"metadata": {"name": "meshgate-mode"}, "data": {"mode": "report"}}),
+    )?;
+    Api::<ConfigMap>::namespaced(client.clone(), &home)
+        .create(&PostParams::default(), &cm)
+        .await?;
+
+    let configuration = format!("meshgate-{}", hook.tag);
+    let args = |output: &'static str| -> Vec<String> {
+        [
+            "status",
+            "-o",
+            output,
+            "-n",
+            &home,
+            "--webhook-configuration",
+            &configuration,
+            "--probe-namespace",
+            &ns,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let json_args = args("json");
+    let ran = run(
+        kubeconfig,
+        &json_args.iter().map(String::as_str).collect::<Vec<_>>(),
+    )
+    .await?;
+    // A node is gated (this test's, and others' of the shared control plane): exit 1.
+    anyhow::ensure!(ran.code == Some(1), "{ran}");
+    let report: Value =
+        serde_json::from_str(&ran.stdout).map_err(|e| anyhow::anyhow!("{e}: {ran}"))?;
+    anyhow::ensure!(report["schema"] == "meshgate.io/status/v1", "{ran}");
+    let g = find(&report["nodes"], "name", &gated)?;
+    anyhow::ensure!(
+        g["gated"] == true && g["taint"] == "NoSchedule" && g["label"] == "false",
+        "{g}"
+    );
+    anyhow::ensure!(
+        g["reason"] == "ChainedPluginMissing" && g["message"] == "does not chain linkerd-cni",
+        "{g}"
+    );
+    anyhow::ensure!(g["since"].is_string() && g["last_untaint"].is_null(), "{g}");
+    let v = find(&report["nodes"], "name", &verified)?;
+    anyhow::ensure!(
+        v["gated"] == false && v["condition"] == "True" && v["reason"] == "Verified",
+        "{v}"
+    );
+    anyhow::ensure!(v["last_untaint"]["latency_ms"] == 183, "{v}");
+    let evicted = find(&report["missing_pods"], "name", "web-evicted")?;
+    anyhow::ensure!(
+        evicted["namespace"] == ns.as_str()
+            && evicted["action"] == "Evict"
+            && evicted["node"] == verified.as_str(),
+        "{evicted}"
+    );
+    let blocked = find(&report["missing_pods"], "name", "web-blocked")?;
+    anyhow::ensure!(blocked["action"] == "EvictBlocked", "{blocked}");
+    let evictions = &report["evictions"];
+    anyhow::ensure!(evictions["window_seconds"] == 3600, "{evictions}");
+    let ours: Vec<&Value> = evictions["pods"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| p["namespace"] == ns.as_str())
+        .collect();
+    anyhow::ensure!(
+        ours.len() == 1 && ours[0]["name"] == "web-evicted",
+        "{evictions}"
+    );
+    anyhow::ensure!(
+        report["mode"] == json!({"mode": "report", "source": "configmap"}),
+        "{ran}"
+    );
+    anyhow::ensure!(report["webhook"]["state"] == "reachable", "{ran}");
+
+    let table_args = args("table");
+    let ran = run(
+        kubeconfig,
+        &table_args.iter().map(String::as_str).collect::<Vec<_>>(),
+    )
+    .await?;
+    anyhow::ensure!(ran.code == Some(1), "{ran}");
+    let row = |name: &str| {
+        ran.stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+    };
+    let g = row(&gated).ok_or_else(|| anyhow::anyhow!("no row for {gated}: {ran}"))?;
+    anyhow::ensure!(
+        g[1..5] == ["yes", "NoSchedule", "false", "ChainedPluginMissing"],
+        "{ran}"
+    );
+    let v = row(&verified).ok_or_else(|| anyhow::anyhow!("no row for {verified}: {ran}"))?;
+    anyhow::ensure!(
+        v[1..5] == ["no", "-", "true", "Verified"] && v[6] == "183ms",
+        "{ran}"
+    );
+    anyhow::ensure!(
+        ran.stdout.contains(&format!("\n{ns} ")) && ran.stdout.contains("web-evicted"),
+        "{ran}"
+    );
+    anyhow::ensure!(ran.stdout.contains("\nWEBHOOK: reachable ("), "{ran}");
+    anyhow::ensure!(ran.stdout.contains("\nMODE: report (configmap)\n"), "{ran}");
+
+    // No such configuration: not installed.
+    let absent = format!("{configuration}-absent");
+    let ran = run(
+        kubeconfig,
+        &["status", "-o", "json", "--webhook-configuration", &absent],
+    )
+    .await?;
+    let report: Value =
+        serde_json::from_str(&ran.stdout).map_err(|e| anyhow::anyhow!("{e}: {ran}"))?;
+    anyhow::ensure!(report["webhook"]["state"] == "not-installed", "{ran}");
+
+    // The webhook stops: the apiserver cannot call it, and status says so. Without the
+    // ConfigMap (another namespace), the mode is the default.
+    hook.stop_webhook().await?;
+    let ran = run(
+        kubeconfig,
+        &[
+            "status",
+            "-o",
+            "json",
+            "-n",
+            &ns,
+            "--webhook-configuration",
+            &configuration,
+            "--probe-namespace",
+            &ns,
+        ],
+    )
+    .await?;
+    anyhow::ensure!(ran.code == Some(1), "{ran}");
+    let report: Value =
+        serde_json::from_str(&ran.stdout).map_err(|e| anyhow::anyhow!("{e}: {ran}"))?;
+    let webhook = &report["webhook"];
+    anyhow::ensure!(webhook["state"] == "unreachable", "{ran}");
+    anyhow::ensure!(
+        webhook["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("failed calling webhook")),
+        "{ran}"
+    );
+    anyhow::ensure!(
+        report["mode"] == json!({"mode": "enforce", "source": "default"}),
+        "{ran}"
+    );
+    Ok(())
+}
