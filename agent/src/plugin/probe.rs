@@ -249,54 +249,48 @@ mod tests {
 
     #[test]
     fn each_answer_is_judged() {
-        let refused = answer(
-            403,
-            "admission webhook \"pods.validate.meshgate.io\" denied the request: meshgate: pod default/p ...",
-            &[],
-        );
-        assert_eq!(judge(&refused, &hooks(), "default", "p").state, "reachable");
-        let failed = answer(
-            500,
-            "Internal error occurred: failed calling webhook \"pods.validate.meshgate.io\": failed to call webhook: Post \"https://meshgate-webhook.meshgate-system.svc:443/validate?timeout=5s\": context deadline exceeded",
-            &[],
-        );
-        let w = judge(&failed, &hooks(), "default", "p");
-        assert_eq!(w.state, "unreachable");
+        let probe = "meshgate-status-probe-1";
+        let failed = "Internal error occurred: failed calling webhook \"pods.validate.meshgate.io\": failed to call webhook: Post \"https://meshgate-webhook.meshgate-system.svc:443/validate?timeout=5s\": context deadline exceeded";
+        let cases: [(u16, &str, &[&str], &str); 6] = [
+            (
+                403,
+                "admission webhook \"pods.validate.meshgate.io\" denied the request: meshgate: pod default/p ...",
+                &[],
+                "reachable",
+            ),
+            (500, failed, &[], "unreachable"),
+            // The webhook's warn mode: admitted, with a warning naming the probe.
+            (
+                201,
+                "",
+                &["299 - \"meshgate: pod default/meshgate-status-probe-1 would be refused\""],
+                "reachable",
+            ),
+            (201, "", &["299 - \"some other warning\""], "not-called"),
+            // Another webhook's refusal, or RBAC's, says nothing about meshgate's.
+            (
+                403,
+                "admission webhook \"pods.validate.example.com\" denied the request",
+                &[],
+                "inconclusive",
+            ),
+            (
+                403,
+                "pods is forbidden: User \"u\" cannot create resource \"pods\"",
+                &[],
+                "inconclusive",
+            ),
+        ];
+        for (code, message, warnings, want) in cases {
+            let w = judge(&answer(code, message, warnings), &hooks(), "default", probe);
+            assert_eq!(w.state, want, "{code} {message} {warnings:?}: {}", w.detail);
+        }
+        let w = judge(&answer(500, failed, &[]), &hooks(), "default", probe);
         assert!(
             w.detail.contains("context deadline exceeded"),
             "{}",
             w.detail
         );
-        let warned = answer(
-            201,
-            "",
-            &["299 - \"meshgate: pod default/meshgate-status-probe-1 would be refused\""],
-        );
-        assert_eq!(
-            judge(&warned, &hooks(), "default", "meshgate-status-probe-1").state,
-            "reachable"
-        );
-        let quiet = answer(201, "", &["299 - \"some other warning\""]);
-        assert_eq!(
-            judge(&quiet, &hooks(), "default", "meshgate-status-probe-1").state,
-            "not-called"
-        );
-        // Another webhook's refusal, or RBAC's, says nothing about meshgate's.
-        let other = answer(
-            403,
-            "admission webhook \"pods.validate.example.com\" denied the request",
-            &[],
-        );
-        assert_eq!(
-            judge(&other, &hooks(), "default", "p").state,
-            "inconclusive"
-        );
-        let rbac = answer(
-            403,
-            "pods is forbidden: User \"u\" cannot create resource \"pods\"",
-            &[],
-        );
-        assert_eq!(judge(&rbac, &hooks(), "default", "p").state, "inconclusive");
     }
 
     #[test]

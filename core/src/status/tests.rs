@@ -23,6 +23,14 @@ fn node(name: &str, taints: Value, label: Option<&str>, condition: Option<Value>
     .unwrap()
 }
 
+/// A `MeshCNIVerified` condition.
+fn cond(status: &str, reason: &str, message: &str, since: &str) -> Option<Value> {
+    Some(
+        json!({"type": CONDITION_TYPE, "status": status, "reason": reason,
+        "message": message, "lastTransitionTime": since}),
+    )
+}
+
 /// An Event as the agent writes it (kube's Recorder: events.k8s.io/v1).
 fn event(reason: &str, kind: &str, name: &str, action: &str, note: &str, at: &str) -> Event {
     serde_json::from_value(json!({
@@ -33,6 +41,28 @@ fn event(reason: &str, kind: &str, name: &str, action: &str, note: &str, at: &st
         "regarding": {"kind": kind, "name": name, "namespace": "shop", "uid": format!("uid-{name}")},
     }))
     .unwrap()
+}
+
+/// The agent's `MeshRedirectMissing` Event about pod `name` (namespace shop).
+fn pod_event(name: &str, action: &str, note: &str, at: &str) -> Event {
+    event("MeshRedirectMissing", "Pod", name, action, note, at)
+}
+
+/// The agent's Node Event `reason` about `node`.
+fn node_event(reason: &str, node: &str, action: &str, note: &str, at: &str) -> Event {
+    event(reason, "Node", node, action, note, at)
+}
+
+/// What the plugin adds to the report: the webhook's (state, detail), the (mode, source).
+fn probed(r: &mut Report, webhook: (&'static str, &str), mode: (&str, &'static str)) {
+    r.webhook = Some(Webhook {
+        state: webhook.0,
+        detail: webhook.1.into(),
+    });
+    r.mode = Some(Mode {
+        mode: mode.0.into(),
+        source: mode.1,
+    });
 }
 
 fn report(nodes: &[Node], events: &[Event]) -> Report {
@@ -52,18 +82,17 @@ fn gated_nodes_say_why_and_since_when() {
             "node-b",
             json!([{"key": "other", "effect": "NoSchedule"}]),
             Some("true"),
-            Some(
-                json!({"type": CONDITION_TYPE, "status": "True", "reason": "Verified",
-                "message": "chains it", "lastTransitionTime": "2026-11-26T10:00:00Z"}),
-            ),
+            cond("True", "Verified", "chains it", "2026-11-26T10:00:00Z"),
         ),
         node(
             "node-a",
             json!([{"key": TAINT_KEY, "effect": "NoSchedule"}]),
             Some("false"),
-            Some(
-                json!({"type": CONDITION_TYPE, "status": "False", "reason": "ChainedPluginMissing",
-                "message": "does not chain linkerd-cni", "lastTransitionTime": "2026-11-26T11:55:00Z"}),
+            cond(
+                "False",
+                "ChainedPluginMissing",
+                "does not chain linkerd-cni",
+                "2026-11-26T11:55:00Z",
             ),
         ),
         // Gated at registration; no agent has reported.
@@ -104,34 +133,30 @@ fn gated_nodes_say_why_and_since_when() {
 fn the_last_untaint_is_the_latest_verified_event_with_a_latency() {
     let nodes = [node("node-a", json!([]), Some("true"), None)];
     let events = [
-        event(
+        node_event(
             "CNIChainVerified",
-            "Node",
             "node-a",
             "Untaint",
             "Verified: ok [untaint latency: 900 ms]",
             "2026-11-26T09:00:00Z",
         ),
-        event(
+        node_event(
             "CNIChainVerified",
-            "Node",
             "node-a",
             "Untaint",
             "Verified: ok [untaint latency: 183 ms]",
             "2026-11-26T11:00:00Z",
         ),
         // Later, but verified without an untaint (the node was never tainted): no latency.
-        event(
+        node_event(
             "CNIChainVerified",
-            "Node",
             "node-a",
             "Untaint",
             "Verified: ok",
             "2026-11-26T11:30:00Z",
         ),
-        event(
+        node_event(
             "CNIChainUnverified",
-            "Node",
             "node-a",
             "Taint",
             "NoConfig: x [untaint latency: 1 ms]",
@@ -152,23 +177,15 @@ fn the_last_untaint_is_the_latest_verified_event_with_a_latency() {
 #[test]
 fn events_of_other_controllers_are_ignored() {
     let nodes = [node("node-a", json!([]), Some("true"), None)];
-    let mut forged = event(
+    let mut forged = node_event(
         "CNIChainVerified",
-        "Node",
         "node-a",
         "Untaint",
         "Verified: ok [untaint latency: 1 ms]",
         "2026-11-26T11:00:00Z",
     );
     forged.reporting_controller = Some("someone-else".into());
-    let mut pod = event(
-        "MeshRedirectMissing",
-        "Pod",
-        "web-1",
-        "Evict",
-        "evicted",
-        "2026-11-26T11:59:00Z",
-    );
+    let mut pod = pod_event("web-1", "Evict", "evicted", "2026-11-26T11:59:00Z");
     pod.reporting_controller = None;
     let r = report(&nodes, &[forged, pod]);
     assert_eq!(r.nodes[0].last_untaint, None);
@@ -178,9 +195,7 @@ fn events_of_other_controllers_are_ignored() {
 
 #[test]
 fn missing_pods_are_one_per_pod_and_evictions_are_counted_in_the_window() {
-    let mut blocked_then_evicted = event(
-        "MeshRedirectMissing",
-        "Pod",
+    let mut blocked_then_evicted = pod_event(
         "web-1",
         "EvictBlocked",
         "blocked by a PodDisruptionBudget",
@@ -195,25 +210,9 @@ fn missing_pods_are_one_per_pod_and_evictions_are_counted_in_the_window() {
     );
     let events = [
         blocked_then_evicted,
-        event(
-            "MeshRedirectMissing",
-            "Pod",
-            "web-1",
-            "Evict",
-            "evicted",
-            "2026-11-26T11:30:00Z",
-        ),
-        event(
-            "MeshRedirectMissing",
-            "Pod",
-            "web-2",
-            "Evict",
-            "evicted",
-            "2026-11-26T10:30:00Z",
-        ),
-        event(
-            "MeshRedirectMissing",
-            "Pod",
+        pod_event("web-1", "Evict", "evicted", "2026-11-26T11:30:00Z"),
+        pod_event("web-2", "Evict", "evicted", "2026-11-26T10:30:00Z"),
+        pod_event(
             "web-3",
             "DryRun",
             "dry-run: would be evicted",
@@ -248,23 +247,18 @@ fn the_json_schema_names_are_stable() {
     )];
     let mut r = report(
         &nodes,
-        &[event(
-            "MeshRedirectMissing",
-            "Pod",
+        &[pod_event(
             "web-1",
             "Evict",
             "evicted",
             "2026-11-26T11:30:00Z",
         )],
     );
-    r.webhook = Some(Webhook {
-        state: "reachable",
-        detail: "refused the probe".into(),
-    });
-    r.mode = Some(Mode {
-        mode: "enforce".into(),
-        source: "default",
-    });
+    probed(
+        &mut r,
+        ("reachable", "refused the probe"),
+        ("enforce", "default"),
+    );
     let v = serde_json::to_value(&r).unwrap();
     let keys = |v: &Value| -> Vec<String> { v.as_object().unwrap().keys().cloned().collect() };
     assert_eq!(
@@ -313,40 +307,31 @@ fn the_table_answers_each_question() {
             "node-a",
             json!([{"key": TAINT_KEY, "effect": "NoSchedule"}]),
             Some("false"),
-            Some(
-                json!({"type": CONDITION_TYPE, "status": "False", "reason": "NoConfig",
-                "message": "no .conf file\nin /etc/cni/net.d", "lastTransitionTime": "2026-11-26T11:55:00Z"}),
+            cond(
+                "False",
+                "NoConfig",
+                "no .conf file\nin /etc/cni/net.d",
+                "2026-11-26T11:55:00Z",
             ),
         ),
         node("node-b", json!([]), Some("true"), None),
     ];
     let events = [
-        event(
+        node_event(
             "CNIChainVerified",
-            "Node",
             "node-b",
             "Untaint",
             "Verified: ok [untaint latency: 183 ms]",
             "2026-11-26T11:00:00Z",
         ),
-        event(
-            "MeshRedirectMissing",
-            "Pod",
-            "web-1",
-            "Evict",
-            "evicted",
-            "2026-11-26T11:30:00Z",
-        ),
+        pod_event("web-1", "Evict", "evicted", "2026-11-26T11:30:00Z"),
     ];
     let mut r = report(&nodes, &events);
-    r.webhook = Some(Webhook {
-        state: "unreachable",
-        detail: "failed calling webhook".into(),
-    });
-    r.mode = Some(Mode {
-        mode: "report".into(),
-        source: "configmap",
-    });
+    probed(
+        &mut r,
+        ("unreachable", "failed calling webhook"),
+        ("report", "configmap"),
+    );
     r.truncated.push("events".into());
     let text = table::render(&r, now());
     let lines: Vec<&str> = text.lines().collect();
