@@ -1,7 +1,8 @@
 //! `kubectl meshgate status` against the real control plane: its JSON and table name the
 //! gated node, its reason and since when, the verified node's last untaint latency from its
 //! Event, the pods without redirects and the evictions, the mode from the ConfigMap, and the
-//! webhook reachable while it runs and unreachable once it stopped.
+//! webhook reachable while it runs and unreachable once it stopped; and the latency the real
+//! agent published on untainting its node.
 
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::{Api, PostParams};
@@ -11,7 +12,10 @@ use serde_json::{Value, json};
 
 use super::{agent_event, condition, gated_node, run};
 use crate::cp;
+use crate::support::{Agent, CniDirs, golden, wait_node};
 use crate::webhook::{Fixture, Start};
+use meshgate_e2e::harness::wait::poll_until;
+use meshgate_e2e::sim::node::tainted;
 
 /// The entry of `list` whose `key` is `value`.
 fn find<'a>(list: &'a Value, key: &str, value: &str) -> anyhow::Result<&'a Value> {
@@ -230,6 +234,45 @@ async fn scenario(hook: &mut Fixture) -> anyhow::Result<()> {
     anyhow::ensure!(
         report["mode"] == json!({"mode": "enforce", "source": "default"}),
         "{ran}"
+    );
+    Ok(())
+}
+
+/// The real agent untaints its node; its `CNIChainVerified` Event carries the latency its
+/// histogram observed, and `status` reads it back from the API.
+#[tokio::test]
+async fn status_shows_the_untaint_latency_the_agent_published() -> anyhow::Result<()> {
+    let cp = cp().await;
+    let client = cp.client()?;
+    let node = unique_name("st-agent");
+    cp.register_node(&client, &NodeSpec::new(&node)).await?;
+    let dirs = CniDirs::new()?;
+    dirs.config("10-calico.conflist", &golden("calico.conflist")?)?;
+    let agent = Agent::start(cp, &node, &dirs, &[])?;
+    wait_node(&client, &node, "tainted", tainted).await?;
+    dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist")?)?;
+    wait_node(&client, &node, "untainted", |n| !tainted(n)).await?;
+
+    let kubeconfig = cp.admin_kubeconfig_path();
+    let args = ["status", "-o", "json", "--no-webhook-probe"];
+    let untaint = poll_until("the untaint in status", crate::WAIT, || async {
+        let ran = run(kubeconfig, &args).await?;
+        let report: Value =
+            serde_json::from_str(&ran.stdout).map_err(|e| anyhow::anyhow!("{e}: {ran}"))?;
+        anyhow::ensure!(report["webhook"].is_null(), "{ran}");
+        let n = find(&report["nodes"], "name", &node)?;
+        anyhow::Ok((!n["last_untaint"].is_null()).then(|| n["last_untaint"].clone()))
+    })
+    .await?;
+    let observed = agent
+        .metric("meshgate_untaint_latency_seconds_sum")
+        .await
+        .ok_or_else(|| anyhow::anyhow!("no untaint latency on /metrics: {}", agent.log()))?;
+    let shown = untaint["latency_ms"].as_f64().unwrap_or(-1.0);
+    // The note holds whole milliseconds of the histogram's one observation.
+    anyhow::ensure!(
+        (observed * 1000.0 - shown) >= 0.0 && (observed * 1000.0 - shown) < 1.0,
+        "status shows {untaint}, the histogram observed {observed} s"
     );
     Ok(())
 }
