@@ -188,3 +188,152 @@ async fn patch(
         .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The exact requests `clean` sends, against a tower-test mock.
+    use super::*;
+    use http::{Request, Response};
+    use http_body_util::BodyExt;
+    use kube::client::Body;
+    use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
+    use serde_json::json;
+    use std::pin::pin;
+    use tower_test::mock;
+
+    fn args() -> Args {
+        Args {
+            conn: Conn {
+                kubeconfig: None,
+                context: None,
+                namespace: "meshgate-system".into(),
+                taint_key: TAINT_KEY.into(),
+                api_timeout: Duration::from_secs(5),
+                page_size: 500,
+                max_items: 100,
+            },
+            wait_for_agents: false,
+            timeout: Duration::from_secs(5),
+            agent_selector: "app.kubernetes.io/name=meshgate-agent".into(),
+            dry_run: false,
+        }
+    }
+
+    fn node(rv: &str, taints: Value, condition: bool) -> Value {
+        let mut conditions = vec![json!({"type": "Ready", "status": "True"})];
+        if condition {
+            conditions.push(json!({"type": CONDITION_TYPE, "status": "False"}));
+        }
+        json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": "n1", "resourceVersion": rv, "labels": {VERIFIED_LABEL: "false"}},
+            "spec": {"taints": taints},
+            "status": {"conditions": conditions},
+        })
+    }
+
+    fn respond(status: u16, body: &Value) -> Response<Body> {
+        let bytes = serde_json::to_vec(body).unwrap();
+        Response::builder()
+            .status(status)
+            .body(Body::from(bytes))
+            .unwrap()
+    }
+
+    async fn body_json(req: Request<Body>) -> Value {
+        serde_json::from_slice(&req.into_body().collect().await.unwrap().to_bytes()).unwrap()
+    }
+
+    /// A conflict re-reads the Node and re-plans from it, keeping the taint another writer
+    /// added meanwhile; the condition goes through nodes/status, guarded by the new version.
+    #[tokio::test]
+    async fn a_conflict_is_re_planned_from_a_fresh_read() {
+        let (svc, handle) = mock::pair::<Request<Body>, Response<Body>>();
+        let ours = json!({"key": TAINT_KEY, "effect": "NoSchedule"});
+        let foreign = json!({"key": "example.com/new", "effect": "NoSchedule"});
+        let server = tokio::spawn({
+            let (ours, foreign) = (ours.clone(), foreign.clone());
+            async move {
+                let mut handle = pin!(handle);
+                let (req, send) = handle.next_request().await.unwrap();
+                assert_eq!(req.uri().path(), "/api/v1/nodes/n1");
+                assert_eq!(body_json(req).await[0]["value"], "1");
+                let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Invalid", "code": 422, "message": "test failed"});
+                send.send_response(respond(422, &status));
+                let (req, send) = handle.next_request().await.unwrap();
+                assert_eq!(
+                    (req.method(), req.uri().path()),
+                    (&http::Method::GET, "/api/v1/nodes/n1")
+                );
+                send.send_response(respond(200, &node("2", json!([ours, foreign]), true)));
+                let (req, send) = handle.next_request().await.unwrap();
+                let patch = body_json(req).await;
+                assert_eq!(patch[0]["value"], "2");
+                assert_eq!(
+                    patch[1],
+                    json!({"op": "replace", "path": "/spec/taints", "value": [foreign]})
+                );
+                assert_eq!(
+                    patch[2],
+                    json!({"op": "remove", "path": "/metadata/labels/meshgate.io~1cni-verified"})
+                );
+                let mut cleaned = node("3", json!([foreign]), true);
+                cleaned["metadata"]["labels"] = json!({});
+                send.send_response(respond(200, &cleaned));
+                let (req, send) = handle.next_request().await.unwrap();
+                assert_eq!(req.uri().path(), "/api/v1/nodes/n1/status");
+                let patch = body_json(req).await;
+                assert_eq!(patch[0]["value"], "3");
+                assert_eq!(
+                    patch[1],
+                    json!({"op": "remove", "path": "/status/conditions/1"})
+                );
+                let mut done = cleaned.clone();
+                done["status"]["conditions"] = json!([{"type": "Ready", "status": "True"}]);
+                send.send_response(respond(200, &done));
+                assert!(
+                    tokio::time::timeout(Duration::from_millis(100), handle.next_request())
+                        .await
+                        .is_err(),
+                    "nothing after the node is clean"
+                );
+            }
+        });
+        let api: Api<Node> = Api::all(kube::Client::new(svc, "default"));
+        let seen: Node = serde_json::from_value(node("1", json!([ours]), true)).unwrap();
+        let removed = clean(&args(), &api, seen).await.unwrap();
+        assert_eq!(removed.describe(), "taint, label, condition");
+        server.await.unwrap();
+    }
+
+    /// A Node that keeps changing is given up after MAX_ATTEMPTS rounds, not retried forever.
+    #[tokio::test]
+    async fn endless_conflicts_are_bounded() {
+        let (svc, handle) = mock::pair::<Request<Body>, Response<Body>>();
+        let ours = json!({"key": TAINT_KEY, "effect": "NoSchedule"});
+        let server = tokio::spawn({
+            let ours = ours.clone();
+            async move {
+                let mut handle = pin!(handle);
+                let mut patches = 0;
+                while let Ok(Some((req, send))) =
+                    tokio::time::timeout(Duration::from_millis(200), handle.next_request()).await
+                {
+                    if req.method() == http::Method::GET {
+                        send.send_response(respond(200, &node("9", json!([ours]), false)));
+                    } else {
+                        patches += 1;
+                        let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Conflict", "code": 409, "message": "changed"});
+                        send.send_response(respond(409, &status));
+                    }
+                }
+                patches
+            }
+        });
+        let api: Api<Node> = Api::all(kube::Client::new(svc, "default"));
+        let seen: Node = serde_json::from_value(node("1", json!([ours]), false)).unwrap();
+        let err = clean(&args(), &api, seen).await.unwrap_err();
+        assert!(err.to_string().contains("kept changing"), "{err:#}");
+        assert_eq!(server.await.unwrap(), MAX_ATTEMPTS);
+    }
+}

@@ -164,3 +164,84 @@ pub fn run_command(name: &str, command: impl Future<Output = anyhow::Result<Exit
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::{Request, Response};
+    use k8s_openapi::api::core::v1::Node;
+    use kube::client::Body;
+    use serde_json::json;
+    use std::pin::pin;
+    use tower_test::mock;
+
+    fn conn(page_size: u32, max_items: usize) -> Conn {
+        Conn {
+            kubeconfig: None,
+            context: None,
+            namespace: DEFAULT_NAMESPACE.into(),
+            taint_key: meshgate_core::TAINT_KEY.into(),
+            api_timeout: Duration::from_secs(5),
+            page_size,
+            max_items,
+        }
+    }
+
+    fn page(names: &[&str], next: &str) -> Response<Body> {
+        let items: Vec<_> = names
+            .iter()
+            .map(|n| json!({"metadata": {"name": n}}))
+            .collect();
+        let list = json!({"apiVersion": "v1", "kind": "NodeList", "metadata": {"continue": next}, "items": items});
+        Response::new(Body::from(serde_json::to_vec(&list).unwrap()))
+    }
+
+    /// Serves `pages` in order and returns the query strings it was asked with.
+    fn serve(pages: Vec<Response<Body>>) -> (Api<Node>, tokio::task::JoinHandle<Vec<String>>) {
+        let (svc, handle) = mock::pair::<Request<Body>, Response<Body>>();
+        let server = tokio::spawn(async move {
+            let mut handle = pin!(handle);
+            let mut queries = Vec::new();
+            for p in pages {
+                let (req, send) = handle.next_request().await.unwrap();
+                let query = req.uri().query().unwrap_or_default();
+                let parts: Vec<&str> = query.split('&').filter(|p| !p.is_empty()).collect();
+                queries.push(parts.join("&"));
+                send.send_response(p);
+            }
+            queries
+        });
+        (Api::all(kube::Client::new(svc, "default")), server)
+    }
+
+    #[tokio::test]
+    async fn lists_follow_continue_tokens_in_pages() {
+        let (api, server) = serve(vec![page(&["a", "b"], "t1"), page(&["c"], "")]);
+        let listed = conn(2, 10)
+            .list_all(&api, ListParams::default(), "nodes")
+            .await
+            .unwrap();
+        assert_eq!(listed.items.len(), 3);
+        assert!(!listed.truncated);
+        let queries = server.await.unwrap();
+        assert_eq!(queries[0], "limit=2");
+        assert_eq!(queries[1], "limit=2&continue=t1");
+    }
+
+    #[tokio::test]
+    async fn lists_are_cut_at_max_items_and_say_so() {
+        let (api, server) = serve(vec![page(&["a", "b"], "t1"), page(&["c", "d"], "t2")]);
+        let listed = conn(2, 3)
+            .list_all(&api, ListParams::default(), "nodes")
+            .await
+            .unwrap();
+        let names: Vec<_> = listed
+            .items
+            .iter()
+            .filter_map(|n| n.metadata.name.as_deref())
+            .collect();
+        assert_eq!(names, ["a", "b", "c"]);
+        assert!(listed.truncated);
+        assert_eq!(server.await.unwrap().len(), 2, "no page past the bound");
+    }
+}
