@@ -10,7 +10,7 @@ use meshgate_core::TAINT_KEY;
 use meshgate_e2e::{NodeSpec, unique_name};
 use serde_json::{Value, json};
 
-use super::{agent_event, condition, gated_node, run};
+use super::{Ran, agent_event, condition, gated_node, run};
 use crate::cp;
 use crate::support::{Agent, CniDirs, golden, wait_node};
 use crate::webhook::{Fixture, Start};
@@ -38,26 +38,41 @@ async fn status_reports_nodes_pods_evictions_mode_and_the_webhook() -> anyhow::R
     result
 }
 
+/// What [`seed`] made: node names, the governed namespace of the pods and the probe,
+/// meshgate's namespace (with the mode ConfigMap), the webhook configuration's name.
+struct Seeded {
+    gated: String,
+    verified: String,
+    ns: String,
+    home: String,
+    configuration: String,
+}
+
 async fn scenario(hook: &mut Fixture) -> anyhow::Result<()> {
+    let seeded = seed(hook).await?;
+    check_json(&seeded).await?;
+    check_table(&seeded).await?;
+    check_absent_and_stopped(hook, &seeded).await
+}
+
+/// Nodes, Events as the agent writes them, pods, the mode ConfigMap.
+async fn seed(hook: &Fixture) -> anyhow::Result<Seeded> {
     let cp = cp().await;
-    let client = &hook.client.clone();
-    let kubeconfig = cp.admin_kubeconfig_path();
+    let client = &hook.client;
     let (gated, verified) = (unique_name("st-gated"), unique_name("st-ok"));
     gated_node(cp, client, &gated, TAINT_KEY, "ChainedPluginMissing").await?;
-    cp.register_node(
-        client,
-        &NodeSpec::new(&verified).label(meshgate_core::VERIFIED_LABEL, "true"),
-    )
-    .await?;
+    let spec = NodeSpec::new(&verified).label(meshgate_core::VERIFIED_LABEL, "true");
+    cp.register_node(client, &spec).await?;
     condition(client, &verified, "True", "Verified", "chains linkerd-cni").await?;
-    let node_ref = |n: &str| json!({"apiVersion": "v1", "kind": "Node", "name": n, "uid": n});
+    let node_ref = json!({"apiVersion": "v1", "kind": "Node", "name": verified, "uid": verified});
+    let note = "Verified: chains linkerd-cni [untaint latency: 183 ms]";
     agent_event(
         client,
         "default",
-        node_ref(&verified),
+        node_ref,
         "CNIChainVerified",
         "Untaint",
-        "Verified: chains linkerd-cni [untaint latency: 183 ms]",
+        note,
         &verified,
     )
     .await?;
@@ -65,22 +80,35 @@ async fn scenario(hook: &mut Fixture) -> anyhow::Result<()> {
     // Pods the agent judged: one evicted, one blocked by a PDB, in a governed namespace.
     let ns = hook.namespace(&[]).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let mut pod_refs = Vec::new();
-    for name in ["web-evicted", "web-blocked"] {
+    for (name, action, note) in [
+        (
+            "web-evicted",
+            "Evict",
+            "linkerd redirects missing; evicted, so that its controller recreates it on a verified node",
+        ),
+        (
+            "web-blocked",
+            "EvictBlocked",
+            "linkerd redirects missing; not evicted: blocked by a PodDisruptionBudget; retrying with backoff",
+        ),
+    ] {
         let pod: Pod = serde_json::from_value(json!({
             "metadata": {"name": name},
             "spec": {"nodeName": verified, "containers": [{"name": "app", "image": "registry.invalid/app:1"}]},
         }))?;
         let pod = pods.create(&PostParams::default(), &pod).await?;
-        pod_refs.push(
-            json!({"apiVersion": "v1", "kind": "Pod", "namespace": ns, "name": name,
-            "uid": pod.metadata.uid}),
-        );
+        let pod_ref = json!({"apiVersion": "v1", "kind": "Pod", "namespace": ns, "name": name, "uid": pod.metadata.uid});
+        agent_event(
+            client,
+            &ns,
+            pod_ref,
+            "MeshRedirectMissing",
+            action,
+            note,
+            &verified,
+        )
+        .await?;
     }
-    agent_event(client, &ns, pod_refs[0].clone(), "MeshRedirectMissing", "Evict",
-        "linkerd redirects missing; evicted, so that its controller recreates it on a verified node", &verified).await?;
-    agent_event(client, &ns, pod_refs[1].clone(), "MeshRedirectMissing", "EvictBlocked",
-        "linkerd redirects missing; not evicted: blocked by a PodDisruptionBudget; retrying with backoff", &verified).await?;
 
     // meshgate's namespace (for the mode): a namespace of this test.
     let home = cp.create_namespace(client, "st-home").await?;
@@ -90,35 +118,44 @@ async fn scenario(hook: &mut Fixture) -> anyhow::Result<()> {
     Api::<ConfigMap>::namespaced(client.clone(), &home)
         .create(&PostParams::default(), &cm)
         .await?;
-
     let configuration = format!("meshgate-{}", hook.tag);
-    let args = |output: &'static str| -> Vec<String> {
-        [
-            "status",
-            "-o",
-            output,
-            "-n",
-            &home,
-            "--webhook-configuration",
-            &configuration,
-            "--probe-namespace",
-            &ns,
-        ]
-        .map(String::from)
-        .to_vec()
-    };
-    let json_args = args("json");
-    let ran = run(
-        kubeconfig,
-        &json_args.iter().map(String::as_str).collect::<Vec<_>>(),
-    )
-    .await?;
+    Ok(Seeded {
+        gated,
+        verified,
+        ns,
+        home,
+        configuration,
+    })
+}
+
+/// Runs `status -o OUTPUT` on the seeded namespaces and configuration.
+async fn status(s: &Seeded, output: &str, home: &str) -> anyhow::Result<Ran> {
+    let args = [
+        "status",
+        "-o",
+        output,
+        "-n",
+        home,
+        "--webhook-configuration",
+        &s.configuration,
+        "--probe-namespace",
+        &s.ns,
+    ];
+    run(cp().await.admin_kubeconfig_path(), &args).await
+}
+
+/// The report of a `-o json` run.
+fn parsed(ran: &Ran) -> anyhow::Result<Value> {
+    serde_json::from_str(&ran.stdout).map_err(|e| anyhow::anyhow!("{e}: {ran}"))
+}
+
+async fn check_json(s: &Seeded) -> anyhow::Result<()> {
+    let ran = status(s, "json", &s.home).await?;
     // A node is gated (this test's, and others' of the shared control plane): exit 1.
     anyhow::ensure!(ran.code == Some(1), "{ran}");
-    let report: Value =
-        serde_json::from_str(&ran.stdout).map_err(|e| anyhow::anyhow!("{e}: {ran}"))?;
+    let report = parsed(&ran)?;
     anyhow::ensure!(report["schema"] == "meshgate.io/status/v1", "{ran}");
-    let g = find(&report["nodes"], "name", &gated)?;
+    let g = find(&report["nodes"], "name", &s.gated)?;
     anyhow::ensure!(
         g["gated"] == true && g["taint"] == "NoSchedule" && g["label"] == "false",
         "{g}"
@@ -128,29 +165,24 @@ async fn scenario(hook: &mut Fixture) -> anyhow::Result<()> {
         "{g}"
     );
     anyhow::ensure!(g["since"].is_string() && g["last_untaint"].is_null(), "{g}");
-    let v = find(&report["nodes"], "name", &verified)?;
+    let v = find(&report["nodes"], "name", &s.verified)?;
     anyhow::ensure!(
         v["gated"] == false && v["condition"] == "True" && v["reason"] == "Verified",
         "{v}"
     );
     anyhow::ensure!(v["last_untaint"]["latency_ms"] == 183, "{v}");
     let evicted = find(&report["missing_pods"], "name", "web-evicted")?;
+    let (ns, node) = (s.ns.as_str(), s.verified.as_str());
     anyhow::ensure!(
-        evicted["namespace"] == ns.as_str()
-            && evicted["action"] == "Evict"
-            && evicted["node"] == verified.as_str(),
+        evicted["namespace"] == ns && evicted["action"] == "Evict" && evicted["node"] == node,
         "{evicted}"
     );
     let blocked = find(&report["missing_pods"], "name", "web-blocked")?;
     anyhow::ensure!(blocked["action"] == "EvictBlocked", "{blocked}");
     let evictions = &report["evictions"];
     anyhow::ensure!(evictions["window_seconds"] == 3600, "{evictions}");
-    let ours: Vec<&Value> = evictions["pods"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|p| p["namespace"] == ns.as_str())
-        .collect();
+    let pods = evictions["pods"].as_array().into_iter().flatten();
+    let ours: Vec<&Value> = pods.filter(|p| p["namespace"] == ns).collect();
     anyhow::ensure!(
         ours.len() == 1 && ours[0]["name"] == "web-evicted",
         "{evictions}"
@@ -160,77 +192,61 @@ async fn scenario(hook: &mut Fixture) -> anyhow::Result<()> {
         "{ran}"
     );
     anyhow::ensure!(report["webhook"]["state"] == "reachable", "{ran}");
+    Ok(())
+}
 
-    let table_args = args("table");
-    let ran = run(
-        kubeconfig,
-        &table_args.iter().map(String::as_str).collect::<Vec<_>>(),
-    )
-    .await?;
+async fn check_table(s: &Seeded) -> anyhow::Result<()> {
+    let ran = status(s, "table", &s.home).await?;
     anyhow::ensure!(ran.code == Some(1), "{ran}");
     let row = |name: &str| {
-        ran.stdout
+        let line = ran
+            .stdout
             .lines()
-            .find(|l| l.starts_with(&format!("{name} ")))
-            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|l| l.starts_with(&format!("{name} ")));
+        line.map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .ok_or_else(|| anyhow::anyhow!("no row for {name}: {ran}"))
     };
-    let g = row(&gated).ok_or_else(|| anyhow::anyhow!("no row for {gated}: {ran}"))?;
+    let g = row(&s.gated)?;
     anyhow::ensure!(
         g[1..5] == ["yes", "NoSchedule", "false", "ChainedPluginMissing"],
         "{ran}"
     );
-    let v = row(&verified).ok_or_else(|| anyhow::anyhow!("no row for {verified}: {ran}"))?;
+    let v = row(&s.verified)?;
     anyhow::ensure!(
         v[1..5] == ["no", "-", "true", "Verified"] && v[6] == "183ms",
         "{ran}"
     );
-    anyhow::ensure!(
-        ran.stdout.contains(&format!("\n{ns} ")) && ran.stdout.contains("web-evicted"),
-        "{ran}"
-    );
+    let pod_row =
+        ran.stdout.contains(&format!("\n{} ", s.ns)) && ran.stdout.contains("web-evicted");
+    anyhow::ensure!(pod_row, "{ran}");
     anyhow::ensure!(ran.stdout.contains("\nWEBHOOK: reachable ("), "{ran}");
     anyhow::ensure!(ran.stdout.contains("\nMODE: report (configmap)\n"), "{ran}");
+    Ok(())
+}
 
-    // No such configuration: not installed.
-    let absent = format!("{configuration}-absent");
+/// No such configuration: not installed. The webhook stops: the apiserver cannot call it,
+/// and status says so; without the ConfigMap (another namespace), the mode is the default.
+async fn check_absent_and_stopped(hook: &mut Fixture, s: &Seeded) -> anyhow::Result<()> {
+    let kubeconfig = cp().await.admin_kubeconfig_path();
+    let absent = format!("{}-absent", s.configuration);
     let ran = run(
         kubeconfig,
         &["status", "-o", "json", "--webhook-configuration", &absent],
     )
     .await?;
-    let report: Value =
-        serde_json::from_str(&ran.stdout).map_err(|e| anyhow::anyhow!("{e}: {ran}"))?;
-    anyhow::ensure!(report["webhook"]["state"] == "not-installed", "{ran}");
-
-    // The webhook stops: the apiserver cannot call it, and status says so. Without the
-    // ConfigMap (another namespace), the mode is the default.
-    hook.stop_webhook().await?;
-    let ran = run(
-        kubeconfig,
-        &[
-            "status",
-            "-o",
-            "json",
-            "-n",
-            &ns,
-            "--webhook-configuration",
-            &configuration,
-            "--probe-namespace",
-            &ns,
-        ],
-    )
-    .await?;
-    anyhow::ensure!(ran.code == Some(1), "{ran}");
-    let report: Value =
-        serde_json::from_str(&ran.stdout).map_err(|e| anyhow::anyhow!("{e}: {ran}"))?;
-    let webhook = &report["webhook"];
-    anyhow::ensure!(webhook["state"] == "unreachable", "{ran}");
     anyhow::ensure!(
-        webhook["detail"]
-            .as_str()
-            .is_some_and(|d| d.contains("failed calling webhook")),
+        parsed(&ran)?["webhook"]["state"] == "not-installed",
         "{ran}"
     );
+
+    hook.stop_webhook().await?;
+    let ran = status(s, "json", &s.ns).await?;
+    anyhow::ensure!(ran.code == Some(1), "{ran}");
+    let report = parsed(&ran)?;
+    let webhook = &report["webhook"];
+    anyhow::ensure!(webhook["state"] == "unreachable", "{ran}");
+    let detail = webhook["detail"].as_str().unwrap_or_default();
+    anyhow::ensure!(detail.contains("failed calling webhook"), "{ran}");
     anyhow::ensure!(
         report["mode"] == json!({"mode": "enforce", "source": "default"}),
         "{ran}"
