@@ -4,7 +4,8 @@
 //! In: [`Args`]. Out: one line per Node changed (`node/NAME: removed taint, label,
 //! condition`), a summary line, and the exit code: 0 every Node is clean, 1 a Node could not
 //! be cleaned or agents were still running at `--timeout`, 2 usage error or the Nodes could
-//! not be listed. Idempotent: a clean Node costs no write.
+//! not be listed. Idempotent: a clean Node costs no write. Nodes are read and cleaned one
+//! list page at a time.
 //!
 //! With `--wait-for-agents` it first waits, within `--timeout`, until no meshgate agent pod is
 //! left in meshgate's namespace (a running agent would put its marks back). The writes are
@@ -59,42 +60,59 @@ pub async fn run(args: Args) -> anyhow::Result<Exit> {
         return Ok(Exit::Failed);
     }
     let api: Api<Node> = Api::all(client);
-    let nodes = conn.list_all(&api, ListParams::default(), "nodes").await?;
-    let (mut changed, mut failed) = (0, 0);
+    let tally = clean_all(&args, &api).await?;
+    println!(
+        "cleanup: {} changed, {} failed, of {} nodes (taint {})",
+        tally.changed, tally.failed, tally.nodes, conn.taint_key
+    );
+    Ok(if tally.failed > 0 {
+        Exit::Failed
+    } else {
+        Exit::Success
+    })
+}
+
+/// How many Nodes were read, changed, and could not be cleaned.
+#[derive(Debug, Default)]
+struct Tally {
+    nodes: usize,
+    changed: usize,
+    failed: usize,
+}
+
+/// Cleans every Node, one list page (`--page-size`) at a time, so memory holds one page
+/// however many Nodes there are; a line per Node changed or failed.
+async fn clean_all(args: &Args, api: &Api<Node>) -> anyhow::Result<Tally> {
+    let conn = &args.conn;
     let verb = if args.dry_run {
         "would remove"
     } else {
         "removed"
     };
-    for node in nodes.items {
-        let name = node.metadata.name.clone().unwrap_or_default();
-        match clean(&args, &api, node).await {
-            Ok(m) if m.is_empty() => {}
-            Ok(m) => {
-                changed += 1;
-                println!("node/{name}: {verb} {}", m.describe());
-            }
-            Err(e) => {
-                failed += 1;
-                println!("node/{name}: FAILED: {e:#}");
+    let mut params = ListParams::default().limit(conn.page_size);
+    let mut tally = Tally::default();
+    loop {
+        let page = conn.call("listing nodes", api.list(&params)).await?;
+        for node in page.items {
+            tally.nodes += 1;
+            let name = node.metadata.name.clone().unwrap_or_default();
+            match clean(args, api, node).await {
+                Ok(m) if m.is_empty() => {}
+                Ok(m) => {
+                    tally.changed += 1;
+                    println!("node/{name}: {verb} {}", m.describe());
+                }
+                Err(e) => {
+                    tally.failed += 1;
+                    println!("node/{name}: FAILED: {e:#}");
+                }
             }
         }
+        match page.metadata.continue_ {
+            Some(token) if !token.is_empty() => params = params.continue_token(&token),
+            _ => return Ok(tally),
+        }
     }
-    let total = changed + failed;
-    let clean = if nodes.truncated {
-        "nodes read (the list was cut at --max-items; run again)"
-    } else {
-        "nodes"
-    };
-    println!(
-        "cleanup: {changed} changed, {failed} failed, of {total} with meshgate's marks; taint {}; {clean}",
-        conn.taint_key
-    );
-    Ok(if failed > 0 || nodes.truncated {
-        Exit::Failed
-    } else {
-        Exit::Success
-    })
 }
 
 /// Waits until no agent pod is listed; false (and the pods named) when `--timeout` passes.

@@ -1,6 +1,7 @@
-//! `kubectl meshgate cleanup` on a control plane of its own (it cleans every Node): only
-//! meshgate's taint, label and condition go, a second run changes nothing, `--wait-for-agents`
-//! waits for an agent pod to go before it writes, and gives up at `--timeout` when one stays.
+//! `kubectl meshgate cleanup` on a control plane of its own (it cleans every Node): a dry run
+//! changes nothing, then only meshgate's taint, label and condition go, a second run changes
+//! nothing, `--wait-for-agents` waits for an agent pod to go before it writes, and gives up
+//! at `--timeout` when one stays.
 
 use std::collections::BTreeSet;
 use std::sync::OnceLock;
@@ -123,6 +124,19 @@ async fn cleanup_removes_only_meshgates_marks_and_is_idempotent() -> anyhow::Res
     let ns = cp.create_namespace(&client, "cl-home").await?;
 
     let kubeconfig = cp.admin_kubeconfig_path();
+    // A dry run names what it would remove and removes nothing.
+    let dry = run(kubeconfig, &["cleanup", "--dry-run", "-n", &ns]).await?;
+    ensure!(dry.code == Some(0), "{dry}");
+    ensure!(
+        dry.stdout
+            .contains(&format!("node/{a}: would remove taint, label, condition\n")),
+        "{dry}"
+    );
+    ensure!(
+        marked(&client, &a).await? && marked(&client, &b).await?,
+        "a dry run changed a node"
+    );
+
     let ran = run(kubeconfig, &["cleanup", "--wait-for-agents", "-n", &ns]).await?;
     ensure!(ran.code == Some(0), "{ran}");
     for n in [&a, &b] {
