@@ -443,8 +443,12 @@ impl Cluster for FakeCluster {
 fn reviewer() -> &'static Reviewer<FakeCluster> {
     static R: OnceLock<Reviewer<FakeCluster>> = OnceLock::new();
     R.get_or_init(|| {
-        let label =
-            |v: &str| BTreeMap::from([(meshgate_core::VERIFIED_LABEL.to_string(), v.to_string())]);
+        let label = |v: &str| {
+            BTreeMap::from([(
+                meshgate_core::gate::VERIFIED_LABEL.to_string(),
+                v.to_string(),
+            )])
+        };
         let mut pods = BTreeMap::new();
         pods.insert(
             ("default".to_string(), "meshed".to_string()),

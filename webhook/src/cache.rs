@@ -98,7 +98,7 @@ fn slim_node(node: &mut PartialObjectMeta<Node>) {
     slim_common(node);
     node.metadata.annotations = None;
     if let Some(labels) = node.metadata.labels.as_mut() {
-        labels.retain(|k, _| k == meshgate_core::VERIFIED_LABEL);
+        labels.retain(|k, _| k == meshgate_core::gate::VERIFIED_LABEL);
     }
 }
 
@@ -234,7 +234,7 @@ impl Caches {
                 .and_then(|s| s.conditions)
                 .and_then(|cs| {
                     cs.into_iter()
-                        .find(|c| c.type_ == meshgate_core::CONDITION_TYPE)
+                        .find(|c| c.type_ == meshgate_core::gate::CONDITION_TYPE)
                 })
                 .and_then(|c| c.reason),
             Ok(Ok(None)) => None,
@@ -304,7 +304,7 @@ mod tests {
                     [
                         ("kubernetes.io/hostname", "n1"),
                         ("topology.kubernetes.io/zone", "a"),
-                        (meshgate_core::VERIFIED_LABEL, "true"),
+                        (meshgate_core::gate::VERIFIED_LABEL, "true"),
                     ]
                     .into_iter()
                     .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -323,7 +323,7 @@ mod tests {
                 .labels
                 .as_ref()
                 .map(|l| l.keys().collect::<Vec<_>>()),
-            Some(vec![&meshgate_core::VERIFIED_LABEL.to_string()])
+            Some(vec![&meshgate_core::gate::VERIFIED_LABEL.to_string()])
         );
         assert!(node.metadata.annotations.is_none() && node.metadata.managed_fields.is_none());
 

@@ -12,10 +12,12 @@
 //!   as for kube, but is not kept);
 //! - of the object: `metadata.{name, generateName, namespace, labels, annotations}`, and
 //!   `spec.nodeName` (a pod), `target.name` (a Binding) and, for a Node, whether `spec` is an
-//!   object, whether `spec.taints` is an array and whether meshgate's taint is in it.
+//!   object, whether `spec.taints` is an array and the keys of its taints (the taint key is a
+//!   setting, `--taint-key`, so the decoder cannot compare it itself).
 //!
-//! Strings are kept once (one byte per byte); the label and annotation maps are the only
-//! part that costs more than the body: [`WORST_CASE_EXPANSION`] bytes per body byte at worst,
+//! Strings are kept once (one byte per byte); the label and annotation maps and the list of
+//! taint keys are the only parts that cost more than the body (a taint key's `String` costs
+//! less per body byte than a label's two): [`WORST_CASE_EXPANSION`] bytes per body byte at worst,
 //! which the server charges against its review memory budget before reading a body.
 //! `spec`, `spec.nodeName`, `spec.taints` and `target` are read leniently, as a JSON pointer
 //! into the whole object would: a value of another type counts as absent, not as malformed.
@@ -107,8 +109,9 @@ pub struct Metadata {
 pub struct Spec {
     /// `spec.nodeName` when it is a string.
     pub node_name: Option<String>,
-    /// When `spec.taints` is an array: whether an entry has meshgate's taint key.
-    pub taints: Option<bool>,
+    /// When `spec.taints` is an array: the `key` of each entry that is an object with a
+    /// string `key`.
+    pub taints: Option<Vec<String>>,
 }
 
 /// A Binding's `target`.
@@ -135,7 +138,7 @@ impl Object {
         let mut metadata = json!({});
         if let Some(labels) = &self.metadata.labels {
             let verified: serde_json::Map<String, Value> = labels
-                .get_key_value(meshgate_core::VERIFIED_LABEL)
+                .get_key_value(meshgate_core::gate::VERIFIED_LABEL)
                 .map(|(k, v)| (k.clone(), Value::String(v.clone())))
                 .into_iter()
                 .collect();
@@ -145,13 +148,9 @@ impl Object {
             None => Value::Null,
             Some(Spec { taints: None, .. }) => json!({}),
             Some(Spec {
-                taints: Some(gated),
-                ..
+                taints: Some(keys), ..
             }) => {
-                let taints: Vec<Value> = gated
-                    .then(|| json!({ "key": meshgate_core::TAINT_KEY }))
-                    .into_iter()
-                    .collect();
+                let taints: Vec<Value> = keys.iter().map(|k| json!({ "key": k })).collect();
                 json!({ "taints": taints })
             }
         };
@@ -324,9 +323,9 @@ impl<'de> Deserialize<'de> for LenientString {
     }
 }
 
-/// `spec.taints` when it is an array: whether an entry is an object whose `key` is meshgate's
-/// taint key. Anything else reads as `None`.
-struct TaintsShape(Option<bool>);
+/// `spec.taints` when it is an array: the string `key`s of its object entries. Anything else
+/// reads as `None`.
+struct TaintsShape(Option<Vec<String>>);
 
 impl<'de> Deserialize<'de> for TaintsShape {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -337,11 +336,11 @@ impl<'de> Deserialize<'de> for TaintsShape {
                 f.write_str("any JSON value")
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-                let mut gated = false;
+                let mut keys = Vec::new();
                 while let Some(taint) = seq.next_element::<Lenient<TaintKey>>()? {
-                    gated |= taint.0.is_some_and(|t| t.0);
+                    keys.extend(taint.0.and_then(|t| t.0));
                 }
-                Ok(TaintsShape(Some(gated)))
+                Ok(TaintsShape(Some(keys)))
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
                 while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
@@ -356,8 +355,8 @@ impl<'de> Deserialize<'de> for TaintsShape {
     }
 }
 
-/// A taint: whether its `key` is meshgate's.
-struct TaintKey(bool);
+/// A taint: its `key`, when that is a string.
+struct TaintKey(Option<String>);
 
 /// Reads the members of an object, handing each key to `on` (which must consume the value)
 /// and skipping the value of every key it declines. Keys are compared as borrowed strings
@@ -405,16 +404,15 @@ impl FromMembers for Target {
 
 impl FromMembers for TaintKey {
     fn from_members<'de, A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
-        let mut gated = false;
+        let mut taint_key = None;
         members(map, |key, map| {
             if key != "key" {
                 return Ok(false);
             }
-            gated =
-                map.next_value::<LenientString>()?.0.as_deref() == Some(meshgate_core::TAINT_KEY);
+            taint_key = map.next_value::<LenientString>()?.0;
             Ok(true)
         })?;
-        Ok(TaintKey(gated))
+        Ok(TaintKey(taint_key))
     }
 }
 
@@ -487,7 +485,8 @@ mod tests {
     /// The registration view gives the Node patch the same operations as the whole Node did.
     #[test]
     fn the_registration_view_patches_like_the_whole_node() {
-        use meshgate_core::gate::{TaintEffect, node_registration_patch};
+        use meshgate_core::gate::{TaintEffect, TaintKey, node_registration_patch};
+        let custom: TaintKey = "example.com/mesh-not-ready".parse().unwrap();
         for node in [
             json!({"metadata": {"name": "n"}}),
             json!({"metadata": {"labels": {"a": "b"}}, "spec": {}}),
@@ -495,6 +494,8 @@ mod tests {
             json!({"metadata": {"labels": {"meshgate.io/cni-verified": "true"}}, "spec": {"taints": [
                 {"key": "other", "effect": "NoSchedule"}, "junk", 7,
                 {"key": "meshgate.io/cni-unverified", "effect": "NoExecute"}]}}),
+            json!({"spec": {"taints": [{"key": "readiness.k8s.io/meshgate-cni-unverified"}]}}),
+            json!({"spec": {"taints": [{"effect": "NoSchedule"}, {"key": "example.com/mesh-not-ready"}]}}),
             json!({"spec": {"taints": {"key": "meshgate.io/cni-unverified"}}}),
             json!({"spec": {"taints": [{"key": 1}]}}),
             json!({"spec": "weird"}),
@@ -511,11 +512,13 @@ mod tests {
             if whole["metadata"].get("labels") == Some(&Value::Null) {
                 whole["metadata"].as_object_mut().unwrap().remove("labels");
             }
-            assert_eq!(
-                node_registration_patch(&o.registration_view(), TaintEffect::NoSchedule),
-                node_registration_patch(&whole, TaintEffect::NoSchedule),
-                "{node}"
-            );
+            for key in [&TaintKey::default(), &custom] {
+                assert_eq!(
+                    node_registration_patch(&o.registration_view(), key, TaintEffect::NoSchedule),
+                    node_registration_patch(&whole, key, TaintEffect::NoSchedule),
+                    "{node} with {key}"
+                );
+            }
         }
     }
 

@@ -168,6 +168,7 @@ async fn run_with(
     );
     let reviewer = Arc::new(
         review::Reviewer::new(caches, profiles, metrics)
+            .with_taint_key(args.common.taint_key.clone())
             .with_taint_effect(args.common.taint_effect),
     );
     let limits = server::Limits {

@@ -19,7 +19,7 @@ use kube::core::admission::{AdmissionResponse, AdmissionReview, Operation};
 use meshgate_core::admission::{
     self, Decision, Input, LookupFailure, NodeFacts, PodFacts, RequestKind,
 };
-use meshgate_core::gate::{self, TaintEffect};
+use meshgate_core::gate::{self, TaintEffect, TaintKey};
 use meshgate_core::profile::ProfileSet;
 
 pub use crate::decode::decode;
@@ -164,6 +164,8 @@ pub struct Reviewer<C> {
     cluster: C,
     profiles: ProfileSet,
     metrics: Metrics,
+    /// The key of meshgate's taint (`--taint-key`): what new Nodes get, what refusals name.
+    taint_key: TaintKey,
     /// The effect of the taint new Nodes get (`--taint-effect`).
     taint_effect: TaintEffect,
 }
@@ -175,8 +177,16 @@ impl<C: Cluster> Reviewer<C> {
             cluster,
             profiles,
             metrics,
+            taint_key: TaintKey::default(),
             taint_effect: TaintEffect::default(),
         }
+    }
+
+    /// Gates with the taint `key` (`--taint-key`) instead of the default.
+    #[must_use]
+    pub fn with_taint_key(mut self, key: TaintKey) -> Self {
+        self.taint_key = key;
+        self
     }
 
     /// Taints new Nodes with `effect` (`--taint-effect`) instead of `NoSchedule`.
@@ -281,6 +291,7 @@ impl<C: Cluster> Reviewer<C> {
             node_name: t.node,
             node,
             node_reason: None,
+            taint_key: &self.taint_key,
         };
         match admission::decide(&input, &self.profiles) {
             Decision::Allow(why) => {
@@ -341,7 +352,8 @@ impl<C: Cluster> Reviewer<C> {
         let Some(obj) = req.object.as_ref().filter(|_| is_node_create) else {
             return answer(resp);
         };
-        let ops = gate::node_registration_patch(&obj.registration_view(), self.taint_effect);
+        let view = obj.registration_view();
+        let ops = gate::node_registration_patch(&view, &self.taint_key, self.taint_effect);
         if ops.is_empty() {
             return answer(resp);
         }

@@ -21,8 +21,8 @@ use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams, WatchParams};
 use kube::{Client, ResourceExt};
 use meshgate_agent::daemon::clients::{Clients, node_user};
-use meshgate_agent::daemon::node::{NodeGate, TaintEffect};
-use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
+use meshgate_agent::daemon::node::{NodeGate, TaintEffect, TaintKey};
+use meshgate_core::gate::{DEFAULT_TAINT_KEY as TAINT_KEY, VERIFIED_LABEL};
 use meshgate_e2e::harness::audit;
 use meshgate_e2e::harness::paths::{copy_tree, repo_root};
 use meshgate_e2e::harness::wait::poll_until;
@@ -571,6 +571,7 @@ async fn agent_runs_as_its_node(f: &Fixture) -> anyhow::Result<()> {
     let gate = NodeGate::new(
         clients.own.clone(),
         f.node_a.clone(),
+        TaintKey::default(),
         TaintEffect::NoSchedule,
         std::time::Duration::from_secs(5),
         recorder,

@@ -8,7 +8,7 @@ use k8s_openapi::api::authorization::v1::{SelfSubjectRulesReview, SelfSubjectRul
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
 use kube::api::{Api, EvictParams, Patch, PatchParams, PostParams};
-use meshgate_core::VERIFIED_LABEL;
+use meshgate_core::gate::VERIFIED_LABEL;
 use meshgate_e2e::TokenOptions;
 use meshgate_e2e::harness::wait::poll_until;
 use serde_json::json;

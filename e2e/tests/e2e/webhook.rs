@@ -21,7 +21,7 @@ use anyhow::{Context as _, bail, ensure};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
-use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
+use meshgate_core::gate::{DEFAULT_TAINT_KEY as TAINT_KEY, VERIFIED_LABEL};
 use meshgate_e2e::sim::webhook::{self, Scope, TestCa};
 use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
 use serde_json::{Value, json};
@@ -80,6 +80,8 @@ pub(crate) struct Start {
     pub profile_file: Option<PathBuf>,
     /// Name the webhooks `<x>.<tag>.meshgate.io` ([`Scope::hook_infix`]).
     pub tag_hooks: bool,
+    /// `--taint-key`.
+    pub taint_key: meshgate_core::gate::TaintKey,
 }
 
 /// One webhook instance, its configurations and their scope label.
@@ -120,6 +122,7 @@ impl Fixture {
             kubeconfig,
             profile_file: None,
             tag_hooks: false,
+            taint_key: Default::default(),
         };
         Self::start_with(cp, prefix, start).await
     }
@@ -159,6 +162,7 @@ impl Fixture {
                 profiles: Vec::new(),
                 profile_file: start.profile_file,
                 log_format: meshgate_shell::logging::LogFormat::Text,
+                taint_key: start.taint_key,
                 taint_effect: Default::default(),
             },
             request_timeout: Duration::from_secs(3),
@@ -193,7 +197,7 @@ impl Fixture {
             ensure!(Instant::now() < deadline, "webhook not ready after 30 s");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        f.register().await?;
+        f.register(cp).await?;
         Ok(f)
     }
 
@@ -205,9 +209,9 @@ impl Fixture {
         }
     }
 
-    async fn register(&self) -> anyhow::Result<()> {
+    async fn register(&self, cp: &ControlPlane) -> anyhow::Result<()> {
         webhook::register(
-            cp().await,
+            cp,
             &self.client,
             &self.tag,
             self.listen.port(),
