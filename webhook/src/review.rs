@@ -833,7 +833,7 @@ pub(crate) mod tests {
             decoded_patch(&out),
             json!([
                 {"op": "add", "path": "/metadata/labels/meshgate.io~1cni-verified", "value": "false"},
-                {"op": "add", "path": "/spec/taints/-", "value": {"key": "meshgate.io/cni-unverified", "effect": "NoSchedule"}}
+                {"op": "add", "path": "/spec/taints/-", "value": {"key": "readiness.k8s.io/meshgate-cni-unverified", "effect": "NoSchedule"}}
             ])
         );
 
@@ -841,7 +841,7 @@ pub(crate) mod tests {
         let body = node_review(json!({
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": "n1", "labels": {"meshgate.io/cni-verified": "false"}},
-            "spec": {"taints": [{"key": "meshgate.io/cni-unverified", "effect": "NoSchedule"}]}
+            "spec": {"taints": [{"key": "readiness.k8s.io/meshgate-cni-unverified", "effect": "NoSchedule"}]}
         }));
         let out = wire(r.mutate_node(&body));
         assert_eq!(out["response"]["allowed"], true);
@@ -861,7 +861,26 @@ pub(crate) mod tests {
         assert_eq!(
             decoded_patch(&wire(r.mutate_node(&body))),
             json!([
-                {"op": "add", "path": "/spec/taints", "value": [{"key": "meshgate.io/cni-unverified", "effect": "NoExecute"}]}
+                {"op": "add", "path": "/spec/taints", "value": [{"key": "readiness.k8s.io/meshgate-cni-unverified", "effect": "NoExecute"}]}
+            ])
+        );
+    }
+
+    /// `--taint-key` reaches the registration patch: a node pre-tainted with the default key
+    /// is not gated by a custom one.
+    #[test]
+    fn new_nodes_get_the_configured_taint_key() {
+        let (r, _) = reviewer(fake_cluster());
+        let r = r.with_taint_key("example.com/mesh-not-ready".parse().unwrap());
+        let body = node_review(json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": "n1", "labels": {"meshgate.io/cni-verified": "false"}},
+            "spec": {"taints": [{"key": "readiness.k8s.io/meshgate-cni-unverified", "effect": "NoSchedule"}]}
+        }));
+        assert_eq!(
+            decoded_patch(&wire(r.mutate_node(&body))),
+            json!([
+                {"op": "add", "path": "/spec/taints/-", "value": {"key": "example.com/mesh-not-ready", "effect": "NoSchedule"}}
             ])
         );
     }
