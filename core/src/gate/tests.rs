@@ -277,7 +277,8 @@ fn taint_keys_are_kubernetes_qualified_names() {
     let long_prefix = format!("{}/n", vec!["a".repeat(63); 4].join("."));
     assert_eq!(long_prefix.len(), 257);
     let long_name = format!("p.io/{}", "n".repeat(64));
-    let cases: [(&str, fn(String) -> InvalidTaintKey); 11] = [
+    type Variant = fn(String) -> InvalidTaintKey;
+    let cases: [(&str, Variant); 11] = [
         ("", InvalidTaintKey::EmptyName),
         ("a/b/c", InvalidTaintKey::TooManySlashes),
         ("/name", InvalidTaintKey::EmptyPrefix),
@@ -344,13 +345,13 @@ fn a_custom_key_gates_and_the_keys_it_supersedes_are_removed() {
         None
     );
     let open = plan_taints(&before, true, &custom, TaintEffect::NoSchedule, T).unwrap();
-    assert_eq!(open, [other.clone()]);
+    assert_eq!(open, std::slice::from_ref(&other));
 
     // Upgrade: the default key's agent removes the legacy taint even when already verified.
     let upgraded = vec![taint(LEGACY_TAINT_KEY, "NoSchedule"), other.clone()];
     assert_eq!(
         plan_taints(&upgraded, true, &key(), TaintEffect::NoSchedule, T).unwrap(),
-        [other.clone()]
+        std::slice::from_ref(&other)
     );
     let regated = plan_taints(&upgraded, false, &key(), TaintEffect::NoSchedule, T).unwrap();
     assert_eq!(regated, [other, taint(DEFAULT_TAINT_KEY, "NoSchedule")]);
