@@ -325,6 +325,10 @@ mod tests {
 
     impl Case {
         fn decide(&self, kind: RequestKind, reason: Option<&str>) -> Decision {
+            self.decide_with(kind, reason, &TaintKey::default())
+        }
+
+        fn decide_with(&self, kind: RequestKind, reason: Option<&str>, key: &TaintKey) -> Decision {
             let input = Input {
                 kind,
                 namespace: "shop",
@@ -340,7 +344,7 @@ mod tests {
                     None => NodeFacts::Unknown,
                 },
                 node_reason: reason,
-                taint_key: &TaintKey::default(),
+                taint_key: key,
             };
             decide(&input, &ProfileSet::all_builtin())
         }
@@ -555,23 +559,7 @@ mod tests {
     fn a_binding_remedy_names_the_configured_taint_key() {
         let c = linkerd_pod(Some(map(&[(VERIFIED_LABEL, "false")])));
         let key: TaintKey = "example.com/mesh-not-ready".parse().unwrap();
-        let input = Input {
-            kind: RequestKind::Binding,
-            namespace: "shop",
-            pod_name: "web-0",
-            pod: PodFacts::Known {
-                labels: &c.pod_labels,
-                annotations: &c.pod_annotations,
-            },
-            namespace_labels: None,
-            node_name: "node-a",
-            node: NodeFacts::Known {
-                labels: c.node_labels.as_ref().unwrap(),
-            },
-            node_reason: None,
-            taint_key: &key,
-        };
-        let m = message(decide(&input, &ProfileSet::all_builtin()));
+        let m = message(c.decide_with(RequestKind::Binding, None, &key));
         assert!(
             m.contains("do not let the pod tolerate the example.com/mesh-not-ready taint"),
             "{m}"

@@ -32,8 +32,9 @@ use serde_json::json;
 
 use crate::WAIT;
 use crate::support::{
-    AGENT, NS, bound_token, dry_run_eviction, effective_rules, expect_forbidden, expect_policy,
-    label_verified_dry_run, refused_by_policy, refused_by_rbac, triples, verdict,
+    AGENT, BASE_CONFINEMENT, NS, apply_base_files, bound_token, dry_run_eviction, effective_rules,
+    expect_forbidden, expect_policy, label_verified_dry_run, refused_by_policy, refused_by_rbac,
+    triples, verdict,
 };
 
 /// A ServiceAccount of this test only, for what the agent is not granted as the node.
@@ -116,19 +117,7 @@ async fn setup() -> anyhow::Result<Fixture> {
     let admin = cp.client()?;
     let manifests = cp.dir().join("manifests");
     copy_tree(&repo_root().join("manifests"), &manifests)?;
-    let base = manifests.join("base");
-    let mut apply = vec!["apply".to_owned()];
-    for f in [
-        "namespace.yaml",
-        "serviceaccounts.yaml",
-        "rbac.yaml",
-        "admission-policy.yaml",
-    ] {
-        apply.push("-f".into());
-        apply.push(base.join(f).display().to_string());
-    }
-    let args: Vec<&str> = apply.iter().map(String::as_str).collect();
-    cp.kubectl(&args)
+    apply_base_files(&cp, &manifests, &BASE_CONFINEMENT)
         .await
         .context("applying the base's RBAC")?;
 

@@ -35,6 +35,30 @@ pub async fn wait_node(
     .with_context(|| format!("waiting for node {name}: {what}"))
 }
 
+/// `kubectl apply` of `files` of the manifests' `base` directory (a copy in `manifests`).
+pub async fn apply_base_files(
+    cp: &meshgate_e2e::ControlPlane,
+    manifests: &std::path::Path,
+    files: &[&str],
+) -> anyhow::Result<String> {
+    let base = manifests.join("base");
+    let mut args = vec!["apply".to_owned()];
+    for f in files {
+        args.push("-f".into());
+        args.push(base.join(f).display().to_string());
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    Ok(cp.kubectl(&args).await?)
+}
+
+/// The base files that confine the agent: its namespace, ServiceAccounts, RBAC and policies.
+pub const BASE_CONFINEMENT: [&str; 4] = [
+    "namespace.yaml",
+    "serviceaccounts.yaml",
+    "rbac.yaml",
+    "admission-policy.yaml",
+];
+
 // Answers of the apiserver to the components' own tokens (rbac.rs, authz.rs).
 
 /// meshgate's namespace.

@@ -21,7 +21,9 @@ use meshgate_e2e::{ControlPlane, NodeSpec, Options, unique_name};
 use serde_json::json;
 
 use crate::WAIT;
-use crate::support::{AGENT, NS, bound_token, describe, expect_policy, wait_node};
+use crate::support::{
+    AGENT, BASE_CONFINEMENT, NS, apply_base_files, bound_token, describe, expect_policy, wait_node,
+};
 use crate::webhook::{Fixture, SCOPE_KEY, Start};
 
 /// The key every part runs with here: under neither meshgate's old prefix nor the default's.
@@ -46,8 +48,7 @@ fn keys(n: &Node) -> Vec<&str> {
 async fn apply_base(cp: &ControlPlane) -> anyhow::Result<()> {
     let manifests = cp.dir().join("manifests");
     copy_tree(&repo_root().join("manifests"), &manifests)?;
-    let base = manifests.join("base");
-    let policy = base.join("admission-policy.yaml");
+    let policy = manifests.join("base/admission-policy.yaml");
     let text = std::fs::read_to_string(&policy).context("admission-policy.yaml")?;
     ensure!(
         text.matches(SHIPPED_OWN_TAINT).count() == 1,
@@ -55,18 +56,9 @@ async fn apply_base(cp: &ControlPlane) -> anyhow::Result<()> {
     );
     let text = text.replace(SHIPPED_OWN_TAINT, &format!("expression: \"'{KEY}'\""));
     std::fs::write(&policy, text)?;
-    let mut args = vec!["apply".to_owned()];
-    for f in [
-        "namespace.yaml",
-        "serviceaccounts.yaml",
-        "rbac.yaml",
-        "admission-policy.yaml",
-    ] {
-        args.push("-f".into());
-        args.push(base.join(f).display().to_string());
-    }
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    cp.kubectl(&args).await.context("applying the base")?;
+    apply_base_files(cp, &manifests, &BASE_CONFINEMENT)
+        .await
+        .context("applying the base")?;
     Ok(())
 }
 
