@@ -158,7 +158,37 @@ async fn custom_key(cp: &ControlPlane, webhook: &Fixture) -> anyhow::Result<()> 
         bail!("{e:#}; agent log:\n{}", agent.log());
     }
     drop(agent);
-    refuses_every_other_taint_change(&agent_client, &n).await
+    refuses_every_other_taint_change(&agent_client, &n).await?;
+    keeps_or_removes_a_superseded_taint(&admin, &agent_client, &n).await
+}
+
+/// A superseded taint someone else put back stays through the agent's other writes (a label
+/// patch leaves it in place) and may be removed by the agent.
+async fn keeps_or_removes_a_superseded_taint(
+    admin: &Client,
+    agent: &Client,
+    n: &str,
+) -> anyhow::Result<()> {
+    let taint = |key: &str| json!({"key": key, "effect": "NoSchedule"});
+    let with = |taints: Vec<serde_json::Value>| Patch::Merge(json!({"spec": {"taints": taints}}));
+    let all = vec![taint(FOREIGN), taint(KEY), taint(LEGACY_TAINT_KEY)];
+    Api::<Node>::all(admin.clone())
+        .patch(n, &PatchParams::default(), &with(all))
+        .await?;
+    let nodes: Api<Node> = Api::all(agent.clone());
+    let dry = PatchParams::default().dry_run();
+    let label = Patch::Merge(json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}}));
+    let r = nodes.patch(n, &dry, &label).await;
+    ensure!(
+        r.is_ok(),
+        "a label write beside the legacy taint: {}",
+        describe(&r)
+    );
+    let r = nodes
+        .patch(n, &dry, &with(vec![taint(FOREIGN), taint(KEY)]))
+        .await;
+    ensure!(r.is_ok(), "removing the legacy taint: {}", describe(&r));
+    Ok(())
 }
 
 /// Waits until the apiserver enforces the policy (it reaches admission through an informer):
