@@ -12,7 +12,9 @@
 //!   as for kube, but is not kept);
 //! - of the object: `metadata.{name, generateName, namespace, labels, annotations}`, and
 //!   `spec.nodeName` (a pod), `target.name` (a Binding) and, for a Node, whether `spec` is an
-//!   object, whether `spec.taints` is an array and whether meshgate's taint is in it.
+//!   object, whether `spec.taints` is an array and whether meshgate's taint is in it, and its
+//!   `NoSchedule` and `NoExecute` taints (key, value, effect), which decide whether the agent
+//!   DaemonSet will run there ([`crate::placement`]).
 //!
 //! Strings are kept once (one byte per byte); the label and annotation maps are the only
 //! part that costs more than the body: [`WORST_CASE_EXPANSION`] bytes per body byte at worst,
@@ -24,6 +26,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::marker::PhantomData;
 
+use k8s_openapi::api::core::v1::Taint;
 use kube::core::admission::{AdmissionResponse, Operation};
 use kube::core::{GroupVersionKind, GroupVersionResource, Status, TypeMeta};
 use serde::Deserialize;
@@ -109,6 +112,10 @@ pub struct Spec {
     pub node_name: Option<String>,
     /// When `spec.taints` is an array: whether an entry has meshgate's taint key.
     pub taints: Option<bool>,
+    /// The entries of `spec.taints` whose effect is `NoSchedule` or `NoExecute` (the only
+    /// ones placement reads): a body of the shortest such entries holds 9.6 bytes per body
+    /// byte (`tests/decode_memory.rs`), within [`WORST_CASE_EXPANSION`].
+    pub scheduling_taints: Vec<Taint>,
 }
 
 /// A Binding's `target`.
@@ -127,6 +134,14 @@ impl Object {
     /// `target.name`.
     pub fn target_name(&self) -> Option<&str> {
         self.target.0.as_ref()?.name.as_deref()
+    }
+
+    /// A Node's `NoSchedule` and `NoExecute` taints.
+    pub fn node_taints(&self) -> &[Taint] {
+        self.spec
+            .0
+            .as_ref()
+            .map_or(&[], |s| s.scheduling_taints.as_slice())
     }
 
     /// The Node as `meshgate_core::gate::node_registration_patch` reads it: exactly the
@@ -325,8 +340,8 @@ impl<'de> Deserialize<'de> for LenientString {
 }
 
 /// `spec.taints` when it is an array: whether an entry is an object whose `key` is meshgate's
-/// taint key. Anything else reads as `None`.
-struct TaintsShape(Option<bool>);
+/// taint key (anything else reads as `None`), and the entries that keep pods away.
+struct TaintsShape(Option<bool>, Vec<Taint>);
 
 impl<'de> Deserialize<'de> for TaintsShape {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -337,27 +352,31 @@ impl<'de> Deserialize<'de> for TaintsShape {
                 f.write_str("any JSON value")
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-                let mut gated = false;
+                let (mut gated, mut kept) = (false, Vec::new());
                 while let Some(taint) = seq.next_element::<Lenient<TaintKey>>()? {
-                    gated |= taint.0.is_some_and(|t| t.0);
+                    if let Some(TaintKey(ours, scheduling)) = taint.0 {
+                        gated |= ours;
+                        kept.extend(scheduling);
+                    }
                 }
-                Ok(TaintsShape(Some(gated)))
+                Ok(TaintsShape(Some(gated), kept))
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
                 while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-                Ok(TaintsShape(None))
+                Ok(TaintsShape(None, Vec::new()))
             }
             fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
-                Ok(TaintsShape(None))
+                Ok(TaintsShape(None, Vec::new()))
             }
-            skip_non_objects!(TaintsShape(None));
+            skip_non_objects!(TaintsShape(None, Vec::new()));
         }
         d.deserialize_any(V)
     }
 }
 
-/// A taint: whether its `key` is meshgate's.
-struct TaintKey(bool);
+/// A taint: whether its `key` is meshgate's, and the taint when its effect keeps pods away
+/// (`NoSchedule`, `NoExecute`).
+struct TaintKey(bool, Option<Taint>);
 
 /// Reads the members of an object, handing each key to `on` (which must consume the value)
 /// and skipping the value of every key it declines. Keys are compared as borrowed strings
@@ -380,7 +399,10 @@ impl FromMembers for Spec {
         members(map, |key, map| {
             match key {
                 "nodeName" => spec.node_name = map.next_value::<LenientString>()?.0,
-                "taints" => spec.taints = map.next_value::<TaintsShape>()?.0,
+                "taints" => {
+                    let shape = map.next_value::<TaintsShape>()?;
+                    (spec.taints, spec.scheduling_taints) = (shape.0, shape.1);
+                }
                 _ => return Ok(false),
             }
             Ok(true)
@@ -405,16 +427,26 @@ impl FromMembers for Target {
 
 impl FromMembers for TaintKey {
     fn from_members<'de, A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
-        let mut gated = false;
-        members(map, |key, map| {
-            if key != "key" {
-                return Ok(false);
-            }
-            gated =
-                map.next_value::<LenientString>()?.0.as_deref() == Some(meshgate_core::TAINT_KEY);
+        let (mut key, mut value, mut effect) = (None, None, None);
+        members(map, |member, map| {
+            let slot = match member {
+                "key" => &mut key,
+                "value" => &mut value,
+                "effect" => &mut effect,
+                _ => return Ok(false),
+            };
+            *slot = map.next_value::<LenientString>()?.0;
             Ok(true)
         })?;
-        Ok(TaintKey(gated))
+        let gated = key.as_deref() == Some(meshgate_core::TAINT_KEY);
+        let scheduling =
+            matches!(effect.as_deref(), Some("NoSchedule" | "NoExecute")).then(|| Taint {
+                key: key.unwrap_or_default(),
+                value,
+                effect: effect.unwrap_or_default(),
+                time_added: None,
+            });
+        Ok(TaintKey(gated, scheduling))
     }
 }
 

@@ -1,6 +1,6 @@
 //! The memory a review's decoding holds, measured by a counting allocator: for the bodies an
 //! attacker would send (tiny JSON objects where admission reads nothing, in the object it
-//! reads, and label or annotation maps of the shortest entries), the decoded review holds at
+//! reads, label or annotation maps of the shortest entries, and a Node's shortest taints), the decoded review holds at
 //! most `WORST_CASE_EXPANSION` bytes per body byte, the figure the server's review memory
 //! budget charges. The figures are printed (`--nocapture`), with kube's
 //! `AdmissionReview<DynamicObject>` decoding of the same bodies beside them.
@@ -105,6 +105,16 @@ fn decoding_holds_at_most_the_budgeted_bytes_per_body_byte() {
             "labels of empty values",
             review(
                 &format!(r#""metadata":{{"labels":{{{}}}}}"#, entries(n / 3, "")),
+                "null",
+            ),
+        ),
+        (
+            "Node taints of the shortest kind placement keeps",
+            review(
+                &format!(
+                    r#""spec":{{"taints":[{}]}}"#,
+                    vec![r#"{"effect":"NoSchedule"}"#; n / 8].join(",")
+                ),
                 "null",
             ),
         ),

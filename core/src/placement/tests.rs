@@ -52,7 +52,17 @@ const LINUX: (&str, &str) = ("kubernetes.io/os", "linux");
 const WINDOWS: (&str, &str) = ("kubernetes.io/os", "windows");
 const VK_TAINT: &str = "virtual-kubelet.io/provider";
 
-/// The cases the issue names, one row each: (what, template, node name, labels, taints, want).
+/// One case: what it shows, the template, the node's name, labels and taints, the placement.
+type Row<'a> = (
+    &'a str,
+    &'a PodSpec,
+    &'a str,
+    Vec<(&'a str, &'a str)>,
+    Vec<Taint>,
+    Placement,
+);
+
+/// The cases the issue names, one row each.
 #[test]
 fn placement_follows_the_daemonset_controller() {
     let linux_only = spec(json!({"nodeSelector": {"kubernetes.io/os": "linux"}}));
@@ -89,7 +99,7 @@ fn placement_follows_the_daemonset_controller() {
     let affinity_miss = Placement::Excluded(Exclusion::NodeAffinity);
 
     #[rustfmt::skip]
-    let rows: Vec<(&str, &PodSpec, &str, Vec<(&str, &str)>, Vec<Taint>, Placement)> = vec![
+    let rows: Vec<Row<'_>> = vec![
         ("linux node, linux selector", &linux_only, "n1", vec![LINUX], vec![], Placement::Runs),
         ("windows node", &linux_only, "n1", vec![WINDOWS], vec![], selector_miss.clone()),
         ("nodeSelector label missing", &linux_only, "n1", vec![], vec![], selector_miss),
