@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
+use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -82,11 +83,14 @@ pub(crate) struct Start {
     pub tag_hooks: bool,
 }
 
-/// One webhook instance, its configurations and their scope label.
+/// One webhook instance, its configurations and their scope label, and the agent DaemonSet
+/// it reads (the shipped one's placement, scoped to this test's nodes).
 pub(crate) struct Fixture {
     pub(crate) client: Client,
     /// Value of [`SCOPE_KEY`] that selects this test's objects.
     pub(crate) tag: String,
+    /// The namespace of the agent DaemonSet `meshgate-agent` the webhook reads.
+    pub(crate) agent_namespace: String,
     tag_hooks: bool,
     ca: TestCa,
     dir: tempfile::TempDir,
@@ -132,12 +136,22 @@ impl Fixture {
     ) -> anyhow::Result<Self> {
         let client = cp.client()?;
         let tag = unique_name(prefix);
+        // The agent DaemonSet exists before the webhook starts: its readiness waits for it.
+        let agent_namespace = cp.create_namespace(&client, "whds").await?;
+        let scope = Scope {
+            label: Some((SCOPE_KEY.to_string(), tag.clone())),
+            hook_infix: None,
+        };
+        let ds = webhook::agent_daemonset(cp, &agent_namespace, &scope).await?;
+        let daemonsets: Api<DaemonSet> = Api::namespaced(client.clone(), &agent_namespace);
+        tokio::time::timeout(CALL, daemonsets.create(&PostParams::default(), &ds)).await??;
         let ca = TestCa::new()?;
         let dir = tempfile::tempdir()?;
         let (listen, admin) = (free_port()?, free_port()?);
         let mut f = Self {
             client,
             tag,
+            agent_namespace,
             tag_hooks: start.tag_hooks,
             ca,
             dir,
@@ -170,6 +184,9 @@ impl Fixture {
             shutdown_delay: Duration::ZERO,
             shutdown_timeout: Duration::from_secs(5),
             pods: meshgate_webhook::pods::PodLimits::default(),
+            agent_daemonset: format!("{}/meshgate-agent", f.agent_namespace)
+                .parse()
+                .map_err(anyhow::Error::msg)?,
         };
         let listener = tokio::net::TcpListener::bind(listen).await?;
         let (stop_tx, stop_rx) = oneshot::channel();
@@ -252,9 +269,16 @@ impl Fixture {
         Ok(())
     }
 
-    /// Deletes the configurations and stops the webhook; run whatever the test's outcome.
+    /// Deletes the configurations, stops the webhook and deletes the agent DaemonSet's
+    /// namespace; run whatever the test's outcome.
     pub(crate) async fn teardown(mut self) {
         webhook::unregister(&self.client, &self.tag).await;
+        let namespaces: Api<Namespace> = Api::all(self.client.clone());
+        let _ = tokio::time::timeout(
+            CALL,
+            namespaces.delete(&self.agent_namespace, &DeleteParams::default()),
+        )
+        .await;
         if let Err(e) = self.stop_webhook().await {
             tracing::warn!(error = %e, "stopping the webhook");
         }
