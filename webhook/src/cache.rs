@@ -185,8 +185,12 @@ fn agent_watch(
         .modify(|ds| ds.metadata.managed_fields = None)
         .reflect(writer)
         .for_each(|ev| {
-            if let Err(e) = ev {
-                tracing::warn!(error = %e, "agent DaemonSet watch failed; retrying with backoff");
+            match ev {
+                Err(e) => {
+                    tracing::warn!(error = %e, "agent DaemonSet watch failed; retrying with backoff")
+                }
+                Ok(watcher::Event::InitDone) => tracing::info!("agent DaemonSet listed"),
+                Ok(_) => {}
             }
             futures::future::ready(())
         })
@@ -232,25 +236,20 @@ impl Caches {
             "namespace",
         );
 
-        let (n, p, ns, ds) = (
-            nodes.clone(),
-            pods.clone(),
-            namespaces.clone(),
-            agent.clone(),
-        );
+        // Readiness does not wait for the agent DaemonSet: a webhook that cannot read it must
+        // still gate pods; until it has listed, new Nodes are only left to their agent.
+        let (n, p, ns) = (nodes.clone(), pods.clone(), namespaces.clone());
         let synced = async move {
-            let (a, (), c, d) = futures::join!(
+            let (a, (), c) = futures::join!(
                 n.wait_until_ready(),
                 p.wait_until_listed(),
-                ns.wait_until_ready(),
-                ds.wait_until_ready()
+                ns.wait_until_ready()
             );
-            if a.is_ok() && c.is_ok() && d.is_ok() {
+            if a.is_ok() && c.is_ok() {
                 tracing::info!(
                     nodes = n.len(),
                     pending_pods = p.len(),
                     namespaces = ns.len(),
-                    agent_daemonset = !ds.is_empty(),
                     "caches synced"
                 );
                 let _ = ready.send(true);

@@ -109,7 +109,7 @@ impl Fixture {
     }
 
     /// Starts the webhook in-process, waits for `/ready`, and registers the configurations.
-    async fn start(cp: &ControlPlane, prefix: &str) -> anyhow::Result<Self> {
+    pub(crate) async fn start(cp: &ControlPlane, prefix: &str) -> anyhow::Result<Self> {
         Self::start_as(cp, prefix, cp.admin_kubeconfig_path().to_path_buf()).await
     }
 
@@ -211,6 +211,9 @@ impl Fixture {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         f.register().await?;
+        // Readiness does not wait for the agent DaemonSet's watch: wait until new Nodes are
+        // gated (a Linux node in scope, as the shipped placement selects).
+        crate::placement::until_gated(&f, json!({"kubernetes.io/os": "linux"}), true).await?;
         Ok(f)
     }
 
@@ -254,6 +257,13 @@ impl Fixture {
         )
         .await??;
         Ok(ns)
+    }
+
+    /// The webhook's `/metrics` text.
+    pub(crate) async fn metrics(&self) -> anyhow::Result<String> {
+        let (code, text) = http_get(self.admin, "/metrics").await?;
+        ensure!(code == 200, "/metrics answered {code}");
+        Ok(text)
     }
 
     /// Stops the webhook (graceful shutdown) and waits for it.
