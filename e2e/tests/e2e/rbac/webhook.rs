@@ -140,7 +140,12 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
     }
     // Its watch of the agent DaemonSet (the field-selected list, then the watch) is allowed.
     let listed = poll_until("the webhook to list the agent DaemonSet", WAIT, || async {
-        anyhow::Ok(server.log().contains("agent DaemonSet listed").then_some(()))
+        anyhow::Ok(
+            server
+                .log()
+                .contains("agent DaemonSet listed")
+                .then_some(()),
+        )
     })
     .await;
     if let Err(e) = listed {
