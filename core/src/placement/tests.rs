@@ -241,23 +241,17 @@ fn tolerations_match_as_upstream() {
     for (toleration, want) in cases {
         assert_eq!(tolerates(&t(toleration.clone()), &vk), want, "{toleration}");
     }
+    // Lt and Gt compare the taint's value with the toleration's, as integers.
     let level = taint("level", Some("5"), "NoSchedule");
-    assert!(tolerates(
-        &t(json!({"key": "level", "operator": "Lt", "value": "6"})),
-        &level
-    ));
-    assert!(!tolerates(
-        &t(json!({"key": "level", "operator": "Lt", "value": "5"})),
-        &level
-    ));
-    assert!(tolerates(
-        &t(json!({"key": "level", "operator": "Gt", "value": "4"})),
-        &level
-    ));
-    assert!(!tolerates(
-        &t(json!({"key": "level", "operator": "Gt", "value": "x"})),
-        &level
-    ));
+    for (op, value, want) in [
+        ("Lt", "6", true),
+        ("Lt", "5", false),
+        ("Gt", "4", true),
+        ("Gt", "x", false),
+    ] {
+        let toleration = t(json!({"key": "level", "operator": op, "value": value}));
+        assert_eq!(tolerates(&toleration, &level), want, "{op} {value}");
+    }
 }
 
 /// At registration the lifecycle taints admission and the node lifecycle controller manage

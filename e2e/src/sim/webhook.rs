@@ -95,6 +95,32 @@ pub const SHIPPED: &str = "manifests/base/webhook-configurations.yaml";
 /// The agent DaemonSet meshgate ships, whose placement decides which Nodes are gated.
 pub const AGENT: &str = "manifests/base/agent.yaml";
 
+/// The objects of the shipped manifest `file` (relative to the repository), read through
+/// kubectl as an operator's `kubectl apply` reads them.
+async fn shipped(cp: &crate::ControlPlane, file: &str) -> anyhow::Result<Vec<Value>> {
+    let path = crate::harness::paths::repo_root().join(file);
+    let text = cp
+        .kubectl(&[
+            "create",
+            "--dry-run=client",
+            "-o",
+            "json",
+            "-f",
+            &path.display().to_string(),
+        ])
+        .await
+        .with_context(|| format!("reading {file}"))?;
+    let mut objects = Vec::new();
+    for doc in serde_json::Deserializer::from_str(&text).into_iter::<Value>() {
+        let doc = doc.context("kubectl's JSON")?;
+        match doc.get("items").and_then(Value::as_array) {
+            Some(items) if doc["kind"] == "List" => objects.extend(items.iter().cloned()),
+            _ => objects.push(doc),
+        }
+    }
+    Ok(objects)
+}
+
 /// The shipped Validating and Mutating webhook configurations ([`SHIPPED`], read through
 /// kubectl as an operator's `kubectl apply` reads them), adapted to a webhook on
 /// `https://127.0.0.1:<port>`: each webhook's `clientConfig` becomes that URL (with the
@@ -109,26 +135,7 @@ pub async fn configurations(
     ca_pem: &str,
     scope: &Scope,
 ) -> anyhow::Result<(ValidatingWebhookConfiguration, MutatingWebhookConfiguration)> {
-    let path = crate::harness::paths::repo_root().join(SHIPPED);
-    let text = cp
-        .kubectl(&[
-            "create",
-            "--dry-run=client",
-            "-o",
-            "json",
-            "-f",
-            &path.display().to_string(),
-        ])
-        .await
-        .with_context(|| format!("reading {SHIPPED}"))?;
-    let mut objects = Vec::new();
-    for doc in serde_json::Deserializer::from_str(&text).into_iter::<Value>() {
-        let doc = doc.context("kubectl's JSON")?;
-        match doc.get("items").and_then(Value::as_array) {
-            Some(items) if doc["kind"] == "List" => objects.extend(items.iter().cloned()),
-            _ => objects.push(doc),
-        }
-    }
+    let objects = shipped(cp, SHIPPED).await?;
     let ca_bundle = serde_json::to_value(ByteString(ca_pem.as_bytes().to_vec()))?;
     let adapt = |kind: &str| -> anyhow::Result<Value> {
         let mut obj = objects
@@ -197,19 +204,11 @@ pub async fn agent_daemonset(
     namespace: &str,
     scope: &Scope,
 ) -> anyhow::Result<DaemonSet> {
-    let path = crate::harness::paths::repo_root().join(AGENT);
-    let text = cp
-        .kubectl(&[
-            "create",
-            "--dry-run=client",
-            "-o",
-            "json",
-            "-f",
-            &path.display().to_string(),
-        ])
-        .await
-        .with_context(|| format!("reading {AGENT}"))?;
-    let shipped: Value = serde_json::from_str(&text).context("kubectl's JSON")?;
+    let shipped = shipped(cp, AGENT)
+        .await?
+        .into_iter()
+        .find(|o| o["kind"] == "DaemonSet")
+        .with_context(|| format!("no DaemonSet in {AGENT}"))?;
     let spec = &shipped["spec"]["template"]["spec"];
     let mut node_selector = spec["nodeSelector"].clone();
     if let Some((k, v)) = &scope.label {
