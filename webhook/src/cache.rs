@@ -434,5 +434,10 @@ mod tests {
             assert_eq!(caches.node_reason(&format!("made-up-{i}")).await, None);
         }
         assert_eq!(api.requests(), 0);
+        // Nor has the agent DaemonSet been listed: /mutate-node gates nothing yet.
+        assert!(matches!(
+            caches.agent_daemonset(),
+            AgentDaemonSet::NotSynced
+        ));
     }
 }
