@@ -12,6 +12,7 @@ mod authz;
 mod control_plane;
 mod faults;
 mod outage;
+mod placement;
 mod pods;
 mod rbac;
 mod real_node;
