@@ -214,7 +214,7 @@ mod tests {
     use http::{Request, Response};
     use http_body_util::BodyExt;
     use kube::client::Body;
-    use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
+    use meshgate_core::gate::{CONDITION_TYPE, DEFAULT_TAINT_KEY as TAINT_KEY, VERIFIED_LABEL};
     use serde_json::json;
     use std::pin::pin;
     use tower_test::mock;
@@ -225,7 +225,7 @@ mod tests {
                 kubeconfig: None,
                 context: None,
                 namespace: "meshgate-system".into(),
-                taint_key: TAINT_KEY.into(),
+                taint_key: TAINT_KEY.parse().unwrap(),
                 api_timeout: Duration::from_secs(5),
                 page_size: 500,
                 max_items: 100,

@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use kube::api::{Api, ListParams};
+use meshgate_core::gate::TaintKey;
 use meshgate_shell::cli::duration;
 use meshgate_shell::entry::Exit;
 use meshgate_shell::logging::{self, LogFormat};
@@ -40,9 +41,15 @@ pub struct Conn {
     /// meshgate's namespace (its agents, the mode ConfigMap).
     #[arg(short = 'n', long, env = "MESHGATE_NAMESPACE", default_value = DEFAULT_NAMESPACE)]
     pub namespace: String,
-    /// meshgate's taint key, as the agents and the webhook are configured.
-    #[arg(long, env = "MESHGATE_TAINT_KEY", default_value = meshgate_core::TAINT_KEY)]
-    pub taint_key: String,
+    /// meshgate's taint key, as the agents and the webhook are configured (the keys it
+    /// supersedes count as meshgate's too, as the agent removes them).
+    #[arg(
+        long,
+        env = "MESHGATE_TAINT_KEY",
+        default_value = meshgate_core::gate::DEFAULT_TAINT_KEY,
+        value_parser = |s: &str| s.parse::<TaintKey>()
+    )]
+    pub taint_key: TaintKey,
     /// Deadline of each API call.
     #[arg(long, env = "MESHGATE_API_TIMEOUT", default_value = "10s", value_parser = duration)]
     pub api_timeout: Duration,
@@ -180,7 +187,7 @@ mod tests {
             kubeconfig: None,
             context: None,
             namespace: DEFAULT_NAMESPACE.into(),
-            taint_key: meshgate_core::TAINT_KEY.into(),
+            taint_key: TaintKey::default(),
             api_timeout: Duration::from_secs(5),
             page_size,
             max_items,

@@ -1,7 +1,8 @@
 //! `kubectl meshgate cleanup`'s plan for one Node: the writes that take meshgate's taint,
 //! label and condition off it, and nothing else.
 //!
-//! In: the Node as last read, and meshgate's taint key. Out: which of meshgate's marks it
+//! In: the Node as last read, and meshgate's taint key (a taint under it or under a key it
+//! supersedes, `TaintKey::superseded`, is meshgate's, as the agent treats it). Out: which of meshgate's marks it
 //! carries ([`marks`]), and two JSON Patches (RFC 6902), each guarded by a `test` of the
 //! resourceVersion planned from: [`metadata_patch`] for the taint and label (the `nodes`
 //! resource) and [`status_patch`] for the `MeshCNIVerified` condition (`nodes/status`).
@@ -15,13 +16,12 @@ use k8s_openapi::api::core::v1::Node;
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use crate::gate::pointer_segment;
-use crate::{CONDITION_TYPE, VERIFIED_LABEL};
+use crate::gate::{CONDITION_TYPE, TaintKey, VERIFIED_LABEL, pointer_segment};
 
 /// meshgate's marks on one Node.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Marks {
-    /// A taint with meshgate's key (any value, any effect).
+    /// A taint with meshgate's key or one it supersedes (any value, any effect).
     pub taint: bool,
     /// The label `meshgate.io/cni-verified` (any value).
     pub label: bool,
@@ -51,10 +51,17 @@ impl Marks {
     }
 }
 
+/// True when a taint with key `taint` is meshgate's: `key`, or a key it supersedes.
+pub fn is_meshgate_taint(key: &TaintKey, taint: &str) -> bool {
+    taint == key.as_str() || key.superseded().any(|k| k == taint)
+}
+
 /// Which of meshgate's marks `node` carries.
-pub fn marks(node: &Node, taint_key: &str) -> Marks {
+pub fn marks(node: &Node, taint_key: &TaintKey) -> Marks {
     Marks {
-        taint: taints(node).iter().any(|t| t.key == taint_key),
+        taint: taints(node)
+            .iter()
+            .any(|t| is_meshgate_taint(taint_key, &t.key)),
         label: node
             .metadata
             .labels
@@ -96,14 +103,17 @@ fn guard(node: &Node) -> Value {
 /// neither. The remaining taints are written whole (JSON Patch cannot remove by key), which
 /// the resourceVersion test makes safe: a taint added meanwhile fails the patch instead of
 /// being lost.
-pub fn metadata_patch(node: &Node, taint_key: &str) -> Option<Value> {
+pub fn metadata_patch(node: &Node, taint_key: &TaintKey) -> Option<Value> {
     let found = marks(node, taint_key);
     if !found.taint && !found.label {
         return None;
     }
     let mut ops = vec![guard(node)];
     if found.taint {
-        let kept: Vec<_> = taints(node).iter().filter(|t| t.key != taint_key).collect();
+        let kept: Vec<_> = taints(node)
+            .iter()
+            .filter(|t| !is_meshgate_taint(taint_key, &t.key))
+            .collect();
         ops.push(if kept.is_empty() {
             json!({"op": "remove", "path": "/spec/taints"})
         } else {

@@ -1,5 +1,11 @@
 use super::*;
-use crate::TAINT_KEY;
+use crate::gate::{DEFAULT_TAINT_KEY, LEGACY_TAINT_KEY};
+
+const TAINT_KEY: &str = DEFAULT_TAINT_KEY;
+
+fn key(k: &str) -> TaintKey {
+    k.parse().unwrap()
+}
 
 fn node(taints: Value, labels: Value, conditions: Value) -> Node {
     serde_json::from_value(json!({
@@ -41,6 +47,8 @@ fn only_meshgates_marks_are_removed() {
             {"key": "example.com/maintenance", "effect": "NoSchedule"},
             {"key": TAINT_KEY, "effect": "NoExecute", "timeAdded": "2026-11-26T10:00:00Z"},
             {"key": "node.kubernetes.io/not-ready", "effect": "NoExecute"},
+            // Left by a release before --taint-key: meshgate's too.
+            {"key": LEGACY_TAINT_KEY, "effect": "NoSchedule"},
         ]),
         json!({"kubernetes.io/hostname": "n1", VERIFIED_LABEL: "false", "team": "a"}),
         json!([
@@ -50,14 +58,14 @@ fn only_meshgates_marks_are_removed() {
         ]),
     );
     assert_eq!(
-        marks(&n, TAINT_KEY),
+        marks(&n, &key(TAINT_KEY)),
         Marks {
             taint: true,
             label: true,
             condition: true
         }
     );
-    let meta = metadata_patch(&n, TAINT_KEY).unwrap();
+    let meta = metadata_patch(&n, &key(TAINT_KEY)).unwrap();
     assert_eq!(
         meta[0],
         json!({"op": "test", "path": "/metadata/resourceVersion", "value": "41"})
@@ -88,12 +96,12 @@ fn a_clean_node_needs_no_write() {
         json!({"kubernetes.io/hostname": "n1"}),
         json!([{"type": "Ready", "status": "True"}]),
     );
-    assert!(marks(&n, TAINT_KEY).is_empty());
-    assert_eq!(metadata_patch(&n, TAINT_KEY), None);
+    assert!(marks(&n, &key(TAINT_KEY)).is_empty());
+    assert_eq!(metadata_patch(&n, &key(TAINT_KEY)), None);
     assert_eq!(status_patch(&n), None);
     let bare: Node = serde_json::from_value(json!({"metadata": {"name": "n2"}})).unwrap();
-    assert!(marks(&bare, TAINT_KEY).is_empty());
-    assert_eq!(metadata_patch(&bare, TAINT_KEY), None);
+    assert!(marks(&bare, &key(TAINT_KEY)).is_empty());
+    assert_eq!(metadata_patch(&bare, &key(TAINT_KEY)), None);
     assert_eq!(status_patch(&bare), None);
 }
 
@@ -105,10 +113,13 @@ fn the_last_taint_removes_the_list_and_the_key_is_a_parameter() {
         json!([]),
     );
     // Another key: nothing of meshgate's under today's default.
-    assert_eq!(metadata_patch(&n, TAINT_KEY), None);
-    let patch = metadata_patch(&n, "readiness.k8s.io/mesh-cni").unwrap();
+    assert_eq!(metadata_patch(&n, &key(TAINT_KEY)), None);
+    let patch = metadata_patch(&n, &key("readiness.k8s.io/mesh-cni")).unwrap();
     assert_eq!(patch[1], json!({"op": "remove", "path": "/spec/taints"}));
-    assert_eq!(marks(&n, "readiness.k8s.io/mesh-cni").describe(), "taint");
+    assert_eq!(
+        marks(&n, &key("readiness.k8s.io/mesh-cni")).describe(),
+        "taint"
+    );
 }
 
 #[test]

@@ -22,7 +22,9 @@ use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::jiff::Timestamp;
 use serde::Serialize;
 
-use crate::{VERIFIED_LABEL, event_reason, gate};
+use crate::cleanup::is_meshgate_taint;
+use crate::gate::{TaintKey, VERIFIED_LABEL};
+use crate::{event_reason, gate};
 
 /// The report's schema name (the JSON's `schema` field); a change that breaks readers gets a
 /// new version.
@@ -39,8 +41,8 @@ pub struct Inputs<'a> {
     pub nodes: &'a [Node],
     /// Events (any; only the agent's `CNIChainVerified` and `MeshRedirectMissing` are read).
     pub events: &'a [Event],
-    /// meshgate's taint key.
-    pub taint_key: &'a str,
+    /// meshgate's taint key (a taint under a key it supersedes is meshgate's too).
+    pub taint_key: &'a TaintKey,
     /// Evictions counted are those last seen within this window before `now`.
     pub eviction_window: Duration,
     /// The clock.
@@ -96,7 +98,7 @@ pub struct NodeStatus {
     /// Meshed pods are kept off it: it carries meshgate's taint, or is not labelled
     /// `meshgate.io/cni-verified=true` (the webhook refuses meshed pods there).
     pub gated: bool,
-    /// The effect of meshgate's taint, when the node carries it.
+    /// The effect of meshgate's taint (its key or one it supersedes), when the node carries it.
     pub taint: Option<String>,
     /// The value of `meshgate.io/cni-verified`, if any.
     pub label: Option<String>,
@@ -191,7 +193,11 @@ pub fn build(inputs: &Inputs<'_>) -> Report {
     }
 }
 
-fn node_status(node: &Node, taint_key: &str, untaints: &BTreeMap<String, Untaint>) -> NodeStatus {
+fn node_status(
+    node: &Node,
+    taint_key: &TaintKey,
+    untaints: &BTreeMap<String, Untaint>,
+) -> NodeStatus {
     let name = node.metadata.name.clone().unwrap_or_default();
     let taint = node
         .spec
@@ -199,7 +205,7 @@ fn node_status(node: &Node, taint_key: &str, untaints: &BTreeMap<String, Untaint
         .and_then(|s| s.taints.as_deref())
         .unwrap_or_default()
         .iter()
-        .find(|t| t.key == taint_key);
+        .find(|t| is_meshgate_taint(taint_key, &t.key));
     let label = node
         .metadata
         .labels

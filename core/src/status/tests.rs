@@ -1,7 +1,9 @@
 use serde_json::{Value, json};
 
 use super::*;
-use crate::{CONDITION_TYPE, TAINT_KEY};
+use crate::gate::{CONDITION_TYPE, DEFAULT_TAINT_KEY, LEGACY_TAINT_KEY};
+
+const TAINT_KEY: &str = DEFAULT_TAINT_KEY;
 
 const NOW: &str = "2026-11-26T12:00:00Z";
 
@@ -69,7 +71,7 @@ fn report(nodes: &[Node], events: &[Event]) -> Report {
     build(&Inputs {
         nodes,
         events,
-        taint_key: TAINT_KEY,
+        taint_key: &TaintKey::default(),
         eviction_window: Duration::from_secs(3600),
         now: now(),
     })
@@ -95,10 +97,11 @@ fn gated_nodes_say_why_and_since_when() {
                 "2026-11-26T11:55:00Z",
             ),
         ),
-        // Gated at registration; no agent has reported.
+        // Gated at registration, under the key of a release before --taint-key (meshgate's
+        // too); no agent has reported.
         node(
             "node-c",
-            json!([{"key": TAINT_KEY, "effect": "NoExecute", "timeAdded": "2026-11-26T11:00:00Z"}]),
+            json!([{"key": LEGACY_TAINT_KEY, "effect": "NoExecute", "timeAdded": "2026-11-26T11:00:00Z"}]),
             Some("false"),
             None,
         ),

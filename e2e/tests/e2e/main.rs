@@ -12,11 +12,13 @@ mod authz;
 mod control_plane;
 mod faults;
 mod outage;
+mod placement;
 mod plugin;
 mod pods;
 mod rbac;
 mod real_node;
 mod support;
+mod taint_key;
 mod webhook;
 
 use std::time::Duration;

@@ -11,7 +11,9 @@ use anyhow::{Context as _, ensure};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
 use kube::api::{Api, DeleteParams, PostParams};
-use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
+use meshgate_core::gate::{
+    CONDITION_TYPE, DEFAULT_TAINT_KEY as TAINT_KEY, LEGACY_TAINT_KEY, VERIFIED_LABEL,
+};
 use meshgate_e2e::{ControlPlane, NodeSpec, Options, unique_name};
 use serde_json::json;
 
@@ -83,10 +85,11 @@ async fn marks(
     Ok((taints, labels, conditions))
 }
 
-/// True when the Node carries meshgate's taint, label and condition.
+/// True when the Node carries meshgate's taint (either key), label and condition.
 async fn marked(client: &Client, name: &str) -> anyhow::Result<bool> {
     let (t, l, c) = marks(client, name).await?;
-    Ok(t.contains(TAINT_KEY) && l.contains(VERIFIED_LABEL) && c.contains(CONDITION_TYPE))
+    let tainted = t.contains(TAINT_KEY) || t.contains(LEGACY_TAINT_KEY);
+    Ok(tainted && l.contains(VERIFIED_LABEL) && c.contains(CONDITION_TYPE))
 }
 
 /// An agent pod as the DaemonSet makes it (its selector's label), bound to `node`.
@@ -113,7 +116,8 @@ async fn cleanup_removes_only_meshgates_marks_and_is_idempotent() -> anyhow::Res
         unique_name("cl-clean"),
     );
     gated_node(cp, &client, &a, TAINT_KEY, "ChainedPluginMissing").await?;
-    gated_node(cp, &client, &b, TAINT_KEY, "NoConfig").await?;
+    // Under the key of a release before --taint-key: meshgate's too.
+    gated_node(cp, &client, &b, LEGACY_TAINT_KEY, "NoConfig").await?;
     cp.register_node(
         &client,
         &NodeSpec::new(&clean).taint("example.com/maintenance", "NoSchedule"),

@@ -21,7 +21,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use meshgate_core::{CONDITION_TYPE, VERIFIED_LABEL};
+use meshgate_core::gate::{CONDITION_TYPE, VERIFIED_LABEL};
 use meshgate_e2e::{ControlPlane, NodeSpec};
 use serde_json::{Value, json};
 

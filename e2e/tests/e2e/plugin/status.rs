@@ -6,7 +6,7 @@
 
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::{Api, PostParams};
-use meshgate_core::TAINT_KEY;
+use meshgate_core::gate::DEFAULT_TAINT_KEY as TAINT_KEY;
 use meshgate_e2e::{NodeSpec, unique_name};
 use serde_json::{Value, json};
 
@@ -31,6 +31,7 @@ async fn status_reports_nodes_pods_evictions_mode_and_the_webhook() -> anyhow::R
         kubeconfig: cp.admin_kubeconfig_path().to_path_buf(),
         profile_file: None,
         tag_hooks: false,
+        taint_key: Default::default(),
     };
     let mut hook = Fixture::start_with(cp, "status", start).await?;
     let result = scenario(&mut hook).await;
@@ -61,7 +62,7 @@ async fn seed(hook: &Fixture) -> anyhow::Result<Seeded> {
     let client = &hook.client;
     let (gated, verified) = (unique_name("st-gated"), unique_name("st-ok"));
     gated_node(cp, client, &gated, TAINT_KEY, "ChainedPluginMissing").await?;
-    let spec = NodeSpec::new(&verified).label(meshgate_core::VERIFIED_LABEL, "true");
+    let spec = NodeSpec::new(&verified).label(meshgate_core::gate::VERIFIED_LABEL, "true");
     cp.register_node(client, &spec).await?;
     condition(client, &verified, "True", "Verified", "chains linkerd-cni").await?;
     let node_ref = json!({"apiVersion": "v1", "kind": "Node", "name": verified, "uid": verified});
