@@ -16,6 +16,7 @@ pub mod evict;
 pub mod gate;
 pub mod lookup;
 pub mod meshes;
+pub mod mode;
 pub mod profile;
 pub mod projection;
 pub mod rules;
