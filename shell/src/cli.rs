@@ -165,7 +165,10 @@ mod tests {
         let c = Cli::try_parse_from(["x", "--namespace", "mg", "--mode-configmap", "m2"])
             .unwrap()
             .common;
-        assert_eq!((c.mode.namespace.as_str(), c.mode.mode_configmap.as_str()), ("mg", "m2"));
+        assert_eq!(
+            (c.mode.namespace.as_str(), c.mode.mode_configmap.as_str()),
+            ("mg", "m2")
+        );
         assert!(Cli::try_parse_from(["x", "--admin-addr", "localhost"]).is_err());
         assert!(Cli::try_parse_from(["x", "--log-format", "xml"]).is_err());
     }

@@ -488,6 +488,7 @@ mod tests {
     #[test]
     fn the_registration_view_patches_like_the_whole_node() {
         use meshgate_core::gate::{TaintEffect, node_registration_patch};
+        use meshgate_core::mode::Mode;
         for node in [
             json!({"metadata": {"name": "n"}}),
             json!({"metadata": {"labels": {"a": "b"}}, "spec": {}}),
@@ -512,8 +513,12 @@ mod tests {
                 whole["metadata"].as_object_mut().unwrap().remove("labels");
             }
             assert_eq!(
-                node_registration_patch(&o.registration_view(), TaintEffect::NoSchedule),
-                node_registration_patch(&whole, TaintEffect::NoSchedule),
+                node_registration_patch(
+                    &o.registration_view(),
+                    TaintEffect::NoSchedule,
+                    Mode::Enforce
+                ),
+                node_registration_patch(&whole, TaintEffect::NoSchedule, Mode::Enforce),
                 "{node}"
             );
         }

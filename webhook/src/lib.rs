@@ -96,6 +96,10 @@ pub struct Args {
     pub pods: pods::PodLimits,
 }
 
+/// How long the start waits for the mode ConfigMap's first list; past it the webhook enforces
+/// until the list comes (`meshgate_shell::mode`).
+const MODE_FIRST_LIST: Duration = Duration::from_secs(5);
+
 /// Parses `--max-connections`: a positive count.
 pub fn parse_max_connections(s: &str) -> Result<usize, String> {
     match s.trim().parse::<usize>() {
@@ -148,6 +152,7 @@ async fn run_with(
 
     let (ready_tx, ready_rx) = watch::channel(false);
     let setup = cache::Setup::new(&profiles, args.lookup_timeout, args.pods);
+    let mode_client = client.clone();
     let (caches, watches) = cache::Caches::new(client, setup, metrics.clone(), ready_tx);
     let watch_tasks = [
         tokio::spawn(watches.namespaces),
@@ -166,9 +171,18 @@ async fn run_with(
         shutdown_delay = ?args.shutdown_delay,
         "webhook listening"
     );
+    let mode_metrics = metrics.mode.clone();
+    let mode = meshgate_shell::mode::ModeWatch::start(
+        mode_client,
+        &args.common.mode,
+        mode_metrics,
+        MODE_FIRST_LIST,
+    )
+    .await;
     let reviewer = Arc::new(
         review::Reviewer::new(caches, profiles, metrics)
-            .with_taint_effect(args.common.taint_effect),
+            .with_taint_effect(args.common.taint_effect)
+            .with_mode(mode.subscribe()),
     );
     let limits = server::Limits {
         max_body_bytes: args.max_body_bytes,

@@ -6,7 +6,11 @@
 //! why not; a node's condition reason, only when refusing a pod on a node the cache knows: a
 //! node it does not know is decided from the cache alone, so reviews naming made-up nodes cost
 //! no API request). Out: an [`Outcome`]: the AdmissionReview response to send, or a
-//! "malformed" message for a 400. Every decoding
+//! "malformed" message for a 400. What a refusal becomes follows the live mode
+//! (`meshgate_core::mode`): refused in `enforce` and `condition-only` (which judge the node by
+//! meshgate's label, never by a taint), admitted in `report` with the refusal as a warning to
+//! the client and the audit annotation [`WOULD_REFUSE`]. A Node is tainted at CREATE only in
+//! `enforce`. Every decoding
 //! failure is a value, never a panic: the proptest in this module feeds it arbitrary bytes.
 
 use std::collections::BTreeMap;
@@ -20,7 +24,10 @@ use meshgate_core::admission::{
     self, Decision, Input, LookupFailure, NodeFacts, PodFacts, RequestKind,
 };
 use meshgate_core::gate::{self, TaintEffect};
+use meshgate_core::mode::{Mode, OnRefusal};
 use meshgate_core::profile::ProfileSet;
+use meshgate_shell::mode::WouldAction;
+use tokio::sync::watch;
 
 pub use crate::decode::decode;
 use crate::decode::{Object, Request};
@@ -159,6 +166,24 @@ impl<'a> Target<'a> {
 
 static EMPTY: BTreeMap<String, String> = BTreeMap::new();
 
+/// The audit annotation a review admitted in report mode carries, with the refusal message
+/// as its value. The apiserver records it as `<webhook name>/would-refuse`, e.g.
+/// `pods.validate.meshgate.io/would-refuse` (a webhook's keys may hold no `/`).
+pub const WOULD_REFUSE: &str = "would-refuse";
+
+/// The answer in report mode to a placement enforce would refuse: allowed, with the message
+/// as a warning (kubectl prints it, the client gets a `Warning` header) and as an audit
+/// annotation.
+fn admit_with_warning(req: &Request, message: String) -> Outcome {
+    let mut resp = AdmissionResponse::from(req);
+    resp.warnings = Some(vec![format!(
+        "meshgate report mode: enforce would refuse this: {message}"
+    )]);
+    resp.audit_annotations
+        .insert(WOULD_REFUSE.to_owned(), message);
+    answer(resp)
+}
+
 /// Answers `/validate` and `/mutate-node` reviews.
 pub struct Reviewer<C> {
     cluster: C,
@@ -166,6 +191,8 @@ pub struct Reviewer<C> {
     metrics: Metrics,
     /// The effect of the taint new Nodes get (`--taint-effect`).
     taint_effect: TaintEffect,
+    /// The live mode.
+    mode: watch::Receiver<Mode>,
 }
 
 impl<C: Cluster> Reviewer<C> {
@@ -176,7 +203,15 @@ impl<C: Cluster> Reviewer<C> {
             profiles,
             metrics,
             taint_effect: TaintEffect::default(),
+            mode: watch::channel(Mode::default()).1,
         }
+    }
+
+    /// Follows the live mode `mode` instead of enforcing always.
+    #[must_use]
+    pub fn with_mode(mut self, mode: watch::Receiver<Mode>) -> Self {
+        self.mode = mode;
+        self
     }
 
     /// Taints new Nodes with `effect` (`--taint-effect`) instead of `NoSchedule`.
@@ -311,16 +346,20 @@ impl<C: Cluster> Reviewer<C> {
             // `decide` does not look at the reason to allow; keep the first verdict.
             Decision::Allow(_) => return answer(AdmissionResponse::from(req)),
         };
-        tracing::info!(
-            uid = %req.uid,
-            namespace = input.namespace,
-            pod = input.pod_name,
-            node = input.node_name,
-            resource = resource.as_str(),
-            dry_run = req.dry_run,
-            "refused mesh pod on unverified node"
-        );
-        refuse(req, message, 403)
+        let mode = *self.mode.borrow();
+        let (namespace, pod, node) = (input.namespace, input.pod_name, input.node_name);
+        let (uid, resource, dry_run) = (&req.uid, resource.as_str(), req.dry_run);
+        match mode.on_refusal() {
+            OnRefusal::Refuse => {
+                tracing::info!(%uid, namespace, pod, node, resource, dry_run, %mode, "refused mesh pod on unverified node");
+                refuse(req, message, 403)
+            }
+            OnRefusal::Warn => {
+                self.metrics.mode.would(WouldAction::Refuse);
+                tracing::info!(%uid, namespace, pod, node, resource, dry_run, %mode, "report mode: admitted mesh pod on unverified node that enforce would refuse");
+                admit_with_warning(req, message)
+            }
+        }
     }
 
     /// `POST /mutate-node`: taint and label a Node being created. Always allows: node
@@ -341,7 +380,8 @@ impl<C: Cluster> Reviewer<C> {
         let Some(obj) = req.object.as_ref().filter(|_| is_node_create) else {
             return answer(resp);
         };
-        let ops = gate::node_registration_patch(&obj.registration_view(), self.taint_effect);
+        let mode = *self.mode.borrow();
+        let ops = gate::node_registration_patch(&obj.registration_view(), self.taint_effect, mode);
         if ops.is_empty() {
             return answer(resp);
         }
@@ -354,7 +394,8 @@ impl<C: Cluster> Reviewer<C> {
         };
         match resp.clone().with_patch(patch) {
             Ok(r) => {
-                tracing::info!(node = %req.name, "gating new node: taint and label added");
+                let taint = mode.taints_at_registration();
+                tracing::info!(node = %req.name, %mode, taint, "gating new node: label (and, in enforce, taint) added");
                 answer(r)
             }
             Err(e) => {
@@ -364,6 +405,9 @@ impl<C: Cluster> Reviewer<C> {
         }
     }
 }
+
+#[cfg(test)]
+mod mode_tests;
 
 #[cfg(test)]
 pub(crate) mod tests {
@@ -517,14 +561,14 @@ pub(crate) mod tests {
     }
 
     /// The response JSON exactly as it goes on the wire.
-    fn wire(o: Outcome) -> Value {
+    pub(crate) fn wire(o: Outcome) -> Value {
         match o {
             Outcome::Answer(r) => serde_json::to_value(&*r).unwrap(),
             Outcome::Malformed(m) => panic!("unexpected malformed: {m}"),
         }
     }
 
-    async fn validate(r: &Reviewer<FakeCluster>, v: &Value) -> Value {
+    pub(crate) async fn validate(r: &Reviewer<FakeCluster>, v: &Value) -> Value {
         wire(r.validate(&serde_json::to_vec(v).unwrap()).await)
     }
 
@@ -781,7 +825,7 @@ pub(crate) mod tests {
         assert!(matches!(r.validate(&body).await, Outcome::Malformed(_)));
     }
 
-    fn node_review(node: Value) -> Vec<u8> {
+    pub(crate) fn node_review(node: Value) -> Vec<u8> {
         serde_json::to_vec(&json!({
             "apiVersion": "admission.k8s.io/v1",
             "kind": "AdmissionReview",
@@ -800,7 +844,7 @@ pub(crate) mod tests {
 
     /// kube-core serializes `patch` as a JSON array of bytes, which the apiserver's decoder
     /// accepts for a `[]byte` field just like base64.
-    fn decoded_patch(out: &Value) -> Value {
+    pub(crate) fn decoded_patch(out: &Value) -> Value {
         let bytes: Vec<u8> = serde_json::from_value(out["response"]["patch"].clone()).unwrap();
         serde_json::from_slice(&bytes).unwrap()
     }

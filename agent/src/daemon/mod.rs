@@ -129,6 +129,8 @@ impl Config {
                 dry_run: args.dry_run,
                 no_evict: args.no_evict,
                 evict_unowned: args.evict_unowned,
+                // The live mode is read at each decision (`pods::Inputs::mode`).
+                mode: meshgate_core::mode::Mode::default(),
             },
             per_minute: args.max_evictions_per_minute,
             api_timeout: args.api_timeout,

@@ -1,7 +1,9 @@
 //! Keeps the agent's own Node in step with the chain verdict: taint, label, condition, Events.
 //!
-//! In: the latest verdict and the latest Node seen by the Node watch. Out: the smallest set of
-//! writes that makes the Node say what the verdict says, and what changed ([`Applied`]).
+//! In: the latest verdict, the live mode and the latest Node seen by the Node watch. Out: the
+//! smallest set of writes that makes the Node say what the verdict says, as far as the mode
+//! lets meshgate write (`report`: meshgate's taint only removed; `condition-only`: no taint
+//! touched), and what changed ([`Applied`]).
 //!
 //! What to write is planned in `meshgate_core::gate` (pure); [`NodeGate`] carries it out:
 //! - Taint and label go in one JSON patch guarded by a `test` of `metadata.resourceVersion`,
@@ -20,8 +22,10 @@ use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder};
+use meshgate_core::TAINT_KEY;
 use meshgate_core::cni::ChainVerdict;
 use meshgate_core::gate::{self, MetadataPlan, NodeEvent};
+use meshgate_core::mode::Mode;
 use serde_json::json;
 
 use super::events::Events;
@@ -168,12 +172,13 @@ impl NodeGate {
         self.call("get node", self.reader.get(&self.name)).await
     }
 
-    /// Makes the Node say what `verdict` says. `seen` is the latest Node from the watch, if
-    /// any; on a resourceVersion conflict the Node is re-read.
+    /// Makes the Node say what `verdict` says, as `mode` allows. `seen` is the latest Node
+    /// from the watch, if any; on a resourceVersion conflict the Node is re-read.
     pub async fn reconcile(
         &self,
         seen: Option<Node>,
         verdict: &ChainVerdict,
+        mode: Mode,
     ) -> Result<Applied, GateError> {
         let seen = match seen {
             Some(node) => Seen { node, fresh: false },
@@ -183,8 +188,11 @@ impl NodeGate {
             },
         };
         let mut applied = Applied::default();
-        let seen = self.write_metadata(seen, verdict, &mut applied).await?;
-        self.write_condition(seen, verdict, &mut applied).await?;
+        let seen = self
+            .write_metadata(seen, verdict, mode, &mut applied)
+            .await?;
+        self.write_condition(seen, verdict, mode, &mut applied)
+            .await?;
         Ok(applied)
     }
 
@@ -193,19 +201,21 @@ impl NodeGate {
         &self,
         mut seen: Seen,
         verdict: &ChainVerdict,
+        mode: Mode,
         applied: &mut Applied,
     ) -> Result<Seen, GateError> {
         let mut attempts = 0;
         loop {
-            let Some(plan) =
-                gate::plan_metadata(&seen.node, verdict.verified, self.effect, Timestamp::now())
-            else {
+            let (verified, policy) = (verdict.verified, mode.taints());
+            let planned =
+                gate::plan_metadata(&seen.node, verified, self.effect, policy, Timestamp::now());
+            let Some(plan) = planned else {
                 return Ok(seen);
             };
             match self.patch_metadata(&plan).await {
                 Ok(updated) => {
-                    if plan.taints.is_some() {
-                        applied.taint = Some(!verdict.verified);
+                    if let Some(taints) = &plan.taints {
+                        applied.taint = Some(taints.iter().any(|t| t.key == TAINT_KEY));
                         applied.taint_at = Some(Instant::now());
                     }
                     applied.label = plan.label;
@@ -246,6 +256,7 @@ impl NodeGate {
         &self,
         mut seen: Seen,
         verdict: &ChainVerdict,
+        mode: Mode,
         applied: &mut Applied,
     ) -> Result<(), GateError> {
         let planned =
@@ -264,7 +275,7 @@ impl NodeGate {
         let call = self.api.patch_status(&self.name, &params, &patch);
         self.call("patch node condition", call).await?;
         applied.condition = true;
-        if let Some(event) = gate::plan_event(gate::condition_of(&seen.node), verdict) {
+        if let Some(event) = gate::plan_event(gate::condition_of(&seen.node), verdict, mode) {
             applied.event = Some(event.reason);
             let regarding = seen.node.object_ref(&());
             self.events.publish(&to_event(event), &regarding).await;
@@ -277,7 +288,8 @@ impl NodeGate {
 mod tests {
     use super::*;
     use meshgate_core::cni::Reason;
-    use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL, event_reason};
+    use meshgate_core::mode::TaintPolicy;
+    use meshgate_core::{CONDITION_TYPE, VERIFIED_LABEL, event_reason};
     use serde_json::Value;
 
     fn verdict(reason: Reason, message: &str) -> ChainVerdict {
@@ -294,8 +306,14 @@ mod tests {
             "metadata": {"name": "n1", "resourceVersion": "7"},
         }))
         .unwrap();
-        let plan =
-            gate::plan_metadata(&node, true, TaintEffect::NoSchedule, Timestamp::now()).unwrap();
+        let plan = gate::plan_metadata(
+            &node,
+            true,
+            TaintEffect::NoSchedule,
+            TaintPolicy::Manage,
+            Timestamp::now(),
+        )
+        .unwrap();
         assert!(serde_json::from_value::<json_patch::Patch>(plan.patch()).is_ok());
     }
 
@@ -439,6 +457,7 @@ mod tests {
                         Reason::ChainedPluginMissing,
                         "10-calico.conflist does not chain linkerd-cni",
                     ),
+                    Mode::Enforce,
                 )
                 .await
                 .unwrap();
@@ -480,7 +499,7 @@ mod tests {
                 ..Default::default()
             });
             assert_eq!(
-                gate.reconcile(Some(seen), &v).await.unwrap(),
+                gate.reconcile(Some(seen), &v, Mode::Enforce).await.unwrap(),
                 Applied::default()
             );
             let mut handle = pin!(handle);

@@ -1,8 +1,9 @@
 //! The verdict loop: `start` → `pass` → `next_wake`, until SIGTERM.
 //!
-//! In: the daemon's [`Config`], inotify events, the resync tick, the Node watch and SIGTERM.
+//! In: the daemon's [`Config`], inotify events, the resync tick, the Node watch, the live
+//! mode (`meshgate_shell::mode`) and SIGTERM.
 //! Out: one pass per wake-up — verify, hand the verdict to the pod inspector when it changed,
-//! reconcile the Node ([`NodeGate`]), then record the outcome (metrics, readiness, state
+//! reconcile the Node as the mode allows ([`NodeGate`]), then record the outcome (metrics, readiness, state
 //! file) or schedule a retry with capped backoff — and, at `stop`, the tasks it started.
 
 use std::future::Future;
@@ -19,7 +20,10 @@ use kube::api::Api;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::events::{Recorder, Reporter};
 use meshgate_core::cni::{ChainVerdict, Reason, Runtime};
+use meshgate_core::event_reason;
+use meshgate_core::mode::Mode;
 use meshgate_shell::admin::LoopProgress;
+use meshgate_shell::mode::{ModeWatch, WouldAction};
 use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -46,6 +50,8 @@ pub enum Wake {
     NodeChanged,
     /// A failed reconcile's retry is due.
     Retry,
+    /// The mode changed: the Node is written again as the new mode allows.
+    ModeChanged,
 }
 
 /// The tasks the loop started, stopped with it.
@@ -69,6 +75,9 @@ pub struct Daemon {
     /// The Node, as last seen by a watch on it alone: reconciles read it instead of GETting,
     /// and a change by someone else (our taint removed by hand) wakes the loop.
     node_rx: watch::Receiver<Option<Node>>,
+    /// The live mode; the watch stops with the daemon.
+    mode: ModeWatch,
+    mode_rx: watch::Receiver<Mode>,
     /// The verdict as the pod inspector sees it: sent only when it changes, so pods are
     /// inspected again after a change, not after every resync.
     verdict_tx: watch::Sender<Option<ChainVerdict>>,
@@ -147,6 +156,15 @@ impl Daemon {
             stop_rx.clone(),
         )
         .await?;
+        let source = &config.common.mode;
+        let mode_metrics = metrics.mode.clone();
+        let mode = ModeWatch::start(
+            clients.own.clone(),
+            source,
+            mode_metrics,
+            config.api_timeout,
+        )
+        .await;
         let (node_tx, node_rx) = watch::channel::<Option<Node>>(None);
         let (verdict_tx, verdict_rx) = watch::channel::<Option<ChainVerdict>>(None);
         let pods = pods::spawn(
@@ -158,6 +176,7 @@ impl Daemon {
                 metrics: metrics.clone(),
                 progress: pod_progress,
                 stop: stop_rx,
+                mode: mode.subscribe(),
             },
         );
         let node_watch = tokio::spawn(watch_node(
@@ -180,6 +199,8 @@ impl Daemon {
             shared,
             progress,
             node_rx,
+            mode_rx: mode.subscribe(),
+            mode,
             verdict_tx,
             fs_rx,
             fs,
@@ -202,14 +223,15 @@ impl Daemon {
     /// the Node say what the verdict says, and record the outcome.
     pub async fn pass(&mut self, wake: &Wake) {
         self.progress.pass_started();
-        if !matches!(wake, Wake::NodeChanged) || self.verdict.is_none() {
+        if !matches!(wake, Wake::NodeChanged | Wake::ModeChanged) || self.verdict.is_none() {
             let v = verify(self.cni.clone(), self.prober.clone()).await;
             self.adopt(v);
         }
         if let Some(v) = self.verdict.clone() {
             let seen = self.node_rx.borrow_and_update().clone();
-            match self.gate.reconcile(seen, &v).await {
-                Ok(applied) => self.settled(&v, &applied),
+            let mode = *self.mode_rx.borrow_and_update();
+            match self.gate.reconcile(seen, &v, mode).await {
+                Ok(applied) => self.settled(&v, &applied, mode),
                 Err(e) => self.failed(&e),
             }
         }
@@ -224,6 +246,7 @@ impl Daemon {
             Some(t) = self.fs_rx.recv() => Wake::Files(t),
             _ = self.resync.tick() => Wake::Resync,
             Ok(()) = self.node_rx.changed() => Wake::NodeChanged,
+            Ok(()) = self.mode_rx.changed() => Wake::ModeChanged,
             _ = sleep_until(self.retry_at) => Wake::Retry,
         };
         if let Wake::Files(first) = wake {
@@ -238,6 +261,7 @@ impl Daemon {
         tracing::info!(node = %self.node, "stopping; the Node keeps its taint state as it is");
         let _ = self.tasks.stop.send(true);
         self.tasks.node_watch.abort();
+        self.mode.stop();
         if let Some(admin) = self.tasks.admin {
             let _ = admin.await;
         }
@@ -266,13 +290,19 @@ impl Daemon {
         self.verdict = Some(v);
     }
 
-    /// The Node says what `v` says: metrics, readiness, the state file.
-    fn settled(&mut self, v: &ChainVerdict, applied: &Applied) {
+    /// The Node says what `v` says (as `mode` allows): metrics, readiness, the state file.
+    fn settled(&mut self, v: &ChainVerdict, applied: &Applied, mode: Mode) {
         self.retry = backoff();
         self.retry_at = None;
+        if mode.is_report() && applied.event == Some(event_reason::CHAIN_UNVERIFIED) {
+            self.metrics.mode.would(WouldAction::Taint);
+            tracing::warn!(node = %self.node, reason = %v.reason, "report mode: would taint the node (CNI chain not verified)");
+        }
         if let Some(added) = applied.taint {
             self.metrics.taint(added);
-            if added {
+            if !added && !v.verified {
+                tracing::info!(node = %self.node, %mode, "meshgate's taint removed: this mode does not gate");
+            } else if added {
                 tracing::warn!(node = %self.node, reason = %v.reason, "node tainted: CNI chain not verified");
             } else {
                 let latency = applied

@@ -22,6 +22,7 @@ use kube::api::{Api, ListParams, Patch, PatchParams, PostParams, WatchParams};
 use kube::{Client, ResourceExt};
 use meshgate_agent::daemon::clients::{Clients, node_user};
 use meshgate_agent::daemon::node::{NodeGate, TaintEffect};
+use meshgate_core::mode::Mode;
 use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
 use meshgate_e2e::harness::audit;
 use meshgate_e2e::harness::paths::{copy_tree, repo_root};
@@ -351,6 +352,15 @@ async fn impersonation_reads(f: &Fixture) -> anyhow::Result<()> {
     ]);
     let clients = f.agent(&f.node_a).await?;
     for ns in [NS, "default", f.app.as_str()] {
+        let mut want = want.clone();
+        if ns == NS {
+            // The base's Role: the one ConfigMap that holds the mode.
+            want.extend(triples(&[(
+                "",
+                &["configmaps[meshgate-mode]"],
+                &["get", "list", "watch"],
+            )]));
+        }
         assert_eq!(
             effective_rules(&clients.own, ns).await?,
             want,
@@ -576,7 +586,8 @@ async fn agent_runs_as_its_node(f: &Fixture) -> anyhow::Result<()> {
         recorder,
     )
     .reading_as(clients.node.clone());
-    gate.reconcile(None, &verdict(false)?).await?;
+    gate.reconcile(None, &verdict(false)?, Mode::Enforce)
+        .await?;
     ensure!(
         tainted(&nodes.get(&f.node_a).await?),
         "node A tainted again"

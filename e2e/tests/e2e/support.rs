@@ -119,7 +119,8 @@ pub fn describe<T: std::fmt::Debug>(r: &Result<T, kube::Error>) -> String {
 }
 
 /// The (apiGroup, resource, verb) triples the apiserver resolves for `client` in `namespace`,
-/// minus the self-review rules every authenticated user has (system:basic-user).
+/// minus the self-review rules every authenticated user has (system:basic-user). A rule
+/// limited to named objects gives `resource[name]` for each name.
 pub async fn effective_rules(
     client: &Client,
     namespace: &str,
@@ -143,12 +144,21 @@ pub async fn effective_rules(
     );
     let mut out = BTreeSet::new();
     for rule in status.resource_rules {
-        ensure!(
-            rule.resource_names.as_ref().is_none_or(Vec::is_empty),
-            "unexpected resourceNames rule {rule:?}"
-        );
+        let names = rule.resource_names.clone().unwrap_or_default();
+        let resources: Vec<String> = rule
+            .resources
+            .iter()
+            .flatten()
+            .flat_map(|r| {
+                if names.is_empty() {
+                    vec![r.clone()]
+                } else {
+                    names.iter().map(|n| format!("{r}[{n}]")).collect()
+                }
+            })
+            .collect();
         for g in rule.api_groups.iter().flatten() {
-            for r in rule.resources.iter().flatten() {
+            for r in &resources {
                 let self_review = (g == "authorization.k8s.io" || g == "authentication.k8s.io")
                     && r.starts_with("selfsubject");
                 if self_review {

@@ -80,6 +80,8 @@ pub(crate) struct Start {
     pub profile_file: Option<PathBuf>,
     /// Name the webhooks `<x>.<tag>.meshgate.io` ([`Scope::hook_infix`]).
     pub tag_hooks: bool,
+    /// Where the webhook reads its mode (the namespace of the `meshgate-mode` ConfigMap).
+    pub mode: meshgate_shell::mode::ModeSource,
 }
 
 /// One webhook instance, its configurations and their scope label.
@@ -120,6 +122,7 @@ impl Fixture {
             kubeconfig,
             profile_file: None,
             tag_hooks: false,
+            mode: Default::default(),
         };
         Self::start_with(cp, prefix, start).await
     }
@@ -160,6 +163,7 @@ impl Fixture {
                 profile_file: start.profile_file,
                 log_format: meshgate_shell::logging::LogFormat::Text,
                 taint_effect: Default::default(),
+                mode: start.mode,
             },
             request_timeout: Duration::from_secs(3),
             lookup_timeout: Duration::from_secs(1),
@@ -261,7 +265,7 @@ impl Fixture {
     }
 }
 
-fn pod(name: &str, node: Option<&str>, meshed: bool, scheduler: Option<&str>) -> Pod {
+pub(crate) fn pod(name: &str, node: Option<&str>, meshed: bool, scheduler: Option<&str>) -> Pod {
     let mut labels = json!({"app": name});
     if meshed {
         labels["linkerd.io/control-plane-ns"] = json!("linkerd");

@@ -407,6 +407,9 @@ impl Workload {
                 cmd.env(&e.name, v);
             } else if let Some(src) = &e.value_from {
                 match src.field_ref.as_ref().map(|f| f.field_path.as_str()) {
+                    Some("metadata.namespace") => {
+                        cmd.env(&e.name, NS);
+                    }
                     Some("spec.nodeName") => {
                         cmd.env(&e.name, node);
                     }
