@@ -179,11 +179,6 @@ impl ModeWatch {
         Self { rx, task }
     }
 
-    /// A fixed mode, for tests and embedders without a cluster.
-    pub fn fixed(mode: Mode) -> (watch::Sender<Mode>, watch::Receiver<Mode>) {
-        watch::channel(mode)
-    }
-
     /// A receiver of the mode, current and future.
     pub fn subscribe(&self) -> watch::Receiver<Mode> {
         self.rx.clone()

@@ -290,7 +290,14 @@ fn report_mode_removes_meshgates_taint_and_never_adds_it() {
     let other = taint("example.com/maintenance", "NoSchedule");
     let (e, p) = (TaintEffect::NoSchedule, TaintPolicy::RemoveOnly);
     // Unverified, untainted: the label says so, no taint is planned.
-    let plan = plan_metadata(&node_with(&[other.clone()], "true"), false, e, p, T).unwrap();
+    let plan = plan_metadata(
+        &node_with(std::slice::from_ref(&other), "true"),
+        false,
+        e,
+        p,
+        T,
+    )
+    .unwrap();
     assert_eq!((plan.taints, plan.label), (None, Some("false")));
     // Unverified, tainted from enforce: the taint goes, the other stays.
     let tainted = node_with(&[other.clone(), ours.clone()], "false");

@@ -164,7 +164,10 @@ async fn report_mode_never_taints_and_a_live_switch_to_enforce_and_back_takes_ef
     assert_eq!(agent.pid(), pid, "the same agent process throughout");
     assert_eq!(agent.admin_get("/ready").await.map(|r| r.0), Some(200));
     let (status, reason, _) = condition(&n).unwrap_or_default();
-    assert_eq!((status.as_str(), reason.as_str()), ("False", "ChainedPluginMissing"));
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", "ChainedPluginMissing")
+    );
 
     // An unknown value: enforce (fail closed), flagged.
     set_mode(&client, &mode_ns, "reprot").await?;
