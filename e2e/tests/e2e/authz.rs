@@ -34,7 +34,8 @@ use serde_json::json;
 use crate::WAIT;
 use crate::support::{
     AGENT, NS, bound_token, dry_run_eviction, effective_rules, expect_forbidden, expect_policy,
-    label_verified_dry_run, refused_by_policy, refused_by_rbac, triples, verdict,
+    label_verified_dry_run, mode_reader_rules, refused_by_policy, refused_by_rbac, triples,
+    verdict,
 };
 
 /// A ServiceAccount of this test only, for what the agent is not granted as the node.
@@ -355,11 +356,7 @@ async fn impersonation_reads(f: &Fixture) -> anyhow::Result<()> {
         let mut want = want.clone();
         if ns == NS {
             // The base's Role: the one ConfigMap that holds the mode.
-            want.extend(triples(&[(
-                "",
-                &["configmaps[meshgate-mode]"],
-                &["get", "list", "watch"],
-            )]));
+            want.extend(mode_reader_rules());
         }
         assert_eq!(
             effective_rules(&clients.own, ns).await?,

@@ -173,6 +173,37 @@ pub async fn effective_rules(
     Ok(out)
 }
 
+/// The rules both ServiceAccounts have in meshgate's namespace alone: the one ConfigMap that
+/// holds the mode (Role `meshgate-mode-reader`).
+pub fn mode_reader_rules() -> BTreeSet<(String, String, String)> {
+    triples(&[(
+        "",
+        &["configmaps[meshgate-mode]"],
+        &["get", "list", "watch"],
+    )])
+}
+
+/// Checks `client`'s rules: `want` in other namespaces, `want` and the mode ConfigMap's in
+/// meshgate's own.
+pub async fn expect_rules(
+    client: &Client,
+    want: &BTreeSet<(String, String, String)>,
+    who: &str,
+) -> anyhow::Result<()> {
+    for ns in ["default", "kube-system"] {
+        let have = effective_rules(client, ns).await?;
+        ensure!(
+            &have == want,
+            "{who}'s rules in namespace {ns}: {have:?}, want {want:?}"
+        );
+    }
+    let mut own = want.clone();
+    own.extend(mode_reader_rules());
+    let have = effective_rules(client, NS).await?;
+    ensure!(have == own, "{who}'s rules in {NS}: {have:?}, want {own:?}");
+    Ok(())
+}
+
 /// (apiGroup, resource, verb) triples from rules written as in a ClusterRole.
 pub fn triples(rules: &[(&str, &[&str], &[&str])]) -> BTreeSet<(String, String, String)> {
     let mut out = BTreeSet::new();
