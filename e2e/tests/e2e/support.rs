@@ -183,6 +183,34 @@ pub fn mode_reader_rules() -> BTreeSet<(String, String, String)> {
     )])
 }
 
+/// The mode ConfigMap is readable as meshgate's daemons read it (a list with the field
+/// selector `metadata.name=meshgate-mode`, and a get), and no other ConfigMap is: a list
+/// without the selector is refused.
+pub async fn expect_only_the_mode_configmap(client: &Client) -> anyhow::Result<()> {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::ListParams;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), NS);
+    let name = meshgate_core::mode::CONFIGMAP;
+    let by_name = ListParams::default().fields(&format!("metadata.name={name}"));
+    let listed = api
+        .list(&by_name)
+        .await
+        .context("the mode ConfigMap by name")?;
+    ensure!(
+        listed.items.len() == 1,
+        "{} mode ConfigMaps listed",
+        listed.items.len()
+    );
+    api.get(name).await.context("get the mode ConfigMap")?;
+    let all = api.list(&ListParams::default()).await;
+    ensure!(
+        refused_by_rbac(&all),
+        "every ConfigMap listed: {}",
+        describe(&all)
+    );
+    Ok(())
+}
+
 /// Checks `client`'s rules: `want` in other namespaces, `want` and the mode ConfigMap's in
 /// meshgate's own.
 pub async fn expect_rules(

@@ -29,8 +29,9 @@
 
 use crate::WAIT;
 use crate::support::{
-    AGENT, NS, bound_token, describe, dry_run_eviction, expect_rules, label_verified_dry_run,
-    refused_by_policy, refused_by_rbac, status_of, triples, verdict,
+    AGENT, NS, bound_token, describe, dry_run_eviction, expect_only_the_mode_configmap,
+    expect_rules, label_verified_dry_run, refused_by_policy, refused_by_rbac, status_of, triples,
+    verdict,
 };
 use anyhow::{Context as _, bail, ensure};
 use k8s_openapi::api::admissionregistration::v1::{

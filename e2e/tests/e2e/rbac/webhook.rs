@@ -14,6 +14,7 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
         ("", &["namespaces"], &["list", "watch"]),
     ]);
     expect_rules(&webhook, &want, "the webhook").await?;
+    expect_only_the_mode_configmap(&webhook).await?;
 
     // Every kind of write it might be tempted to make is refused by RBAC (dry runs, so a
     // wrongly granted write would change nothing and still fail the test).
