@@ -355,7 +355,10 @@ impl<C: Cluster> Reviewer<C> {
                 refuse(req, message, 403)
             }
             OnRefusal::Warn => {
-                self.metrics.mode.would(WouldAction::Refuse);
+                // A dry run places nothing: enforce would not have refused a placement.
+                if !req.dry_run {
+                    self.metrics.mode.would(WouldAction::Refuse);
+                }
                 tracing::info!(%uid, namespace, pod, node, resource, dry_run, %mode, "report mode: admitted mesh pod on unverified node that enforce would refuse");
                 admit_with_warning(req, message)
             }

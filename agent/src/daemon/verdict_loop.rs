@@ -3,8 +3,9 @@
 //! In: the daemon's [`Config`], inotify events, the resync tick, the Node watch, the live
 //! mode (`meshgate_shell::mode`) and SIGTERM.
 //! Out: one pass per wake-up — verify, hand the verdict to the pod inspector when it changed,
-//! reconcile the Node as the mode allows ([`NodeGate`]), then record the outcome (metrics, readiness, state
-//! file) or schedule a retry with capped backoff — and, at `stop`, the tasks it started.
+//! reconcile the Node as the mode allows ([`NodeGate`]), then record the outcome (metrics,
+//! readiness, state file) or schedule a retry with capped backoff — and, at `stop`, the tasks
+//! it started. A mode change wakes the loop to write the Node again without re-verifying.
 
 use std::future::Future;
 use std::pin::Pin;

@@ -46,6 +46,12 @@ async fn report_mode_admits_what_enforce_refuses_with_a_warning_and_an_audit_ann
             .unwrap_or_default();
         assert!(note.contains("node bad"), "{out}");
     }
+    // A dry run is answered alike but places nothing: not counted.
+    let mut dry = pod_review("web", Some("bad"), true);
+    dry["request"]["dryRun"] = json!(true);
+    let out = validate(&r, &dry).await;
+    assert_eq!(out["response"]["allowed"], true, "{out}");
+    assert!(out["response"]["warnings"][0].is_string(), "{out}");
     // What enforce would allow carries nothing.
     let ok = validate(&r, &pod_review("web", Some("good"), true)).await;
     assert_eq!(ok["response"]["allowed"], true);
