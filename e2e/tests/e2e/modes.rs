@@ -22,7 +22,7 @@ use meshgate_e2e::{NodeSpec, TokenOptions, unique_name};
 use serde_json::{Value, json};
 
 use crate::support::{Agent, CniDirs, golden, wait_node};
-use crate::webhook::{Fixture, Start, create_pod, pod};
+use crate::webhook::{Fixture, SCOPE_KEY, Start, create_pod, pod};
 use crate::{WAIT, cp};
 
 /// Creates or replaces the mode ConfigMap in `namespace` with `mode` (any text: an invalid
@@ -284,8 +284,42 @@ async fn the_webhook_in_report_mode_admits_with_a_warning_and_an_audit_annotatio
     result.expect("report, then enforce");
 }
 
+/// Switches the mode and waits until the webhook acts in it (its `meshgate_mode` gauge).
+async fn switch_webhook(
+    f: &Fixture,
+    admin: &Client,
+    mode_ns: &str,
+    mode: Mode,
+) -> anyhow::Result<()> {
+    set_mode(admin, mode_ns, mode.as_str()).await?;
+    let sample = format!("meshgate_mode{{mode=\"{mode}\"}}");
+    poll_until(&format!("the webhook in {mode}"), WAIT, || async {
+        anyhow::Ok((f.metric(&sample).await == Some(1.0)).then_some(()))
+    })
+    .await?;
+    Ok(())
+}
+
+/// Registers a Node in the webhook's scope: whether the Node-CREATE mutation tainted it (it
+/// must label it unverified in every mode).
+async fn registered_tainted(f: &Fixture, admin: &Client) -> anyhow::Result<bool> {
+    let name = unique_name("wh-reg");
+    let spec = NodeSpec::new(&name).label(SCOPE_KEY, &f.tag);
+    let n = cp().await.register_node(admin, &spec).await?;
+    ensure!(
+        label(&n) == Some("false"),
+        "not labelled unverified: {:?}",
+        n.metadata.labels
+    );
+    Ok(tainted(&n))
+}
+
 async fn report_then_enforce(f: &Fixture, admin: &Client, mode_ns: &str) -> anyhow::Result<()> {
     let cp = cp().await;
+    ensure!(
+        !registered_tainted(f, admin).await?,
+        "tainted at CREATE in report mode"
+    );
     let ns = f.namespace(&[]).await?;
     let node = unique_name("wh-mode");
     cp.register_node(admin, &NodeSpec::new(&node).label(VERIFIED_LABEL, "false"))
@@ -329,16 +363,23 @@ async fn report_then_enforce(f: &Fixture, admin: &Client, mode_ns: &str) -> anyh
         "{annotated}"
     );
 
-    // Enforce, live: the same placement is refused.
-    set_mode(admin, mode_ns, "enforce").await?;
-    let again = pod("web-2", Some(&node), true, None);
-    let refused = poll_until("refused in enforce", WAIT, || async {
-        anyhow::Ok(create_pod(&client, &ns, &again, true).await?.err())
-    })
-    .await?;
-    assert!(
-        refused.contains("not verified") && refused.contains("(403)"),
-        "{refused}"
+    // Enforce, then condition-only, live: the same placement is refused in both; only
+    // enforce taints a new Node.
+    for (mode, taints) in [(Mode::Enforce, true), (Mode::ConditionOnly, false)] {
+        switch_webhook(f, admin, mode_ns, mode).await?;
+        let again = pod("web-2", Some(&node), true, None);
+        let refused = create_pod(&client, &ns, &again, true).await?.err();
+        let refused = refused.with_context(|| format!("admitted in {mode}"))?;
+        assert!(
+            refused.contains("not verified") && refused.contains("(403)"),
+            "{refused}"
+        );
+        assert_eq!(registered_tainted(f, admin).await?, taints, "{mode}");
+    }
+    assert_eq!(
+        f.metric("meshgate_report_only_actions_total{action=\"refuse\"}")
+            .await,
+        Some(1.0)
     );
     Ok(())
 }

@@ -243,6 +243,12 @@ impl Fixture {
         Ok(ns)
     }
 
+    /// One sample of the webhook's `/metrics`, if it is there.
+    pub(crate) async fn metric(&self, sample: &str) -> Option<f64> {
+        let (_, body) = http_get(self.admin, "/metrics").await.ok()?;
+        meshgate_e2e::sim::node::metric_sample(&body, sample)
+    }
+
     /// Stops the webhook (graceful shutdown) and waits for it.
     pub(crate) async fn stop_webhook(&mut self) -> anyhow::Result<()> {
         if let Some(stop) = self.stop.take() {
