@@ -104,6 +104,27 @@ async fn node_events(client: &Client, node: &str) -> anyhow::Result<Vec<(String,
         .collect())
 }
 
+/// Sets the mode and returns how long after the patch the Node first satisfied `pred`, read
+/// every 10 ms (a measurement printed by the test, not a bound).
+async fn switch_until(
+    client: &Client,
+    mode_ns: &str,
+    mode: &str,
+    node: &str,
+    pred: impl Fn(&Node) -> bool,
+) -> anyhow::Result<Duration> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let start = std::time::Instant::now();
+    set_mode(client, mode_ns, mode).await?;
+    while start.elapsed() < WAIT {
+        if pred(&nodes.get(node).await?) {
+            return Ok(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    anyhow::bail!("node {node} did not follow the switch to {mode} within {WAIT:?}")
+}
+
 #[tokio::test]
 async fn report_mode_never_taints_and_a_live_switch_to_enforce_and_back_takes_effect()
 -> anyhow::Result<()> {
@@ -150,17 +171,18 @@ async fn report_mode_never_taints_and_a_live_switch_to_enforce_and_back_takes_ef
 
     // Switched to enforce: tainted by the same process, no restart.
     let pid = agent.pid();
-    set_mode(&client, &mode_ns, "enforce").await?;
-    wait_node(&client, &node, "tainted after the switch to enforce", |n| {
+    let took = switch_until(&client, &mode_ns, "enforce", &node, |n| {
         tainted(n) && says("False")(n)
     })
     .await?;
+    eprintln!("report → enforce: the node was tainted {took:?} after the ConfigMap patch");
     // And back to report: meshgate's taint goes, the verdict stays.
-    set_mode(&client, &mode_ns, "report").await?;
-    let n = wait_node(&client, &node, "untainted after the switch back", |n| {
+    let took = switch_until(&client, &mode_ns, "report", &node, |n| {
         !tainted(n) && says("False")(n)
     })
     .await?;
+    eprintln!("enforce → report: the taint was removed {took:?} after the ConfigMap patch");
+    let n = Api::<Node>::all(client.clone()).get(&node).await?;
     assert_eq!(agent.pid(), pid, "the same agent process throughout");
     assert_eq!(agent.admin_get("/ready").await.map(|r| r.0), Some(200));
     let (status, reason, _) = condition(&n).unwrap_or_default();
