@@ -157,15 +157,7 @@ impl Daemon {
             stop_rx.clone(),
         )
         .await?;
-        let source = &config.common.mode;
-        let mode_metrics = metrics.mode.clone();
-        let mode = ModeWatch::start(
-            clients.own.clone(),
-            source,
-            mode_metrics,
-            config.api_timeout,
-        )
-        .await;
+        let mode = watch_mode(&config, &clients, &metrics).await;
         let (node_tx, node_rx) = watch::channel::<Option<Node>>(None);
         let (verdict_tx, verdict_rx) = watch::channel::<Option<ChainVerdict>>(None);
         let pods = pods::spawn(
@@ -359,6 +351,13 @@ fn node_gate(config: &Config, clients: &Clients) -> NodeGate {
         recorder,
     )
     .reading_as(clients.node.clone())
+}
+
+/// The live mode, read as the ServiceAccount (its Role names the one ConfigMap), waiting up
+/// to `--api-timeout` for the first read.
+async fn watch_mode(config: &Config, clients: &Clients, metrics: &AgentMetrics) -> ModeWatch {
+    let (client, source) = (clients.own.clone(), &config.common.mode);
+    ModeWatch::start(client, source, metrics.mode.clone(), config.api_timeout).await
 }
 
 /// What `/live` checks: the verdict loop's passes and waits, the pod inspector's batches.
