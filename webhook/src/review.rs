@@ -23,7 +23,7 @@ use kube::core::admission::{AdmissionResponse, AdmissionReview, Operation};
 use meshgate_core::admission::{
     self, Decision, Input, LookupFailure, NodeFacts, PodFacts, RequestKind,
 };
-use meshgate_core::gate::{self, TaintEffect};
+use meshgate_core::gate::{self, TaintEffect, TaintKey};
 use meshgate_core::mode::{Mode, OnRefusal};
 use meshgate_core::profile::ProfileSet;
 use meshgate_shell::mode::WouldAction;
@@ -32,6 +32,7 @@ use tokio::sync::watch;
 pub use crate::decode::decode;
 use crate::decode::{Object, Request};
 use crate::metrics::{Metrics, Resource};
+use crate::placement::{self, AgentDaemonSet, DaemonSetRef};
 
 /// A pod's labels and annotations, as the binding path needs them: only those the profiles
 /// read (`meshgate_core::projection`).
@@ -60,6 +61,8 @@ pub trait Cluster: Send + Sync + 'static {
     /// The labels of a Namespace, or `None` when it is not in the cache. Read only when a
     /// profile selects on namespace labels (`istio-ambient`).
     fn namespace_labels(&self, name: &str) -> Option<BTreeMap<String, String>>;
+    /// The agent DaemonSet, which decides the Nodes `/mutate-node` gates.
+    fn agent_daemonset(&self) -> AgentDaemonSet;
 }
 
 /// What to send back.
@@ -189,8 +192,12 @@ pub struct Reviewer<C> {
     cluster: C,
     profiles: ProfileSet,
     metrics: Metrics,
+    /// The key of meshgate's taint (`--taint-key`): what new Nodes get, what refusals name.
+    taint_key: TaintKey,
     /// The effect of the taint new Nodes get (`--taint-effect`).
     taint_effect: TaintEffect,
+    /// `--agent-daemonset`, for the logs.
+    agent: DaemonSetRef,
     /// The live mode.
     mode: watch::Receiver<Mode>,
 }
@@ -202,9 +209,28 @@ impl<C: Cluster> Reviewer<C> {
             cluster,
             profiles,
             metrics,
+            taint_key: TaintKey::default(),
             taint_effect: TaintEffect::default(),
+            agent: DaemonSetRef {
+                namespace: "meshgate-system".into(),
+                name: "meshgate-agent".into(),
+            },
             mode: watch::channel(Mode::default()).1,
         }
+    }
+
+    /// Gates with the taint `key` (`--taint-key`) instead of the default.
+    #[must_use]
+    pub fn with_taint_key(mut self, key: TaintKey) -> Self {
+        self.taint_key = key;
+        self
+    }
+
+    /// Names the agent DaemonSet (`--agent-daemonset`) in the logs.
+    #[must_use]
+    pub fn with_agent_daemonset(mut self, agent: DaemonSetRef) -> Self {
+        self.agent = agent;
+        self
     }
 
     /// Follows the live mode `mode` instead of enforcing always.
@@ -316,6 +342,7 @@ impl<C: Cluster> Reviewer<C> {
             node_name: t.node,
             node,
             node_reason: None,
+            taint_key: &self.taint_key,
         };
         match admission::decide(&input, &self.profiles) {
             Decision::Allow(why) => {
@@ -365,8 +392,9 @@ impl<C: Cluster> Reviewer<C> {
         }
     }
 
-    /// `POST /mutate-node`: taint and label a Node being created. Always allows: node
-    /// registration must never depend on meshgate.
+    /// `POST /mutate-node`: taint and label a Node being created, when the agent DaemonSet
+    /// will run on it ([`placement::gates`]). Always allows: node registration must never
+    /// depend on meshgate.
     pub fn mutate_node(&self, body: &[u8]) -> Outcome {
         let req = match decode(body) {
             Ok(r) => r,
@@ -383,8 +411,13 @@ impl<C: Cluster> Reviewer<C> {
         let Some(obj) = req.object.as_ref().filter(|_| is_node_create) else {
             return answer(resp);
         };
-        let mode = *self.mode.borrow();
-        let ops = gate::node_registration_patch(&obj.registration_view(), self.taint_effect, mode);
+        if let Err(why) = placement::gates(&self.cluster.agent_daemonset(), &req.name, obj) {
+            self.metrics.node_ungated(why.reason());
+            why.log(&req.name, &self.agent);
+            return answer(resp);
+        }
+        let (view, mode) = (obj.registration_view(), *self.mode.borrow());
+        let ops = gate::node_registration_patch(&view, &self.taint_key, self.taint_effect, mode);
         if ops.is_empty() {
             return answer(resp);
         }
@@ -433,6 +466,8 @@ pub(crate) mod tests {
         pub delay: Option<std::time::Duration>,
         /// Why a pod not in `pods` is not known (default: not found).
         pub lookup_failure: Option<LookupFailure>,
+        /// The agent DaemonSet (default: one that runs on every node).
+        pub agent: Option<AgentDaemonSet>,
     }
 
     impl Cluster for FakeCluster {
@@ -459,6 +494,21 @@ pub(crate) mod tests {
         fn namespace_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
             self.namespaces.get(name).cloned()
         }
+        fn agent_daemonset(&self) -> AgentDaemonSet {
+            self.agent.clone().unwrap_or_else(|| {
+                agent_daemonset(json!({"tolerations": [{"operator": "Exists"}]}))
+            })
+        }
+    }
+
+    /// An agent DaemonSet whose pod template spec is `spec` (plus a container).
+    pub(crate) fn agent_daemonset(mut spec: Value) -> AgentDaemonSet {
+        spec["containers"] = json!([{"name": "agent", "image": "x"}]);
+        let ds = json!({
+            "metadata": {"name": "meshgate-agent", "namespace": "meshgate-system"},
+            "spec": {"selector": {}, "template": {"spec": spec}}
+        });
+        AgentDaemonSet::Known(std::sync::Arc::new(serde_json::from_value(ds).unwrap()))
     }
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -868,7 +918,7 @@ pub(crate) mod tests {
             decoded_patch(&out),
             json!([
                 {"op": "add", "path": "/metadata/labels/meshgate.io~1cni-verified", "value": "false"},
-                {"op": "add", "path": "/spec/taints/-", "value": {"key": "meshgate.io/cni-unverified", "effect": "NoSchedule"}}
+                {"op": "add", "path": "/spec/taints/-", "value": {"key": "readiness.k8s.io/meshgate-cni-unverified", "effect": "NoSchedule"}}
             ])
         );
 
@@ -876,7 +926,7 @@ pub(crate) mod tests {
         let body = node_review(json!({
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": "n1", "labels": {"meshgate.io/cni-verified": "false"}},
-            "spec": {"taints": [{"key": "meshgate.io/cni-unverified", "effect": "NoSchedule"}]}
+            "spec": {"taints": [{"key": "readiness.k8s.io/meshgate-cni-unverified", "effect": "NoSchedule"}]}
         }));
         let out = wire(r.mutate_node(&body));
         assert_eq!(out["response"]["allowed"], true);
@@ -896,7 +946,26 @@ pub(crate) mod tests {
         assert_eq!(
             decoded_patch(&wire(r.mutate_node(&body))),
             json!([
-                {"op": "add", "path": "/spec/taints", "value": [{"key": "meshgate.io/cni-unverified", "effect": "NoExecute"}]}
+                {"op": "add", "path": "/spec/taints", "value": [{"key": "readiness.k8s.io/meshgate-cni-unverified", "effect": "NoExecute"}]}
+            ])
+        );
+    }
+
+    /// `--taint-key` reaches the registration patch: a node pre-tainted with the default key
+    /// is not gated by a custom one.
+    #[test]
+    fn new_nodes_get_the_configured_taint_key() {
+        let (r, _) = reviewer(fake_cluster());
+        let r = r.with_taint_key("example.com/mesh-not-ready".parse().unwrap());
+        let body = node_review(json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": "n1", "labels": {"meshgate.io/cni-verified": "false"}},
+            "spec": {"taints": [{"key": "readiness.k8s.io/meshgate-cni-unverified", "effect": "NoSchedule"}]}
+        }));
+        assert_eq!(
+            decoded_patch(&wire(r.mutate_node(&body))),
+            json!([
+                {"op": "add", "path": "/spec/taints/-", "value": {"key": "example.com/mesh-not-ready", "effect": "NoSchedule"}}
             ])
         );
     }

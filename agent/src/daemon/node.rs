@@ -22,7 +22,6 @@ use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder};
-use meshgate_core::TAINT_KEY;
 use meshgate_core::cni::ChainVerdict;
 use meshgate_core::gate::{self, MetadataPlan, NodeEvent};
 use meshgate_core::mode::Mode;
@@ -30,8 +29,8 @@ use serde_json::json;
 
 use super::events::Events;
 
-/// `--taint-effect` values; [`NodeGate::new`] takes one.
-pub use meshgate_core::gate::TaintEffect;
+/// `--taint-key` and `--taint-effect` values; [`NodeGate::new`] takes one of each.
+pub use meshgate_core::gate::{TaintEffect, TaintKey};
 
 /// Conflicting writers are retried this many times before the reconcile is reported failed
 /// (and retried later with backoff).
@@ -116,16 +115,19 @@ pub struct NodeGate {
     /// [`NodeGate::reading_as`] gave it another identity.
     reader: Api<Node>,
     name: String,
+    key: TaintKey,
     effect: TaintEffect,
     timeout: Duration,
     events: Events,
 }
 
 impl NodeGate {
-    /// A gate for Node `name`, bounding each API call (and each Event) by `timeout`.
+    /// A gate for Node `name` with the taint `key` and `effect`, bounding each API call (and
+    /// each Event) by `timeout`. Taints under the keys `key` supersedes are removed.
     pub fn new(
         client: kube::Client,
         name: String,
+        key: TaintKey,
         effect: TaintEffect,
         timeout: Duration,
         recorder: Recorder,
@@ -135,6 +137,7 @@ impl NodeGate {
             reader: api.clone(),
             api,
             name,
+            key,
             effect,
             timeout,
             events: Events::with_recorder(recorder, timeout),
@@ -206,16 +209,16 @@ impl NodeGate {
     ) -> Result<Seen, GateError> {
         let mut attempts = 0;
         loop {
-            let (verified, policy) = (verdict.verified, mode.taints());
+            let (verified, policy, now) = (verdict.verified, mode.taints(), Timestamp::now());
             let planned =
-                gate::plan_metadata(&seen.node, verified, self.effect, policy, Timestamp::now());
+                gate::plan_metadata(&seen.node, verified, &self.key, self.effect, policy, now);
             let Some(plan) = planned else {
                 return Ok(seen);
             };
             match self.patch_metadata(&plan).await {
                 Ok(updated) => {
                     if let Some(taints) = &plan.taints {
-                        applied.taint = Some(taints.iter().any(|t| t.key == TAINT_KEY));
+                        applied.taint = Some(taints.iter().any(|t| t.key == self.key.as_str()));
                         applied.taint_at = Some(Instant::now());
                     }
                     applied.label = plan.label;
@@ -288,8 +291,9 @@ impl NodeGate {
 mod tests {
     use super::*;
     use meshgate_core::cni::Reason;
+    use meshgate_core::event_reason;
+    use meshgate_core::gate::{CONDITION_TYPE, DEFAULT_TAINT_KEY as TAINT_KEY, VERIFIED_LABEL};
     use meshgate_core::mode::TaintPolicy;
-    use meshgate_core::{CONDITION_TYPE, VERIFIED_LABEL, event_reason};
     use serde_json::Value;
 
     fn verdict(reason: Reason, message: &str) -> ChainVerdict {
@@ -306,9 +310,11 @@ mod tests {
             "metadata": {"name": "n1", "resourceVersion": "7"},
         }))
         .unwrap();
+        let key = TaintKey::default();
         let plan = gate::plan_metadata(
             &node,
             true,
+            &key,
             TaintEffect::NoSchedule,
             TaintPolicy::Manage,
             Timestamp::now(),
@@ -358,6 +364,7 @@ mod tests {
             NodeGate::new(
                 client,
                 "n1".into(),
+                TaintKey::default(),
                 TaintEffect::NoSchedule,
                 Duration::from_secs(5),
                 recorder,

@@ -21,9 +21,9 @@ use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams, WatchParams};
 use kube::{Client, ResourceExt};
 use meshgate_agent::daemon::clients::{Clients, node_user};
-use meshgate_agent::daemon::node::{NodeGate, TaintEffect};
+use meshgate_agent::daemon::node::{NodeGate, TaintEffect, TaintKey};
+use meshgate_core::gate::{DEFAULT_TAINT_KEY as TAINT_KEY, VERIFIED_LABEL};
 use meshgate_core::mode::Mode;
-use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
 use meshgate_e2e::harness::audit;
 use meshgate_e2e::harness::paths::{copy_tree, repo_root};
 use meshgate_e2e::harness::wait::poll_until;
@@ -33,9 +33,9 @@ use serde_json::json;
 
 use crate::WAIT;
 use crate::support::{
-    AGENT, NS, bound_token, dry_run_eviction, effective_rules, expect_forbidden, expect_policy,
-    label_verified_dry_run, mode_reader_rules, refused_by_policy, refused_by_rbac, triples,
-    verdict,
+    AGENT, BASE_CONFINEMENT, NS, apply_base_files, bound_token, dry_run_eviction, effective_rules,
+    expect_forbidden, expect_policy, label_verified_dry_run, mode_reader_rules, refused_by_policy,
+    refused_by_rbac, triples, verdict,
 };
 
 /// A ServiceAccount of this test only, for what the agent is not granted as the node.
@@ -118,19 +118,7 @@ async fn setup() -> anyhow::Result<Fixture> {
     let admin = cp.client()?;
     let manifests = cp.dir().join("manifests");
     copy_tree(&repo_root().join("manifests"), &manifests)?;
-    let base = manifests.join("base");
-    let mut apply = vec!["apply".to_owned()];
-    for f in [
-        "namespace.yaml",
-        "serviceaccounts.yaml",
-        "rbac.yaml",
-        "admission-policy.yaml",
-    ] {
-        apply.push("-f".into());
-        apply.push(base.join(f).display().to_string());
-    }
-    let args: Vec<&str> = apply.iter().map(String::as_str).collect();
-    cp.kubectl(&args)
+    apply_base_files(&cp, &manifests, &BASE_CONFINEMENT)
         .await
         .context("applying the base's RBAC")?;
 
@@ -578,6 +566,7 @@ async fn agent_runs_as_its_node(f: &Fixture) -> anyhow::Result<()> {
     let gate = NodeGate::new(
         clients.own.clone(),
         f.node_a.clone(),
+        TaintKey::default(),
         TaintEffect::NoSchedule,
         std::time::Duration::from_secs(5),
         recorder,

@@ -13,10 +13,12 @@ mod control_plane;
 mod faults;
 mod modes;
 mod outage;
+mod placement;
 mod pods;
 mod rbac;
 mod real_node;
 mod support;
+mod taint_key;
 mod webhook;
 
 use std::time::Duration;

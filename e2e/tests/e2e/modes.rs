@@ -13,8 +13,8 @@ use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::rbac::v1::RoleBinding;
 use kube::Client;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use meshgate_core::gate::{CONDITION_TYPE, DEFAULT_TAINT_KEY as TAINT_KEY, VERIFIED_LABEL};
 use meshgate_core::mode::{self, Mode};
-use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
 use meshgate_e2e::harness::audit;
 use meshgate_e2e::harness::wait::poll_until;
 use meshgate_e2e::sim::node::{gate_condition as condition, tainted, verified_label as label};
@@ -288,11 +288,13 @@ async fn the_webhook_in_report_mode_admits_with_a_warning_and_an_audit_annotatio
     let cp = cp().await;
     let admin = cp.client().expect("client");
     let mode_ns = cp.create_namespace(&admin, "wh-mode").await.expect("ns");
-    set_mode(&admin, &mode_ns, "report").await.expect("mode");
+    // Started in enforce: the fixture waits until the webhook gates a new Node.
+    set_mode(&admin, &mode_ns, "enforce").await.expect("mode");
     let start = Start {
         kubeconfig: cp.admin_kubeconfig_path().to_path_buf(),
         profile_file: None,
         tag_hooks: false,
+        taint_key: Default::default(),
         mode: meshgate_shell::mode::ModeSource {
             namespace: mode_ns.clone(),
             ..Default::default()
@@ -338,6 +340,7 @@ async fn registered_tainted(f: &Fixture, admin: &Client) -> anyhow::Result<bool>
 
 async fn report_then_enforce(f: &Fixture, admin: &Client, mode_ns: &str) -> anyhow::Result<()> {
     let cp = cp().await;
+    switch_webhook(f, admin, mode_ns, Mode::Report).await?;
     ensure!(
         !registered_tainted(f, admin).await?,
         "tainted at CREATE in report mode"

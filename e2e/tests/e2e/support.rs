@@ -8,7 +8,7 @@ use k8s_openapi::api::authorization::v1::{SelfSubjectRulesReview, SelfSubjectRul
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
 use kube::api::{Api, EvictParams, Patch, PatchParams, PostParams};
-use meshgate_core::VERIFIED_LABEL;
+use meshgate_core::gate::VERIFIED_LABEL;
 use meshgate_e2e::TokenOptions;
 use meshgate_e2e::harness::wait::poll_until;
 use serde_json::json;
@@ -34,6 +34,30 @@ pub async fn wait_node(
     .await
     .with_context(|| format!("waiting for node {name}: {what}"))
 }
+
+/// `kubectl apply` of `files` of the manifests' `base` directory (a copy in `manifests`).
+pub async fn apply_base_files(
+    cp: &meshgate_e2e::ControlPlane,
+    manifests: &std::path::Path,
+    files: &[&str],
+) -> anyhow::Result<String> {
+    let base = manifests.join("base");
+    let mut args = vec!["apply".to_owned()];
+    for f in files {
+        args.push("-f".into());
+        args.push(base.join(f).display().to_string());
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    Ok(cp.kubectl(&args).await?)
+}
+
+/// The base files that confine the agent: its namespace, ServiceAccounts, RBAC and policies.
+pub const BASE_CONFINEMENT: [&str; 4] = [
+    "namespace.yaml",
+    "serviceaccounts.yaml",
+    "rbac.yaml",
+    "admission-policy.yaml",
+];
 
 // Answers of the apiserver to the components' own tokens (rbac.rs, authz.rs).
 

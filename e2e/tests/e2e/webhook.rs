@@ -18,10 +18,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
+use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
-use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
+use meshgate_core::gate::{DEFAULT_TAINT_KEY as TAINT_KEY, VERIFIED_LABEL};
 use meshgate_e2e::sim::webhook::{self, Scope, TestCa};
 use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
 use serde_json::{Value, json};
@@ -82,13 +83,18 @@ pub(crate) struct Start {
     pub tag_hooks: bool,
     /// Where the webhook reads its mode (the namespace of the `meshgate-mode` ConfigMap).
     pub mode: meshgate_shell::mode::ModeSource,
+    /// `--taint-key`.
+    pub taint_key: meshgate_core::gate::TaintKey,
 }
 
-/// One webhook instance, its configurations and their scope label.
+/// One webhook instance, its configurations and their scope label, and the agent DaemonSet
+/// it reads (the shipped one's placement, scoped to this test's nodes).
 pub(crate) struct Fixture {
     pub(crate) client: Client,
     /// Value of [`SCOPE_KEY`] that selects this test's objects.
     pub(crate) tag: String,
+    /// The namespace of the agent DaemonSet `meshgate-agent` the webhook reads.
+    pub(crate) agent_namespace: String,
     tag_hooks: bool,
     ca: TestCa,
     dir: tempfile::TempDir,
@@ -107,7 +113,7 @@ impl Fixture {
     }
 
     /// Starts the webhook in-process, waits for `/ready`, and registers the configurations.
-    async fn start(cp: &ControlPlane, prefix: &str) -> anyhow::Result<Self> {
+    pub(crate) async fn start(cp: &ControlPlane, prefix: &str) -> anyhow::Result<Self> {
         Self::start_as(cp, prefix, cp.admin_kubeconfig_path().to_path_buf()).await
     }
 
@@ -123,6 +129,7 @@ impl Fixture {
             profile_file: None,
             tag_hooks: false,
             mode: Default::default(),
+            taint_key: Default::default(),
         };
         Self::start_with(cp, prefix, start).await
     }
@@ -135,12 +142,22 @@ impl Fixture {
     ) -> anyhow::Result<Self> {
         let client = cp.client()?;
         let tag = unique_name(prefix);
+        // The agent DaemonSet exists before the webhook starts: its readiness waits for it.
+        let agent_namespace = cp.create_namespace(&client, "whds").await?;
+        let scope = Scope {
+            label: Some((SCOPE_KEY.to_string(), tag.clone())),
+            hook_infix: None,
+        };
+        let ds = webhook::agent_daemonset(cp, &agent_namespace, &scope).await?;
+        let daemonsets: Api<DaemonSet> = Api::namespaced(client.clone(), &agent_namespace);
+        tokio::time::timeout(CALL, daemonsets.create(&PostParams::default(), &ds)).await??;
         let ca = TestCa::new()?;
         let dir = tempfile::tempdir()?;
         let (listen, admin) = (free_port()?, free_port()?);
         let mut f = Self {
             client,
             tag,
+            agent_namespace,
             tag_hooks: start.tag_hooks,
             ca,
             dir,
@@ -162,6 +179,7 @@ impl Fixture {
                 profiles: Vec::new(),
                 profile_file: start.profile_file,
                 log_format: meshgate_shell::logging::LogFormat::Text,
+                taint_key: start.taint_key,
                 taint_effect: Default::default(),
                 mode: start.mode,
             },
@@ -174,6 +192,9 @@ impl Fixture {
             shutdown_delay: Duration::ZERO,
             shutdown_timeout: Duration::from_secs(5),
             pods: meshgate_webhook::pods::PodLimits::default(),
+            agent_daemonset: format!("{}/meshgate-agent", f.agent_namespace)
+                .parse()
+                .map_err(anyhow::Error::msg)?,
         };
         let listener = tokio::net::TcpListener::bind(listen).await?;
         let (stop_tx, stop_rx) = oneshot::channel();
@@ -197,7 +218,10 @@ impl Fixture {
             ensure!(Instant::now() < deadline, "webhook not ready after 30 s");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        f.register().await?;
+        f.register(cp).await?;
+        // Readiness does not wait for the agent DaemonSet's watch: wait until new Nodes are
+        // gated (a Linux node in scope, as the shipped placement selects).
+        crate::placement::until_gated(&f, json!({"kubernetes.io/os": "linux"}), true).await?;
         Ok(f)
     }
 
@@ -209,9 +233,9 @@ impl Fixture {
         }
     }
 
-    async fn register(&self) -> anyhow::Result<()> {
+    async fn register(&self, cp: &ControlPlane) -> anyhow::Result<()> {
         webhook::register(
-            cp().await,
+            cp,
             &self.client,
             &self.tag,
             self.listen.port(),
@@ -243,10 +267,16 @@ impl Fixture {
         Ok(ns)
     }
 
+    /// The webhook's `/metrics` text.
+    pub(crate) async fn metrics(&self) -> anyhow::Result<String> {
+        let (code, text) = http_get(self.admin, "/metrics").await?;
+        ensure!(code == 200, "/metrics answered {code}");
+        Ok(text)
+    }
+
     /// One sample of the webhook's `/metrics`, if it is there.
     pub(crate) async fn metric(&self, sample: &str) -> Option<f64> {
-        let (_, body) = http_get(self.admin, "/metrics").await.ok()?;
-        meshgate_e2e::sim::node::metric_sample(&body, sample)
+        meshgate_e2e::sim::node::metric_sample(&self.metrics().await.ok()?, sample)
     }
 
     /// Stops the webhook (graceful shutdown) and waits for it.
@@ -262,9 +292,16 @@ impl Fixture {
         Ok(())
     }
 
-    /// Deletes the configurations and stops the webhook; run whatever the test's outcome.
+    /// Deletes the configurations, stops the webhook and deletes the agent DaemonSet's
+    /// namespace; run whatever the test's outcome.
     pub(crate) async fn teardown(mut self) {
         webhook::unregister(&self.client, &self.tag).await;
+        let namespaces: Api<Namespace> = Api::all(self.client.clone());
+        let _ = tokio::time::timeout(
+            CALL,
+            namespaces.delete(&self.agent_namespace, &DeleteParams::default()),
+        )
+        .await;
         if let Err(e) = self.stop_webhook().await {
             tracing::warn!(error = %e, "stopping the webhook");
         }

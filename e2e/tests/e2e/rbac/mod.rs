@@ -29,9 +29,9 @@
 
 use crate::WAIT;
 use crate::support::{
-    AGENT, NS, bound_token, describe, dry_run_eviction, expect_only_the_mode_configmap,
-    expect_rules, label_verified_dry_run, refused_by_policy, refused_by_rbac, status_of, triples,
-    verdict,
+    AGENT, NS, bound_token, describe, dry_run_eviction, effective_rules,
+    expect_only_the_mode_configmap, expect_rules, label_verified_dry_run, mode_reader_rules,
+    refused_by_policy, refused_by_rbac, status_of, triples, verdict,
 };
 use anyhow::{Context as _, bail, ensure};
 use k8s_openapi::api::admissionregistration::v1::{
@@ -47,7 +47,7 @@ use kube::api::{
     Api, DeleteParams, EvictParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams,
 };
 use kube::{Client, ResourceExt};
-use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
+use meshgate_core::gate::{CONDITION_TYPE, DEFAULT_TAINT_KEY as TAINT_KEY, VERIFIED_LABEL};
 use meshgate_e2e::harness::paths::{copy_tree, repo_root};
 use meshgate_e2e::harness::wait::poll_until;
 use meshgate_e2e::sim::node::{
