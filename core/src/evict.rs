@@ -11,8 +11,9 @@
 //! The order of the checks is the order of their importance: never act on `unknown`, never
 //! evict a pod that runs no proxy of its mesh (it is not the mesh's: its label was copied or
 //! its injection skipped, and a recreated pod would be the same), never evict the same
-//! sandbox twice, respect ownership, then the operator's report-only modes,
-//! and only then spend a rate-limit token. A PodDisruptionBudget refusal (HTTP 429) is only
+//! sandbox twice, respect ownership, then the operator's report-only flags and the live
+//! [`Mode`] (`report` evicts nothing: it says "would evict"), and only then spend a
+//! rate-limit token. A PodDisruptionBudget refusal (HTTP 429) is only
 //! known after the API call; the caller then [`RateLimiter::refund`]s the token and reports
 //! [`SkipWhy::Pdb`].
 
@@ -22,6 +23,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::mode::Mode;
 use crate::rules::RedirectVerdict;
 
 /// Default `--max-evictions-per-minute`.
@@ -146,6 +148,9 @@ pub struct Flags {
     pub no_evict: bool,
     /// `--evict-unowned`: also evict pods without a controlling owner.
     pub evict_unowned: bool,
+    /// The live mode (ConfigMap `meshgate-mode`): one that may not evict
+    /// ([`Mode::may_evict`]) reports what enforce would have done.
+    pub mode: Mode,
 }
 
 /// Why a pod with missing redirects was not evicted.
@@ -168,6 +173,9 @@ pub enum SkipWhy {
     /// The pod carries the mesh's label but runs none of its proxy containers: not the
     /// mesh's to evict. Reported once per sandbox, never retried.
     NoProxy,
+    /// The mode is `report`: enforce would evict it now (counted in
+    /// `meshgate_report_only_actions_total{action="evict"}`, not as a skip).
+    Report,
 }
 
 impl SkipWhy {
@@ -181,7 +189,7 @@ impl SkipWhy {
             SkipWhy::Unowned => Some("unowned"),
             // Not in the contract's list: recorded as drift in docs/architecture.md.
             SkipWhy::NoProxy => Some("no_proxy"),
-            SkipWhy::NoEvict | SkipWhy::AlreadyEvicted | SkipWhy::Unknown => None,
+            SkipWhy::NoEvict | SkipWhy::AlreadyEvicted | SkipWhy::Unknown | SkipWhy::Report => None,
         }
     }
 
@@ -196,6 +204,7 @@ impl SkipWhy {
             SkipWhy::AlreadyEvicted => "already evicted",
             SkipWhy::Unknown => "verdict unknown",
             SkipWhy::NoProxy => "skipped: no proxy container of its mesh",
+            SkipWhy::Report => "report mode: would evict",
         }
     }
 }
@@ -261,6 +270,9 @@ pub fn decide(
     }
     if flags.dry_run {
         return Decision::Skip(SkipWhy::DryRun);
+    }
+    if !flags.mode.may_evict() {
+        return Decision::Skip(SkipWhy::Report);
     }
     if limiter.try_acquire(now) {
         Decision::Evict { token: now }
@@ -388,6 +400,42 @@ mod tests {
         );
         // Report-only decisions spent no token.
         assert!(fresh.try_acquire(secs(0)));
+    }
+
+    #[test]
+    fn report_mode_never_evicts_and_the_other_modes_do() {
+        let k = key("u1", "s");
+        let h = History::default();
+        for mode in Mode::ALL {
+            let mut lim = RateLimiter::new(1);
+            let flags = Flags {
+                mode,
+                ..Flags::default()
+            };
+            let got = decide(&missing(&k, true), &h, &mut lim, flags, secs(0));
+            if mode == Mode::Report {
+                assert_eq!(got, Decision::Skip(SkipWhy::Report));
+                assert!(lim.try_acquire(secs(0)), "report mode spent no token");
+            } else {
+                assert_eq!(got, Decision::Evict { token: secs(0) }, "{mode}");
+            }
+        }
+        // What enforce would not do either is not reported as "would evict".
+        let unowned = Flags {
+            mode: Mode::Report,
+            ..Flags::default()
+        };
+        assert_eq!(
+            decide(
+                &missing(&k, false),
+                &h,
+                &mut RateLimiter::new(1),
+                unowned,
+                secs(0)
+            ),
+            Decision::Skip(SkipWhy::Unowned)
+        );
+        assert_eq!(SkipWhy::Report.metric_label(), None);
     }
 
     #[test]

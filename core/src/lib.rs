@@ -17,6 +17,7 @@ pub mod evict;
 pub mod gate;
 pub mod lookup;
 pub mod meshes;
+pub mod mode;
 pub mod placement;
 pub mod profile;
 pub mod projection;

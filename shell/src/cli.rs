@@ -3,7 +3,7 @@
 //!
 //! In: the command line and its environment twins (docs/operations.md, "Configuration
 //! reference"). Out: [`Common`] (kubeconfig, admin address, profiles, log format, taint key
-//! and effect) and
+//! and effect, where the mode is read from) and
 //! [`duration`] values; each binary adds only the flags that are its own.
 
 use std::net::SocketAddr;
@@ -61,6 +61,9 @@ pub struct Common {
         value_parser = taint_effect_parser()
     )]
     pub taint_effect: TaintEffect,
+    /// `--namespace` and `--mode-configmap`: where the live mode is read from.
+    #[command(flatten)]
+    pub mode: crate::mode::ModeSource,
 }
 
 /// Accepts exactly the effects core knows (`TaintEffect::ALL`), as the API spells them, and
@@ -168,6 +171,15 @@ mod tests {
         assert_eq!(c.profiles, ["linkerd", "istio", "istio-ambient"]);
         assert_eq!(c.profile_file, Some(PathBuf::from("/p.json")));
         assert_eq!(c.log_format, LogFormat::Json);
+        assert_eq!(c.mode.namespace, "meshgate-system");
+        assert_eq!(c.mode.mode_configmap, "meshgate-mode");
+        let c = Cli::try_parse_from(["x", "--namespace", "mg", "--mode-configmap", "m2"])
+            .unwrap()
+            .common;
+        assert_eq!(
+            (c.mode.namespace.as_str(), c.mode.mode_configmap.as_str()),
+            ("mg", "m2")
+        );
         assert!(Cli::try_parse_from(["x", "--admin-addr", "localhost"]).is_err());
         assert!(Cli::try_parse_from(["x", "--log-format", "xml"]).is_err());
     }

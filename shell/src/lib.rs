@@ -10,6 +10,8 @@
 //! - [`logging`]: tracing subscriber setup (`--log-format text|json`, `RUST_LOG`).
 //! - [`profiles`]: the mesh profiles from `--profile` and `--profile-file`.
 //! - [`shutdown`]: a future resolving on SIGTERM or SIGINT.
+//! - [`mode`]: the live mode (ConfigMap `meshgate-mode`) as a `watch` value, its flags and
+//!   metrics.
 //! - [`meta`]: object metadata with the labels and annotations left as JSON text, for caches
 //!   that keep only the keys they read.
 
@@ -19,6 +21,7 @@ pub mod client;
 pub mod entry;
 pub mod logging;
 pub mod meta;
+pub mod mode;
 pub mod profiles;
 pub mod server;
 pub mod shutdown;

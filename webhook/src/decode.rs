@@ -518,6 +518,7 @@ mod tests {
     #[test]
     fn the_registration_view_patches_like_the_whole_node() {
         use meshgate_core::gate::{TaintEffect, TaintKey, node_registration_patch};
+        use meshgate_core::mode::Mode;
         let custom: TaintKey = "example.com/mesh-not-ready".parse().unwrap();
         for node in [
             json!({"metadata": {"name": "n"}}),
@@ -545,9 +546,10 @@ mod tests {
                 whole["metadata"].as_object_mut().unwrap().remove("labels");
             }
             for key in [&TaintKey::default(), &custom] {
+                let effect = TaintEffect::NoSchedule;
                 assert_eq!(
-                    node_registration_patch(&o.registration_view(), key, TaintEffect::NoSchedule),
-                    node_registration_patch(&whole, key, TaintEffect::NoSchedule),
+                    node_registration_patch(&o.registration_view(), key, effect, Mode::Enforce),
+                    node_registration_patch(&whole, key, effect, Mode::Enforce),
                     "{node} with {key}"
                 );
             }

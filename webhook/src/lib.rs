@@ -103,6 +103,10 @@ pub struct Args {
     pub agent_daemonset: placement::DaemonSetRef,
 }
 
+/// How long the start waits for the mode ConfigMap's first list; past it the webhook enforces
+/// until the list comes (`meshgate_shell::mode`).
+const MODE_FIRST_LIST: Duration = Duration::from_secs(5);
+
 /// Parses `--max-connections`: a positive count.
 pub fn parse_max_connections(s: &str) -> Result<usize, String> {
     match s.trim().parse::<usize>() {
@@ -160,6 +164,7 @@ async fn run_with(
         args.pods,
         args.agent_daemonset.clone(),
     );
+    let mode_client = client.clone();
     let (caches, watches) = cache::Caches::new(client, setup, metrics.clone(), ready_tx);
     let watch_tasks = [
         tokio::spawn(watches.namespaces),
@@ -179,11 +184,20 @@ async fn run_with(
         shutdown_delay = ?args.shutdown_delay,
         "webhook listening"
     );
+    let mode_metrics = metrics.mode.clone();
+    let mode = meshgate_shell::mode::ModeWatch::start(
+        mode_client,
+        &args.common.mode,
+        mode_metrics,
+        MODE_FIRST_LIST,
+    )
+    .await;
     let reviewer = Arc::new(
         review::Reviewer::new(caches, profiles, metrics)
             .with_taint_key(args.common.taint_key.clone())
             .with_taint_effect(args.common.taint_effect)
-            .with_agent_daemonset(args.agent_daemonset),
+            .with_agent_daemonset(args.agent_daemonset)
+            .with_mode(mode.subscribe()),
     );
     let limits = server::Limits {
         max_body_bytes: args.max_body_bytes,

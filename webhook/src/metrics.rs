@@ -15,6 +15,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use meshgate_shell::mode::ModeMetrics;
+
 /// `resource` label of `meshgate_admission_reviews_total`.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum Resource {
@@ -109,11 +111,15 @@ pub struct Metrics {
     lookups: Family<LookupLabels, Counter>,
     overflow: Counter,
     ungated: Family<UngatedLabels, Counter>,
+    /// `meshgate_mode{mode}`, `meshgate_mode_config_invalid`,
+    /// `meshgate_report_only_actions_total{action}` (shared with the agent).
+    pub mode: ModeMetrics,
 }
 
 impl Metrics {
     /// Creates the metrics and registers them in `registry`.
     pub fn register(registry: &mut Registry) -> Self {
+        let mode = ModeMetrics::register(registry);
         let reviews = Family::<ReviewLabels, Counter>::default();
         registry.register(
             "meshgate_admission_reviews",
@@ -157,6 +163,7 @@ impl Metrics {
             lookups,
             overflow,
             ungated,
+            mode,
         }
     }
 

@@ -6,7 +6,11 @@
 //! why not; a node's condition reason, only when refusing a pod on a node the cache knows: a
 //! node it does not know is decided from the cache alone, so reviews naming made-up nodes cost
 //! no API request). Out: an [`Outcome`]: the AdmissionReview response to send, or a
-//! "malformed" message for a 400. Every decoding
+//! "malformed" message for a 400. What a refusal becomes follows the live mode
+//! (`meshgate_core::mode`): refused in `enforce` and `condition-only` (which judge the node by
+//! meshgate's label, never by a taint), admitted in `report` with the refusal as a warning to
+//! the client and the audit annotation [`WOULD_REFUSE`]. A Node is tainted at CREATE only in
+//! `enforce`. Every decoding
 //! failure is a value, never a panic: the proptest in this module feeds it arbitrary bytes.
 
 use std::collections::BTreeMap;
@@ -20,7 +24,10 @@ use meshgate_core::admission::{
     self, Decision, Input, LookupFailure, NodeFacts, PodFacts, RequestKind,
 };
 use meshgate_core::gate::{self, TaintEffect, TaintKey};
+use meshgate_core::mode::{Mode, OnRefusal};
 use meshgate_core::profile::ProfileSet;
+use meshgate_shell::mode::WouldAction;
+use tokio::sync::watch;
 
 pub use crate::decode::decode;
 use crate::decode::{Object, Request};
@@ -162,6 +169,24 @@ impl<'a> Target<'a> {
 
 static EMPTY: BTreeMap<String, String> = BTreeMap::new();
 
+/// The audit annotation a review admitted in report mode carries, with the refusal message
+/// as its value. The apiserver records it as `<webhook name>/would-refuse`, e.g.
+/// `pods.validate.meshgate.io/would-refuse` (a webhook's keys may hold no `/`).
+pub const WOULD_REFUSE: &str = "would-refuse";
+
+/// The answer in report mode to a placement enforce would refuse: allowed, with the message
+/// as a warning (kubectl prints it, the client gets a `Warning` header) and as an audit
+/// annotation.
+fn admit_with_warning(req: &Request, message: String) -> Outcome {
+    let mut resp = AdmissionResponse::from(req);
+    resp.warnings = Some(vec![format!(
+        "meshgate report mode: enforce would refuse this: {message}"
+    )]);
+    resp.audit_annotations
+        .insert(WOULD_REFUSE.to_owned(), message);
+    answer(resp)
+}
+
 /// Answers `/validate` and `/mutate-node` reviews.
 pub struct Reviewer<C> {
     cluster: C,
@@ -173,6 +198,8 @@ pub struct Reviewer<C> {
     taint_effect: TaintEffect,
     /// `--agent-daemonset`, for the logs.
     agent: DaemonSetRef,
+    /// The live mode.
+    mode: watch::Receiver<Mode>,
 }
 
 impl<C: Cluster> Reviewer<C> {
@@ -188,6 +215,7 @@ impl<C: Cluster> Reviewer<C> {
                 namespace: "meshgate-system".into(),
                 name: "meshgate-agent".into(),
             },
+            mode: watch::channel(Mode::default()).1,
         }
     }
 
@@ -202,6 +230,13 @@ impl<C: Cluster> Reviewer<C> {
     #[must_use]
     pub fn with_agent_daemonset(mut self, agent: DaemonSetRef) -> Self {
         self.agent = agent;
+        self
+    }
+
+    /// Follows the live mode `mode` instead of enforcing always.
+    #[must_use]
+    pub fn with_mode(mut self, mode: watch::Receiver<Mode>) -> Self {
+        self.mode = mode;
         self
     }
 
@@ -338,16 +373,23 @@ impl<C: Cluster> Reviewer<C> {
             // `decide` does not look at the reason to allow; keep the first verdict.
             Decision::Allow(_) => return answer(AdmissionResponse::from(req)),
         };
-        tracing::info!(
-            uid = %req.uid,
-            namespace = input.namespace,
-            pod = input.pod_name,
-            node = input.node_name,
-            resource = resource.as_str(),
-            dry_run = req.dry_run,
-            "refused mesh pod on unverified node"
-        );
-        refuse(req, message, 403)
+        let mode = *self.mode.borrow();
+        let (namespace, pod, node) = (input.namespace, input.pod_name, input.node_name);
+        let (uid, resource, dry_run) = (&req.uid, resource.as_str(), req.dry_run);
+        match mode.on_refusal() {
+            OnRefusal::Refuse => {
+                tracing::info!(%uid, namespace, pod, node, resource, dry_run, %mode, "refused mesh pod on unverified node");
+                refuse(req, message, 403)
+            }
+            OnRefusal::Warn => {
+                // A dry run places nothing: enforce would not have refused a placement.
+                if !req.dry_run {
+                    self.metrics.mode.would(WouldAction::Refuse);
+                }
+                tracing::info!(%uid, namespace, pod, node, resource, dry_run, %mode, "report mode: admitted mesh pod on unverified node that enforce would refuse");
+                admit_with_warning(req, message)
+            }
+        }
     }
 
     /// `POST /mutate-node`: taint and label a Node being created, when the agent DaemonSet
@@ -374,8 +416,8 @@ impl<C: Cluster> Reviewer<C> {
             why.log(&req.name, &self.agent);
             return answer(resp);
         }
-        let view = obj.registration_view();
-        let ops = gate::node_registration_patch(&view, &self.taint_key, self.taint_effect);
+        let (view, mode) = (obj.registration_view(), *self.mode.borrow());
+        let ops = gate::node_registration_patch(&view, &self.taint_key, self.taint_effect, mode);
         if ops.is_empty() {
             return answer(resp);
         }
@@ -388,7 +430,8 @@ impl<C: Cluster> Reviewer<C> {
         };
         match resp.clone().with_patch(patch) {
             Ok(r) => {
-                tracing::info!(node = %req.name, "gating new node: taint and label added");
+                let taint = mode.taints_at_registration();
+                tracing::info!(node = %req.name, %mode, taint, "gating new node: label (and, in enforce, taint) added");
                 answer(r)
             }
             Err(e) => {
@@ -398,6 +441,9 @@ impl<C: Cluster> Reviewer<C> {
         }
     }
 }
+
+#[cfg(test)]
+mod mode_tests;
 
 #[cfg(test)]
 pub(crate) mod tests {
@@ -575,7 +621,7 @@ pub(crate) mod tests {
         }
     }
 
-    async fn validate(r: &Reviewer<FakeCluster>, v: &Value) -> Value {
+    pub(crate) async fn validate(r: &Reviewer<FakeCluster>, v: &Value) -> Value {
         wire(r.validate(&serde_json::to_vec(v).unwrap()).await)
     }
 

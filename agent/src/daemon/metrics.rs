@@ -12,6 +12,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Metric, Registry, Unit};
 
+use meshgate_shell::mode::ModeMetrics;
+
 /// `reason` label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
@@ -68,6 +70,9 @@ pub struct AgentMetrics {
     pub pods_evicted: Family<ProfileLabel, Counter>,
     /// `meshgate_evictions_skipped_total{why}`.
     pub evictions_skipped: Family<WhyLabel, Counter>,
+    /// `meshgate_mode{mode}`, `meshgate_mode_config_invalid`,
+    /// `meshgate_report_only_actions_total{action}` (shared with the webhook).
+    pub mode: ModeMetrics,
 }
 
 /// Registers each metric and hands back the handle the agent records into (the registry
@@ -94,8 +99,10 @@ impl Registrar<'_> {
 impl AgentMetrics {
     /// Creates the metrics and registers them in `registry`.
     pub fn register(registry: &mut Registry) -> Self {
+        let mode = ModeMetrics::register(registry);
         let mut reg = Registrar(registry);
         Self {
+            mode,
             node_verified: reg.add(
                 "meshgate_node_verified",
                 None,

@@ -1,8 +1,9 @@
 //! `meshgate-agent run`: the DaemonSet process that gates its own Node on the chain verdict.
 //!
 //! In: the flags ([`Args`], read once into a [`Config`] per part), inotify events from the
-//! CNI dirs, a periodic resync tick, changes to the agent's own Node (watched by name), and
-//! SIGTERM. Out: the Node's taint, label, condition and Events (through [`node::NodeGate`],
+//! CNI dirs, a periodic resync tick, changes to the agent's own Node (watched by name), the
+//! live mode (`meshgate_shell::mode`: what the agent may do to its taint and whether it
+//! evicts), and SIGTERM. Out: the Node's taint, label, condition and Events (through [`node::NodeGate`],
 //! which carries out `meshgate_core::gate`'s plans), the state file, the pod inspector
 //! ([`pods`]), and metrics on the admin port, whose `/live` follows the loop's progress: a
 //! pass (verify, then write the Node) running longer than `--stall-timeout`, or no pass begun
@@ -131,6 +132,8 @@ impl Config {
                 dry_run: args.dry_run,
                 no_evict: args.no_evict,
                 evict_unowned: args.evict_unowned,
+                // The live mode is read at each decision (`pods::Inputs::mode`).
+                mode: meshgate_core::mode::Mode::default(),
             },
             per_minute: args.max_evictions_per_minute,
             api_timeout: args.api_timeout,

@@ -1,7 +1,9 @@
 //! Keeps the agent's own Node in step with the chain verdict: taint, label, condition, Events.
 //!
-//! In: the latest verdict and the latest Node seen by the Node watch. Out: the smallest set of
-//! writes that makes the Node say what the verdict says, and what changed ([`Applied`]).
+//! In: the latest verdict, the live mode and the latest Node seen by the Node watch. Out: the
+//! smallest set of writes that makes the Node say what the verdict says, as far as the mode
+//! lets meshgate write (`report`: meshgate's taint only removed; `condition-only`: no taint
+//! touched), and what changed ([`Applied`]).
 //!
 //! What to write is planned in `meshgate_core::gate` (pure); [`NodeGate`] carries it out:
 //! - Taint and label go in one JSON patch guarded by a `test` of `metadata.resourceVersion`,
@@ -24,6 +26,7 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder};
 use meshgate_core::cni::ChainVerdict;
 use meshgate_core::gate::{self, MetadataPlan, NodeEvent};
+use meshgate_core::mode::Mode;
 use serde_json::json;
 
 use super::events::Events;
@@ -185,12 +188,13 @@ impl NodeGate {
         self.call("get node", self.reader.get(&self.name)).await
     }
 
-    /// Makes the Node say what `verdict` says. `seen` is the latest Node from the watch, if
-    /// any; on a resourceVersion conflict the Node is re-read.
+    /// Makes the Node say what `verdict` says, as `mode` allows. `seen` is the latest Node
+    /// from the watch, if any; on a resourceVersion conflict the Node is re-read.
     pub async fn reconcile(
         &self,
         seen: Option<Node>,
         verdict: &ChainVerdict,
+        mode: Mode,
     ) -> Result<Applied, GateError> {
         let seen = match seen {
             Some(node) => Seen { node, fresh: false },
@@ -200,8 +204,11 @@ impl NodeGate {
             },
         };
         let mut applied = Applied::default();
-        let seen = self.write_metadata(seen, verdict, &mut applied).await?;
-        self.write_condition(seen, verdict, &mut applied).await?;
+        let seen = self
+            .write_metadata(seen, verdict, mode, &mut applied)
+            .await?;
+        self.write_condition(seen, verdict, mode, &mut applied)
+            .await?;
         Ok(applied)
     }
 
@@ -210,24 +217,25 @@ impl NodeGate {
         &self,
         mut seen: Seen,
         verdict: &ChainVerdict,
+        mode: Mode,
         applied: &mut Applied,
     ) -> Result<Seen, GateError> {
         let mut attempts = 0;
         loop {
-            let now = Timestamp::now();
-            let Some(plan) =
-                gate::plan_metadata(&seen.node, verdict.verified, &self.key, self.effect, now)
-            else {
+            let (verified, policy, now) = (verdict.verified, mode.taints(), Timestamp::now());
+            let planned =
+                gate::plan_metadata(&seen.node, verified, &self.key, self.effect, policy, now);
+            let Some(plan) = planned else {
                 return Ok(seen);
             };
             match self.patch_metadata(&plan).await {
                 Ok(updated) => {
-                    if plan.taints.is_some() {
+                    if let Some(taints) = &plan.taints {
                         let at = Instant::now();
-                        applied.taint = Some(!verdict.verified);
+                        let tainted = taints.iter().any(|t| t.key == self.key.as_str());
+                        applied.taint = Some(tainted);
                         applied.taint_at = Some(at);
-                        applied.untaint_latency = verdict
-                            .verified
+                        applied.untaint_latency = (verdict.verified && !tainted)
                             .then(|| self.measure_from.map(|m| at.saturating_duration_since(m)))
                             .flatten();
                     }
@@ -269,6 +277,7 @@ impl NodeGate {
         &self,
         mut seen: Seen,
         verdict: &ChainVerdict,
+        mode: Mode,
         applied: &mut Applied,
     ) -> Result<(), GateError> {
         let planned =
@@ -287,7 +296,7 @@ impl NodeGate {
         let call = self.api.patch_status(&self.name, &params, &patch);
         self.call("patch node condition", call).await?;
         applied.condition = true;
-        if let Some(mut event) = gate::plan_event(gate::condition_of(&seen.node), verdict) {
+        if let Some(mut event) = gate::plan_event(gate::condition_of(&seen.node), verdict, mode) {
             if let Some(latency) = applied.untaint_latency {
                 event = event.with_untaint_latency(latency);
             }
@@ -305,6 +314,7 @@ mod tests {
     use meshgate_core::cni::Reason;
     use meshgate_core::event_reason;
     use meshgate_core::gate::{CONDITION_TYPE, DEFAULT_TAINT_KEY as TAINT_KEY, VERIFIED_LABEL};
+    use meshgate_core::mode::TaintPolicy;
     use serde_json::Value;
 
     fn verdict(reason: Reason, message: &str) -> ChainVerdict {
@@ -322,9 +332,15 @@ mod tests {
         }))
         .unwrap();
         let key = TaintKey::default();
-        let plan =
-            gate::plan_metadata(&node, true, &key, TaintEffect::NoSchedule, Timestamp::now())
-                .unwrap();
+        let plan = gate::plan_metadata(
+            &node,
+            true,
+            &key,
+            TaintEffect::NoSchedule,
+            TaintPolicy::Manage,
+            Timestamp::now(),
+        )
+        .unwrap();
         assert!(serde_json::from_value::<json_patch::Patch>(plan.patch()).is_ok());
     }
 
@@ -469,6 +485,7 @@ mod tests {
                         Reason::ChainedPluginMissing,
                         "10-calico.conflist does not chain linkerd-cni",
                     ),
+                    Mode::Enforce,
                 )
                 .await
                 .unwrap();
@@ -524,7 +541,11 @@ mod tests {
             gate.measure_from(Instant::now() - Duration::from_millis(250));
             let seen: Node = serde_json::from_value(node("1", json!([ours]))).unwrap();
             let applied = gate
-                .reconcile(Some(seen), &verdict(Reason::Verified, "chained"))
+                .reconcile(
+                    Some(seen),
+                    &verdict(Reason::Verified, "chained"),
+                    Mode::Enforce,
+                )
                 .await
                 .unwrap();
             let latency = applied.untaint_latency.expect("the untaint was measured");
@@ -559,7 +580,7 @@ mod tests {
                 ..Default::default()
             });
             assert_eq!(
-                gate.reconcile(Some(seen), &v).await.unwrap(),
+                gate.reconcile(Some(seen), &v, Mode::Enforce).await.unwrap(),
                 Applied::default()
             );
             let mut handle = pin!(handle);

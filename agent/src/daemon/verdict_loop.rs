@@ -1,9 +1,11 @@
 //! The verdict loop: `start` → `pass` → `next_wake`, until SIGTERM.
 //!
-//! In: the daemon's [`Config`], inotify events, the resync tick, the Node watch and SIGTERM.
+//! In: the daemon's [`Config`], inotify events, the resync tick, the Node watch, the live
+//! mode (`meshgate_shell::mode`) and SIGTERM.
 //! Out: one pass per wake-up — verify, hand the verdict to the pod inspector when it changed,
-//! reconcile the Node ([`NodeGate`]), then record the outcome (metrics, readiness, state
-//! file) or schedule a retry with capped backoff — and, at `stop`, the tasks it started.
+//! reconcile the Node as the mode allows ([`NodeGate`]), then record the outcome (metrics,
+//! readiness, state file) or schedule a retry with capped backoff — and, at `stop`, the tasks
+//! it started. A mode change wakes the loop to write the Node again without re-verifying.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -19,7 +21,10 @@ use kube::api::Api;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::events::{Recorder, Reporter};
 use meshgate_core::cni::{ChainVerdict, Reason, Runtime};
+use meshgate_core::event_reason;
+use meshgate_core::mode::Mode;
 use meshgate_shell::admin::LoopProgress;
+use meshgate_shell::mode::{ModeWatch, WouldAction};
 use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -46,6 +51,8 @@ pub enum Wake {
     NodeChanged,
     /// A failed reconcile's retry is due.
     Retry,
+    /// The mode changed: the Node is written again as the new mode allows.
+    ModeChanged,
 }
 
 /// The tasks the loop started, stopped with it.
@@ -69,6 +76,9 @@ pub struct Daemon {
     /// The Node, as last seen by a watch on it alone: reconciles read it instead of GETting,
     /// and a change by someone else (our taint removed by hand) wakes the loop.
     node_rx: watch::Receiver<Option<Node>>,
+    /// The live mode; the watch stops with the daemon.
+    mode: ModeWatch,
+    mode_rx: watch::Receiver<Mode>,
     /// The verdict as the pod inspector sees it: sent only when it changes, so pods are
     /// inspected again after a change, not after every resync.
     verdict_tx: watch::Sender<Option<ChainVerdict>>,
@@ -147,6 +157,7 @@ impl Daemon {
             stop_rx.clone(),
         )
         .await?;
+        let mode = watch_mode(&config, &clients, &metrics).await;
         let (node_tx, node_rx) = watch::channel::<Option<Node>>(None);
         let (verdict_tx, verdict_rx) = watch::channel::<Option<ChainVerdict>>(None);
         let pods = pods::spawn(
@@ -158,6 +169,7 @@ impl Daemon {
                 metrics: metrics.clone(),
                 progress: pod_progress,
                 stop: stop_rx,
+                mode: mode.subscribe(),
             },
         );
         let node_watch = tokio::spawn(watch_node(
@@ -180,6 +192,8 @@ impl Daemon {
             shared,
             progress,
             node_rx,
+            mode_rx: mode.subscribe(),
+            mode,
             verdict_tx,
             fs_rx,
             fs,
@@ -202,15 +216,16 @@ impl Daemon {
     /// the Node say what the verdict says, and record the outcome.
     pub async fn pass(&mut self, wake: &Wake) {
         self.progress.pass_started();
-        if !matches!(wake, Wake::NodeChanged) || self.verdict.is_none() {
+        if !matches!(wake, Wake::NodeChanged | Wake::ModeChanged) || self.verdict.is_none() {
             let v = verify(self.cni.clone(), self.prober.clone()).await;
             self.adopt(v);
         }
         if let Some(v) = self.verdict.clone() {
             let seen = self.node_rx.borrow_and_update().clone();
+            let mode = *self.mode_rx.borrow_and_update();
             self.gate.measure_from(self.changed_at);
-            match self.gate.reconcile(seen, &v).await {
-                Ok(applied) => self.settled(&v, &applied),
+            match self.gate.reconcile(seen, &v, mode).await {
+                Ok(applied) => self.settled(&v, &applied, mode),
                 Err(e) => self.failed(&e),
             }
         }
@@ -225,6 +240,7 @@ impl Daemon {
             Some(t) = self.fs_rx.recv() => Wake::Files(t),
             _ = self.resync.tick() => Wake::Resync,
             Ok(()) = self.node_rx.changed() => Wake::NodeChanged,
+            Ok(()) = self.mode_rx.changed() => Wake::ModeChanged,
             _ = sleep_until(self.retry_at) => Wake::Retry,
         };
         if let Wake::Files(first) = wake {
@@ -239,6 +255,7 @@ impl Daemon {
         tracing::info!(node = %self.node, "stopping; the Node keeps its taint state as it is");
         let _ = self.tasks.stop.send(true);
         self.tasks.node_watch.abort();
+        self.mode.stop();
         if let Some(admin) = self.tasks.admin {
             let _ = admin.await;
         }
@@ -267,13 +284,19 @@ impl Daemon {
         self.verdict = Some(v);
     }
 
-    /// The Node says what `v` says: metrics, readiness, the state file.
-    fn settled(&mut self, v: &ChainVerdict, applied: &Applied) {
+    /// The Node says what `v` says (as `mode` allows): metrics, readiness, the state file.
+    fn settled(&mut self, v: &ChainVerdict, applied: &Applied, mode: Mode) {
         self.retry = backoff();
         self.retry_at = None;
+        if mode.is_report() && applied.event == Some(event_reason::CHAIN_UNVERIFIED) {
+            self.metrics.mode.would(WouldAction::Taint);
+            tracing::warn!(node = %self.node, reason = %v.reason, "report mode: would taint the node (CNI chain not verified)");
+        }
         if let Some(added) = applied.taint {
             self.metrics.taint(added);
-            if added {
+            if !added && !v.verified {
+                tracing::info!(node = %self.node, %mode, "meshgate's taint removed: this mode does not gate");
+            } else if added {
                 tracing::warn!(node = %self.node, reason = %v.reason, "node tainted: CNI chain not verified");
             } else {
                 let latency = applied.untaint_latency.unwrap_or_default();
@@ -327,6 +350,13 @@ fn node_gate(config: &Config, clients: &Clients) -> NodeGate {
         recorder,
     )
     .reading_as(clients.node.clone())
+}
+
+/// The live mode, read as the ServiceAccount (its Role names the one ConfigMap), waiting up
+/// to `--api-timeout` for the first read.
+async fn watch_mode(config: &Config, clients: &Clients, metrics: &AgentMetrics) -> ModeWatch {
+    let (client, source) = (clients.own.clone(), &config.common.mode);
+    ModeWatch::start(client, source, metrics.mode.clone(), config.api_timeout).await
 }
 
 /// What `/live` checks: the verdict loop's passes and waits, the pod inspector's batches.

@@ -2,8 +2,8 @@
 //! them in step with the chain verdict.
 //!
 //! In: a Node (its taints, labels and `MeshCNIVerified` condition; at registration, the Node
-//! as JSON), the [`ChainVerdict`], the [`TaintKey`], the [`TaintEffect`] and the clock. Out:
-//! the writes that make
+//! as JSON), the [`ChainVerdict`], the [`TaintKey`], the [`TaintEffect`], the [`Mode`] (what
+//! it lets meshgate do to its taint: [`TaintPolicy`]) and the clock. Out: the writes that make
 //! the Node say what the verdict says ([`plan_metadata`], [`plan_condition`]), the Node Event
 //! a transition publishes ([`plan_event`], with the untaint latency in a documented form:
 //! [`NodeEvent::with_untaint_latency`], read back by [`untaint_latency`]), and the JSON Patch
@@ -28,6 +28,7 @@ use k8s_openapi::jiff::Timestamp;
 use serde_json::{Value, json};
 
 use crate::cni::ChainVerdict;
+use crate::mode::{Mode, TaintPolicy};
 use crate::{EVENT_NOTE_MAX_BYTES, event_note, event_reason};
 
 mod key;
@@ -157,16 +158,25 @@ impl MetadataPlan {
     }
 }
 
-/// The taint-and-label write that makes `node` say `verified`, or `None` when it does.
+/// The taint-and-label write that makes `node` say `verified`, or `None` when it does. The
+/// taint is planned as `policy` allows (the mode's): managed, only removed, or left alone;
+/// the label is meshgate's in every mode.
 pub fn plan_metadata(
     node: &Node,
     verified: bool,
     key: &TaintKey,
     effect: TaintEffect,
+    policy: TaintPolicy,
     now: Timestamp,
 ) -> Option<MetadataPlan> {
     let current = node.spec.as_ref().and_then(|s| s.taints.as_deref());
-    let taints = plan_taints(current.unwrap_or_default(), verified, key, effect, now);
+    let current = current.unwrap_or_default();
+    let taints = match policy {
+        TaintPolicy::Manage => plan_taints(current, verified, key, effect, now),
+        // Planned as for a verified chain: meshgate's taint goes, none is added.
+        TaintPolicy::RemoveOnly => plan_taints(current, true, key, effect, now),
+        TaintPolicy::Leave => None,
+    };
     let labels = node.metadata.labels.as_ref();
     let label = plan_label(labels.unwrap_or(&BTreeMap::new()), verified);
     if taints.is_none() && label.is_none() {
@@ -234,8 +244,13 @@ pub struct NodeEvent {
     pub action: &'static str,
 }
 
-/// The Event to publish for a condition change, if the status or reason changed.
-pub fn plan_event(current: Option<&NodeCondition>, verdict: &ChainVerdict) -> Option<NodeEvent> {
+/// The Event to publish for a condition change, if the status or reason changed. Its action
+/// and note say what `mode` does about it: in `report` an unverified chain is "would taint".
+pub fn plan_event(
+    current: Option<&NodeCondition>,
+    verdict: &ChainVerdict,
+    mode: Mode,
+) -> Option<NodeEvent> {
     let status = if verdict.verified { "True" } else { "False" };
     if let Some(c) = current
         && c.status == status
@@ -243,15 +258,22 @@ pub fn plan_event(current: Option<&NodeCondition>, verdict: &ChainVerdict) -> Op
     {
         return None;
     }
-    let (reason, action) = if verdict.verified {
-        (event_reason::CHAIN_VERIFIED, "Untaint")
+    let reason = if verdict.verified {
+        event_reason::CHAIN_VERIFIED
     } else {
-        (event_reason::CHAIN_UNVERIFIED, "Taint")
+        event_reason::CHAIN_UNVERIFIED
+    };
+    let (action, prefix) = match (mode.taints(), verdict.verified) {
+        (TaintPolicy::Manage, true) => ("Untaint", ""),
+        (TaintPolicy::Manage, false) => ("Taint", ""),
+        (TaintPolicy::RemoveOnly, true) => ("Untaint", "report mode: "),
+        (TaintPolicy::RemoveOnly, false) => ("WouldTaint", "report mode, would taint: "),
+        (TaintPolicy::Leave, _) => ("SetCondition", "condition-only mode: "),
     };
     Some(NodeEvent {
         warning: !verdict.verified,
         reason,
-        note: event_note(&format!("{}: {}", verdict.reason, verdict.message)),
+        note: event_note(&format!("{prefix}{}: {}", verdict.reason, verdict.message)),
         action,
     })
 }
@@ -333,11 +355,21 @@ pub fn metadata_patch(
 /// label `meshgate.io/cni-verified=false`, which replaces any value a registering node claims
 /// for itself: a node that was just created has not been verified by the agent.
 ///
+/// The taint only in a `mode` that lets meshgate taint ([`Mode::taints_at_registration`]);
+/// the label in every mode, since the webhook judges placements by it.
+///
 /// `node` is the Node object as JSON. Returns an empty list when nothing needs to change.
-pub fn node_registration_patch(node: &Value, key: &TaintKey, effect: TaintEffect) -> Vec<Value> {
+pub fn node_registration_patch(
+    node: &Value,
+    key: &TaintKey,
+    effect: TaintEffect,
+    mode: Mode,
+) -> Vec<Value> {
     let mut ops = Vec::new();
     ops.extend(registration_label(node));
-    ops.extend(registration_taint(node, key, effect));
+    if mode.taints_at_registration() {
+        ops.extend(registration_taint(node, key, effect));
+    }
     ops
 }
 

@@ -1,5 +1,6 @@
 use super::*;
 use crate::cni::{Reason, Runtime};
+use crate::mode::{Mode, TaintPolicy};
 
 /// A fixed clock.
 const T: Timestamp = Timestamp::constant(1_700_000_000, 0);
@@ -97,7 +98,15 @@ fn metadata_plan_is_one_guarded_patch_or_nothing() {
         "spec": {"taints": [{"key": "dedicated", "effect": "NoExecute"}]},
     }))
     .unwrap();
-    let plan = plan_metadata(&node, false, &key(), TaintEffect::NoSchedule, T).unwrap();
+    let plan = plan_metadata(
+        &node,
+        false,
+        &key(),
+        TaintEffect::NoSchedule,
+        TaintPolicy::Manage,
+        T,
+    )
+    .unwrap();
     assert_eq!(plan.label, Some("false"));
     assert_eq!(plan.taints.as_ref().map(Vec::len), Some(2));
     assert!(!plan.has_labels);
@@ -109,10 +118,25 @@ fn metadata_plan_is_one_guarded_patch_or_nothing() {
     gated.metadata.labels = Some(BTreeMap::from([(VERIFIED_LABEL.into(), "false".into())]));
     gated.spec.as_mut().unwrap().taints = plan.taints.clone();
     assert_eq!(
-        plan_metadata(&gated, false, &key(), TaintEffect::NoSchedule, T),
+        plan_metadata(
+            &gated,
+            false,
+            &key(),
+            TaintEffect::NoSchedule,
+            TaintPolicy::Manage,
+            T
+        ),
         None
     );
-    let open = plan_metadata(&gated, true, &key(), TaintEffect::NoSchedule, T).unwrap();
+    let open = plan_metadata(
+        &gated,
+        true,
+        &key(),
+        TaintEffect::NoSchedule,
+        TaintPolicy::Manage,
+        T,
+    )
+    .unwrap();
     assert_eq!(open.label, Some("true"));
     assert!(open.has_labels);
     assert_eq!(open.taints.as_ref().map(Vec::len), Some(1));
@@ -147,7 +171,7 @@ fn condition_transition_time_moves_only_on_status_change() {
 #[test]
 fn events_only_on_status_or_reason_change() {
     let missing = verdict(Reason::ChainedPluginMissing, "a");
-    let ev = plan_event(None, &missing).unwrap();
+    let ev = plan_event(None, &missing, Mode::Enforce).unwrap();
     assert_eq!(ev.reason, event_reason::CHAIN_UNVERIFIED);
     assert!(ev.warning);
     assert!(ev.note.starts_with("ChainedPluginMissing: "));
@@ -155,11 +179,12 @@ fn events_only_on_status_or_reason_change() {
     assert!(
         plan_event(
             Some(&cond),
-            &verdict(Reason::ChainedPluginMissing, "other text")
+            &verdict(Reason::ChainedPluginMissing, "other text"),
+            Mode::Enforce
         )
         .is_none()
     );
-    let ok = plan_event(Some(&cond), &verdict(Reason::Verified, "ok")).unwrap();
+    let ok = plan_event(Some(&cond), &verdict(Reason::Verified, "ok"), Mode::Enforce).unwrap();
     assert_eq!(ok.reason, event_reason::CHAIN_VERIFIED);
     assert!(!ok.warning);
 }
@@ -167,7 +192,7 @@ fn events_only_on_status_or_reason_change() {
 #[test]
 fn a_long_verdict_message_fits_the_event_note() {
     let long = verdict(Reason::ConfigInvalid, &"é".repeat(2000));
-    let ev = plan_event(None, &long).unwrap();
+    let ev = plan_event(None, &long, Mode::Enforce).unwrap();
     assert!(
         ev.note.len() <= crate::EVENT_NOTE_MAX_BYTES,
         "{}",
@@ -203,7 +228,7 @@ fn registration_patch_adds_taint_and_label() {
         "metadata": {"name": "n1", "labels": {"kubernetes.io/hostname": "n1"}},
         "spec": {}
     });
-    let ops = node_registration_patch(&node, &key(), TaintEffect::NoSchedule);
+    let ops = node_registration_patch(&node, &key(), TaintEffect::NoSchedule, Mode::Enforce);
     assert_eq!(
         ops,
         vec![
@@ -219,7 +244,7 @@ fn registration_patch_appends_to_existing_taints_and_builds_missing_maps() {
         "metadata": {"name": "n1"},
         "spec": {"taints": [{"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}]}
     });
-    let ops = node_registration_patch(&node, &key(), TaintEffect::NoSchedule);
+    let ops = node_registration_patch(&node, &key(), TaintEffect::NoSchedule, Mode::Enforce);
     assert_eq!(
         ops,
         vec![
@@ -228,7 +253,7 @@ fn registration_patch_appends_to_existing_taints_and_builds_missing_maps() {
         ]
     );
     let bare = json!({});
-    let ops = node_registration_patch(&bare, &key(), TaintEffect::NoExecute);
+    let ops = node_registration_patch(&bare, &key(), TaintEffect::NoExecute, Mode::Enforce);
     assert_eq!(
         ops,
         vec![
@@ -245,7 +270,7 @@ fn registration_patch_never_duplicates_the_taint_and_overrides_a_claimed_label()
         "metadata": {"labels": {VERIFIED_LABEL: "true"}},
         "spec": {"taints": [{"key": TAINT_KEY, "effect": "NoExecute"}]}
     });
-    let ops = node_registration_patch(&node, &key(), TaintEffect::NoSchedule);
+    let ops = node_registration_patch(&node, &key(), TaintEffect::NoSchedule, Mode::Enforce);
     assert_eq!(
         ops,
         vec![
@@ -256,7 +281,9 @@ fn registration_patch_never_duplicates_the_taint_and_overrides_a_claimed_label()
         "metadata": {"labels": {VERIFIED_LABEL: "false"}},
         "spec": {"taints": [{"key": TAINT_KEY, "effect": "NoSchedule"}]}
     });
-    assert!(node_registration_patch(&gated, &key(), TaintEffect::NoSchedule).is_empty());
+    assert!(
+        node_registration_patch(&gated, &key(), TaintEffect::NoSchedule, Mode::Enforce).is_empty()
+    );
 }
 
 #[test]
@@ -367,7 +394,7 @@ fn registration_uses_the_configured_key() {
         "spec": {"taints": [{"key": LEGACY_TAINT_KEY, "effect": "NoSchedule"}]}
     });
     assert_eq!(
-        node_registration_patch(&node, &custom, TaintEffect::NoSchedule),
+        node_registration_patch(&node, &custom, TaintEffect::NoSchedule, Mode::Enforce),
         vec![
             json!({"op":"add","path":"/spec/taints/-","value":{"key":"example.com/mesh-not-ready","effect":"NoSchedule"}})
         ]
@@ -376,9 +403,11 @@ fn registration_uses_the_configured_key() {
         "metadata": {"labels": {VERIFIED_LABEL: "false"}},
         "spec": {"taints": [{"key": "example.com/mesh-not-ready", "effect": "NoSchedule"}]}
     });
-    assert!(node_registration_patch(&gated, &custom, TaintEffect::NoSchedule).is_empty());
+    assert!(
+        node_registration_patch(&gated, &custom, TaintEffect::NoSchedule, Mode::Enforce).is_empty()
+    );
     assert_eq!(
-        node_registration_patch(&gated, &key(), TaintEffect::NoSchedule).len(),
+        node_registration_patch(&gated, &key(), TaintEffect::NoSchedule, Mode::Enforce).len(),
         1,
         "the default key is not the custom one"
     );
@@ -389,6 +418,7 @@ fn the_untaint_latency_is_appended_and_read_back() {
     let ok = plan_event(
         None,
         &verdict(Reason::Verified, "10-calico.conflist chains it"),
+        Mode::Enforce,
     )
     .unwrap();
     let ev = ok.with_untaint_latency(Duration::from_micros(183_900));
@@ -402,7 +432,7 @@ fn the_untaint_latency_is_appended_and_read_back() {
 #[test]
 fn a_long_note_is_cut_before_the_latency_so_the_latency_always_fits() {
     let long = verdict(Reason::Verified, &"é".repeat(2000));
-    let ev = plan_event(None, &long)
+    let ev = plan_event(None, &long, Mode::Enforce)
         .unwrap()
         .with_untaint_latency(Duration::from_secs(3600));
     assert!(
@@ -429,4 +459,103 @@ fn a_note_without_the_latency_form_has_none() {
     ] {
         assert_eq!(untaint_latency(note), None, "{note}");
     }
+}
+
+/// A Node with `taints` and meshgate's label saying `label`.
+fn node_with(taints: &[Taint], label: &str) -> Node {
+    serde_json::from_value(json!({
+        "metadata": {"name": "n1", "resourceVersion": "5", "labels": {VERIFIED_LABEL: label}},
+        "spec": {"taints": taints},
+    }))
+    .unwrap()
+}
+
+#[test]
+fn report_mode_removes_meshgates_taint_and_never_adds_it() {
+    let ours = taint(TAINT_KEY, "NoSchedule");
+    let other = taint("example.com/maintenance", "NoSchedule");
+    let (e, p) = (TaintEffect::NoSchedule, TaintPolicy::RemoveOnly);
+    // Unverified, untainted: the label says so, no taint is planned.
+    let plan = plan_metadata(
+        &node_with(std::slice::from_ref(&other), "true"),
+        false,
+        &key(),
+        e,
+        p,
+        T,
+    )
+    .unwrap();
+    assert_eq!((plan.taints, plan.label), (None, Some("false")));
+    // Unverified, tainted from enforce: the taint goes, the other stays.
+    let tainted = node_with(&[other.clone(), ours.clone()], "false");
+    let plan = plan_metadata(&tainted, false, &key(), e, p, T).unwrap();
+    assert_eq!(plan.taints, Some(vec![other.clone()]));
+    assert_eq!(plan.label, None);
+    // Nothing of ours, label right: nothing to write.
+    assert_eq!(
+        plan_metadata(&node_with(&[other], "false"), false, &key(), e, p, T),
+        None
+    );
+}
+
+#[test]
+fn condition_only_mode_never_touches_a_taint_under_any_key() {
+    let ours = taint(TAINT_KEY, "NoSchedule");
+    let (e, p) = (TaintEffect::NoSchedule, TaintPolicy::Leave);
+    for (taints, verified) in [
+        (vec![], false),
+        (vec![ours.clone()], true),
+        (vec![ours.clone()], false),
+        (vec![taint(TAINT_KEY, "NoExecute")], false),
+    ] {
+        let label = if verified { "false" } else { "true" };
+        let plan = plan_metadata(&node_with(&taints, label), verified, &key(), e, p, T).unwrap();
+        assert_eq!(plan.taints, None, "{taints:?} verified={verified}");
+        assert!(plan.label.is_some(), "the label still follows the verdict");
+    }
+}
+
+#[test]
+fn the_events_say_what_the_mode_does() {
+    let missing = verdict(Reason::ChainedPluginMissing, "a");
+    let ok = verdict(Reason::Verified, "ok");
+    let ev = plan_event(None, &missing, Mode::Report).unwrap();
+    assert_eq!(
+        (ev.reason, ev.action),
+        (event_reason::CHAIN_UNVERIFIED, "WouldTaint")
+    );
+    assert!(
+        ev.note
+            .starts_with("report mode, would taint: ChainedPluginMissing: "),
+        "{}",
+        ev.note
+    );
+    let ev = plan_event(None, &ok, Mode::Report).unwrap();
+    assert_eq!(ev.action, "Untaint");
+    for v in [&missing, &ok] {
+        let ev = plan_event(None, v, Mode::ConditionOnly).unwrap();
+        assert_eq!(ev.action, "SetCondition");
+        assert!(!ev.note.contains("taint"), "{}", ev.note);
+    }
+    assert_eq!(
+        plan_event(None, &missing, Mode::Enforce).unwrap().action,
+        "Taint"
+    );
+}
+
+#[test]
+fn registration_taints_only_in_enforce_and_labels_in_every_mode() {
+    let node = json!({"metadata": {"name": "n1", "labels": {}}, "spec": {}});
+    let label =
+        json!({"op":"add","path":"/metadata/labels/meshgate.io~1cni-verified","value":"false"});
+    for mode in [Mode::Report, Mode::ConditionOnly] {
+        assert_eq!(
+            node_registration_patch(&node, &key(), TaintEffect::NoSchedule, mode),
+            vec![label.clone()],
+            "{mode}"
+        );
+    }
+    let enforce = node_registration_patch(&node, &key(), TaintEffect::NoSchedule, Mode::Enforce);
+    assert_eq!(enforce.len(), 2);
+    assert_eq!(enforce[0], label);
 }

@@ -38,6 +38,9 @@ pub struct Request {
     pub code: Option<u16>,
     /// When the apiserver received the request.
     pub received: SystemTime,
+    /// The event's annotations: the authorizer's decision, and each admission webhook's
+    /// audit annotations as `<webhook name>/<key>` (merged over the request's stages).
+    pub annotations: BTreeMap<String, String>,
 }
 
 impl Request {
@@ -70,6 +73,8 @@ struct Event {
     response_status: Option<Status>,
     #[serde(default)]
     request_received_timestamp: String,
+    #[serde(default)]
+    annotations: BTreeMap<String, String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -124,6 +129,7 @@ pub fn read(path: &Path) -> std::io::Result<Vec<Request>> {
         by_id
             .entry(e.audit_id.clone())
             .and_modify(|r| {
+                r.annotations.extend(e.annotations.clone());
                 r.code = r.code.or(code);
                 r.impersonated_user = r.impersonated_user.take().or(impersonated.clone());
             })
@@ -139,6 +145,7 @@ pub fn read(path: &Path) -> std::io::Result<Vec<Request>> {
                 uri: e.request_uri,
                 code,
                 received,
+                annotations: e.annotations,
             });
     }
     let mut all: Vec<Request> = by_id.into_values().collect();

@@ -23,6 +23,7 @@ use kube::{Client, ResourceExt};
 use meshgate_agent::daemon::clients::{Clients, node_user};
 use meshgate_agent::daemon::node::{NodeGate, TaintEffect, TaintKey};
 use meshgate_core::gate::{DEFAULT_TAINT_KEY as TAINT_KEY, VERIFIED_LABEL};
+use meshgate_core::mode::Mode;
 use meshgate_e2e::harness::audit;
 use meshgate_e2e::harness::paths::{copy_tree, repo_root};
 use meshgate_e2e::harness::wait::poll_until;
@@ -33,8 +34,8 @@ use serde_json::json;
 use crate::WAIT;
 use crate::support::{
     AGENT, BASE_CONFINEMENT, NS, apply_base_files, bound_token, dry_run_eviction, effective_rules,
-    expect_forbidden, expect_policy, label_verified_dry_run, refused_by_policy, refused_by_rbac,
-    triples, verdict,
+    expect_forbidden, expect_policy, label_verified_dry_run, mode_reader_rules, refused_by_policy,
+    refused_by_rbac, triples, verdict,
 };
 
 /// A ServiceAccount of this test only, for what the agent is not granted as the node.
@@ -340,6 +341,11 @@ async fn impersonation_reads(f: &Fixture) -> anyhow::Result<()> {
     ]);
     let clients = f.agent(&f.node_a).await?;
     for ns in [NS, "default", f.app.as_str()] {
+        let mut want = want.clone();
+        if ns == NS {
+            // The base's Role: the one ConfigMap that holds the mode.
+            want.extend(mode_reader_rules());
+        }
         assert_eq!(
             effective_rules(&clients.own, ns).await?,
             want,
@@ -566,7 +572,8 @@ async fn agent_runs_as_its_node(f: &Fixture) -> anyhow::Result<()> {
         recorder,
     )
     .reading_as(clients.node.clone());
-    gate.reconcile(None, &verdict(false)?).await?;
+    gate.reconcile(None, &verdict(false)?, Mode::Enforce)
+        .await?;
     ensure!(
         tainted(&nodes.get(&f.node_a).await?),
         "node A tainted again"

@@ -11,6 +11,7 @@ mod agent;
 mod authz;
 mod control_plane;
 mod faults;
+mod modes;
 mod outage;
 mod placement;
 mod plugin;

@@ -198,6 +198,7 @@ async fn both_replicas_dead_block_only_what_a_mesh_may_own_and_bindings() {
         kubeconfig: cp.admin_kubeconfig_path().to_path_buf(),
         profile_file: Some(profiles),
         tag_hooks: true,
+        mode: Default::default(),
         taint_key: Default::default(),
     };
     let mut f = Fixture::start_with(cp, "out", start)

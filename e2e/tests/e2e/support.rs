@@ -143,7 +143,8 @@ pub fn describe<T: std::fmt::Debug>(r: &Result<T, kube::Error>) -> String {
 }
 
 /// The (apiGroup, resource, verb) triples the apiserver resolves for `client` in `namespace`,
-/// minus the self-review rules every authenticated user has (system:basic-user).
+/// minus the self-review rules every authenticated user has (system:basic-user). A rule
+/// limited to named objects gives `resource[name]` for each name.
 pub async fn effective_rules(
     client: &Client,
     namespace: &str,
@@ -167,12 +168,21 @@ pub async fn effective_rules(
     );
     let mut out = BTreeSet::new();
     for rule in status.resource_rules {
-        ensure!(
-            rule.resource_names.as_ref().is_none_or(Vec::is_empty),
-            "unexpected resourceNames rule {rule:?}"
-        );
+        let names = rule.resource_names.clone().unwrap_or_default();
+        let resources: Vec<String> = rule
+            .resources
+            .iter()
+            .flatten()
+            .flat_map(|r| {
+                if names.is_empty() {
+                    vec![r.clone()]
+                } else {
+                    names.iter().map(|n| format!("{r}[{n}]")).collect()
+                }
+            })
+            .collect();
         for g in rule.api_groups.iter().flatten() {
-            for r in rule.resources.iter().flatten() {
+            for r in &resources {
                 let self_review = (g == "authorization.k8s.io" || g == "authentication.k8s.io")
                     && r.starts_with("selfsubject");
                 if self_review {
@@ -185,6 +195,65 @@ pub async fn effective_rules(
         }
     }
     Ok(out)
+}
+
+/// The rules both ServiceAccounts have in meshgate's namespace alone: the one ConfigMap that
+/// holds the mode (Role `meshgate-mode-reader`).
+pub fn mode_reader_rules() -> BTreeSet<(String, String, String)> {
+    triples(&[(
+        "",
+        &["configmaps[meshgate-mode]"],
+        &["get", "list", "watch"],
+    )])
+}
+
+/// The mode ConfigMap is readable as meshgate's daemons read it (a list with the field
+/// selector `metadata.name=meshgate-mode`, and a get), and no other ConfigMap is: a list
+/// without the selector is refused.
+pub async fn expect_only_the_mode_configmap(client: &Client) -> anyhow::Result<()> {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::ListParams;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), NS);
+    let name = meshgate_core::mode::CONFIGMAP;
+    let by_name = ListParams::default().fields(&format!("metadata.name={name}"));
+    let listed = api
+        .list(&by_name)
+        .await
+        .context("the mode ConfigMap by name")?;
+    ensure!(
+        listed.items.len() == 1,
+        "{} mode ConfigMaps listed",
+        listed.items.len()
+    );
+    api.get(name).await.context("get the mode ConfigMap")?;
+    let all = api.list(&ListParams::default()).await;
+    ensure!(
+        refused_by_rbac(&all),
+        "every ConfigMap listed: {}",
+        describe(&all)
+    );
+    Ok(())
+}
+
+/// Checks `client`'s rules: `want` in other namespaces, `want` and the mode ConfigMap's in
+/// meshgate's own.
+pub async fn expect_rules(
+    client: &Client,
+    want: &BTreeSet<(String, String, String)>,
+    who: &str,
+) -> anyhow::Result<()> {
+    for ns in ["default", "kube-system"] {
+        let have = effective_rules(client, ns).await?;
+        ensure!(
+            &have == want,
+            "{who}'s rules in namespace {ns}: {have:?}, want {want:?}"
+        );
+    }
+    let mut own = want.clone();
+    own.extend(mode_reader_rules());
+    let have = effective_rules(client, NS).await?;
+    ensure!(have == own, "{who}'s rules in {NS}: {have:?}, want {own:?}");
+    Ok(())
 }
 
 /// (apiGroup, resource, verb) triples from rules written as in a ClusterRole.

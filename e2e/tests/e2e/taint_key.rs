@@ -102,6 +102,7 @@ async fn a_custom_taint_key_is_the_one_webhook_agent_and_policy_use() -> anyhow:
         profile_file: None,
         tag_hooks: false,
         taint_key: KEY.parse()?,
+        mode: Default::default(),
     };
     let webhook = Fixture::start_with(&cp, "tk", start).await?;
     let result = custom_key(&cp, &webhook).await;

@@ -81,6 +81,8 @@ pub(crate) struct Start {
     pub profile_file: Option<PathBuf>,
     /// Name the webhooks `<x>.<tag>.meshgate.io` ([`Scope::hook_infix`]).
     pub tag_hooks: bool,
+    /// Where the webhook reads its mode (the namespace of the `meshgate-mode` ConfigMap).
+    pub mode: meshgate_shell::mode::ModeSource,
     /// `--taint-key`.
     pub taint_key: meshgate_core::gate::TaintKey,
 }
@@ -93,6 +95,8 @@ pub(crate) struct Fixture {
     pub(crate) tag: String,
     /// The namespace of the agent DaemonSet `meshgate-agent` the webhook reads.
     pub(crate) agent_namespace: String,
+    /// The webhook's `--taint-key`: the taint a gated new Node gets.
+    pub(crate) taint_key: meshgate_core::gate::TaintKey,
     tag_hooks: bool,
     ca: TestCa,
     dir: tempfile::TempDir,
@@ -126,6 +130,7 @@ impl Fixture {
             kubeconfig,
             profile_file: None,
             tag_hooks: false,
+            mode: Default::default(),
             taint_key: Default::default(),
         };
         Self::start_with(cp, prefix, start).await
@@ -155,6 +160,7 @@ impl Fixture {
             client,
             tag,
             agent_namespace,
+            taint_key: start.taint_key.clone(),
             tag_hooks: start.tag_hooks,
             ca,
             dir,
@@ -178,6 +184,7 @@ impl Fixture {
                 log_format: meshgate_shell::logging::LogFormat::Text,
                 taint_key: start.taint_key,
                 taint_effect: Default::default(),
+                mode: start.mode,
             },
             request_timeout: Duration::from_secs(3),
             lookup_timeout: Duration::from_secs(1),
@@ -270,6 +277,11 @@ impl Fixture {
         Ok(text)
     }
 
+    /// One sample of the webhook's `/metrics`, if it is there.
+    pub(crate) async fn metric(&self, sample: &str) -> Option<f64> {
+        meshgate_e2e::sim::node::metric_sample(&self.metrics().await.ok()?, sample)
+    }
+
     /// Stops the webhook (graceful shutdown) and waits for it.
     pub(crate) async fn stop_webhook(&mut self) -> anyhow::Result<()> {
         if let Some(stop) = self.stop.take() {
@@ -299,7 +311,7 @@ impl Fixture {
     }
 }
 
-fn pod(name: &str, node: Option<&str>, meshed: bool, scheduler: Option<&str>) -> Pod {
+pub(crate) fn pod(name: &str, node: Option<&str>, meshed: bool, scheduler: Option<&str>) -> Pod {
     let mut labels = json!({"app": name});
     if meshed {
         labels["linkerd.io/control-plane-ns"] = json!("linkerd");
@@ -378,10 +390,15 @@ pub(crate) async fn force_delete_pods(client: &Client, ns: &str, names: &[&str])
 }
 
 pub(crate) fn taint_count(node: &Node) -> usize {
+    taints_keyed(node, TAINT_KEY)
+}
+
+/// How many of `node`'s taints have `key`.
+pub(crate) fn taints_keyed(node: &Node, key: &str) -> usize {
     node.spec
         .as_ref()
         .and_then(|s| s.taints.as_ref())
-        .map(|ts| ts.iter().filter(|t| t.key == TAINT_KEY).count())
+        .map(|ts| ts.iter().filter(|t| t.key == key).count())
         .unwrap_or(0)
 }
 

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use meshgate_core::evict::{self, Candidate, Decision, SandboxKey, SkipWhy};
 use meshgate_core::rules::{Inspection, RedirectVerdict};
+use meshgate_shell::mode::WouldAction;
 
 use super::Inspector;
 use super::eviction::{self, Answer, Outcome};
@@ -214,7 +215,11 @@ impl Inspector {
             key: &key,
         };
         let now = self.now();
-        let (flags, limiter) = (self.config.flags, &mut self.limiter);
+        let flags = evict::Flags {
+            mode: *self.mode.borrow(),
+            ..self.config.flags
+        };
+        let limiter = &mut self.limiter;
         let decision = self
             .state
             .read(|s| evict::decide(&candidate, &s.evicted, limiter, flags, now));
@@ -311,6 +316,9 @@ impl Inspector {
         let (node, pod, profile) = (&self.config.node, info.key(), &m.decided.profile);
         if let Some(why) = outcome.skip_label() {
             self.metrics.skipped(why);
+        }
+        if *outcome == Outcome::Skipped(SkipWhy::Report) {
+            self.metrics.mode.would(WouldAction::Evict);
         }
         let message = &m.decided.message;
         if *outcome == Outcome::Evicted {

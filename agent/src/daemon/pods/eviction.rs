@@ -128,6 +128,7 @@ impl Outcome {
             Outcome::Skipped(SkipWhy::NoEvict) => "ReportOnly",
             Outcome::Skipped(SkipWhy::AlreadyEvicted | SkipWhy::Unknown) => "Report",
             Outcome::Skipped(SkipWhy::NoProxy) => "ReportNoProxy",
+            Outcome::Skipped(SkipWhy::Report) => "WouldEvict",
             Outcome::Failed(_) => "EvictFailed",
         }
     }
@@ -158,6 +159,9 @@ impl Outcome {
                 "eviction deferred by the node's rate limit ({per_minute} per minute)"
             ),
             Outcome::Skipped(SkipWhy::DryRun) => "dry-run: would be evicted".into(),
+            Outcome::Skipped(SkipWhy::Report) => {
+                "report mode: would evict it (the mode enforce evicts it)".into()
+            }
             Outcome::Skipped(SkipWhy::Unowned) => {
                 "not evicted: skipped as unowned, no controller would recreate it (--evict-unowned evicts it)".into()
             }

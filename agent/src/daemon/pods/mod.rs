@@ -8,7 +8,9 @@
 //! node's verdict
 //! (a `watch` channel fed by the verdict loop), the shared state file (eviction history),
 //! its [`Config`] (from `--profile`, `--profile-file`, `--dry-run`, `--no-evict`,
-//! `--max-evictions-per-minute`, `--evict-unowned`), and the shutdown signal. Out: Eviction
+//! `--max-evictions-per-minute`, `--evict-unowned`), the live mode (`report` evicts nothing
+//! and says "would evict"; a switch to a mode that evicts inspects every pod again), and the
+//! shutdown signal. Out: Eviction
 //! API calls, `MeshRedirectMissing` Pod Events, the pod metrics, and the eviction history in
 //! the state file. The pod watch and the evictions go out as the node itself with
 //! `--impersonate-node`, the Namespace watch and Events as the ServiceAccount
@@ -56,6 +58,7 @@ use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher;
 use meshgate_core::cni::{ChainVerdict, Reason};
 use meshgate_core::evict::{Flags, RateLimiter};
+use meshgate_core::mode::Mode;
 use meshgate_core::profile::ProfileSet;
 use meshgate_core::projection::PodKeys;
 use meshgate_shell::admin::LoopProgress;
@@ -117,6 +120,8 @@ pub struct Inputs {
     pub progress: LoopProgress,
     /// Turns true at shutdown.
     pub stop: watch::Receiver<bool>,
+    /// The live mode (`meshgate_shell::mode`).
+    pub mode: watch::Receiver<Mode>,
 }
 
 /// Spawns the inspector with `clients` (without kube's 429 retry, so a PDB refusal is seen as
@@ -135,6 +140,8 @@ pub struct Inspector {
     state: Arc<Shared>,
     metrics: AgentMetrics,
     progress: LoopProgress,
+    /// The live mode: `report` evicts nothing.
+    mode: watch::Receiver<Mode>,
     tracker: Tracker,
     limiter: RateLimiter,
     /// The clock origin: `core::evict` and the tracker take durations since it.
@@ -153,6 +160,7 @@ enum Wake {
     Pod(Result<watcher::Event<SlimPod>, watcher::Error>),
     Namespace(NamespaceEvent),
     Verdict,
+    Mode,
     /// A deferred retry or an enrollment grace is due.
     Due,
 }
@@ -187,8 +195,10 @@ pub async fn run(config: Config, clients: Clients, inputs: Inputs) {
     let Inputs {
         mut verdict,
         mut stop,
+        mut mode,
         ..
     } = inputs;
+    let mut may_evict = mode.borrow_and_update().may_evict();
     let mut pods = pod_stream(&clients, &config.node);
     let mut me = Inspector::new(
         config,
@@ -196,6 +206,7 @@ pub async fn run(config: Config, clients: Clients, inputs: Inputs) {
         inputs.state,
         inputs.metrics,
         inputs.progress,
+        mode.clone(),
     );
     let mut namespace_events = namespace_stream(&clients, me.namespaces.watched());
     me.on_verdict(&verdict.borrow_and_update());
@@ -218,6 +229,7 @@ pub async fn run(config: Config, clients: Clients, inputs: Inputs) {
                 verdict_open = changed.is_ok();
                 Wake::Verdict
             }
+            Ok(()) = mode.changed() => Wake::Mode,
             _ = sleep_until(retry) => Wake::Due,
         };
         match wake {
@@ -228,6 +240,15 @@ pub async fn run(config: Config, clients: Clients, inputs: Inputs) {
             }
             Wake::Namespace(ns) => me.on_namespace_event(ns),
             Wake::Verdict if verdict_open => me.on_verdict(&verdict.borrow_and_update()),
+            Wake::Mode => {
+                let now = mode.borrow_and_update().may_evict();
+                if now && !may_evict {
+                    // What report mode only reported is acted on now.
+                    tracing::info!(node = %me.config.node, pods = me.tracker.len(), "the mode evicts now; inspecting every meshed pod again");
+                    me.tracker.verdict_changed();
+                }
+                may_evict = now;
+            }
             Wake::Verdict | Wake::Due => {}
         }
         me.pass().await;
@@ -242,6 +263,7 @@ impl Inspector {
         state: Arc<Shared>,
         metrics: AgentMetrics,
         progress: LoopProgress,
+        mode: watch::Receiver<Mode>,
     ) -> Self {
         let profiles: Vec<&str> = config.profiles.iter().map(|p| p.name.as_str()).collect();
         tracing::info!(
@@ -262,6 +284,7 @@ impl Inspector {
             state,
             metrics,
             progress,
+            mode,
             tracker: Tracker::new(),
             origin: Instant::now(),
             last_verdict: None,

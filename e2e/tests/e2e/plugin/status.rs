@@ -32,6 +32,7 @@ async fn status_reports_nodes_pods_evictions_mode_and_the_webhook() -> anyhow::R
         profile_file: None,
         tag_hooks: false,
         taint_key: Default::default(),
+        mode: Default::default(),
     };
     let mut hook = Fixture::start_with(cp, "status", start).await?;
     let result = scenario(&mut hook).await;

@@ -29,7 +29,8 @@
 
 use crate::WAIT;
 use crate::support::{
-    AGENT, NS, bound_token, describe, dry_run_eviction, effective_rules, label_verified_dry_run,
+    AGENT, NS, bound_token, describe, dry_run_eviction, effective_rules,
+    expect_only_the_mode_configmap, expect_rules, label_verified_dry_run, mode_reader_rules,
     refused_by_policy, refused_by_rbac, status_of, triples, verdict,
 };
 use anyhow::{Context as _, bail, ensure};
@@ -407,6 +408,9 @@ impl Workload {
                 cmd.env(&e.name, v);
             } else if let Some(src) = &e.value_from {
                 match src.field_ref.as_ref().map(|f| f.field_path.as_str()) {
+                    Some("metadata.namespace") => {
+                        cmd.env(&e.name, NS);
+                    }
                     Some("spec.nodeName") => {
                         cmd.env(&e.name, node);
                     }

@@ -108,6 +108,7 @@ async fn the_agents_own_writes_pass(
 ) -> anyhow::Result<()> {
     use kube::runtime::events::{Event as Note, EventType, Recorder, Reporter};
     use meshgate_agent::daemon::node::{NodeGate, TaintEffect, TaintKey};
+    use meshgate_core::mode::Mode;
     let nodes: Api<Node> = Api::all(admin.clone());
     // 1. Everything the real agent writes passes: NodeGate (the taint and label JSON patch
     //    guarded by a resourceVersion test, the condition by strategic merge on nodes/status,
@@ -131,7 +132,7 @@ async fn the_agents_own_writes_pass(
         (false, true, "ChainedPluginMissing"),
     ] {
         let applied = gate
-            .reconcile(None, &verdict(verified)?)
+            .reconcile(None, &verdict(verified)?, Mode::Enforce)
             .await
             .with_context(|| format!("the agent's own writes (verified={verified})"))?;
         let n = nodes.get(c).await?;

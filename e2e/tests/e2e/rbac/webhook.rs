@@ -13,17 +13,20 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
         ("", &["nodes", "pods"][..], &["get", "list", "watch"][..]),
         ("", &["namespaces"], &["list", "watch"]),
     ];
-    // In meshgate's namespace only, the agent DaemonSet's placement.
+    // In meshgate's namespace only, the agent DaemonSet's placement and the mode ConfigMap.
     let mut in_ns = cluster_wide.to_vec();
     in_ns.push(("apps", &["daemonsets"], &["get", "list", "watch"]));
+    let mut own = triples(&in_ns);
+    own.extend(mode_reader_rules());
     for (ns, want) in [
-        (NS, triples(&in_ns)),
+        (NS, own),
         ("default", triples(&cluster_wide)),
         ("kube-system", triples(&cluster_wide)),
     ] {
         let have = effective_rules(&webhook, ns).await?;
         assert_eq!(have, want, "the webhook's rules in namespace {ns}");
     }
+    expect_only_the_mode_configmap(&webhook).await?;
 
     // Every kind of write it might be tempted to make is refused by RBAC (dry runs, so a
     // wrongly granted write would change nothing and still fail the test).
