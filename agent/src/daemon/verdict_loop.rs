@@ -418,6 +418,7 @@ async fn verify(cni: Arc<CniArgs>, prober: Arc<Prober>) -> ChainVerdict {
         config_file: None,
         plugins: Vec::new(),
         runtime,
+        delegate: None,
     }
 }
 
