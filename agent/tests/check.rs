@@ -622,3 +622,125 @@ fn a_conflist_as_deep_as_go_allows_is_judged_on_a_small_stack() {
         assert_eq!(got, code, "{levels}: {json}");
     }
 }
+
+/// A thin `00-multus.conf` as Multus's entrypoint writes it: the primary config copied into
+/// `delegates` (core/testdata/README.md).
+fn thin_multus(primary: &[u8]) -> Vec<u8> {
+    let master: Value = serde_json::from_slice(primary).unwrap();
+    serde_json::to_vec(&serde_json::json!({
+        "cniVersion": "0.3.1", "name": "multus-cni-network", "type": "multus",
+        "kubeconfig": "/etc/cni/net.d/multus.d/multus.kubeconfig", "delegates": [master],
+    }))
+    .unwrap()
+}
+
+#[test]
+fn multus_thin_node_is_verified_through_its_inline_delegate() {
+    let node = Node::new();
+    node.config("10-calico.conflist", &golden("calico.conflist"));
+    node.config(
+        "00-multus.conf",
+        &thin_multus(&golden("calico-linkerd.conflist")),
+    );
+    let json = assert_reason(&node, "Verified", 0, &[]);
+    assert_eq!(json["plugins"], serde_json::json!(["multus"]));
+    assert_eq!(json["delegate"]["layout"], "multus-thin");
+    assert_eq!(json["delegate"]["source"], "inline delegate #1");
+    assert_eq!(
+        json["delegate"]["plugins"],
+        serde_json::json!(["calico", "portmap", "bandwidth", "linkerd-cni"])
+    );
+    // Multus's own binary answers VERSION too.
+    fs::remove_file(node.bin.join("multus")).unwrap();
+    let json = assert_reason(&node, "PluginBinaryMissing", 1, &[]);
+    assert!(
+        json["message"]
+            .as_str()
+            .unwrap()
+            .contains("00-multus.conf: plugin #1"),
+        "{json}"
+    );
+    // The primary file beside it does not matter; the copy in delegates does.
+    node.plugin("multus", GOOD);
+    node.config("00-multus.conf", &thin_multus(&golden("calico.conflist")));
+    node.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
+    let json = assert_reason(&node, "ChainedPluginMissing", 1, &[]);
+    assert!(
+        json["message"]
+            .as_str()
+            .unwrap()
+            .contains("via multus (thin) inline delegate #1 does not chain linkerd-cni"),
+        "{json}"
+    );
+}
+
+#[test]
+fn multus_thick_delegate_file_verifies_and_its_drift_re_gates() {
+    let node = Node::new();
+    node.plugin("multus-shim", GOOD);
+    let primary = node.conf.join("10-calico.conflist");
+    // The thick daemon names the primary under /host, where its DaemonSet mounts the node's
+    // config directory.
+    let shim = serde_json::json!({
+        "cniVersion": "0.3.1", "name": "multus-cni-network", "type": "multus-shim",
+        "clusterNetwork": format!("/host{}", primary.display()),
+    });
+    node.config("00-multus.conf", &serde_json::to_vec(&shim).unwrap());
+    node.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
+    let json = assert_reason(&node, "Verified", 0, &[]);
+    assert_eq!(json["delegate"]["layout"], "multus-thick");
+    assert_eq!(json["delegate"]["file"], primary.display().to_string());
+
+    let mut text = common::agent_via(&[]);
+    let out = text
+        .args(["check", "--cni-conf-dir"])
+        .arg(&node.conf)
+        .arg("--cni-bin-dir")
+        .arg(&node.bin)
+        .args(["--require-plugin", "linkerd-cni"])
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        shown.contains(&format!(
+            "delegate: multus (thick) clusterNetwork {}: {}: calico → portmap → bandwidth → linkerd-cni",
+            primary.display(),
+            primary.display()
+        )),
+        "{shown}"
+    );
+
+    // Drift of the delegate file: the mesh plugin is gone, the file is broken, too large,
+    // deleted; each time the node is gated again, and restored it verifies.
+    node.config("10-calico.conflist", &golden("calico.conflist"));
+    assert_reason(&node, "ChainedPluginMissing", 1, &[]);
+    node.config("10-calico.conflist", b"{\"name\":");
+    assert_reason(&node, "ConfigInvalid", 1, &[]);
+    node.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
+    let json = assert_reason(&node, "ConfigInvalid", 1, &["--max-config-bytes", "700"]);
+    assert!(
+        json["message"]
+            .as_str()
+            .unwrap()
+            .contains("cannot be verified"),
+        "{json}"
+    );
+    fs::remove_file(&primary).unwrap();
+    let json = assert_reason(&node, "ConfigInvalid", 1, &[]);
+    assert!(
+        json["message"].as_str().unwrap().contains("does not exist"),
+        "{json}"
+    );
+    node.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
+    assert_reason(&node, "Verified", 0, &[]);
+    // A delegate binary going missing gates the node as well.
+    fs::remove_file(node.bin.join("linkerd-cni")).unwrap();
+    let json = assert_reason(&node, "PluginBinaryMissing", 1, &[]);
+    assert!(
+        json["message"]
+            .as_str()
+            .unwrap()
+            .contains("via multus (thick)"),
+        "{json}"
+    );
+}
