@@ -403,3 +403,50 @@ fn multus_messages_never_quote_the_delegate() {
         assert!(!v.message.contains(S), "{conf}: {}", v.message);
     }
 }
+
+#[test]
+fn cluster_network_directory_runs_its_first_config() {
+    let shim = |dir: &str| {
+        format!(r#"{{"cniVersion":"0.3.1","name":"multus-cni-network","type":"multus-shim","clusterNetwork":"{dir}"}}"#)
+            .into_bytes()
+    };
+    // GetCNIConfigFromFile("", dir): the first .conf/.json/.conflist by name.
+    let mut src = MemSource::new()
+        .file("00-multus.conf", shim("/host/etc/cni/multus/net.d"))
+        .file(
+            "../multus/net.d/10-default.conflist",
+            golden("istio-cni.conflist"),
+        )
+        .file(
+            "../multus/net.d/20-other.conflist",
+            golden("calico.conflist"),
+        )
+        .file("../multus/net.d/README", b"not a config".to_vec());
+    let v = run(&mut src, &["istio-cni"], &mut Bins::default());
+    assert_eq!(v.reason, Reason::Verified, "{}", v.message);
+    assert_eq!(
+        v.delegate.unwrap().file.as_deref(),
+        Some("/etc/cni/multus/net.d/10-default.conflist")
+    );
+    // A .json sorting first is the first config, but only .conf/.conflist make the
+    // directory count (libcni ConfFiles is called twice, with different extensions).
+    let mut src = MemSource::new()
+        .file("00-multus.conf", shim("/etc/cni/multus/net.d"))
+        .file("../multus/net.d/05-first.json", golden("linkerd-only.conf"))
+        .file(
+            "../multus/net.d/10-default.conflist",
+            golden("istio-cni.conflist"),
+        );
+    let v = run(&mut src, &["istio-cni"], &mut Bins::default());
+    assert_eq!(v.reason, Reason::ChainedPluginMissing, "{}", v.message);
+    let mut src = MemSource::new()
+        .file("00-multus.conf", shim("/etc/cni/multus/net.d"))
+        .file("../multus/net.d/05-only.json", golden("istio-cni.conflist"));
+    let v = run(&mut src, &["istio-cni"], &mut Bins::default());
+    assert_eq!(v.reason, Reason::ConfigInvalid, "{}", v.message);
+    assert!(
+        v.message.contains("without a .conf or .conflist"),
+        "{}",
+        v.message
+    );
+}

@@ -20,8 +20,9 @@
 //!   run by `AddNetworkList`: inline plugins only, never CNI 1.1 drop-ins).
 //! - `pkg/k8sclient/k8sclient.go` `getNetDelegate`: a `clusterNetwork` without `/` is a
 //!   NetworkAttachmentDefinition name looked up through the API first, then a network name
-//!   in Multus's own conf dir; with `/` it is a directory (its first config) or a file,
-//!   loaded with libcni `ConfListFromFile` (`.conflist`) or `ConfFromFile` (other names).
+//!   in Multus's own conf dir; with `/` it is a directory (its first config, as
+//!   `GetCNIConfigFromFile("", dir)` picks it) or a file, loaded with libcni
+//!   `ConfListFromFile` (`.conflist`) or `ConfFromFile` (other names).
 //! - `pkg/server/config/manager.go`: the thick daemon's generated `00-multus.conf` names the
 //!   primary config as `clusterNetwork` = `multusAutoconfigDir` + file; the shipped thick
 //!   DaemonSet (`deployments/multus-daemonset-thick.yml`) mounts the host's
@@ -32,7 +33,7 @@ use serde::{Deserialize, Serialize};
 
 use super::config::{NetConfList, PluginConf};
 use super::gojson::{self, GoValue};
-use super::listing::{ConfSource, SourceError, display, ext};
+use super::listing::{ConfSource, Dirent, SourceError, display, ext, is_config_name, join_clean};
 use super::reason::Reason;
 use super::select::EffectiveConfig;
 
@@ -274,22 +275,18 @@ fn from_file(
         format!("clusterNetwork file outside {conf_dir}")
     };
     let fail = |why: String| invalid(format!("its {source} {why}"));
-    let bytes = match src.read(&rel) {
-        Ok(b) => b,
-        Err(SourceError::NotFound) => {
-            return Err(fail(
-                "does not exist, so Multus fails every pod's ADD".into(),
-            ));
-        }
-        Err(SourceError::Io(why)) if why.contains("directory") => {
-            return Err(fail(
-                "is a directory; meshgate verifies a clusterNetwork file only".into(),
-            ));
-        }
-        Err(e) => return Err(fail(e.to_string())),
+    let (bytes, read) = read_path(src, &rel).map_err(fail)?;
+    let file = if read == rel {
+        host_path.to_string()
+    } else {
+        format!(
+            "{}/{}",
+            host_path.trim_end_matches('/'),
+            display(&read[rel.len()..]).trim_start_matches('/')
+        )
     };
     let doc = gojson::parse(&bytes).map_err(|e| fail(format!("is not valid JSON: {e}")))?;
-    let loaded = if ext(&rel) == b".conflist" {
+    let loaded = if ext(&read) == b".conflist" {
         NetConfList::from_go_map(&doc).map(drop)
     } else {
         PluginConf::decode_typed(&doc, None).and_then(|p| {
@@ -305,9 +302,47 @@ fn from_file(
     Ok(Delegate {
         layout,
         source,
-        file: Some(host_path.to_string()),
+        file: Some(file),
         list,
     })
+}
+
+/// Reads a `clusterNetwork` path as Multus does (`os.Stat`, then a file, or a directory's
+/// first config: libcni `ConfFiles` with `.conf`/`.conflist` must find one, then
+/// `GetCNIConfigFromFile("", dir)` takes the first `.conf`/`.json`/`.conflist`): the bytes
+/// and the relative path of the file read.
+fn read_path(src: &mut dyn ConfSource, rel: &[u8]) -> Result<(Vec<u8>, Vec<u8>), String> {
+    match src.read(rel) {
+        Ok(b) => Ok((b, rel.to_vec())),
+        Err(SourceError::Io(why)) if why == "is a directory" => first_in_dir(src, rel),
+        Err(SourceError::NotFound) => Err("does not exist, so Multus fails every pod's ADD".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A `clusterNetwork` directory: its first config file, read.
+fn first_in_dir(src: &mut dyn ConfSource, dir: &[u8]) -> Result<(Vec<u8>, Vec<u8>), String> {
+    let entries = src
+        .list(dir)
+        .map_err(|e| format!("is a directory that {e}"))?;
+    let files: Vec<&Dirent> = entries.iter().filter(|e| !e.is_dir).collect();
+    if !files
+        .iter()
+        .any(|f| matches!(ext(&f.name), b".conf" | b".conflist"))
+    {
+        return Err(
+            "is a directory without a .conf or .conflist file, so Multus finds no network in it"
+                .into(),
+        );
+    }
+    let Some(first) = files.iter().find(|f| is_config_name(&f.name)) else {
+        return Err("is a directory without a config file".into());
+    };
+    let path = join_clean(dir, &first.name);
+    let bytes = src
+        .read(&path)
+        .map_err(|e| format!("is a directory whose first config file {e}"))?;
+    Ok((bytes, path))
 }
 
 /// `abs` relative to `dir` (both absolute, lexically), with `..` to climb out of `dir`;

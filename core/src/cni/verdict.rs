@@ -58,7 +58,7 @@ pub struct ChainVerdict {
     /// When the effective chain is Multus: the cluster-default network it runs (for `check`
     /// output; the message names the layout and the delegate without its content).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub delegate: Option<DelegateView>,
+    pub delegate: Option<Box<DelegateView>>,
 }
 
 /// The cluster-default network a meta plugin (Multus) runs, as `check` shows it.
@@ -121,7 +121,7 @@ pub fn verify(
                     plugins: Vec::new(),
                 };
                 let mut v = out.verdict(u.reason, message, Some(file), plugins);
-                v.delegate = Some(view);
+                v.delegate = Some(Box::new(view));
                 return v;
             }
         },
@@ -130,11 +130,13 @@ pub fn verify(
     let problem = check_structure(&chain, &opts.required)
         .err()
         .or_else(|| binary_problem(&mut bins, &chain, &opts.required));
-    let view = delegate.as_ref().map(|(_, d)| DelegateView {
-        layout: d.layout,
-        source: d.source.clone(),
-        file: d.file.clone(),
-        plugins: d.list.plugin_types(),
+    let view = delegate.as_ref().map(|(_, d)| {
+        Box::new(DelegateView {
+            layout: d.layout,
+            source: d.source.clone(),
+            file: d.file.clone(),
+            plugins: d.list.plugin_types(),
+        })
     });
     let mut v = match problem {
         Some((reason, message)) => out.verdict(reason, message, Some(file.clone()), plugins),
