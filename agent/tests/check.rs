@@ -25,6 +25,13 @@ fn assert_reason(node: &Node, reason: &str, code: i32, extra: &[&str]) -> Value 
     json
 }
 
+/// Not verified for `reason`, and the message says `needle`.
+fn assert_names(node: &Node, reason: &str, extra: &[&str], needle: &str) {
+    let json = assert_reason(node, reason, 1, extra);
+    let message = json["message"].as_str().unwrap_or_default();
+    assert!(message.contains(needle), "{json}");
+}
+
 #[test]
 fn s1_verified_exits_zero_with_contract_json() {
     let node = Node::new();
@@ -186,10 +193,8 @@ fn usage_and_io_errors_exit_two() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
 }
 
-#[test]
-fn text_output_names_file_reason_and_chain() {
-    let node = Node::new();
-    node.config("10-calico.conflist", &golden("calico.conflist"));
+/// `meshgate-agent check` with text output on `node`: exit code and stdout.
+fn check_text(node: &Node) -> (Option<i32>, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_meshgate-agent"))
         .arg("check")
         .arg("--cni-conf-dir")
@@ -199,8 +204,15 @@ fn text_output_names_file_reason_and_chain() {
         .args(["--require-plugin", "linkerd-cni"])
         .output()
         .unwrap();
-    let text = String::from_utf8(out.stdout).unwrap();
-    assert_eq!(out.status.code(), Some(1));
+    (out.status.code(), String::from_utf8(out.stdout).unwrap())
+}
+
+#[test]
+fn text_output_names_file_reason_and_chain() {
+    let node = Node::new();
+    node.config("10-calico.conflist", &golden("calico.conflist"));
+    let (code, text) = check_text(&node);
+    assert_eq!(code, Some(1));
     assert!(
         text.contains("NOT VERIFIED (ChainedPluginMissing)"),
         "{text}"
@@ -652,25 +664,21 @@ fn multus_thin_node_is_verified_through_its_inline_delegate() {
     );
     // Multus's own binary answers VERSION too.
     fs::remove_file(node.bin.join("multus")).unwrap();
-    let json = assert_reason(&node, "PluginBinaryMissing", 1, &[]);
-    assert!(
-        json["message"]
-            .as_str()
-            .unwrap()
-            .contains("00-multus.conf: plugin #1"),
-        "{json}"
+    assert_names(
+        &node,
+        "PluginBinaryMissing",
+        &[],
+        "00-multus.conf: plugin #1",
     );
     // The primary file beside it does not matter; the copy in delegates does.
     node.plugin("multus", GOOD);
     node.config("00-multus.conf", &thin_multus(&golden("calico.conflist")));
     node.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
-    let json = assert_reason(&node, "ChainedPluginMissing", 1, &[]);
-    assert!(
-        json["message"]
-            .as_str()
-            .unwrap()
-            .contains("via multus (thin) inline delegate #1 does not chain linkerd-cni"),
-        "{json}"
+    assert_names(
+        &node,
+        "ChainedPluginMissing",
+        &[],
+        "via multus (thin) inline delegate #1 does not chain linkerd-cni",
     );
 }
 
@@ -691,16 +699,8 @@ fn multus_thick_delegate_file_verifies_and_its_drift_re_gates() {
     assert_eq!(json["delegate"]["layout"], "multus-thick");
     assert_eq!(json["delegate"]["file"], primary.display().to_string());
 
-    let mut text = common::agent_via(&[]);
-    let out = text
-        .args(["check", "--cni-conf-dir"])
-        .arg(&node.conf)
-        .arg("--cni-bin-dir")
-        .arg(&node.bin)
-        .args(["--require-plugin", "linkerd-cni"])
-        .output()
-        .unwrap();
-    let shown = String::from_utf8_lossy(&out.stdout);
+    let (code, shown) = check_text(&node);
+    assert_eq!(code, Some(0));
     assert!(
         shown.contains(&format!(
             "delegate: multus (thick) clusterNetwork {}: {}: calico → portmap → bandwidth → linkerd-cni",
@@ -717,30 +717,17 @@ fn multus_thick_delegate_file_verifies_and_its_drift_re_gates() {
     node.config("10-calico.conflist", b"{\"name\":");
     assert_reason(&node, "ConfigInvalid", 1, &[]);
     node.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
-    let json = assert_reason(&node, "ConfigInvalid", 1, &["--max-config-bytes", "700"]);
-    assert!(
-        json["message"]
-            .as_str()
-            .unwrap()
-            .contains("cannot be verified"),
-        "{json}"
+    assert_names(
+        &node,
+        "ConfigInvalid",
+        &["--max-config-bytes", "700"],
+        "cannot be verified",
     );
     fs::remove_file(&primary).unwrap();
-    let json = assert_reason(&node, "ConfigInvalid", 1, &[]);
-    assert!(
-        json["message"].as_str().unwrap().contains("does not exist"),
-        "{json}"
-    );
+    assert_names(&node, "ConfigInvalid", &[], "does not exist");
     node.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
     assert_reason(&node, "Verified", 0, &[]);
     // A delegate binary going missing gates the node as well.
     fs::remove_file(node.bin.join("linkerd-cni")).unwrap();
-    let json = assert_reason(&node, "PluginBinaryMissing", 1, &[]);
-    assert!(
-        json["message"]
-            .as_str()
-            .unwrap()
-            .contains("via multus (thick)"),
-        "{json}"
-    );
+    assert_names(&node, "PluginBinaryMissing", &[], "via multus (thick)");
 }

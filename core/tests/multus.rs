@@ -4,67 +4,14 @@
 //! generated `00-multus.conf(list)` with inline delegates, the thick daemon's generated
 //! `00-multus.conf` with a `clusterNetwork` path under `/host`, and a `clusterNetwork` name.
 
-use std::collections::BTreeMap;
-
+mod common;
+use common::{Bins, golden, golden_with, missing, opts, run_src};
 use meshgate_core::cni::listing::SourceError;
 use meshgate_core::cni::multus::Layout;
-use meshgate_core::cni::{
-    ChainVerdict, MemSource, ProbeOutcome, Reason, Runtime, VerifyOptions, verify,
-};
-
-fn golden(name: &str) -> Vec<u8> {
-    let path = format!("{}/testdata/{name}", env!("CARGO_MANIFEST_DIR"));
-    std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
-}
-
-fn golden_with(name: &str, from: &str, to: &str) -> Vec<u8> {
-    let text = String::from_utf8(golden(name)).unwrap();
-    assert!(text.contains(from), "{name} lacks {from:?}");
-    text.replacen(from, to, 1).into_bytes()
-}
-
-fn opts(required: &[&str]) -> VerifyOptions {
-    VerifyOptions {
-        conf_dir: "/etc/cni/net.d".into(),
-        runtime: Runtime::Containerd,
-        required: required.iter().map(|s| s.to_string()).collect(),
-    }
-}
-
-/// Healthy binaries for every type, except the ones given other outcomes; records calls.
-#[derive(Default)]
-struct Bins {
-    special: BTreeMap<&'static str, ProbeOutcome>,
-    calls: Vec<String>,
-}
-
-impl Bins {
-    fn with(mut self, t: &'static str, o: ProbeOutcome) -> Self {
-        self.special.insert(t, o);
-        self
-    }
-    fn probe(&mut self, t: &str) -> ProbeOutcome {
-        self.calls.push(t.to_string());
-        self.special
-            .get(t)
-            .cloned()
-            .unwrap_or_else(|| ProbeOutcome::Answered {
-                path: format!("/opt/cni/bin/{t}"),
-                supported: ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]
-                    .map(String::from)
-                    .to_vec(),
-            })
-    }
-}
+use meshgate_core::cni::{ChainVerdict, MemSource, ProbeOutcome, Reason};
 
 fn run(src: &mut MemSource, required: &[&str], bins: &mut Bins) -> ChainVerdict {
-    verify(src, &opts(required), |t| bins.probe(t))
-}
-
-fn missing() -> ProbeOutcome {
-    ProbeOutcome::Missing {
-        searched: vec!["/opt/cni/bin".into()],
-    }
+    run_src(src, &opts(required), bins)
 }
 
 /// The thick daemon's `00-multus.conf` beside the primary config it names.
@@ -81,7 +28,7 @@ fn thin_inline_delegate_chaining_the_mesh_plugin_is_verified() {
         let mut src = MemSource::new()
             .file(&name, golden(file))
             .file("10-calico.conflist", golden("calico.conflist"));
-        let mut bins = Bins::default();
+        let mut bins = Bins::healthy();
         let v = run(&mut src, &["istio-cni"], &mut bins);
         assert_eq!(v.reason, Reason::Verified, "{file}: {}", v.message);
         assert_eq!(
@@ -113,7 +60,7 @@ fn thin_inline_delegate_chaining_the_mesh_plugin_is_verified() {
 #[test]
 fn mesh_plugin_missing_from_the_delegate_is_chained_plugin_missing() {
     let mut src = MemSource::new().file("00-multus.conf", golden("multus.conf"));
-    let mut bins = Bins::default();
+    let mut bins = Bins::healthy();
     let v = run(&mut src, &["istio-cni"], &mut bins);
     assert_eq!(v.reason, Reason::ChainedPluginMissing, "{}", v.message);
     assert_eq!(
@@ -130,7 +77,7 @@ fn mesh_plugin_missing_from_the_delegate_is_chained_plugin_missing() {
 #[test]
 fn thick_cluster_network_path_under_host_is_the_hosts_conf_dir() {
     let mut src = thick_node("istio-cni.conflist");
-    let v = run(&mut src, &["istio-cni"], &mut Bins::default());
+    let v = run(&mut src, &["istio-cni"], &mut Bins::healthy());
     assert_eq!(v.reason, Reason::Verified, "{}", v.message);
     assert_eq!(v.plugins, ["multus-shim"]);
     let d = v.delegate.as_ref().unwrap();
@@ -149,7 +96,7 @@ fn thick_cluster_network_path_under_host_is_the_hosts_conf_dir() {
     );
 
     let mut src = thick_node("calico.conflist");
-    let v = run(&mut src, &["istio-cni"], &mut Bins::default());
+    let v = run(&mut src, &["istio-cni"], &mut Bins::healthy());
     assert_eq!(v.reason, Reason::ChainedPluginMissing, "{}", v.message);
     assert!(v.message.contains("via multus (thick)"), "{}", v.message);
 }
@@ -170,7 +117,7 @@ fn cluster_network_path_outside_the_conf_dir_is_read_and_not_named() {
             "../multus/net.d/default.conflist",
             golden("istio-cni.conflist"),
         );
-    let v = run(&mut src, &["istio-cni"], &mut Bins::default());
+    let v = run(&mut src, &["istio-cni"], &mut Bins::healthy());
     assert_eq!(v.reason, Reason::Verified, "{}", v.message);
     let d = v.delegate.unwrap();
     assert_eq!(
@@ -186,7 +133,7 @@ fn cluster_network_name_fails_closed_without_reading_further() {
     let mut src = MemSource::new()
         .file("00-multus.conf", golden("multus-thick-by-name.conf"))
         .file("10-calico.conflist", golden("istio-cni.conflist"));
-    let mut bins = Bins::default();
+    let mut bins = Bins::healthy();
     let v = run(&mut src, &["istio-cni"], &mut bins);
     assert_eq!(v.reason, Reason::ConfigInvalid, "{}", v.message);
     assert!(
@@ -235,7 +182,7 @@ fn delegate_file_missing_invalid_or_oversized_is_config_invalid() {
         ),
     ];
     for (mut src, text) in cases {
-        let v = run(&mut src, &["istio-cni"], &mut Bins::default());
+        let v = run(&mut src, &["istio-cni"], &mut Bins::healthy());
         assert_eq!(v.reason, Reason::ConfigInvalid, "{text}: {}", v.message);
         assert!(v.message.contains(text), "{:?} lacks {text:?}", v.message);
     }
@@ -244,7 +191,7 @@ fn delegate_file_missing_invalid_or_oversized_is_config_invalid() {
 #[test]
 fn delegate_binaries_are_probed_with_the_delegates_version() {
     let mut src = MemSource::new().file("00-multus.conf", golden("multus-thin-istio.conf"));
-    let mut bins = Bins::default().with("istio-cni", missing());
+    let mut bins = Bins::healthy().with("istio-cni", missing());
     let v = run(&mut src, &["istio-cni"], &mut bins);
     assert_eq!(v.reason, Reason::PluginBinaryMissing, "{}", v.message);
     assert!(
@@ -256,7 +203,7 @@ fn delegate_binaries_are_probed_with_the_delegates_version() {
     );
     // Multus's own binary first.
     let mut src = MemSource::new().file("00-multus.conf", golden("multus-thin-istio.conf"));
-    let mut bins = Bins::default().with("multus", missing());
+    let mut bins = Bins::healthy().with("multus", missing());
     let v = run(&mut src, &["istio-cni"], &mut bins);
     assert_eq!(v.reason, Reason::PluginBinaryMissing, "{}", v.message);
     assert!(
@@ -280,7 +227,7 @@ fn delegate_binaries_are_probed_with_the_delegates_version() {
     let v = run(
         &mut src,
         &["istio-cni"],
-        &mut Bins::default().with("calico", only_1),
+        &mut Bins::healthy().with("calico", only_1),
     );
     assert_eq!(v.reason, Reason::PluginBinaryBroken, "{}", v.message);
     assert!(
@@ -303,7 +250,7 @@ fn multus_chained_with_other_plugins_runs_them_after_the_delegate() {
         .unwrap()
         .replace("\"type\":\"istio-cni\"}]}", "\"type\":\"bandwidth\"}]}");
     let mut src = MemSource::new().file("00-multus.conflist", appended.into_bytes());
-    let v = run(&mut src, &["istio-cni"], &mut Bins::default());
+    let v = run(&mut src, &["istio-cni"], &mut Bins::healthy());
     assert_eq!(v.reason, Reason::Verified, "{}", v.message);
     assert_eq!(v.plugins, ["multus", "istio-cni"]);
     assert_eq!(
@@ -319,7 +266,7 @@ fn multus_chained_with_other_plugins_runs_them_after_the_delegate() {
         "\"plugins\": [ {\"type\": \"istio-cni\"}, {",
     );
     let mut src = MemSource::new().file("00-multus.conflist", first);
-    let v = run(&mut src, &["istio-cni"], &mut Bins::default());
+    let v = run(&mut src, &["istio-cni"], &mut Bins::healthy());
     assert_eq!(v.reason, Reason::PrimaryPluginMissing, "{}", v.message);
 }
 
@@ -332,7 +279,7 @@ fn delegate_drop_ins_are_not_run_by_multus() {
         "k8s-pod-network/50-istio-cni.conf",
         br#"{"type":"istio-cni"}"#.to_vec(),
     );
-    let v = run(&mut src, &["istio-cni"], &mut Bins::default());
+    let v = run(&mut src, &["istio-cni"], &mut Bins::healthy());
     assert_eq!(v.reason, Reason::ChainedPluginMissing, "{}", v.message);
 }
 
@@ -340,7 +287,7 @@ fn delegate_drop_ins_are_not_run_by_multus() {
 fn inline_delegates_load_as_multus_loads_them() {
     let single = br#"{"cniVersion":"0.3.1","name":"multus-cni-network","type":"multus","delegates":[{"cniVersion":"0.3.1","name":"cbr0","type":"flannel","delegate":{"isDefaultGateway":true}}]}"#;
     let mut src = MemSource::new().file("00-multus.conf", single.to_vec());
-    let v = run(&mut src, &[], &mut Bins::default());
+    let v = run(&mut src, &[], &mut Bins::healthy());
     assert_eq!(v.reason, Reason::Verified, "{}", v.message);
     assert_eq!(v.delegate.unwrap().plugins, ["flannel"]);
 
@@ -367,7 +314,7 @@ fn inline_delegates_load_as_multus_loads_them() {
         ),
     ] {
         let mut src = MemSource::new().file("00-multus.conf", conf.as_bytes().to_vec());
-        let v = run(&mut src, &[], &mut Bins::default());
+        let v = run(&mut src, &[], &mut Bins::healthy());
         assert_eq!(v.reason, Reason::ConfigInvalid, "{conf}: {}", v.message);
         assert!(v.message.contains(text), "{:?} lacks {text:?}", v.message);
     }
@@ -376,7 +323,7 @@ fn inline_delegates_load_as_multus_loads_them() {
     // the inline delegates.
     let folded = br#"{"name":"m","type":"multus","ClusterNetwork":"default","delegates":[{"name":"d","type":"bridge"}]}"#;
     let mut src = MemSource::new().file("00-multus.conf", folded.to_vec());
-    let v = run(&mut src, &[], &mut Bins::default());
+    let v = run(&mut src, &[], &mut Bins::healthy());
     assert_eq!(v.reason, Reason::ConfigInvalid, "{}", v.message);
     assert!(v.message.contains("network name"), "{}", v.message);
 }
@@ -397,7 +344,7 @@ fn multus_messages_never_quote_the_delegate() {
         let v = run(
             &mut src,
             &["istio-cni"],
-            &mut Bins::default().with("SECRETzz", missing()),
+            &mut Bins::healthy().with("SECRETzz", missing()),
         );
         assert_ne!(v.reason, Reason::Verified);
         assert!(!v.message.contains(S), "{conf}: {}", v.message);
@@ -422,7 +369,7 @@ fn cluster_network_directory_runs_its_first_config() {
             golden("calico.conflist"),
         )
         .file("../multus/net.d/README", b"not a config".to_vec());
-    let v = run(&mut src, &["istio-cni"], &mut Bins::default());
+    let v = run(&mut src, &["istio-cni"], &mut Bins::healthy());
     assert_eq!(v.reason, Reason::Verified, "{}", v.message);
     assert_eq!(
         v.delegate.unwrap().file.as_deref(),
@@ -437,12 +384,12 @@ fn cluster_network_directory_runs_its_first_config() {
             "../multus/net.d/10-default.conflist",
             golden("istio-cni.conflist"),
         );
-    let v = run(&mut src, &["istio-cni"], &mut Bins::default());
+    let v = run(&mut src, &["istio-cni"], &mut Bins::healthy());
     assert_eq!(v.reason, Reason::ChainedPluginMissing, "{}", v.message);
     let mut src = MemSource::new()
         .file("00-multus.conf", shim("/etc/cni/multus/net.d"))
         .file("../multus/net.d/05-only.json", golden("istio-cni.conflist"));
-    let v = run(&mut src, &["istio-cni"], &mut Bins::default());
+    let v = run(&mut src, &["istio-cni"], &mut Bins::healthy());
     assert_eq!(v.reason, Reason::ConfigInvalid, "{}", v.message);
     assert!(
         v.message.contains("without a .conf or .conflist"),
