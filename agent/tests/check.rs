@@ -25,6 +25,13 @@ fn assert_reason(node: &Node, reason: &str, code: i32, extra: &[&str]) -> Value 
     json
 }
 
+/// Not verified for `reason`, and the message says `needle`.
+fn assert_names(node: &Node, reason: &str, extra: &[&str], needle: &str) {
+    let json = assert_reason(node, reason, 1, extra);
+    let message = json["message"].as_str().unwrap_or_default();
+    assert!(message.contains(needle), "{json}");
+}
+
 #[test]
 fn s1_verified_exits_zero_with_contract_json() {
     let node = Node::new();
@@ -186,10 +193,8 @@ fn usage_and_io_errors_exit_two() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
 }
 
-#[test]
-fn text_output_names_file_reason_and_chain() {
-    let node = Node::new();
-    node.config("10-calico.conflist", &golden("calico.conflist"));
+/// `meshgate-agent check` with text output on `node`: exit code and stdout.
+fn check_text(node: &Node) -> (Option<i32>, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_meshgate-agent"))
         .arg("check")
         .arg("--cni-conf-dir")
@@ -199,8 +204,15 @@ fn text_output_names_file_reason_and_chain() {
         .args(["--require-plugin", "linkerd-cni"])
         .output()
         .unwrap();
-    let text = String::from_utf8(out.stdout).unwrap();
-    assert_eq!(out.status.code(), Some(1));
+    (out.status.code(), String::from_utf8(out.stdout).unwrap())
+}
+
+#[test]
+fn text_output_names_file_reason_and_chain() {
+    let node = Node::new();
+    node.config("10-calico.conflist", &golden("calico.conflist"));
+    let (code, text) = check_text(&node);
+    assert_eq!(code, Some(1));
     assert!(
         text.contains("NOT VERIFIED (ChainedPluginMissing)"),
         "{text}"
@@ -621,4 +633,101 @@ fn a_conflist_as_deep_as_go_allows_is_judged_on_a_small_stack() {
         assert_eq!(json["reason"], reason, "{levels}: {json}");
         assert_eq!(got, code, "{levels}: {json}");
     }
+}
+
+/// A thin `00-multus.conf` as Multus's entrypoint writes it: the primary config copied into
+/// `delegates` (core/testdata/README.md).
+fn thin_multus(primary: &[u8]) -> Vec<u8> {
+    let master: Value = serde_json::from_slice(primary).unwrap();
+    serde_json::to_vec(&serde_json::json!({
+        "cniVersion": "0.3.1", "name": "multus-cni-network", "type": "multus",
+        "kubeconfig": "/etc/cni/net.d/multus.d/multus.kubeconfig", "delegates": [master],
+    }))
+    .unwrap()
+}
+
+#[test]
+fn multus_thin_node_is_verified_through_its_inline_delegate() {
+    let node = Node::new();
+    node.config("10-calico.conflist", &golden("calico.conflist"));
+    node.config(
+        "00-multus.conf",
+        &thin_multus(&golden("calico-linkerd.conflist")),
+    );
+    let json = assert_reason(&node, "Verified", 0, &[]);
+    assert_eq!(json["plugins"], serde_json::json!(["multus"]));
+    assert_eq!(json["delegate"]["layout"], "multus-thin");
+    assert_eq!(json["delegate"]["source"], "inline delegate #1");
+    assert_eq!(
+        json["delegate"]["plugins"],
+        serde_json::json!(["calico", "portmap", "bandwidth", "linkerd-cni"])
+    );
+    // Multus's own binary answers VERSION too.
+    fs::remove_file(node.bin.join("multus")).unwrap();
+    assert_names(
+        &node,
+        "PluginBinaryMissing",
+        &[],
+        "00-multus.conf: plugin #1",
+    );
+    // The primary file beside it does not matter; the copy in delegates does.
+    node.plugin("multus", GOOD);
+    node.config("00-multus.conf", &thin_multus(&golden("calico.conflist")));
+    node.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
+    assert_names(
+        &node,
+        "ChainedPluginMissing",
+        &[],
+        "via multus (thin) inline delegate #1 does not chain linkerd-cni",
+    );
+}
+
+#[test]
+fn multus_thick_delegate_file_verifies_and_its_drift_re_gates() {
+    let node = Node::new();
+    node.plugin("multus-shim", GOOD);
+    let primary = node.conf.join("10-calico.conflist");
+    // The thick daemon names the primary under /host, where its DaemonSet mounts the node's
+    // config directory.
+    let shim = serde_json::json!({
+        "cniVersion": "0.3.1", "name": "multus-cni-network", "type": "multus-shim",
+        "clusterNetwork": format!("/host{}", primary.display()),
+    });
+    node.config("00-multus.conf", &serde_json::to_vec(&shim).unwrap());
+    node.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
+    let json = assert_reason(&node, "Verified", 0, &[]);
+    assert_eq!(json["delegate"]["layout"], "multus-thick");
+    assert_eq!(json["delegate"]["file"], primary.display().to_string());
+
+    let (code, shown) = check_text(&node);
+    assert_eq!(code, Some(0));
+    assert!(
+        shown.contains(&format!(
+            "delegate: multus (thick) clusterNetwork {}: {}: calico → portmap → bandwidth → linkerd-cni",
+            primary.display(),
+            primary.display()
+        )),
+        "{shown}"
+    );
+
+    // Drift of the delegate file: the mesh plugin is gone, the file is broken, too large,
+    // deleted; each time the node is gated again, and restored it verifies.
+    node.config("10-calico.conflist", &golden("calico.conflist"));
+    assert_reason(&node, "ChainedPluginMissing", 1, &[]);
+    node.config("10-calico.conflist", b"{\"name\":");
+    assert_reason(&node, "ConfigInvalid", 1, &[]);
+    node.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
+    assert_names(
+        &node,
+        "ConfigInvalid",
+        &["--max-config-bytes", "700"],
+        "cannot be verified",
+    );
+    fs::remove_file(&primary).unwrap();
+    assert_names(&node, "ConfigInvalid", &[], "does not exist");
+    node.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
+    assert_reason(&node, "Verified", 0, &[]);
+    // A delegate binary going missing gates the node as well.
+    fs::remove_file(node.bin.join("linkerd-cni")).unwrap();
+    assert_names(&node, "PluginBinaryMissing", &[], "via multus (thick)");
 }

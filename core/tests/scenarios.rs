@@ -3,93 +3,11 @@
 //! ocicni loading rules of issue 13, each on configs shaped as the peers' installers write
 //! them (core/testdata).
 
-use std::collections::BTreeMap;
-
+mod common;
+use common::{Bins, crio, dir, golden, golden_with, missing, opts, run, run_src};
 use meshgate_core::cni::listing::SourceError;
 use meshgate_core::cni::probe::ReplyError;
-use meshgate_core::cni::{
-    Broken, ChainVerdict, MemSource, ProbeOutcome, Reason, Runtime, VerifyOptions, verify,
-};
-
-fn golden(name: &str) -> Vec<u8> {
-    let path = format!("{}/testdata/{name}", env!("CARGO_MANIFEST_DIR"));
-    std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
-}
-
-/// A golden file with one textual replacement, asserting the replacement happened.
-fn golden_with(name: &str, from: &str, to: &str) -> Vec<u8> {
-    let text = String::from_utf8(golden(name)).unwrap();
-    assert!(text.contains(from), "{name} lacks {from:?}");
-    text.replacen(from, to, 1).into_bytes()
-}
-
-fn opts(required: &[&str]) -> VerifyOptions {
-    VerifyOptions {
-        conf_dir: "/etc/cni/net.d".into(),
-        runtime: Runtime::Containerd,
-        required: required.iter().map(|s| s.to_string()).collect(),
-    }
-}
-
-fn crio(required: &[&str]) -> VerifyOptions {
-    VerifyOptions {
-        runtime: Runtime::Crio,
-        ..opts(required)
-    }
-}
-
-/// A config directory from (name, content) pairs.
-fn dir(files: &[(&str, Vec<u8>)]) -> MemSource {
-    files
-        .iter()
-        .fold(MemSource::new(), |s, (n, c)| s.file(n, c.clone()))
-}
-
-/// A probe that answers like a healthy binary supporting the usual versions, except for the
-/// types given special outcomes.
-struct Bins {
-    special: BTreeMap<&'static str, ProbeOutcome>,
-    calls: Vec<String>,
-}
-
-impl Bins {
-    fn healthy() -> Self {
-        Self {
-            special: BTreeMap::new(),
-            calls: Vec::new(),
-        }
-    }
-    fn with(mut self, t: &'static str, o: ProbeOutcome) -> Self {
-        self.special.insert(t, o);
-        self
-    }
-    fn probe(&mut self, t: &str) -> ProbeOutcome {
-        self.calls.push(t.to_string());
-        self.special
-            .get(t)
-            .cloned()
-            .unwrap_or_else(|| ProbeOutcome::Answered {
-                path: format!("/opt/cni/bin/{t}"),
-                supported: ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]
-                    .map(String::from)
-                    .to_vec(),
-            })
-    }
-}
-
-fn run_src(src: &mut MemSource, o: &VerifyOptions, bins: &mut Bins) -> ChainVerdict {
-    verify(src, o, |t| bins.probe(t))
-}
-
-fn run(files: &[(&str, Vec<u8>)], o: &VerifyOptions, bins: &mut Bins) -> ChainVerdict {
-    run_src(&mut dir(files), o, bins)
-}
-
-fn missing() -> ProbeOutcome {
-    ProbeOutcome::Missing {
-        searched: vec!["/opt/cni/bin".into()],
-    }
-}
+use meshgate_core::cni::{Broken, MemSource, ProbeOutcome, Reason, Runtime, VerifyOptions};
 
 #[test]
 fn s1_primary_then_mesh_plugin_appended_is_verified() {

@@ -8,7 +8,7 @@
 //! - [`conflist`]: the Go-compatible JSON parser, `NetConfList`/`PluginConf` parsing,
 //!   `select_effective` for containerd and CRI-O over a lazy in-memory directory (with the
 //!   input as the first file, as a `.conf`, as a CNI 1.1 drop-in plugin, behind an invalid
-//!   file, and beside a symlinked directory), then `verify` with a deterministic fake prober,
+//!   file, beside a symlinked directory, and as a Multus `clusterNetwork` file), then `verify` with a deterministic fake prober,
 //!   checking that no message quotes the input; plus the VERSION reply decoders on the same
 //!   bytes.
 //! - [`netlink`]: `nftables::decode_buffer` on arbitrary nf_tables dump bytes, then
@@ -161,6 +161,10 @@ const DROP_IN_BASE: &str = r#"{"cniVersion":"1.1.0","name":"mg","plugins":[{"typ
 const GOOD: &str =
     r#"{"cniVersion":"0.3.1","name":"k8s","plugins":[{"type":"calico"},{"type":"linkerd-cni"}]}"#;
 
+/// A thick Multus `00-multus.conf` (core/testdata/multus-thick.conf's shape) whose
+/// `clusterNetwork` is the input, so the delegate loader runs on it.
+const MULTUS_BY_PATH: &str = r#"{"cniVersion":"0.3.1","name":"multus-cni-network","type":"multus-shim","clusterNetwork":"/host/etc/cni/net.d/10-delegate.conflist"}"#;
+
 /// A marker that must never appear in a verdict message when the input holds it.
 const MARK: &str = "QQMARKQQ";
 
@@ -178,7 +182,7 @@ fn conflist_exec(input: &[u8]) -> u64 {
     sig.add(u64::from(decode_version_reply(input).is_ok()));
     sig.add(u64::from(decode_error_reply(input).is_some()));
 
-    let sources: [MemSource; 5] = [
+    let sources: [MemSource; 6] = [
         MemSource::new().file("10-net.conflist", input),
         MemSource::new()
             .file("10-net.conf", input)
@@ -195,6 +199,9 @@ fn conflist_exec(input: &[u8]) -> u64 {
             .dir("d")
             .file(b"\xff.conflist", input)
             .file("10-good.conflist", GOOD),
+        MemSource::new()
+            .file("00-multus.conf", MULTUS_BY_PATH)
+            .file("10-delegate.conflist", input),
     ];
     let quotes_input = std::str::from_utf8(input).is_ok_and(|s| s.contains(MARK));
     for src in &sources {

@@ -67,6 +67,18 @@ pub fn render_text(v: &ChainVerdict) -> String {
     if !v.plugins.is_empty() {
         out.push_str(&format!("chain:    {}\n", v.plugins.join(" → ")));
     }
+    if let Some(d) = &v.delegate {
+        let runs = match (&d.file, d.plugins.is_empty()) {
+            (_, true) => "-".to_string(),
+            (Some(f), false) => format!("{f}: {}", d.plugins.join(" → ")),
+            (None, false) => d.plugins.join(" → "),
+        };
+        out.push_str(&format!(
+            "delegate: {} {}: {runs}\n",
+            d.layout.display(),
+            d.source
+        ));
+    }
     out.push_str(&format!("message:  {}\n", v.message));
     out
 }

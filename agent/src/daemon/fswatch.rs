@@ -7,11 +7,13 @@
 //! - A directory that does not exist yet (a primary CNI not installed) is waited for by
 //!   watching its nearest existing ancestor; [`FsWatch::ensure`] moves the watch onto the
 //!   directory once it appears, and back to an ancestor if it is removed.
+//! - A Multus `clusterNetwork` file outside the config dir (the verdict names it) is
+//!   followed too: its directory is watched, so editing the delegate re-verifies at once.
 //! - Open events are dropped: the verifier opens configs and runs plugin binaries itself, and
 //!   must not wake itself up.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
 use notify::event::{AccessKind, AccessMode};
@@ -29,6 +31,11 @@ struct Target {
 pub struct FsWatch {
     watcher: RecommendedWatcher,
     targets: Vec<Target>,
+    /// The directories whose events count (shared with the inotify callback).
+    dirs: Arc<RwLock<Vec<PathBuf>>>,
+    /// How many of `targets` are the fixed ones (config dir, bin dirs); a followed delegate
+    /// directory comes after them.
+    fixed: usize,
 }
 
 /// True for events that can change the verdict.
@@ -54,14 +61,15 @@ impl FsWatch {
         bin_dirs: &[PathBuf],
         tx: mpsc::UnboundedSender<Instant>,
     ) -> notify::Result<Self> {
-        let dirs: Arc<Vec<PathBuf>> = Arc::new(
+        let dirs: Arc<RwLock<Vec<PathBuf>>> = Arc::new(RwLock::new(
             std::iter::once(conf_dir.to_path_buf())
                 .chain(bin_dirs.iter().cloned())
                 .collect(),
-        );
+        ));
         let filter = dirs.clone();
         let watcher = notify::recommended_watcher(move |res: notify::Result<Event>| match res {
-            Ok(event) if relevant(&event, &filter) => {
+            // A poisoned lock (a panic elsewhere) counts every event: re-verifying is safe.
+            Ok(event) if filter.read().map_or(true, |d| relevant(&event, &d)) => {
                 let _ = tx.send(Instant::now());
             }
             Ok(_) => {}
@@ -81,9 +89,47 @@ impl FsWatch {
             mode: RecursiveMode::NonRecursive,
             watching: None,
         }));
-        let mut w = Self { watcher, targets };
+        let fixed = targets.len();
+        let mut w = Self {
+            watcher,
+            targets,
+            dirs,
+            fixed,
+        };
         w.ensure();
         Ok(w)
+    }
+
+    /// Follows the directory of the delegate file the last verdict read (a Multus
+    /// `clusterNetwork` path), unless the recursive config-dir watch already covers it;
+    /// `None` stops following. Cheap when it did not change.
+    pub fn follow_delegate(&mut self, file: Option<&Path>) {
+        let conf_dir = self.targets[0].dir.clone();
+        let want = file
+            .and_then(Path::parent)
+            .filter(|d| !d.starts_with(&conf_dir))
+            .map(Path::to_path_buf);
+        let have = self.targets.get(self.fixed).map(|t| t.dir.clone());
+        if want == have {
+            return;
+        }
+        if have.is_some()
+            && let Some(w) = self.targets.pop().and_then(|old| old.watching)
+        {
+            let _ = self.watcher.unwatch(&w);
+        }
+        if let Ok(mut dirs) = self.dirs.write() {
+            dirs.truncate(self.fixed);
+            dirs.extend(want.iter().cloned());
+        }
+        if let Some(dir) = want {
+            self.targets.push(Target {
+                dir,
+                mode: RecursiveMode::NonRecursive,
+                watching: None,
+            });
+        }
+        self.ensure();
     }
 
     /// Puts each watch on its directory if it exists now, else on its nearest existing
@@ -124,5 +170,55 @@ impl FsWatch {
         self.targets
             .iter()
             .all(|t| t.watching.as_deref() == Some(t.dir.as_path()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// Whether an event arrives within a second.
+    fn woke(rx: &mut mpsc::UnboundedReceiver<Instant>) -> bool {
+        for _ in 0..100 {
+            if rx.try_recv().is_ok() {
+                // The rest of the burst (modify, close-write) is not a second wake.
+                std::thread::sleep(Duration::from_millis(200));
+                while rx.try_recv().is_ok() {}
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        false
+    }
+
+    #[test]
+    fn a_delegate_file_outside_the_conf_dir_is_followed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let conf = tmp.path().join("net.d");
+        let other = tmp.path().join("multus/net.d");
+        std::fs::create_dir_all(&conf).unwrap();
+        std::fs::create_dir_all(&other).unwrap();
+        let delegate = other.join("default.conflist");
+        std::fs::write(&delegate, b"{}").unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let mut w = FsWatch::start(&conf, &[], tx).unwrap();
+        std::fs::write(&delegate, b"{ }").unwrap();
+        assert!(!woke(&mut rx), "not followed yet");
+        w.follow_delegate(Some(&delegate));
+        std::fs::write(&delegate, b"{  }").unwrap();
+        assert!(
+            woke(&mut rx),
+            "an edit of the followed delegate wakes the verifier"
+        );
+        // Still watching the config dir; a delegate inside it needs no extra watch.
+        w.follow_delegate(Some(&conf.join("10-calico.conflist")));
+        assert_eq!(w.targets.len(), 1);
+        woke(&mut rx); // what removing the watch itself reports
+
+        std::fs::write(&delegate, b"{}").unwrap();
+        assert!(!woke(&mut rx), "no longer followed");
+        std::fs::write(conf.join("10-calico.conflist"), b"{}").unwrap();
+        assert!(woke(&mut rx));
     }
 }

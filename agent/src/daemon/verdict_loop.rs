@@ -218,6 +218,8 @@ impl Daemon {
         self.progress.pass_started();
         if !matches!(wake, Wake::NodeChanged | Wake::ModeChanged) || self.verdict.is_none() {
             let v = verify(self.cni.clone(), self.prober.clone()).await;
+            let delegate = v.delegate.as_ref().and_then(|d| d.file.as_deref());
+            self.fs.follow_delegate(delegate.map(std::path::Path::new));
             self.adopt(v);
         }
         if let Some(v) = self.verdict.clone() {
@@ -447,6 +449,7 @@ async fn verify(cni: Arc<CniArgs>, prober: Arc<Prober>) -> ChainVerdict {
         config_file: None,
         plugins: Vec::new(),
         runtime,
+        delegate: None,
     }
 }
 

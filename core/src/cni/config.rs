@@ -134,6 +134,16 @@ impl PluginConf {
 
     /// Go's `json.Unmarshal` into `types.PluginConf`, then libcni's non-empty `type` check.
     fn decode(v: &GoValue, index: Option<usize>) -> Result<Self, ConfigError> {
+        let p = Self::decode_typed(v, index)?;
+        if p.plugin_type.is_empty() {
+            return Err(ConfigError::MissingType(index));
+        }
+        Ok(p)
+    }
+
+    /// Go's `json.Unmarshal` into `types.PluginConf` (or `types.NetConf`, the same fields)
+    /// alone: an empty `type` is no error here (Multus then reads the object as a list).
+    pub(super) fn decode_typed(v: &GoValue, index: Option<usize>) -> Result<Self, ConfigError> {
         let wrong = |field| ConfigError::PluginFieldType {
             plugin: index,
             field,
@@ -168,9 +178,6 @@ impl PluginConf {
         }
         if let Some(e) = first_err {
             return Err(e);
-        }
-        if p.plugin_type.is_empty() {
-            return Err(ConfigError::MissingType(index));
         }
         Ok(p)
     }
@@ -317,7 +324,9 @@ impl NetConfList {
         Self::from_go_map(&doc)
     }
 
-    fn from_go_map(doc: &GoValue) -> Result<Self, ConfigError> {
+    /// libcni `NetworkConfFromBytes` on an already decoded document (a delegate that a meta
+    /// plugin such as Multus re-marshals and hands to libcni's `ConfListFromBytes`).
+    pub(super) fn from_go_map(doc: &GoValue) -> Result<Self, ConfigError> {
         if !matches!(doc, GoValue::Object(_) | GoValue::Null) {
             return Err(ConfigError::NotAnObject);
         }
@@ -389,7 +398,11 @@ impl NetConfList {
     /// then `ConfListFromConf` (the list takes the typed `name` and `cniVersion`, and the
     /// plugin object is the Go map of the file, loaded like a `.conflist`).
     pub fn from_conf_bytes(bytes: &[u8]) -> Result<Self, ConfigError> {
-        let doc = gojson::parse(bytes)?;
+        Self::from_conf_value(gojson::parse(bytes)?)
+    }
+
+    /// libcni `ConfFromBytes` + `ConfListFromConf` on an already decoded document.
+    pub(super) fn from_conf_value(doc: GoValue) -> Result<Self, ConfigError> {
         let typed = PluginConf::decode(&doc, None)?;
         // ConfListFromConf unmarshals the bytes into map[string]interface{} again.
         if !matches!(doc, GoValue::Object(_)) {

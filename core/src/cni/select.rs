@@ -54,6 +54,9 @@ pub struct Skipped {
 pub struct EffectiveConfig {
     /// Raw file name of the effective config in the config directory.
     pub file: Vec<u8>,
+    /// The file's bytes as read (a meta plugin's own fields, such as Multus's delegates,
+    /// are read from them without reading the file twice).
+    pub bytes: Vec<u8>,
     /// The loaded chain, drop-in plugins included.
     pub list: NetConfList,
     /// Drop-in plugin file names appended to the chain, in order.
@@ -134,10 +137,11 @@ pub fn select_effective(
     for c in candidates {
         let file = c.name;
         let (reason, why) = match load(src, &file) {
-            Ok((list, drop_ins)) => match validated(rules, validate, &list) {
+            Ok((bytes, list, drop_ins)) => match validated(rules, validate, &list) {
                 Ok(()) => {
                     return Ok(EffectiveConfig {
                         file,
+                        bytes,
                         list,
                         drop_ins,
                         skipped,
@@ -187,17 +191,19 @@ fn validated(
     }
 }
 
-/// Loads one candidate as go-cni / ocicni would, drop-ins included.
-fn load(src: &mut dyn ConfSource, file: &[u8]) -> Result<(NetConfList, Vec<Vec<u8>>), LoadFail> {
+type Loaded = (Vec<u8>, NetConfList, Vec<Vec<u8>>);
+
+/// Loads one candidate as go-cni / ocicni would, drop-ins included: its bytes, the chain, and
+/// the drop-in file names.
+fn load(src: &mut dyn ConfSource, file: &[u8]) -> Result<Loaded, LoadFail> {
     let bytes = src.read(file).map_err(from_source)?;
     if ext(file) != b".conflist" {
         let list =
             NetConfList::from_conf_bytes(&bytes).map_err(|e| LoadFail::Error(e.to_string()))?;
-        return Ok((list, Vec::new()));
+        return Ok((bytes, list, Vec::new()));
     }
     let mut list =
         NetConfList::from_conflist_bytes(&bytes).map_err(|e| LoadFail::Error(e.to_string()))?;
-    drop(bytes);
     let mut drop_ins = Vec::new();
     if !list.load_only_inlined_plugins {
         let dir = join_clean(b"", list.name.as_bytes());
@@ -240,5 +246,5 @@ fn load(src: &mut dyn ConfSource, file: &[u8]) -> Result<(NetConfList, Vec<Vec<u
             "has no plugins (none inline and none in its drop-in directory)".into(),
         ));
     }
-    Ok((list, drop_ins))
+    Ok((bytes, list, drop_ins))
 }

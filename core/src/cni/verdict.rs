@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use super::binaries::{self, Binaries};
 use super::config::NetConfList;
 use super::listing::{CONFIG_EXTENSIONS, ConfSource, display};
+use super::multus::{self, Delegate, Layout};
 use super::probe::ProbeOutcome;
 use super::reason::Reason;
 use super::runtime::Runtime;
@@ -54,6 +55,25 @@ pub struct ChainVerdict {
     pub plugins: Vec<String>,
     /// The runtime semantics applied.
     pub runtime: Runtime,
+    /// When the effective chain is Multus: the cluster-default network it runs (for `check`
+    /// output; the message names the layout and the delegate without its content).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delegate: Option<Box<DelegateView>>,
+}
+
+/// The cluster-default network a meta plugin (Multus) runs, as `check` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DelegateView {
+    /// `multus-thin` or `multus-thick`.
+    pub layout: Layout,
+    /// Where the delegate came from, as the message names it (`inline delegate #1`,
+    /// `clusterNetwork /etc/cni/net.d/10-calico.conflist`).
+    pub source: String,
+    /// A `clusterNetwork` file's path on the node, which the agent also watches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<String>,
+    /// The delegate chain's plugin types, in order (empty when it could not be loaded).
+    pub plugins: Vec<String>,
 }
 
 /// Plugin types that never create the pod's interface: a chain made only of these (and the
@@ -83,14 +103,88 @@ pub fn verify(
     };
     let file = out.path(&eff.file);
     let plugins = eff.list.plugin_types();
-    let problem = check_structure(&eff, &opts.required, &file)
+    let delegate = match multus::find(&eff.list) {
+        None => None,
+        Some((at, layout)) => match multus::resolve(src, &opts.conf_dir, &eff, at, layout) {
+            Ok(d) => Some((at, d)),
+            Err(u) => {
+                let message = format!(
+                    "{file} runs {} (plugin #{}), whose cluster-default network cannot be verified: {}",
+                    layout.display(),
+                    at + 1,
+                    u.why
+                );
+                let view = DelegateView {
+                    layout,
+                    source: "its cluster-default network (not resolved)".into(),
+                    file: None,
+                    plugins: Vec::new(),
+                };
+                let mut v = out.verdict(u.reason, message, Some(file), plugins);
+                v.delegate = Some(Box::new(view));
+                return v;
+            }
+        },
+    };
+    let chain = Chain::new(&eff, delegate.as_ref(), &file);
+    let problem = check_structure(&chain, &opts.required)
         .err()
-        .or_else(|| binary_problem(&mut bins, &eff, &opts.required, &file));
-    if let Some((reason, message)) = problem {
-        return out.verdict(reason, message, Some(file), plugins);
+        .or_else(|| binary_problem(&mut bins, &chain, &opts.required));
+    let view = delegate.as_ref().map(|(_, d)| {
+        Box::new(DelegateView {
+            layout: d.layout,
+            source: d.source.clone(),
+            file: d.file.clone(),
+            plugins: d.list.plugin_types(),
+        })
+    });
+    let mut v = match problem {
+        Some((reason, message)) => out.verdict(reason, message, Some(file.clone()), plugins),
+        None => {
+            let message = verified_message(opts, &eff, &chain, bins.distinct());
+            out.verdict(Reason::Verified, message, Some(file.clone()), plugins)
+        }
+    };
+    v.delegate = view;
+    v
+}
+
+/// The chain the runtime really runs for a pod: the effective list, or, when it runs Multus,
+/// the list with the Multus plugin expanded into its cluster-default delegate chain.
+struct Chain<'a> {
+    /// How messages name it: the file, or `<file> via multus (thin) inline delegate #1`.
+    name: String,
+    /// The plugin types in the order they run.
+    types: Vec<&'a str>,
+    /// Each loaded list whose binaries must answer, with how messages prefix its positions.
+    lists: Vec<(&'a NetConfList, String)>,
+}
+
+impl<'a> Chain<'a> {
+    fn new(eff: &'a EffectiveConfig, delegate: Option<&'a (usize, Delegate)>, file: &str) -> Self {
+        let top: Vec<&str> = eff
+            .list
+            .plugins
+            .iter()
+            .map(|p| p.plugin_type.as_str())
+            .collect();
+        let Some((at, d)) = delegate else {
+            return Chain {
+                name: file.to_string(),
+                types: top,
+                lists: vec![(&eff.list, file.to_string())],
+            };
+        };
+        let name = format!("{file} via {} {}", d.layout.display(), d.source);
+        let mut types: Vec<&str> = top[..*at].to_vec();
+        types.extend(d.list.plugins.iter().map(|p| p.plugin_type.as_str()));
+        types.extend(&top[at + 1..]);
+        Chain {
+            lists: vec![(&eff.list, file.to_string()), (&d.list, name.clone())],
+            name,
+            types,
+        }
     }
-    let message = verified_message(opts, &eff, &file, bins.distinct());
-    out.verdict(Reason::Verified, message, Some(file), plugins)
 }
 
 /// Names files and builds verdicts for one verification.
@@ -132,6 +226,7 @@ impl Report<'_> {
             config_file: file,
             plugins,
             runtime: self.opts.runtime,
+            delegate: None,
         }
     }
 
@@ -215,31 +310,17 @@ fn select<P: FnMut(&str) -> ProbeOutcome>(
     select_effective(src, rules, &mut validate).map_err(|why| out.not_selected(why))
 }
 
-/// The first binary problem of the effective chain, with how many more there are: chain
-/// plugins (libcni `ValidateNetworkList`), then delegated IPAM plugins.
+/// The first binary problem of the chain, with how many more there are: for each list (the
+/// effective one, then a Multus delegate), its chain plugins (libcni `ValidateNetworkList`,
+/// with that list's cniVersion), then its delegated IPAM plugins.
 fn binary_problem<P: FnMut(&str) -> ProbeOutcome>(
     bins: &mut Binaries<P>,
-    eff: &EffectiveConfig,
+    chain: &Chain<'_>,
     required: &[String],
-    file: &str,
 ) -> Option<(Reason, String)> {
-    let version = eff.list.version_to_check().to_string();
-    let mut problems: Vec<(Reason, String)> = bins
-        .validate_chain(&eff.list)
-        .into_iter()
-        .map(|(i, p)| {
-            let label = binaries::label(required, i, &eff.list.plugins[i].plugin_type);
-            (p.reason, format!("{label}: {}", p.why))
-        })
-        .collect();
-    for (i, p) in eff.list.plugins.iter().enumerate() {
-        let Some(ipam) = p.ipam_type() else { continue };
-        if let Err(problem) = bins.check(ipam, &version) {
-            problems.push((
-                problem.reason,
-                format!("the IPAM plugin of plugin #{}: {}", i + 1, problem.why),
-            ));
-        }
+    let mut problems: Vec<(Reason, String)> = Vec::new();
+    for (list, prefix) in &chain.lists {
+        list_binary_problems(bins, list, required, prefix, &mut problems);
     }
     let n = problems.len();
     let (reason, first) = problems.into_iter().next()?;
@@ -251,7 +332,35 @@ fn binary_problem<P: FnMut(&str) -> ProbeOutcome>(
             if n > 2 { "s" } else { "" }
         ),
     };
-    Some((reason, format!("{file}: {first}{more}")))
+    Some((reason, format!("{first}{more}")))
+}
+
+/// One list's binary problems, each message prefixed with how the list is named.
+fn list_binary_problems<P: FnMut(&str) -> ProbeOutcome>(
+    bins: &mut Binaries<P>,
+    list: &NetConfList,
+    required: &[String],
+    prefix: &str,
+    problems: &mut Vec<(Reason, String)>,
+) {
+    let version = list.version_to_check().to_string();
+    for (i, p) in bins.validate_chain(list) {
+        let label = binaries::label(required, i, &list.plugins[i].plugin_type);
+        problems.push((p.reason, format!("{prefix}: {label}: {}", p.why)));
+    }
+    for (i, p) in list.plugins.iter().enumerate() {
+        let Some(ipam) = p.ipam_type() else { continue };
+        if let Err(problem) = bins.check(ipam, &version) {
+            problems.push((
+                problem.reason,
+                format!(
+                    "{prefix}: the IPAM plugin of plugin #{}: {}",
+                    i + 1,
+                    problem.why
+                ),
+            ));
+        }
+    }
 }
 
 /// What a verified chain's message says: the required plugins, the drop-ins, the binaries
@@ -259,11 +368,12 @@ fn binary_problem<P: FnMut(&str) -> ProbeOutcome>(
 fn verified_message(
     opts: &VerifyOptions,
     eff: &EffectiveConfig,
-    file: &str,
+    chain: &Chain<'_>,
     distinct: usize,
 ) -> String {
     let required = opts.required.join(", ");
-    let n = eff.list.plugins.len();
+    let n = chain.types.len();
+    let file = &chain.name;
     let mut message = if required.is_empty() {
         format!(
             "{file} loads a chain of {n} plugin{}",
@@ -281,8 +391,13 @@ fn verified_message(
         ));
     }
     message.push_str(&format!(
-        "; {distinct} plugin binar{} answer VERSION supporting the list's cniVersion",
-        if distinct == 1 { "y" } else { "ies" }
+        "; {distinct} plugin binar{} answer VERSION supporting {}",
+        if distinct == 1 { "y" } else { "ies" },
+        if chain.lists.len() == 1 {
+            "the list's cniVersion"
+        } else {
+            "their list's cniVersion"
+        }
     ));
     if !eff.skipped.is_empty() {
         message.push_str(&format!(
@@ -307,17 +422,9 @@ fn name_list<'a>(names: impl ExactSizeIterator<Item = &'a Vec<u8>>) -> String {
 }
 
 /// The chain-structure checks, which need no binary.
-fn check_structure(
-    eff: &EffectiveConfig,
-    required: &[String],
-    file: &str,
-) -> Result<(), (Reason, String)> {
-    let types: Vec<&str> = eff
-        .list
-        .plugins
-        .iter()
-        .map(|p| p.plugin_type.as_str())
-        .collect();
+fn check_structure(chain: &Chain<'_>, required: &[String]) -> Result<(), (Reason, String)> {
+    let types = &chain.types;
+    let file = &chain.name;
     let missing: Vec<&str> = required
         .iter()
         .map(String::as_str)

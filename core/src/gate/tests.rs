@@ -28,6 +28,7 @@ fn verdict(reason: Reason, message: &str) -> ChainVerdict {
         config_file: None,
         plugins: vec![],
         runtime: Runtime::Containerd,
+        delegate: None,
     }
 }
 

@@ -253,6 +253,47 @@ async fn every_unverified_reason_keeps_the_node_tainted() -> anyhow::Result<()> 
     Ok(())
 }
 
+/// Multus as the primary CNI (issue 21): the node is verified through the cluster-default
+/// network the thin plugin runs (a `clusterNetwork` file outside the config dir), and drift of
+/// that file re-gates the node through the file watch, with the periodic resync an hour away.
+#[tokio::test]
+async fn a_multus_node_is_gated_on_its_cluster_default_delegate() -> anyhow::Result<()> {
+    let cp = cp().await;
+    let client = cp.client()?;
+    let (node, dirs, _agent) = start_node(
+        cp,
+        &client,
+        "agent-multus",
+        Some("calico.conflist"),
+        &["--resync-interval", "1h"],
+    )
+    .await?;
+    wait_gated_naming(&client, &node, "ChainedPluginMissing", "10-calico.conflist").await?;
+
+    let outside = dirs.scratch().join("multus-net.d");
+    std::fs::create_dir(&outside)?;
+    let delegate = outside.join("default.conflist");
+    std::fs::write(&delegate, golden("calico-linkerd.conflist")?)?;
+    let thin = serde_json::json!({
+        "cniVersion": "0.3.1", "name": "multus-cni-network", "type": "multus",
+        "clusterNetwork": delegate.display().to_string(),
+    });
+    dirs.config("00-multus.conf", &serde_json::to_vec(&thin)?)?;
+    let n = wait_node(&client, &node, "Verified through the Multus delegate", open).await?;
+    let (_, _, message) = condition(&n).unwrap_or_default();
+    assert!(
+        message.contains("00-multus.conf via multus (thin) clusterNetwork file outside"),
+        "{message}"
+    );
+
+    // The installer rewrites the delegate without the mesh plugin (write, then rename).
+    let tmp = outside.join(".default.tmp");
+    std::fs::write(&tmp, golden("calico.conflist")?)?;
+    std::fs::rename(&tmp, &delegate)?;
+    wait_gated_naming(&client, &node, "ChainedPluginMissing", "via multus (thin)").await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_missing_taint_is_restored_at_start_and_after_tampering() -> anyhow::Result<()> {
     let cp = cp().await;
