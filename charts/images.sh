@@ -1,33 +1,34 @@
 #!/usr/bin/env bash
-# The image reference of meshgate's manifests: pinned by digest, in one place
-# (manifests/base/kustomization.yaml, `images:`), so both installs (manifests/ and
-# manifests/cert-manager/) run exactly the bytes a release pushed.
+# The image reference of meshgate's chart: pinned by digest, in one place
+# (charts/meshgate/values.yaml, `image:`), so every install from the chart runs exactly the
+# bytes a release pushed.
 #
-#   manifests/images.sh pin ghcr.io/meshgate/meshgate:TAG@sha256:DIGEST  # a release, its push
-#   manifests/images.sh check [--release]                                # make test; a release
+#   charts/images.sh pin ghcr.io/meshgate/meshgate:TAG@sha256:DIGEST  # a release, its push
+#   charts/images.sh check [--release]                                # make test; a release
 #
-# `pin` changes the tag and digest only: overlays select the image by that name (your own
-# registry goes into your kustomization as `newName` + `digest`, docs/operations.md).
-# `check` renders manifests/, manifests/cert-manager/ and e2e/overlay/ with `kubectl
-# kustomize` (KUBECTL, or kubectl on PATH; from a copy, with empty TLS files where
-# tls/generate.sh has not run) and fails unless every meshgate container of the
-# two installs names the image by tag and digest, and the e2e overlay's its local build by
-# tag alone (its own image, imported on the node, has no registry digest). `--release` also
-# refuses the all-zero digest an unreleased tree carries. Exit 0 when all holds, 1 when not,
-# 2 on a usage error.
+# `pin` changes the tag and digest only (a mirror sets `image.repository` and keeps them,
+# docs/operations.md). `check` renders the chart with `helm template` (HELM, or helm on PATH)
+# with its default values and with tls.mode certManager, and fails unless every meshgate
+# container, the uninstall hook's included, names the image by tag and digest; and renders it
+# with the real node's values (e2e/chart/real-node-values.yaml), which must run the local
+# build by tag alone (its own image, imported on the node, has no registry digest).
+# `--release` also refuses the all-zero digest an unreleased tree carries. Exit 0 when all
+# holds, 1 when not, 2 on a usage error.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-base="$here/base/kustomization.yaml"
-kubectl="${KUBECTL:-kubectl}"
+chart="$here/meshgate"
+values="$chart/values.yaml"
+e2e_values="$here/../e2e/chart/real-node-values.yaml"
+helm="${HELM:-helm}"
 name="ghcr.io/meshgate/meshgate"
 digest_re='sha256:[0-9a-f]{64}'
 zero="sha256:$(printf '0%.0s' {1..64})"
-tree=""
 
-# Every `image:` value of meshgate's containers in a rendered kustomization.
+# Every `image:` value of meshgate's containers in the chart rendered with these flags.
 images_of() {
-  "$kubectl" kustomize "$1" | sed -n 's/^ *image: *//p' | grep 'meshgate/meshgate' || true
+  "$helm" template meshgate "$chart" --namespace kube-system "$@" \
+    | sed -n 's/^ *image: *//p' | tr -d '"' | grep 'meshgate/meshgate' || true
 }
 
 pin() {
@@ -37,50 +38,47 @@ pin() {
     exit 2
   fi
   local tag="${BASH_REMATCH[1]}" digest="${BASH_REMATCH[2]}"
-  # Rewrite the two fields under the one `images:` entry.
+  # Rewrite the two fields under the one top-level `image:` key.
   awk -v tag="$tag" -v digest="$digest" '
-    /^images:/ { inside = 1; print; next }
-    inside && /^[^ #-]/ { inside = 0 }
-    inside && /^    newTag:/ { print "    newTag: " tag; next }
-    inside && /^    digest:/ { print "    digest: " digest; next }
+    /^image:/ { inside = 1; print; next }
+    inside && /^[^ #]/ { inside = 0 }
+    inside && /^  tag:/ { print "  tag: " tag; next }
+    inside && /^  digest:/ { print "  digest: " digest; next }
     { print }
-  ' "$base" >"$base.tmp"
-  mv "$base.tmp" "$base"
-  echo "pinned $name:$tag@$digest in $base"
+  ' "$values" >"$values.tmp"
+  mv "$values.tmp" "$values"
+  echo "pinned $name:$tag@$digest in $values"
 }
 
 check() {
   local release="${1:-}" failed=0 install image
-  tree="$(mktemp -d)"
-  trap 'rm -rf "$tree"' EXIT
-  mkdir -p "$tree/e2e"
-  cp -r "$here" "$tree/manifests"
-  cp -r "$here/../e2e/overlay" "$tree/e2e/overlay"
-  for f in tls.crt tls.key ca.crt; do
-    [[ -e "$tree/manifests/tls/$f" ]] || : >"$tree/manifests/tls/$f"
-  done
-  for install in "$tree/manifests" "$tree/manifests/cert-manager"; do
-    while read -r image; do
+  local -a installs=("default values" "tls.mode certManager")
+  local -a flags=("" "--set tls.mode=certManager")
+  for i in "${!installs[@]}"; do
+    install="${installs[$i]}"
+    # shellcheck disable=SC2086 # the flags are words
+    mapfile -t found < <(images_of ${flags[$i]})
+    [[ ${#found[@]} -gt 0 ]] || { echo "images.sh: no meshgate image in the chart ($install)" >&2; failed=1; }
+    for image in "${found[@]}"; do
       if [[ ! "$image" =~ :[A-Za-z0-9_.-]+@$digest_re$ ]]; then
-        echo "images.sh: ${install#"$tree/"} runs '$image', not pinned by tag and digest" >&2
+        echo "images.sh: the chart ($install) runs '$image', not pinned by tag and digest" >&2
         failed=1
       elif [[ "$release" == "--release" && "$image" == *"@$zero" ]]; then
-        echo "images.sh: ${install#"$tree/"} still carries the unreleased all-zero digest" >&2
+        echo "images.sh: the chart ($install) still carries the unreleased all-zero digest" >&2
         failed=1
       fi
-    done < <(images_of "$install")
-    [[ -n "$(images_of "$install")" ]] || { echo "images.sh: no meshgate image in ${install#"$tree/"}" >&2; failed=1; }
+    done
   done
-  local overlay="$tree/e2e/overlay"
-  while read -r image; do
+  mapfile -t found < <(images_of --values "$e2e_values")
+  [[ ${#found[@]} -gt 0 ]] || { echo "images.sh: no meshgate image with the real node's values" >&2; failed=1; }
+  for image in "${found[@]}"; do
     if [[ "$image" != "localhost/meshgate/meshgate:e2e" ]]; then
-      echo "images.sh: the e2e overlay runs '$image', not its local build" >&2
+      echo "images.sh: the real node's values run '$image', not the local build" >&2
       failed=1
     fi
-  done < <(images_of "$overlay")
-  [[ -n "$(images_of "$overlay")" ]] || { echo "images.sh: no meshgate image in the e2e overlay" >&2; failed=1; }
+  done
   if [[ $failed -eq 0 ]]; then
-    echo "images.sh: both installs pin the image by digest; the e2e overlay runs its local build"
+    echo "images.sh: the chart pins the image by digest; the real node's values run the local build"
   fi
   return $failed
 }

@@ -3,29 +3,39 @@
 # installed by e2e/install-deps.sh). Called by `make test` and by the e2e test
 # `rbac::alert_rules_pass_promtool`.
 #
-# In: prometheusrule.yaml (its `spec` is a plain Prometheus rules file) and tests/*.yaml
-# (promtool unit tests naming `rule_files: [meshgate.rules.yaml]`). Out: promtool's report;
-# exit 0 when the rules are valid and every test passes, 1 on a failure, 2 when promtool is
-# missing or the rules cannot be extracted.
+# In: the chart's PrometheusRule, rendered with `helm template` (HELM, or helm on PATH) and
+# its default values plus monitoring.prometheusRule=true (its `spec` is a plain Prometheus
+# rules file), and tests/*.yaml (promtool unit tests naming `rule_files:
+# [meshgate.rules.yaml]`). Out: promtool's report; exit 0 when the rules are valid and every
+# test passes, 1 on a failure, 2 when promtool or helm is missing or the rules cannot be
+# extracted.
 #
-# To use the rules without the Prometheus Operator: `manifests/monitoring/test.sh --extract`
-# prints the plain rules file.
+# To use the rules without the Prometheus Operator: `charts/monitoring/test.sh --extract
+# [HELM FLAGS]` prints the plain rules file (for your taint key: --set taintKey=...).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+helm="${HELM:-helm}"
 
-# The lines under the top-level `spec:` key, de-indented by two spaces, up to the next
-# top-level key or document separator.
+# The lines under the rendered rule's top-level `spec:` key, de-indented by two spaces, up to
+# the next top-level key or document separator.
 extract() {
-  awk '
+  "$helm" template meshgate "$here/../meshgate" --namespace kube-system \
+    --set monitoring.prometheusRule=true --show-only templates/prometheusrule.yaml "$@" \
+    | awk '
     /^spec:[[:space:]]*$/ { inside = 1; next }
     inside && /^(---|[^[:space:]#])/ { exit }
     inside { sub(/^  /, ""); print }
-  ' "$here/prometheusrule.yaml"
+  '
 }
 
+if ! command -v "$helm" >/dev/null; then
+  echo "test.sh: helm not found: e2e/install-deps.sh builds it (MESHGATE_HELM_BIN_DIR), or set HELM" >&2
+  exit 2
+fi
 if [[ "${1:-}" == "--extract" ]]; then
-  extract
+  shift
+  extract "$@"
   exit 0
 fi
 
@@ -39,7 +49,7 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 extract >"$work/meshgate.rules.yaml"
 if ! grep -q '^groups:' "$work/meshgate.rules.yaml"; then
-  echo "test.sh: no rule groups under spec: in $here/prometheusrule.yaml" >&2
+  echo "test.sh: no rule groups under spec: in the chart's templates/prometheusrule.yaml" >&2
   exit 2
 fi
 shopt -s nullglob
@@ -51,9 +61,9 @@ fi
 # The tests name the rules file relative to themselves: run them beside the extracted copy.
 cp "${tests[@]}" "$work/"
 cd "$work"
-echo "==> promtool check rules (manifests/monitoring/prometheusrule.yaml)"
+echo "==> promtool check rules (charts/meshgate/templates/prometheusrule.yaml, rendered)"
 "$promtool" check rules meshgate.rules.yaml
-echo "==> promtool test rules (manifests/monitoring/tests)"
+echo "==> promtool test rules (charts/monitoring/tests)"
 names=()
 for t in "${tests[@]}"; do names+=("$(basename "$t")"); done
 "$promtool" test rules "${names[@]}"
