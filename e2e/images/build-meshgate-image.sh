@@ -3,11 +3,12 @@
 # the release binaries and the libraries they load (meshgate-files.sh, exactly what the
 # Dockerfile copies), over a stand-in for distroless/cc-debian12 made from this machine's
 # Debian 12 C runtime (meshgate-files.sh --base). Same entrypoint and PATH as the Dockerfile's
-# image. Named localhost/meshgate/meshgate:e2e (real::node::MESHGATE_IMAGE); the e2e overlay
-# (e2e/overlay) points the manifests at that name.
+# image. Named localhost/meshgate/meshgate:e2e (real::node::MESHGATE_IMAGE); the real node's
+# chart values (e2e/chart/real-node-values.yaml) point the chart at that name.
 #
 # Usage: build-meshgate-image.sh BIN_DIR OUT_TAR
-#   BIN_DIR  holds meshgate-agent and meshgate-webhook (make: target/release)
+#   BIN_DIR  holds meshgate-agent, meshgate-webhook and kubectl-meshgate (make: target/release;
+#            kubectl-meshgate runs the chart's uninstall cleanup hook)
 set -euo pipefail
 
 bin_dir=${1:?usage: build-meshgate-image.sh BIN_DIR OUT_TAR}
@@ -17,6 +18,13 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/oci-image.sh"
 
 bins=("$bin_dir/meshgate-agent" "$bin_dir/meshgate-webhook")
+# The agent crate's second binary. Loud when missing: without it the chart's uninstall hook
+# Job cannot start, and `helm uninstall` fails (the e2e uninstall test says so).
+if [[ -x "$bin_dir/kubectl-meshgate" ]]; then
+  bins+=("$bin_dir/kubectl-meshgate")
+else
+  echo "build-meshgate-image.sh: WARNING: no $bin_dir/kubectl-meshgate; the image cannot run the chart's uninstall cleanup" >&2
+fi
 root=$(mktemp -d)
 chmod 755 "$root"  # the image's /: the webhook runs as 65532 and must traverse it
 trap 'rm -rf "$root"' EXIT

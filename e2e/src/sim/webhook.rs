@@ -1,7 +1,7 @@
 //! meshgate's webhook wired into a local control plane, as an operator would install it,
 //! but on loopback: a test CA and serving certificate (rcgen), and the shipped Validating and
-//! Mutating webhook configurations (`manifests/base/webhook-configurations.yaml`) pointing at
-//! `https://127.0.0.1:<port>`.
+//! Mutating webhook configurations (the chart's `templates/webhook-configurations.yaml`,
+//! rendered with its default values) pointing at `https://127.0.0.1:<port>`.
 //!
 //! In: the control plane, the webhook's address, a scope. Out: registered configurations
 //! (and a CA that can rotate the serving certificate). Used by the e2e tests and the
@@ -89,10 +89,11 @@ pub struct Scope {
 }
 
 /// The registrations meshgate ships, which every test registers (adapted by [`configurations`]).
-pub const SHIPPED: &str = "manifests/base/webhook-configurations.yaml";
+pub const SHIPPED: &str = "templates/webhook-configurations.yaml";
 
-/// The shipped Validating and Mutating webhook configurations ([`SHIPPED`], read through
-/// kubectl as an operator's `kubectl apply` reads them), adapted to a webhook on
+/// The shipped Validating and Mutating webhook configurations ([`SHIPPED`], rendered by
+/// `helm template` with the chart's defaults and read through kubectl as an operator's
+/// `kubectl apply` reads them), adapted to a webhook on
 /// `https://127.0.0.1:<port>`: each webhook's `clientConfig` becomes that URL (with the
 /// Service's path) and `ca_pem`, the configurations are named `meshgate-<name>`, and `scope`
 /// is added (a namespace label to every namespaceSelector, an object label to the Node
@@ -105,7 +106,11 @@ pub async fn configurations(
     ca_pem: &str,
     scope: &Scope,
 ) -> anyhow::Result<(ValidatingWebhookConfiguration, MutatingWebhookConfiguration)> {
-    let path = crate::harness::paths::repo_root().join(SHIPPED);
+    let rendered = crate::harness::helm::template(&["--show-only", SHIPPED])
+        .await
+        .with_context(|| format!("rendering {SHIPPED}"))?;
+    let path = cp.dir().join(format!("webhook-configurations-{name}.yaml"));
+    std::fs::write(&path, rendered).with_context(|| format!("writing {}", path.display()))?;
     let text = cp
         .kubectl(&[
             "create",

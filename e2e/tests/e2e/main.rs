@@ -16,6 +16,7 @@ mod pods;
 mod rbac;
 mod real_node;
 mod support;
+mod uninstall;
 mod webhook;
 
 use std::time::Duration;

@@ -165,8 +165,7 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
         .and_then(|c| c.first())
         .context("no certificate presented")?
         .to_vec();
-    let mounted = std::fs::read(f.manifests.join("tls/tls.crt"))?;
-    let expected = CertificateDer::pem_slice_iter(&mounted)
+    let expected = CertificateDer::pem_slice_iter(&f.tls.cert_pem)
         .next()
         .context("tls.crt")??;
     assert_eq!(
