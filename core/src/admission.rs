@@ -15,8 +15,8 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
+use crate::gate::{CONDITION_TYPE, TaintKey, VERIFIED_LABEL};
 use crate::profile::{PodView, ProfileSet, Selected};
-use crate::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
 
 /// Which admission path the request came through. It changes only the remedy: a pod created
 /// with `spec.nodeName` chose its node itself, a binding is the scheduler's choice.
@@ -88,6 +88,8 @@ pub struct Input<'a> {
     pub node: NodeFacts<'a>,
     /// The node's `MeshCNIVerified` condition reason, when the caller could read it.
     pub node_reason: Option<&'a str>,
+    /// meshgate's taint key (`--taint-key`), named in a binding's remedy.
+    pub taint_key: &'a TaintKey,
 }
 
 /// Why a request was allowed (for logs and tests; the apiserver only sees "allowed").
@@ -295,8 +297,9 @@ fn write_remedy(m: &mut String, input: &Input<'_>, meshes: &[Mesh<'_>]) {
         RequestKind::Binding => {
             let _ = write!(
                 m,
-                "do not let the pod tolerate the {TAINT_KEY} taint, so the scheduler avoids \
-                 unverified nodes."
+                "do not let the pod tolerate the {} taint, so the scheduler avoids \
+                 unverified nodes.",
+                input.taint_key
             );
         }
     }
@@ -322,6 +325,10 @@ mod tests {
 
     impl Case {
         fn decide(&self, kind: RequestKind, reason: Option<&str>) -> Decision {
+            self.decide_with(kind, reason, &TaintKey::default())
+        }
+
+        fn decide_with(&self, kind: RequestKind, reason: Option<&str>, key: &TaintKey) -> Decision {
             let input = Input {
                 kind,
                 namespace: "shop",
@@ -337,6 +344,7 @@ mod tests {
                     None => NodeFacts::Unknown,
                 },
                 node_reason: reason,
+                taint_key: key,
             };
             decide(&input, &ProfileSet::all_builtin())
         }
@@ -522,6 +530,7 @@ mod tests {
             node_name: "node-a",
             node: NodeFacts::Unknown,
             node_reason: None,
+            taint_key: &TaintKey::default(),
         };
         let sidecars = ProfileSet::all_builtin()
             .select(&["linkerd".into(), "istio".into()])
@@ -539,7 +548,20 @@ mod tests {
         assert!(m.contains("node node-a"), "{m}");
         assert!(m.contains("PluginBinaryBroken"), "{m}");
         assert!(
-            m.contains("do not let the pod tolerate the meshgate.io/cni-unverified taint"),
+            m.contains(
+                "do not let the pod tolerate the readiness.k8s.io/meshgate-cni-unverified taint"
+            ),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn a_binding_remedy_names_the_configured_taint_key() {
+        let c = linkerd_pod(Some(map(&[(VERIFIED_LABEL, "false")])));
+        let key: TaintKey = "example.com/mesh-not-ready".parse().unwrap();
+        let m = message(c.decide_with(RequestKind::Binding, None, &key));
+        assert!(
+            m.contains("do not let the pod tolerate the example.com/mesh-not-ready taint"),
             "{m}"
         );
     }
@@ -563,6 +585,7 @@ mod tests {
                 node_name: "node-a",
                 node: NodeFacts::Known { labels: &labels },
                 node_reason: None,
+                taint_key: &TaintKey::default(),
             };
             let m = message(decide(&input, &profiles));
             assert!(m.starts_with("meshgate: pod shop/web-0 "), "{m}");
@@ -596,6 +619,7 @@ mod tests {
                 labels: c.node_labels.as_ref().unwrap(),
             },
             node_reason: None,
+            taint_key: &TaintKey::default(),
         };
         assert_eq!(
             decide(&input, &istio_only),

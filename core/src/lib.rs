@@ -4,10 +4,10 @@
 //! and node metadata). Out: verdicts and decisions. Nothing here touches the filesystem, the
 //! network, netlink or a Kubernetes client, so every decision is tested without a cluster.
 //!
-//! The string constants below are the names operators write alerts, runbooks and tolerations
-//! against, as docs/operations.md states them ("Reading `kubectl describe node`" for the
-//! taint, label, condition and Events; "The webhook's failure policy" for
-//! `meshgate.io/ignore`): they are defined once, here.
+//! The string constants below are names operators write alerts and runbooks against, as
+//! docs/operations.md states them ("Reading `kubectl describe node`" for the Events; "The
+//! webhook's failure policy" for `meshgate.io/ignore`): they are defined once, here. The node
+//! gate's names (taint key, label, condition) are `gate`'s.
 
 pub mod admission;
 pub mod cni;
@@ -16,16 +16,11 @@ pub mod evict;
 pub mod gate;
 pub mod lookup;
 pub mod meshes;
+pub mod placement;
 pub mod profile;
 pub mod projection;
 pub mod rules;
 
-/// Taint kept on a Node while its effective CNI config is not verified.
-pub const TAINT_KEY: &str = "meshgate.io/cni-unverified";
-/// Label mirroring the verdict (`"true"` / `"false"`); the webhook and nodeAffinity read it.
-pub const VERIFIED_LABEL: &str = "meshgate.io/cni-verified";
-/// Node condition type carrying the verdict's reason and message.
-pub const CONDITION_TYPE: &str = "MeshCNIVerified";
 /// Namespace label that exempts a namespace from the pod admission webhook.
 pub const IGNORE_NAMESPACE_LABEL: &str = "meshgate.io/ignore";
 

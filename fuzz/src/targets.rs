@@ -33,6 +33,7 @@ use meshgate_core::cni::{
 };
 use meshgate_core::profile::ProfileSet;
 use meshgate_core::rules::{self, Family, IpFamily, RedirectVerdict, Ruleset};
+use meshgate_webhook::placement::AgentDaemonSet;
 use meshgate_webhook::review::{Cluster, Outcome, PodMeta, Reviewer};
 
 use crate::mutate::Mutator;
@@ -404,6 +405,18 @@ fn getsockopt_exec(input: &[u8]) -> u64 {
 // Webhook
 // ---------------------------------------------------------------------------------------
 
+/// The shipped agent DaemonSet's placement: every node, every taint tolerated, so every
+/// Node CREATE input reaches the registration patch.
+fn agent_tolerating_all() -> AgentDaemonSet {
+    static AGENT: OnceLock<std::sync::Arc<k8s_openapi::api::apps::v1::DaemonSet>> = OnceLock::new();
+    let ds = AGENT.get_or_init(|| {
+        let spec = serde_json::json!({"spec": {"selector": {}, "template": {"spec": {
+            "containers": [], "tolerations": [{"operator": "Exists"}]}}}});
+        std::sync::Arc::new(serde_json::from_value(spec).unwrap_or_default())
+    });
+    AgentDaemonSet::Known(ds.clone())
+}
+
 /// A fixed cluster view: node `good` verified, `bad` not, a few pods for bindings.
 struct FakeCluster {
     nodes: BTreeMap<String, BTreeMap<String, String>>,
@@ -438,13 +451,20 @@ impl Cluster for FakeCluster {
             _ => None,
         }
     }
+    fn agent_daemonset(&self) -> AgentDaemonSet {
+        agent_tolerating_all()
+    }
 }
 
 fn reviewer() -> &'static Reviewer<FakeCluster> {
     static R: OnceLock<Reviewer<FakeCluster>> = OnceLock::new();
     R.get_or_init(|| {
-        let label =
-            |v: &str| BTreeMap::from([(meshgate_core::VERIFIED_LABEL.to_string(), v.to_string())]);
+        let label = |v: &str| {
+            BTreeMap::from([(
+                meshgate_core::gate::VERIFIED_LABEL.to_string(),
+                v.to_string(),
+            )])
+        };
         let mut pods = BTreeMap::new();
         pods.insert(
             ("default".to_string(), "meshed".to_string()),

@@ -2,8 +2,8 @@
 //! grammar every meshgate flag uses.
 //!
 //! In: the command line and its environment twins (docs/operations.md, "Configuration
-//! reference"). Out: [`Common`] (kubeconfig, admin address, profiles, log format, taint
-//! effect) and
+//! reference"). Out: [`Common`] (kubeconfig, admin address, profiles, log format, taint key
+//! and effect) and
 //! [`duration`] values; each binary adds only the flags that are its own.
 
 use std::net::SocketAddr;
@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::builder::{PossibleValuesParser, TypedValueParser};
-use meshgate_core::gate::TaintEffect;
+use meshgate_core::gate::{TaintEffect, TaintKey};
 use meshgate_core::profile::ProfileSet;
 use tokio::net::TcpListener;
 
@@ -40,9 +40,20 @@ pub struct Common {
     /// Log format on stderr (`RUST_LOG` filters, default `info`).
     #[arg(long, env = "MESHGATE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
-    /// Effect of the meshgate.io/cni-unverified taint (the agent's on its Node, the webhook's
-    /// on new Nodes): NoSchedule keeps new pods off the node; NoExecute also evicts running
-    /// pods that do not tolerate it (use with care).
+    /// Key of meshgate's taint (the agent's on its Node, the webhook's on new Nodes), a
+    /// Kubernetes qualified name. The default is ephemeral to Karpenter and valid for a
+    /// NodeReadinessRule; see docs/operations.md, "Autoscalers", for cluster-autoscaler.
+    /// Must match the admission policy, the alerts and the webhook's toleration.
+    #[arg(
+        long,
+        env = "MESHGATE_TAINT_KEY",
+        default_value = meshgate_core::gate::DEFAULT_TAINT_KEY,
+        value_parser = |s: &str| s.parse::<TaintKey>()
+    )]
+    pub taint_key: TaintKey,
+    /// Effect of meshgate's taint (the agent's on its Node, the webhook's on new Nodes):
+    /// NoSchedule keeps new pods off the node; NoExecute also evicts running pods that do
+    /// not tolerate it (use with care).
     #[arg(
         long,
         env = "MESHGATE_TAINT_EFFECT",
@@ -178,6 +189,28 @@ mod tests {
         );
         for bad in ["PreferNoSchedule", "noexecute", ""] {
             assert!(effect(&["--taint-effect", bad]).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_taint_key_is_validated_and_defaults_to_the_readiness_prefix() {
+        let key = |args: &[&str]| {
+            let argv = std::iter::once("x").chain(args.iter().copied());
+            Cli::try_parse_from(argv).map(|c| c.common.taint_key)
+        };
+        assert_eq!(
+            key(&[]).unwrap().as_str(),
+            "readiness.k8s.io/meshgate-cni-unverified"
+        );
+        let custom = "startup-taint.cluster-autoscaler.kubernetes.io/meshgate-cni-unverified";
+        assert_eq!(key(&["--taint-key", custom]).unwrap().as_str(), custom);
+        for bad in ["", "a/b/c", "Example.com/x", "example.com/-x"] {
+            let err = key(&["--taint-key", bad]).unwrap_err().to_string();
+            assert!(err.contains("--taint-key"), "{bad:?}: {err}");
+            assert!(
+                err.contains("taint key"),
+                "{bad:?}: the reason is shown: {err}"
+            );
         }
     }
 

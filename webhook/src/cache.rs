@@ -21,13 +21,18 @@
 //!   refusal, and remembered for a few seconds so a burst of refusals costs one GET. Only a
 //!   node in the cache is ever looked up: a name the cache does not know costs no request,
 //!   so reviews naming made-up nodes cannot turn into a flood of GETs.
+//! - The agent DaemonSet (`--agent-daemonset`): a watch of that one object (field selector
+//!   `metadata.name`, so a Role with `resourceNames` grants it), whose pod template decides
+//!   which new Nodes `/mutate-node` gates ([`crate::placement`]).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures::FutureExt as _;
 use futures::StreamExt;
+use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Namespace, Node};
 use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -39,6 +44,7 @@ use meshgate_core::projection::PodKeys;
 use tokio::sync::watch;
 
 use crate::metrics::Metrics;
+use crate::placement::{AgentDaemonSet, DaemonSetRef};
 use crate::pods::{PendingPods, PodLimits};
 use crate::review::{Cluster, PodMeta};
 
@@ -52,6 +58,8 @@ pub struct Caches {
     nodes: Store<PartialObjectMeta<Node>>,
     pods: Arc<PendingPods>,
     namespaces: Store<PartialObjectMeta<Namespace>>,
+    agent: Store<DaemonSet>,
+    agent_ref: ObjectRef<DaemonSet>,
     client: Client,
     lookup_timeout: Duration,
     reasons: Mutex<HashMap<String, (Instant, Option<String>)>>,
@@ -68,16 +76,24 @@ pub struct Setup {
     pub pod_keys: PodKeys,
     /// The namespace labels the profiles read.
     pub namespace_keys: BTreeSet<String>,
+    /// The agent DaemonSet (`--agent-daemonset`).
+    pub agent: DaemonSetRef,
 }
 
 impl Setup {
     /// The setup for `profiles`.
-    pub fn new(profiles: &ProfileSet, lookup_timeout: Duration, pods: PodLimits) -> Self {
+    pub fn new(
+        profiles: &ProfileSet,
+        lookup_timeout: Duration,
+        pods: PodLimits,
+        agent: DaemonSetRef,
+    ) -> Self {
         Self {
             lookup_timeout,
             pods,
             pod_keys: PodKeys::selection(profiles),
             namespace_keys: profiles.namespace_label_keys(),
+            agent,
         }
     }
 }
@@ -98,7 +114,7 @@ fn slim_node(node: &mut PartialObjectMeta<Node>) {
     slim_common(node);
     node.metadata.annotations = None;
     if let Some(labels) = node.metadata.labels.as_mut() {
-        labels.retain(|k, _| k == meshgate_core::VERIFIED_LABEL);
+        labels.retain(|k, _| k == meshgate_core::gate::VERIFIED_LABEL);
     }
 }
 
@@ -119,6 +135,8 @@ pub struct Watches {
     pub nodes: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
     /// Drives the unscheduled-Pod watch.
     pub pods: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
+    /// Drives the agent DaemonSet's watch.
+    pub agent: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
     /// Turns the readiness signal true once both caches listed; then finishes.
     pub synced: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
 }
@@ -153,6 +171,31 @@ where
         })
 }
 
+/// The watch of the one agent DaemonSet `agent` into `writer`, retried with backoff for as
+/// long as it runs. Its managed fields are dropped; the rest is one small object.
+fn agent_watch(
+    client: Client,
+    agent: &DaemonSetRef,
+    writer: reflector::store::Writer<DaemonSet>,
+) -> impl Future<Output = ()> + Send + 'static {
+    let api: Api<DaemonSet> = Api::namespaced(client, &agent.namespace);
+    let config = watcher::Config::default().fields(&format!("metadata.name={}", agent.name));
+    watcher(api, config)
+        .default_backoff()
+        .modify(|ds| ds.metadata.managed_fields = None)
+        .reflect(writer)
+        .for_each(|ev| {
+            match ev {
+                Err(e) => {
+                    tracing::warn!(error = %e, "agent DaemonSet watch failed; retrying with backoff")
+                }
+                Ok(watcher::Event::InitDone) => tracing::info!("agent DaemonSet listed"),
+                Ok(_) => {}
+            }
+            futures::future::ready(())
+        })
+}
+
 impl Caches {
     /// Builds the caches over `client`; nothing is fetched until the [`Watches`] run.
     pub fn new(
@@ -163,6 +206,9 @@ impl Caches {
     ) -> (Self, Watches) {
         let (nodes, node_writer) = reflector::store::<PartialObjectMeta<Node>>();
         let (namespaces, namespace_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
+        let (agent, agent_writer) = reflector::store::<DaemonSet>();
+        let agent_watch = agent_watch(client.clone(), &setup.agent, agent_writer);
+        let agent_ref = ObjectRef::new(&setup.agent.name).within(&setup.agent.namespace);
         let pods = Arc::new(PendingPods::new(
             client.clone(),
             setup.pod_keys,
@@ -190,6 +236,8 @@ impl Caches {
             "namespace",
         );
 
+        // Readiness does not wait for the agent DaemonSet: a webhook that cannot read it must
+        // still gate pods; until it has listed, new Nodes are only left to their agent.
         let (n, p, ns) = (nodes.clone(), pods.clone(), namespaces.clone());
         let synced = async move {
             let (a, (), c) = futures::join!(
@@ -213,6 +261,8 @@ impl Caches {
                 nodes,
                 pods,
                 namespaces,
+                agent,
+                agent_ref,
                 client,
                 lookup_timeout: setup.lookup_timeout,
                 reasons: Mutex::new(HashMap::new()),
@@ -221,6 +271,7 @@ impl Caches {
                 namespaces: Box::pin(namespace_watch),
                 nodes: Box::pin(node_watch),
                 pods: Box::pin(pod_watch),
+                agent: Box::pin(agent_watch),
                 synced: Box::pin(synced),
             },
         )
@@ -234,7 +285,7 @@ impl Caches {
                 .and_then(|s| s.conditions)
                 .and_then(|cs| {
                     cs.into_iter()
-                        .find(|c| c.type_ == meshgate_core::CONDITION_TYPE)
+                        .find(|c| c.type_ == meshgate_core::gate::CONDITION_TYPE)
                 })
                 .and_then(|c| c.reason),
             Ok(Ok(None)) => None,
@@ -265,6 +316,17 @@ impl Cluster for Caches {
 
     async fn pod_meta(&self, namespace: &str, name: &str) -> Result<PodMeta, LookupFailure> {
         self.pods.meta(namespace, name).await
+    }
+
+    fn agent_daemonset(&self) -> AgentDaemonSet {
+        // Ready once listed, and never unready again (a relist swaps the store whole).
+        if !matches!(self.agent.wait_until_ready().now_or_never(), Some(Ok(()))) {
+            return AgentDaemonSet::NotSynced;
+        }
+        match self.agent.get(&self.agent_ref) {
+            Some(ds) => AgentDaemonSet::Known(ds),
+            None => AgentDaemonSet::Absent,
+        }
     }
 
     async fn node_reason(&self, name: &str) -> Option<String> {
@@ -304,7 +366,7 @@ mod tests {
                     [
                         ("kubernetes.io/hostname", "n1"),
                         ("topology.kubernetes.io/zone", "a"),
-                        (meshgate_core::VERIFIED_LABEL, "true"),
+                        (meshgate_core::gate::VERIFIED_LABEL, "true"),
                     ]
                     .into_iter()
                     .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -323,7 +385,7 @@ mod tests {
                 .labels
                 .as_ref()
                 .map(|l| l.keys().collect::<Vec<_>>()),
-            Some(vec![&meshgate_core::VERIFIED_LABEL.to_string()])
+            Some(vec![&meshgate_core::gate::VERIFIED_LABEL.to_string()])
         );
         assert!(node.metadata.annotations.is_none() && node.metadata.managed_fields.is_none());
 
@@ -363,6 +425,7 @@ mod tests {
             &ProfileSet::all_builtin(),
             Duration::from_secs(1),
             PodLimits::default(),
+            crate::placement::DEFAULT_AGENT_DAEMONSET.parse().unwrap(),
         );
         let metrics = Metrics::register(&mut prometheus_client::registry::Registry::default());
         // The watches are never run: the node cache stays empty.
@@ -371,5 +434,10 @@ mod tests {
             assert_eq!(caches.node_reason(&format!("made-up-{i}")).await, None);
         }
         assert_eq!(api.requests(), 0);
+        // Nor has the agent DaemonSet been listed: /mutate-node gates nothing yet.
+        assert!(matches!(
+            caches.agent_daemonset(),
+            AgentDaemonSet::NotSynced
+        ));
     }
 }

@@ -12,10 +12,14 @@
 //!   as for kube, but is not kept);
 //! - of the object: `metadata.{name, generateName, namespace, labels, annotations}`, and
 //!   `spec.nodeName` (a pod), `target.name` (a Binding) and, for a Node, whether `spec` is an
-//!   object, whether `spec.taints` is an array and whether meshgate's taint is in it.
+//!   object, whether `spec.taints` is an array and the keys of its taints (the taint key is a
+//!   setting, `--taint-key`, so the decoder cannot compare it itself), and its `NoSchedule` and
+//!   `NoExecute` taints (key, value, effect), which decide whether the agent DaemonSet will run
+//!   there ([`crate::placement`]).
 //!
-//! Strings are kept once (one byte per byte); the label and annotation maps are the only
-//! part that costs more than the body: [`WORST_CASE_EXPANSION`] bytes per body byte at worst,
+//! Strings are kept once (one byte per byte); the label and annotation maps and the list of
+//! taint keys are the only parts that cost more than the body (a taint key's `String` costs
+//! less per body byte than a label's two): [`WORST_CASE_EXPANSION`] bytes per body byte at worst,
 //! which the server charges against its review memory budget before reading a body.
 //! `spec`, `spec.nodeName`, `spec.taints` and `target` are read leniently, as a JSON pointer
 //! into the whole object would: a value of another type counts as absent, not as malformed.
@@ -24,6 +28,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::marker::PhantomData;
 
+use k8s_openapi::api::core::v1::Taint;
 use kube::core::admission::{AdmissionResponse, Operation};
 use kube::core::{GroupVersionKind, GroupVersionResource, Status, TypeMeta};
 use serde::Deserialize;
@@ -107,8 +112,13 @@ pub struct Metadata {
 pub struct Spec {
     /// `spec.nodeName` when it is a string.
     pub node_name: Option<String>,
-    /// When `spec.taints` is an array: whether an entry has meshgate's taint key.
-    pub taints: Option<bool>,
+    /// When `spec.taints` is an array: the `key` of each entry that is an object with a
+    /// string `key`.
+    pub taints: Option<Vec<String>>,
+    /// The entries of `spec.taints` whose effect is `NoSchedule` or `NoExecute` (the only
+    /// ones placement reads): a body of the shortest such entries holds 9.6 bytes per body
+    /// byte (`tests/decode_memory.rs`), within [`WORST_CASE_EXPANSION`].
+    pub scheduling_taints: Vec<Taint>,
 }
 
 /// A Binding's `target`.
@@ -129,13 +139,21 @@ impl Object {
         self.target.0.as_ref()?.name.as_deref()
     }
 
+    /// A Node's `NoSchedule` and `NoExecute` taints.
+    pub fn node_taints(&self) -> &[Taint] {
+        self.spec
+            .0
+            .as_ref()
+            .map_or(&[], |s| s.scheduling_taints.as_slice())
+    }
+
     /// The Node as `meshgate_core::gate::node_registration_patch` reads it: exactly the
     /// members it looks at, with the values they had.
     pub fn registration_view(&self) -> Value {
         let mut metadata = json!({});
         if let Some(labels) = &self.metadata.labels {
             let verified: serde_json::Map<String, Value> = labels
-                .get_key_value(meshgate_core::VERIFIED_LABEL)
+                .get_key_value(meshgate_core::gate::VERIFIED_LABEL)
                 .map(|(k, v)| (k.clone(), Value::String(v.clone())))
                 .into_iter()
                 .collect();
@@ -145,13 +163,9 @@ impl Object {
             None => Value::Null,
             Some(Spec { taints: None, .. }) => json!({}),
             Some(Spec {
-                taints: Some(gated),
-                ..
+                taints: Some(keys), ..
             }) => {
-                let taints: Vec<Value> = gated
-                    .then(|| json!({ "key": meshgate_core::TAINT_KEY }))
-                    .into_iter()
-                    .collect();
+                let taints: Vec<Value> = keys.iter().map(|k| json!({ "key": k })).collect();
                 json!({ "taints": taints })
             }
         };
@@ -324,9 +338,9 @@ impl<'de> Deserialize<'de> for LenientString {
     }
 }
 
-/// `spec.taints` when it is an array: whether an entry is an object whose `key` is meshgate's
-/// taint key. Anything else reads as `None`.
-struct TaintsShape(Option<bool>);
+/// `spec.taints` when it is an array: the string `key`s of its object entries (anything else
+/// reads as `None`), and the entries that keep pods away.
+struct TaintsShape(Option<Vec<String>>, Vec<Taint>);
 
 impl<'de> Deserialize<'de> for TaintsShape {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -337,27 +351,31 @@ impl<'de> Deserialize<'de> for TaintsShape {
                 f.write_str("any JSON value")
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-                let mut gated = false;
+                let (mut keys, mut kept) = (Vec::new(), Vec::new());
                 while let Some(taint) = seq.next_element::<Lenient<TaintKey>>()? {
-                    gated |= taint.0.is_some_and(|t| t.0);
+                    if let Some(TaintKey(key, scheduling)) = taint.0 {
+                        keys.extend(key);
+                        kept.extend(scheduling);
+                    }
                 }
-                Ok(TaintsShape(Some(gated)))
+                Ok(TaintsShape(Some(keys), kept))
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
                 while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-                Ok(TaintsShape(None))
+                Ok(TaintsShape(None, Vec::new()))
             }
             fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
-                Ok(TaintsShape(None))
+                Ok(TaintsShape(None, Vec::new()))
             }
-            skip_non_objects!(TaintsShape(None));
+            skip_non_objects!(TaintsShape(None, Vec::new()));
         }
         d.deserialize_any(V)
     }
 }
 
-/// A taint: whether its `key` is meshgate's.
-struct TaintKey(bool);
+/// A taint: its `key` when that is a string, and the taint when its effect keeps pods away
+/// (`NoSchedule`, `NoExecute`).
+struct TaintKey(Option<String>, Option<Taint>);
 
 /// Reads the members of an object, handing each key to `on` (which must consume the value)
 /// and skipping the value of every key it declines. Keys are compared as borrowed strings
@@ -380,7 +398,10 @@ impl FromMembers for Spec {
         members(map, |key, map| {
             match key {
                 "nodeName" => spec.node_name = map.next_value::<LenientString>()?.0,
-                "taints" => spec.taints = map.next_value::<TaintsShape>()?.0,
+                "taints" => {
+                    let shape = map.next_value::<TaintsShape>()?;
+                    (spec.taints, spec.scheduling_taints) = (shape.0, shape.1);
+                }
                 _ => return Ok(false),
             }
             Ok(true)
@@ -405,16 +426,25 @@ impl FromMembers for Target {
 
 impl FromMembers for TaintKey {
     fn from_members<'de, A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
-        let mut gated = false;
-        members(map, |key, map| {
-            if key != "key" {
-                return Ok(false);
-            }
-            gated =
-                map.next_value::<LenientString>()?.0.as_deref() == Some(meshgate_core::TAINT_KEY);
+        let (mut key, mut value, mut effect) = (None, None, None);
+        members(map, |member, map| {
+            let slot = match member {
+                "key" => &mut key,
+                "value" => &mut value,
+                "effect" => &mut effect,
+                _ => return Ok(false),
+            };
+            *slot = map.next_value::<LenientString>()?.0;
             Ok(true)
         })?;
-        Ok(TaintKey(gated))
+        let scheduling =
+            matches!(effect.as_deref(), Some("NoSchedule" | "NoExecute")).then(|| Taint {
+                key: key.clone().unwrap_or_default(),
+                value,
+                effect: effect.unwrap_or_default(),
+                time_added: None,
+            });
+        Ok(TaintKey(key, scheduling))
     }
 }
 
@@ -487,7 +517,8 @@ mod tests {
     /// The registration view gives the Node patch the same operations as the whole Node did.
     #[test]
     fn the_registration_view_patches_like_the_whole_node() {
-        use meshgate_core::gate::{TaintEffect, node_registration_patch};
+        use meshgate_core::gate::{TaintEffect, TaintKey, node_registration_patch};
+        let custom: TaintKey = "example.com/mesh-not-ready".parse().unwrap();
         for node in [
             json!({"metadata": {"name": "n"}}),
             json!({"metadata": {"labels": {"a": "b"}}, "spec": {}}),
@@ -495,6 +526,8 @@ mod tests {
             json!({"metadata": {"labels": {"meshgate.io/cni-verified": "true"}}, "spec": {"taints": [
                 {"key": "other", "effect": "NoSchedule"}, "junk", 7,
                 {"key": "meshgate.io/cni-unverified", "effect": "NoExecute"}]}}),
+            json!({"spec": {"taints": [{"key": "readiness.k8s.io/meshgate-cni-unverified"}]}}),
+            json!({"spec": {"taints": [{"effect": "NoSchedule"}, {"key": "example.com/mesh-not-ready"}]}}),
             json!({"spec": {"taints": {"key": "meshgate.io/cni-unverified"}}}),
             json!({"spec": {"taints": [{"key": 1}]}}),
             json!({"spec": "weird"}),
@@ -511,11 +544,13 @@ mod tests {
             if whole["metadata"].get("labels") == Some(&Value::Null) {
                 whole["metadata"].as_object_mut().unwrap().remove("labels");
             }
-            assert_eq!(
-                node_registration_patch(&o.registration_view(), TaintEffect::NoSchedule),
-                node_registration_patch(&whole, TaintEffect::NoSchedule),
-                "{node}"
-            );
+            for key in [&TaintKey::default(), &custom] {
+                assert_eq!(
+                    node_registration_patch(&o.registration_view(), key, TaintEffect::NoSchedule),
+                    node_registration_patch(&whole, key, TaintEffect::NoSchedule),
+                    "{node} with {key}"
+                );
+            }
         }
     }
 

@@ -14,6 +14,8 @@
 //!   [`tls`]: certificates re-read on change.
 //! - [`shutdown`]: the stop sequence (signal → not ready but serving for `--shutdown-delay`
 //!   → drain within `--shutdown-timeout` → admin server stops).
+//! - [`placement`]: which new Nodes `/mutate-node` gates (those the agent DaemonSet will run
+//!   on, `meshgate_core::placement`).
 //! - [`metrics`]: the metrics of docs/operations.md, served by `meshgate_shell::admin` with the agent's
 //!   admin server; logging, client and profiles come from `meshgate_shell` too.
 
@@ -21,6 +23,7 @@ pub mod budget;
 pub mod cache;
 pub mod decode;
 pub mod metrics;
+pub mod placement;
 pub mod pods;
 pub mod review;
 pub mod server;
@@ -94,6 +97,10 @@ pub struct Args {
     /// What is kept and looked up about unscheduled pods.
     #[command(flatten)]
     pub pods: pods::PodLimits,
+    /// The agent DaemonSet, `NAMESPACE/NAME`: `/mutate-node` taints a new Node only when this
+    /// DaemonSet will run a pod on it (and not while it is unknown).
+    #[arg(long, env = "MESHGATE_AGENT_DAEMONSET", default_value = placement::DEFAULT_AGENT_DAEMONSET)]
+    pub agent_daemonset: placement::DaemonSetRef,
 }
 
 /// Parses `--max-connections`: a positive count.
@@ -147,12 +154,18 @@ async fn run_with(
     let registry = Arc::new(registry);
 
     let (ready_tx, ready_rx) = watch::channel(false);
-    let setup = cache::Setup::new(&profiles, args.lookup_timeout, args.pods);
+    let setup = cache::Setup::new(
+        &profiles,
+        args.lookup_timeout,
+        args.pods,
+        args.agent_daemonset.clone(),
+    );
     let (caches, watches) = cache::Caches::new(client, setup, metrics.clone(), ready_tx);
     let watch_tasks = [
         tokio::spawn(watches.namespaces),
         tokio::spawn(watches.nodes),
         tokio::spawn(watches.pods),
+        tokio::spawn(watches.agent),
         tokio::spawn(watches.synced),
     ];
 
@@ -168,7 +181,9 @@ async fn run_with(
     );
     let reviewer = Arc::new(
         review::Reviewer::new(caches, profiles, metrics)
-            .with_taint_effect(args.common.taint_effect),
+            .with_taint_key(args.common.taint_key.clone())
+            .with_taint_effect(args.common.taint_effect)
+            .with_agent_daemonset(args.agent_daemonset),
     );
     let limits = server::Limits {
         max_body_bytes: args.max_body_bytes,
@@ -300,6 +315,13 @@ mod tests {
         );
         assert!(parse(&["--max-connections", "0"]).is_err());
         assert_eq!(a.pods, pods::PodLimits::default());
+        assert_eq!(
+            a.agent_daemonset.to_string(),
+            "meshgate-system/meshgate-agent"
+        );
+        let other = parse(&["--agent-daemonset", "mesh/agent"]).unwrap();
+        assert_eq!(other.agent_daemonset.namespace, "mesh");
+        assert!(parse(&["--agent-daemonset", "agent"]).is_err());
         let p = parse(&[
             "--max-pending-pods",
             "10",

@@ -1,8 +1,8 @@
 //! The webhook's metrics.
 //!
 //! In: one observation per handled AdmissionReview (resource, allowed, duration), per pod
-//! lookup a binding needed (its outcome), and per pod the pending-pod cache left out for its
-//! cap. Out: the counters and histogram registered in a prometheus-client `Registry`, served
+//! lookup a binding needed (its outcome), per pod the pending-pod cache left out for its
+//! cap, and per new Node `/mutate-node` left ungated (why). Out: the counters and histogram registered in a prometheus-client `Registry`, served
 //! by `meshgate_shell::admin`. Names, labels and label values are those of docs/operations.md,
 //! "Metrics" (prometheus-client adds the `_total` suffix to counters); the lookup and cache
 //! metrics are explained in docs/webhook.md too.
@@ -95,6 +95,12 @@ struct LookupLabels {
     outcome: LookupOutcome,
 }
 
+/// Label set of `meshgate_node_registrations_ungated_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct UngatedLabels {
+    reason: &'static str,
+}
+
 /// Handles to the webhook's metrics; cheap to clone (they share the underlying atomics).
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -102,6 +108,7 @@ pub struct Metrics {
     duration: Histogram,
     lookups: Family<LookupLabels, Counter>,
     overflow: Counter,
+    ungated: Family<UngatedLabels, Counter>,
 }
 
 impl Metrics {
@@ -137,12 +144,25 @@ impl Metrics {
             "Unscheduled pods left out of the cache because it held --max-pending-pods",
             overflow.clone(),
         );
+        let ungated = Family::<UngatedLabels, Counter>::default();
+        registry.register(
+            "meshgate_node_registrations_ungated",
+            "New Nodes /mutate-node left without the taint, by reason: not_placed (the agent \
+             DaemonSet will not run there), daemonset_not_synced, daemonset_absent",
+            ungated.clone(),
+        );
         Self {
             reviews,
             duration,
             lookups,
             overflow,
+            ungated,
         }
+    }
+
+    /// Records one new Node left ungated, with its `reason` (`placement::Ungated::reason`).
+    pub fn node_ungated(&self, reason: &'static str) {
+        self.ungated.get_or_create(&UngatedLabels { reason }).inc();
     }
 
     /// Records what became of one pod lookup.
@@ -195,11 +215,13 @@ mod tests {
         );
         m.pod_lookup(LookupOutcome::RateLimited);
         m.pod_cache_overflow();
+        m.node_ungated("not_placed");
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
         for line in [
             "meshgate_pod_lookups_total{outcome=\"rate_limited\"} 1",
             "meshgate_pod_cache_overflow_total 1",
+            "meshgate_node_registrations_ungated_total{reason=\"not_placed\"} 1",
         ] {
             assert!(out.contains(line), "{out}");
         }

@@ -19,12 +19,13 @@ use kube::core::admission::{AdmissionResponse, AdmissionReview, Operation};
 use meshgate_core::admission::{
     self, Decision, Input, LookupFailure, NodeFacts, PodFacts, RequestKind,
 };
-use meshgate_core::gate::{self, TaintEffect};
+use meshgate_core::gate::{self, TaintEffect, TaintKey};
 use meshgate_core::profile::ProfileSet;
 
 pub use crate::decode::decode;
 use crate::decode::{Object, Request};
 use crate::metrics::{Metrics, Resource};
+use crate::placement::{self, AgentDaemonSet, DaemonSetRef};
 
 /// A pod's labels and annotations, as the binding path needs them: only those the profiles
 /// read (`meshgate_core::projection`).
@@ -53,6 +54,8 @@ pub trait Cluster: Send + Sync + 'static {
     /// The labels of a Namespace, or `None` when it is not in the cache. Read only when a
     /// profile selects on namespace labels (`istio-ambient`).
     fn namespace_labels(&self, name: &str) -> Option<BTreeMap<String, String>>;
+    /// The agent DaemonSet, which decides the Nodes `/mutate-node` gates.
+    fn agent_daemonset(&self) -> AgentDaemonSet;
 }
 
 /// What to send back.
@@ -164,8 +167,12 @@ pub struct Reviewer<C> {
     cluster: C,
     profiles: ProfileSet,
     metrics: Metrics,
+    /// The key of meshgate's taint (`--taint-key`): what new Nodes get, what refusals name.
+    taint_key: TaintKey,
     /// The effect of the taint new Nodes get (`--taint-effect`).
     taint_effect: TaintEffect,
+    /// `--agent-daemonset`, for the logs.
+    agent: DaemonSetRef,
 }
 
 impl<C: Cluster> Reviewer<C> {
@@ -175,8 +182,27 @@ impl<C: Cluster> Reviewer<C> {
             cluster,
             profiles,
             metrics,
+            taint_key: TaintKey::default(),
             taint_effect: TaintEffect::default(),
+            agent: DaemonSetRef {
+                namespace: "meshgate-system".into(),
+                name: "meshgate-agent".into(),
+            },
         }
+    }
+
+    /// Gates with the taint `key` (`--taint-key`) instead of the default.
+    #[must_use]
+    pub fn with_taint_key(mut self, key: TaintKey) -> Self {
+        self.taint_key = key;
+        self
+    }
+
+    /// Names the agent DaemonSet (`--agent-daemonset`) in the logs.
+    #[must_use]
+    pub fn with_agent_daemonset(mut self, agent: DaemonSetRef) -> Self {
+        self.agent = agent;
+        self
     }
 
     /// Taints new Nodes with `effect` (`--taint-effect`) instead of `NoSchedule`.
@@ -281,6 +307,7 @@ impl<C: Cluster> Reviewer<C> {
             node_name: t.node,
             node,
             node_reason: None,
+            taint_key: &self.taint_key,
         };
         match admission::decide(&input, &self.profiles) {
             Decision::Allow(why) => {
@@ -323,8 +350,9 @@ impl<C: Cluster> Reviewer<C> {
         refuse(req, message, 403)
     }
 
-    /// `POST /mutate-node`: taint and label a Node being created. Always allows: node
-    /// registration must never depend on meshgate.
+    /// `POST /mutate-node`: taint and label a Node being created, when the agent DaemonSet
+    /// will run on it ([`placement::gates`]). Always allows: node registration must never
+    /// depend on meshgate.
     pub fn mutate_node(&self, body: &[u8]) -> Outcome {
         let req = match decode(body) {
             Ok(r) => r,
@@ -341,7 +369,13 @@ impl<C: Cluster> Reviewer<C> {
         let Some(obj) = req.object.as_ref().filter(|_| is_node_create) else {
             return answer(resp);
         };
-        let ops = gate::node_registration_patch(&obj.registration_view(), self.taint_effect);
+        if let Err(why) = placement::gates(&self.cluster.agent_daemonset(), &req.name, obj) {
+            self.metrics.node_ungated(why.reason());
+            why.log(&req.name, &self.agent);
+            return answer(resp);
+        }
+        let view = obj.registration_view();
+        let ops = gate::node_registration_patch(&view, &self.taint_key, self.taint_effect);
         if ops.is_empty() {
             return answer(resp);
         }
@@ -386,6 +420,8 @@ pub(crate) mod tests {
         pub delay: Option<std::time::Duration>,
         /// Why a pod not in `pods` is not known (default: not found).
         pub lookup_failure: Option<LookupFailure>,
+        /// The agent DaemonSet (default: one that runs on every node).
+        pub agent: Option<AgentDaemonSet>,
     }
 
     impl Cluster for FakeCluster {
@@ -412,6 +448,21 @@ pub(crate) mod tests {
         fn namespace_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
             self.namespaces.get(name).cloned()
         }
+        fn agent_daemonset(&self) -> AgentDaemonSet {
+            self.agent.clone().unwrap_or_else(|| {
+                agent_daemonset(json!({"tolerations": [{"operator": "Exists"}]}))
+            })
+        }
+    }
+
+    /// An agent DaemonSet whose pod template spec is `spec` (plus a container).
+    pub(crate) fn agent_daemonset(mut spec: Value) -> AgentDaemonSet {
+        spec["containers"] = json!([{"name": "agent", "image": "x"}]);
+        let ds = json!({
+            "metadata": {"name": "meshgate-agent", "namespace": "meshgate-system"},
+            "spec": {"selector": {}, "template": {"spec": spec}}
+        });
+        AgentDaemonSet::Known(std::sync::Arc::new(serde_json::from_value(ds).unwrap()))
     }
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -517,7 +568,7 @@ pub(crate) mod tests {
     }
 
     /// The response JSON exactly as it goes on the wire.
-    fn wire(o: Outcome) -> Value {
+    pub(crate) fn wire(o: Outcome) -> Value {
         match o {
             Outcome::Answer(r) => serde_json::to_value(&*r).unwrap(),
             Outcome::Malformed(m) => panic!("unexpected malformed: {m}"),
@@ -781,7 +832,7 @@ pub(crate) mod tests {
         assert!(matches!(r.validate(&body).await, Outcome::Malformed(_)));
     }
 
-    fn node_review(node: Value) -> Vec<u8> {
+    pub(crate) fn node_review(node: Value) -> Vec<u8> {
         serde_json::to_vec(&json!({
             "apiVersion": "admission.k8s.io/v1",
             "kind": "AdmissionReview",
@@ -800,7 +851,7 @@ pub(crate) mod tests {
 
     /// kube-core serializes `patch` as a JSON array of bytes, which the apiserver's decoder
     /// accepts for a `[]byte` field just like base64.
-    fn decoded_patch(out: &Value) -> Value {
+    pub(crate) fn decoded_patch(out: &Value) -> Value {
         let bytes: Vec<u8> = serde_json::from_value(out["response"]["patch"].clone()).unwrap();
         serde_json::from_slice(&bytes).unwrap()
     }
@@ -821,7 +872,7 @@ pub(crate) mod tests {
             decoded_patch(&out),
             json!([
                 {"op": "add", "path": "/metadata/labels/meshgate.io~1cni-verified", "value": "false"},
-                {"op": "add", "path": "/spec/taints/-", "value": {"key": "meshgate.io/cni-unverified", "effect": "NoSchedule"}}
+                {"op": "add", "path": "/spec/taints/-", "value": {"key": "readiness.k8s.io/meshgate-cni-unverified", "effect": "NoSchedule"}}
             ])
         );
 
@@ -829,7 +880,7 @@ pub(crate) mod tests {
         let body = node_review(json!({
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": "n1", "labels": {"meshgate.io/cni-verified": "false"}},
-            "spec": {"taints": [{"key": "meshgate.io/cni-unverified", "effect": "NoSchedule"}]}
+            "spec": {"taints": [{"key": "readiness.k8s.io/meshgate-cni-unverified", "effect": "NoSchedule"}]}
         }));
         let out = wire(r.mutate_node(&body));
         assert_eq!(out["response"]["allowed"], true);
@@ -849,7 +900,26 @@ pub(crate) mod tests {
         assert_eq!(
             decoded_patch(&wire(r.mutate_node(&body))),
             json!([
-                {"op": "add", "path": "/spec/taints", "value": [{"key": "meshgate.io/cni-unverified", "effect": "NoExecute"}]}
+                {"op": "add", "path": "/spec/taints", "value": [{"key": "readiness.k8s.io/meshgate-cni-unverified", "effect": "NoExecute"}]}
+            ])
+        );
+    }
+
+    /// `--taint-key` reaches the registration patch: a node pre-tainted with the default key
+    /// is not gated by a custom one.
+    #[test]
+    fn new_nodes_get_the_configured_taint_key() {
+        let (r, _) = reviewer(fake_cluster());
+        let r = r.with_taint_key("example.com/mesh-not-ready".parse().unwrap());
+        let body = node_review(json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": "n1", "labels": {"meshgate.io/cni-verified": "false"}},
+            "spec": {"taints": [{"key": "readiness.k8s.io/meshgate-cni-unverified", "effect": "NoSchedule"}]}
+        }));
+        assert_eq!(
+            decoded_patch(&wire(r.mutate_node(&body))),
+            json!([
+                {"op": "add", "path": "/spec/taints/-", "value": {"key": "example.com/mesh-not-ready", "effect": "NoSchedule"}}
             ])
         );
     }

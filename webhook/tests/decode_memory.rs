@@ -1,6 +1,7 @@
 //! The memory a review's decoding holds, measured by a counting allocator: for the bodies an
 //! attacker would send (tiny JSON objects where admission reads nothing, in the object it
-//! reads, and label or annotation maps of the shortest entries), the decoded review holds at
+//! reads, label or annotation maps of the shortest entries, a Node's shortest taints, and taints
+//! of the shortest keys, which the decoder keeps since the taint key is a setting), the decoded review holds at
 //! most `WORST_CASE_EXPANSION` bytes per body byte, the figure the server's review memory
 //! budget charges. The figures are printed (`--nocapture`), with kube's
 //! `AdmissionReview<DynamicObject>` decoding of the same bodies beside them.
@@ -109,11 +110,31 @@ fn decoding_holds_at_most_the_budgeted_bytes_per_body_byte() {
             ),
         ),
         (
+            "Node taints of the shortest kind placement keeps",
+            review(
+                &format!(
+                    r#""spec":{{"taints":[{}]}}"#,
+                    vec![r#"{"effect":"NoSchedule"}"#; n / 8].join(",")
+                ),
+                "null",
+            ),
+        ),
+        (
             "annotations of one-letter values",
             review(
                 &format!(
                     r#""metadata":{{"annotations":{{{}}}}}"#,
                     entries(n / 3, "v")
+                ),
+                "null",
+            ),
+        ),
+        (
+            "taints of one-letter keys",
+            review(
+                &format!(
+                    r#""spec":{{"taints":[{}]}}"#,
+                    vec![r#"{"key":"k"}"#; n / 3].join(",")
                 ),
                 "null",
             ),

@@ -29,7 +29,7 @@ pub mod verdict_loop;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use meshgate_core::gate::TaintEffect;
+use meshgate_core::gate::{TaintEffect, TaintKey};
 use meshgate_shell::cli::{Common, duration};
 
 use crate::cni::CniArgs;
@@ -102,6 +102,8 @@ pub struct Config {
     pub state_file: PathBuf,
     /// The CNI dirs, runtime and probes to verify with.
     pub cni: CniArgs,
+    /// `--taint-key`.
+    pub taint_key: TaintKey,
     /// `--taint-effect`.
     pub taint_effect: TaintEffect,
     /// `--api-timeout`: each Node write and Event.
@@ -140,6 +142,7 @@ impl Config {
             impersonate_node: args.impersonate_node,
             state_file: args.state_file.clone(),
             cni: args.cni.clone(),
+            taint_key: args.common.taint_key.clone(),
             taint_effect: args.common.taint_effect,
             api_timeout: args.api_timeout,
             resync_interval: args.resync_interval,

@@ -26,8 +26,8 @@ use serde_json::json;
 
 use super::events::Events;
 
-/// `--taint-effect` values; [`NodeGate::new`] takes one.
-pub use meshgate_core::gate::TaintEffect;
+/// `--taint-key` and `--taint-effect` values; [`NodeGate::new`] takes one of each.
+pub use meshgate_core::gate::{TaintEffect, TaintKey};
 
 /// Conflicting writers are retried this many times before the reconcile is reported failed
 /// (and retried later with backoff).
@@ -112,16 +112,19 @@ pub struct NodeGate {
     /// [`NodeGate::reading_as`] gave it another identity.
     reader: Api<Node>,
     name: String,
+    key: TaintKey,
     effect: TaintEffect,
     timeout: Duration,
     events: Events,
 }
 
 impl NodeGate {
-    /// A gate for Node `name`, bounding each API call (and each Event) by `timeout`.
+    /// A gate for Node `name` with the taint `key` and `effect`, bounding each API call (and
+    /// each Event) by `timeout`. Taints under the keys `key` supersedes are removed.
     pub fn new(
         client: kube::Client,
         name: String,
+        key: TaintKey,
         effect: TaintEffect,
         timeout: Duration,
         recorder: Recorder,
@@ -131,6 +134,7 @@ impl NodeGate {
             reader: api.clone(),
             api,
             name,
+            key,
             effect,
             timeout,
             events: Events::with_recorder(recorder, timeout),
@@ -197,8 +201,9 @@ impl NodeGate {
     ) -> Result<Seen, GateError> {
         let mut attempts = 0;
         loop {
+            let now = Timestamp::now();
             let Some(plan) =
-                gate::plan_metadata(&seen.node, verdict.verified, self.effect, Timestamp::now())
+                gate::plan_metadata(&seen.node, verdict.verified, &self.key, self.effect, now)
             else {
                 return Ok(seen);
             };
@@ -277,7 +282,8 @@ impl NodeGate {
 mod tests {
     use super::*;
     use meshgate_core::cni::Reason;
-    use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL, event_reason};
+    use meshgate_core::event_reason;
+    use meshgate_core::gate::{CONDITION_TYPE, DEFAULT_TAINT_KEY as TAINT_KEY, VERIFIED_LABEL};
     use serde_json::Value;
 
     fn verdict(reason: Reason, message: &str) -> ChainVerdict {
@@ -294,8 +300,10 @@ mod tests {
             "metadata": {"name": "n1", "resourceVersion": "7"},
         }))
         .unwrap();
+        let key = TaintKey::default();
         let plan =
-            gate::plan_metadata(&node, true, TaintEffect::NoSchedule, Timestamp::now()).unwrap();
+            gate::plan_metadata(&node, true, &key, TaintEffect::NoSchedule, Timestamp::now())
+                .unwrap();
         assert!(serde_json::from_value::<json_patch::Patch>(plan.patch()).is_ok());
     }
 
@@ -340,6 +348,7 @@ mod tests {
             NodeGate::new(
                 client,
                 "n1".into(),
+                TaintKey::default(),
                 TaintEffect::NoSchedule,
                 Duration::from_secs(5),
                 recorder,

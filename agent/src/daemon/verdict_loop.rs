@@ -323,6 +323,7 @@ fn node_gate(config: &Config, clients: &Clients) -> NodeGate {
     NodeGate::new(
         clients.own.clone(),
         config.node.clone(),
+        config.taint_key.clone(),
         config.taint_effect,
         config.api_timeout,
         recorder,

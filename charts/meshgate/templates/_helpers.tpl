@@ -66,3 +66,17 @@ repeat (a ConfigMap cannot hold a key twice; set the named value instead).
 {{ $k }}: {{ $v | toString | quote }}
 {{- end -}}
 {{- end -}}
+
+{{/*
+Tolerations of meshgate's taint: the chart's taintKey, and the keys meshgate used before
+(releases before --taint-key, and the default when taintKey is another), still on nodes until
+their agent is upgraded and removes them.
+*/}}
+{{- define "meshgate.taintTolerations" -}}
+- key: {{ .Values.taintKey }}
+  operator: Exists
+{{- range without (list "readiness.k8s.io/meshgate-cni-unverified" "meshgate.io/cni-unverified") .Values.taintKey }}
+- key: {{ . }}
+  operator: Exists
+{{- end }}
+{{- end -}}

@@ -2,14 +2,19 @@
 //! them in step with the chain verdict.
 //!
 //! In: a Node (its taints, labels and `MeshCNIVerified` condition; at registration, the Node
-//! as JSON), the [`ChainVerdict`], the [`TaintEffect`] and the clock. Out: the writes that make
+//! as JSON), the [`ChainVerdict`], the [`TaintKey`], the [`TaintEffect`] and the clock. Out:
+//! the writes that make
 //! the Node say what the verdict says ([`plan_metadata`], [`plan_condition`]), the Node Event
 //! a transition publishes ([`plan_event`]), and the JSON Patch that gates a Node from the
 //! instant it is created ([`node_registration_patch`]).
 //!
 //! Pure: the agent's `daemon::node` carries the plans out on its own Node, the webhook's
-//! `/mutate-node` answers with the registration patch. Both take `--taint-effect`. The Node
-//! types are k8s-openapi's (data only, no client), so a plan is exactly what is written.
+//! `/mutate-node` answers with the registration patch. Both take `--taint-key` and
+//! `--taint-effect`. The Node types are k8s-openapi's (data only, no client), so a plan is
+//! exactly what is written.
+//!
+//! The names below are the ones operators write alerts, runbooks and tolerations against, as
+//! docs/operations.md states them ("Reading `kubectl describe node`"): defined once, here.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -21,9 +26,18 @@ use k8s_openapi::jiff::Timestamp;
 use serde_json::{Value, json};
 
 use crate::cni::ChainVerdict;
-use crate::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL, event_note, event_reason};
+use crate::{event_note, event_reason};
 
-/// The effect of the `meshgate.io/cni-unverified` taint (`--taint-effect`).
+mod key;
+
+pub use key::{DEFAULT_TAINT_KEY, InvalidTaintKey, LEGACY_TAINT_KEY, TaintKey};
+
+/// Label mirroring the verdict (`"true"` / `"false"`); the webhook and nodeAffinity read it.
+pub const VERIFIED_LABEL: &str = "meshgate.io/cni-verified";
+/// Node condition type carrying the verdict's reason and message.
+pub const CONDITION_TYPE: &str = "MeshCNIVerified";
+
+/// The effect of meshgate's taint (`--taint-effect`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum TaintEffect {
     /// New pods without a toleration are not scheduled; running pods stay.
@@ -69,34 +83,38 @@ impl FromStr for TaintEffect {
 }
 
 /// The taint list the Node should have, or `None` when `current` is already right.
-/// Only meshgate's own taint is added, changed or removed; every other taint is kept.
+/// Only meshgate's own taint `key` is added, changed or removed, and the keys it supersedes
+/// ([`TaintKey::superseded`]) are removed; every other taint is kept.
 /// `now` stamps a `NoExecute` taint's `timeAdded`.
 pub fn plan_taints(
     current: &[Taint],
     verified: bool,
+    key: &TaintKey,
     effect: TaintEffect,
     now: Timestamp,
 ) -> Option<Vec<Taint>> {
-    let ours: Vec<&Taint> = current.iter().filter(|t| t.key == TAINT_KEY).collect();
+    let ours: Vec<&Taint> = current.iter().filter(|t| t.key == key.as_str()).collect();
+    let stale = |t: &Taint| key.superseded().any(|k| t.key == k);
     let want_ours = !verified;
-    let is_right = if want_ours {
-        ours.len() == 1
-            && ours[0].effect == effect.as_str()
-            && ours[0].value.as_deref().unwrap_or("").is_empty()
-    } else {
-        ours.is_empty()
-    };
+    let is_right = !current.iter().any(stale)
+        && if want_ours {
+            ours.len() == 1
+                && ours[0].effect == effect.as_str()
+                && ours[0].value.as_deref().unwrap_or("").is_empty()
+        } else {
+            ours.is_empty()
+        };
     if is_right {
         return None;
     }
     let mut next: Vec<Taint> = current
         .iter()
-        .filter(|t| t.key != TAINT_KEY)
+        .filter(|t| t.key != key.as_str() && !stale(t))
         .cloned()
         .collect();
     if want_ours {
         next.push(Taint {
-            key: TAINT_KEY.to_string(),
+            key: key.to_string(),
             value: None,
             effect: effect.as_str().to_string(),
             // The API server only records timeAdded for NoExecute taints.
@@ -141,11 +159,12 @@ impl MetadataPlan {
 pub fn plan_metadata(
     node: &Node,
     verified: bool,
+    key: &TaintKey,
     effect: TaintEffect,
     now: Timestamp,
 ) -> Option<MetadataPlan> {
     let current = node.spec.as_ref().and_then(|s| s.taints.as_deref());
-    let taints = plan_taints(current.unwrap_or_default(), verified, effect, now);
+    let taints = plan_taints(current.unwrap_or_default(), verified, key, effect, now);
     let labels = node.metadata.labels.as_ref();
     let label = plan_label(labels.unwrap_or(&BTreeMap::new()), verified);
     if taints.is_none() && label.is_none() {
@@ -265,17 +284,17 @@ pub fn metadata_patch(
     Value::Array(ops)
 }
 
-/// The JSON Patch (RFC 6902 operations) that gates a Node being created: the
-/// `meshgate.io/cni-unverified` taint with `effect`, unless a taint with that key is already
+/// The JSON Patch (RFC 6902 operations) that gates a Node being created: the taint `key`
+/// with `effect`, unless a taint with that key is already
 /// there (kubelet's `--register-with-taints` may have set it, perhaps with `NoExecute`), and the
 /// label `meshgate.io/cni-verified=false`, which replaces any value a registering node claims
 /// for itself: a node that was just created has not been verified by the agent.
 ///
 /// `node` is the Node object as JSON. Returns an empty list when nothing needs to change.
-pub fn node_registration_patch(node: &Value, effect: TaintEffect) -> Vec<Value> {
+pub fn node_registration_patch(node: &Value, key: &TaintKey, effect: TaintEffect) -> Vec<Value> {
     let mut ops = Vec::new();
     ops.extend(registration_label(node));
-    ops.extend(registration_taint(node, effect));
+    ops.extend(registration_taint(node, key, effect));
     ops
 }
 
@@ -300,12 +319,12 @@ fn registration_label(node: &Value) -> Option<Value> {
 }
 
 /// The taint part of [`node_registration_patch`].
-fn registration_taint(node: &Value, effect: TaintEffect) -> Option<Value> {
-    let taint = json!({ "key": TAINT_KEY, "effect": effect.as_str() });
+fn registration_taint(node: &Value, key: &TaintKey, effect: TaintEffect) -> Option<Value> {
+    let taint = json!({ "key": key.as_str(), "effect": effect.as_str() });
     if let Some(Value::Array(taints)) = node.pointer("/spec/taints") {
         let present = taints
             .iter()
-            .any(|t| t.get("key").and_then(Value::as_str) == Some(TAINT_KEY));
+            .any(|t| t.get("key").and_then(Value::as_str) == Some(key.as_str()));
         return (!present)
             .then(|| json!({ "op": "add", "path": "/spec/taints/-", "value": taint }));
     }

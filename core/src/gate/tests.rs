@@ -3,6 +3,12 @@ use crate::cni::{Reason, Runtime};
 
 /// A fixed clock.
 const T: Timestamp = Timestamp::constant(1_700_000_000, 0);
+/// The default key, which most tests gate with.
+const TAINT_KEY: &str = DEFAULT_TAINT_KEY;
+
+fn key() -> TaintKey {
+    TaintKey::default()
+}
 
 fn taint(key: &str, effect: &str) -> Taint {
     Taint {
@@ -40,7 +46,7 @@ fn taint_is_added_and_removed_keeping_other_taints() {
         taint("node.kubernetes.io/not-ready", "NoSchedule"),
         taint("dedicated", "NoExecute"),
     ];
-    let added = plan_taints(&others, false, TaintEffect::NoSchedule, T).unwrap();
+    let added = plan_taints(&others, false, &key(), TaintEffect::NoSchedule, T).unwrap();
     assert_eq!(added.len(), 3);
     assert_eq!(&added[..2], &others[..]);
     assert_eq!(added[2].key, TAINT_KEY);
@@ -48,27 +54,27 @@ fn taint_is_added_and_removed_keeping_other_taints() {
     assert!(added[2].time_added.is_none());
 
     assert_eq!(
-        plan_taints(&added, false, TaintEffect::NoSchedule, T),
+        plan_taints(&added, false, &key(), TaintEffect::NoSchedule, T),
         None,
         "already tainted"
     );
     assert_eq!(
-        plan_taints(&added, true, TaintEffect::NoSchedule, T).unwrap(),
+        plan_taints(&added, true, &key(), TaintEffect::NoSchedule, T).unwrap(),
         others
     );
     assert_eq!(
-        plan_taints(&others, true, TaintEffect::NoSchedule, T),
+        plan_taints(&others, true, &key(), TaintEffect::NoSchedule, T),
         None,
         "already untainted"
     );
 
     // An effect change replaces our taint; duplicates of ours are collapsed to one.
-    let ne = plan_taints(&added, false, TaintEffect::NoExecute, T).unwrap();
+    let ne = plan_taints(&added, false, &key(), TaintEffect::NoExecute, T).unwrap();
     assert_eq!(ne.iter().filter(|t| t.key == TAINT_KEY).count(), 1);
     assert!(ne[2].time_added.is_some());
     let dup = [added.clone(), vec![taint(TAINT_KEY, "NoSchedule")]].concat();
     assert_eq!(
-        plan_taints(&dup, false, TaintEffect::NoSchedule, T)
+        plan_taints(&dup, false, &key(), TaintEffect::NoSchedule, T)
             .unwrap()
             .len(),
         3
@@ -91,7 +97,7 @@ fn metadata_plan_is_one_guarded_patch_or_nothing() {
         "spec": {"taints": [{"key": "dedicated", "effect": "NoExecute"}]},
     }))
     .unwrap();
-    let plan = plan_metadata(&node, false, TaintEffect::NoSchedule, T).unwrap();
+    let plan = plan_metadata(&node, false, &key(), TaintEffect::NoSchedule, T).unwrap();
     assert_eq!(plan.label, Some("false"));
     assert_eq!(plan.taints.as_ref().map(Vec::len), Some(2));
     assert!(!plan.has_labels);
@@ -103,10 +109,10 @@ fn metadata_plan_is_one_guarded_patch_or_nothing() {
     gated.metadata.labels = Some(BTreeMap::from([(VERIFIED_LABEL.into(), "false".into())]));
     gated.spec.as_mut().unwrap().taints = plan.taints.clone();
     assert_eq!(
-        plan_metadata(&gated, false, TaintEffect::NoSchedule, T),
+        plan_metadata(&gated, false, &key(), TaintEffect::NoSchedule, T),
         None
     );
-    let open = plan_metadata(&gated, true, TaintEffect::NoSchedule, T).unwrap();
+    let open = plan_metadata(&gated, true, &key(), TaintEffect::NoSchedule, T).unwrap();
     assert_eq!(open.label, Some("true"));
     assert!(open.has_labels);
     assert_eq!(open.taints.as_ref().map(Vec::len), Some(1));
@@ -197,7 +203,7 @@ fn registration_patch_adds_taint_and_label() {
         "metadata": {"name": "n1", "labels": {"kubernetes.io/hostname": "n1"}},
         "spec": {}
     });
-    let ops = node_registration_patch(&node, TaintEffect::NoSchedule);
+    let ops = node_registration_patch(&node, &key(), TaintEffect::NoSchedule);
     assert_eq!(
         ops,
         vec![
@@ -213,7 +219,7 @@ fn registration_patch_appends_to_existing_taints_and_builds_missing_maps() {
         "metadata": {"name": "n1"},
         "spec": {"taints": [{"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}]}
     });
-    let ops = node_registration_patch(&node, TaintEffect::NoSchedule);
+    let ops = node_registration_patch(&node, &key(), TaintEffect::NoSchedule);
     assert_eq!(
         ops,
         vec![
@@ -222,7 +228,7 @@ fn registration_patch_appends_to_existing_taints_and_builds_missing_maps() {
         ]
     );
     let bare = json!({});
-    let ops = node_registration_patch(&bare, TaintEffect::NoExecute);
+    let ops = node_registration_patch(&bare, &key(), TaintEffect::NoExecute);
     assert_eq!(
         ops,
         vec![
@@ -239,7 +245,7 @@ fn registration_patch_never_duplicates_the_taint_and_overrides_a_claimed_label()
         "metadata": {"labels": {VERIFIED_LABEL: "true"}},
         "spec": {"taints": [{"key": TAINT_KEY, "effect": "NoExecute"}]}
     });
-    let ops = node_registration_patch(&node, TaintEffect::NoSchedule);
+    let ops = node_registration_patch(&node, &key(), TaintEffect::NoSchedule);
     assert_eq!(
         ops,
         vec![
@@ -250,5 +256,130 @@ fn registration_patch_never_duplicates_the_taint_and_overrides_a_claimed_label()
         "metadata": {"labels": {VERIFIED_LABEL: "false"}},
         "spec": {"taints": [{"key": TAINT_KEY, "effect": "NoSchedule"}]}
     });
-    assert!(node_registration_patch(&gated, TaintEffect::NoSchedule).is_empty());
+    assert!(node_registration_patch(&gated, &key(), TaintEffect::NoSchedule).is_empty());
+}
+
+#[test]
+fn taint_keys_are_kubernetes_qualified_names() {
+    assert_eq!(TaintKey::default().as_str(), DEFAULT_TAINT_KEY);
+    for good in [
+        DEFAULT_TAINT_KEY,
+        LEGACY_TAINT_KEY,
+        "startup-taint.cluster-autoscaler.kubernetes.io/meshgate-cni-unverified",
+        "ignore-taint.cluster-autoscaler.kubernetes.io/mesh",
+        "mesh-not-ready",
+        "a/B.c_d-9",
+        "x",
+    ] {
+        let k: TaintKey = good.parse().unwrap_or_else(|e| panic!("{good}: {e}"));
+        assert_eq!(k.to_string(), good);
+    }
+    let long_prefix = format!("{}/n", vec!["a".repeat(63); 4].join("."));
+    assert_eq!(long_prefix.len(), 257);
+    let long_name = format!("p.io/{}", "n".repeat(64));
+    type Variant = fn(String) -> InvalidTaintKey;
+    let cases: [(&str, Variant); 11] = [
+        ("", InvalidTaintKey::EmptyName),
+        ("a/b/c", InvalidTaintKey::TooManySlashes),
+        ("/name", InvalidTaintKey::EmptyPrefix),
+        (&long_prefix, InvalidTaintKey::PrefixTooLong),
+        ("Example.com/x", InvalidTaintKey::BadPrefix),
+        ("example..com/x", InvalidTaintKey::BadPrefix),
+        ("-example.com/x", InvalidTaintKey::BadPrefix),
+        ("example.com/", InvalidTaintKey::EmptyName),
+        (&long_name, InvalidTaintKey::NameTooLong),
+        ("example.com/-x", InvalidTaintKey::BadName),
+        ("example.com/x y", InvalidTaintKey::BadName),
+    ];
+    for (bad, want) in cases {
+        assert_eq!(
+            bad.parse::<TaintKey>(),
+            Err(want(bad.to_owned())),
+            "{bad:?}"
+        );
+    }
+    let n63 = format!("p.io/{}", "n".repeat(63));
+    assert!(n63.parse::<TaintKey>().is_ok());
+    let p253 = format!(
+        "{}/n",
+        [
+            "a".repeat(63),
+            "a".repeat(63),
+            "a".repeat(63),
+            "a".repeat(61)
+        ]
+        .join(".")
+    );
+    assert!(
+        p253.parse::<TaintKey>().is_ok(),
+        "a 253-byte prefix is allowed"
+    );
+    let msg = "a/b/c".parse::<TaintKey>().unwrap_err().to_string();
+    assert!(
+        msg.contains("\"a/b/c\"") && msg.contains("[prefix/]name"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_custom_key_gates_and_the_keys_it_supersedes_are_removed() {
+    let custom: TaintKey = "example.com/mesh-not-ready".parse().unwrap();
+    assert_eq!(
+        custom.superseded().collect::<Vec<_>>(),
+        [LEGACY_TAINT_KEY, DEFAULT_TAINT_KEY]
+    );
+    assert_eq!(key().superseded().collect::<Vec<_>>(), [LEGACY_TAINT_KEY]);
+
+    // A node gated by an older release (legacy key) and by the default key: the agent with
+    // the custom key gates with its own key only, keeping every other taint.
+    let other = taint("dedicated", "NoExecute");
+    let before = vec![
+        taint(LEGACY_TAINT_KEY, "NoSchedule"),
+        other.clone(),
+        taint(DEFAULT_TAINT_KEY, "NoSchedule"),
+    ];
+    let gated = plan_taints(&before, false, &custom, TaintEffect::NoSchedule, T).unwrap();
+    assert_eq!(gated, [other.clone(), taint(custom.as_str(), "NoSchedule")]);
+    assert_eq!(
+        plan_taints(&gated, false, &custom, TaintEffect::NoSchedule, T),
+        None
+    );
+    let open = plan_taints(&before, true, &custom, TaintEffect::NoSchedule, T).unwrap();
+    assert_eq!(open, std::slice::from_ref(&other));
+
+    // Upgrade: the default key's agent removes the legacy taint even when already verified.
+    let upgraded = vec![taint(LEGACY_TAINT_KEY, "NoSchedule"), other.clone()];
+    assert_eq!(
+        plan_taints(&upgraded, true, &key(), TaintEffect::NoSchedule, T).unwrap(),
+        std::slice::from_ref(&other)
+    );
+    let regated = plan_taints(&upgraded, false, &key(), TaintEffect::NoSchedule, T).unwrap();
+    assert_eq!(regated, [other, taint(DEFAULT_TAINT_KEY, "NoSchedule")]);
+}
+
+#[test]
+fn registration_uses_the_configured_key() {
+    let custom: TaintKey = "example.com/mesh-not-ready".parse().unwrap();
+    // kubelet registered with the legacy key: the new key is added beside it (the agent
+    // removes the legacy one).
+    let node = json!({
+        "metadata": {"labels": {VERIFIED_LABEL: "false"}},
+        "spec": {"taints": [{"key": LEGACY_TAINT_KEY, "effect": "NoSchedule"}]}
+    });
+    assert_eq!(
+        node_registration_patch(&node, &custom, TaintEffect::NoSchedule),
+        vec![
+            json!({"op":"add","path":"/spec/taints/-","value":{"key":"example.com/mesh-not-ready","effect":"NoSchedule"}})
+        ]
+    );
+    let gated = json!({
+        "metadata": {"labels": {VERIFIED_LABEL: "false"}},
+        "spec": {"taints": [{"key": "example.com/mesh-not-ready", "effect": "NoSchedule"}]}
+    });
+    assert!(node_registration_patch(&gated, &custom, TaintEffect::NoSchedule).is_empty());
+    assert_eq!(
+        node_registration_patch(&gated, &key(), TaintEffect::NoSchedule).len(),
+        1,
+        "the default key is not the custom one"
+    );
 }

@@ -159,7 +159,7 @@ pub(super) async fn run(
     dirs.config("10-calico.conflist", &invalid)?;
     agent_log("warn");
     let agent = Agent::start(cp, node, &dirs, &[])?;
-    let (mut rx, w) = watch_taint(client, node, meshgate_core::TAINT_KEY);
+    let (mut rx, w) = watch_taint(client, node, meshgate_core::gate::DEFAULT_TAINT_KEY);
     until(&mut rx, true).await.context("initial gating")?;
     let (mut untaint, mut retaint) = (Vec::with_capacity(n), Vec::with_capacity(n));
     for _ in 0..n {

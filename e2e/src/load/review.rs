@@ -564,7 +564,7 @@ pub fn cloud_node(name: &str, verified: bool) -> anyhow::Result<Node> {
             "node.kubernetes.io/instance-type": "m6i.2xlarge",
             "topology.kubernetes.io/region": "eu-west-1", "topology.kubernetes.io/zone": "eu-west-1a",
             "eks.amazonaws.com/nodegroup": "general-purpose",
-            meshgate_core::VERIFIED_LABEL: if verified { "true" } else { "false" },
+            meshgate_core::gate::VERIFIED_LABEL: if verified { "true" } else { "false" },
         }},
         "spec": {"providerID": format!("aws:///eu-west-1a/i-{name}")}
     }))?)

@@ -198,15 +198,19 @@ pub async fn create_node(
     spec: &NodeSpec,
     kubelet_version: &str,
 ) -> Result<Node, Error> {
+    // The kubelet's own labels; a spec's label of the same key wins (a Windows node).
     let mut labels = spec.labels.clone();
     labels.insert("kubernetes.io/hostname".into(), spec.name.clone());
-    labels.insert("kubernetes.io/os".into(), "linux".into());
-    labels.insert(
-        "kubernetes.io/arch".into(),
-        std::env::consts::ARCH
-            .replace("x86_64", "amd64")
-            .replace("aarch64", "arm64"),
-    );
+    labels
+        .entry("kubernetes.io/os".into())
+        .or_insert_with(|| "linux".into());
+    labels
+        .entry("kubernetes.io/arch".into())
+        .or_insert_with(|| {
+            std::env::consts::ARCH
+                .replace("x86_64", "amd64")
+                .replace("aarch64", "arm64")
+        });
     let status = spec.status(kubelet_version);
     let node = Node {
         metadata: ObjectMeta {

@@ -359,7 +359,10 @@ pub fn tainted(n: &k8s_openapi::api::core::v1::Node) -> bool {
     n.spec
         .as_ref()
         .and_then(|s| s.taints.as_ref())
-        .is_some_and(|t| t.iter().any(|t| t.key == meshgate_core::TAINT_KEY))
+        .is_some_and(|t| {
+            t.iter()
+                .any(|t| t.key == meshgate_core::gate::DEFAULT_TAINT_KEY)
+        })
 }
 
 /// The Node's `MeshCNIVerified` condition as (status, reason, message).
@@ -370,7 +373,7 @@ pub fn gate_condition(n: &k8s_openapi::api::core::v1::Node) -> Option<(String, S
         .conditions
         .as_ref()?
         .iter()
-        .find(|c| c.type_ == meshgate_core::CONDITION_TYPE)?;
+        .find(|c| c.type_ == meshgate_core::gate::CONDITION_TYPE)?;
     Some((
         c.status.clone(),
         c.reason.clone().unwrap_or_default(),
@@ -383,7 +386,7 @@ pub fn verified_label(n: &k8s_openapi::api::core::v1::Node) -> Option<&str> {
     n.metadata
         .labels
         .as_ref()?
-        .get(meshgate_core::VERIFIED_LABEL)
+        .get(meshgate_core::gate::VERIFIED_LABEL)
         .map(String::as_str)
 }
 

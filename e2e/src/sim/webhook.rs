@@ -4,7 +4,8 @@
 //! rendered with its default values) pointing at `https://127.0.0.1:<port>`.
 //!
 //! In: the control plane, the webhook's address, a scope. Out: registered configurations
-//! (and a CA that can rotate the serving certificate). Used by the e2e tests and the
+//! (and a CA that can rotate the serving certificate), and the shipped agent DaemonSet's
+//! placement as an API object for the webhook to read. Used by the e2e tests and the
 //! benchmarks.
 
 use std::path::Path;
@@ -14,6 +15,7 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
 };
+use k8s_openapi::api::apps::v1::DaemonSet;
 use kube::Client;
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::{Value, json};
@@ -90,6 +92,42 @@ pub struct Scope {
 
 /// The registrations meshgate ships, which every test registers (adapted by [`configurations`]).
 pub const SHIPPED: &str = "templates/webhook-configurations.yaml";
+/// The agent DaemonSet meshgate ships, whose placement decides which Nodes are gated.
+pub const AGENT: &str = "templates/agent.yaml";
+
+/// The objects of the chart's template `template` (relative to the chart), rendered by
+/// `helm template` with the chart's defaults and read through kubectl as an operator's
+/// `kubectl apply` reads them.
+async fn shipped(cp: &crate::ControlPlane, template: &str) -> anyhow::Result<Vec<Value>> {
+    let rendered = crate::harness::helm::template(&["--show-only", template])
+        .await
+        .with_context(|| format!("rendering {template}"))?;
+    let file = template.replace(['/', '.'], "-");
+    let path = cp
+        .dir()
+        .join(format!("{file}-{}.yaml", crate::unique_name("r")));
+    std::fs::write(&path, rendered).with_context(|| format!("writing {}", path.display()))?;
+    let text = cp
+        .kubectl(&[
+            "create",
+            "--dry-run=client",
+            "-o",
+            "json",
+            "-f",
+            &path.display().to_string(),
+        ])
+        .await
+        .with_context(|| format!("reading {template}"))?;
+    let mut objects = Vec::new();
+    for doc in serde_json::Deserializer::from_str(&text).into_iter::<Value>() {
+        let doc = doc.context("kubectl's JSON")?;
+        match doc.get("items").and_then(Value::as_array) {
+            Some(items) if doc["kind"] == "List" => objects.extend(items.iter().cloned()),
+            _ => objects.push(doc),
+        }
+    }
+    Ok(objects)
+}
 
 /// The shipped Validating and Mutating webhook configurations ([`SHIPPED`], rendered by
 /// `helm template` with the chart's defaults and read through kubectl as an operator's
@@ -106,30 +144,7 @@ pub async fn configurations(
     ca_pem: &str,
     scope: &Scope,
 ) -> anyhow::Result<(ValidatingWebhookConfiguration, MutatingWebhookConfiguration)> {
-    let rendered = crate::harness::helm::template(&["--show-only", SHIPPED])
-        .await
-        .with_context(|| format!("rendering {SHIPPED}"))?;
-    let path = cp.dir().join(format!("webhook-configurations-{name}.yaml"));
-    std::fs::write(&path, rendered).with_context(|| format!("writing {}", path.display()))?;
-    let text = cp
-        .kubectl(&[
-            "create",
-            "--dry-run=client",
-            "-o",
-            "json",
-            "-f",
-            &path.display().to_string(),
-        ])
-        .await
-        .with_context(|| format!("reading {SHIPPED}"))?;
-    let mut objects = Vec::new();
-    for doc in serde_json::Deserializer::from_str(&text).into_iter::<Value>() {
-        let doc = doc.context("kubectl's JSON")?;
-        match doc.get("items").and_then(Value::as_array) {
-            Some(items) if doc["kind"] == "List" => objects.extend(items.iter().cloned()),
-            _ => objects.push(doc),
-        }
-    }
+    let objects = shipped(cp, SHIPPED).await?;
     let ca_bundle = serde_json::to_value(ByteString(ca_pem.as_bytes().to_vec()))?;
     let adapt = |kind: &str| -> anyhow::Result<Value> {
         let mut obj = objects
@@ -172,7 +187,12 @@ fn adapt_hook(
     }
     if let Some((k, v)) = &scope.label {
         if kind == "MutatingWebhookConfiguration" {
-            hook["objectSelector"] = json!({"matchLabels": {k: v}});
+            // Added to the shipped pre-filter (the agent's nodeSelector), not replacing it.
+            let selector = hook["objectSelector"]
+                .as_object_mut()
+                .context("a shipped Node webhook without objectSelector")?;
+            let labels = selector.entry("matchLabels").or_insert_with(|| json!({}));
+            labels[k] = json!(v);
         } else {
             let exprs = hook["namespaceSelector"]["matchExpressions"]
                 .as_array_mut()
@@ -181,6 +201,45 @@ fn adapt_hook(
         }
     }
     Ok(())
+}
+
+/// The agent DaemonSet meshgate ships (the chart's `templates/agent.yaml`, rendered and read
+/// through kubectl),
+/// as the webhook's placement sees it, in `namespace`: its pod template keeps the shipped
+/// `nodeSelector` (plus `scope`'s label, so the DaemonSet controller makes pods for that
+/// test's nodes only), `affinity`, `tolerations` and `hostNetwork`, with one placeholder
+/// container and a scheduler that does not run, so its pods are never bound or started.
+pub async fn agent_daemonset(
+    cp: &crate::ControlPlane,
+    namespace: &str,
+    scope: &Scope,
+) -> anyhow::Result<DaemonSet> {
+    let shipped = shipped(cp, AGENT)
+        .await?
+        .into_iter()
+        .find(|o| o["kind"] == "DaemonSet")
+        .with_context(|| format!("no DaemonSet in {AGENT}"))?;
+    let spec = &shipped["spec"]["template"]["spec"];
+    let mut node_selector = spec["nodeSelector"].clone();
+    if let Some((k, v)) = &scope.label {
+        node_selector[k] = json!(v);
+    }
+    let labels = &shipped["spec"]["selector"]["matchLabels"];
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "apps/v1", "kind": "DaemonSet",
+        "metadata": {"name": shipped["metadata"]["name"], "namespace": namespace},
+        "spec": {"selector": {"matchLabels": labels}, "template": {
+            "metadata": {"labels": labels},
+            "spec": {
+                "nodeSelector": node_selector,
+                "affinity": spec["affinity"],
+                "tolerations": spec["tolerations"],
+                "hostNetwork": spec["hostNetwork"],
+                "schedulerName": "meshgate-e2e-nobody",
+                "automountServiceAccountToken": false,
+                "containers": [{"name": "agent", "image": "registry.invalid/agent:1"}],
+            }}}
+    }))?)
 }
 
 /// Registers [`configurations`] as `meshgate-<name>`.

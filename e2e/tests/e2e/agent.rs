@@ -7,7 +7,7 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::events::v1::Event;
 use kube::Client;
 use kube::api::{Api, ListParams};
-use meshgate_core::{CONDITION_TYPE, TAINT_KEY};
+use meshgate_core::gate::{CONDITION_TYPE, DEFAULT_TAINT_KEY as TAINT_KEY};
 use meshgate_e2e::{ControlPlane, NodeSpec, Options, unique_name};
 
 use crate::cp;

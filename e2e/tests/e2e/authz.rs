@@ -21,8 +21,8 @@ use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams, WatchParams};
 use kube::{Client, ResourceExt};
 use meshgate_agent::daemon::clients::{Clients, node_user};
-use meshgate_agent::daemon::node::{NodeGate, TaintEffect};
-use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
+use meshgate_agent::daemon::node::{NodeGate, TaintEffect, TaintKey};
+use meshgate_core::gate::{DEFAULT_TAINT_KEY as TAINT_KEY, VERIFIED_LABEL};
 use meshgate_e2e::harness::audit;
 use meshgate_e2e::harness::helm;
 use meshgate_e2e::harness::wait::poll_until;
@@ -32,8 +32,9 @@ use serde_json::json;
 
 use crate::WAIT;
 use crate::support::{
-    AGENT, NS, bound_token, dry_run_eviction, effective_rules, expect_forbidden, expect_policy,
-    label_verified_dry_run, refused_by_policy, refused_by_rbac, triples, verdict,
+    AGENT, BASE_CONFINEMENT, NS, apply_base_files, bound_token, dry_run_eviction, effective_rules,
+    expect_forbidden, expect_policy, label_verified_dry_run, refused_by_policy, refused_by_rbac,
+    triples, verdict,
 };
 
 /// A ServiceAccount of this test only, for what the agent is not granted as the node.
@@ -113,18 +114,7 @@ async fn setup() -> anyhow::Result<Fixture> {
     .await
     .context("starting a control plane with ConstrainedImpersonation")?;
     let admin = cp.client()?;
-    let mut only = Vec::new();
-    for t in [
-        "namespace.yaml",
-        "serviceaccounts.yaml",
-        "rbac.yaml",
-        "admission-policy.yaml",
-    ] {
-        only.extend(["--show-only".to_owned(), format!("templates/{t}")]);
-    }
-    let only: Vec<&str> = only.iter().map(String::as_str).collect();
-    let rbac = render(&cp, "authz-rbac", &only).await?;
-    cp.kubectl(&["apply", "-f", &rbac])
+    apply_base_files(&cp, &BASE_CONFINEMENT, &[])
         .await
         .context("applying the chart's RBAC")?;
 
@@ -572,6 +562,7 @@ async fn agent_runs_as_its_node(f: &Fixture) -> anyhow::Result<()> {
     let gate = NodeGate::new(
         clients.own.clone(),
         f.node_a.clone(),
+        TaintKey::default(),
         TaintEffect::NoSchedule,
         std::time::Duration::from_secs(5),
         recorder,

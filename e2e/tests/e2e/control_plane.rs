@@ -15,7 +15,7 @@ use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use kube::api::{Api, EvictParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
-use meshgate_core::TAINT_KEY;
+use meshgate_core::gate::DEFAULT_TAINT_KEY as TAINT_KEY;
 use meshgate_e2e::harness::wait::poll_until;
 use meshgate_e2e::{NodeSpec, TokenOptions, unique_name};
 use serde_json::json;

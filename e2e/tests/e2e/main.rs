@@ -12,10 +12,12 @@ mod authz;
 mod control_plane;
 mod faults;
 mod outage;
+mod placement;
 mod pods;
 mod rbac;
 mod real_node;
 mod support;
+mod taint_key;
 mod uninstall;
 mod webhook;
 

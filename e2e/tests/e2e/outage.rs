@@ -127,7 +127,8 @@ async fn create(
 /// `Ok(taints of meshgate's key)` when admitted.
 async fn create_node(c: &Client, name: &str, tag: &str) -> anyhow::Result<Result<usize, String>> {
     let node: Node = serde_json::from_value(json!({
-        "metadata": {"name": name, "labels": {SCOPE_KEY: tag}},
+        // A Linux node, as the agent's nodeSelector and the Node webhook's objectSelector want.
+        "metadata": {"name": name, "labels": {SCOPE_KEY: tag, "kubernetes.io/os": "linux"}},
     }))?;
     let api: Api<Node> = Api::all(c.clone());
     match tokio::time::timeout(CALL, api.create(&PostParams::default(), &node)).await? {
@@ -197,6 +198,7 @@ async fn both_replicas_dead_block_only_what_a_mesh_may_own_and_bindings() {
         kubeconfig: cp.admin_kubeconfig_path().to_path_buf(),
         profile_file: Some(profiles),
         tag_hooks: true,
+        taint_key: Default::default(),
     };
     let mut f = Fixture::start_with(cp, "out", start)
         .await

@@ -8,7 +8,7 @@ use k8s_openapi::api::authorization::v1::{SelfSubjectRulesReview, SelfSubjectRul
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
 use kube::api::{Api, EvictParams, Patch, PatchParams, PostParams};
-use meshgate_core::VERIFIED_LABEL;
+use meshgate_core::gate::VERIFIED_LABEL;
 use meshgate_e2e::TokenOptions;
 use meshgate_e2e::harness::wait::poll_until;
 use serde_json::json;
@@ -34,6 +34,40 @@ pub async fn wait_node(
     .await
     .with_context(|| format!("waiting for node {name}: {what}"))
 }
+
+/// `kubectl apply` of the chart's templates `files`, rendered by `helm template` with `sets`
+/// (`--set` pairs) and written into `cp`'s directory.
+pub async fn apply_base_files(
+    cp: &meshgate_e2e::ControlPlane,
+    files: &[&str],
+    sets: &[&str],
+) -> anyhow::Result<String> {
+    let mut args = Vec::new();
+    for f in files {
+        args.extend(["--show-only".to_owned(), format!("templates/{f}")]);
+    }
+    for s in sets {
+        args.extend(["--set".to_owned(), (*s).to_owned()]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let rendered = meshgate_e2e::harness::helm::template(&args).await?;
+    let path = cp
+        .dir()
+        .join(format!("{}.yaml", meshgate_e2e::unique_name("chart")));
+    std::fs::write(&path, rendered)?;
+    Ok(cp
+        .kubectl(&["apply", "-f", &path.display().to_string()])
+        .await?)
+}
+
+/// The chart's templates that confine the agent: its namespace, ServiceAccounts, RBAC and
+/// policies.
+pub const BASE_CONFINEMENT: [&str; 4] = [
+    "namespace.yaml",
+    "serviceaccounts.yaml",
+    "rbac.yaml",
+    "admission-policy.yaml",
+];
 
 // Answers of the apiserver to the components' own tokens (rbac.rs, authz.rs).
 

@@ -21,7 +21,9 @@ use k8s_openapi::api::core::v1::{Namespace, Node, Secret, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use kube::api::{Api, ListParams};
 use kube::{Client, Resource, ResourceExt};
-use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
+use meshgate_core::gate::{
+    CONDITION_TYPE, DEFAULT_TAINT_KEY as TAINT_KEY, LEGACY_TAINT_KEY, VERIFIED_LABEL,
+};
 use meshgate_e2e::harness::helm;
 use meshgate_e2e::harness::wait::poll_until;
 use meshgate_e2e::real::cluster::{RealCluster, SYSTEM_NAMESPACE};
@@ -88,7 +90,15 @@ async fn no_marks(client: &Client) -> anyhow::Result<()> {
         .await?
     {
         let name = node.name_any();
-        ensure!(!tainted(&node), "{name} keeps the taint {TAINT_KEY}");
+        let taints = node
+            .spec
+            .as_ref()
+            .and_then(|s| s.taints.clone())
+            .unwrap_or_default();
+        ensure!(
+            !tainted(&node) && !taints.iter().any(|t| t.key == LEGACY_TAINT_KEY),
+            "{name} keeps meshgate's taint ({TAINT_KEY} or {LEGACY_TAINT_KEY}): {taints:?}"
+        );
         ensure!(
             verified_label(&node).is_none(),
             "{name} keeps the label {VERIFIED_LABEL}"

@@ -18,10 +18,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
+use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
-use meshgate_core::{TAINT_KEY, VERIFIED_LABEL};
+use meshgate_core::gate::{DEFAULT_TAINT_KEY as TAINT_KEY, VERIFIED_LABEL};
 use meshgate_e2e::sim::webhook::{self, Scope, TestCa};
 use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
 use serde_json::{Value, json};
@@ -80,13 +81,20 @@ pub(crate) struct Start {
     pub profile_file: Option<PathBuf>,
     /// Name the webhooks `<x>.<tag>.meshgate.io` ([`Scope::hook_infix`]).
     pub tag_hooks: bool,
+    /// `--taint-key`.
+    pub taint_key: meshgate_core::gate::TaintKey,
 }
 
-/// One webhook instance, its configurations and their scope label.
+/// One webhook instance, its configurations and their scope label, and the agent DaemonSet
+/// it reads (the shipped one's placement, scoped to this test's nodes).
 pub(crate) struct Fixture {
     pub(crate) client: Client,
     /// Value of [`SCOPE_KEY`] that selects this test's objects.
     pub(crate) tag: String,
+    /// The namespace of the agent DaemonSet `meshgate-agent` the webhook reads.
+    pub(crate) agent_namespace: String,
+    /// The key the webhook taints new Nodes with (`--taint-key`).
+    pub(crate) taint_key: String,
     tag_hooks: bool,
     ca: TestCa,
     dir: tempfile::TempDir,
@@ -105,7 +113,7 @@ impl Fixture {
     }
 
     /// Starts the webhook in-process, waits for `/ready`, and registers the configurations.
-    async fn start(cp: &ControlPlane, prefix: &str) -> anyhow::Result<Self> {
+    pub(crate) async fn start(cp: &ControlPlane, prefix: &str) -> anyhow::Result<Self> {
         Self::start_as(cp, prefix, cp.admin_kubeconfig_path().to_path_buf()).await
     }
 
@@ -120,6 +128,7 @@ impl Fixture {
             kubeconfig,
             profile_file: None,
             tag_hooks: false,
+            taint_key: Default::default(),
         };
         Self::start_with(cp, prefix, start).await
     }
@@ -132,12 +141,23 @@ impl Fixture {
     ) -> anyhow::Result<Self> {
         let client = cp.client()?;
         let tag = unique_name(prefix);
+        // The agent DaemonSet exists before the webhook starts: its readiness waits for it.
+        let agent_namespace = cp.create_namespace(&client, "whds").await?;
+        let scope = Scope {
+            label: Some((SCOPE_KEY.to_string(), tag.clone())),
+            hook_infix: None,
+        };
+        let ds = webhook::agent_daemonset(cp, &agent_namespace, &scope).await?;
+        let daemonsets: Api<DaemonSet> = Api::namespaced(client.clone(), &agent_namespace);
+        tokio::time::timeout(CALL, daemonsets.create(&PostParams::default(), &ds)).await??;
         let ca = TestCa::new()?;
         let dir = tempfile::tempdir()?;
         let (listen, admin) = (free_port()?, free_port()?);
         let mut f = Self {
             client,
             tag,
+            agent_namespace,
+            taint_key: start.taint_key.as_str().to_owned(),
             tag_hooks: start.tag_hooks,
             ca,
             dir,
@@ -159,6 +179,7 @@ impl Fixture {
                 profiles: Vec::new(),
                 profile_file: start.profile_file,
                 log_format: meshgate_shell::logging::LogFormat::Text,
+                taint_key: start.taint_key,
                 taint_effect: Default::default(),
             },
             request_timeout: Duration::from_secs(3),
@@ -170,6 +191,9 @@ impl Fixture {
             shutdown_delay: Duration::ZERO,
             shutdown_timeout: Duration::from_secs(5),
             pods: meshgate_webhook::pods::PodLimits::default(),
+            agent_daemonset: format!("{}/meshgate-agent", f.agent_namespace)
+                .parse()
+                .map_err(anyhow::Error::msg)?,
         };
         let listener = tokio::net::TcpListener::bind(listen).await?;
         let (stop_tx, stop_rx) = oneshot::channel();
@@ -193,7 +217,10 @@ impl Fixture {
             ensure!(Instant::now() < deadline, "webhook not ready after 30 s");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        f.register().await?;
+        f.register(cp).await?;
+        // Readiness does not wait for the agent DaemonSet's watch: wait until new Nodes are
+        // gated (a Linux node in scope, as the shipped placement selects).
+        crate::placement::until_gated(&f, json!({"kubernetes.io/os": "linux"}), true).await?;
         Ok(f)
     }
 
@@ -205,9 +232,9 @@ impl Fixture {
         }
     }
 
-    async fn register(&self) -> anyhow::Result<()> {
+    async fn register(&self, cp: &ControlPlane) -> anyhow::Result<()> {
         webhook::register(
-            cp().await,
+            cp,
             &self.client,
             &self.tag,
             self.listen.port(),
@@ -239,6 +266,13 @@ impl Fixture {
         Ok(ns)
     }
 
+    /// The webhook's `/metrics` text.
+    pub(crate) async fn metrics(&self) -> anyhow::Result<String> {
+        let (code, text) = http_get(self.admin, "/metrics").await?;
+        ensure!(code == 200, "/metrics answered {code}");
+        Ok(text)
+    }
+
     /// Stops the webhook (graceful shutdown) and waits for it.
     pub(crate) async fn stop_webhook(&mut self) -> anyhow::Result<()> {
         if let Some(stop) = self.stop.take() {
@@ -252,9 +286,16 @@ impl Fixture {
         Ok(())
     }
 
-    /// Deletes the configurations and stops the webhook; run whatever the test's outcome.
+    /// Deletes the configurations, stops the webhook and deletes the agent DaemonSet's
+    /// namespace; run whatever the test's outcome.
     pub(crate) async fn teardown(mut self) {
         webhook::unregister(&self.client, &self.tag).await;
+        let namespaces: Api<Namespace> = Api::all(self.client.clone());
+        let _ = tokio::time::timeout(
+            CALL,
+            namespaces.delete(&self.agent_namespace, &DeleteParams::default()),
+        )
+        .await;
         if let Err(e) = self.stop_webhook().await {
             tracing::warn!(error = %e, "stopping the webhook");
         }
@@ -340,10 +381,15 @@ pub(crate) async fn force_delete_pods(client: &Client, ns: &str, names: &[&str])
 }
 
 pub(crate) fn taint_count(node: &Node) -> usize {
+    taint_count_of(node, TAINT_KEY)
+}
+
+/// How many taints under `key` the Node carries.
+pub(crate) fn taint_count_of(node: &Node, key: &str) -> usize {
     node.spec
         .as_ref()
         .and_then(|s| s.taints.as_ref())
-        .map(|ts| ts.iter().filter(|t| t.key == TAINT_KEY).count())
+        .map(|ts| ts.iter().filter(|t| t.key == key).count())
         .unwrap_or(0)
 }
 

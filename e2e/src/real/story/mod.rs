@@ -37,7 +37,7 @@ use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
-use meshgate_core::{CONDITION_TYPE, TAINT_KEY};
+use meshgate_core::gate::{CONDITION_TYPE, DEFAULT_TAINT_KEY as TAINT_KEY};
 use serde_json::json;
 use std::time::{Duration, Instant};
 use steps::Story;

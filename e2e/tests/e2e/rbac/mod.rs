@@ -48,7 +48,7 @@ use kube::api::{
     Api, DeleteParams, EvictParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams,
 };
 use kube::{Client, ResourceExt};
-use meshgate_core::{CONDITION_TYPE, TAINT_KEY, VERIFIED_LABEL};
+use meshgate_core::gate::{CONDITION_TYPE, DEFAULT_TAINT_KEY as TAINT_KEY, VERIFIED_LABEL};
 use meshgate_e2e::harness::helm;
 use meshgate_e2e::harness::paths::repo_root;
 use meshgate_e2e::harness::wait::poll_until;

@@ -107,7 +107,7 @@ async fn the_agents_own_writes_pass(
     foreign: &serde_json::Value,
 ) -> anyhow::Result<()> {
     use kube::runtime::events::{Event as Note, EventType, Recorder, Reporter};
-    use meshgate_agent::daemon::node::{NodeGate, TaintEffect};
+    use meshgate_agent::daemon::node::{NodeGate, TaintEffect, TaintKey};
     let nodes: Api<Node> = Api::all(admin.clone());
     // 1. Everything the real agent writes passes: NodeGate (the taint and label JSON patch
     //    guarded by a resourceVersion test, the condition by strategic merge on nodes/status,
@@ -120,6 +120,7 @@ async fn the_agents_own_writes_pass(
     let gate = NodeGate::new(
         agent.clone(),
         c.to_owned(),
+        TaintKey::default(),
         TaintEffect::NoSchedule,
         std::time::Duration::from_secs(5),
         Recorder::new(agent.clone(), reporter.clone()),

@@ -9,11 +9,18 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
     let admin = f.cp.client()?;
     let webhook = f.cp.client_for_token(&f.webhook_token)?;
 
-    let want = triples(&[
-        ("", &["nodes", "pods"], &["get", "list", "watch"]),
+    let cluster_wide = [
+        ("", &["nodes", "pods"][..], &["get", "list", "watch"][..]),
         ("", &["namespaces"], &["list", "watch"]),
-    ]);
-    for ns in [NS, "default", "kube-system"] {
+    ];
+    // In meshgate's namespace only, the agent DaemonSet's placement.
+    let mut in_ns = cluster_wide.to_vec();
+    in_ns.push(("apps", &["daemonsets"], &["get", "list", "watch"]));
+    for (ns, want) in [
+        (NS, triples(&in_ns)),
+        ("default", triples(&cluster_wide)),
+        ("kube-system", triples(&cluster_wide)),
+    ] {
         let have = effective_rules(&webhook, ns).await?;
         assert_eq!(have, want, "the webhook's rules in namespace {ns}");
     }
@@ -130,6 +137,19 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
             server.exited(),
             server.log()
         );
+    }
+    // Its watch of the agent DaemonSet (the field-selected list, then the watch) is allowed.
+    let listed = poll_until("the webhook to list the agent DaemonSet", WAIT, || async {
+        anyhow::Ok(
+            server
+                .log()
+                .contains("agent DaemonSet listed")
+                .then_some(()),
+        )
+    })
+    .await;
+    if let Err(e) = listed {
+        bail!("{e}; webhook log:\n{}", server.log());
     }
 
     let vwc = Api::<ValidatingWebhookConfiguration>::all(admin.clone())
