@@ -63,6 +63,21 @@ pub async fn template(args: &[&str]) -> Result<String, Error> {
     exec(None, &all, TEMPLATE_TIMEOUT).await
 }
 
+/// `helm VERB meshgate charts/meshgate -n kube-system EXTRA...` against `cp` (`install`,
+/// `upgrade`), bounded by `timeout`; helm's stdout.
+pub async fn release(
+    cp: &ControlPlane,
+    verb: &str,
+    extra: &[&str],
+    timeout: Duration,
+) -> Result<String, Error> {
+    let chart = chart();
+    let chart = chart.to_string_lossy();
+    let mut all = vec![verb, RELEASE, &chart, "--namespace", RELEASE_NAMESPACE];
+    all.extend_from_slice(extra);
+    run(cp, &all, timeout).await
+}
+
 /// `helm ARGS...` against `cp` (its admin kubeconfig), bounded by `timeout`; helm's stdout.
 pub async fn run(cp: &ControlPlane, args: &[&str], timeout: Duration) -> Result<String, Error> {
     exec(Some(cp), args, timeout).await

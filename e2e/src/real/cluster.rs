@@ -126,19 +126,9 @@ impl RealCluster {
     /// (the chart makes its own TLS material). Returns once the webhook's replicas and an
     /// agent on every node are Ready; the error carries their statuses and logs otherwise.
     pub async fn install_meshgate(&self) -> Result<(), Error> {
-        let chart = helm::chart();
         let values = crate::harness::paths::repo_root().join(REAL_NODE_VALUES);
-        let (chart, values) = (chart.to_string_lossy(), values.to_string_lossy());
-        let args = [
-            "install",
-            helm::RELEASE,
-            &chart,
-            "--namespace",
-            helm::RELEASE_NAMESPACE,
-            "--values",
-            &values,
-        ];
-        helm::run(&self.cp, &args, INSTALL_TIMEOUT).await?;
+        let values = values.to_string_lossy();
+        helm::release(&self.cp, "install", &["--values", &values], INSTALL_TIMEOUT).await?;
         self.ready_pods("meshgate-webhook", None, WEBHOOK_REPLICAS)
             .await?;
         let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner()).clone();

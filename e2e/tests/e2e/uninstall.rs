@@ -193,15 +193,7 @@ where
         + DeserializeOwned
         + std::fmt::Debug,
 {
-    let api: Api<K> = Api::all(client.clone());
-    for name in names {
-        ensure!(
-            api.get_opt(name).await?.is_none(),
-            "{} {name} is left",
-            K::kind(&())
-        );
-    }
-    Ok(())
+    gone(Api::<K>::all(client.clone()), names).await
 }
 
 /// Each of the objects `names` of kind `K` in `ns` is gone.
@@ -212,11 +204,18 @@ where
         + DeserializeOwned
         + std::fmt::Debug,
 {
-    let api: Api<K> = Api::namespaced(client.clone(), ns);
+    gone(Api::<K>::namespaced(client.clone(), ns), names).await
+}
+
+/// Each of `names` is missing from `api`.
+async fn gone<K>(api: Api<K>, names: &[&str]) -> anyhow::Result<()>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
+{
     for name in names {
         ensure!(
             api.get_opt(name).await?.is_none(),
-            "{} {ns}/{name} is left",
+            "{} {name} is left",
             K::kind(&())
         );
     }

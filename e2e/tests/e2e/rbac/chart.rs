@@ -145,16 +145,9 @@ fn the_crd_kinds_are_as_documented(crds: &[String], builtin: &[String]) {
 #[tokio::test]
 async fn an_upgrade_keeps_the_self_signed_certificate() -> anyhow::Result<()> {
     let f = fixture().await;
-    let chart = helm::chart();
-    let args = [
-        "upgrade",
-        helm::RELEASE,
-        chart.to_str().context("chart path")?,
-        "--namespace",
-        helm::RELEASE_NAMESPACE,
-        "--reuse-values",
-    ];
-    helm::run(f.cp, &args, WAIT).await.context("helm upgrade")?;
+    helm::release(f.cp, "upgrade", &["--reuse-values"], WAIT)
+        .await
+        .context("helm upgrade")?;
     let after = Tls::read(&f.cp.client()?).await?;
     let pem = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
     assert_eq!(

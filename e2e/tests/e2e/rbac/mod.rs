@@ -136,17 +136,10 @@ async fn setup() -> anyhow::Result<Fixture> {
     let client = cp.client()?;
 
     // The operator's step: helm install, with the opt-in NetworkPolicy turned on.
-    let chart = helm::chart();
-    let args = [
-        "install",
-        helm::RELEASE,
-        chart.to_str().context("chart path")?,
-        "--namespace",
-        helm::RELEASE_NAMESPACE,
-        "--set",
-        "webhook.networkPolicy.enabled=true",
-    ];
-    let installed = helm::run(cp, &args, WAIT).await.context("helm install")?;
+    let set = ["--set", "webhook.networkPolicy.enabled=true"];
+    let installed = helm::release(cp, "install", &set, WAIT)
+        .await
+        .context("helm install")?;
     tracing::info!(%installed, "installed the chart");
     let tls = Tls::read(&client).await?;
 
