@@ -1,8 +1,9 @@
 # syntax=docker/dockerfile:1
 #
 # meshgate: one image with its binaries, /usr/local/bin/meshgate-agent,
-# /usr/local/bin/meshgate-webhook and /usr/local/bin/kubectl-meshgate (the chart's templates
-# pick one with `command`; kubectl-meshgate runs the uninstall cleanup hook).
+# /usr/local/bin/meshgate-webhook (the chart's templates pick one with `command`) and
+# /usr/local/bin/kubectl-meshgate (the kubectl plugin; the chart's uninstall hook runs its
+# `cleanup`).
 #
 #   docker build -t REGISTRY/meshgate:TAG .
 #
@@ -22,7 +23,8 @@ COPY . .
 ENV RUSTUP_TOOLCHAIN=${RUST_VERSION}
 RUN grep -Eq "^channel *= *\"${RUST_VERSION}\"" rust-toolchain.toml \
  || { echo "RUST_VERSION=${RUST_VERSION} does not match rust-toolchain.toml" >&2; exit 1; }
-# Then the binaries and every shared library they need that distroless/cc lacks (today: none),
+# Then the binaries (the agent crate's two: meshgate-agent and kubectl-meshgate) and every
+# shared library they need that distroless/cc lacks (today: none),
 # laid out as in the image by e2e/images/meshgate-files.sh: the same script lays
 # out the image the real-node tests import (e2e/images/build-meshgate-image.sh), so both hold
 # the same files.

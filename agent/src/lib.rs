@@ -6,6 +6,8 @@
 //! - [`daemon`]: the `run` subcommand that keeps the Node in step with the verdict.
 //! - [`cli`]: the one-shot `check` and `inspect` subcommands (no library module imports
 //!   from it).
+//! - [`plugin`]: the kubectl plugin `kubectl-meshgate` (`status`, `cleanup`), a second
+//!   binary; it talks to the API only.
 
 pub mod cli;
 pub mod cni;
@@ -13,3 +15,4 @@ pub mod daemon;
 pub mod netfilter;
 pub mod netlink;
 pub mod netns;
+pub mod plugin;

@@ -10,6 +10,7 @@
 //! gate's names (taint key, label, condition) are `gate`'s.
 
 pub mod admission;
+pub mod cleanup;
 pub mod cni;
 pub mod enroll;
 pub mod evict;
@@ -20,6 +21,7 @@ pub mod placement;
 pub mod profile;
 pub mod projection;
 pub mod rules;
+pub mod status;
 
 /// Namespace label that exempts a namespace from the pod admission webhook.
 pub const IGNORE_NAMESPACE_LABEL: &str = "meshgate.io/ignore";

@@ -8,7 +8,7 @@
 #
 # Usage: build-meshgate-image.sh BIN_DIR OUT_TAR
 #   BIN_DIR  holds meshgate-agent, meshgate-webhook and kubectl-meshgate (make: target/release;
-#            kubectl-meshgate runs the chart's uninstall cleanup hook)
+#            `cargo build -p meshgate-agent` builds the agent crate's two binaries)
 set -euo pipefail
 
 bin_dir=${1:?usage: build-meshgate-image.sh BIN_DIR OUT_TAR}
@@ -17,14 +17,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=oci-image.sh
 source "$here/oci-image.sh"
 
-bins=("$bin_dir/meshgate-agent" "$bin_dir/meshgate-webhook")
-# The agent crate's second binary. Loud when missing: without it the chart's uninstall hook
-# Job cannot start, and `helm uninstall` fails (the e2e uninstall test says so).
-if [[ -x "$bin_dir/kubectl-meshgate" ]]; then
-  bins+=("$bin_dir/kubectl-meshgate")
-else
-  echo "build-meshgate-image.sh: WARNING: no $bin_dir/kubectl-meshgate; the image cannot run the chart's uninstall cleanup" >&2
-fi
+bins=("$bin_dir/meshgate-agent" "$bin_dir/meshgate-webhook" "$bin_dir/kubectl-meshgate")
 root=$(mktemp -d)
 chmod 755 "$root"  # the image's /: the webhook runs as 65532 and must traverse it
 trap 'rm -rf "$root"' EXIT

@@ -19,6 +19,33 @@ pub async fn build(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
     kube::Client::try_from(config(kubeconfig).await?).context("building the Kubernetes client")
 }
 
+/// Like [`build`], as kubectl's `--context` does: the kubeconfig's context `context` instead
+/// of its current one (the kubeconfig from `kubeconfig`, else `KUBECONFIG` or
+/// `~/.kube/config`).
+pub async fn build_in_context(
+    kubeconfig: Option<&Path>,
+    context: Option<&str>,
+) -> anyhow::Result<kube::Client> {
+    let Some(context) = context else {
+        return build(kubeconfig).await;
+    };
+    let options = KubeConfigOptions {
+        context: Some(context.to_owned()),
+        ..KubeConfigOptions::default()
+    };
+    let mut config = match kubeconfig {
+        Some(path) => {
+            let kc = Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &options).await
+        }
+        None => kube::Config::from_kubeconfig(&options).await,
+    }
+    .with_context(|| format!("loading context {context:?} of the kubeconfig"))?;
+    config.connect_timeout = Some(CONNECT_TIMEOUT);
+    kube::Client::try_from(config).context("building the Kubernetes client")
+}
+
 /// Like [`build`], but without kube's built-in retry of 429/503/504 responses. For calls
 /// where a 429 is an answer rather than congestion: an eviction refused by a
 /// PodDisruptionBudget must reach the caller at once, not be retried inside the client

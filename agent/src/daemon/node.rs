@@ -11,7 +11,9 @@
 //!   (conditions merge by `type`), and its `lastTransitionTime` moves only when its status does.
 //! - Events are published only when the condition's status or reason changes, after the
 //!   condition is written: a restart then finds the condition already current and publishes
-//!   nothing, so one transition never yields two Events.
+//!   nothing, so one transition never yields two Events. A `CNIChainVerified` Event of a
+//!   reconcile that removed the taint carries the untaint latency in its note
+//!   (`gate::NodeEvent::with_untaint_latency`), measured from [`NodeGate::measure_from`].
 
 use std::time::{Duration, Instant};
 
@@ -69,6 +71,8 @@ pub struct Applied {
     /// When the API accepted the taint change (the end of the untaint-latency measurement,
     /// before the condition and Event writes that follow it).
     pub taint_at: Option<Instant>,
+    /// From [`NodeGate::measure_from`] to `taint_at`, when this reconcile removed the taint.
+    pub untaint_latency: Option<Duration>,
     /// The label value written, if it changed.
     pub label: Option<&'static str>,
     /// True when the condition was written.
@@ -116,6 +120,8 @@ pub struct NodeGate {
     effect: TaintEffect,
     timeout: Duration,
     events: Events,
+    /// The start of the untaint-latency measurement (the last config change).
+    measure_from: Option<Instant>,
 }
 
 impl NodeGate {
@@ -138,6 +144,7 @@ impl NodeGate {
             effect,
             timeout,
             events: Events::with_recorder(recorder, timeout),
+            measure_from: None,
         }
     }
 
@@ -147,6 +154,12 @@ impl NodeGate {
     pub fn reading_as(mut self, client: kube::Client) -> Self {
         self.reader = Api::all(client);
         self
+    }
+
+    /// Measures the next untaint from `at` (when the disk last changed): the latency lands in
+    /// [`Applied::untaint_latency`] and in the `CNIChainVerified` Event's note.
+    pub fn measure_from(&mut self, at: Instant) {
+        self.measure_from = Some(at);
     }
 
     async fn call<T>(
@@ -210,8 +223,13 @@ impl NodeGate {
             match self.patch_metadata(&plan).await {
                 Ok(updated) => {
                     if plan.taints.is_some() {
+                        let at = Instant::now();
                         applied.taint = Some(!verdict.verified);
-                        applied.taint_at = Some(Instant::now());
+                        applied.taint_at = Some(at);
+                        applied.untaint_latency = verdict
+                            .verified
+                            .then(|| self.measure_from.map(|m| at.saturating_duration_since(m)))
+                            .flatten();
                     }
                     applied.label = plan.label;
                     return Ok(Seen {
@@ -269,7 +287,10 @@ impl NodeGate {
         let call = self.api.patch_status(&self.name, &params, &patch);
         self.call("patch node condition", call).await?;
         applied.condition = true;
-        if let Some(event) = gate::plan_event(gate::condition_of(&seen.node), verdict) {
+        if let Some(mut event) = gate::plan_event(gate::condition_of(&seen.node), verdict) {
+            if let Some(latency) = applied.untaint_latency {
+                event = event.with_untaint_latency(latency);
+            }
             applied.event = Some(event.reason);
             let regarding = seen.node.object_ref(&());
             self.events.publish(&to_event(event), &regarding).await;
@@ -463,12 +484,61 @@ mod tests {
                 Applied {
                     taint: Some(true),
                     taint_at: None,
+                    untaint_latency: None,
                     label: Some("false"),
                     condition: true,
                     event: Some(event_reason::CHAIN_UNVERIFIED)
                 }
             );
             server.await.unwrap();
+        }
+
+        #[tokio::test]
+        async fn an_untaint_publishes_its_latency_in_the_verified_event() {
+            let (svc, handle) = mock::pair::<Request<Body>, Response<Body>>();
+            let ours = json!({"key": TAINT_KEY, "effect": "NoSchedule"});
+            let server = tokio::spawn(async move {
+                let mut handle = pin!(handle);
+                // 1. The taint-and-label patch removes our taint.
+                let (req, send) = handle.next_request().await.unwrap();
+                assert_eq!(req.uri().path(), "/api/v1/nodes/n1");
+                let patch = body_json(req).await;
+                assert_eq!(
+                    patch[1],
+                    json!({"op": "add", "path": "/spec/taints", "value": []})
+                );
+                send.send_response(respond(200, &node("2", json!([]))));
+                // 2. The condition.
+                let (req, send) = handle.next_request().await.unwrap();
+                assert_eq!(req.uri().path(), "/api/v1/nodes/n1/status");
+                send.send_response(respond(200, &node("3", json!([]))));
+                // 3. The Normal Event, its note ending in the latency's documented form.
+                let (req, send) = handle.next_request().await.unwrap();
+                let ev = body_json(req).await;
+                assert_eq!(ev["reason"], event_reason::CHAIN_VERIFIED);
+                let note = ev["note"].as_str().unwrap().to_owned();
+                send.send_response(respond(201, &ev));
+                note
+            });
+            let mut gate = gate_for_n1(svc, Some("n1"));
+            gate.measure_from(Instant::now() - Duration::from_millis(250));
+            let seen: Node = serde_json::from_value(node("1", json!([ours]))).unwrap();
+            let applied = gate
+                .reconcile(Some(seen), &verdict(Reason::Verified, "chained"))
+                .await
+                .unwrap();
+            let latency = applied.untaint_latency.expect("the untaint was measured");
+            assert!(latency >= Duration::from_millis(250), "{latency:?}");
+            let note = server.await.unwrap();
+            assert!(
+                note.starts_with("Verified: chained [untaint latency: "),
+                "{note}"
+            );
+            assert_eq!(
+                gate::untaint_latency(&note).map(|d| d.as_millis()),
+                Some(latency.as_millis()),
+                "{note}"
+            );
         }
 
         #[tokio::test]

@@ -208,6 +208,7 @@ impl Daemon {
         }
         if let Some(v) = self.verdict.clone() {
             let seen = self.node_rx.borrow_and_update().clone();
+            self.gate.measure_from(self.changed_at);
             match self.gate.reconcile(seen, &v).await {
                 Ok(applied) => self.settled(&v, &applied),
                 Err(e) => self.failed(&e),
@@ -275,10 +276,7 @@ impl Daemon {
             if added {
                 tracing::warn!(node = %self.node, reason = %v.reason, "node tainted: CNI chain not verified");
             } else {
-                let latency = applied
-                    .taint_at
-                    .unwrap_or_else(Instant::now)
-                    .saturating_duration_since(self.changed_at);
+                let latency = applied.untaint_latency.unwrap_or_default();
                 self.metrics.untaint_latency.observe(latency.as_secs_f64());
                 tracing::info!(node = %self.node, latency_ms = latency.as_millis() as u64, "node untainted: CNI chain verified");
             }

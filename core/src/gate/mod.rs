@@ -5,8 +5,9 @@
 //! as JSON), the [`ChainVerdict`], the [`TaintKey`], the [`TaintEffect`] and the clock. Out:
 //! the writes that make
 //! the Node say what the verdict says ([`plan_metadata`], [`plan_condition`]), the Node Event
-//! a transition publishes ([`plan_event`]), and the JSON Patch that gates a Node from the
-//! instant it is created ([`node_registration_patch`]).
+//! a transition publishes ([`plan_event`], with the untaint latency in a documented form:
+//! [`NodeEvent::with_untaint_latency`], read back by [`untaint_latency`]), and the JSON Patch
+//! that gates a Node from the instant it is created ([`node_registration_patch`]).
 //!
 //! Pure: the agent's `daemon::node` carries the plans out on its own Node, the webhook's
 //! `/mutate-node` answers with the registration patch. Both take `--taint-key` and
@@ -19,6 +20,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, NodeCondition, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -26,7 +28,7 @@ use k8s_openapi::jiff::Timestamp;
 use serde_json::{Value, json};
 
 use crate::cni::ChainVerdict;
-use crate::{event_note, event_reason};
+use crate::{EVENT_NOTE_MAX_BYTES, event_note, event_reason};
 
 mod key;
 
@@ -254,8 +256,49 @@ pub fn plan_event(current: Option<&NodeCondition>, verdict: &ChainVerdict) -> Op
     })
 }
 
+/// How a `CNIChainVerified` note that removed the taint ends: `" [untaint latency: N ms]"`,
+/// N the whole milliseconds from the config change (or the agent's start) to the API
+/// accepting the taint's removal. A stable interface (docs/operations.md, "Reading `kubectl
+/// describe node`"): `kubectl meshgate status` reads it back with [`untaint_latency`].
+const UNTAINT_LATENCY_OPEN: &str = " [untaint latency: ";
+const UNTAINT_LATENCY_CLOSE: &str = " ms]";
+
+impl NodeEvent {
+    /// The note with the untaint latency appended in its documented form; the text before it
+    /// is cut (ending in `…`) so the whole still fits in [`EVENT_NOTE_MAX_BYTES`].
+    #[must_use]
+    pub fn with_untaint_latency(mut self, latency: Duration) -> Self {
+        let suffix = format!(
+            "{UNTAINT_LATENCY_OPEN}{}{UNTAINT_LATENCY_CLOSE}",
+            latency.as_millis()
+        );
+        if self.note.len() + suffix.len() > EVENT_NOTE_MAX_BYTES {
+            let mut end = EVENT_NOTE_MAX_BYTES - suffix.len() - '…'.len_utf8();
+            while !self.note.is_char_boundary(end) {
+                end -= 1;
+            }
+            self.note.truncate(end);
+            self.note.push('…');
+        }
+        self.note.push_str(&suffix);
+        self
+    }
+}
+
+/// The untaint latency a `CNIChainVerified` note carries, if it ends in the form
+/// [`NodeEvent::with_untaint_latency`] writes.
+pub fn untaint_latency(note: &str) -> Option<Duration> {
+    let rest = note.strip_suffix(UNTAINT_LATENCY_CLOSE)?;
+    let start = rest.rfind(UNTAINT_LATENCY_OPEN)? + UNTAINT_LATENCY_OPEN.len();
+    let ms = &rest[start..];
+    if ms.is_empty() || !ms.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    ms.parse().ok().map(Duration::from_millis)
+}
+
 /// Escapes a key for a JSON Pointer path segment (RFC 6901: `~` → `~0`, `/` → `~1`).
-fn pointer_segment(key: &str) -> String {
+pub(crate) fn pointer_segment(key: &str) -> String {
     key.replace('~', "~0").replace('/', "~1")
 }
 

@@ -383,3 +383,50 @@ fn registration_uses_the_configured_key() {
         "the default key is not the custom one"
     );
 }
+
+#[test]
+fn the_untaint_latency_is_appended_and_read_back() {
+    let ok = plan_event(
+        None,
+        &verdict(Reason::Verified, "10-calico.conflist chains it"),
+    )
+    .unwrap();
+    let ev = ok.with_untaint_latency(Duration::from_micros(183_900));
+    assert_eq!(
+        ev.note,
+        "Verified: 10-calico.conflist chains it [untaint latency: 183 ms]"
+    );
+    assert_eq!(untaint_latency(&ev.note), Some(Duration::from_millis(183)));
+}
+
+#[test]
+fn a_long_note_is_cut_before_the_latency_so_the_latency_always_fits() {
+    let long = verdict(Reason::Verified, &"é".repeat(2000));
+    let ev = plan_event(None, &long)
+        .unwrap()
+        .with_untaint_latency(Duration::from_secs(3600));
+    assert!(
+        ev.note.len() <= crate::EVENT_NOTE_MAX_BYTES,
+        "{}",
+        ev.note.len()
+    );
+    assert!(
+        ev.note.ends_with("é… [untaint latency: 3600000 ms]"),
+        "{}",
+        ev.note
+    );
+    assert_eq!(untaint_latency(&ev.note), Some(Duration::from_secs(3600)));
+}
+
+#[test]
+fn a_note_without_the_latency_form_has_none() {
+    for note in [
+        "Verified: ok",
+        "Verified: ok [untaint latency:  ms]",
+        "Verified: ok [untaint latency: -3 ms]",
+        "Verified: ok [untaint latency: 12 ms] and more",
+        "Verified: ok [untaint latency: 99999999999999999999999 ms]",
+    ] {
+        assert_eq!(untaint_latency(note), None, "{note}");
+    }
+}

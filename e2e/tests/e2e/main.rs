@@ -13,6 +13,7 @@ mod control_plane;
 mod faults;
 mod outage;
 mod placement;
+mod plugin;
 mod pods;
 mod rbac;
 mod real_node;
