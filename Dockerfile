@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 #
 # meshgate: one image with its binaries, /usr/local/bin/meshgate-agent,
-# /usr/local/bin/meshgate-webhook (the manifests pick one with `command`) and
+# /usr/local/bin/meshgate-webhook (the chart's templates pick one with `command`) and
 # /usr/local/bin/kubectl-meshgate (the kubectl plugin; the chart's uninstall hook runs its
 # `cleanup`).
 #
@@ -10,7 +10,7 @@
 # Build: the Rust toolchain pinned in rust-toolchain.toml (checked below), on Debian 12. The
 # binaries link no C library beyond glibc's.
 # Runtime: distroless cc (glibc, libgcc_s, libm; no shell, no package manager) plus exactly the
-# other shared libraries `ldd` reports for the two binaries (e2e/images/meshgate-files.sh).
+# other shared libraries `ldd` reports for the binaries (e2e/images/meshgate-files.sh).
 
 ARG RUST_VERSION=1.95.0
 
@@ -36,9 +36,9 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
  && find /out -type f | sort
 
 FROM gcr.io/distroless/cc-debian12
-# /usr/local/bin/meshgate-{agent,webhook} and /usr/lib/<libraries> (on the dynamic loader's
-# default search path on every architecture).
+# /usr/local/bin/{meshgate-agent,meshgate-webhook,kubectl-meshgate} and /usr/lib/<libraries>
+# (on the dynamic loader's default search path on every architecture).
 COPY --from=build /out/ /
-# The agent runs as root with three capabilities (manifests/base/agent.yaml); the webhook
-# Deployment sets runAsUser 65532 (distroless's "nonroot").
+# The agent runs as root with three capabilities (charts/meshgate/templates/agent.yaml); the
+# webhook Deployment and the cleanup Job set runAsUser 65532 (distroless's "nonroot").
 ENTRYPOINT ["/usr/local/bin/meshgate-agent"]

@@ -2,8 +2,8 @@
 #
 # Both first run e2e/install-deps.sh (once: `deps`), which installs the Debian packages the tests need and
 # builds (once, then reuses from ~/.cache/meshgate/...) the Kubernetes control-plane binaries,
-# and the real node's kubelet, containerd, istio-cni and images, that the e2e tests and the
-# demo run.
+# the real node's kubelet, containerd, istio-cni and images, and helm, that the e2e tests and
+# the demo run.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
@@ -12,15 +12,17 @@ DEPS := e2e/install-deps.sh
 # The Kubernetes bin dir install-deps.sh prints last: it runs on first use, once per make run
 # (its progress goes to stderr), and `deps` fails when it did not succeed.
 K8S_BIN_DIR = $(eval K8S_BIN_DIR := $$(shell bash $(DEPS) | tail -n 1))$(K8S_BIN_DIR)
+# helm, built by install-deps.sh and linked into that directory.
+HELM = $(K8S_BIN_DIR)/helm
 # meshgate's own image for the real node (release binaries; e2e/images/build-meshgate-image.sh).
 TARGET_DIR = $${CARGO_TARGET_DIR:-target}
 IMAGE = $(CARGO) build --release --locked -p meshgate-agent -p meshgate-webhook && \
 	bash e2e/images/build-meshgate-image.sh "$(TARGET_DIR)/release" "$(TARGET_DIR)/meshgate-image/meshgate.tar"
 
-.PHONY: test demo deps lint alerts images unit check-root bench soak
+.PHONY: test demo deps lint chart alerts images unit check-root bench soak
 
 ## test: format, lint, and every test (unit, privileged integration, e2e on a real apiserver)
-test: check-root deps lint alerts images
+test: check-root deps lint chart alerts images
 	@echo "==> cargo build --bins (the e2e tests run the real agent and webhook binaries)"
 	$(CARGO) build --workspace --bins --locked
 	@echo "==> meshgate's image for the real node (release build)"
@@ -40,15 +42,21 @@ demo: check-root deps
 deps:
 	@test -d "$(K8S_BIN_DIR)" || { echo "make: $(DEPS) failed (see above)" >&2; exit 1; }
 
-## alerts: promtool checks and unit tests of the PrometheusRule
-alerts:
-	@echo "==> promtool check rules / test rules"
-	bash manifests/monitoring/test.sh
+## chart: helm lint of the chart, with its default values and with every option on
+chart: deps
+	@echo "==> helm lint charts/meshgate"
+	"$(HELM)" lint --strict charts/meshgate
+	"$(HELM)" lint --strict charts/meshgate --values e2e/chart/all-on-values.yaml
 
-## images: both installs pin meshgate's image by digest; the e2e overlay runs its local build
-images:
-	@echo "==> manifests/images.sh check"
-	KUBECTL="$$(bash $(DEPS) | tail -n 1)/kubectl" bash manifests/images.sh check
+## alerts: promtool checks and unit tests of the chart's PrometheusRule
+alerts: deps
+	@echo "==> promtool check rules / test rules"
+	HELM="$(HELM)" bash charts/monitoring/test.sh
+
+## images: the chart pins meshgate's image by digest; the real node's values run its local build
+images: deps
+	@echo "==> charts/images.sh check"
+	HELM="$(HELM)" bash charts/images.sh check
 
 lint:
 	@echo "==> cargo fmt --check"

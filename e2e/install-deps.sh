@@ -7,12 +7,14 @@
 #   - the real node's runtime: containerd, ctr and containerd-shim-runc-v2 built from the
 #     github.com/containerd/containerd/v2 module, Debian's runc and containernetworking-plugins;
 #   - istio-cni, built from the istio.io/istio module;
+#   - helm, built from the helm.sh/helm/v4 module (it installs meshgate's chart, charts/meshgate);
 #   - the real node's images (pause, busybox) as OCI image-layout tarballs (e2e/images).
-# Prints the Kubernetes bin directory as its last line.
+# Prints the Kubernetes bin directory as its last line; helm is linked into it as `helm` (the
+# Makefile runs it from there; the e2e harness finds it in its own cache directory).
 #
-# Every version is pinned in one place: `kubernetes-version`, `containerd-version` and
-# `istio-cni-version` under [workspace.metadata.meshgate] in the top-level Cargo.toml. This
-# script refuses to run when the k8s-openapi feature there names another minor version.
+# Every version is pinned in one place: `kubernetes-version`, `containerd-version`,
+# `istio-cni-version` and `helm-version` under [workspace.metadata.meshgate] in the top-level
+# Cargo.toml. This script refuses to run when the k8s-openapi feature there names another minor version.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -40,8 +42,9 @@ components=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubele
 pin() { sed -n "s/^$1 *= *\"\(v[^\"]*\)\".*/\1/p" "$root/Cargo.toml"; }
 containerd_version=$(pin containerd-version)
 istio_cni_version=$(pin istio-cni-version)
-[[ -n "$containerd_version" && -n "$istio_cni_version" ]] \
-  || die "containerd-version and istio-cni-version must be pinned in $root/Cargo.toml [workspace.metadata.meshgate]"
+helm_version=$(pin helm-version)
+[[ -n "$containerd_version" && -n "$istio_cni_version" && -n "$helm_version" ]] \
+  || die "containerd-version, istio-cni-version and helm-version must be pinned in $root/Cargo.toml [workspace.metadata.meshgate]"
 
 # --- Debian packages -------------------------------------------------------------------------
 apt_packages=(etcd-server iptables nftables iproute2 prometheus
@@ -179,6 +182,13 @@ go_install "containerd $containerd_version" "$cache_root/containerd/$containerd_
 go_flags=(-ldflags "-s -w")
 go_install "istio-cni $istio_cni_version" "$cache_root/istio-cni/$istio_cni_version" "3 minutes" \
   "istio.io/istio/cni/cmd/istio-cni@$istio_cni_version"
+
+# helm 4 (helm.sh/helm/v4 has no replace directives either). The version is stamped as helm's
+# own release build does, so `helm version` names the pin.
+go_flags=(-ldflags "-s -w -X helm.sh/helm/v4/internal/version.version=$helm_version -X helm.sh/helm/v4/internal/version.gitTreeState=clean")
+go_install "helm $helm_version" "$cache_root/helm/$helm_version" "12 minutes (measured beside other builds)" \
+  "helm.sh/helm/v4/cmd/helm@$helm_version"
+ln -sfn "$cache_root/helm/$helm_version/bin/helm" "$bin_dir/helm"
 
 # cri-status (e2e/cri-status/main.go): a few lines of Go that print a CRI runtime's verbose
 # status, so the tests can see which CNI config containerd really loaded. Its module requires

@@ -3,8 +3,8 @@
 # the release binaries and the libraries they load (meshgate-files.sh, exactly what the
 # Dockerfile copies), over a stand-in for distroless/cc-debian12 made from this machine's
 # Debian 12 C runtime (meshgate-files.sh --base). Same entrypoint and PATH as the Dockerfile's
-# image. Named localhost/meshgate/meshgate:e2e (real::node::MESHGATE_IMAGE); the e2e overlay
-# (e2e/overlay) points the manifests at that name.
+# image. Named localhost/meshgate/meshgate:e2e (real::node::MESHGATE_IMAGE); the real node's
+# chart values (e2e/chart/real-node-values.yaml) point the chart at that name.
 #
 # Usage: build-meshgate-image.sh BIN_DIR OUT_TAR
 #   BIN_DIR  holds meshgate-agent, meshgate-webhook and kubectl-meshgate (make: target/release;

@@ -33,7 +33,7 @@ impl Narrator for Timeline {
 /// Runs the demo; returns the summary line on success.
 pub async fn run() -> anyhow::Result<String> {
     println!(
-        "meshgate demo: real nodes (kubelet, containerd, runc), Istio's real CNI plugin, and meshgate installed from its manifests on a local kube-apiserver\n"
+        "meshgate demo: real nodes (kubelet, containerd, runc), Istio's real CNI plugin, and meshgate installed from its Helm chart on a local kube-apiserver\n"
     );
     let started = Instant::now();
     let outcome = story::run(&Timeline(started)).await?;

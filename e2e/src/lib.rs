@@ -11,7 +11,7 @@
 //!   pods, a node's CNI dirs and agent, pods, pod network namespaces and the webhook's wiring;
 //! - [`real`]: real nodes (a kubelet, containerd with Istio's real CNI plugin, and kube-proxy,
 //!   each node in its own network and mount namespaces), a cluster of them with meshgate
-//!   installed from its own manifests, and the story of meshgate's main job that the e2e suite
+//!   installed from its own Helm chart, and the story of meshgate's main job that the e2e suite
 //!   and the demo ([`demo`]) tell;
 //! - [`load`]: an AdmissionReview load generator, abusive HTTP clients with peak-memory
 //!   readings, and the quantiles the benchmarks report.

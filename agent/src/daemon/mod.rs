@@ -49,7 +49,7 @@ pub struct Args {
     pub common: Common,
     /// Read the Node and the pods on it, and evict them, as the node itself (Constrained
     /// Impersonation: Kubernetes 1.35+ with the ConstrainedImpersonation feature gate, and
-    /// the RBAC of manifests/components/node-impersonation). Node writes and Events stay
+    /// the RBAC of the chart's agent.impersonateNode). Node writes and Events stay
     /// with the ServiceAccount.
     #[arg(long, env = "MESHGATE_IMPERSONATE_NODE")]
     pub impersonate_node: bool,

@@ -175,6 +175,30 @@ pub enum Error {
         stderr: String,
     },
 
+    /// helm, which installs meshgate's chart, is not where the harness looked.
+    #[error(
+        "helm not found at {} — run `e2e/install-deps.sh` (or `make test`, which runs it) to build \
+         helm {version}, or set MESHGATE_HELM",
+        path.display()
+    )]
+    MissingHelm {
+        /// Where it was looked for.
+        path: PathBuf,
+        /// The pinned helm version.
+        version: String,
+    },
+
+    /// `helm` ran but failed.
+    #[error("helm {args} failed ({status}): {stderr}")]
+    Helm {
+        /// The arguments, space separated.
+        args: String,
+        /// Its exit status.
+        status: String,
+        /// Its stderr.
+        stderr: String,
+    },
+
     /// The process-wide shared control plane failed to start (the first caller's error).
     #[error("the shared e2e control plane failed to start: {0}")]
     Shared(#[source] Arc<Error>),

@@ -3,13 +3,15 @@
 //! In: the binaries `e2e/install-deps.sh` built, root. Out: a running control plane
 //! ([`control_plane`]) with its certificates ([`pki`]) and tokens ([`identity`]), tracked
 //! processes ([`process`]), where things are ([`paths`]), bounded waits ([`wait`]), the
-//! harness's errors ([`error`]), the apiserver's audit log ([`audit`]), the host's links and
+//! harness's errors ([`error`]), meshgate's chart rendered and installed with helm ([`helm`]),
+//! the apiserver's audit log ([`audit`]), the host's links and
 //! routes for routable control planes and real nodes ([`hostnet`]), and what a real node needs
 //! of the host ([`host_check`]).
 
 pub mod audit;
 pub mod control_plane;
 pub mod error;
+pub mod helm;
 pub mod host_check;
 pub(crate) mod hostnet;
 pub mod identity;

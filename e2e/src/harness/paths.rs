@@ -233,7 +233,7 @@ mod tests {
 
     #[test]
     fn the_node_binaries_are_pinned_beside_kubernetes() {
-        for key in ["containerd-version", "istio-cni-version"] {
+        for key in ["containerd-version", "istio-cni-version", "helm-version"] {
             let v = pinned_version(key).unwrap();
             assert!(v.starts_with('v'), "{key} = {v}");
         }

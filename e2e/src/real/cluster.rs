@@ -1,11 +1,12 @@
 //! A dedicated cluster of real nodes, with meshgate installed as a user installs it.
 //!
-//! In: root, the node binaries and images (`e2e/install-deps.sh`), meshgate's image (`make`
-//! builds it), and this repository's `manifests/` and `e2e/overlay/`. Out: a [`RealCluster`]:
-//! a control plane the nodes' network namespaces can reach ([`start_control_plane`]), real
-//! nodes added one by one ([`RealCluster::add_node`]), meshgate applied with `kubectl apply -k`
-//! on the e2e overlay ([`RealCluster::install_meshgate`]), and the agent pod and admin address
-//! of a node. Dropping it stops every node (pods, kubelet, containerd, namespaces) and then the
+//! In: root, the node binaries, images and helm (`e2e/install-deps.sh`), meshgate's image
+//! (`make` builds it), and this repository's chart `charts/meshgate` with the real node's
+//! values `e2e/chart/real-node-values.yaml`. Out: a [`RealCluster`]: a control plane the
+//! nodes' network namespaces can reach ([`start_control_plane`]), real nodes added one by one
+//! ([`RealCluster::add_node`]), meshgate installed with `helm install`
+//! ([`RealCluster::install_meshgate`]) and removed with `helm uninstall`
+//! ([`RealCluster::uninstall_meshgate`]), and the agent pod and admin address of a node. Dropping it stops every node (pods, kubelet, containerd, namespaces) and then the
 //! control plane.
 
 use std::net::SocketAddr;
@@ -16,19 +17,25 @@ use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams, WatchEvent, WatchParams};
 
+use crate::harness::helm;
 use crate::harness::wait::{self, poll_until};
 use crate::real::node::{RealNode, start_control_plane};
 use crate::{ControlPlane, Error};
 
-/// meshgate's namespace in its manifests.
+/// meshgate's namespace (the chart's `namespace` value).
 pub const SYSTEM_NAMESPACE: &str = "meshgate-system";
-/// The agent's admin port (`--admin-addr` in manifests/base/agent.yaml), on the node's address
-/// since the agent runs in the node's network namespace.
+/// The agent's admin port (`--admin-addr` in the chart's templates/agent.yaml), on the node's
+/// address since the agent runs in the node's network namespace.
 pub const AGENT_ADMIN_PORT: u16 = 9990;
-/// The webhook Deployment's replicas in the manifests.
+/// The webhook Deployment's replicas (the chart's `webhook.replicas`).
 const WEBHOOK_REPLICAS: usize = 2;
 /// meshgate's pods start within this once applied (images are local).
 const INSTALL_TIMEOUT: Duration = Duration::from_secs(120);
+/// The real node's values for the chart.
+pub const REAL_NODE_VALUES: &str = "e2e/chart/real-node-values.yaml";
+/// `helm uninstall`: the objects' deletion, then the cleanup hook's wait for the agents to go
+/// (their 30 s grace period) and its Node patches, within helm's own --timeout.
+const UNINSTALL_TIMEOUT: Duration = Duration::from_secs(240);
 
 /// A control plane of its own and the real nodes that joined it.
 pub struct RealCluster {
@@ -115,34 +122,13 @@ impl RealCluster {
         Ok((node, first))
     }
 
-    /// `kubectl apply -k e2e/overlay` as an operator runs it: the manifests and the overlay are
-    /// copied into the control plane's directory, `manifests/tls/generate.sh` writes the TLS
-    /// material there, and the overlay is applied. Returns once the webhook's replicas and an
+    /// `helm install` of the chart with the real node's values, as an operator runs it
+    /// (the chart makes its own TLS material). Returns once the webhook's replicas and an
     /// agent on every node are Ready; the error carries their statuses and logs otherwise.
     pub async fn install_meshgate(&self) -> Result<(), Error> {
-        let tree = self.cp.dir().join("install");
-        let root = crate::harness::paths::repo_root();
-        crate::harness::paths::copy_tree(&root.join("manifests"), &tree.join("manifests"))?;
-        crate::harness::paths::copy_tree(&root.join("e2e/overlay"), &tree.join("e2e/overlay"))?;
-        let generate = tree.join("manifests/tls/generate.sh");
-        let mut cmd = tokio::process::Command::new("bash");
-        cmd.arg(&generate);
-        // openssl only; seconds at most, bounded like every other step.
-        let out =
-            wait::command_output("manifests/tls/generate.sh", wait::API_TIMEOUT, &mut cmd).await?;
-        if !out.status.success() {
-            return Err(Error::RealNode {
-                part: "meshgate's TLS material",
-                detail: format!(
-                    "manifests/tls/generate.sh failed: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ),
-            });
-        }
-        let overlay = tree.join("e2e/overlay");
-        self.cp
-            .kubectl(&["apply", "-k", &overlay.display().to_string()])
-            .await?;
+        let values = crate::harness::paths::repo_root().join(REAL_NODE_VALUES);
+        let values = values.to_string_lossy();
+        helm::release(&self.cp, "install", &["--values", &values], INSTALL_TIMEOUT).await?;
         self.ready_pods("meshgate-webhook", None, WEBHOOK_REPLICAS)
             .await?;
         let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -150,6 +136,20 @@ impl RealCluster {
             self.ready_pods("meshgate-agent", Some(node), 1).await?;
         }
         Ok(())
+    }
+
+    /// `helm uninstall` as an operator runs it: one command, bounded; helm's output.
+    pub async fn uninstall_meshgate(&self) -> Result<String, Error> {
+        let timeout = format!("{}s", UNINSTALL_TIMEOUT.as_secs());
+        let args = [
+            "uninstall",
+            helm::RELEASE,
+            "--namespace",
+            helm::RELEASE_NAMESPACE,
+            "--timeout",
+            &timeout,
+        ];
+        helm::run(&self.cp, &args, UNINSTALL_TIMEOUT + Duration::from_secs(30)).await
     }
 
     /// The agent pod on `node` (not one being deleted).

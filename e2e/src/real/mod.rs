@@ -2,7 +2,7 @@
 //!
 //! In: the node binaries and images `e2e/install-deps.sh` caches, root. Out: real nodes, each
 //! in its own network and mount namespaces ([`node`], laid out by [`mounts`]), a routable
-//! control plane with nodes added one by one and meshgate installed from its own manifests
+//! control plane with nodes added one by one and meshgate installed from its own Helm chart
 //! ([`cluster`]), and meshgate's main job told on them ([`story`]).
 
 pub mod cluster;

@@ -1,7 +1,7 @@
 //! meshgate's webhook wired into a local control plane, as an operator would install it,
 //! but on loopback: a test CA and serving certificate (rcgen), and the shipped Validating and
-//! Mutating webhook configurations (`manifests/base/webhook-configurations.yaml`) pointing at
-//! `https://127.0.0.1:<port>`.
+//! Mutating webhook configurations (the chart's `templates/webhook-configurations.yaml`,
+//! rendered with its default values) pointing at `https://127.0.0.1:<port>`.
 //!
 //! In: the control plane, the webhook's address, a scope. Out: registered configurations
 //! (and a CA that can rotate the serving certificate), and the shipped agent DaemonSet's
@@ -91,14 +91,22 @@ pub struct Scope {
 }
 
 /// The registrations meshgate ships, which every test registers (adapted by [`configurations`]).
-pub const SHIPPED: &str = "manifests/base/webhook-configurations.yaml";
+pub const SHIPPED: &str = "templates/webhook-configurations.yaml";
 /// The agent DaemonSet meshgate ships, whose placement decides which Nodes are gated.
-pub const AGENT: &str = "manifests/base/agent.yaml";
+pub const AGENT: &str = "templates/agent.yaml";
 
-/// The objects of the shipped manifest `file` (relative to the repository), read through
-/// kubectl as an operator's `kubectl apply` reads them.
-async fn shipped(cp: &crate::ControlPlane, file: &str) -> anyhow::Result<Vec<Value>> {
-    let path = crate::harness::paths::repo_root().join(file);
+/// The objects of the chart's template `template` (relative to the chart), rendered by
+/// `helm template` with the chart's defaults and read through kubectl as an operator's
+/// `kubectl apply` reads them.
+async fn shipped(cp: &crate::ControlPlane, template: &str) -> anyhow::Result<Vec<Value>> {
+    let rendered = crate::harness::helm::template(&["--show-only", template])
+        .await
+        .with_context(|| format!("rendering {template}"))?;
+    let file = template.replace(['/', '.'], "-");
+    let path = cp
+        .dir()
+        .join(format!("{file}-{}.yaml", crate::unique_name("r")));
+    std::fs::write(&path, rendered).with_context(|| format!("writing {}", path.display()))?;
     let text = cp
         .kubectl(&[
             "create",
@@ -109,7 +117,7 @@ async fn shipped(cp: &crate::ControlPlane, file: &str) -> anyhow::Result<Vec<Val
             &path.display().to_string(),
         ])
         .await
-        .with_context(|| format!("reading {file}"))?;
+        .with_context(|| format!("reading {template}"))?;
     let mut objects = Vec::new();
     for doc in serde_json::Deserializer::from_str(&text).into_iter::<Value>() {
         let doc = doc.context("kubectl's JSON")?;
@@ -121,8 +129,9 @@ async fn shipped(cp: &crate::ControlPlane, file: &str) -> anyhow::Result<Vec<Val
     Ok(objects)
 }
 
-/// The shipped Validating and Mutating webhook configurations ([`SHIPPED`], read through
-/// kubectl as an operator's `kubectl apply` reads them), adapted to a webhook on
+/// The shipped Validating and Mutating webhook configurations ([`SHIPPED`], rendered by
+/// `helm template` with the chart's defaults and read through kubectl as an operator's
+/// `kubectl apply` reads them), adapted to a webhook on
 /// `https://127.0.0.1:<port>`: each webhook's `clientConfig` becomes that URL (with the
 /// Service's path) and `ca_pem`, the configurations are named `meshgate-<name>`, and `scope`
 /// is added (a namespace label to every namespaceSelector, an object label to the Node
@@ -194,7 +203,8 @@ fn adapt_hook(
     Ok(())
 }
 
-/// The agent DaemonSet meshgate ships (`manifests/base/agent.yaml`, read through kubectl),
+/// The agent DaemonSet meshgate ships (the chart's `templates/agent.yaml`, rendered and read
+/// through kubectl),
 /// as the webhook's placement sees it, in `namespace`: its pod template keeps the shipped
 /// `nodeSelector` (plus `scope`'s label, so the DaemonSet controller makes pods for that
 /// test's nodes only), `affinity`, `tolerations` and `hostNetwork`, with one placeholder

@@ -1,16 +1,16 @@
 //! What a stolen meshgate-agent token can read and write, asked of a real kube-apiserver with
-//! the token of an agent pod: with the base RBAC (the default) and with the opt-in component
-//! `manifests/components/node-impersonation` (reads and evictions as the node itself,
-//! Constrained Impersonation). Each assertion is a row of docs/reliability.md, "What a stolen
+//! the token of an agent pod: with the chart's default RBAC and with its opt-in
+//! `agent.impersonateNode` (reads and evictions as the node itself, Constrained
+//! Impersonation). Each assertion is a row of docs/reliability.md, "What a stolen
 //! agent token can do".
 //!
 //! In: a dedicated control plane whose apiserver runs with
 //! `--feature-gates=ConstrainedImpersonation=true` (alpha in 1.35: the shared one stays as
-//! clusters run by default), `manifests/base`'s namespace, ServiceAccounts, RBAC and
-//! admission policies (no webhook, no workloads), two tainted nodes, an application pod with
-//! an environment value on each, and tokens bound to pods on node A. Out: pass/fail; the
-//! component's ClusterRole replaces the base's halfway through, so the two modes run one
-//! after the other in a single test.
+//! clusters run by default), the chart's namespace, ServiceAccounts, RBAC and admission
+//! policies (rendered with `helm template`; no webhook, no workloads), two tainted nodes, an
+//! application pod with an environment value on each, and tokens bound to pods on node A.
+//! Out: pass/fail; the impersonation ClusterRole replaces the default one halfway through, so
+//! the two modes run one after the other in a single test.
 
 use std::path::PathBuf;
 use std::time::SystemTime;
@@ -25,7 +25,7 @@ use meshgate_agent::daemon::node::{NodeGate, TaintEffect, TaintKey};
 use meshgate_core::gate::{DEFAULT_TAINT_KEY as TAINT_KEY, VERIFIED_LABEL};
 use meshgate_core::mode::Mode;
 use meshgate_e2e::harness::audit;
-use meshgate_e2e::harness::paths::{copy_tree, repo_root};
+use meshgate_e2e::harness::helm;
 use meshgate_e2e::harness::wait::poll_until;
 use meshgate_e2e::sim::node::{Agent, CniDirs, golden, tainted};
 use meshgate_e2e::{ControlPlane, NodeSpec, Options, TokenOptions, unique_name};
@@ -47,11 +47,10 @@ const SELECTOR_ONLY: &str = "can only list/watch pods with spec.nodeName field s
 /// The environment variable each application pod carries (what a Pod read discloses).
 const ENV: &str = "DATABASE_PASSWORD";
 
-/// The control plane, the manifests' copy, and the objects both modes ask about.
+/// The control plane and the objects both modes ask about.
 struct Fixture {
     cp: ControlPlane,
     admin: Client,
-    manifests: PathBuf,
     node_a: String,
     node_b: String,
     /// The application namespace, with pod `on-a` on node A and `on-b` on node B.
@@ -116,11 +115,9 @@ async fn setup() -> anyhow::Result<Fixture> {
     .await
     .context("starting a control plane with ConstrainedImpersonation")?;
     let admin = cp.client()?;
-    let manifests = cp.dir().join("manifests");
-    copy_tree(&repo_root().join("manifests"), &manifests)?;
-    apply_base_files(&cp, &manifests, &BASE_CONFINEMENT)
+    apply_base_files(&cp, &BASE_CONFINEMENT, &[])
         .await
-        .context("applying the base's RBAC")?;
+        .context("applying the chart's RBAC")?;
 
     let node_a = unique_name("authz-a");
     let node_b = unique_name("authz-b");
@@ -138,7 +135,6 @@ async fn setup() -> anyhow::Result<Fixture> {
     Ok(Fixture {
         cp,
         admin,
-        manifests,
         node_a,
         node_b,
         app,
@@ -269,30 +265,36 @@ async fn default_writes(f: &Fixture) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Applies the component's ClusterRole, after checking the component renders with the base
-/// and passes a server-side dry run as a whole install.
+/// `helm template` of the chart with `args`, written to a file in `cp`'s directory.
+async fn render(cp: &ControlPlane, name: &str, args: &[&str]) -> anyhow::Result<String> {
+    let rendered = helm::template(args).await?;
+    let path = cp.dir().join(format!("{name}.yaml"));
+    std::fs::write(&path, rendered)?;
+    Ok(path.display().to_string())
+}
+
+/// Applies the impersonation ClusterRole, after checking the chart renders it with
+/// agent.impersonateNode and passes a server-side dry run as a whole install.
 async fn switch_to_impersonation(f: &Fixture) -> anyhow::Result<()> {
-    let overlay = f.manifests.join("impersonation-test");
-    std::fs::create_dir_all(&overlay)?;
-    std::fs::write(
-        overlay.join("kustomization.yaml"),
-        "resources:\n  - ../base\ncomponents:\n  - ../components/node-impersonation\n",
-    )?;
-    let dir = overlay.display().to_string();
-    let rendered = f.cp.kubectl(&["kustomize", &dir]).await?;
+    const ON: &str = "agent.impersonateNode=true";
+    let whole = render(&f.cp, "authz-impersonation", &["--set", ON]).await?;
+    let rendered = std::fs::read_to_string(&whole)?;
     ensure!(
         rendered.contains("MESHGATE_IMPERSONATE_NODE: \"true\"")
             && rendered.contains("impersonate:associated-node"),
-        "the component did not render: {rendered}"
+        "agent.impersonateNode did not render: {rendered}"
     );
-    f.cp.kubectl(&["apply", "-k", &dir, "--dry-run=server"])
+    f.cp.kubectl(&["apply", "-f", &whole, "--dry-run=server"])
         .await
-        .context("server-side dry run of the base with the component")?;
-    let role = f
-        .manifests
-        .join("components/node-impersonation/clusterrole.yaml");
-    f.cp.kubectl(&["apply", "-f", &role.display().to_string()])
-        .await?;
+        .context("server-side dry run of the chart with agent.impersonateNode")?;
+    let only = [
+        "--set",
+        ON,
+        "--show-only",
+        "templates/agent-clusterrole-impersonation.yaml",
+    ];
+    let role = render(&f.cp, "authz-impersonation-role", &only).await?;
+    f.cp.kubectl(&["apply", "-f", &role]).await?;
     let me = f.agent(&f.node_a).await?.own;
     let pods: Api<Pod> = Api::all(me);
     poll_until("the base's pod list revoked", WAIT, || async {

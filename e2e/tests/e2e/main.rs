@@ -20,6 +20,7 @@ mod rbac;
 mod real_node;
 mod support;
 mod taint_key;
+mod uninstall;
 mod webhook;
 
 use std::time::Duration;

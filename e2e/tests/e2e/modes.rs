@@ -409,64 +409,61 @@ async fn report_then_enforce(f: &Fixture, admin: &Client, mode_ns: &str) -> anyh
     Ok(())
 }
 
-/// The shipped component, rendered by kustomize on top of the base: its NodeReadinessRule
-/// requires meshgate's condition and manages meshgate's taint key, and it switches the mode
-/// to condition-only. (The node-readiness-controller and its CRD are not installed here:
-/// what the controller does with the rule is not exercised; see docs/testing.md.)
+/// The chart's opt-in NodeReadinessRule, rendered by `helm template`: it requires meshgate's
+/// condition and manages the chart's taint key, and comes only with the mode condition-only.
+/// (The node-readiness-controller and its CRD are not installed here: what the controller does
+/// with the rule is not exercised; see docs/testing.md.)
 #[tokio::test]
 async fn the_node_readiness_rule_gates_on_meshgates_condition_and_taint() -> anyhow::Result<()> {
-    use meshgate_e2e::harness::paths::{copy_tree, repo_root};
-    let cp = cp().await;
-    let dir = tempfile::tempdir()?;
-    copy_tree(
-        &repo_root().join("manifests"),
-        &dir.path().join("manifests"),
-    )?;
-    let overlay = dir.path().join("overlay");
-    std::fs::create_dir(&overlay)?;
-    std::fs::write(
-        overlay.join("kustomization.yaml"),
-        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n\
-         resources: [../manifests/base]\ncomponents: [../manifests/components/node-readiness-rule]\n",
-    )?;
-    let rendered = cp
-        .kubectl(&["kustomize", &overlay.display().to_string()])
-        .await?;
-    let docs: Vec<Value> = serde_saphyr::from_multiple(&rendered)?;
-    let find = |kind: &str| docs.iter().find(|d| d["kind"] == kind).cloned();
-    let rule = find("NodeReadinessRule").context("no NodeReadinessRule")?;
-    assert_eq!(rule["apiVersion"], "readiness.node.x-k8s.io/v1alpha1");
-    let spec = &rule["spec"];
-    assert_eq!(
-        spec["conditions"],
-        json!([{"type": CONDITION_TYPE, "requiredStatus": "True"}])
-    );
-    assert_eq!(spec["taint"]["key"], TAINT_KEY);
-    assert_eq!(spec["taint"]["effect"], "NoSchedule");
-    assert_eq!(spec["enforcementMode"], "continuous");
-    assert_eq!(spec["dryRun"], false);
-    let cm = docs
-        .iter()
-        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == mode::CONFIGMAP)
-        .context("no mode ConfigMap")?;
-    let value = cm["data"][mode::KEY].as_str();
-    assert_eq!(Mode::from_config(value), Ok(Mode::ConditionOnly));
-    // The base alone enforces.
-    let base = cp
-        .kubectl(&[
-            "kustomize",
-            &dir.path().join("manifests/base").display().to_string(),
-        ])
-        .await?;
-    let docs: Vec<Value> = serde_saphyr::from_multiple(&base)?;
+    use meshgate_e2e::harness::helm;
+    async fn render(args: &[&str]) -> anyhow::Result<Vec<Value>> {
+        Ok(serde_saphyr::from_multiple(&helm::template(args).await?)?)
+    }
+    let mode_of = |docs: &[Value]| -> anyhow::Result<Result<Mode, _>> {
+        let cm = docs
+            .iter()
+            .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == mode::CONFIGMAP)
+            .context("no mode ConfigMap")?;
+        Ok(Mode::from_config(cm["data"][mode::KEY].as_str()))
+    };
+    let on = [
+        "--set",
+        "mode=condition-only",
+        "--set",
+        "nodeReadinessRule.enabled=true",
+    ];
+    for key in [TAINT_KEY, "readiness.k8s.io/example-mesh-cni"] {
+        let set = format!("taintKey={key}");
+        let docs = render(&[&on[..], &["--set", &set]].concat()).await?;
+        let rule = docs
+            .iter()
+            .find(|d| d["kind"] == "NodeReadinessRule")
+            .context("no NodeReadinessRule")?;
+        assert_eq!(rule["apiVersion"], "readiness.node.x-k8s.io/v1alpha1");
+        let spec = &rule["spec"];
+        assert_eq!(
+            spec["conditions"],
+            json!([{"type": CONDITION_TYPE, "requiredStatus": "True"}])
+        );
+        assert_eq!(spec["taint"]["key"], key);
+        assert_eq!(spec["taint"]["effect"], "NoSchedule");
+        assert_eq!(spec["enforcementMode"], "continuous");
+        assert_eq!(spec["dryRun"], false);
+        assert_eq!(mode_of(&docs)?, Ok(Mode::ConditionOnly));
+    }
+    // The default values: no rule, and enforce.
+    let docs = render(&[]).await?;
     ensure!(!docs.iter().any(|d| d["kind"] == "NodeReadinessRule"));
-    let cm = docs
-        .iter()
-        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == mode::CONFIGMAP)
-        .context("no mode ConfigMap in the base")?;
-    assert_eq!(
-        Mode::from_config(cm["data"][mode::KEY].as_str()),
-        Ok(Mode::Enforce)
-    );
+    assert_eq!(mode_of(&docs)?, Ok(Mode::Enforce));
+    // The rule with a mode in which meshgate manages the taint, or with a key the controller
+    // refuses: the chart refuses to render.
+    for wrong in [
+        &["--set", "nodeReadinessRule.enabled=true"][..],
+        &[&on[..], &["--set", "taintKey=meshgate.io/cni-unverified"]].concat(),
+    ] {
+        let refused = helm::template(wrong).await;
+        let err = format!("{:#}", refused.err().context("rendered")?);
+        ensure!(err.contains("nodeReadinessRule.enabled needs"), "{err}");
+    }
     Ok(())
 }

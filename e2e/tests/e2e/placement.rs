@@ -19,7 +19,7 @@ use meshgate_e2e::unique_name;
 use serde_json::{Value, json};
 
 use crate::cp;
-use crate::webhook::{CALL, Fixture, SCOPE_KEY, taints_keyed};
+use crate::webhook::{CALL, Fixture, SCOPE_KEY, taint_count_of};
 
 /// A label the test adds to the DaemonSet's nodeSelector.
 const POOL: &str = "e2e.meshgate.io/pool";
@@ -46,10 +46,7 @@ pub(crate) async fn gated(
         .with_context(|| format!("creating node {name}"))?;
     let _ = tokio::time::timeout(CALL, api.delete(&name, &DeleteParams::default())).await;
     let label = created.labels().get(VERIFIED_LABEL).cloned();
-    match (
-        taints_keyed(&created, f.taint_key.as_str()),
-        label.as_deref(),
-    ) {
+    match (taint_count_of(&created, &f.taint_key), label.as_deref()) {
         (1, Some("false")) => Ok(true),
         (0, None) => Ok(false),
         (n, l) => bail!("node {name}: {n} meshgate taint(s) and label {l:?}"),

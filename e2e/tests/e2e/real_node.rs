@@ -28,7 +28,7 @@ const POD_START: Duration = Duration::from_secs(90);
 /// One real node at a time in this process: two kubelets and containerds at once would only
 /// compete for the 2 CPUs, and after each test nothing may be left on the host, which can
 /// only be checked once no other real node runs.
-static ONE_NODE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+pub(crate) static ONE_NODE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// A test that fails with pods running still tears its node down: the node is dropped while
 /// the panic unwinds, and its drop runs the same teardown as `stop`.
@@ -785,12 +785,11 @@ fn check_plugins(
     Ok((out.status.code(), verdict))
 }
 
-/// Issue 12's story on real nodes, with meshgate installed from its manifests: S3 → S1 → S4
+/// Issue 12's story on real nodes, with meshgate installed from its chart: S3 → S1 → S4
 /// and an agent restart (`meshgate_e2e::real::story`, which `make demo` tells too). Each step
 /// asserts inside the story; the figures are checked here.
 #[tokio::test]
-async fn meshgate_from_its_manifests_gates_real_nodes_through_the_whole_story() -> anyhow::Result<()>
-{
+async fn meshgate_from_its_chart_gates_real_nodes_through_the_whole_story() -> anyhow::Result<()> {
     let _one = ONE_NODE.lock().await;
     let transcript = Transcript::default();
     let outcome = story::run(&transcript)

@@ -35,23 +35,33 @@ pub async fn wait_node(
     .with_context(|| format!("waiting for node {name}: {what}"))
 }
 
-/// `kubectl apply` of `files` of the manifests' `base` directory (a copy in `manifests`).
+/// `kubectl apply` of the chart's templates `files`, rendered by `helm template` with `sets`
+/// (`--set` pairs) and written into `cp`'s directory.
 pub async fn apply_base_files(
     cp: &meshgate_e2e::ControlPlane,
-    manifests: &std::path::Path,
     files: &[&str],
+    sets: &[&str],
 ) -> anyhow::Result<String> {
-    let base = manifests.join("base");
-    let mut args = vec!["apply".to_owned()];
+    let mut args = Vec::new();
     for f in files {
-        args.push("-f".into());
-        args.push(base.join(f).display().to_string());
+        args.extend(["--show-only".to_owned(), format!("templates/{f}")]);
+    }
+    for s in sets {
+        args.extend(["--set".to_owned(), (*s).to_owned()]);
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    Ok(cp.kubectl(&args).await?)
+    let rendered = meshgate_e2e::harness::helm::template(&args).await?;
+    let path = cp
+        .dir()
+        .join(format!("{}.yaml", meshgate_e2e::unique_name("chart")));
+    std::fs::write(&path, rendered)?;
+    Ok(cp
+        .kubectl(&["apply", "-f", &path.display().to_string()])
+        .await?)
 }
 
-/// The base files that confine the agent: its namespace, ServiceAccounts, RBAC and policies.
+/// The chart's templates that confine the agent: its namespace, ServiceAccounts, RBAC and
+/// policies.
 pub const BASE_CONFINEMENT: [&str; 4] = [
     "namespace.yaml",
     "serviceaccounts.yaml",

@@ -4,8 +4,8 @@
 //! applied with `ownTaint` set to that key, admits exactly those writes.
 //!
 //! In: a dedicated control plane (the policy is cluster-wide, and on the shared one or the
-//! rbac module's it would say the default key), `manifests/base`'s namespace,
-//! ServiceAccounts, RBAC and admission policies with the key substituted as docs/operations.md
+//! rbac module's it would say the default key), the chart's namespace, ServiceAccounts, RBAC
+//! and admission policies rendered with `--set taintKey=` the key, as docs/operations.md
 //! ("Autoscalers") tells operators, the in-process webhook with `--taint-key`, the agent with
 //! `--taint-key`. Out: pass/fail.
 
@@ -14,7 +14,6 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use meshgate_core::gate::{DEFAULT_TAINT_KEY, LEGACY_TAINT_KEY, VERIFIED_LABEL};
-use meshgate_e2e::harness::paths::{copy_tree, repo_root};
 use meshgate_e2e::harness::wait::poll_until;
 use meshgate_e2e::sim::node::{Agent, CniDirs, golden, verified_label};
 use meshgate_e2e::{ControlPlane, NodeSpec, Options, unique_name};
@@ -30,8 +29,6 @@ use crate::webhook::{Fixture, SCOPE_KEY, Start};
 const KEY: &str = "example.com/mesh-cni-unverified";
 /// Another controller's taint, which the agent must leave alone.
 const FOREIGN: &str = "example.com/maintenance";
-/// The own-node policy's `ownTaint` as shipped.
-const SHIPPED_OWN_TAINT: &str = "expression: \"'readiness.k8s.io/meshgate-cni-unverified'\"";
 /// The policy this test's writes are judged by.
 const POLICY: &str = "meshgate-agent-own-node";
 
@@ -43,22 +40,25 @@ fn keys(n: &Node) -> Vec<&str> {
         .unwrap_or_default()
 }
 
-/// Applies the base's namespace, ServiceAccounts, RBAC and admission policies, the own-node
-/// policy's `ownTaint` set to [`KEY`].
+/// Applies the chart's namespace, ServiceAccounts, RBAC and admission policies, rendered with
+/// `taintKey` [`KEY`] (the own-node policy's `ownTaint`).
 async fn apply_base(cp: &ControlPlane) -> anyhow::Result<()> {
-    let manifests = cp.dir().join("manifests");
-    copy_tree(&repo_root().join("manifests"), &manifests)?;
-    let policy = manifests.join("base/admission-policy.yaml");
-    let text = std::fs::read_to_string(&policy).context("admission-policy.yaml")?;
-    ensure!(
-        text.matches(SHIPPED_OWN_TAINT).count() == 1,
-        "admission-policy.yaml no longer sets ownTaint as {SHIPPED_OWN_TAINT}"
-    );
-    let text = text.replace(SHIPPED_OWN_TAINT, &format!("expression: \"'{KEY}'\""));
-    std::fs::write(&policy, text)?;
-    apply_base_files(cp, &manifests, &BASE_CONFINEMENT)
+    let set = format!("taintKey={KEY}");
+    let applied = apply_base_files(cp, &BASE_CONFINEMENT, &[&set])
         .await
-        .context("applying the base")?;
+        .context("applying the chart's confinement")?;
+    ensure!(!applied.is_empty(), "nothing applied");
+    let policy = meshgate_e2e::harness::helm::template(&[
+        "--show-only",
+        "templates/admission-policy.yaml",
+        "--set",
+        &set,
+    ])
+    .await?;
+    ensure!(
+        policy.contains(&format!("expression: \"'{KEY}'\"")),
+        "the chart did not render ownTaint as {KEY}"
+    );
     Ok(())
 }
 

@@ -95,8 +95,8 @@ pub(crate) struct Fixture {
     pub(crate) tag: String,
     /// The namespace of the agent DaemonSet `meshgate-agent` the webhook reads.
     pub(crate) agent_namespace: String,
-    /// The webhook's `--taint-key`: the taint a gated new Node gets.
-    pub(crate) taint_key: meshgate_core::gate::TaintKey,
+    /// The key the webhook taints new Nodes with (`--taint-key`).
+    pub(crate) taint_key: String,
     tag_hooks: bool,
     ca: TestCa,
     dir: tempfile::TempDir,
@@ -160,7 +160,7 @@ impl Fixture {
             client,
             tag,
             agent_namespace,
-            taint_key: start.taint_key.clone(),
+            taint_key: start.taint_key.as_str().to_owned(),
             tag_hooks: start.tag_hooks,
             ca,
             dir,
@@ -390,11 +390,11 @@ pub(crate) async fn force_delete_pods(client: &Client, ns: &str, names: &[&str])
 }
 
 pub(crate) fn taint_count(node: &Node) -> usize {
-    taints_keyed(node, TAINT_KEY)
+    taint_count_of(node, TAINT_KEY)
 }
 
-/// How many of `node`'s taints have `key`.
-pub(crate) fn taints_keyed(node: &Node, key: &str) -> usize {
+/// How many taints under `key` the Node carries.
+pub(crate) fn taint_count_of(node: &Node, key: &str) -> usize {
     node.spec
         .as_ref()
         .and_then(|s| s.taints.as_ref())

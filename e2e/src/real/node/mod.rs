@@ -68,8 +68,8 @@ pub use footprint::{Footprint, host_residue};
 pub const PAUSE_IMAGE: &str = "localhost/meshgate-e2e/pause:1";
 /// The workload image: Debian's static busybox.
 pub const BUSYBOX_IMAGE: &str = "localhost/meshgate-e2e/busybox:1";
-/// meshgate's own image, release binaries (`e2e/images/build-meshgate-image.sh`; the e2e
-/// overlay points the manifests at it).
+/// meshgate's own image, release binaries (`e2e/images/build-meshgate-image.sh`; the real
+/// node's chart values, `e2e/chart/real-node-values.yaml`, point the chart at it).
 pub const MESHGATE_IMAGE: &str = "localhost/meshgate/meshgate:e2e";
 /// Env var naming meshgate's image tarball (default: `<target>/meshgate-image/meshgate.tar`,
 /// beside the profile dir the tests run from, where `make` writes it).

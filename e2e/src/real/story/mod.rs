@@ -1,6 +1,6 @@
 //! meshgate's main job on real nodes, told once for `make demo` and for the e2e suite: S3 → S1
 //! → S4 and an agent restart, on a real kubelet and containerd, with Istio's real CNI plugin
-//! and meshgate installed from its own manifests.
+//! and meshgate installed from its own Helm chart.
 //!
 //! In: root, the binaries and images `e2e/install-deps.sh` caches, meshgate's image (`make`
 //! builds it), and a [`Narrator`] that receives the timeline. Out: an [`Outcome`] with the
@@ -12,8 +12,8 @@
 //! The story:
 //! 1. Node A runs a bridge network as its primary CNI; Istio's CNI plugin is not appended yet
 //!    (S3). A meshed Deployment's pod starts there through containerd: an IP, no redirect rules.
-//! 2. meshgate is installed with `kubectl apply -k` on the e2e overlay of its manifests. The
-//!    agent gates A and evicts the pod without rules; its replacement tolerates meshgate's taint,
+//! 2. meshgate is installed with `helm install` from its chart (the real node's values: the
+//!    local image, istio-cni required). The agent gates A and evicts the pod without rules; its replacement tolerates meshgate's taint,
 //!    so the scheduler picks A, but the webhook refuses the binding and it waits, unbound. Node B
 //!    registers, is tainted at CREATE by the webhook, and its own agent keeps it gated for the
 //!    missing istio-cni. A meshed pod sent straight to A is refused.

@@ -51,13 +51,13 @@ impl Story<'_> {
         Ok(first)
     }
 
-    /// meshgate installed from its manifests: A's agent gates A.
+    /// meshgate installed from its chart: A's agent gates A.
     pub(super) async fn install(&self) -> anyhow::Result<()> {
         let Story {
             cluster, client, a, ..
         } = self;
         let n = self.n;
-        n.say("installing meshgate as an operator does: kubectl apply -k on its manifests (e2e/overlay: local image, istio-cni required)");
+        n.say("installing meshgate as an operator does: helm install from its chart (e2e/chart/real-node-values.yaml: local image, istio-cni required)");
         let installed = Instant::now();
         cluster.install_meshgate().await?;
         n.say(&format!(

@@ -1,5 +1,5 @@
-//! The install manifests apply and are wired (workloads, caBundles, policies, the
-//! NetworkPolicy component, the cert-manager overlay); the alert rules pass promtool.
+//! The chart's install is wired (workloads, caBundles, policies, the NetworkPolicy); the alert
+//! rules the chart renders pass promtool.
 
 use super::*;
 
@@ -12,7 +12,6 @@ async fn install_manifests_apply_and_are_wired() -> anyhow::Result<()> {
     every_webhook_trusts_the_generated_ca(f, &client).await?;
     the_network_policy_opens_the_named_ports(&client).await?;
     the_policies_type_check(&client).await?;
-    the_cert_manager_overlay_validates(f).await?;
     Ok(())
 }
 
@@ -71,9 +70,9 @@ async fn the_webhook_replicas_are_scheduled(client: &Client) -> anyhow::Result<(
     Ok(())
 }
 
-/// Every webhook trusts exactly the CA generate.sh made.
+/// Every webhook trusts exactly the CA the chart made (the one in the webhook's Secret).
 async fn every_webhook_trusts_the_generated_ca(f: &Fixture, client: &Client) -> anyhow::Result<()> {
-    let ca = std::fs::read(f.manifests.join("tls/ca.crt"))?;
+    let ca = &f.tls.ca_pem;
     let vwc = Api::<ValidatingWebhookConfiguration>::all(client.clone())
         .get("meshgate")
         .await?;
@@ -109,7 +108,7 @@ async fn every_webhook_trusts_the_generated_ca(f: &Fixture, client: &Client) -> 
         }))
         .collect();
     for (name, bundle) in bundles {
-        assert_eq!(bundle, Some(&ca), "caBundle of {name}");
+        assert_eq!(bundle, Some(ca), "caBundle of {name}");
     }
     Ok(())
 }
@@ -185,51 +184,12 @@ async fn the_policies_type_check(client: &Client) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The cert-manager overlay: its built-in objects pass the server's validation (a dry run);
-/// cert-manager's own kinds cannot (no CRDs here), so they are checked by content only.
-async fn the_cert_manager_overlay_validates(f: &Fixture) -> anyhow::Result<()> {
-    let overlay = f.manifests.join("cert-manager");
-    let built =
-        f.cp.kubectl(&["kustomize", overlay.to_str().context("path")?])
-            .await?;
-    let (cm_docs, builtin_docs): (Vec<&str>, Vec<&str>) = built
-        .split("\n---\n")
-        .partition(|d| d.contains("apiVersion: cert-manager.io/"));
-    assert_eq!(cm_docs.len(), 4, "2 Issuers, 2 Certificates");
-    assert!(
-        cm_docs
-            .iter()
-            .any(|d| d.contains("secretName: meshgate-webhook-tls\n")
-                && d.contains(&format!("- {SERVICE_DNS}\n"))),
-        "a Certificate for the Service name into the Secret the Deployment mounts"
-    );
-    let injected = builtin_docs
-        .iter()
-        .filter(|d| d.contains("cert-manager.io/inject-ca-from: meshgate-system/meshgate-webhook"))
-        .count();
-    assert_eq!(
-        injected, 2,
-        "both webhook configurations get the CA injected"
-    );
-    let path = f.cp.dir().join("cert-manager-builtin.yaml");
-    std::fs::write(&path, builtin_docs.join("\n---\n"))?;
-    let dry =
-        f.cp.kubectl(&[
-            "apply",
-            "--dry-run=server",
-            "-f",
-            path.to_str().context("path")?,
-        ])
-        .await?;
-    assert!(dry.contains("daemonset.apps/meshgate-agent"), "{dry}");
-    Ok(())
-}
-
 #[test]
 fn alert_rules_pass_promtool() -> anyhow::Result<()> {
-    let script = repo_root().join("manifests/monitoring/test.sh");
+    let script = repo_root().join("charts/monitoring/test.sh");
     let out = Command::new("bash")
         .arg(&script)
+        .env("HELM", helm::binary()?)
         .output()
         .with_context(|| format!("running {}", script.display()))?;
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -1,11 +1,13 @@
-//! The install manifests on a real apiserver, and least privilege proven with the components'
+//! The chart installed on a real apiserver, and least privilege proven with the components'
 //! real ServiceAccount tokens.
 //!
-//! In: `manifests/` (copied, with TLS material made by `manifests/tls/generate.sh`), a
-//! dedicated control plane, the built `meshgate-agent` and `meshgate-webhook`. Out: pass/fail:
-//! - `kubectl apply -k manifests/` passes server-side validation, the DaemonSet and Deployment
-//!   get their pods, the caBundles carry the generated CA, the policies type-check, and the
-//!   cert-manager overlay's built-in objects pass a server-side dry run;
+//! In: `charts/meshgate` (installed with `helm install`, its self-signed TLS and the opt-in
+//! NetworkPolicy on), a dedicated control plane, the built `meshgate-agent` and
+//! `meshgate-webhook`. Out: pass/fail:
+//! - `helm install` passes the apiserver's validation, the DaemonSet and Deployment get their
+//!   pods, the caBundles carry the chart's CA (the one in the Secret the webhook mounts), the
+//!   policies type-check; the chart rendered with every option on passes a server-side dry
+//!   run (chart.rs);
 //! - the agent, run with the DaemonSet's own command line and environment and a token bound to
 //!   its DaemonSet pod, gates and ungates its own Node; the same token may not modify another
 //!   Node, nor evict a pod on another node, nor read Secrets; a token that names no node may
@@ -14,8 +16,8 @@
 //!   pass the policies, and every other change (other taints, cordoning, other labels,
 //!   annotations, finalizers, other status fields) is refused with the policy's message, as
 //!   are Events not in its own name or about another node;
-//! - the opt-in webhook NetworkPolicy component applies, selects the webhook pods and opens
-//!   exactly their named ports;
+//! - the opt-in webhook NetworkPolicy applies, selects the webhook pods and opens exactly their
+//!   named ports;
 //! - the webhook, run with the Deployment's command line and its own token, gets ready (its
 //!   caches list under its RBAC) and serves the generated certificate for the Service's DNS
 //!   name; its token can write nothing;
@@ -48,7 +50,8 @@ use kube::api::{
 };
 use kube::{Client, ResourceExt};
 use meshgate_core::gate::{CONDITION_TYPE, DEFAULT_TAINT_KEY as TAINT_KEY, VERIFIED_LABEL};
-use meshgate_e2e::harness::paths::{copy_tree, repo_root};
+use meshgate_e2e::harness::helm;
+use meshgate_e2e::harness::paths::repo_root;
 use meshgate_e2e::harness::wait::poll_until;
 use meshgate_e2e::sim::node::{
     CniDirs, free_port, gate_condition, golden, tainted, verified_label as label, workspace_bin,
@@ -64,6 +67,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, OnceLock};
 
 mod agent;
+mod chart;
 mod install;
 mod own_node;
 mod webhook;
@@ -82,8 +86,8 @@ const RESTRICTED_LABEL: &str = "node-restriction.kubernetes.io/pool";
 /// registered nodes, and the two components' tokens.
 struct Fixture {
     cp: &'static ControlPlane,
-    /// The copy of `manifests/` that was applied (inside the control plane's directory).
-    manifests: PathBuf,
+    /// The webhook's TLS material as the chart made it (the Secret meshgate-webhook-tls).
+    tls: Tls,
     /// The node the agent's token is bound to (through its DaemonSet pod there).
     node_a: String,
     /// Another node.
@@ -132,29 +136,13 @@ async fn setup() -> anyhow::Result<Fixture> {
     }
     let client = cp.client()?;
 
-    // The operator's steps: generate the TLS material, then apply the kustomization.
-    let manifests = cp.dir().join("manifests");
-    copy_tree(&repo_root().join("manifests"), &manifests)?;
-    let out = Command::new("bash")
-        .arg(manifests.join("tls/generate.sh"))
-        .output()
-        .context("running manifests/tls/generate.sh")?;
-    ensure!(
-        out.status.success(),
-        "generate.sh failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // The opt-in NetworkPolicy component, enabled as its kustomization.yaml tells operators.
-    let kustomization = manifests.join("kustomization.yaml");
-    let mut text = std::fs::read_to_string(&kustomization).context("kustomization.yaml")?;
-    text.push_str("components:\n  - components/webhook-network-policy\n");
-    std::fs::write(&kustomization, text).context("enabling the NetworkPolicy component")?;
-    let path = manifests.to_str().context("manifests path")?;
-    let applied = cp
-        .kubectl(&["apply", "-k", path])
+    // The operator's step: helm install, with the opt-in NetworkPolicy turned on.
+    let set = ["--set", "webhook.networkPolicy.enabled=true"];
+    let installed = helm::release(cp, "install", &set, WAIT)
         .await
-        .context("kubectl apply -k manifests/")?;
-    tracing::info!(%applied, "applied the kustomize base");
+        .context("helm install")?;
+    tracing::info!(%installed, "installed the chart");
+    let tls = Tls::read(&client).await?;
 
     // Nodes register tainted, as with kubelet --register-with-taints (no webhook serves the
     // mutating registration here; it fails open, as designed).
@@ -215,7 +203,7 @@ async fn setup() -> anyhow::Result<Fixture> {
 
     Ok(Fixture {
         cp,
-        manifests,
+        tls,
         node_a,
         node_b,
         node_c,
@@ -223,6 +211,33 @@ async fn setup() -> anyhow::Result<Fixture> {
         agent_token_c,
         webhook_token,
     })
+}
+
+/// The webhook's TLS material the chart made, read back from the Secret the webhook mounts.
+struct Tls {
+    /// `ca.crt`: the CA the chart generated (PEM).
+    ca_pem: Vec<u8>,
+    /// `tls.crt`: the serving certificate it signed (PEM).
+    cert_pem: Vec<u8>,
+}
+
+impl Tls {
+    async fn read(client: &Client) -> anyhow::Result<Self> {
+        let secret = Api::<Secret>::namespaced(client.clone(), NS)
+            .get("meshgate-webhook-tls")
+            .await
+            .context("the chart's Secret meshgate-webhook-tls")?;
+        let data = secret.data.unwrap_or_default();
+        let key = |k: &str| {
+            data.get(k)
+                .map(|b| b.0.clone())
+                .with_context(|| format!("{k} in meshgate-webhook-tls"))
+        };
+        Ok(Self {
+            ca_pem: key("ca.crt")?,
+            cert_pem: key("tls.crt")?,
+        })
+    }
 }
 
 /// A pod of the workload `app` (its `app.kubernetes.io/name`) bound to `node` (any node when

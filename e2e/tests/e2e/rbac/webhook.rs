@@ -15,7 +15,11 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
     ];
     // In meshgate's namespace only, the agent DaemonSet's placement and the mode ConfigMap.
     let mut in_ns = cluster_wide.to_vec();
-    in_ns.push(("apps", &["daemonsets"], &["get", "list", "watch"]));
+    in_ns.push((
+        "apps",
+        &["daemonsets[meshgate-agent]"],
+        &["get", "list", "watch"],
+    ));
     let mut own = triples(&in_ns);
     own.extend(mode_reader_rules());
     for (ns, want) in [
@@ -188,8 +192,7 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
         .and_then(|c| c.first())
         .context("no certificate presented")?
         .to_vec();
-    let mounted = std::fs::read(f.manifests.join("tls/tls.crt"))?;
-    let expected = CertificateDer::pem_slice_iter(&mounted)
+    let expected = CertificateDer::pem_slice_iter(&f.tls.cert_pem)
         .next()
         .context("tls.crt")??;
     assert_eq!(

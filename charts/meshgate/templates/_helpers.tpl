@@ -1,0 +1,82 @@
+{{/*
+The names every template shares. meshgate's objects live in .Values.namespace, which the
+chart creates and `helm uninstall` deletes; the release itself is stored elsewhere
+(docs/operations.md, "Install"): a release stored in the namespace it deletes loses its own
+record half-way through the uninstall, and the cleanup hook could not start there.
+*/}}
+{{- define "meshgate.namespace" -}}
+{{- if eq .Values.namespace .Release.Namespace -}}
+{{- fail (printf "install the release into another namespace than %q (e.g. `helm install meshgate charts/meshgate -n kube-system`): the chart creates and deletes %q itself, and `helm uninstall` could not finish in a namespace it is deleting" .Values.namespace .Values.namespace) -}}
+{{- end -}}
+{{- .Values.namespace -}}
+{{- end -}}
+
+{{/* The image both workloads run: repository:tag@digest, or repository:tag without a digest. */}}
+{{- define "meshgate.image" -}}
+{{- $i := .Values.image -}}
+{{- if $i.digest -}}
+{{- printf "%s:%s@%s" $i.repository $i.tag $i.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $i.repository $i.tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The agent's ServiceAccount as the apiserver names it in admission requests. */}}
+{{- define "meshgate.agentUser" -}}
+{{- printf "system:serviceaccount:%s:meshgate-agent" (include "meshgate.namespace" .) -}}
+{{- end -}}
+
+{{/* The webhook Service's DNS names, which its serving certificate must carry. */}}
+{{- define "meshgate.webhookHost" -}}
+{{- printf "meshgate-webhook.%s.svc" (include "meshgate.namespace" .) -}}
+{{- end -}}
+
+{{/* The Secret the webhook serves from: its own, or the one tls.existingSecret names. */}}
+{{- define "meshgate.tlsSecret" -}}
+{{- if eq .Values.tls.mode "existingSecret" -}}
+{{- required "tls.mode existingSecret needs tls.secretName" .Values.tls.secretName -}}
+{{- else -}}
+meshgate-webhook-tls
+{{- end -}}
+{{- end -}}
+
+{{/* A duration of whole seconds, minutes or hours ("90s", "3m", "1h") in seconds. */}}
+{{- define "meshgate.seconds" -}}
+{{- $d := toString . -}}
+{{- if not (regexMatch "^[0-9]+[smh]$" $d) -}}
+{{- fail (printf "want a duration like 90s, 3m or 1h, got %q" $d) -}}
+{{- end -}}
+{{- $n := int (trimSuffix "s" (trimSuffix "m" (trimSuffix "h" $d))) -}}
+{{- if hasSuffix "h" $d -}}{{ mul $n 3600 }}{{- else if hasSuffix "m" $d -}}{{ mul $n 60 }}{{- else -}}{{ $n }}{{- end -}}
+{{- end -}}
+
+{{/*
+The extra MESHGATE_* settings of agent.env / webhook.env as ConfigMap entries. In: (list ENV
+VALUE_PATH KEY...), KEY... being the ones the chart sets from named values, which ENV may not
+repeat (a ConfigMap cannot hold a key twice; set the named value instead).
+*/}}
+{{- define "meshgate.extraEnv" -}}
+{{- $env := index . 0 -}}
+{{- $path := index . 1 -}}
+{{- $named := slice . 2 -}}
+{{- range $k, $v := $env -}}
+{{- if has $k $named -}}
+{{- fail (printf "%s.%s: the chart sets %s from its own value (values.yaml); set that instead" $path $k $k) -}}
+{{- end }}
+{{ $k }}: {{ $v | toString | quote }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Tolerations of meshgate's taint: the chart's taintKey, and the keys meshgate used before
+(releases before --taint-key, and the default when taintKey is another), still on nodes until
+their agent is upgraded and removes them.
+*/}}
+{{- define "meshgate.taintTolerations" -}}
+- key: {{ .Values.taintKey }}
+  operator: Exists
+{{- range without (list "readiness.k8s.io/meshgate-cni-unverified" "meshgate.io/cni-unverified") .Values.taintKey }}
+- key: {{ . }}
+  operator: Exists
+{{- end }}
+{{- end -}}
