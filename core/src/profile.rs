@@ -235,8 +235,8 @@ pub enum ProfileError {
     Invalid { name: String, why: String },
 }
 
-/// A container name as the API accepts it: a DNS-1123 label.
-fn is_container_name(s: &str) -> bool {
+/// A DNS-1123 label, as the API accepts a container or namespace name.
+pub(crate) fn is_dns_label(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 63
         && s.bytes()
@@ -282,7 +282,7 @@ impl ProfileSet {
             if p.inbound_port == 0 || p.outbound_port == 0 {
                 return Err(invalid("ports must be 1-65535"));
             }
-            if !p.proxy_containers.iter().all(|c| is_container_name(c)) {
+            if !p.proxy_containers.iter().all(|c| is_dns_label(c)) {
                 return Err(invalid(
                     "proxyContainers must be container names (lowercase letters, digits, '-', at most 63)",
                 ));

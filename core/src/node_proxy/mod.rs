@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::cni::{ChainVerdict, Reason};
-use crate::profile::{MeshProfile, ProfileSet};
+use crate::profile::{MeshProfile, ProfileSet, is_dns_label};
 
 /// Istio ambient's ztunnel, as istio/istio ships it: the DaemonSet's pods are labelled
 /// `app: ztunnel` (`manifests/charts/ztunnel/templates/daemonset.yaml`) in `istio-system`,
@@ -92,16 +92,6 @@ pub fn parse_labels(s: &str) -> Result<BTreeMap<String, String>, String> {
         return Err("no label given".into());
     }
     Ok(out)
-}
-
-/// A DNS-1123 label (a namespace name).
-fn is_dns_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
 }
 
 /// Errors from choosing the node proxy requirement.
