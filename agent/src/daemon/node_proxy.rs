@@ -48,6 +48,15 @@ impl NodeProxyWatch {
         Self { proxy, pods, task }
     }
 
+    /// Waits up to `timeout` for the first list, so an agent restarted on a node whose
+    /// ztunnel is ready does not gate it for the moment its watch takes to list.
+    pub async fn wait_listed(&mut self, timeout: Duration) {
+        let listed = self.pods.wait_for(Option::is_some);
+        if tokio::time::timeout(timeout, listed).await.is_err() {
+            tracing::warn!(namespace = %self.proxy.namespace, "node proxy pods not listed in time; the first verdict says so");
+        }
+    }
+
     /// Stops the watch.
     pub fn stop(&self) {
         self.task.abort();

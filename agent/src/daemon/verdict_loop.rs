@@ -183,10 +183,13 @@ impl Daemon {
             node.clone(),
             node_tx,
         ));
-        let node_proxy = config
+        let mut node_proxy = config
             .node_proxy
             .clone()
             .map(|p| NodeProxyWatch::start(clients.node.clone(), &node, p));
+        if let Some(np) = node_proxy.as_mut() {
+            np.wait_listed(config.api_timeout).await;
+        }
         let (fs, fs_rx) = watch_files(&config, node_proxy.as_ref())?;
         let mut resync = tokio::time::interval(config.resync_interval);
         resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

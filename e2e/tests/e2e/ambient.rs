@@ -9,6 +9,9 @@
 
 use std::os::unix::net::UnixListener;
 use std::path::Path;
+use std::time::Duration;
+
+use futures::StreamExt;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
@@ -59,6 +62,22 @@ async fn mark_not_ready(pods: &Api<Pod>, name: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Whether the Node was tainted at any moment within `window`.
+async fn ever_tainted(client: Client, node: String, window: Duration) -> anyhow::Result<bool> {
+    let nodes: Api<Node> = Api::all(client);
+    let mut watch = std::pin::pin!(kube::runtime::watcher::watch_object(nodes, &node));
+    let end = tokio::time::Instant::now() + window;
+    while let Ok(item) = tokio::time::timeout_at(end, watch.next()).await {
+        match item {
+            Some(Ok(Some(n))) if tainted(&n) => return Ok(true),
+            Some(Ok(_)) => {}
+            Some(Err(e)) => return Err(e.into()),
+            None => break,
+        }
+    }
+    Ok(false)
+}
+
 fn bind(path: &Path) -> anyhow::Result<UnixListener> {
     Ok(UnixListener::bind(path)?)
 }
@@ -79,7 +98,7 @@ async fn ambient_node_is_verified_only_while_ztunnel_is_ready_and_its_socket_is_
     let sock_flag = sock.display().to_string();
     // A resync of an hour: every change below must reach the verdict through the pod watch
     // or the socket directory's inotify watch, not through a periodic pass.
-    let _agent = Agent::start(
+    let mut agent = Agent::start(
         cp,
         &node,
         &dirs,
@@ -120,6 +139,21 @@ async fn ambient_node_is_verified_only_while_ztunnel_is_ready_and_its_socket_is_
 
     let listener = bind(&sock)?;
     wait_verified(&client, &node, &name).await?;
+
+    // The agent restarts (SIGKILL) on a node whose ztunnel is ready: it waits for its pod
+    // watch's first list before its first verdict, so the node is never gated meanwhile.
+    let watching = tokio::spawn(ever_tainted(
+        client.clone(),
+        node.clone(),
+        Duration::from_secs(5),
+    ));
+    agent.kill9();
+    agent.restart()?;
+    agent.wait_ready(crate::WAIT).await?;
+    assert!(
+        !watching.await??,
+        "the restarted agent gated a node whose ztunnel is ready"
+    );
 
     // ztunnel's readiness probe fails: gated again.
     mark_not_ready(&pods, &name).await?;
