@@ -3,10 +3,10 @@
 //! In: the daemon's [`Config`], inotify events, the resync tick, the Node watch, the live
 //! mode (`meshgate_shell::mode`), the node proxy's pods and socket when a named profile has
 //! one ([`NodeProxyWatch`]: ambient's ztunnel) and SIGTERM.
-//! Out: one pass per wake-up — verify (the chain, then the node proxy over it), hand the verdict to the pod inspector when it changed,
-//! reconcile the Node as the mode allows ([`NodeGate`]), then record the outcome (metrics,
-//! readiness, state file) or schedule a retry with capped backoff — and, at `stop`, the tasks
-//! it started. A mode change wakes the loop to write the Node again without re-verifying.
+//! Out: one pass per wake-up — verify (the chain, then the node proxy over it), hand the
+//! verdict to the pod inspector when it changed, reconcile the Node as the mode allows
+//! ([`NodeGate`]), then record the outcome (metrics, readiness, state file) or schedule a retry
+//! with capped backoff — and, at `stop`, the tasks it started. A mode change wakes the loop to write the Node again without re-verifying.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -264,9 +264,14 @@ impl Daemon {
             () = node_proxy_changed(self.node_proxy.as_mut()) => Wake::NodeProxy,
             _ = sleep_until(self.retry_at) => Wake::Retry,
         };
-        if let Wake::Files(first) = wake {
-            self.changed_at = coalesce(&mut self.fs_rx, first, self.coalesce).await;
-            self.fs.ensure();
+        match wake {
+            Wake::Files(first) => {
+                self.changed_at = coalesce(&mut self.fs_rx, first, self.coalesce).await;
+                self.fs.ensure();
+            }
+            // The untaint latency runs from the change that made the node verifiable.
+            Wake::NodeProxy => self.changed_at = Instant::now(),
+            _ => {}
         }
         Some(wake)
     }
