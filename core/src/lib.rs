@@ -18,6 +18,7 @@ pub mod gate;
 pub mod lookup;
 pub mod meshes;
 pub mod mode;
+pub mod node_proxy;
 pub mod placement;
 pub mod profile;
 pub mod projection;

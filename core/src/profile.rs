@@ -199,6 +199,11 @@ pub struct MeshProfile {
     /// recreate the same pod. Empty: the mesh runs no sidecar (ambient), nothing to check.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub proxy_containers: Vec<String>,
+    /// The node proxy the mesh's CNI plugin hands pods to (Istio ambient's ztunnel), which
+    /// must be ready on a node for it to be verified when the profile is named by
+    /// `--profile` ([`crate::node_proxy`]). None: the mesh has no node proxy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_proxy: Option<crate::node_proxy::NodeProxy>,
 }
 
 impl MeshProfile {
@@ -230,8 +235,8 @@ pub enum ProfileError {
     Invalid { name: String, why: String },
 }
 
-/// A container name as the API accepts it: a DNS-1123 label.
-fn is_container_name(s: &str) -> bool {
+/// A DNS-1123 label, as the API accepts a container or namespace name.
+pub(crate) fn is_dns_label(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 63
         && s.bytes()
@@ -277,10 +282,13 @@ impl ProfileSet {
             if p.inbound_port == 0 || p.outbound_port == 0 {
                 return Err(invalid("ports must be 1-65535"));
             }
-            if !p.proxy_containers.iter().all(|c| is_container_name(c)) {
+            if !p.proxy_containers.iter().all(|c| is_dns_label(c)) {
                 return Err(invalid(
                     "proxyContainers must be container names (lowercase letters, digits, '-', at most 63)",
                 ));
+            }
+            if let Some(why) = p.node_proxy.as_ref().and_then(|n| n.problem()) {
+                return Err(invalid(why));
             }
             if self.profiles.iter().any(|q| q.name == p.name) {
                 return Err(invalid("a profile with this name already exists"));

@@ -1,4 +1,5 @@
-//! Watches the CNI config and bin directories with inotify and reports "something changed".
+//! Watches the CNI config and bin directories (and the node proxy's socket directory) with
+//! inotify and reports "something changed".
 //!
 //! In: the directories to watch. Out: an `Instant` on a channel for every relevant change,
 //! which the verifier coalesces into one re-verification.
@@ -55,7 +56,9 @@ fn relevant(event: &Event, dirs: &[PathBuf]) -> bool {
 }
 
 impl FsWatch {
-    /// Starts watching `conf_dir` (recursively) and `bin_dirs`; changes are sent on `tx`.
+    /// Starts watching `conf_dir` (recursively) and `bin_dirs` (flat: the plugin dirs, and any
+    /// other directory the verdict reads, such as the node proxy's socket directory); changes
+    /// are sent on `tx`.
     pub fn start(
         conf_dir: &Path,
         bin_dirs: &[PathBuf],

@@ -22,15 +22,21 @@ pub mod events;
 pub mod fswatch;
 pub mod metrics;
 pub mod node;
+pub mod node_proxy;
 pub mod pods;
 pub mod state;
 mod timer;
 pub mod verdict_loop;
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use anyhow::Context;
+
 use meshgate_core::gate::{TaintEffect, TaintKey};
+use meshgate_core::node_proxy::NodeProxy;
+use meshgate_core::profile::ProfileSet;
 use meshgate_shell::cli::{Common, duration};
 
 use crate::cni::CniArgs;
@@ -88,6 +94,48 @@ pub struct Args {
     /// bounded by --api-timeout): well under a second normally.
     #[arg(long, env = "MESHGATE_STALL_TIMEOUT", default_value = "60s", value_parser = duration)]
     pub stall_timeout: Duration,
+    /// The namespace of the node proxy's pods (Istio ambient's ztunnel), when a profile named
+    /// by --profile has one (istio-ambient); default: the profile's (istio-system).
+    #[arg(long, env = "MESHGATE_NODE_PROXY_NAMESPACE")]
+    pub node_proxy_namespace: Option<String>,
+    /// The labels of the node proxy's pods, key=value[,key=value]; default: the profile's
+    /// (app=ztunnel).
+    #[arg(long, env = "MESHGATE_NODE_PROXY_LABELS", value_parser = node_proxy_labels)]
+    pub node_proxy_labels: Option<BTreeMap<String, String>>,
+    /// The node proxy's socket on the host, as the mesh's CNI plugin connects to it;
+    /// default: the profile's (/var/run/ztunnel/ztunnel.sock). Its directory must be mounted
+    /// at the same path in the agent's container.
+    #[arg(long, env = "MESHGATE_NODE_PROXY_SOCKET")]
+    pub node_proxy_socket: Option<String>,
+}
+
+fn node_proxy_labels(s: &str) -> Result<BTreeMap<String, String>, String> {
+    meshgate_core::node_proxy::parse_labels(s)
+}
+
+/// The node proxy this node must run, with the `--node-proxy-*` flags over the named
+/// profile's record; `None` when no profile named by `--profile` has one.
+fn node_proxy(args: &Args, profiles: &ProfileSet) -> anyhow::Result<Option<NodeProxy>> {
+    let Some(profile) = meshgate_core::node_proxy::required(profiles, &args.common.profiles)?
+    else {
+        return Ok(None);
+    };
+    let Some(mut proxy) = profile.node_proxy.clone() else {
+        return Ok(None);
+    };
+    if let Some(ns) = &args.node_proxy_namespace {
+        proxy.namespace = ns.clone();
+    }
+    if let Some(labels) = &args.node_proxy_labels {
+        proxy.labels = labels.clone();
+    }
+    if let Some(socket) = &args.node_proxy_socket {
+        proxy.socket = socket.clone();
+    }
+    if let Some(why) = proxy.problem() {
+        anyhow::bail!("--node-proxy-* for profile {:?}: {why}", profile.name);
+    }
+    Ok(Some(proxy))
 }
 
 /// What each part of the daemon takes from the flags: the one place that reads [`Args`].
@@ -117,6 +165,8 @@ pub struct Config {
     pub stall_timeout: Duration,
     /// The pod inspector's.
     pub pods: pods::Config,
+    /// The node proxy that must be ready for the node to be verified (ambient's ztunnel).
+    pub node_proxy: Option<NodeProxy>,
 }
 
 impl Config {
@@ -124,6 +174,7 @@ impl Config {
     /// typo stops the agent at start instead of silently inspecting nothing.
     pub fn from_args(args: &Args) -> anyhow::Result<Self> {
         let profiles = args.common.load_profiles()?;
+        let node_proxy = node_proxy(args, &profiles).context("the node proxy")?;
         let pods = pods::Config {
             node: args.node_name.clone(),
             keys: meshgate_core::projection::PodKeys::inspection(&profiles),
@@ -152,6 +203,7 @@ impl Config {
             coalesce: args.coalesce,
             stall_timeout: args.stall_timeout,
             pods,
+            node_proxy,
         })
     }
 }
@@ -170,4 +222,66 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     daemon.stop().await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    fn proxy(flags: &[&str]) -> anyhow::Result<Option<NodeProxy>> {
+        let base = [
+            "agent",
+            "--node-name",
+            "n1",
+            "--require-plugin",
+            "istio-cni",
+        ];
+        let cli = Cli::try_parse_from(base.iter().chain(flags))?;
+        let profiles = cli.args.common.load_profiles()?;
+        node_proxy(&cli.args, &profiles)
+    }
+
+    #[test]
+    fn ztunnel_is_required_only_when_ambient_is_named_and_the_flags_override_it() {
+        assert_eq!(
+            proxy(&[]).unwrap(),
+            None,
+            "the default profiles need no ztunnel"
+        );
+        assert_eq!(proxy(&["--profile", "istio"]).unwrap(), None);
+        assert_eq!(
+            proxy(&["--profile", "istio,istio-ambient"]).unwrap(),
+            Some(meshgate_core::node_proxy::ztunnel())
+        );
+        let p = proxy(&[
+            "--profile",
+            "istio-ambient",
+            "--node-proxy-namespace",
+            "ztunnel",
+            "--node-proxy-labels",
+            "app=zt,rev=a",
+            "--node-proxy-socket",
+            "/run/zt/zt.sock",
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(p.namespace, "ztunnel");
+        assert_eq!(p.label_selector(), "app=zt,rev=a");
+        assert_eq!(p.socket, "/run/zt/zt.sock");
+        let bad = proxy(&[
+            "--profile",
+            "istio-ambient",
+            "--node-proxy-socket",
+            "zt.sock",
+        ]);
+        assert!(format!("{:#}", bad.unwrap_err()).contains("absolute"));
+        assert!(proxy(&["--node-proxy-labels", "app"]).is_err());
+    }
 }

@@ -1,11 +1,12 @@
 //! The verdict loop: `start` → `pass` → `next_wake`, until SIGTERM.
 //!
 //! In: the daemon's [`Config`], inotify events, the resync tick, the Node watch, the live
-//! mode (`meshgate_shell::mode`) and SIGTERM.
-//! Out: one pass per wake-up — verify, hand the verdict to the pod inspector when it changed,
-//! reconcile the Node as the mode allows ([`NodeGate`]), then record the outcome (metrics,
-//! readiness, state file) or schedule a retry with capped backoff — and, at `stop`, the tasks
-//! it started. A mode change wakes the loop to write the Node again without re-verifying.
+//! mode (`meshgate_shell::mode`), the node proxy's pods and socket when a named profile has
+//! one ([`NodeProxyWatch`]: ambient's ztunnel) and SIGTERM.
+//! Out: one pass per wake-up — verify (the chain, then the node proxy over it), hand the
+//! verdict to the pod inspector when it changed, reconcile the Node as the mode allows
+//! ([`NodeGate`]), then record the outcome (metrics, readiness, state file) or schedule a retry
+//! with capped backoff — and, at `stop`, the tasks it started. A mode change wakes the loop to write the Node again without re-verifying.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -35,6 +36,7 @@ use super::events::REPORTER;
 use super::fswatch::FsWatch;
 use super::metrics::AgentMetrics;
 use super::node::{Applied, GateError, NodeGate};
+use super::node_proxy::{self, NodeProxyWatch};
 use super::pods;
 use super::state::{self, Loaded, Shared, State};
 use super::timer::sleep_until;
@@ -53,6 +55,8 @@ pub enum Wake {
     Retry,
     /// The mode changed: the Node is written again as the new mode allows.
     ModeChanged,
+    /// The node proxy's pods on this node changed (ztunnel became Ready, or went away).
+    NodeProxy,
 }
 
 /// The tasks the loop started, stopped with it.
@@ -84,6 +88,8 @@ pub struct Daemon {
     verdict_tx: watch::Sender<Option<ChainVerdict>>,
     fs_rx: mpsc::UnboundedReceiver<Instant>,
     fs: FsWatch,
+    /// The node proxy that must be ready too (ambient's ztunnel), when a named profile has one.
+    node_proxy: Option<NodeProxyWatch>,
     resync: tokio::time::Interval,
     coalesce: Duration,
     retry: ExponentialBackoff,
@@ -177,7 +183,14 @@ impl Daemon {
             node.clone(),
             node_tx,
         ));
-        let (fs, fs_rx) = watch_files(&config)?;
+        let mut node_proxy = config
+            .node_proxy
+            .clone()
+            .map(|p| NodeProxyWatch::start(clients.node.clone(), &node, p));
+        if let Some(np) = node_proxy.as_mut() {
+            np.wait_listed(config.api_timeout).await;
+        }
+        let (fs, fs_rx) = watch_files(&config, node_proxy.as_ref())?;
         let mut resync = tokio::time::interval(config.resync_interval);
         resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         resync.tick().await; // the first tick is immediate; the first pass covers it
@@ -197,6 +210,7 @@ impl Daemon {
             verdict_tx,
             fs_rx,
             fs,
+            node_proxy,
             resync,
             retry: backoff(),
             retry_at: None,
@@ -220,6 +234,10 @@ impl Daemon {
             let v = verify(self.cni.clone(), self.prober.clone()).await;
             let delegate = v.delegate.as_ref().and_then(|d| d.file.as_deref());
             self.fs.follow_delegate(delegate.map(std::path::Path::new));
+            let v = match self.node_proxy.as_mut() {
+                Some(np) => judge_node_proxy(v, np).await,
+                None => v,
+            };
             self.adopt(v);
         }
         if let Some(v) = self.verdict.clone() {
@@ -243,11 +261,17 @@ impl Daemon {
             _ = self.resync.tick() => Wake::Resync,
             Ok(()) = self.node_rx.changed() => Wake::NodeChanged,
             Ok(()) = self.mode_rx.changed() => Wake::ModeChanged,
+            () = node_proxy_changed(self.node_proxy.as_mut()) => Wake::NodeProxy,
             _ = sleep_until(self.retry_at) => Wake::Retry,
         };
-        if let Wake::Files(first) = wake {
-            self.changed_at = coalesce(&mut self.fs_rx, first, self.coalesce).await;
-            self.fs.ensure();
+        match wake {
+            Wake::Files(first) => {
+                self.changed_at = coalesce(&mut self.fs_rx, first, self.coalesce).await;
+                self.fs.ensure();
+            }
+            // The untaint latency runs from the change that made the node verifiable.
+            Wake::NodeProxy => self.changed_at = Instant::now(),
+            _ => {}
         }
         Some(wake)
     }
@@ -258,6 +282,9 @@ impl Daemon {
         let _ = self.tasks.stop.send(true);
         self.tasks.node_watch.abort();
         self.mode.stop();
+        if let Some(np) = &self.node_proxy {
+            np.stop();
+        }
         if let Some(admin) = self.tasks.admin {
             let _ = admin.await;
         }
@@ -371,11 +398,17 @@ fn progress(config: &Config) -> (LoopProgress, LoopProgress) {
     (verdict_loop, pods)
 }
 
-/// Starts the inotify watches on the CNI dirs; a dir that does not exist yet is waited for.
-fn watch_files(config: &Config) -> anyhow::Result<(FsWatch, mpsc::UnboundedReceiver<Instant>)> {
+/// Starts the inotify watches on the CNI dirs and the node proxy's socket directory; a dir
+/// that does not exist yet is waited for.
+fn watch_files(
+    config: &Config,
+    node_proxy: Option<&NodeProxyWatch>,
+) -> anyhow::Result<(FsWatch, mpsc::UnboundedReceiver<Instant>)> {
     let (tx, rx) = mpsc::unbounded_channel();
-    let fs = FsWatch::start(&config.cni.cni_conf_dir, &config.cni.cni_bin_dirs, tx)
-        .context("starting inotify watches")?;
+    let mut dirs = config.cni.cni_bin_dirs.clone();
+    dirs.extend(node_proxy.and_then(NodeProxyWatch::socket_dir));
+    let fs =
+        FsWatch::start(&config.cni.cni_conf_dir, &dirs, tx).context("starting inotify watches")?;
     if !fs.all_direct() {
         tracing::info!(node = %config.node, dir = %config.cni.cni_conf_dir.display(), "a CNI directory does not exist yet; waiting for it");
     }
@@ -451,6 +484,26 @@ async fn verify(cni: Arc<CniArgs>, prober: Arc<Prober>) -> ChainVerdict {
         runtime,
         delegate: None,
     }
+}
+
+/// The node's verdict with the node proxy over the chain's: its pods as last listed, its
+/// socket as it is now.
+async fn judge_node_proxy(chain: ChainVerdict, np: &mut NodeProxyWatch) -> ChainVerdict {
+    let pods = np.pods.borrow_and_update().clone();
+    let socket = node_proxy::socket(&np.proxy.socket).await;
+    let seen = meshgate_core::node_proxy::Observed { pods, socket };
+    meshgate_core::node_proxy::judge(chain, &np.proxy, &seen)
+}
+
+/// Returns when the node proxy's pods changed; never without a node proxy (or once its
+/// watch ended).
+async fn node_proxy_changed(np: Option<&mut NodeProxyWatch>) {
+    if let Some(np) = np
+        && np.pods.changed().await.is_ok()
+    {
+        return;
+    }
+    std::future::pending().await
 }
 
 /// Feeds `tx` with the Node as the API reports it, reconnecting with backoff.

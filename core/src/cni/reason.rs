@@ -26,11 +26,15 @@ pub enum Reason {
     PluginBinaryMissing,
     /// A plugin file exists but is not a usable plugin.
     PluginBinaryBroken,
+    /// The chain is verified, but the mesh's node proxy (Istio ambient's ztunnel) is not
+    /// ready on the node: no Ready pod of it there, or its socket missing
+    /// ([`crate::node_proxy`]).
+    NodeProxyNotReady,
 }
 
 impl Reason {
     /// Every reason, for metrics pre-registration and docs.
-    pub const ALL: [Reason; 7] = [
+    pub const ALL: [Reason; 8] = [
         Reason::Verified,
         Reason::NoConfig,
         Reason::ConfigInvalid,
@@ -38,6 +42,7 @@ impl Reason {
         Reason::PrimaryPluginMissing,
         Reason::PluginBinaryMissing,
         Reason::PluginBinaryBroken,
+        Reason::NodeProxyNotReady,
     ];
 
     /// The reason as written in conditions, JSON and metric labels.
@@ -50,6 +55,7 @@ impl Reason {
             Reason::PrimaryPluginMissing => "PrimaryPluginMissing",
             Reason::PluginBinaryMissing => "PluginBinaryMissing",
             Reason::PluginBinaryBroken => "PluginBinaryBroken",
+            Reason::NodeProxyNotReady => "NodeProxyNotReady",
         }
     }
 

@@ -60,6 +60,7 @@ fn profile() -> MeshProfile {
         dual_stack: false,
         annotation_dialect: AnnotationDialect::of(&DIALECT),
         proxy_containers: vec!["istio-proxy".into()],
+        node_proxy: None,
     }
 }
 

@@ -11,7 +11,9 @@
 //! istio-cni only *after* it set the redirects up, so a pod whose setup failed never carried
 //! it: selecting on it could never find the pods meshgate exists for (docs/architecture.md,
 //! "Contract drift"). Ambient pods carry no sidecar annotations istio-cni would honour, so
-//! the profile reads none.
+//! the profile reads none. An ambient pod's traffic is only meshed once ztunnel on its node
+//! took the pod's sockets, so the profile carries ztunnel as its node proxy
+//! ([`crate::node_proxy::ztunnel`]).
 
 use super::{Mesh, map};
 use crate::profile::{MeshProfile, PodSelector};
@@ -54,5 +56,7 @@ fn profile() -> MeshProfile {
         annotation_dialect: AnnotationDialect::NONE,
         // Ambient runs no sidecar: ztunnel is a node proxy.
         proxy_containers: Vec::new(),
+        // ...and a node is in the mesh only once ztunnel there is ready.
+        node_proxy: Some(crate::node_proxy::ztunnel()),
     }
 }

@@ -46,6 +46,7 @@ fn profile() -> MeshProfile {
         dual_stack: false,
         annotation_dialect: AnnotationDialect::of(&DIALECT),
         proxy_containers: vec!["linkerd-proxy".into()],
+        node_proxy: None,
     }
 }
 

@@ -8,6 +8,7 @@
 mod abuse;
 mod abuse_pods;
 mod agent;
+mod ambient;
 mod authz;
 mod control_plane;
 mod faults;

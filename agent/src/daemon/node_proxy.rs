@@ -1,0 +1,236 @@
+//! The node proxy's edge (Istio ambient's ztunnel): a thin watch of its pods on this node,
+//! and a bounded look at its socket on the host.
+//!
+//! In: the [`NodeProxy`] record (the named profile's, with the `--node-proxy-*` flags over
+//! it), this node's name and the pod client. Out: the proxy's pods bound to this node, on a
+//! `watch` channel whose changes wake the verdict loop, and what is at the socket path
+//! ([`socket`]); `meshgate_core::node_proxy::judge` decides from both.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::FileTypeExt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::Api;
+use kube::runtime::{WatchStreamExt, watcher};
+use meshgate_core::node_proxy::{NodeProxy, ProxyPod, SocketSeen};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// Pods of the proxy kept at most (a DaemonSet has one per node; a rollout two).
+const MAX_PODS: usize = 64;
+
+/// How long one look at the socket may take (a hung host filesystem answers as unreadable).
+const SOCKET_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The running watch.
+pub struct NodeProxyWatch {
+    /// The record the verdict is judged against.
+    pub proxy: NodeProxy,
+    /// The proxy's pods on this node; `None` until first listed.
+    pub pods: watch::Receiver<Option<Vec<ProxyPod>>>,
+    task: JoinHandle<()>,
+}
+
+impl NodeProxyWatch {
+    /// Starts watching `proxy`'s pods on `node` (fieldSelector `spec.nodeName`, its labels,
+    /// its namespace).
+    pub fn start(client: kube::Client, node: &str, proxy: NodeProxy) -> Self {
+        let api: Api<Pod> = Api::namespaced(client, &proxy.namespace);
+        let config = watcher::Config::default()
+            .fields(&format!("spec.nodeName={node}"))
+            .labels(&proxy.label_selector());
+        let (tx, pods) = watch::channel(None);
+        let node = node.to_string();
+        let task = tokio::spawn(run(api, config, node, tx));
+        Self { proxy, pods, task }
+    }
+
+    /// Waits up to `timeout` for the first list, so an agent restarted on a node whose
+    /// ztunnel is ready does not gate it for the moment its watch takes to list.
+    pub async fn wait_listed(&mut self, timeout: Duration) {
+        let listed = self.pods.wait_for(Option::is_some);
+        if tokio::time::timeout(timeout, listed).await.is_err() {
+            tracing::warn!(namespace = %self.proxy.namespace, "node proxy pods not listed in time; the first verdict says so");
+        }
+    }
+
+    /// Stops the watch.
+    pub fn stop(&self) {
+        self.task.abort();
+    }
+
+    /// Where the socket's directory is, for the inotify watch.
+    pub fn socket_dir(&self) -> Option<PathBuf> {
+        PathBuf::from(&self.proxy.socket)
+            .parent()
+            .map(PathBuf::from)
+    }
+}
+
+/// Feeds `tx` with the pods as listed and watched, reconnecting with backoff.
+async fn run(
+    api: Api<Pod>,
+    config: watcher::Config,
+    node: String,
+    tx: watch::Sender<Option<Vec<ProxyPod>>>,
+) {
+    let mut stream = std::pin::pin!(watcher(api, config).default_backoff());
+    let mut pods: BTreeMap<String, ProxyPod> = BTreeMap::new();
+    let mut listing: Option<BTreeMap<String, ProxyPod>> = None;
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(watcher::Event::Init) => listing = Some(BTreeMap::new()),
+            Ok(watcher::Event::InitApply(p)) => {
+                if let Some(l) = listing.as_mut() {
+                    keep(l, proxy_pod(&p));
+                }
+            }
+            Ok(watcher::Event::InitDone) => {
+                pods = listing.take().unwrap_or_default();
+                publish(&tx, &pods);
+            }
+            Ok(watcher::Event::Apply(p)) => {
+                keep(&mut pods, proxy_pod(&p));
+                publish(&tx, &pods);
+            }
+            Ok(watcher::Event::Delete(p)) => {
+                pods.remove(&p.metadata.name.unwrap_or_default());
+                publish(&tx, &pods);
+            }
+            Err(e) => {
+                tracing::debug!(node = %node, error = %e, "node proxy pod watch error; retrying")
+            }
+        }
+    }
+}
+
+/// Keeps `p`, within [`MAX_PODS`].
+fn keep(pods: &mut BTreeMap<String, ProxyPod>, p: ProxyPod) {
+    if pods.len() < MAX_PODS || pods.contains_key(&p.name) {
+        pods.insert(p.name.clone(), p);
+    }
+}
+
+/// Sends the pods when they differ from what was sent.
+fn publish(tx: &watch::Sender<Option<Vec<ProxyPod>>>, pods: &BTreeMap<String, ProxyPod>) {
+    let now: Vec<ProxyPod> = pods.values().cloned().collect();
+    tx.send_if_modified(|cur| {
+        let changed = cur.as_ref() != Some(&now);
+        if changed {
+            *cur = Some(now);
+        }
+        changed
+    });
+}
+
+/// What the verdict reads of a pod: its name, its `Ready` condition, its deletion.
+fn proxy_pod(p: &Pod) -> ProxyPod {
+    let ready = p
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+    ProxyPod {
+        name: p.metadata.name.clone().unwrap_or_default(),
+        ready,
+        deleting: p.metadata.deletion_timestamp.is_some(),
+    }
+}
+
+/// What is at `path` (not following a symlink: istio-cni connects to the path itself, and
+/// a socket is never reached through one there), within [`SOCKET_TIMEOUT`].
+pub async fn socket(path: &str) -> SocketSeen {
+    let path = PathBuf::from(path);
+    let look = tokio::task::spawn_blocking(move || std::fs::symlink_metadata(&path));
+    match tokio::time::timeout(SOCKET_TIMEOUT, look).await {
+        Err(_) => SocketSeen::Unreadable(format!("no answer within {SOCKET_TIMEOUT:?}")),
+        Ok(Err(e)) => SocketSeen::Unreadable(e.to_string()),
+        Ok(Ok(Err(e))) if e.kind() == std::io::ErrorKind::NotFound => SocketSeen::Missing,
+        Ok(Ok(Err(e))) => SocketSeen::Unreadable(e.to_string()),
+        Ok(Ok(Ok(m))) => kind(m.file_type()),
+    }
+}
+
+fn kind(t: std::fs::FileType) -> SocketSeen {
+    if t.is_socket() {
+        SocketSeen::Socket
+    } else if t.is_file() {
+        SocketSeen::NotASocket("a regular file")
+    } else if t.is_dir() {
+        SocketSeen::NotASocket("a directory")
+    } else if t.is_symlink() {
+        SocketSeen::NotASocket("a symbolic link")
+    } else {
+        SocketSeen::NotASocket("a special file")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{PodCondition, PodStatus};
+
+    #[tokio::test]
+    async fn the_socket_is_told_from_what_else_may_be_there() {
+        let tmp = tempfile::tempdir().unwrap();
+        let sock = tmp.path().join("ztunnel.sock");
+        let at = sock.to_str().unwrap().to_string();
+        assert_eq!(socket(&at).await, SocketSeen::Missing);
+        let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        assert_eq!(socket(&at).await, SocketSeen::Socket);
+        drop(listener);
+        std::fs::remove_file(&sock).unwrap();
+        std::fs::write(&sock, b"").unwrap();
+        assert_eq!(socket(&at).await, SocketSeen::NotASocket("a regular file"));
+        std::fs::remove_file(&sock).unwrap();
+        std::fs::create_dir(&sock).unwrap();
+        assert_eq!(socket(&at).await, SocketSeen::NotASocket("a directory"));
+    }
+
+    #[test]
+    fn a_pod_is_ready_only_with_ready_true() {
+        let pod = |conds: Vec<(&str, &str)>| Pod {
+            metadata: kube::api::ObjectMeta {
+                name: Some("ztunnel-x".into()),
+                ..Default::default()
+            },
+            status: Some(PodStatus {
+                conditions: Some(
+                    conds
+                        .into_iter()
+                        .map(|(t, s)| PodCondition {
+                            type_: t.into(),
+                            status: s.into(),
+                            ..Default::default()
+                        })
+                        .collect(),
+                ),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert!(proxy_pod(&pod(vec![("PodScheduled", "True"), ("Ready", "True")])).ready);
+        assert!(!proxy_pod(&pod(vec![("Ready", "False")])).ready);
+        assert!(!proxy_pod(&pod(vec![("ContainersReady", "True")])).ready);
+        assert!(!proxy_pod(&Pod::default()).ready);
+    }
+
+    #[test]
+    fn the_pods_kept_are_bounded() {
+        let mut pods = BTreeMap::new();
+        for i in 0..(MAX_PODS + 10) {
+            keep(
+                &mut pods,
+                ProxyPod {
+                    name: format!("p{i}"),
+                    ready: false,
+                    deleting: false,
+                },
+            );
+        }
+        assert_eq!(pods.len(), MAX_PODS);
+    }
+}

@@ -1,0 +1,207 @@
+//! Istio ambient: the agent (a real process against the real apiserver) verifies a node only
+//! when ztunnel on it is ready — a pod with ztunnel's labels bound to the node and Ready, and
+//! its unix socket present — and gates it again when either goes away.
+//!
+//! What is stood in: ztunnel itself (it cannot be built here). Its pod is a pod object with
+//! ztunnel's label (`app: ztunnel`) bound to a simulated node, whose `Ready` condition the
+//! test writes through `pods/status` as the kubelet would; its socket is a real unix socket
+//! the test binds and removes. The watch, the socket check and the verdict are the agent's.
+
+use std::os::unix::net::UnixListener;
+use std::path::Path;
+use std::time::Duration;
+
+use futures::StreamExt;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::Client;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use meshgate_e2e::sim::node::{gate_condition as condition, tainted, verified_label as label};
+use meshgate_e2e::sim::pod::bare_pod;
+use meshgate_e2e::{NodeSpec, mark_pod_running, unique_name};
+
+use crate::cp;
+use crate::support::{Agent, CniDirs, golden, wait_node};
+
+/// Gated with NodeProxyNotReady, the message naming `needle`.
+async fn wait_not_ready(client: &Client, node: &str, needle: &str) -> anyhow::Result<()> {
+    let what = format!("NodeProxyNotReady naming {needle:?}");
+    wait_node(client, node, &what, |n: &Node| {
+        tainted(n)
+            && label(n) == Some("false")
+            && condition(n).is_some_and(|(s, r, m)| {
+                s == "False" && r == "NodeProxyNotReady" && m.contains(needle)
+            })
+    })
+    .await?;
+    Ok(())
+}
+
+/// Verified, the message naming the ready ztunnel pod.
+async fn wait_verified(client: &Client, node: &str, pod: &str) -> anyhow::Result<()> {
+    let needle = "ztunnel ready: pod ";
+    wait_node(client, node, "Verified with ztunnel ready", |n: &Node| {
+        !tainted(n)
+            && label(n) == Some("true")
+            && condition(n).is_some_and(|(s, r, m)| {
+                s == "True" && r == "Verified" && m.contains(needle) && m.contains(pod)
+            })
+    })
+    .await?;
+    Ok(())
+}
+
+/// Writes the pod's `Ready` condition as the kubelet does when its readiness probe fails.
+async fn mark_not_ready(pods: &Api<Pod>, name: &str) -> anyhow::Result<()> {
+    let patch = serde_json::json!({"status": {"conditions": [
+        {"type": "Ready", "status": "False", "reason": "ContainersNotReady"},
+        {"type": "ContainersReady", "status": "False", "reason": "ContainersNotReady"},
+    ]}});
+    pods.patch_status(name, &PatchParams::default(), &Patch::Strategic(patch))
+        .await?;
+    Ok(())
+}
+
+/// Whether the Node was tainted at any moment within `window`.
+async fn ever_tainted(client: Client, node: String, window: Duration) -> anyhow::Result<bool> {
+    let nodes: Api<Node> = Api::all(client);
+    let mut watch = std::pin::pin!(kube::runtime::watcher::watch_object(nodes, &node));
+    let end = tokio::time::Instant::now() + window;
+    while let Ok(item) = tokio::time::timeout_at(end, watch.next()).await {
+        match item {
+            Some(Ok(Some(n))) if tainted(&n) => return Ok(true),
+            Some(Ok(_)) => {}
+            Some(Err(e)) => return Err(e.into()),
+            None => break,
+        }
+    }
+    Ok(false)
+}
+
+fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+    Ok(UnixListener::bind(path)?)
+}
+
+#[tokio::test]
+async fn ambient_node_is_verified_only_while_ztunnel_is_ready_and_its_socket_is_there()
+-> anyhow::Result<()> {
+    let cp = cp().await;
+    let client = cp.client()?;
+    let ns = cp.create_namespace(&client, "ztunnel").await?;
+    let node = unique_name("agent-ambient");
+    cp.register_node(&client, &NodeSpec::new(&node)).await?;
+    let dirs = CniDirs::new()?;
+    dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist")?)?;
+    let sock_dir = dirs.scratch().join("ztunnel");
+    std::fs::create_dir(&sock_dir)?;
+    let sock = sock_dir.join("ztunnel.sock");
+    let sock_flag = sock.display().to_string();
+    // A resync of an hour: every change below must reach the verdict through the pod watch
+    // or the socket directory's inotify watch, not through a periodic pass.
+    let mut agent = Agent::start(
+        cp,
+        &node,
+        &dirs,
+        &[
+            "--profile",
+            "istio-ambient",
+            "--node-proxy-namespace",
+            &ns,
+            "--node-proxy-socket",
+            &sock_flag,
+            "--resync-interval",
+            "1h",
+        ],
+    )?;
+    // The chain alone is verified; no ztunnel yet.
+    wait_not_ready(
+        &client,
+        &node,
+        &format!("no pod app=ztunnel in {ns} on this node"),
+    )
+    .await?;
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let name = unique_name("ztunnel");
+    pods.create(
+        &PostParams::default(),
+        &bare_pod(&name, Some(&node), &[("app", "ztunnel")], Some(0)),
+    )
+    .await?;
+    wait_not_ready(&client, &node, &format!("pod {ns}/{name} is not Ready")).await?;
+    mark_pod_running(&client, &ns, &name, "10.0.0.2".parse()?).await?;
+    wait_not_ready(
+        &client,
+        &node,
+        &format!("its socket {sock_flag} is missing"),
+    )
+    .await?;
+
+    let listener = bind(&sock)?;
+    wait_verified(&client, &node, &name).await?;
+
+    // The agent restarts (SIGKILL) on a node whose ztunnel is ready: it waits for its pod
+    // watch's first list before its first verdict, so the node is never gated meanwhile.
+    let watching = tokio::spawn(ever_tainted(
+        client.clone(),
+        node.clone(),
+        Duration::from_secs(5),
+    ));
+    agent.kill9();
+    agent.restart()?;
+    agent.wait_ready(crate::WAIT).await?;
+    assert!(
+        !watching.await??,
+        "the restarted agent gated a node whose ztunnel is ready"
+    );
+
+    // ztunnel's readiness probe fails: gated again.
+    mark_not_ready(&pods, &name).await?;
+    wait_not_ready(&client, &node, &format!("pod {ns}/{name} is not Ready")).await?;
+    mark_pod_running(&client, &ns, &name, "10.0.0.2".parse()?).await?;
+    wait_verified(&client, &node, &name).await?;
+
+    // ztunnel's socket goes away (ztunnel exited): gated again.
+    drop(listener);
+    std::fs::remove_file(&sock)?;
+    wait_not_ready(
+        &client,
+        &node,
+        &format!("its socket {sock_flag} is missing"),
+    )
+    .await?;
+    let _listener = bind(&sock)?;
+    wait_verified(&client, &node, &name).await?;
+
+    // ztunnel's pod is deleted: gated again.
+    pods.delete(&name, &DeleteParams::default().grace_period(0))
+        .await?;
+    wait_not_ready(
+        &client,
+        &node,
+        &format!("no pod app=ztunnel in {ns} on this node"),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Without `--profile istio-ambient` (the default: every built-in profile), a node is
+/// verified on its chain alone: a Linkerd or sidecar-Istio cluster is never gated on a
+/// ztunnel it does not run.
+#[tokio::test]
+async fn without_the_ambient_profile_named_no_ztunnel_is_required() -> anyhow::Result<()> {
+    let cp = cp().await;
+    let client = cp.client()?;
+    let node = unique_name("agent-no-ambient");
+    cp.register_node(&client, &NodeSpec::new(&node)).await?;
+    let dirs = CniDirs::new()?;
+    dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist")?)?;
+    let _agent = Agent::start(cp, &node, &dirs, &["--resync-interval", "1h"])?;
+    let n = wait_node(&client, &node, "Verified", |n: &Node| {
+        !tainted(n) && condition(n).is_some_and(|(s, r, _)| s == "True" && r == "Verified")
+    })
+    .await?;
+    let (_, _, message) = condition(&n).unwrap_or_default();
+    assert!(!message.contains("ztunnel"), "{message}");
+    Ok(())
+}
