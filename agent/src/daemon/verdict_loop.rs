@@ -139,6 +139,8 @@ impl Daemon {
     /// Restores the state, binds the admin port, starts the Node watch, the pod inspector and
     /// the inotify watches. Nothing is verified yet: the first [`Daemon::pass`] does that.
     pub async fn start(config: Config) -> anyhow::Result<Self> {
+        let shutdown = meshgate_shell::shutdown::signal()
+            .context("installing the SIGTERM and SIGINT handlers")?;
         let node = config.node.clone();
         let shared = Arc::new(Shared::new(
             config.state_file.clone(),
@@ -216,7 +218,7 @@ impl Daemon {
             retry_at: None,
             changed_at: Instant::now(),
             verdict: None,
-            shutdown: Box::pin(meshgate_shell::shutdown::signal()),
+            shutdown: Box::pin(shutdown),
             tasks: Tasks {
                 stop,
                 admin,
