@@ -6,9 +6,11 @@
 #     by version;
 #   - the real node's runtime: containerd, ctr and containerd-shim-runc-v2 built from the
 #     github.com/containerd/containerd/v2 module, Debian's runc and containernetworking-plugins;
-#   - istio-cni, built from the istio.io/istio module;
+#   - istio-cni and its node agent (install-cni), built from the istio.io/istio module, and the
+#     ambient test's stand-in ztunnel (e2e/ztunnel-standin) on istio's ZDS messages;
 #   - helm, built from the helm.sh/helm/v4 module (it installs meshgate's chart, charts/meshgate);
-#   - the real node's images (pause, busybox) as OCI image-layout tarballs (e2e/images).
+#   - the real node's images (pause, busybox; install-cni and ztunnel-standin for ambient) as
+#     OCI image-layout tarballs (e2e/images).
 # Prints the Kubernetes bin directory as its last line; helm is linked into it as `helm` (the
 # Makefile runs it from there; the e2e harness finds it in its own cache directory).
 #
@@ -182,6 +184,10 @@ go_install "containerd $containerd_version" "$cache_root/containerd/$containerd_
 go_flags=(-ldflags "-s -w")
 go_install "istio-cni $istio_cni_version" "$cache_root/istio-cni/$istio_cni_version" "3 minutes" \
   "istio.io/istio/cni/cmd/istio-cni@$istio_cni_version"
+# istio-cni's node agent (the istio-cni DaemonSet's `install-cni`), which the ambient real-node
+# test runs: it installs the plugin itself and serves ztunnel's ZDS socket.
+go_install "istio-cni's node agent $istio_cni_version" "$cache_root/istio-cni-agent/$istio_cni_version" "COLD_AGENT" \
+  "istio.io/istio/cni/cmd/install-cni@$istio_cni_version"
 
 # helm 4 (helm.sh/helm/v4 has no replace directives either). The version is stamped as helm's
 # own release build does, so `helm version` names the pin.
@@ -206,6 +212,22 @@ else
   echo "$cri_inputs" >"$cri_dir/bin/.inputs"
 fi
 
+# ztunnel-standin (e2e/ztunnel-standin/main.go): the ambient test's stand-in for ztunnel, with
+# istio's own ZDS messages (istio.io/istio/pkg/zdsapi at the pinned version); rebuilt when
+# main.go changes.
+zt_dir="$cache_root/ztunnel-standin/$istio_cni_version"
+zt_inputs=$(sha256sum "$here/ztunnel-standin/main.go" | cut -d' ' -f1)
+if [[ -x "$zt_dir/bin/ztunnel-standin" && -f "$zt_dir/bin/.inputs" && "$(cat "$zt_dir/bin/.inputs")" == "$zt_inputs" ]]; then
+  log "reusing cached ztunnel-standin in $zt_dir/bin"
+else
+  log "building ztunnel-standin"
+  mkdir -p "$zt_dir/build" "$zt_dir/bin"
+  cp "$here/ztunnel-standin/main.go" "$zt_dir/build/main.go"
+  printf 'module meshgate.local/ztunnel-standin\n\ngo 1.26\n\nrequire istio.io/istio %s\n' "$istio_cni_version" >"$zt_dir/build/go.mod"
+  (cd "$zt_dir/build" && nice go build -trimpath -ldflags "-s -w" -o "$zt_dir/bin/ztunnel-standin" .)
+  echo "$zt_inputs" >"$zt_dir/bin/.inputs"
+fi
+
 # Images, rebuilt when their inputs change (the C source, the script, Debian's busybox).
 images="$cache_root/images"
 inputs=$( (cat "$here/images/pause.c" "$here/images/build-images.sh" "$here/images/oci-image.sh"; dpkg-query -W busybox-static) | sha256sum | cut -d' ' -f1)
@@ -215,6 +237,21 @@ else
   log "building the node images (pause, busybox) in $images"
   "$here/images/build-images.sh" "$images"
   echo "$inputs" >"$images/.inputs"
+fi
+
+# The ambient test's images (istio-cni's node agent, the stand-in ztunnel), rebuilt when the
+# binaries, the scripts or Debian's netfilter tools change.
+istio_images="$images/istio/$istio_cni_version"
+istio_bins=("$cache_root/istio-cni-agent/$istio_cni_version/bin/install-cni"
+  "$cache_root/istio-cni/$istio_cni_version/bin/istio-cni" "$zt_dir/bin/ztunnel-standin")
+inputs=$( (sha256sum "${istio_bins[@]}" | cut -d' ' -f1; cat "$here/images/build-istio-images.sh" "$here/images/oci-image.sh"
+  dpkg-query -W iptables nftables libxtables12 libnftables1) | sha256sum | cut -d' ' -f1)
+if [[ -f "$istio_images/.inputs" && "$(cat "$istio_images/.inputs")" == "$inputs" && -f "$istio_images/install-cni.tar" && -f "$istio_images/ztunnel-standin.tar" ]]; then
+  log "reusing cached ambient images in $istio_images"
+else
+  log "building the ambient images (install-cni, ztunnel-standin) in $istio_images"
+  "$here/images/build-istio-images.sh" "$istio_images" "${istio_bins[@]}"
+  echo "$inputs" >"$istio_images/.inputs"
 fi
 
 echo "$bin_dir"
