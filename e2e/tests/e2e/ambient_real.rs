@@ -7,7 +7,7 @@
 //! says what is real and what is stood in.
 //!
 //! The steps are in two groups. The first holds with the node-level check of pod Ready and
-//! socket present; the second (after the line in [`ambient_real_node`]) asserts the node
+//! socket present; the second (after the line in [`ambient_steps`]) asserts the node
 //! proxy contract's "connected" check and pod-level listener rule (COMMON contract of issue
 //! 21: reason `NodeProxyNotReady`, a pod Redirected only with ztunnel's listeners in its netns,
 //! never evicted for missing listeners while the node proxy is not ready).
@@ -49,10 +49,11 @@ const MISSING: &str =
 const EVICTED: &str = "meshgate_pods_evicted_total{profile=\"istio-ambient\"}";
 
 #[tokio::test]
-async fn ambient_real_node_is_gated_on_ztunnel_with_the_real_istio_cni() -> anyhow::Result<()> {
+async fn ambient_on_a_real_kubelet_is_gated_on_ztunnel_with_the_real_istio_cni()
+-> anyhow::Result<()> {
     let _one = ONE_NODE.lock().await;
     let cluster = RealCluster::start().await?;
-    let outcome = ambient_real_node(&cluster).await;
+    let outcome = ambient_steps(&cluster).await;
     if let Err(e) = outcome {
         let a = cluster.meshgate_logs();
         bail!("{e:#}\n\n{a}");
@@ -62,7 +63,7 @@ async fn ambient_real_node_is_gated_on_ztunnel_with_the_real_istio_cni() -> anyh
     Ok(())
 }
 
-async fn ambient_real_node(cluster: &RealCluster) -> anyhow::Result<()> {
+async fn ambient_steps(cluster: &RealCluster) -> anyhow::Result<()> {
     let client = cluster.control_plane().client()?;
     let a = cluster.add_node().await?;
     a.import_ambient_images().await?;
