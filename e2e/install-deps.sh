@@ -196,37 +196,32 @@ go_install "helm $helm_version" "$cache_root/helm/$helm_version" "12 minutes (me
   "helm.sh/helm/v4/cmd/helm@$helm_version"
 ln -sfn "$cache_root/helm/$helm_version/bin/helm" "$bin_dir/helm"
 
+# go_main NAME DIR REQUIRE: builds e2e/NAME/main.go, a small program of the tests, in a module
+# that requires REQUIRE ("module version"), into DIR/bin/NAME; rebuilt when main.go changes.
+go_main() {
+  local name=$1 dir=$2 require=$3 inputs
+  inputs=$(sha256sum "$here/$name/main.go" | cut -d' ' -f1)
+  if [[ -x "$dir/bin/$name" && -f "$dir/bin/.inputs" && "$(cat "$dir/bin/.inputs")" == "$inputs" ]]; then
+    log "reusing cached $name in $dir/bin"
+    return
+  fi
+  log "building $name"
+  mkdir -p "$dir/build" "$dir/bin"
+  cp "$here/$name/main.go" "$dir/build/main.go"
+  printf 'module meshgate.local/%s\n\ngo 1.26\n\nrequire %s\n' "$name" "$require" >"$dir/build/go.mod"
+  (cd "$dir/build" && nice go build -trimpath -ldflags "-s -w" -o "$dir/bin/$name" .)
+  echo "$inputs" >"$dir/bin/.inputs"
+}
+
 # cri-status (e2e/cri-status/main.go): a few lines of Go that print a CRI runtime's verbose
 # status, so the tests can see which CNI config containerd really loaded. Its module requires
-# the k8s.io/cri-api release of the pinned Kubernetes version; rebuilt when main.go changes.
-cri_dir="$cache_root/cri-status/$k8s_version"
-cri_inputs=$(sha256sum "$here/cri-status/main.go" | cut -d' ' -f1)
-if [[ -x "$cri_dir/bin/cri-status" && -f "$cri_dir/bin/.inputs" && "$(cat "$cri_dir/bin/.inputs")" == "$cri_inputs" ]]; then
-  log "reusing cached cri-status in $cri_dir/bin"
-else
-  log "building cri-status"
-  mkdir -p "$cri_dir/build" "$cri_dir/bin"
-  cp "$here/cri-status/main.go" "$cri_dir/build/main.go"
-  printf 'module meshgate.local/cri-status\n\ngo 1.26\n\nrequire k8s.io/cri-api %s\n' "$staging_version" >"$cri_dir/build/go.mod"
-  (cd "$cri_dir/build" && nice go build -trimpath -ldflags "-s -w" -o "$cri_dir/bin/cri-status" .)
-  echo "$cri_inputs" >"$cri_dir/bin/.inputs"
-fi
+# the k8s.io/cri-api release of the pinned Kubernetes version.
+go_main cri-status "$cache_root/cri-status/$k8s_version" "k8s.io/cri-api $staging_version"
 
 # ztunnel-standin (e2e/ztunnel-standin/main.go): the ambient test's stand-in for ztunnel, with
-# istio's own ZDS messages (istio.io/istio/pkg/zdsapi at the pinned version); rebuilt when
-# main.go changes.
+# istio's own ZDS messages (istio.io/istio/pkg/zdsapi at the pinned version).
 zt_dir="$cache_root/ztunnel-standin/$istio_cni_version"
-zt_inputs=$(sha256sum "$here/ztunnel-standin/main.go" | cut -d' ' -f1)
-if [[ -x "$zt_dir/bin/ztunnel-standin" && -f "$zt_dir/bin/.inputs" && "$(cat "$zt_dir/bin/.inputs")" == "$zt_inputs" ]]; then
-  log "reusing cached ztunnel-standin in $zt_dir/bin"
-else
-  log "building ztunnel-standin"
-  mkdir -p "$zt_dir/build" "$zt_dir/bin"
-  cp "$here/ztunnel-standin/main.go" "$zt_dir/build/main.go"
-  printf 'module meshgate.local/ztunnel-standin\n\ngo 1.26\n\nrequire istio.io/istio %s\n' "$istio_cni_version" >"$zt_dir/build/go.mod"
-  (cd "$zt_dir/build" && nice go build -trimpath -ldflags "-s -w" -o "$zt_dir/bin/ztunnel-standin" .)
-  echo "$zt_inputs" >"$zt_dir/bin/.inputs"
-fi
+go_main ztunnel-standin "$zt_dir" "istio.io/istio $istio_cni_version"
 
 # Images, rebuilt when their inputs change (the C source, the script, Debian's busybox).
 images="$cache_root/images"

@@ -28,7 +28,7 @@ use meshgate_e2e::real::ambient::{
 };
 use meshgate_e2e::real::cluster::{RealCluster, is_ready};
 use meshgate_e2e::real::node::{BUSYBOX_IMAGE, RealNode};
-use meshgate_e2e::real::story::{all_running, app_pid, in_netns};
+use meshgate_e2e::real::story::{all_running, app_pid, container_pid, in_netns};
 use meshgate_e2e::sim::node::{gate_condition, http_get, metric_sample, tainted};
 use serde_json::json;
 
@@ -234,18 +234,6 @@ async fn ambient_steps(cluster: &RealCluster) -> anyhow::Result<()> {
         "a Ready but unconnected ztunnel keeps the node gated ({reason}: {message}); the pod without listeners is reported missing, not evicted"
     ));
     Ok(())
-}
-
-/// The host pid of the pod's container `name`.
-async fn container_pid(node: &RealNode, pod: &Pod, name: &str) -> anyhow::Result<i32> {
-    let id = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.name == name))
-        .and_then(|c| c.container_id.clone())
-        .with_context(|| format!("{} has no {name} container id", pod.name_any()))?;
-    Ok(node.container_pid(&id).await?)
 }
 
 /// Waits until the node is gated (tainted, condition False), with `reason` when given.

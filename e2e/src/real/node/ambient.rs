@@ -42,13 +42,7 @@ impl RealNode {
             if !path.is_file() {
                 return Err(binaries::missing("the ambient images", &path));
             }
-            let path = path.display().to_string();
-            self.ctr(&["-n", K8S_NS, "images", "import", &path])
-                .await
-                .map_err(|detail| Error::RealNode {
-                    part: "the ambient images",
-                    detail,
-                })?;
+            self.import_image(&path, "the ambient images").await?;
         }
         Ok(())
     }
@@ -70,50 +64,36 @@ impl RealNode {
             "mkdir -p {NODE_PROC} && mount --bind /proc {NODE_PROC} && mount --bind /proc/{containerd} {NODE_PROC}/1"
         );
         let mnt = format!("--mount=/proc/{containerd}/ns/mnt");
-        let out = wait::bounded(
-            "binding the node's /proc view",
-            Duration::from_secs(10),
-            async {
-                tokio::process::Command::new(&self.bins.nsenter)
-                    .args([mnt.as_str(), "--", "sh", "-ec", &script])
-                    .output()
-                    .await
-                    .map_err(|e| Error::io("running nsenter", e))
-            },
-        )
+        self.nsenter("the node's /proc view", &[&mnt, "--", "sh", "-ec", &script])
+            .await
+            .map(drop)
+    }
+
+    /// `nsenter ARGS`, bounded; its stdout, or an error naming `part` with its stderr.
+    async fn nsenter(&self, part: &'static str, args: &[&str]) -> Result<String, Error> {
+        let out = wait::bounded(part, Duration::from_secs(10), async {
+            tokio::process::Command::new(&self.bins.nsenter)
+                .args(args)
+                .output()
+                .await
+                .map_err(|e| Error::io("running nsenter", e))
+        })
         .await?;
         if !out.status.success() {
             return Err(Error::RealNode {
-                part: "the node's /proc view",
+                part,
                 detail: String::from_utf8_lossy(&out.stderr).into_owned(),
             });
         }
-        Ok(())
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
     /// The unix sockets of the node's network namespace whose address is `path` (`ss -xa`,
     /// which reads them with unix sock_diag, as the kernel keeps them per network namespace).
     pub async fn unix_sockets(&self, path: &str) -> Result<Vec<UnixSocket>, Error> {
         let net = format!("--net={}", self.fp.netns_pin.display());
-        let out = wait::bounded(
-            "ss -xa in the node's network namespace",
-            Duration::from_secs(10),
-            async {
-                tokio::process::Command::new(&self.bins.nsenter)
-                    .args([net.as_str(), "--", "ss", "-xaH"])
-                    .output()
-                    .await
-                    .map_err(|e| Error::io("running ss", e))
-            },
-        )
-        .await?;
-        if !out.status.success() {
-            return Err(Error::RealNode {
-                part: "ss",
-                detail: String::from_utf8_lossy(&out.stderr).into_owned(),
-            });
-        }
-        Ok(parse_ss_unix(&String::from_utf8_lossy(&out.stdout), path))
+        let out = self.nsenter("ss", &[&net, "--", "ss", "-xaH"]).await?;
+        Ok(parse_ss_unix(&out, path))
     }
 }
 
