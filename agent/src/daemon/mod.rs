@@ -18,6 +18,7 @@
 //! disk said before it.
 
 pub mod clients;
+mod coalesce;
 pub mod events;
 pub mod fswatch;
 pub mod metrics;

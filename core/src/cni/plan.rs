@@ -13,7 +13,9 @@ use super::probe::ProbeOutcome;
 use super::verdict::{VerifyOptions, verify};
 
 /// Every CNI spec version libcni knows, so a planned binary never fails its version check.
-const SPEC_VERSIONS: [&str; 7] = ["0.1.0", "0.2.0", "0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
+const SPEC_VERSIONS: [&str; 7] = [
+    "0.1.0", "0.2.0", "0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0",
+];
 
 /// The plugin types a verification of `src` asks about when every binary answers, in order,
 /// each once.

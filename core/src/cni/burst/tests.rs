@@ -75,7 +75,10 @@ fn atomic_changes_are_settled() {
 
 #[test]
 fn a_file_removed_while_written_no_longer_holds_the_burst() {
-    assert!(settles([(p(TMP), Change::Written), (p(TMP), Change::Removed)]));
+    assert!(settles([
+        (p(TMP), Change::Written),
+        (p(TMP), Change::Removed)
+    ]));
 }
 
 #[test]
@@ -101,5 +104,8 @@ fn too_many_open_files_wait_for_quiet() {
     for n in &names {
         b.note(Some(Path::new(n)), Change::ClosedWrite);
     }
-    assert!(!b.settled(), "past the bound the burst is not tracked file by file");
+    assert!(
+        !b.settled(),
+        "past the bound the burst is not tracked file by file"
+    );
 }
