@@ -293,10 +293,6 @@ impl Prober {
             }
             Claim::Run(ticket) => ticket,
         };
-        match caller {
-            Caller::Verification => self.counters.lookup("miss"),
-            Caller::Ahead => self.counters.preprobe("ran"),
-        }
         let (outcome, cacheable) = match self.run_version(&path, deadline) {
             Ok(supported) => (
                 ProbeOutcome::Answered {
@@ -311,6 +307,10 @@ impl Prober {
         // replaced during the run is not trusted under either key.
         let unchanged = Key::now(&path).as_ref() == Some(&key);
         ticket.finish((cacheable && unchanged).then(|| outcome.clone()));
+        match caller {
+            Caller::Verification => self.counters.lookup("miss"),
+            Caller::Ahead => self.counters.preprobe("ran"),
+        }
         outcome
     }
 
