@@ -114,6 +114,11 @@ impl Answers {
         self.lock().cached.len()
     }
 
+    /// Whether an answer for `key` is cached.
+    pub fn has(&self, key: &Key) -> bool {
+        self.lock().cached.contains_key(key)
+    }
+
     /// The cached answer for `key`, or the answer of its probe in flight (waited for), or a
     /// ticket to run it once a slot is free; [`Claim::Expired`] at `deadline`.
     pub fn claim(&self, key: &Key, deadline: Instant) -> Claim<'_> {

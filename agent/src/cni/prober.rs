@@ -160,12 +160,14 @@ impl Prober {
         }
     }
 
-    /// Probes `types` (deduplicated) with up to [`PARALLEL_PROBES`] at once, all by the one
-    /// `deadline`; the answers by type.
+    /// Probes those of `types` (deduplicated) not answered yet, with up to
+    /// [`PARALLEL_PROBES`] at once, all by the one `deadline`; their answers by type. The
+    /// types already answered are left to [`Prober::probe`] (a cache hit, on the caller's
+    /// thread): no thread is started when everything is cached.
     pub fn probe_many(&self, types: &[String], deadline: Instant) -> HashMap<String, ProbeOutcome> {
         let mut todo: Vec<&str> = Vec::new();
         for t in types {
-            if !todo.contains(&t.as_str()) {
+            if !todo.contains(&t.as_str()) && !self.answered(t) {
                 todo.push(t);
             }
         }
@@ -191,6 +193,12 @@ impl Prober {
             work();
         });
         found.into_inner().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether `plugin_type`'s binary, as it is now, has a cached answer.
+    fn answered(&self, plugin_type: &str) -> bool {
+        self.find(plugin_type)
+            .is_ok_and(|(path, meta)| self.answers.has(&Key::of(&path, &meta)))
     }
 
     /// Probes `name` ahead of any verification, so the one that needs it finds the answer
