@@ -1,6 +1,11 @@
 use super::*;
 use std::os::unix::fs::PermissionsExt;
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+
+use crate::cni::answers::ResultLabel;
+
 const REPLY: &str = r#"{"cniVersion":"1.1.0","supportedVersions":["1.0.0","1.1.0"]}"#;
 
 /// A plugin whose first run fails the way `fail` says and whose later runs answer.
@@ -91,13 +96,7 @@ fn runs(dir: &Path, name: &str) -> usize {
         .unwrap_or(0)
 }
 
-fn count(
-    family: &prometheus_client::metrics::family::Family<
-        super::super::answers::ResultLabel,
-        prometheus_client::metrics::counter::Counter,
-    >,
-    result: &'static str,
-) -> u64 {
+fn count(family: &Family<ResultLabel, Counter>, result: &'static str) -> u64 {
     ProbeCounters::count(family, result)
 }
 
@@ -108,14 +107,20 @@ fn supported(o: &ProbeOutcome) -> Vec<String> {
     }
 }
 
-/// A pre-probed binary is not run again by the verification: its answer is a cache hit.
-#[test]
-fn a_preprobed_binary_is_a_cache_hit_at_verification() {
+/// A bin dir with an `istio-cni` answering 1.0.0, and a prober that probed it ahead.
+fn preprobed_istio_cni() -> (tempfile::TempDir, Prober) {
     let dir = tempfile::tempdir().unwrap();
     plugin(dir.path(), "istio-cni", "0", r#""1.0.0""#);
     let prober = Prober::new(vec![dir.path().to_path_buf()], Duration::from_secs(5));
     prober.allow(["istio-cni"]);
     prober.preprobe("istio-cni");
+    (dir, prober)
+}
+
+/// A pre-probed binary is not run again by the verification: its answer is a cache hit.
+#[test]
+fn a_preprobed_binary_is_a_cache_hit_at_verification() {
+    let (dir, prober) = preprobed_istio_cni();
     assert_eq!(runs(dir.path(), "istio-cni"), 1);
     assert_eq!(supported(&prober.probe("istio-cni", deadline())), ["1.0.0"]);
     assert_eq!(runs(dir.path(), "istio-cni"), 1, "run once, ahead");
@@ -129,11 +134,7 @@ fn a_preprobed_binary_is_a_cache_hit_at_verification() {
 /// run and its answer counts, not the pre-probe's.
 #[test]
 fn a_binary_replaced_after_its_preprobe_is_not_trusted() {
-    let dir = tempfile::tempdir().unwrap();
-    plugin(dir.path(), "istio-cni", "0", r#""1.0.0""#);
-    let prober = Prober::new(vec![dir.path().to_path_buf()], Duration::from_secs(5));
-    prober.allow(["istio-cni"]);
-    prober.preprobe("istio-cni");
+    let (dir, prober) = preprobed_istio_cni();
     plugin(dir.path(), "istio-cni", "0", r#""0.4.0""#);
     assert_eq!(supported(&prober.probe("istio-cni", deadline())), ["0.4.0"]);
     assert_eq!(runs(dir.path(), "istio-cni"), 2);
