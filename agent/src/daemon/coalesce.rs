@@ -17,9 +17,10 @@ use super::fswatch::FsEvent;
 const COALESCE_LIMIT: u32 = 10;
 
 /// Waits until a burst of file events is over and returns when its last event happened. A
-/// burst whose files are all complete (`meshgate_core::cni::burst`: renamed into place,
-/// closed after writing, removed) is over at once; one with a file still being written (or
-/// an event that says nothing) goes on until `quiet` passes without an event. The bound
+/// burst of atomic changes (`meshgate_core::cni::burst`: renamed into place, removed, a
+/// temporary file written and renamed over the config) is over at once; one that wrote a
+/// file in place (or an event that says nothing) goes on until `quiet` passes without an
+/// event and no file is still open for writing. The bound
 /// matters: a writer touching the directories more often than `quiet`, forever (a flapping
 /// installer, a log rotated into the conf dir), would otherwise keep the node from ever being
 /// verified again. Events after the return wake the loop again.
@@ -49,6 +50,8 @@ pub(super) async fn coalesce(
                 burst.note(e.path.as_deref(), e.change);
                 last = e.at;
             }
+            // Quiet, but a writer still holds a file open: its close is still to come.
+            Err(_) if burst.writing() && tokio::time::Instant::now() < end => {}
             Ok(None) | Err(_) => return last,
         }
     }

@@ -2,14 +2,19 @@
 //! waited out.
 //!
 //! In: each event of the burst as a [`Change`] on a path (the agent maps inotify's kinds, as
-//! the `notify` crate reports them, onto it). Out: [`Burst::settled`]: true when every file the
-//! burst touched is complete on disk, so a verification now reads what the writer meant.
+//! the `notify` crate reports them, onto it). Out: [`Burst::settled`]: true when the burst
+//! only made atomic changes, so a verification now reads what the writer meant; and
+//! [`Burst::writing`]: true while a file is still open for writing, so going quiet is not the
+//! end of it either.
 //!
 //! - A rename into place (`Modify(Name(To))`), a removal, a chmod, a new directory or a new
 //!   non-regular entry (a socket, a symlink) is atomic: a reader sees the old state or the new
-//!   one, never half of it.
-//! - A file created or written (`Create(File)`, `Modify(Data)`: the truncate and each write
-//!   of an in-place rewrite) is incomplete until its `Access(Close(Write))`.
+//!   one, never half of it. So is the whole of an atomic write: a temporary file written,
+//!   closed and renamed over the config (how Istio's and Linkerd's installers write).
+//! - A file created or written in place (`Create(File)`, `Modify(Data)`: the truncate and
+//!   each write of an in-place rewrite) is not: a writer may close it and open it again
+//!   (`echo a > f; echo b >> f`), so even after its `Access(Close(Write))` only quiet (the
+//!   agent's `--coalesce`) ends the burst, unless the file was renamed away or removed.
 //! - An event that says nothing about a path (a queue overflow, a rescan, an unknown kind)
 //!   means the burst can only end by going quiet.
 //!
@@ -45,9 +50,12 @@ pub enum Change {
     Unknown,
 }
 
-/// The files of one burst that are still being written.
+/// The files of one burst written in place, and those still open for writing.
 #[derive(Debug, Default)]
 pub struct Burst {
+    /// Written (or created) in place during the burst, and still at that name.
+    written: HashSet<PathBuf>,
+    /// Of those, the ones whose writer has not closed them yet.
     open: HashSet<PathBuf>,
     /// An event the burst can only outwait.
     unknown: bool,
@@ -67,27 +75,39 @@ impl Burst {
         };
         match change {
             Change::Created | Change::Written => {
-                if self.open.len() >= MAX_OPEN_TRACKED {
+                if self.written.len() >= MAX_OPEN_TRACKED {
                     self.unknown = true;
                 } else {
+                    self.written.insert(path.to_path_buf());
                     self.open.insert(path.to_path_buf());
                 }
             }
-            // The writer is done with it, or it is gone from this name: whatever happens to
-            // it next comes with an event of its own.
-            Change::ClosedWrite | Change::MovedOut | Change::Removed => {
+            // The writer is done with it for now; it may open it again.
+            Change::ClosedWrite => {
                 self.open.remove(path);
             }
+            // Gone from this name (a temporary file renamed over the config, or removed):
+            // what it held is judged at its new name, whose event is atomic.
+            Change::MovedOut | Change::Removed => {
+                self.open.remove(path);
+                self.written.remove(path);
+            }
             // A file renamed into place carries the data it was written with; a writer that
-            // still holds it open writes to the new name, which the close will report.
+            // still holds it open writes to the new name, which its events will report.
             Change::MovedIn | Change::CreatedComplete | Change::Attrib => {}
             Change::Unknown => self.unknown = true,
         }
     }
 
-    /// True when nothing in the burst is still being written: verify now.
+    /// True when the burst made only atomic changes: verify now.
     pub fn settled(&self) -> bool {
-        !self.unknown && self.open.is_empty()
+        !self.unknown && self.written.is_empty()
+    }
+
+    /// True while a file written in the burst is still open for writing: going quiet does
+    /// not end the burst yet (the caller's bound still does).
+    pub fn writing(&self) -> bool {
+        !self.open.is_empty()
     }
 }
 
