@@ -128,6 +128,18 @@ impl FsWatch {
             // A poisoned lock (a panic elsewhere) counts every event: re-verifying is safe.
             Ok(event) if filter.read().map_or(true, |d| relevant(&event, &d)) => {
                 let at = Instant::now();
+                // A rename reported with both ends also takes the file away from its old name
+                // (a temporary file of an atomic write), whether or not `From` came alone.
+                if let (EventKind::Modify(ModifyKind::Name(RenameMode::Both)), [from, _]) =
+                    (event.kind, event.paths.as_slice())
+                {
+                    let path = Some(from.clone());
+                    let _ = tx.send(FsEvent {
+                        at,
+                        path,
+                        change: Change::MovedOut,
+                    });
+                }
                 let (path, change) = change_of(&event);
                 notice_binary(&notice, path.as_deref(), change);
                 let _ = tx.send(FsEvent { at, path, change });

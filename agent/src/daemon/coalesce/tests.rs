@@ -95,8 +95,14 @@ async fn an_in_place_write_ends_a_quiet_time_after_its_close() {
     });
     let last = coalesce(&mut rx, ev(conf, Change::Written), QUIET).await;
     let (_tx, closed) = writer.await.unwrap();
-    assert_eq!(last, closed, "the pause while the file was open did not end it");
-    assert!(closed.elapsed() >= QUIET, "it waited a quiet time after the close");
+    assert_eq!(
+        last, closed,
+        "the pause while the file was open did not end it"
+    );
+    assert!(
+        closed.elapsed() >= QUIET,
+        "it waited a quiet time after the close"
+    );
 }
 
 /// Real files under a real inotify watch: how long after the write the burst ends, for a
