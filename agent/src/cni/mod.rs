@@ -82,6 +82,12 @@ impl CniArgs {
     ///
     /// Blocking: it reads files and runs plugin binaries. Call it from a blocking thread.
     pub fn verify(&self, prober: &Prober) -> std::io::Result<ChainVerdict> {
+        self.verify_timed(prober).map(|(v, _)| v)
+    }
+
+    /// [`CniArgs::verify`], and how long of it ran plugin binaries (answers from the cache
+    /// included): the daemon's `probe` stage.
+    pub fn verify_timed(&self, prober: &Prober) -> std::io::Result<(ChainVerdict, Duration)> {
         reader::check_listable(&self.cni_conf_dir)?;
         // One deadline for every plugin this verification runs, set before any of them.
         let deadline = Instant::now() + self.verify_timeout;
@@ -95,6 +101,13 @@ impl CniArgs {
             runtime: self.runtime,
             required: self.require_plugins.clone(),
         };
-        Ok(verify(&mut source, &opts, |t| prober.probe(t, deadline)))
+        let mut probing = Duration::ZERO;
+        let verdict = verify(&mut source, &opts, |t| {
+            let began = Instant::now();
+            let outcome = prober.probe(t, deadline);
+            probing += began.elapsed();
+            outcome
+        });
+        Ok((verdict, probing))
     }
 }
