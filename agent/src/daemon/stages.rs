@@ -113,26 +113,36 @@ mod tests {
     use super::*;
     use prometheus_client::registry::Registry;
 
+    /// Reports a pass that went `clock` and applied a taint change (`tainted`), or nothing
+    /// (`None`) too; returns the metrics exposition.
+    fn reported(clock: &PassClock, tainted: Option<bool>) -> String {
+        let mut registry = Registry::default();
+        let metrics = AgentMetrics::register(&mut registry);
+        clock.report("n", &Applied::default(), &metrics);
+        if let Some(tainted) = tainted {
+            let applied = Applied {
+                taint: Some(tainted),
+                taint_at: Some(Instant::now()),
+                ..Applied::default()
+            };
+            clock.report("n", &applied, &metrics);
+        }
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        text
+    }
+
     /// A pass that removed the taint is recorded stage by stage; one that changed nothing
     /// (no `taint` in what it applied) records nothing.
     #[test]
     fn a_taint_change_records_each_stage_once() {
-        let mut registry = Registry::default();
-        let metrics = AgentMetrics::register(&mut registry);
         let mut clock = PassClock::default();
         clock.woke(Some(Instant::now()));
         clock.pass_started();
         clock.verified(Duration::from_millis(30), Duration::from_millis(20));
         clock.reconcile_started();
-        clock.report("n", &Applied::default(), &metrics);
-        let applied = Applied {
-            taint: Some(false),
-            taint_at: Some(Instant::now()),
-            ..Applied::default()
-        };
-        clock.report("n", &applied, &metrics);
-        let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(!reported(&clock, None).contains("stage="));
+        let text = reported(&clock, Some(false));
         for stage in ["event", "read", "probe", "patch"] {
             let count = format!("meshgate_verify_stage_seconds_count{{stage=\"{stage}\"}} 1");
             assert!(text.lines().any(|l| l == count), "{count} in\n{text}");
@@ -144,25 +154,13 @@ mod tests {
     /// A pass not woken by files (a resync, a Node change) has no event stage.
     #[test]
     fn no_event_stage_without_file_events() {
-        let mut registry = Registry::default();
-        let metrics = AgentMetrics::register(&mut registry);
         let mut clock = PassClock::default();
         clock.woke(None);
         clock.pass_started();
         clock.reconcile_started();
-        let applied = Applied {
-            taint: Some(true),
-            taint_at: Some(Instant::now()),
-            ..Applied::default()
-        };
-        clock.report("n", &applied, &metrics);
-        let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
-        assert!(
-            text.lines()
-                .any(|l| l == "meshgate_verify_stage_seconds_count{stage=\"patch\"} 1"),
-            "{text}"
-        );
+        let text = reported(&clock, Some(true));
+        let patch = "meshgate_verify_stage_seconds_count{stage=\"patch\"} 1";
+        assert!(text.lines().any(|l| l == patch), "{text}");
         assert!(!text.contains("stage=\"event\""), "{text}");
         assert!(!text.contains("stage=\"probe\""), "{text}");
     }
