@@ -67,6 +67,8 @@ lint:
 ## bench: latency and cost figures on a local control plane (release build; not part of test)
 bench: check-root deps
 	$(CARGO) build --release --workspace --bins --locked
+	@echo "==> meshgate's image for the real node of the realnode section"
+	$(IMAGE)
 	MESHGATE_K8S_BIN_DIR="$(K8S_BIN_DIR)" $(CARGO) bench --locked -p meshgate-e2e --bench compare
 	$(CARGO) bench --locked -p meshgate-agent --bench inspect_sweep
 

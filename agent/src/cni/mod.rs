@@ -90,6 +90,12 @@ impl CniArgs {
     ///
     /// Blocking: it reads files and runs plugin binaries. Call it from a blocking thread.
     pub fn verify(&self, prober: &Prober) -> std::io::Result<ChainVerdict> {
+        self.verify_timed(prober).map(|(v, _)| v)
+    }
+
+    /// [`CniArgs::verify`], and how long of it ran plugin binaries (answers from the cache
+    /// included): the daemon's `probe` stage.
+    pub fn verify_timed(&self, prober: &Prober) -> std::io::Result<(ChainVerdict, Duration)> {
         reader::check_listable(&self.cni_conf_dir)?;
         // One deadline for every plugin this verification runs, set before any of them.
         let deadline = Instant::now() + self.verify_timeout;
@@ -100,13 +106,19 @@ impl CniArgs {
         };
         let planned = plan::plugin_types(&mut self.reader(), &opts);
         prober.allow(&planned);
+        let began = Instant::now();
         let answers = prober.probe_many(&planned, deadline);
-        Ok(verify(&mut self.reader(), &opts, |t| {
-            match answers.get(t) {
-                Some(outcome) => outcome.clone(),
-                None => prober.probe(t, deadline),
+        let mut probing = began.elapsed();
+        let verdict = verify(&mut self.reader(), &opts, |t| match answers.get(t) {
+            Some(outcome) => outcome.clone(),
+            None => {
+                let began = Instant::now();
+                let outcome = prober.probe(t, deadline);
+                probing += began.elapsed();
+                outcome
             }
-        }))
+        });
+        Ok((verdict, probing))
     }
 
     /// A fresh reader of the config directory, with the whole byte budget.

@@ -53,6 +53,18 @@ pub struct WhyLabel {
     pub why: String,
 }
 
+/// `stage` label of `meshgate_verify_stage_seconds`: `event` / `read` / `probe` / `patch`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageLabel {
+    /// The stage of a pass that changed the taint.
+    pub stage: String,
+}
+
+/// The buckets of `meshgate_verify_stage_seconds`: 100 µs .. ~3.3 s.
+fn stage_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.0001, 2.0, 16))
+}
+
 /// Every agent metric.
 #[derive(Clone)]
 pub struct AgentMetrics {
@@ -64,6 +76,8 @@ pub struct AgentMetrics {
     pub taint_transitions: Family<ActionLabel, Counter>,
     /// `meshgate_untaint_latency_seconds`: config valid on disk → taint removal accepted.
     pub untaint_latency: Histogram,
+    /// `meshgate_verify_stage_seconds{stage}`: the stages of each pass that changed the taint.
+    pub verify_stage: Family<StageLabel, Histogram, fn() -> Histogram>,
     /// `meshgate_pod_inspections_total{profile,verdict}`.
     pub pod_inspections: Family<InspectionLabels, Counter>,
     /// `meshgate_pod_inspection_seconds`: reading one pod's netns and matching its rules.
@@ -147,6 +161,12 @@ impl AgentMetrics {
                 // 1 ms .. ~16 s
                 Histogram::new(exponential_buckets(0.001, 2.0, 15)),
             ),
+            verify_stage: reg.add(
+                "meshgate_verify_stage",
+                Some(Unit::Seconds),
+                "Stages of each verification pass that added or removed the taint: event (first file event to the end of coalescing), read (config read and parse), probe (plugin VERSION runs), patch (the Node write)",
+                Family::new_with_constructor(stage_histogram),
+            ),
             pod_inspections: reg.add(
                 "meshgate_pod_inspections",
                 None,
@@ -192,6 +212,15 @@ impl AgentMetrics {
                 action: action.to_string(),
             })
             .inc();
+    }
+
+    /// Observes one stage of a pass that changed the taint.
+    pub fn stage(&self, stage: &str, took: std::time::Duration) {
+        self.verify_stage
+            .get_or_create(&StageLabel {
+                stage: stage.to_string(),
+            })
+            .observe(took.as_secs_f64());
     }
 
     /// Counts one pod inspection for one profile.

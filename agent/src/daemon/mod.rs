@@ -25,6 +25,7 @@ pub mod metrics;
 pub mod node;
 pub mod node_proxy;
 pub mod pods;
+mod stages;
 pub mod state;
 mod timer;
 pub mod verdict_loop;

@@ -39,6 +39,7 @@ use super::metrics::AgentMetrics;
 use super::node::{Applied, GateError, NodeGate};
 use super::node_proxy::{self, NodeProxyWatch};
 use super::pods;
+use super::stages::PassClock;
 use super::state::{self, Loaded, Shared, State};
 use super::timer::sleep_until;
 use crate::cni::preprobe::PreProber;
@@ -99,6 +100,8 @@ pub struct Daemon {
     /// When the disk last changed: the start of the untaint-latency measurement.
     changed_at: Instant,
     verdict: Option<ChainVerdict>,
+    /// The stages of the pass under way (`verify stages` line, stage histogram).
+    clock: PassClock,
     shutdown: Pin<Box<dyn Future<Output = ()> + Send>>,
     tasks: Tasks,
 }
@@ -221,6 +224,7 @@ impl Daemon {
             retry_at: None,
             changed_at: Instant::now(),
             verdict: None,
+            clock: PassClock::default(),
             shutdown: Box::pin(shutdown),
             tasks: Tasks {
                 stop,
@@ -235,8 +239,11 @@ impl Daemon {
     /// the Node say what the verdict says, and record the outcome.
     pub async fn pass(&mut self, wake: &Wake) {
         self.progress.pass_started();
+        self.clock.pass_started();
         if !matches!(wake, Wake::NodeChanged | Wake::ModeChanged) || self.verdict.is_none() {
-            let v = verify(self.cni.clone(), self.prober.clone()).await;
+            let began = Instant::now();
+            let (v, probing) = verify(self.cni.clone(), self.prober.clone()).await;
+            self.clock.verified(began.elapsed(), probing);
             let delegate = v.delegate.as_ref().and_then(|d| d.file.as_deref());
             self.fs.follow_delegate(delegate.map(std::path::Path::new));
             let v = match self.node_proxy.as_mut() {
@@ -249,8 +256,12 @@ impl Daemon {
             let seen = self.node_rx.borrow_and_update().clone();
             let mode = *self.mode_rx.borrow_and_update();
             self.gate.measure_from(self.changed_at);
+            self.clock.reconcile_started();
             match self.gate.reconcile(seen, &v, mode).await {
-                Ok(applied) => self.settled(&v, &applied, mode),
+                Ok(applied) => {
+                    self.clock.report(&self.node, &applied, &self.metrics);
+                    self.settled(&v, &applied, mode);
+                }
                 Err(e) => self.failed(&e),
             }
         }
@@ -274,6 +285,10 @@ impl Daemon {
             () = node_proxy_changed(self.node_proxy.as_mut()) => Wake::NodeProxy,
             _ = sleep_until(self.retry_at) => Wake::Retry,
         };
+        self.clock.woke(match wake {
+            Wake::Files(first) => Some(first),
+            _ => None,
+        });
         match wake {
             Wake::Files(_) => {
                 if let Some(first) = first {
@@ -456,18 +471,19 @@ async fn wait_stop(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|stop| *stop).await;
 }
 
-/// Verifies on a blocking thread (it reads files and runs plugin binaries). An unreadable
-/// config dir is a verdict, not a crash: the node stays gated.
-async fn verify(cni: Arc<CniArgs>, prober: Arc<Prober>) -> ChainVerdict {
+/// Verifies on a blocking thread (it reads files and runs plugin binaries); also returns how
+/// long it ran plugin binaries. An unreadable config dir is a verdict, not a crash: the node
+/// stays gated.
+async fn verify(cni: Arc<CniArgs>, prober: Arc<Prober>) -> (ChainVerdict, Duration) {
     let dir = cni.cni_conf_dir.display().to_string();
     let runtime: Runtime = cni.runtime;
-    let result = tokio::task::spawn_blocking(move || cni.verify(&prober)).await;
+    let result = tokio::task::spawn_blocking(move || cni.verify_timed(&prober)).await;
     let why = match result {
         Ok(Ok(v)) => return v,
         Ok(Err(e)) => format!("cannot read {dir}: {e}"),
         Err(e) => format!("verification failed: {e}"),
     };
-    ChainVerdict {
+    let v = ChainVerdict {
         verified: false,
         reason: Reason::ConfigInvalid,
         message: why,
@@ -475,7 +491,8 @@ async fn verify(cni: Arc<CniArgs>, prober: Arc<Prober>) -> ChainVerdict {
         plugins: Vec::new(),
         runtime,
         delegate: None,
-    }
+    };
+    (v, Duration::ZERO)
 }
 
 /// The node's verdict with the node proxy over the chain's: its pods as last listed, its

@@ -138,11 +138,17 @@ pub(super) async fn nrc_controller(client: Client, node: String) {
     }
 }
 
+/// The stand-in node's figures, for the real node's rows beside them.
+pub(super) struct StandIn {
+    pub(super) untaint: Vec<Duration>,
+    pub(super) retaint: Vec<Duration>,
+}
+
 pub(super) async fn run(
     cp: &ControlPlane,
     client: &Client,
     table: &mut Table,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<StandIn> {
     let n = env_num("MESHGATE_BENCH_TRANSITIONS", 100) as usize;
     eprintln!(
         "gating: {n} transitions each way, meshgate agent and the node-readiness-controller model ..."
@@ -157,22 +163,34 @@ pub(super) async fn run(
     cp.register_node(client, &NodeSpec::new(node)).await?;
     let dirs = CniDirs::new()?;
     dirs.config("10-calico.conflist", &invalid)?;
-    agent_log("warn");
-    let agent = Agent::start(cp, node, &dirs, &[])?;
+    agent_log("warn,meshgate_agent::daemon::stages=info");
+    let agent = Agent::start(cp, node, &dirs, &["--log-format", "json"])?;
     let (mut rx, w) = watch_taint(client, node, meshgate_core::gate::DEFAULT_TAINT_KEY);
     until(&mut rx, true).await.context("initial gating")?;
+    let skip = stages::count(&stages::settle(1, || agent.log()).await);
     let (mut untaint, mut retaint) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    let mut transitions = Vec::with_capacity(2 * n);
     for _ in 0..n {
-        let t0 = Instant::now();
-        dirs.config("10-calico.conflist", &valid)?;
-        untaint.push(until(&mut rx, false).await? - t0);
-        let t0 = Instant::now();
-        dirs.config("10-calico.conflist", &invalid)?;
-        retaint.push(until(&mut rx, true).await? - t0);
+        for (text, tainted) in [(&valid, false), (&invalid, true)] {
+            let (wall, at) = stages::stamp();
+            dirs.config("10-calico.conflist", text)?;
+            let seen = until(&mut rx, tainted).await?;
+            let all = if tainted { &mut retaint } else { &mut untaint };
+            all.push(seen - at);
+            transitions.push(stages::Transition {
+                tainted,
+                wall,
+                at,
+                seen,
+            });
+        }
     }
     w.abort();
     let rss = agent.rss_kib().unwrap_or(0);
+    let log = stages::settle(skip + 2 * n, || agent.log()).await;
     drop(agent);
+    let joined = stages::join(&transitions, &log, skip).context("the stand-in's stages")?;
+    stages::rows(table, "stand-in node", &transitions, &joined);
     untaint.sort();
     retaint.sort();
 
@@ -278,5 +296,5 @@ pub(super) async fn run(
         human(quantile(&total_re, 0.5)),
         human(quantile(&total_re, 0.99)),
     ));
-    Ok(())
+    Ok(StandIn { untaint, retaint })
 }

@@ -23,8 +23,10 @@
 //! interval, so latency = U(0, interval) + the work measured after the poll that saw it.
 //! Quantiles of that sum are computed from the measured work samples.
 //!
-//! Sections (`MESHGATE_BENCH_ONLY=gating,detection,sweep,webhook` to run some):
-//! gating (untaint / re-taint), detection (un-redirected pod Running → eviction), sweep
+//! Sections (`MESHGATE_BENCH_ONLY=gating,realnode,detection,sweep,webhook` to run some):
+//! gating (untaint / re-taint on the stand-in node, stage by stage), realnode (the same on a
+//! real kubelet + containerd node with Istio's real CNI plugin and meshgate from its chart,
+//! beside the stand-in's figures), detection (un-redirected pod Running → eviction), sweep
 //! (250 real pod namespaces: inspection cost, full sweep, agent RSS, idle API requests),
 //! webhook (5,000 cached Nodes: RSS, latency at 2,000/s and 5,000/s, saturation throughput).
 
@@ -51,6 +53,8 @@ use tokio::sync::{mpsc, watch};
 
 mod detection;
 mod gating;
+mod realnode;
+mod stages;
 mod sweep;
 mod webhook;
 
@@ -117,6 +121,8 @@ fn ratio(theirs: Duration, ours: Duration) -> String {
 #[derive(Default)]
 struct Table {
     rows: Vec<[String; 7]>,
+    /// The stage table: transition, node, total, event, read, probe, PATCH, watch, other.
+    stages: Vec<[String; 9]>,
     notes: Vec<String>,
 }
 
@@ -161,6 +167,17 @@ impl Table {
             println!("| {} |", r.join(" | "));
         }
         println!();
+        if !self.stages.is_empty() {
+            println!("Stages (each column is that stage's own quantile over the transitions):\n");
+            println!(
+                "| transition | node | total | event | read | probe | PATCH | watch | other |"
+            );
+            println!("|---|---|---|---|---|---|---|---|---|");
+            for r in &self.stages {
+                println!("| {} |", r.join(" | "));
+            }
+            println!();
+        }
         for n in &self.notes {
             println!("- {n}");
         }
@@ -267,10 +284,18 @@ async fn main() -> anyhow::Result<()> {
     let ns = cp.create_namespace(&client, "bench").await?;
     let mut table = Table::default();
     let begun = Instant::now();
+    let mut standin = None;
     if run("gating") {
-        gating::run(&cp, &client, &mut table)
+        standin = Some(
+            gating::run(&cp, &client, &mut table)
+                .await
+                .context("gating")?,
+        );
+    }
+    if run("realnode") {
+        realnode::run(&mut table, standin.as_ref())
             .await
-            .context("gating")?;
+            .context("realnode")?;
     }
     if run("detection") {
         detection::run(&cp, &client, &ns, &mut table)

@@ -45,6 +45,19 @@ impl RealNode {
         })
     }
 
+    /// Copies istio-cni's binary into the CNI bin dir as Istio's installer does on every
+    /// (re)install (`copyBinaries`, which always copies, through `file.AtomicCopy`): into a
+    /// temporary file beside it, then renamed over it, so each copy is a new file.
+    pub fn copy_istio_cni_binary(&self) -> Result<(), Error> {
+        let bin = self.cni_bin_dir().join("istio-cni");
+        let tmp = self
+            .cni_bin_dir()
+            .join(format!("istio-cni.tmp.{}", std::process::id()));
+        std::fs::copy(&self.bins.istio_cni, &tmp)
+            .and_then(|_| std::fs::rename(&tmp, &bin))
+            .map_err(|e| Error::io(format!("copying istio-cni to {}", bin.display()), e))
+    }
+
     /// Removes istio-cni's entry from the primary conflist, as Istio's uninstall does (the
     /// binary and kubeconfig stay, which only matters to a later install).
     pub fn remove_istio_cni(&self) -> Result<(), Error> {
