@@ -146,11 +146,11 @@ pub(super) async fn run(table: &mut Table, standin: Option<&StandIn>) -> anyhow:
     }
     stages::rows(table, "real node", &transitions, &joined);
     table.note(format!(
-        "Real node: {n} S1 → S4 transitions on one kubelet + containerd node with Istio's real istio-cni, meshgate from its chart (agent limited to 500m CPU by the chart); S1 = {}, S4 = the conflist rewritten without it. Measured from the conflist write to the bench's Node watch seeing the taint change.",
+        "Real node: {n} S1 → S4 transitions on one kubelet + containerd node with Istio's real istio-cni, meshgate from its chart (the agent with no CPU limit, as the chart sets it); S1 = {}, S4 = the conflist rewritten without it. Measured from the conflist write to the bench's Node watch seeing the taint change.",
         if copy {
-            "istio-cni's binary copied in as a new file (Istio's `copyBinaries`), then its entry appended to the conflist in place"
+            "istio-cni's binary copied in as a new file (Istio's `copyBinaries`), then its entry appended to the conflist (written to a temporary file and renamed over it, as `file.AtomicWrite`)"
         } else {
-            "istio-cni's entry appended to the conflist in place, its binary copied only before the first (MESHGATE_BENCH_REALNODE_COPY=0: the agent's probe cache answers from the second on)"
+            "istio-cni's entry appended to the conflist (temporary file renamed over it), its binary copied only before the first (MESHGATE_BENCH_REALNODE_COPY=0: the agent's probe cache answers from the second on)"
         }
     ));
     Ok(())

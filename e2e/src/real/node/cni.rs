@@ -92,8 +92,12 @@ impl RealNode {
             part: "the CNI config",
             detail: e.to_string(),
         })?;
-        // Written in place, as Istio's installer does (containerd re-reads on the change).
-        write_file(&path, &text)
+        // Written as Istio's installer writes it (`file.AtomicWrite`, on install and on
+        // uninstall alike): into a temporary file beside it, then renamed over it.
+        let tmp = path.with_extension(format!("conflist.tmp.{}", std::process::id()));
+        write_file(&tmp, &text)?;
+        std::fs::rename(&tmp, &path)
+            .map_err(|e| Error::io(format!("renaming {} into place", tmp.display()), e))
     }
 
     /// The CNI part of containerd's verbose CRI status (`Status` with `verbose`):
