@@ -634,6 +634,8 @@ pub struct WebhookProcess {
     pub admin: SocketAddr,
     /// The CA (DER) that signed its serving certificate.
     pub ca_der: Vec<u8>,
+    /// The same CA (PEM): a webhook configuration's `caBundle`.
+    pub ca_pem: String,
     log: std::path::PathBuf,
     _dir: tempfile::TempDir,
 }
@@ -679,6 +681,7 @@ impl WebhookProcess {
             listen,
             admin,
             ca_der: ca.der().to_vec(),
+            ca_pem: ca.pem().to_owned(),
             log,
             _dir: dir,
         })
