@@ -24,7 +24,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
 
 use crate::harness::wait::API_TIMEOUT;
-use crate::load::review::{Outcome, Report, Sample, SpecError};
+use crate::load::review::{Outcome, Report, Sample, SpecError, gather};
 
 /// Sends `count` requests at `rate` per second, request `k` by `send(k)`, at most
 /// `max_in_flight` at once, each bounded by `step`; refuses a rate that is not a usable
@@ -76,29 +76,16 @@ where
                 (Ok(_), Ok(Err(e))) => Outcome::Wrong(e),
                 (Ok(_), Err(_)) => Outcome::Failed(format!("timeout: no answer within {step:?}")),
             };
-            Sample {
+            Some(Sample {
                 due,
                 sent,
                 done: Instant::now(),
                 outcome,
                 connection: 0,
-            }
+            })
         }));
     }
-    let mut report = Report {
-        samples: Vec::with_capacity(tasks.len()),
-        start: Some(start),
-    };
-    for t in tasks {
-        match t.await {
-            Ok(s) => report.samples.push(s),
-            Err(e) => match e.try_into_panic() {
-                Ok(panic) => std::panic::resume_unwind(panic),
-                Err(e) => return Err(SpecError::TaskCancelled(e.to_string())),
-            },
-        }
-    }
-    Ok(report)
+    gather(tasks, start).await
 }
 
 /// Creates `pod` (unbounded: [`open_loop`] bounds it); an error's text otherwise.
