@@ -171,6 +171,16 @@ pub(super) async fn run(
     for ns in [&hooked, &plain] {
         let _ = namespaces.delete(ns, &DeleteParams::default()).await;
     }
+    // Best effort: the webhook section's cache then holds its own Nodes alone.
+    let nodes: Api<Node> = Api::all(client.clone());
+    let names = (0..NODES).map(node).chain([format!("{TAG}-u-0")]);
+    for name in names {
+        let _ = tokio::time::timeout(
+            Duration::from_secs(10),
+            nodes.delete(&name, &DeleteParams::default()),
+        )
+        .await;
+    }
     report(table, rate, phase, rounds, &measured);
     Ok(())
 }
