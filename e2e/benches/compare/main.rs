@@ -23,12 +23,14 @@
 //! interval, so latency = U(0, interval) + the work measured after the poll that saw it.
 //! Quantiles of that sum are computed from the measured work samples.
 //!
-//! Sections (`MESHGATE_BENCH_ONLY=gating,realnode,detection,sweep,webhook` to run some):
-//! gating (untaint / re-taint on the stand-in node, stage by stage), realnode (the same on a
-//! real kubelet + containerd node with Istio's real CNI plugin and meshgate from its chart,
-//! beside the stand-in's figures), detection (un-redirected pod Running → eviction), sweep
+//! Sections (`MESHGATE_BENCH_ONLY=gating,realnode,detection,sweep,admission,webhook` to run
+//! some): gating (untaint / re-taint on the stand-in node, stage by stage), realnode (the same
+//! on a real kubelet + containerd node with Istio's real CNI plugin and meshgate from its
+//! chart, beside the stand-in's figures), detection (un-redirected pod Running → eviction), sweep
 //! (250 real pod namespaces: inspection cost, full sweep, agent RSS, idle API requests),
-//! webhook (5,000 cached Nodes: RSS, latency at 2,000/s and 5,000/s, saturation throughput).
+//! admission (pod CREATE and pods/binding through the apiserver with the webhook registered
+//! and not, at 2,000/s: what the webhook adds), webhook (5,000 cached Nodes: RSS, latency at
+//! 2,000/s and 5,000/s, saturation throughput).
 
 use anyhow::{Context, bail};
 use futures::StreamExt;
@@ -51,6 +53,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::{mpsc, watch};
 
+mod admission;
 mod detection;
 mod gating;
 mod realnode;
@@ -306,6 +309,11 @@ async fn main() -> anyhow::Result<()> {
         sweep::run(&cp, &client, &ns, &mut table)
             .await
             .context("sweep")?;
+    }
+    if run("admission") {
+        admission::run(&cp, &client, &mut table)
+            .await
+            .context("admission")?;
     }
     if run("webhook") {
         // Last: 5,000 Nodes without kubelets keep the controller manager busy for minutes

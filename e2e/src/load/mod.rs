@@ -1,9 +1,12 @@
 //! Load and abuse for the benchmarks and the fault suite.
 //!
-//! In: a webhook's or agent's address. Out: AdmissionReview load over real TLS with its
-//! latencies ([`review`]), abusive HTTP clients and peak-memory readings ([`http_abuse`]), and
-//! the quantiles the benchmarks report ([`stats`]).
+//! In: a webhook's, agent's or apiserver's address. Out: AdmissionReview load over real TLS
+//! with its latencies ([`review`]), open-loop API writes through the apiserver ([`api`]),
+//! abusive HTTP clients and peak-memory readings ([`http_abuse`]), the quantiles the
+//! benchmarks report ([`stats`]) and the server-side histograms they scrape ([`histogram`]).
 
+pub mod api;
+pub mod histogram;
 pub mod http_abuse;
 pub mod review;
 pub mod stats;

@@ -539,8 +539,21 @@ async fn run_bounded(spec: Spec, step: Duration) -> Result<Report, SpecError> {
     let tasks: Vec<_> = (0..spec.connections)
         .map(|i| tokio::spawn(connection_loop(spec.clone(), i, start, step)))
         .collect();
+    gather(tasks, start).await
+}
+
+/// The report of tasks that each return samples, the first due at `start`. A task that
+/// panicked (a bug in the load code) panics the caller too, rather than silently dropping
+/// its samples; one cancelled is a [`SpecError::TaskCancelled`].
+pub(crate) async fn gather<S>(
+    tasks: Vec<tokio::task::JoinHandle<S>>,
+    start: Instant,
+) -> Result<Report, SpecError>
+where
+    S: IntoIterator<Item = Sample>,
+{
     let mut report = Report {
-        samples: Vec::new(),
+        samples: Vec::with_capacity(tasks.len()),
         start: Some(start),
     };
     for t in tasks {
@@ -634,6 +647,8 @@ pub struct WebhookProcess {
     pub admin: SocketAddr,
     /// The CA (DER) that signed its serving certificate.
     pub ca_der: Vec<u8>,
+    /// The same CA (PEM): a webhook configuration's `caBundle`.
+    pub ca_pem: String,
     log: std::path::PathBuf,
     _dir: tempfile::TempDir,
 }
@@ -679,6 +694,7 @@ impl WebhookProcess {
             listen,
             admin,
             ca_der: ca.der().to_vec(),
+            ca_pem: ca.pem().to_owned(),
             log,
             _dir: dir,
         })
