@@ -1,29 +1,42 @@
 //! The node proxy's edge (Istio ambient's ztunnel): a thin watch of its pods on this node,
-//! and a bounded look at its socket on the host.
+//! and a bounded look at its socket on the host and at the connection on it.
 //!
 //! In: the [`NodeProxy`] record (the named profile's, with the `--node-proxy-*` flags over
 //! it), this node's name and the pod client. Out: the proxy's pods bound to this node, on a
-//! `watch` channel whose changes wake the verdict loop, and what is at the socket path
-//! ([`socket`]); `meshgate_core::node_proxy::judge` decides from both.
+//! `watch` channel whose changes wake the verdict loop; what is at the socket path and
+//! whether an established connection is on it ([`look`]: one `lstat`, then one unix
+//! sock_diag dump in the agent's own network namespace, the host's, where istio-cni's node
+//! agent listens; never a connection of our own), polled every [`CONNECTION_POLL`] on a
+//! second `watch` channel that changes only when the outcome does (a connection coming or
+//! going is no file event). `meshgate_core::node_proxy::judge` decides from all three.
 
 use std::collections::BTreeMap;
-use std::os::unix::fs::FileTypeExt;
-use std::path::PathBuf;
-use std::time::Duration;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 use kube::runtime::{WatchStreamExt, watcher};
-use meshgate_core::node_proxy::{NodeProxy, ProxyPod, SocketSeen};
+use meshgate_core::node_proxy::{ConnectionSeen, NodeProxy, ProxyPod, SocketSeen};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 /// Pods of the proxy kept at most (a DaemonSet has one per node; a rollout two).
 const MAX_PODS: usize = 64;
 
-/// How long one look at the socket may take (a hung host filesystem answers as unreadable).
+/// How long one look at the socket and its connection may take (a hung host filesystem or
+/// a socket table that does not answer is unreadable, never waited on).
 const SOCKET_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How often the connection on the socket is looked at between file events: the bound on
+/// how long a node stays verified after the proxy disconnected (and untainted late after
+/// it connected). One dump of the host's established unix sockets per poll.
+pub const CONNECTION_POLL: Duration = Duration::from_secs(3);
+
+/// What [`look`] saw: the socket file and the connection on it.
+pub type Seen = (SocketSeen, ConnectionSeen);
 
 /// The running watch.
 pub struct NodeProxyWatch {
@@ -31,7 +44,10 @@ pub struct NodeProxyWatch {
     pub proxy: NodeProxy,
     /// The proxy's pods on this node; `None` until first listed.
     pub pods: watch::Receiver<Option<Vec<ProxyPod>>>,
+    /// The socket and its connection as last polled; changes only when they do.
+    pub socket: watch::Receiver<Option<Seen>>,
     task: JoinHandle<()>,
+    poll: JoinHandle<()>,
 }
 
 impl NodeProxyWatch {
@@ -45,7 +61,15 @@ impl NodeProxyWatch {
         let (tx, pods) = watch::channel(None);
         let node = node.to_string();
         let task = tokio::spawn(run(api, config, node, tx));
-        Self { proxy, pods, task }
+        let (socket_tx, socket) = watch::channel(None);
+        let poll = tokio::spawn(poll(proxy.socket.clone(), socket_tx));
+        Self {
+            proxy,
+            pods,
+            socket,
+            task,
+            poll,
+        }
     }
 
     /// Waits up to `timeout` for the first list, so an agent restarted on a node whose
@@ -60,6 +84,7 @@ impl NodeProxyWatch {
     /// Stops the watch.
     pub fn stop(&self) {
         self.task.abort();
+        self.poll.abort();
     }
 
     /// Where the socket's directory is, for the inotify watch.
@@ -140,18 +165,76 @@ fn proxy_pod(p: &Pod) -> ProxyPod {
     }
 }
 
-/// What is at `path` (not following a symlink: istio-cni connects to the path itself, and
-/// a socket is never reached through one there), within [`SOCKET_TIMEOUT`].
-pub async fn socket(path: &str) -> SocketSeen {
-    let path = PathBuf::from(path);
-    let look = tokio::task::spawn_blocking(move || std::fs::symlink_metadata(&path));
-    match tokio::time::timeout(SOCKET_TIMEOUT, look).await {
-        Err(_) => SocketSeen::Unreadable(format!("no answer within {SOCKET_TIMEOUT:?}")),
-        Ok(Err(e)) => SocketSeen::Unreadable(e.to_string()),
-        Ok(Ok(Err(e))) if e.kind() == std::io::ErrorKind::NotFound => SocketSeen::Missing,
-        Ok(Ok(Err(e))) => SocketSeen::Unreadable(e.to_string()),
-        Ok(Ok(Ok(m))) => kind(m.file_type()),
+/// Looks every [`CONNECTION_POLL`] and publishes what it saw when it differs.
+async fn poll(path: String, tx: watch::Sender<Option<Seen>>) {
+    let mut tick = tokio::time::interval(CONNECTION_POLL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let now = look(&path).await;
+        tx.send_if_modified(|cur| {
+            let changed = cur.as_ref() != Some(&now);
+            if changed {
+                *cur = Some(now);
+            }
+            changed
+        });
     }
+}
+
+/// What is at `path` (not following a symlink: ztunnel connects to the path itself, and a
+/// socket is never reached through one there) and, when it is a socket, whether a
+/// connection is established on it, within [`SOCKET_TIMEOUT`] for both.
+pub async fn look(path: &str) -> Seen {
+    let path = PathBuf::from(path);
+    let deadline = Instant::now() + SOCKET_TIMEOUT;
+    let look = tokio::task::spawn_blocking(move || look_blocking(&path, deadline));
+    match tokio::time::timeout(SOCKET_TIMEOUT, look).await {
+        Ok(Ok(seen)) => seen,
+        Err(_) => {
+            let why = format!("no answer within {SOCKET_TIMEOUT:?}");
+            (
+                SocketSeen::Unreadable(why.clone()),
+                ConnectionSeen::Unreadable(why),
+            )
+        }
+        Ok(Err(e)) => (
+            SocketSeen::Unreadable(e.to_string()),
+            ConnectionSeen::Unreadable(e.to_string()),
+        ),
+    }
+}
+
+/// [`look`]'s blocking half: one `lstat`, then, for a socket, one sock_diag dump.
+fn look_blocking(path: &Path, deadline: Instant) -> Seen {
+    let m = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) => {
+            let seen = if e.kind() == std::io::ErrorKind::NotFound {
+                SocketSeen::Missing
+            } else {
+                SocketSeen::Unreadable(e.to_string())
+            };
+            return (seen, ConnectionSeen::NotConnected);
+        }
+    };
+    let seen = kind(m.file_type());
+    if seen != SocketSeen::Socket {
+        return (seen, ConnectionSeen::NotConnected);
+    }
+    let bound = crate::sock_diag::unix::Bound {
+        path,
+        dev: m.dev(),
+        ino: m.ino(),
+    };
+    let connected = crate::sock_diag::open()
+        .and_then(|s| crate::sock_diag::unix::connections(&s, &bound, deadline));
+    let connection = match connected {
+        Ok(0) => ConnectionSeen::NotConnected,
+        Ok(_) => ConnectionSeen::Connected,
+        Err(e) => ConnectionSeen::Unreadable(e.to_string()),
+    };
+    (seen, connection)
 }
 
 fn kind(t: std::fs::FileType) -> SocketSeen {
@@ -178,16 +261,25 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let sock = tmp.path().join("ztunnel.sock");
         let at = sock.to_str().unwrap().to_string();
-        assert_eq!(socket(&at).await, SocketSeen::Missing);
+        assert_eq!(look(&at).await.0, SocketSeen::Missing);
         let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
-        assert_eq!(socket(&at).await, SocketSeen::Socket);
-        drop(listener);
+        assert_eq!(
+            look(&at).await,
+            (SocketSeen::Socket, ConnectionSeen::NotConnected)
+        );
+        let client = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+        let accepted = listener.accept().unwrap();
+        assert_eq!(
+            look(&at).await,
+            (SocketSeen::Socket, ConnectionSeen::Connected)
+        );
+        drop((client, accepted, listener));
         std::fs::remove_file(&sock).unwrap();
         std::fs::write(&sock, b"").unwrap();
-        assert_eq!(socket(&at).await, SocketSeen::NotASocket("a regular file"));
+        assert_eq!(look(&at).await.0, SocketSeen::NotASocket("a regular file"));
         std::fs::remove_file(&sock).unwrap();
         std::fs::create_dir(&sock).unwrap();
-        assert_eq!(socket(&at).await, SocketSeen::NotASocket("a directory"));
+        assert_eq!(look(&at).await.0, SocketSeen::NotASocket("a directory"));
     }
 
     #[test]

@@ -83,10 +83,7 @@ fn each_missing_piece_is_node_proxy_not_ready_and_named() {
             ),
             "pod istio-system/ztunnel-abc is being deleted",
         ),
-        (
-            seen(ready(), SocketSeen::Missing),
-            MISSING,
-        ),
+        (seen(ready(), SocketSeen::Missing), MISSING),
         (
             Observed {
                 connection: ConnectionSeen::NotConnected,
@@ -133,7 +130,9 @@ fn both_missing_are_both_named_and_many_pods_are_bounded() {
     );
     assert_eq!(
         v.message,
-        format!("the CNI chain is verified, but ztunnel is not ready on this node: pod istio-system/z0 is not Ready, pod istio-system/z1 is not Ready, pod istio-system/z2 is not Ready (and 2 more); {MISSING}")
+        format!(
+            "the CNI chain is verified, but ztunnel is not ready on this node: pod istio-system/z0 is not Ready, pod istio-system/z1 is not Ready, pod istio-system/z2 is not Ready (and 2 more); {MISSING}"
+        )
     );
 }
 
@@ -142,7 +141,10 @@ fn both_missing_are_both_named_and_many_pods_are_bounded() {
 fn verified_only_with_a_ready_pod_a_socket_and_a_connection() {
     let pods = [
         (Some(vec![pod("z", true, false)]), None),
-        (Some(vec![pod("z", false, false)]), Some("pod istio-system/z is not Ready")),
+        (
+            Some(vec![pod("z", false, false)]),
+            Some("pod istio-system/z is not Ready"),
+        ),
     ];
     let sockets = [
         (SocketSeen::Socket, None),
@@ -150,7 +152,10 @@ fn verified_only_with_a_ready_pod_a_socket_and_a_connection() {
     ];
     let conns = [
         (ConnectionSeen::Connected, None),
-        (ConnectionSeen::NotConnected, Some("ztunnel is not connected")),
+        (
+            ConnectionSeen::NotConnected,
+            Some("ztunnel is not connected"),
+        ),
     ];
     for (p, p_why) in &pods {
         for (s, s_why) in &sockets {

@@ -20,7 +20,12 @@ fn every_combination_of_rules_listeners_and_readiness() {
     let all = ports(&[15001, 15006, 15008, 22]);
     let some = ports(&[15006]);
     let none = ports(&[]);
-    let table: Vec<(RedirectVerdict, Result<&BTreeSet<u16>, &str>, bool, RedirectVerdict)> = vec![
+    let table: Vec<(
+        RedirectVerdict,
+        Result<&BTreeSet<u16>, &str>,
+        bool,
+        RedirectVerdict,
+    )> = vec![
         (Redirected, Ok(&all), true, Redirected),
         (Redirected, Ok(&all), false, Redirected),
         (Redirected, Ok(&some), true, Missing),
@@ -52,19 +57,38 @@ fn every_combination_of_rules_listeners_and_readiness() {
 #[test]
 fn the_message_names_the_ports_that_do_not_listen() {
     let some = ports(&[15006]);
-    let got = judge(rules(RedirectVerdict::Redirected), &ztunnel(), Ok(&some), true);
+    let got = judge(
+        rules(RedirectVerdict::Redirected),
+        &ztunnel(),
+        Ok(&some),
+        true,
+    );
     assert_eq!(
         got.message,
         "ztunnel has not taken this pod: no listener on 15008, 15001 in its netns"
     );
-    let got = judge(rules(RedirectVerdict::Redirected), &ztunnel(), Ok(&some), false);
+    let got = judge(
+        rules(RedirectVerdict::Redirected),
+        &ztunnel(),
+        Ok(&some),
+        false,
+    );
     assert_eq!(
         got.message,
         "ztunnel has not taken this pod: no listener on 15008, 15001 in its netns; \
          not evicted while ztunnel is not ready on this node"
     );
-    let got = judge(rules(RedirectVerdict::Redirected), &ztunnel(), Err("EPERM"), true);
-    assert!(got.message.ends_with("cannot be read: EPERM"), "{}", got.message);
+    let got = judge(
+        rules(RedirectVerdict::Redirected),
+        &ztunnel(),
+        Err("EPERM"),
+        true,
+    );
+    assert!(
+        got.message.ends_with("cannot be read: EPERM"),
+        "{}",
+        got.message
+    );
 }
 
 #[test]
