@@ -206,7 +206,7 @@ pub async fn look(path: &str) -> Seen {
 }
 
 /// [`look`]'s blocking half: one `lstat`, then, for a socket, one sock_diag dump.
-fn look_blocking(path: &Path, deadline: Instant) -> Seen {
+pub(crate) fn look_blocking(path: &Path, deadline: Instant) -> Seen {
     let m = match std::fs::symlink_metadata(path) {
         Ok(m) => m,
         Err(e) => {

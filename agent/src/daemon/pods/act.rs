@@ -16,7 +16,7 @@ use meshgate_shell::mode::WouldAction;
 use super::Inspector;
 use super::eviction::{self, Answer, Outcome};
 use super::pod_info::PodInfo;
-use super::sweep::{self, Inspected, Job};
+use super::sweep::{self, Inspected, Job, ProxyCheck};
 use super::tracker::{Due, Tracker};
 use crate::daemon::state::State;
 use crate::netns::Pinned;
@@ -99,6 +99,16 @@ impl Inspector {
     /// Inspects the pods due on the blocking pool; `None` when the batch failed (every pod
     /// is then `unknown` and retried later, rather than spinning on the same pods).
     async fn sweep(&mut self, due: &[Due]) -> Option<Vec<Inspected>> {
+        // A pure input: the node's verdict is verified only while the proxy is ready there.
+        let node_proxy = self
+            .config
+            .node_proxy
+            .as_ref()
+            .map(|(profile, proxy)| ProxyCheck {
+                profile: profile.clone(),
+                proxy: proxy.clone(),
+                ready: self.last_verdict.is_some_and(|(verified, _)| verified),
+            });
         let jobs: Vec<Job> = due
             .iter()
             .map(|d| Job {
@@ -111,12 +121,15 @@ impl Inspector {
                     .iter()
                     .filter_map(|n| self.config.profiles.get(n).cloned())
                     .collect(),
+                node_proxy: node_proxy.clone(),
             })
             .collect();
         let dirs = self.config.netns_dirs.clone();
         let count = jobs.len();
         self.progress.pass_started();
-        let batch = tokio::task::spawn_blocking(move || sweep::run(&jobs, &dirs)).await;
+        let batch =
+            tokio::task::spawn_blocking(move || sweep::run(&sweep::confirm_ready(jobs), &dirs))
+                .await;
         self.progress.pass_ended();
         let node = &self.config.node;
         let batch = match batch {

@@ -6,7 +6,8 @@
 //! tracker keeps only those inspection reads), a metadata-only
 //! watch of Namespaces when a profile selects on namespace labels (`istio-ambient`), the
 //! node's verdict
-//! (a `watch` channel fed by the verdict loop), the shared state file (eviction history),
+//! (a `watch` channel fed by the verdict loop; when the node requires a node proxy, a
+//! verified verdict is what lets missing proxy listeners in a pod evict it), the shared state file (eviction history),
 //! its [`Config`] (from `--profile`, `--profile-file`, `--dry-run`, `--no-evict`,
 //! `--max-evictions-per-minute`, `--evict-unowned`), the live mode (`report` evicts nothing
 //! and says "would evict"; a switch to a mode that evicts inspects every pod again), and the
@@ -59,6 +60,7 @@ use kube::runtime::watcher;
 use meshgate_core::cni::{ChainVerdict, Reason};
 use meshgate_core::evict::{Flags, RateLimiter};
 use meshgate_core::mode::Mode;
+use meshgate_core::node_proxy::NodeProxy;
 use meshgate_core::profile::ProfileSet;
 use meshgate_core::projection::PodKeys;
 use meshgate_shell::admin::LoopProgress;
@@ -105,6 +107,9 @@ pub struct Config {
     pub api_timeout: Duration,
     /// Where named network namespaces are bind-mounted, besides `/proc/*/ns/net`.
     pub netns_dirs: Vec<PathBuf>,
+    /// The profile whose node proxy the node requires, and the proxy's record (with the
+    /// `--node-proxy-*` flags over it): that profile's pods must have its listeners.
+    pub node_proxy: Option<(String, NodeProxy)>,
 }
 
 /// What the inspector shares with the rest of the daemon.
