@@ -103,18 +103,20 @@ fn node_agent(path: &Path) -> anyhow::Result<OwnedFd> {
 
 /// ztunnel connecting to the node agent's socket, and the node agent accepting: both ends.
 fn ztunnel_connects(agent: &OwnedFd, path: &Path) -> anyhow::Result<(OwnedFd, OwnedFd)> {
-    use nix::sys::socket::{UnixAddr, accept, connect};
+    use nix::sys::socket::{SockFlag, UnixAddr, accept4, connect};
     let ztunnel = seqpacket()?;
     connect(ztunnel.as_raw_fd(), &UnixAddr::new(path)?)?;
-    let fd = accept(agent.as_raw_fd())?;
+    // Close-on-exec: an agent the test (re)starts must not inherit the node agent's end and
+    // keep the connection open after the test closed it.
+    let fd = accept4(agent.as_raw_fd(), SockFlag::SOCK_CLOEXEC)?;
     // SAFETY: accept(2) just returned this descriptor; nothing else owns it.
     let accepted = unsafe { OwnedFd::from_raw_fd(fd) };
     Ok((ztunnel, accepted))
 }
 
 #[tokio::test]
-async fn ambient_node_is_verified_only_while_ztunnel_is_ready_and_connected()
--> anyhow::Result<()> {
+async fn ambient_node_is_verified_only_while_ztunnel_is_ready_and_connected() -> anyhow::Result<()>
+{
     let cp = cp().await;
     let client = cp.client()?;
     let ns = cp.create_namespace(&client, "ztunnel").await?;

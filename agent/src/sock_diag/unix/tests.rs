@@ -3,7 +3,7 @@ use std::os::unix::fs::MetadataExt;
 use std::time::Duration;
 
 use nix::sys::socket::{
-    AddressFamily, Backlog, SockFlag, SockType, UnixAddr, accept, bind, connect, listen, socket,
+    AddressFamily, Backlog, SockFlag, SockType, UnixAddr, accept4, bind, connect, listen, socket,
 };
 
 use super::*;
@@ -32,7 +32,11 @@ fn connection(l: &OwnedFd, path: &Path) -> (OwnedFd, OwnedFd) {
     )
     .unwrap();
     connect(c.as_raw_fd(), &UnixAddr::new(path).unwrap()).unwrap();
-    (c, owned(accept(l.as_raw_fd()).unwrap()))
+    // Close-on-exec: a process another test forks meanwhile must not keep it open.
+    (
+        c,
+        owned(accept4(l.as_raw_fd(), SockFlag::SOCK_CLOEXEC).unwrap()),
+    )
 }
 
 fn owned(fd: std::os::fd::RawFd) -> OwnedFd {

@@ -77,7 +77,10 @@ async fn the_chart_with_every_option_passes_a_server_side_dry_run() -> anyhow::R
             "every option on renders {want}"
         );
     }
-    ambient_is_on(&builtin, "MESHGATE_REQUIRE_PLUGINS: \"istio-cni,linkerd-cni\"");
+    ambient_is_on(
+        &builtin,
+        "MESHGATE_REQUIRE_PLUGINS: \"istio-cni,linkerd-cni\"",
+    );
     dry_run(f, "every option on", &builtin).await?;
     the_crd_kinds_are_as_documented(&crds, &builtin);
 
@@ -110,7 +113,11 @@ fn ambient_is_on(builtin: &[String], plugins: &str) {
     for name in ["meshgate-agent", "meshgate-webhook"] {
         assert!(doc(name).contains(profiles), "{name}: {}", doc(name));
     }
-    assert!(doc("meshgate-agent").contains(plugins), "{}", doc("meshgate-agent"));
+    assert!(
+        doc("meshgate-agent").contains(plugins),
+        "{}",
+        doc("meshgate-agent")
+    );
     let agent = builtin
         .iter()
         .find(|d| d.contains("kind: DaemonSet"))
@@ -141,7 +148,10 @@ async fn the_chart_turns_ambient_on_with_one_value() -> anyhow::Result<()> {
         "agent.env.MESHGATE_PROFILES=istio",
     ])
     .await;
-    let err = format!("{:#}", refused.expect_err("the chart owns MESHGATE_PROFILES then"));
+    let err = format!(
+        "{:#}",
+        refused.expect_err("the chart owns MESHGATE_PROFILES then")
+    );
     assert!(err.contains("agent.env.MESHGATE_PROFILES"), "{err}");
     Ok(())
 }
