@@ -13,6 +13,14 @@ fn ports(p: &[u16]) -> BTreeSet<u16> {
     p.iter().copied().collect()
 }
 
+/// Rules' verdict, what listens (or why it cannot be read), ready, the verdict wanted.
+type Case<'a> = (
+    RedirectVerdict,
+    Result<&'a BTreeSet<u16>, &'a str>,
+    bool,
+    RedirectVerdict,
+);
+
 /// Every combination of the rules' verdict, what listens, and the node proxy's readiness.
 #[test]
 fn every_combination_of_rules_listeners_and_readiness() {
@@ -20,12 +28,7 @@ fn every_combination_of_rules_listeners_and_readiness() {
     let all = ports(&[15001, 15006, 15008, 22]);
     let some = ports(&[15006]);
     let none = ports(&[]);
-    let table: Vec<(
-        RedirectVerdict,
-        Result<&BTreeSet<u16>, &str>,
-        bool,
-        RedirectVerdict,
-    )> = vec![
+    let table: Vec<Case> = vec![
         (Redirected, Ok(&all), true, Redirected),
         (Redirected, Ok(&all), false, Redirected),
         (Redirected, Ok(&some), true, Missing),
