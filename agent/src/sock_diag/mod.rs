@@ -153,3 +153,40 @@ pub fn open() -> Result<Socket, DiagError> {
         source,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use netlink_packet_sock_diag::inet::{ExtensionFlags, InetRequest, SocketId, StateFlags};
+    use netlink_packet_sock_diag::{AF_INET, IPPROTO_TCP};
+    use proptest::prelude::*;
+
+    fn listen_v4() -> SockDiagMessage {
+        SockDiagMessage::InetRequest(InetRequest {
+            family: AF_INET,
+            protocol: IPPROTO_TCP,
+            extensions: ExtensionFlags::empty(),
+            states: StateFlags::LISTEN,
+            socket_id: SocketId::new_v4(),
+        })
+    }
+
+    /// A deadline already past ends the dump before any wait.
+    #[test]
+    fn a_past_deadline_is_an_error_not_a_wait() {
+        let sock = open().unwrap();
+        let past = Instant::now();
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        let got = dump(&sock, listen_v4(), past, |_| {});
+        assert!(matches!(got, Err(DiagError::Deadline)), "{got:?}");
+    }
+
+    proptest! {
+        /// Whatever bytes come back, decoding returns (an answer or an error), never panics.
+        #[test]
+        fn decoding_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let mut entries = 0;
+            let _ = decode(&bytes, 1, &mut entries, &mut |_| {});
+        }
+    }
+}
