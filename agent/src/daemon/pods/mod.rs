@@ -5,9 +5,9 @@
 //! [`PAGE_SIZE`], decoded as [`slim::SlimPod`]; of each pod's labels and annotations the
 //! tracker keeps only those inspection reads), a metadata-only
 //! watch of Namespaces when a profile selects on namespace labels (`istio-ambient`), the
-//! node's verdict
-//! (a `watch` channel fed by the verdict loop; when the node requires a node proxy, a
-//! verified verdict is what lets missing proxy listeners in a pod evict it), the shared state file (eviction history),
+//! node's verdict (a `watch` channel fed by the verdict loop; when the node requires a node
+//! proxy, a verified verdict is what lets missing proxy listeners in a pod evict it), the
+//! shared state file (eviction history),
 //! its [`Config`] (from `--profile`, `--profile-file`, `--dry-run`, `--no-evict`,
 //! `--max-evictions-per-minute`, `--evict-unowned`), the live mode (`report` evicts nothing
 //! and says "would evict"; a switch to a mode that evicts inspects every pod again), and the

@@ -2,9 +2,10 @@
 //! once, then each pod located, pinned and read).
 //!
 //! In: the pods due ([`Job`]: UID, IPs, annotations, the profiles that select it, and the
-//! required node proxy's check: [`ProxyCheck`]) and the netns directories. Out: per pod, one [`Inspection`] per profile, the namespace it was read
-//! from, the time it took, and, when a redirect is missing, that namespace held open for the
-//! pre-eviction re-check ([`Inspected`]).
+//! required node proxy's check: [`ProxyCheck`]) and the netns directories. Out: per pod,
+//! one [`Inspection`] per profile, the namespace it was read from, the time it took, and,
+//! when a redirect is missing, that namespace held open for the pre-eviction re-check
+//! ([`Inspected`]).
 //!
 //! The node's namespaces are surveyed once per batch (`/proc` scan plus their addresses),
 //! each pod is attributed to one of them by IP and UID (`core::rules::locate`), and that
