@@ -6,9 +6,11 @@
 #     by version;
 #   - the real node's runtime: containerd, ctr and containerd-shim-runc-v2 built from the
 #     github.com/containerd/containerd/v2 module, Debian's runc and containernetworking-plugins;
-#   - istio-cni, built from the istio.io/istio module;
+#   - istio-cni and its node agent (install-cni), built from the istio.io/istio module, and the
+#     ambient test's stand-in ztunnel (e2e/ztunnel-standin) on istio's ZDS messages;
 #   - helm, built from the helm.sh/helm/v4 module (it installs meshgate's chart, charts/meshgate);
-#   - the real node's images (pause, busybox) as OCI image-layout tarballs (e2e/images).
+#   - the real node's images (pause, busybox; install-cni and ztunnel-standin for ambient) as
+#     OCI image-layout tarballs (e2e/images).
 # Prints the Kubernetes bin directory as its last line; helm is linked into it as `helm` (the
 # Makefile runs it from there; the e2e harness finds it in its own cache directory).
 #
@@ -182,6 +184,10 @@ go_install "containerd $containerd_version" "$cache_root/containerd/$containerd_
 go_flags=(-ldflags "-s -w")
 go_install "istio-cni $istio_cni_version" "$cache_root/istio-cni/$istio_cni_version" "3 minutes" \
   "istio.io/istio/cni/cmd/istio-cni@$istio_cni_version"
+# istio-cni's node agent (the istio-cni DaemonSet's `install-cni`), which the ambient real-node
+# test runs: it installs the plugin itself and serves ztunnel's ZDS socket.
+go_install "istio-cni's node agent $istio_cni_version" "$cache_root/istio-cni-agent/$istio_cni_version" "11 minutes (measured beside other builds)" \
+  "istio.io/istio/cni/cmd/install-cni@$istio_cni_version"
 
 # helm 4 (helm.sh/helm/v4 has no replace directives either). The version is stamped as helm's
 # own release build does, so `helm version` names the pin.
@@ -190,21 +196,32 @@ go_install "helm $helm_version" "$cache_root/helm/$helm_version" "12 minutes (me
   "helm.sh/helm/v4/cmd/helm@$helm_version"
 ln -sfn "$cache_root/helm/$helm_version/bin/helm" "$bin_dir/helm"
 
+# go_main NAME DIR REQUIRE: builds e2e/NAME/main.go, a small program of the tests, in a module
+# that requires REQUIRE ("module version"), into DIR/bin/NAME; rebuilt when main.go changes.
+go_main() {
+  local name=$1 dir=$2 require=$3 inputs
+  inputs=$(sha256sum "$here/$name/main.go" | cut -d' ' -f1)
+  if [[ -x "$dir/bin/$name" && -f "$dir/bin/.inputs" && "$(cat "$dir/bin/.inputs")" == "$inputs" ]]; then
+    log "reusing cached $name in $dir/bin"
+    return
+  fi
+  log "building $name"
+  mkdir -p "$dir/build" "$dir/bin"
+  cp "$here/$name/main.go" "$dir/build/main.go"
+  printf 'module meshgate.local/%s\n\ngo 1.26\n\nrequire %s\n' "$name" "$require" >"$dir/build/go.mod"
+  (cd "$dir/build" && nice go build -trimpath -ldflags "-s -w" -o "$dir/bin/$name" .)
+  echo "$inputs" >"$dir/bin/.inputs"
+}
+
 # cri-status (e2e/cri-status/main.go): a few lines of Go that print a CRI runtime's verbose
 # status, so the tests can see which CNI config containerd really loaded. Its module requires
-# the k8s.io/cri-api release of the pinned Kubernetes version; rebuilt when main.go changes.
-cri_dir="$cache_root/cri-status/$k8s_version"
-cri_inputs=$(sha256sum "$here/cri-status/main.go" | cut -d' ' -f1)
-if [[ -x "$cri_dir/bin/cri-status" && -f "$cri_dir/bin/.inputs" && "$(cat "$cri_dir/bin/.inputs")" == "$cri_inputs" ]]; then
-  log "reusing cached cri-status in $cri_dir/bin"
-else
-  log "building cri-status"
-  mkdir -p "$cri_dir/build" "$cri_dir/bin"
-  cp "$here/cri-status/main.go" "$cri_dir/build/main.go"
-  printf 'module meshgate.local/cri-status\n\ngo 1.26\n\nrequire k8s.io/cri-api %s\n' "$staging_version" >"$cri_dir/build/go.mod"
-  (cd "$cri_dir/build" && nice go build -trimpath -ldflags "-s -w" -o "$cri_dir/bin/cri-status" .)
-  echo "$cri_inputs" >"$cri_dir/bin/.inputs"
-fi
+# the k8s.io/cri-api release of the pinned Kubernetes version.
+go_main cri-status "$cache_root/cri-status/$k8s_version" "k8s.io/cri-api $staging_version"
+
+# ztunnel-standin (e2e/ztunnel-standin/main.go): the ambient test's stand-in for ztunnel, with
+# istio's own ZDS messages (istio.io/istio/pkg/zdsapi at the pinned version).
+zt_dir="$cache_root/ztunnel-standin/$istio_cni_version"
+go_main ztunnel-standin "$zt_dir" "istio.io/istio $istio_cni_version"
 
 # Images, rebuilt when their inputs change (the C source, the script, Debian's busybox).
 images="$cache_root/images"
@@ -215,6 +232,21 @@ else
   log "building the node images (pause, busybox) in $images"
   "$here/images/build-images.sh" "$images"
   echo "$inputs" >"$images/.inputs"
+fi
+
+# The ambient test's images (istio-cni's node agent, the stand-in ztunnel), rebuilt when the
+# binaries, the scripts or Debian's netfilter tools change.
+istio_images="$images/istio/$istio_cni_version"
+istio_bins=("$cache_root/istio-cni-agent/$istio_cni_version/bin/install-cni"
+  "$cache_root/istio-cni/$istio_cni_version/bin/istio-cni" "$zt_dir/bin/ztunnel-standin")
+inputs=$( (sha256sum "${istio_bins[@]}" | cut -d' ' -f1; cat "$here/images/build-istio-images.sh" "$here/images/oci-image.sh"
+  dpkg-query -W iptables nftables libxtables12 libnftables1) | sha256sum | cut -d' ' -f1)
+if [[ -f "$istio_images/.inputs" && "$(cat "$istio_images/.inputs")" == "$inputs" && -f "$istio_images/install-cni.tar" && -f "$istio_images/ztunnel-standin.tar" ]]; then
+  log "reusing cached ambient images in $istio_images"
+else
+  log "building the ambient images (install-cni, ztunnel-standin) in $istio_images"
+  "$here/images/build-istio-images.sh" "$istio_images" "${istio_bins[@]}"
+  echo "$inputs" >"$istio_images/.inputs"
 fi
 
 echo "$bin_dir"

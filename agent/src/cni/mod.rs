@@ -6,6 +6,8 @@
 //! as for the runtime). Each verification reads lazily within `--max-verify-bytes` and runs
 //! plugins within one overall `--verify-timeout`.
 
+pub mod answers;
+pub mod preprobe;
 pub mod prober;
 pub mod reader;
 
@@ -13,7 +15,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
-use meshgate_core::cni::{ChainVerdict, Runtime, VerifyOptions, verify};
+use meshgate_core::cni::{ChainVerdict, Runtime, VerifyOptions, plan, verify};
 
 pub use prober::Prober;
 
@@ -72,29 +74,47 @@ fn runtime_parser() -> impl TypedValueParser<Value = Runtime> {
 }
 
 impl CniArgs {
-    /// The prober these flags describe.
+    /// The prober these flags describe; pre-probes may run the required plugins.
     pub fn prober(&self) -> Prober {
-        Prober::new(self.cni_bin_dirs.clone(), self.probe_timeout)
+        let prober = Prober::new(self.cni_bin_dirs.clone(), self.probe_timeout);
+        prober.allow(&self.require_plugins);
+        prober
     }
 
     /// Reads the config directory and verifies it, probing binaries through `prober`
     /// (which caches answers, so the daemon passes the same one every time).
+    ///
+    /// The types the verification will ask about ([`plan::plugin_types`], from a first read
+    /// of the directory) are probed first, in parallel; the verdict then comes from a second
+    /// read with those answers, and any type the plan missed is probed then.
     ///
     /// Blocking: it reads files and runs plugin binaries. Call it from a blocking thread.
     pub fn verify(&self, prober: &Prober) -> std::io::Result<ChainVerdict> {
         reader::check_listable(&self.cni_conf_dir)?;
         // One deadline for every plugin this verification runs, set before any of them.
         let deadline = Instant::now() + self.verify_timeout;
-        let mut source = reader::Reader::new(
-            &self.cni_conf_dir,
-            self.max_config_bytes,
-            self.max_verify_bytes,
-        );
         let opts = VerifyOptions {
             conf_dir: self.cni_conf_dir.display().to_string(),
             runtime: self.runtime,
             required: self.require_plugins.clone(),
         };
-        Ok(verify(&mut source, &opts, |t| prober.probe(t, deadline)))
+        let planned = plan::plugin_types(&mut self.reader(), &opts);
+        prober.allow(&planned);
+        let answers = prober.probe_many(&planned, deadline);
+        Ok(verify(&mut self.reader(), &opts, |t| {
+            match answers.get(t) {
+                Some(outcome) => outcome.clone(),
+                None => prober.probe(t, deadline),
+            }
+        }))
+    }
+
+    /// A fresh reader of the config directory, with the whole byte budget.
+    fn reader(&self) -> reader::Reader {
+        reader::Reader::new(
+            &self.cni_conf_dir,
+            self.max_config_bytes,
+            self.max_verify_bytes,
+        )
     }
 }

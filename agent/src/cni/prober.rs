@@ -29,17 +29,24 @@
 //!   (`PR_SET_PDEATHSIG`), the plugin with the init, so an agent killed mid-probe leaves
 //!   no namespace behind either.
 //! - Output is capped (64 KiB stdout, 4 KiB stderr) and only lengths reach messages.
-//! - Answers are cached by (path, device, inode, size, mtime, ctime, mode): an unchanged
-//!   binary is not run again; any rewrite, replace or chmod is re-probed. Failures to start
-//!   and timeouts are not cached, since they may be transient.
+//! - Answers are cached by (path, device, inode, size, mtime, ctime, mode) ([`super::answers`]):
+//!   an unchanged binary is not run again; any rewrite, replace or chmod is re-probed, and an
+//!   answer is kept only if the file still has the key it had before the run. Failures to
+//!   start and timeouts are not cached, since they may be transient. A caller asking for a
+//!   binary whose probe is in flight waits for that probe (up to its own deadline) instead of
+//!   running it again; at most `MAX_RUNS` binaries run at once, whoever asked.
+//! - [`Prober::probe_many`] probes a verification's planned types in parallel
+//!   ([`PARALLEL_PROBES`]); [`Prober::preprobe`] probes a binary ahead of any verification,
+//!   when it appears or changes in a bin dir ([`super::preprobe`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, mpsc};
 use std::time::{Duration, Instant};
 
@@ -51,6 +58,8 @@ use meshgate_core::cni::{Broken, ProbeOutcome};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 
+use super::answers::{Answers, Claim, Key, MAX_RUNS, ProbeCounters};
+
 /// Largest VERSION reply kept; real replies are well under 1 KiB.
 const MAX_STDOUT: usize = 64 * 1024;
 /// Largest stderr kept (only its length is ever reported).
@@ -60,23 +69,30 @@ const PIPE_GRACE: Duration = Duration::from_millis(100);
 /// Scans of the process tree when killing what a plugin left without a PID namespace.
 const KILL_ROUNDS: usize = 50;
 
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-struct CacheKey {
-    path: PathBuf,
-    dev: u64,
-    ino: u64,
-    size: u64,
-    mtime_ns: i128,
-    ctime_ns: i128,
-    mode: u32,
+/// Who asks: a verification counts its lookups; a pre-probe counts what it did.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Caller {
+    Verification,
+    Ahead,
 }
+
+/// Plugin types probed in parallel by one verification (each run also takes one of the
+/// prober's [`MAX_RUNS`] slots).
+pub const PARALLEL_PROBES: usize = MAX_RUNS;
+/// Plugin names a pre-probe may run: the required plugins and the types verifications asked
+/// about, at most this many.
+const MAX_CANDIDATES: usize = 256;
 
 /// Runs plugin binaries' VERSION command, with a cache of their answers.
 #[derive(Debug)]
 pub struct Prober {
     bin_dirs: Vec<PathBuf>,
     timeout: Duration,
-    cache: Mutex<HashMap<CacheKey, ProbeOutcome>>,
+    answers: Answers,
+    counters: ProbeCounters,
+    /// The names a binary must have to be probed ahead of a verification (see
+    /// [`Prober::preprobe`]).
+    candidates: Mutex<HashSet<String>>,
 }
 
 /// How one run ended.
@@ -96,30 +112,134 @@ impl Prober {
         Self {
             bin_dirs,
             timeout,
-            cache: Mutex::new(HashMap::new()),
+            answers: Answers::default(),
+            counters: ProbeCounters::default(),
+            candidates: Mutex::new(HashSet::new()),
         }
+    }
+
+    /// The same prober, counting into `counters` (the daemon's registered ones).
+    pub fn with_counters(mut self, counters: ProbeCounters) -> Self {
+        self.counters = counters;
+        self
+    }
+
+    /// What it counted.
+    pub fn counters(&self) -> &ProbeCounters {
+        &self.counters
+    }
+
+    /// The bin dirs, in search order.
+    pub fn bin_dirs(&self) -> &[PathBuf] {
+        &self.bin_dirs
     }
 
     /// How many answers are cached (for tests and debugging).
     pub fn cached(&self) -> usize {
-        self.cache.lock().map(|c| c.len()).unwrap_or(0)
+        self.answers.cached()
+    }
+
+    /// Lets pre-probes run binaries named `names` (the required plugins, the types a
+    /// verification asked about): a binary nothing names is never run just because it
+    /// appeared in a bin dir.
+    pub fn allow(&self, names: impl IntoIterator<Item = impl AsRef<str>>) {
+        let mut c = self.candidates.lock().unwrap_or_else(|e| e.into_inner());
+        for n in names {
+            let n = n.as_ref();
+            if c.len() < MAX_CANDIDATES && is_plain_name(n) {
+                c.insert(n.to_string());
+            }
+        }
     }
 
     /// Looks up `plugin_type` and asks it for VERSION, finishing by `deadline`.
     pub fn probe(&self, plugin_type: &str, deadline: Instant) -> ProbeOutcome {
+        match self.find(plugin_type) {
+            Ok((path, meta)) => self.probe_file(path, &meta, deadline, Caller::Verification),
+            Err(outcome) => outcome,
+        }
+    }
+
+    /// Probes those of `types` (deduplicated) not answered yet, with up to
+    /// [`PARALLEL_PROBES`] at once, all by the one `deadline`; their answers by type. The
+    /// types already answered are left to [`Prober::probe`] (a cache hit, on the caller's
+    /// thread): no thread is started when everything is cached.
+    pub fn probe_many(&self, types: &[String], deadline: Instant) -> HashMap<String, ProbeOutcome> {
+        let mut todo: Vec<&str> = Vec::new();
+        for t in types {
+            if !todo.contains(&t.as_str()) && !self.answered(t) {
+                todo.push(t);
+            }
+        }
+        let next = AtomicUsize::new(0);
+        let found = Mutex::new(HashMap::new());
+        let work = || {
+            while let Some(t) = todo.get(next.fetch_add(1, Ordering::Relaxed)) {
+                let outcome = self.probe(t, deadline);
+                found
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert((*t).to_string(), outcome);
+            }
+        };
+        let helpers = PARALLEL_PROBES.min(todo.len()).saturating_sub(1);
+        std::thread::scope(|s| {
+            for _ in 0..helpers {
+                // A thread that cannot start leaves its share to the others.
+                let _ = std::thread::Builder::new()
+                    .name("cni-probe".into())
+                    .spawn_scoped(s, work);
+            }
+            work();
+        });
+        found.into_inner().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether `plugin_type`'s binary, as it is now, has a cached answer.
+    fn answered(&self, plugin_type: &str) -> bool {
+        self.find(plugin_type)
+            .is_ok_and(|(path, meta)| self.answers.has(&Key::of(&path, &meta)))
+    }
+
+    /// Probes `name` ahead of any verification, so the one that needs it finds the answer
+    /// cached: only a name pre-probes may run ([`Prober::allow`]), only when the lookup's
+    /// winner is itself a regular executable file in a bin dir (a symlink is left to the
+    /// verification, which follows it as libcni does), within `--probe-timeout`.
+    pub fn preprobe(&self, name: &str) {
+        let allowed = self
+            .candidates
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(name);
+        if !allowed {
+            return;
+        }
+        let Ok((path, meta)) = self.find(name) else {
+            return;
+        };
+        let plain = std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_file());
+        if !plain || meta.permissions().mode() & 0o111 == 0 || meta.len() == 0 {
+            return;
+        }
+        self.probe_file(path, &meta, Instant::now() + self.timeout, Caller::Ahead);
+    }
+
+    /// libcni's `FindInPath`: the first regular file (following symlinks) named
+    /// `plugin_type` in bin-dir order, or the outcome that says why there is none.
+    fn find(&self, plugin_type: &str) -> Result<(PathBuf, std::fs::Metadata), ProbeOutcome> {
         if !is_plain_name(plugin_type) {
             // The core never asks for these; refusing here too keeps any future caller
             // from turning a config into "run this path as root".
-            return ProbeOutcome::Broken {
+            return Err(ProbeOutcome::Broken {
                 path: String::new(),
                 why: Broken::CannotStart("refused: the type is not a plain file name".into()),
-            };
+            });
         }
         let mut fallback: Option<(PathBuf, Broken)> = None;
         for dir in &self.bin_dirs {
             let path = dir.join(plugin_type);
             match std::fs::metadata(&path) {
-                Ok(meta) if meta.is_file() => return self.probe_file(path, &meta, deadline),
+                Ok(meta) if meta.is_file() => return Ok((path, meta)),
                 Ok(_) => {
                     fallback.get_or_insert((path, Broken::NotRegularFile));
                 }
@@ -131,7 +251,7 @@ impl Prober {
                 }
             }
         }
-        match fallback {
+        Err(match fallback {
             Some((path, why)) => ProbeOutcome::Broken {
                 path: path.display().to_string(),
                 why,
@@ -143,7 +263,7 @@ impl Prober {
                     .map(|d| d.display().to_string())
                     .collect(),
             },
-        }
+        })
     }
 
     fn probe_file(
@@ -151,6 +271,7 @@ impl Prober {
         path: PathBuf,
         meta: &std::fs::Metadata,
         deadline: Instant,
+        caller: Caller,
     ) -> ProbeOutcome {
         let shown = path.display().to_string();
         let broken = |why| ProbeOutcome::Broken {
@@ -163,18 +284,23 @@ impl Prober {
         if meta.len() == 0 {
             return broken(Broken::Empty);
         }
-        let key = CacheKey {
-            path: path.clone(),
-            dev: meta.dev(),
-            ino: meta.ino(),
-            size: meta.len(),
-            mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
-            ctime_ns: i128::from(meta.ctime()) * 1_000_000_000 + i128::from(meta.ctime_nsec()),
-            mode: meta.mode(),
+        let key = Key::of(&path, meta);
+        let started = Instant::now();
+        let ticket = match self.answers.claim(&key, deadline) {
+            Claim::Cached { outcome, waited } => {
+                match caller {
+                    Caller::Verification if waited => self.counters.lookup("inflight"),
+                    Caller::Verification => self.counters.lookup("hit"),
+                    Caller::Ahead => self.counters.preprobe("cached"),
+                }
+                return outcome;
+            }
+            Claim::Expired => {
+                let after_ms = started.elapsed().as_millis() as u64;
+                return broken(Broken::TimedOut { after_ms });
+            }
+            Claim::Run(ticket) => ticket,
         };
-        if let Some(hit) = self.cache.lock().ok().and_then(|c| c.get(&key).cloned()) {
-            return hit;
-        }
         let (outcome, cacheable) = match self.run_version(&path, deadline) {
             Ok(supported) => (
                 ProbeOutcome::Answered {
@@ -185,11 +311,13 @@ impl Prober {
             ),
             Err((why, cacheable)) => (broken(why), cacheable),
         };
-        if cacheable && let Ok(mut cache) = self.cache.lock() {
-            // Drop answers for older versions of this same file, so the cache stays bounded
-            // by the number of binaries rather than by their rewrites.
-            cache.retain(|k, _| k.path != key.path);
-            cache.insert(key, outcome.clone());
+        // The file ran as it was when the key was read only if it still has that key: one
+        // replaced during the run is not trusted under either key.
+        let unchanged = Key::now(&path).as_ref() == Some(&key);
+        ticket.finish((cacheable && unchanged).then(|| outcome.clone()));
+        match caller {
+            Caller::Verification => self.counters.lookup("miss"),
+            Caller::Ahead => self.counters.preprobe("ran"),
         }
         outcome
     }
@@ -559,74 +687,4 @@ fn capture(pipe: Option<impl Read + Send + 'static>, cap: usize) -> mpsc::Receiv
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::os::unix::fs::PermissionsExt;
-
-    const REPLY: &str = r#"{"cniVersion":"1.1.0","supportedVersions":["1.0.0","1.1.0"]}"#;
-
-    /// A plugin whose first run fails the way `fail` says and whose later runs answer.
-    fn flaky(dir: &Path, fail: &str) -> Prober {
-        let script = format!(
-            "#!/bin/sh\nif [ ! -e {marker} ]; then : > {marker}; {fail}; fi\necho '{REPLY}'\n",
-            marker = dir.join("ran-once").display(),
-        );
-        let bin = dir.join("flaky");
-        std::fs::write(&bin, script).unwrap();
-        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
-        Prober::new(vec![dir.to_path_buf()], Duration::from_secs(5))
-    }
-
-    fn deadline() -> Instant {
-        Instant::now() + Duration::from_secs(10)
-    }
-
-    /// Killed by a signal (as by the OOM killer) or "not found" (127): asked again next time,
-    /// and the binary's answer then counts.
-    #[test]
-    fn transient_failures_are_not_cached() {
-        for fail in ["kill -9 $$", "exit 127", "exit 126"] {
-            let dir = tempfile::tempdir().unwrap();
-            let prober = flaky(dir.path(), fail);
-            let first = prober.probe("flaky", deadline());
-            assert!(
-                matches!(
-                    first,
-                    ProbeOutcome::Broken {
-                        why: Broken::Failed { .. },
-                        ..
-                    }
-                ),
-                "{fail}: {first:?}"
-            );
-            let second = prober.probe("flaky", deadline());
-            assert!(
-                matches!(second, ProbeOutcome::Answered { .. }),
-                "{fail}: the failure was cached: {second:?}"
-            );
-        }
-    }
-
-    /// A plugin that fails with its own exit code keeps failing the same way until the binary
-    /// changes: that answer is cached.
-    #[test]
-    fn a_plain_failure_is_cached_until_the_binary_changes() {
-        let dir = tempfile::tempdir().unwrap();
-        let prober = flaky(dir.path(), "exit 3");
-        assert!(matches!(
-            prober.probe("flaky", deadline()),
-            ProbeOutcome::Broken {
-                why: Broken::Failed { .. },
-                ..
-            }
-        ));
-        assert!(matches!(
-            prober.probe("flaky", deadline()),
-            ProbeOutcome::Broken {
-                why: Broken::Failed { .. },
-                ..
-            }
-        ));
-        assert_eq!(prober.cached(), 1);
-    }
-}
+mod tests;

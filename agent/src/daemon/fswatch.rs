@@ -1,8 +1,11 @@
 //! Watches the CNI config and bin directories (and the node proxy's socket directory) with
 //! inotify and reports "something changed".
 //!
-//! In: the directories to watch. Out: an `Instant` on a channel for every relevant change,
-//! which the verifier coalesces into one re-verification.
+//! In: the directories to watch. Out: an [`FsEvent`] on a channel for every relevant change
+//! (when, which path, what it says: `meshgate_core::cni::burst::Change`), which the verifier
+//! coalesces into one re-verification; and, on the inotify thread, each path created, closed
+//! after writing, renamed into place or chmod'ed, to a [`Notice`] hook (the pre-prober, which
+//! keeps only binaries directly in a bin dir).
 //!
 //! - The config dir is watched recursively, so CNI 1.1 drop-in plugin directories count.
 //! - A directory that does not exist yet (a primary CNI not installed) is waited for by
@@ -17,9 +20,25 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
-use notify::event::{AccessKind, AccessMode};
+use meshgate_core::cni::burst::Change;
+use notify::event::{AccessKind, AccessMode, CreateKind, ModifyKind, RenameMode};
 use notify::{Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher};
 use tokio::sync::mpsc;
+
+/// One relevant change in the watched directories.
+#[derive(Clone, Debug)]
+pub struct FsEvent {
+    /// When it was seen.
+    pub at: Instant,
+    /// The path it is about; `None` for an inotify error or an overflow.
+    pub path: Option<PathBuf>,
+    /// What it says about the path.
+    pub change: Change,
+}
+
+/// Called on the inotify thread with each path that may be a new or changed binary; must
+/// not block.
+pub type Notice = Arc<dyn Fn(&Path) + Send + Sync>;
 
 struct Target {
     dir: PathBuf,
@@ -55,6 +74,40 @@ fn relevant(event: &Event, dirs: &[PathBuf]) -> bool {
             .any(|p| dirs.iter().any(|d| p.starts_with(d) || d.starts_with(p)))
 }
 
+/// What an inotify event (as `notify` reports it) says, and about which path: for a rename
+/// with both ends known (`Name(Both)`), the destination.
+fn change_of(event: &Event) -> (Option<PathBuf>, Change) {
+    let path = event.paths.last().cloned();
+    let change = match event.kind {
+        EventKind::Create(CreateKind::Folder) => Change::CreatedComplete,
+        // A socket or a symlink is whole when it appears; a regular file may be written next.
+        EventKind::Create(_) => match path.as_deref().map(std::fs::symlink_metadata) {
+            Some(Ok(m)) if !m.file_type().is_file() => Change::CreatedComplete,
+            _ => Change::Created,
+        },
+        EventKind::Modify(ModifyKind::Data(_)) => Change::Written,
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => Change::ClosedWrite,
+        EventKind::Modify(ModifyKind::Name(RenameMode::To | RenameMode::Both)) => Change::MovedIn,
+        EventKind::Modify(ModifyKind::Name(RenameMode::From)) => Change::MovedOut,
+        EventKind::Modify(ModifyKind::Metadata(_)) => Change::Attrib,
+        EventKind::Remove(_) => Change::Removed,
+        _ => Change::Unknown,
+    };
+    (path, change)
+}
+
+/// Hands `path` to the pre-prober when the change may have left a new or changed binary.
+fn notice_binary(notice: &Notice, path: Option<&Path>, change: Change) {
+    if let Some(p) = path
+        && matches!(
+            change,
+            Change::Created | Change::ClosedWrite | Change::MovedIn | Change::Attrib
+        )
+    {
+        notice(p);
+    }
+}
+
 impl FsWatch {
     /// Starts watching `conf_dir` (recursively) and `bin_dirs` (flat: the plugin dirs, and any
     /// other directory the verdict reads, such as the node proxy's socket directory); changes
@@ -62,7 +115,8 @@ impl FsWatch {
     pub fn start(
         conf_dir: &Path,
         bin_dirs: &[PathBuf],
-        tx: mpsc::UnboundedSender<Instant>,
+        tx: mpsc::UnboundedSender<FsEvent>,
+        notice: Notice,
     ) -> notify::Result<Self> {
         let dirs: Arc<RwLock<Vec<PathBuf>>> = Arc::new(RwLock::new(
             std::iter::once(conf_dir.to_path_buf())
@@ -73,13 +127,21 @@ impl FsWatch {
         let watcher = notify::recommended_watcher(move |res: notify::Result<Event>| match res {
             // A poisoned lock (a panic elsewhere) counts every event: re-verifying is safe.
             Ok(event) if filter.read().map_or(true, |d| relevant(&event, &d)) => {
-                let _ = tx.send(Instant::now());
+                let at = Instant::now();
+                let (path, change) = change_of(&event);
+                notice_binary(&notice, path.as_deref(), change);
+                let _ = tx.send(FsEvent { at, path, change });
             }
             Ok(_) => {}
             Err(e) => {
-                // An inotify error (e.g. queue overflow) may hide a change: re-verify.
+                // An inotify error (e.g. queue overflow) may hide a change: re-verify, once
+                // the directories have gone quiet.
                 tracing::warn!(error = %e, "inotify error; re-verifying");
-                let _ = tx.send(Instant::now());
+                let _ = tx.send(FsEvent {
+                    at: Instant::now(),
+                    path: None,
+                    change: Change::Unknown,
+                });
             }
         })?;
         let mut targets = vec![Target {
@@ -182,7 +244,7 @@ mod tests {
     use std::time::Duration;
 
     /// Whether an event arrives within a second.
-    fn woke(rx: &mut mpsc::UnboundedReceiver<Instant>) -> bool {
+    fn woke(rx: &mut mpsc::UnboundedReceiver<FsEvent>) -> bool {
         for _ in 0..100 {
             if rx.try_recv().is_ok() {
                 // The rest of the burst (modify, close-write) is not a second wake.
@@ -205,7 +267,7 @@ mod tests {
         let delegate = other.join("default.conflist");
         std::fs::write(&delegate, b"{}").unwrap();
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let mut w = FsWatch::start(&conf, &[], tx).unwrap();
+        let mut w = FsWatch::start(&conf, &[], tx, Arc::new(|_: &Path| {})).unwrap();
         std::fs::write(&delegate, b"{ }").unwrap();
         assert!(!woke(&mut rx), "not followed yet");
         w.follow_delegate(Some(&delegate));

@@ -14,6 +14,8 @@ use prometheus_client::registry::{Metric, Registry, Unit};
 
 use meshgate_shell::mode::ModeMetrics;
 
+use crate::cni::answers::ProbeCounters;
+
 /// `reason` label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
@@ -70,6 +72,9 @@ pub struct AgentMetrics {
     pub pods_evicted: Family<ProfileLabel, Counter>,
     /// `meshgate_evictions_skipped_total{why}`.
     pub evictions_skipped: Family<WhyLabel, Counter>,
+    /// `meshgate_probe_cache_lookups_total{result}`, `meshgate_preprobes_total{result}`:
+    /// counted by the prober.
+    pub probes: ProbeCounters,
     /// `meshgate_mode{mode}`, `meshgate_mode_config_invalid`,
     /// `meshgate_report_only_actions_total{action}` (shared with the webhook).
     pub mode: ModeMetrics,
@@ -101,7 +106,21 @@ impl AgentMetrics {
     pub fn register(registry: &mut Registry) -> Self {
         let mode = ModeMetrics::register(registry);
         let mut reg = Registrar(registry);
+        let probes = ProbeCounters::default();
+        reg.add(
+            "meshgate_probe_cache_lookups",
+            None,
+            "Plugin binaries a verification asked about, by result (hit: answer cached; inflight: waited for the probe already running; miss: run during the verification)",
+            probes.lookups.clone(),
+        );
+        reg.add(
+            "meshgate_preprobes",
+            None,
+            "Plugin binaries probed ahead when they appeared or changed in a bin dir, by result (ran/cached/dropped)",
+            probes.preprobes.clone(),
+        );
         Self {
+            probes,
             mode,
             node_verified: reg.add(
                 "meshgate_node_verified",
@@ -218,6 +237,8 @@ mod tests {
         m.pod_inspection_seconds.observe(0.0002);
         m.evicted("linkerd");
         m.skipped("pdb");
+        m.probes.lookup("hit");
+        m.probes.preprobe("ran");
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
         for sample in [
@@ -229,6 +250,8 @@ mod tests {
             "meshgate_pod_inspection_seconds_count 1",
             "meshgate_pods_evicted_total{profile=\"linkerd\"} 1",
             "meshgate_evictions_skipped_total{why=\"pdb\"} 1",
+            "meshgate_probe_cache_lookups_total{result=\"hit\"} 1",
+            "meshgate_preprobes_total{result=\"ran\"} 1",
         ] {
             assert!(text.lines().any(|l| l == sample), "{sample} in\n{text}");
         }

@@ -18,6 +18,7 @@
 //! disk said before it.
 
 pub mod clients;
+mod coalesce;
 pub mod events;
 pub mod fswatch;
 pub mod metrics;
@@ -81,8 +82,9 @@ pub struct Args {
     /// Re-verify at least this often, as a safety net for missed inotify events.
     #[arg(long, env = "MESHGATE_RESYNC_INTERVAL", default_value = "60s", value_parser = duration)]
     pub resync_interval: Duration,
-    /// Quiet time that ends a burst of file events (a write-then-rename is one change); a
-    /// burst that never goes quiet is cut after ten times this.
+    /// Quiet time that ends a burst of file events while a file in it is still being written
+    /// (a burst of renames, closes and removals is verified at once); a burst that never goes
+    /// quiet is cut after ten times this.
     #[arg(long, env = "MESHGATE_COALESCE", default_value = "20ms", value_parser = duration)]
     pub coalesce: Duration,
     /// Deadline for each Kubernetes API call.

@@ -32,14 +32,16 @@ use tokio::task::JoinHandle;
 
 use super::Config;
 use super::clients::Clients;
+use super::coalesce::coalesce;
 use super::events::REPORTER;
-use super::fswatch::FsWatch;
+use super::fswatch::{FsEvent, FsWatch};
 use super::metrics::AgentMetrics;
 use super::node::{Applied, GateError, NodeGate};
 use super::node_proxy::{self, NodeProxyWatch};
 use super::pods;
 use super::state::{self, Loaded, Shared, State};
 use super::timer::sleep_until;
+use crate::cni::preprobe::PreProber;
 use crate::cni::{CniArgs, Prober};
 
 /// Why the loop woke up.
@@ -87,7 +89,7 @@ pub struct Daemon {
     /// The verdict as the pod inspector sees it: sent only when it changes, so pods are
     /// inspected again after a change, not after every resync.
     verdict_tx: watch::Sender<Option<ChainVerdict>>,
-    fs_rx: mpsc::UnboundedReceiver<Instant>,
+    fs_rx: mpsc::UnboundedReceiver<FsEvent>,
     fs: FsWatch,
     /// The node proxy that must be ready too (ambient's ztunnel), when a named profile has one.
     node_proxy: Option<NodeProxyWatch>,
@@ -140,6 +142,8 @@ impl Daemon {
     /// Restores the state, binds the admin port, starts the Node watch, the pod inspector and
     /// the inotify watches. Nothing is verified yet: the first [`Daemon::pass`] does that.
     pub async fn start(config: Config) -> anyhow::Result<Self> {
+        let shutdown = meshgate_shell::shutdown::signal()
+            .context("installing the SIGTERM and SIGINT handlers")?;
         let node = config.node.clone();
         let shared = Arc::new(Shared::new(
             config.state_file.clone(),
@@ -191,13 +195,14 @@ impl Daemon {
         if let Some(np) = node_proxy.as_mut() {
             np.wait_listed(config.api_timeout).await;
         }
-        let (fs, fs_rx) = watch_files(&config, node_proxy.as_ref())?;
+        let prober = Arc::new(config.cni.prober().with_counters(metrics.probes.clone()));
+        let (fs, fs_rx) = watch_files(&config, node_proxy.as_ref(), &prober)?;
         let mut resync = tokio::time::interval(config.resync_interval);
         resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         resync.tick().await; // the first tick is immediate; the first pass covers it
         Ok(Self {
             gate: node_gate(&config, &clients),
-            prober: Arc::new(config.cni.prober()),
+            prober,
             cni: Arc::new(config.cni),
             coalesce: config.coalesce,
             node,
@@ -217,7 +222,7 @@ impl Daemon {
             retry_at: None,
             changed_at: Instant::now(),
             verdict: None,
-            shutdown: Box::pin(meshgate_shell::shutdown::signal()),
+            shutdown: Box::pin(shutdown),
             tasks: Tasks {
                 stop,
                 admin,
@@ -256,9 +261,14 @@ impl Daemon {
     /// Waits for the next reason to pass; `None` on SIGTERM/SIGINT. A burst of file events
     /// is waited out before returning.
     pub async fn next_wake(&mut self) -> Option<Wake> {
+        let mut first = None;
         let wake = tokio::select! {
             _ = &mut self.shutdown => return None,
-            Some(t) = self.fs_rx.recv() => Wake::Files(t),
+            Some(e) = self.fs_rx.recv() => {
+                let at = e.at;
+                first = Some(e);
+                Wake::Files(at)
+            }
             _ = self.resync.tick() => Wake::Resync,
             Ok(()) = self.node_rx.changed() => Wake::NodeChanged,
             Ok(()) = self.mode_rx.changed() => Wake::ModeChanged,
@@ -266,8 +276,10 @@ impl Daemon {
             _ = sleep_until(self.retry_at) => Wake::Retry,
         };
         match wake {
-            Wake::Files(first) => {
-                self.changed_at = coalesce(&mut self.fs_rx, first, self.coalesce).await;
+            Wake::Files(_) => {
+                if let Some(first) = first {
+                    self.changed_at = coalesce(&mut self.fs_rx, first, self.coalesce).await;
+                }
                 self.fs.ensure();
             }
             // The untaint latency runs from the change that made the node verifiable.
@@ -399,17 +411,21 @@ fn progress(config: &Config) -> (LoopProgress, LoopProgress) {
     (verdict_loop, pods)
 }
 
-/// Starts the inotify watches on the CNI dirs and the node proxy's socket directory; a dir
-/// that does not exist yet is waited for.
+/// Starts the inotify watches on the CNI dirs and the node proxy's socket directory (a dir
+/// that does not exist yet is waited for), and the pre-prober they feed, which lives as long
+/// as the watches.
 fn watch_files(
     config: &Config,
     node_proxy: Option<&NodeProxyWatch>,
-) -> anyhow::Result<(FsWatch, mpsc::UnboundedReceiver<Instant>)> {
+    prober: &Arc<Prober>,
+) -> anyhow::Result<(FsWatch, mpsc::UnboundedReceiver<FsEvent>)> {
     let (tx, rx) = mpsc::unbounded_channel();
     let mut dirs = config.cni.cni_bin_dirs.clone();
     dirs.extend(node_proxy.and_then(NodeProxyWatch::socket_dir));
-    let fs =
-        FsWatch::start(&config.cni.cni_conf_dir, &dirs, tx).context("starting inotify watches")?;
+    let pre = PreProber::start(prober.clone()).context("starting the pre-probe workers")?;
+    let notice = Arc::new(move |p: &std::path::Path| pre.notice(p));
+    let fs = FsWatch::start(&config.cni.cni_conf_dir, &dirs, tx, notice)
+        .context("starting inotify watches")?;
     if !fs.all_direct() {
         tracing::info!(node = %config.node, dir = %config.cni.cni_conf_dir.display(), "a CNI directory does not exist yet; waiting for it");
     }
@@ -435,30 +451,6 @@ async fn start_admin(
         progress,
         wait_stop(stop),
     ))))
-}
-
-/// A burst of file events ends after `quiet` without one, and at the latest
-/// `COALESCE_LIMIT` times `quiet` after it began.
-const COALESCE_LIMIT: u32 = 10;
-
-/// Waits until a burst of file events is over, so a write-then-rename is one change, and
-/// returns when the last event of the burst happened. The bound matters: a writer touching
-/// the directories more often than `quiet`, forever (a flapping installer, a log rotated into
-/// the conf dir), would otherwise keep the node from ever being verified again.
-async fn coalesce(
-    rx: &mut mpsc::UnboundedReceiver<Instant>,
-    first: Instant,
-    quiet: Duration,
-) -> Instant {
-    let end = tokio::time::Instant::now() + quiet * COALESCE_LIMIT;
-    let mut last = first;
-    loop {
-        let at = (tokio::time::Instant::now() + quiet).min(end);
-        match tokio::time::timeout_at(at, rx.recv()).await {
-            Ok(Some(t)) => last = t,
-            Ok(None) | Err(_) => return last,
-        }
-    }
 }
 
 async fn wait_stop(mut rx: watch::Receiver<bool>) {
@@ -528,54 +520,5 @@ async fn watch_node(api: Api<Node>, name: String, tx: watch::Sender<Option<Node>
             }
             Err(e) => tracing::debug!(node = %name, error = %e, "node watch error; retrying"),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn a_burst_ends_when_it_goes_quiet_and_reports_its_last_event() {
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let first = Instant::now();
-        let mut sent = Vec::new();
-        for _ in 0..3 {
-            let t = Instant::now();
-            tx.send(t).unwrap();
-            sent.push(t);
-        }
-        let last = coalesce(&mut rx, first, Duration::from_millis(20)).await;
-        assert_eq!(last, sent[2]);
-    }
-
-    /// A writer touching the directory every 5 ms forever: the burst is cut at its bound
-    /// (200 ms here) instead of keeping the loop from verifying while the writes go on.
-    #[tokio::test]
-    async fn a_burst_that_never_goes_quiet_is_cut_at_its_bound() {
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let writer = tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                if tx.send(Instant::now()).is_err() {
-                    break;
-                }
-            }
-        });
-        let start = Instant::now();
-        let ended = tokio::time::timeout(
-            Duration::from_secs(5),
-            coalesce(&mut rx, start, Duration::from_millis(20)),
-        )
-        .await;
-        assert!(
-            ended.is_ok(),
-            "the burst was never cut while the writes went on"
-        );
-        assert!(
-            !writer.is_finished(),
-            "the writer was still writing when it was cut"
-        );
-        writer.abort();
     }
 }

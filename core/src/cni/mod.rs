@@ -12,10 +12,12 @@
 //! because libcni's Go decoder is what decides what the runtime loads.
 
 mod binaries;
+pub mod burst;
 pub mod config;
 pub mod gojson;
 pub mod listing;
 pub mod multus;
+pub mod plan;
 pub mod probe;
 pub mod reason;
 pub mod runtime;

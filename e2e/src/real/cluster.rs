@@ -126,9 +126,20 @@ impl RealCluster {
     /// (the chart makes its own TLS material). Returns once the webhook's replicas and an
     /// agent on every node are Ready; the error carries their statuses and logs otherwise.
     pub async fn install_meshgate(&self) -> Result<(), Error> {
-        let values = crate::harness::paths::repo_root().join(REAL_NODE_VALUES);
-        let values = values.to_string_lossy();
-        helm::release(&self.cp, "install", &["--values", &values], INSTALL_TIMEOUT).await?;
+        self.install_meshgate_with(&[]).await
+    }
+
+    /// [`RealCluster::install_meshgate`] with more values files (repository-relative paths),
+    /// layered over the real node's in order.
+    pub async fn install_meshgate_with(&self, more_values: &[&str]) -> Result<(), Error> {
+        let root = crate::harness::paths::repo_root();
+        let mut args = Vec::new();
+        for file in std::iter::once(REAL_NODE_VALUES).chain(more_values.iter().copied()) {
+            args.push("--values".to_owned());
+            args.push(root.join(file).to_string_lossy().into_owned());
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        helm::release(&self.cp, "install", &args, INSTALL_TIMEOUT).await?;
         self.ready_pods("meshgate-webhook", None, WEBHOOK_REPLICAS)
             .await?;
         let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner()).clone();

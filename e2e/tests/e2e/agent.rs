@@ -614,3 +614,65 @@ async fn live_fails_while_a_verification_hangs_and_recovers_after_it() -> anyhow
     assert_eq!(live, Some(200), "{}", agent.log());
     Ok(())
 }
+
+/// The sum of the agent's `/metrics` sample, 0 when it is not printed yet.
+async fn sample(agent: &Agent, name: &str) -> f64 {
+    agent.metric(name).await.unwrap_or(0.0)
+}
+
+/// The mesh's installer copies its plugin binary (here one that takes 500 ms to answer
+/// VERSION, as a big Go binary's first exec does) before it writes the conflist that chains
+/// it: the agent probes the binary when it lands, so the verification after the conflist
+/// write finds the answer cached and runs no binary at all (the chain's other binaries were
+/// answered while the node was verified before).
+#[tokio::test]
+async fn a_plugin_installed_before_its_conflist_is_probed_ahead() -> anyhow::Result<()> {
+    const RAN: &str = "meshgate_preprobes_total{result=\"ran\"}";
+    const MISS: &str = "meshgate_probe_cache_lookups_total{result=\"miss\"}";
+    const HIT: &str = "meshgate_probe_cache_lookups_total{result=\"hit\"}";
+    const LATENCY: &str = "meshgate_untaint_latency_seconds_sum";
+    let cp = cp().await;
+    let client = cp.client()?;
+    let (node, dirs, agent) = start_node(
+        cp,
+        &client,
+        "agent-preprobe",
+        Some("calico-linkerd.conflist"),
+        &[],
+    )
+    .await?;
+    wait_node(&client, &node, "Verified", open).await?;
+    // S4: the mesh is uninstalled from the chain.
+    dirs.config("10-calico.conflist", &golden("calico.conflist")?)?;
+    wait_gated_naming(&client, &node, "ChainedPluginMissing", "10-calico.conflist").await?;
+
+    // S1 again, as installers do it: the (new, slow) binary first, then the conflist.
+    let answer = meshgate_e2e::sim::node::GOOD_PLUGIN.trim_start_matches("#!/bin/sh\n");
+    dirs.plugin("linkerd-cni", &format!("#!/bin/sh\nsleep 0.5\n{answer}"))?;
+    let mut ran = 0.0;
+    for _ in 0..100 {
+        ran = sample(&agent, RAN).await;
+        if ran >= 1.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(ran, 1.0, "probed ahead once: {}", agent.log());
+    let (miss, hit) = (sample(&agent, MISS).await, sample(&agent, HIT).await);
+    let latency = sample(&agent, LATENCY).await;
+
+    dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist")?)?;
+    wait_node(&client, &node, "untainted and Verified again", open).await?;
+    assert_eq!(
+        sample(&agent, MISS).await,
+        miss,
+        "the verification after the conflist write ran a binary: {}",
+        agent.log()
+    );
+    assert!(sample(&agent, HIT).await > hit, "{}", agent.log());
+    println!(
+        "untaint after the conflist write, the 500 ms plugin probed ahead: {:.1} ms",
+        (sample(&agent, LATENCY).await - latency) * 1000.0
+    );
+    Ok(())
+}

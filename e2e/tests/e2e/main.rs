@@ -9,6 +9,7 @@ mod abuse;
 mod abuse_pods;
 mod agent;
 mod ambient;
+mod ambient_real;
 mod authz;
 mod control_plane;
 mod faults;

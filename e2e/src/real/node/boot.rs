@@ -112,15 +112,18 @@ impl RealNode {
             self.bins.meshgate_image.clone(),
         ];
         for image in images {
-            let path = image.display().to_string();
-            self.ctr(&["-n", K8S_NS, "images", "import", &path])
-                .await
-                .map_err(|detail| Error::RealNode {
-                    part: "the node images",
-                    detail,
-                })?;
+            self.import_image(&image, "the node images").await?;
         }
         Ok(begun.elapsed())
+    }
+
+    /// Imports one OCI image-layout tarball into containerd's `k8s.io` namespace.
+    pub(super) async fn import_image(&self, tar: &Path, part: &'static str) -> Result<(), Error> {
+        let path = tar.display().to_string();
+        self.ctr(&["-n", K8S_NS, "images", "import", &path])
+            .await
+            .map(drop)
+            .map_err(|detail| Error::RealNode { part, detail })
     }
 
     /// The kubelet, as system:node:<name> in system:nodes (Node authorizer, NodeRestriction),

@@ -52,6 +52,7 @@ use std::sync::{Mutex, mpsc};
 use std::time::{Duration, Instant};
 use teardown::*;
 
+mod ambient;
 mod binaries;
 mod boot;
 mod cni;
@@ -60,6 +61,7 @@ mod footprint;
 mod spawn;
 mod teardown;
 
+pub use ambient::{INSTALL_CNI_IMAGE, NODE_PROC, UnixSocket, ZTUNNEL_STANDIN_IMAGE};
 pub use binaries::{CNI_PLUGINS_ENV, NodeBinaries};
 pub use cni::{CachedAttachment, istio_cni_entry};
 pub use footprint::{Footprint, host_residue};

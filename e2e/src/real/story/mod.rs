@@ -47,7 +47,9 @@ mod steps;
 mod workload;
 
 pub use observe::{all_running, istio_cni_log};
-pub use workload::{app_pid, in_netns, inspect_pid, istio_cni_kubeconfig, sidecar_pod_template};
+pub use workload::{
+    app_pid, container_pid, in_netns, inspect_pid, istio_cni_kubeconfig, sidecar_pod_template,
+};
 
 /// The namespace the story's workload runs in.
 pub const NAMESPACE: &str = "demo";

@@ -128,7 +128,7 @@ pub async fn app_pid(node: &RealNode, pod: &Pod) -> anyhow::Result<i32> {
 }
 
 /// The host pid of the pod's container `name`, from containerd's task list.
-pub(super) async fn container_pid(node: &RealNode, pod: &Pod, name: &str) -> anyhow::Result<i32> {
+pub async fn container_pid(node: &RealNode, pod: &Pod, name: &str) -> anyhow::Result<i32> {
     let id = pod
         .status
         .as_ref()
