@@ -4,9 +4,10 @@
 //! In: the [`NodeProxy`] record (the named profile's, with the `--node-proxy-*` flags over
 //! it), this node's name and the pod client. Out: the proxy's pods bound to this node, on a
 //! `watch` channel whose changes wake the verdict loop; what is at the socket path and
-//! whether an established connection is on it ([`look`]: one `lstat`, then one unix
-//! sock_diag dump in the agent's own network namespace, the host's, where istio-cni's node
-//! agent listens; never a connection of our own), polled every [`CONNECTION_POLL`] on a
+//! whether an established connection is on it ([`look`]: one `lstat`, then unix sock_diag
+//! dumps in the Ready proxy pods' network namespaces, where the kernel puts both ends of the
+//! proxy's connection, and in the agent's own; never a connection of our own), polled
+//! every [`CONNECTION_POLL`] on a
 //! second `watch` channel that changes only when the outcome does (a connection coming or
 //! going is no file event). `meshgate_core::node_proxy::judge` decides from all three.
 
@@ -20,6 +21,8 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 use kube::runtime::{WatchStreamExt, watcher};
 use meshgate_core::node_proxy::{ConnectionSeen, NodeProxy, ProxyPod, SocketSeen};
+
+use crate::sock_diag::unix::Bound;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -62,7 +65,7 @@ impl NodeProxyWatch {
         let node = node.to_string();
         let task = tokio::spawn(run(api, config, node, tx));
         let (socket_tx, socket) = watch::channel(None);
-        let poll = tokio::spawn(poll(proxy.socket.clone(), socket_tx));
+        let poll = tokio::spawn(poll(proxy.socket.clone(), pods.clone(), socket_tx));
         Self {
             proxy,
             pods,
@@ -160,18 +163,34 @@ fn proxy_pod(p: &Pod) -> ProxyPod {
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
     ProxyPod {
         name: p.metadata.name.clone().unwrap_or_default(),
+        uid: p.metadata.uid.clone().unwrap_or_default(),
         ready,
         deleting: p.metadata.deletion_timestamp.is_some(),
     }
 }
 
+/// The UIDs of the proxy's pods that are Ready and not being deleted: the pods whose
+/// network namespace holds the proxy's end of its connection.
+pub fn ready_uids(pods: Option<&[ProxyPod]>) -> Vec<String> {
+    pods.unwrap_or_default()
+        .iter()
+        .filter(|p| p.ready && !p.deleting && !p.uid.is_empty())
+        .map(|p| p.uid.clone())
+        .collect()
+}
+
 /// Looks every [`CONNECTION_POLL`] and publishes what it saw when it differs.
-async fn poll(path: String, tx: watch::Sender<Option<Seen>>) {
+async fn poll(
+    path: String,
+    pods: watch::Receiver<Option<Vec<ProxyPod>>>,
+    tx: watch::Sender<Option<Seen>>,
+) {
     let mut tick = tokio::time::interval(CONNECTION_POLL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let now = look(&path).await;
+        let uids = ready_uids(pods.borrow().as_deref());
+        let now = look(&path, uids).await;
         tx.send_if_modified(|cur| {
             let changed = cur.as_ref() != Some(&now);
             if changed {
@@ -184,11 +203,12 @@ async fn poll(path: String, tx: watch::Sender<Option<Seen>>) {
 
 /// What is at `path` (not following a symlink: ztunnel connects to the path itself, and a
 /// socket is never reached through one there) and, when it is a socket, whether a
-/// connection is established on it, within [`SOCKET_TIMEOUT`] for both.
-pub async fn look(path: &str) -> Seen {
+/// connection is established on it (in the agent's own network namespace or in that of one
+/// of the pods `uids`), within [`SOCKET_TIMEOUT`] for both.
+pub async fn look(path: &str, uids: Vec<String>) -> Seen {
     let path = PathBuf::from(path);
     let deadline = Instant::now() + SOCKET_TIMEOUT;
-    let look = tokio::task::spawn_blocking(move || look_blocking(&path, deadline));
+    let look = tokio::task::spawn_blocking(move || look_blocking(&path, &uids, deadline));
     match tokio::time::timeout(SOCKET_TIMEOUT, look).await {
         Ok(Ok(seen)) => seen,
         Err(_) => {
@@ -205,8 +225,8 @@ pub async fn look(path: &str) -> Seen {
     }
 }
 
-/// [`look`]'s blocking half: one `lstat`, then, for a socket, one sock_diag dump.
-pub(crate) fn look_blocking(path: &Path, deadline: Instant) -> Seen {
+/// [`look`]'s blocking half: one `lstat`, then, for a socket, the sock_diag dumps.
+pub(crate) fn look_blocking(path: &Path, uids: &[String], deadline: Instant) -> Seen {
     let m = match std::fs::symlink_metadata(path) {
         Ok(m) => m,
         Err(e) => {
@@ -222,19 +242,59 @@ pub(crate) fn look_blocking(path: &Path, deadline: Instant) -> Seen {
     if seen != SocketSeen::Socket {
         return (seen, ConnectionSeen::NotConnected);
     }
-    let bound = crate::sock_diag::unix::Bound {
+    let bound = Bound {
         path,
         dev: m.dev(),
         ino: m.ino(),
     };
-    let connected = crate::sock_diag::open()
-        .and_then(|s| crate::sock_diag::unix::connections(&s, &bound, deadline));
-    let connection = match connected {
-        Ok(0) => ConnectionSeen::NotConnected,
-        Ok(_) => ConnectionSeen::Connected,
-        Err(e) => ConnectionSeen::Unreadable(e.to_string()),
+    (seen, connection(&bound, uids, deadline))
+}
+
+/// Whether an established connection carries `bound`'s address: the kernel creates the
+/// listener's accepted end in the network namespace of the socket that connected, so it is
+/// looked for in each Ready proxy pod's namespace (ztunnel runs in a pod network of its own)
+/// and in the agent's own (a proxy on the host network). One dump per namespace.
+fn connection(bound: &Bound<'_>, uids: &[String], deadline: Instant) -> ConnectionSeen {
+    let here = crate::sock_diag::open()
+        .and_then(|s| crate::sock_diag::unix::connections(&s, bound, deadline));
+    match here {
+        Ok(n) if n > 0 => return ConnectionSeen::Connected,
+        Ok(_) => {}
+        Err(e) => return ConnectionSeen::Unreadable(e.to_string()),
+    }
+    if uids.is_empty() {
+        return ConnectionSeen::NotConnected;
+    }
+    let namespaces = match crate::netns::discover(&[]) {
+        Ok(n) => n,
+        Err(e) => return ConnectionSeen::Unreadable(e.to_string()),
     };
-    (seen, connection)
+    for r in namespaces {
+        let owners = crate::netns::pod_uids(&r.pids);
+        if !uids.iter().any(|u| owners.contains(u)) {
+            continue;
+        }
+        match in_namespace(&r, bound, deadline) {
+            Ok(n) if n > 0 => return ConnectionSeen::Connected,
+            Ok(_) => {}
+            // The pod's process exited meanwhile: its connection is gone with it.
+            Err(e) => {
+                tracing::debug!(netns = %r.path.display(), error = %e, "node proxy pod's namespace not readable")
+            }
+        }
+    }
+    ConnectionSeen::NotConnected
+}
+
+/// Connections carrying `bound`'s address in the namespace `r`, through a pinned descriptor.
+fn in_namespace(
+    r: &crate::netns::NetnsRef,
+    bound: &Bound<'_>,
+    deadline: Instant,
+) -> anyhow::Result<usize> {
+    let pinned = r.pin()?;
+    let sock = pinned.sock_diag()??;
+    Ok(crate::sock_diag::unix::connections(&sock, bound, deadline)?)
 }
 
 fn kind(t: std::fs::FileType) -> SocketSeen {
@@ -318,6 +378,7 @@ mod tests {
                 &mut pods,
                 ProxyPod {
                     name: format!("p{i}"),
+                    uid: format!("u{i}"),
                     ready: false,
                     deleting: false,
                 },

@@ -171,6 +171,10 @@ impl Daemon {
         let mode = watch_mode(&config, &clients, &metrics).await;
         let (node_tx, node_rx) = watch::channel::<Option<Node>>(None);
         let (verdict_tx, verdict_rx) = watch::channel::<Option<ChainVerdict>>(None);
+        let mut node_proxy = config
+            .node_proxy
+            .clone()
+            .map(|p| NodeProxyWatch::start(clients.node.clone(), &node, p));
         let pods = pods::spawn(
             config.pods.clone(),
             pod_clients,
@@ -181,6 +185,7 @@ impl Daemon {
                 progress: pod_progress,
                 stop: stop_rx,
                 mode: mode.subscribe(),
+                node_proxy_pods: node_proxy.as_ref().map(|np| np.pods.clone()),
             },
         );
         let node_watch = tokio::spawn(watch_node(
@@ -188,10 +193,6 @@ impl Daemon {
             node.clone(),
             node_tx,
         ));
-        let mut node_proxy = config
-            .node_proxy
-            .clone()
-            .map(|p| NodeProxyWatch::start(clients.node.clone(), &node, p));
         if let Some(np) = node_proxy.as_mut() {
             np.wait_listed(config.api_timeout).await;
         }
@@ -484,7 +485,8 @@ async fn verify(cni: Arc<CniArgs>, prober: Arc<Prober>) -> ChainVerdict {
 async fn judge_node_proxy(chain: ChainVerdict, np: &mut NodeProxyWatch) -> ChainVerdict {
     let pods = np.pods.borrow_and_update().clone();
     np.socket.borrow_and_update();
-    let (socket, connection) = node_proxy::look(&np.proxy.socket).await;
+    let uids = node_proxy::ready_uids(pods.as_deref());
+    let (socket, connection) = node_proxy::look(&np.proxy.socket, uids).await;
     let seen = meshgate_core::node_proxy::Observed {
         pods,
         socket,

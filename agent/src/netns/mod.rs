@@ -346,6 +346,13 @@ impl Pinned {
         (self.dev, self.inode)
     }
 
+    /// Enters it through the held descriptor and opens a sock_diag socket there.
+    pub fn sock_diag(
+        &self,
+    ) -> Result<Result<crate::netlink::Socket, crate::sock_diag::DiagError>, NetnsError> {
+        with_netns_file(&self.file, &self.path, crate::sock_diag::open)
+    }
+
     /// Enters it through the held descriptor and opens its sockets: see [`open`].
     pub fn open(&self, with_rules: bool) -> Result<Opened, NetnsError> {
         open_file(&self.file, &self.path, with_rules)

@@ -156,6 +156,9 @@ pub fn required<'a>(
 pub struct ProxyPod {
     /// `metadata.name`.
     pub name: String,
+    /// `metadata.uid`: the agent finds the pod's network namespace by it, where the
+    /// proxy's end of its connection lives.
+    pub uid: String,
     /// Its `Ready` condition is `True`.
     pub ready: bool,
     /// It has a `deletionTimestamp`: it is going away.
@@ -175,9 +178,10 @@ pub enum SocketSeen {
     Unreadable(String),
 }
 
-/// Whether the proxy is connected to the socket: an established unix socket in the host's
-/// network namespace whose address is the socket's (the listener's accepted end of the
-/// proxy's connection), matched by the socket file's device and inode.
+/// Whether the proxy is connected to the socket: an established unix socket whose address
+/// is the socket's (the listener's accepted end of the proxy's connection, which the kernel
+/// creates in the *connecting* socket's network namespace: the proxy pod's), matched by the
+/// socket file's device and inode.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ConnectionSeen {
     /// At least one such connection.

@@ -16,6 +16,7 @@ fn chain(reason: Reason) -> ChainVerdict {
 fn pod(name: &str, ready: bool, deleting: bool) -> ProxyPod {
     ProxyPod {
         name: name.into(),
+        uid: format!("uid-{name}"),
         ready,
         deleting,
     }

@@ -108,6 +108,11 @@ impl Inspector {
                 profile: profile.clone(),
                 proxy: proxy.clone(),
                 ready: self.last_verdict.is_some_and(|(verified, _)| verified),
+                pods: self
+                    .node_proxy_pods
+                    .as_ref()
+                    .map(|rx| crate::daemon::node_proxy::ready_uids(rx.borrow().as_deref()))
+                    .unwrap_or_default(),
             });
         let jobs: Vec<Job> = due
             .iter()

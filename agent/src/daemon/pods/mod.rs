@@ -60,7 +60,7 @@ use kube::runtime::watcher;
 use meshgate_core::cni::{ChainVerdict, Reason};
 use meshgate_core::evict::{Flags, RateLimiter};
 use meshgate_core::mode::Mode;
-use meshgate_core::node_proxy::NodeProxy;
+use meshgate_core::node_proxy::{NodeProxy, ProxyPod};
 use meshgate_core::profile::ProfileSet;
 use meshgate_core::projection::PodKeys;
 use meshgate_shell::admin::LoopProgress;
@@ -127,6 +127,9 @@ pub struct Inputs {
     pub stop: watch::Receiver<bool>,
     /// The live mode (`meshgate_shell::mode`).
     pub mode: watch::Receiver<Mode>,
+    /// The required node proxy's pods on this node, when there is one: the batch re-check of
+    /// its connection looks in their network namespaces.
+    pub node_proxy_pods: Option<watch::Receiver<Option<Vec<ProxyPod>>>>,
 }
 
 /// Spawns the inspector with `clients` (without kube's 429 retry, so a PDB refusal is seen as
@@ -147,6 +150,8 @@ pub struct Inspector {
     progress: LoopProgress,
     /// The live mode: `report` evicts nothing.
     mode: watch::Receiver<Mode>,
+    /// The required node proxy's pods ([`Inputs::node_proxy_pods`]).
+    node_proxy_pods: Option<watch::Receiver<Option<Vec<ProxyPod>>>>,
     tracker: Tracker,
     limiter: RateLimiter,
     /// The clock origin: `core::evict` and the tracker take durations since it.
@@ -213,6 +218,7 @@ pub async fn run(config: Config, clients: Clients, inputs: Inputs) {
         inputs.progress,
         mode.clone(),
     );
+    me.node_proxy_pods = inputs.node_proxy_pods;
     let mut namespace_events = namespace_stream(&clients, me.namespaces.watched());
     me.on_verdict(&verdict.borrow_and_update());
     let mut verdict_open = true;
@@ -290,6 +296,7 @@ impl Inspector {
             metrics,
             progress,
             mode,
+            node_proxy_pods: None,
             tracker: Tracker::new(),
             origin: Instant::now(),
             last_verdict: None,

@@ -58,6 +58,8 @@ pub struct ProxyCheck {
     pub proxy: NodeProxy,
     /// The node's verdict is verified (so the proxy is ready): missing listeners may evict.
     pub ready: bool,
+    /// UIDs of its Ready pods on the node, where its connection is looked for again.
+    pub pods: Vec<String>,
 }
 
 /// How long reading one pod's listening ports may take.
@@ -226,7 +228,7 @@ pub fn confirm_ready(mut jobs: Vec<Job>) -> Vec<Job> {
     };
     let deadline = Instant::now() + LISTEN_TIMEOUT;
     let (_, connection) =
-        crate::daemon::node_proxy::look_blocking(Path::new(&np.proxy.socket), deadline);
+        crate::daemon::node_proxy::look_blocking(Path::new(&np.proxy.socket), &np.pods, deadline);
     if connection != meshgate_core::node_proxy::ConnectionSeen::Connected {
         for np in jobs.iter_mut().filter_map(|j| j.node_proxy.as_mut()) {
             np.ready = false;
