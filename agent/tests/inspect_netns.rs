@@ -1885,6 +1885,9 @@ mod node_proxy_listeners {
         let (facts, _) = netns::survey(&dirs).expect("survey");
         let got = inspect_one(&facts, &job(ip, ready));
         let i = &got.inspections[0];
+        // Held from eviction exactly when listeners are missing while ztunnel is not ready.
+        let held = i.verdict == RedirectVerdict::Missing && !ready;
+        assert_eq!(got.held.is_some(), held, "{got:?}");
         (i.verdict, i.message.clone())
     }
 
@@ -1903,9 +1906,13 @@ mod node_proxy_listeners {
             why,
             "ztunnel has not taken this pod: no listener on 15008, 15006, 15001 in its netns"
         );
-        // ...while ztunnel is not ready on the node: reported, never evicted.
+        // ...while ztunnel is not ready on the node: reported missing, held from eviction.
         let (v, why) = inspect(ip, false);
-        assert_eq!(v, RedirectVerdict::Unknown, "{why}");
+        assert_eq!(v, RedirectVerdict::Missing, "{why}");
+        assert!(
+            why.ends_with("not evicted while ztunnel is not ready on this node"),
+            "{why}"
+        );
 
         // ztunnel opens its listeners inside the pod's netns (one of them IPv6-only: both
         // families are read). The sockets stay in the namespace after the thread returns.

@@ -321,25 +321,31 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let sock = tmp.path().join("ztunnel.sock");
         let at = sock.to_str().unwrap().to_string();
-        assert_eq!(look(&at).await.0, SocketSeen::Missing);
+        assert_eq!(look(&at, Vec::new()).await.0, SocketSeen::Missing);
         let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
         assert_eq!(
-            look(&at).await,
+            look(&at, Vec::new()).await,
             (SocketSeen::Socket, ConnectionSeen::NotConnected)
         );
         let client = std::os::unix::net::UnixStream::connect(&sock).unwrap();
         let accepted = listener.accept().unwrap();
         assert_eq!(
-            look(&at).await,
+            look(&at, Vec::new()).await,
             (SocketSeen::Socket, ConnectionSeen::Connected)
         );
         drop((client, accepted, listener));
         std::fs::remove_file(&sock).unwrap();
         std::fs::write(&sock, b"").unwrap();
-        assert_eq!(look(&at).await.0, SocketSeen::NotASocket("a regular file"));
+        assert_eq!(
+            look(&at, Vec::new()).await.0,
+            SocketSeen::NotASocket("a regular file")
+        );
         std::fs::remove_file(&sock).unwrap();
         std::fs::create_dir(&sock).unwrap();
-        assert_eq!(look(&at).await.0, SocketSeen::NotASocket("a directory"));
+        assert_eq!(
+            look(&at, Vec::new()).await.0,
+            SocketSeen::NotASocket("a directory")
+        );
     }
 
     #[test]

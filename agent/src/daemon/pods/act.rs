@@ -32,6 +32,9 @@ struct Missing<'a> {
     summary: String,
     /// The inspected namespace, held for the re-check before evicting.
     pinned: Option<Pinned>,
+    /// The deciding profile's missing part is its node proxy's listeners while the proxy
+    /// is not ready: never evicted.
+    node_proxy_hold: bool,
 }
 
 impl Inspector {
@@ -191,12 +194,14 @@ impl Inspector {
                 let has_proxy = info.has_proxy(profiles, profile);
                 let summary = self.summary(decided, &inspected, has_proxy);
                 let pinned = inspected.pinned.take();
+                let node_proxy_hold = inspected.held.as_deref() == Some(profile.as_str());
                 let missing = Missing {
                     due: &d,
                     decided,
                     has_proxy,
                     summary,
                     pinned,
+                    node_proxy_hold,
                 };
                 self.act(missing).await;
             }
@@ -230,6 +235,7 @@ impl Inspector {
             verdict: RedirectVerdict::Missing,
             has_proxy: m.has_proxy,
             owned: info.owned,
+            node_proxy_hold: m.node_proxy_hold,
             key: &key,
         };
         let now = self.now();

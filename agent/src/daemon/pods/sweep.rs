@@ -78,6 +78,9 @@ pub struct Inspected {
     pub pinned: Option<Pinned>,
     /// Time spent on this pod: locating, reading and matching.
     pub elapsed: Duration,
+    /// The profile whose `missing` verdict must not evict: the node proxy's listeners are
+    /// what is missing, and the proxy is not ready (`core::node_proxy::pod::judge`).
+    pub held: Option<String>,
 }
 
 /// What one batch found.
@@ -156,13 +159,13 @@ fn read_pinned(r: &NetnsRef, ips: &[IpAddr], listeners: bool) -> Result<Read, Ne
 }
 
 /// `profile`'s inspection of the rules, with the node proxy's listeners over it when the
-/// node requires that profile's proxy.
+/// node requires that profile's proxy; and whether it must not evict.
 fn judge(
     ruleset: &rules::Ruleset,
     p: &MeshProfile,
     job: &Job,
     listening: Option<&Result<BTreeSet<u16>, String>>,
-) -> Inspection {
+) -> (Inspection, bool) {
     let families = locate::required_families(&job.ips);
     // What the mesh writes follows from the profile and the pod's annotations (opt-outs
     // of a direction or family), so a pod that opted out is not missing.
@@ -172,22 +175,26 @@ fn judge(
             let l = l.as_ref().map_err(String::as_str);
             meshgate_core::node_proxy::pod::judge(inspection, &np.proxy, l, np.ready)
         }
-        _ => inspection,
+        _ => (inspection, false),
     }
 }
 
 /// Inspects one pod against the surveyed namespaces.
 pub fn inspect_one(facts: &[NetnsFacts<NetnsRef>], job: &Job) -> Inspected {
     let start = Instant::now();
+    let mut held = None;
     let (inspections, netns, pinned) = match locate::locate(facts, &job.ips, Some(&job.uid)) {
         Located::Unknown(why) => (all_unknown(&job.profiles, &why), None, None),
         Located::Found(r) => match read_pinned(&r, &job.ips, wants_listeners(job)) {
             Ok((pinned, ruleset, listening)) => {
-                let inspections: Vec<Inspection> = job
-                    .profiles
-                    .iter()
-                    .map(|p| judge(&ruleset, p, job, listening.as_ref()))
-                    .collect();
+                let mut inspections = Vec::with_capacity(job.profiles.len());
+                for p in &job.profiles {
+                    let (i, hold) = judge(&ruleset, p, job, listening.as_ref());
+                    if hold {
+                        held = Some(p.name.clone());
+                    }
+                    inspections.push(i);
+                }
                 let missing = inspections
                     .iter()
                     .any(|i| i.verdict == RedirectVerdict::Missing);
@@ -205,6 +212,7 @@ pub fn inspect_one(facts: &[NetnsFacts<NetnsRef>], job: &Job) -> Inspected {
         netns,
         pinned,
         elapsed: start.elapsed(),
+        held,
     }
 }
 
@@ -253,6 +261,7 @@ pub fn run(jobs: &[Job], netns_dirs: &[PathBuf]) -> Batch {
                         netns: None,
                         pinned: None,
                         elapsed: Duration::ZERO,
+                        held: None,
                     })
                     .collect(),
                 survey: start.elapsed(),

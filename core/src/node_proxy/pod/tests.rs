@@ -32,9 +32,9 @@ fn every_combination_of_rules_listeners_and_readiness() {
         (Redirected, Ok(&all), true, Redirected),
         (Redirected, Ok(&all), false, Redirected),
         (Redirected, Ok(&some), true, Missing),
-        (Redirected, Ok(&some), false, Unknown),
+        (Redirected, Ok(&some), false, Missing),
         (Redirected, Ok(&none), true, Missing),
-        (Redirected, Ok(&none), false, Unknown),
+        (Redirected, Ok(&none), false, Missing),
         (Redirected, Err("EPERM"), true, Unknown),
         (Redirected, Err("EPERM"), false, Unknown),
     ];
@@ -48,11 +48,20 @@ fn every_combination_of_rules_listeners_and_readiness() {
         }
     }
     for (rules_verdict, listening, ready, want) in table {
-        let got = judge(rules(rules_verdict), &ztunnel(), listening, ready);
+        let (got, hold) = judge(rules(rules_verdict), &ztunnel(), listening, ready);
         assert_eq!(
             got.verdict, want,
             "rules {rules_verdict:?}, listening {listening:?}, ready {ready}: {}",
             got.message
+        );
+        // Held (never evicted) exactly when listeners are what is missing and the proxy is
+        // not ready.
+        let listeners_missing =
+            rules_verdict == Redirected && matches!(listening, Ok(l) if l != &all);
+        assert_eq!(
+            hold,
+            listeners_missing && !ready,
+            "{rules_verdict:?} {listening:?} {ready}"
         );
     }
 }
@@ -65,7 +74,8 @@ fn the_message_names_the_ports_that_do_not_listen() {
         &ztunnel(),
         Ok(&some),
         true,
-    );
+    )
+    .0;
     assert_eq!(
         got.message,
         "ztunnel has not taken this pod: no listener on 15008, 15001 in its netns"
@@ -75,7 +85,8 @@ fn the_message_names_the_ports_that_do_not_listen() {
         &ztunnel(),
         Ok(&some),
         false,
-    );
+    )
+    .0;
     assert_eq!(
         got.message,
         "ztunnel has not taken this pod: no listener on 15008, 15001 in its netns; \
@@ -86,7 +97,8 @@ fn the_message_names_the_ports_that_do_not_listen() {
         &ztunnel(),
         Err("EPERM"),
         true,
-    );
+    )
+    .0;
     assert!(
         got.message.ends_with("cannot be read: EPERM"),
         "{}",
@@ -99,7 +111,7 @@ fn a_proxy_without_listen_ports_leaves_the_rules_verdict() {
     let mut proxy = ztunnel();
     proxy.listen_ports.clear();
     let none = ports(&[]);
-    let got = judge(rules(RedirectVerdict::Redirected), &proxy, Ok(&none), true);
+    let (got, _) = judge(rules(RedirectVerdict::Redirected), &proxy, Ok(&none), true);
     assert_eq!(got.verdict, RedirectVerdict::Redirected);
     assert_eq!(got.message, "in-pod rules");
 }
