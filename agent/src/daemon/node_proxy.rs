@@ -252,8 +252,9 @@ pub(crate) fn look_blocking(path: &Path, uids: &[String], deadline: Instant) -> 
 
 /// Whether an established connection carries `bound`'s address: the kernel creates the
 /// listener's accepted end in the network namespace of the socket that connected, so it is
-/// looked for in each Ready proxy pod's namespace (ztunnel runs in a pod network of its own)
-/// and in the agent's own (a proxy on the host network). One dump per namespace.
+/// looked for in each Ready proxy pod's namespace (ztunnel runs in a pod network of its own;
+/// found by the pod UID in its processes' cgroups, or among the namespaces whose cgroups
+/// name no pod) and in the agent's own (a proxy on the host network). One dump per namespace.
 fn connection(bound: &Bound<'_>, uids: &[String], deadline: Instant) -> ConnectionSeen {
     let here = crate::sock_diag::open()
         .and_then(|s| crate::sock_diag::unix::connections(&s, bound, deadline));
@@ -270,8 +271,12 @@ fn connection(bound: &Bound<'_>, uids: &[String], deadline: Instant) -> Connecti
         Err(e) => return ConnectionSeen::Unreadable(e.to_string()),
     };
     for r in namespaces {
+        // As the pod inspector locates pods: a namespace whose processes' cgroups name
+        // another pod is not the proxy's; one whose cgroups name none (a runtime that does
+        // not put pod UIDs in cgroup paths) may be. Either way the match below is by the
+        // listener's own socket file, so only a connection to it counts.
         let owners = crate::netns::pod_uids(&r.pids);
-        if !uids.iter().any(|u| owners.contains(u)) {
+        if !owners.is_empty() && !uids.iter().any(|u| owners.contains(u)) {
             continue;
         }
         match in_namespace(&r, bound, deadline) {
