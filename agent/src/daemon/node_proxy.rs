@@ -266,6 +266,7 @@ fn connection(bound: &Bound<'_>, uids: &[String], deadline: Instant) -> Connecti
     if uids.is_empty() {
         return ConnectionSeen::NotConnected;
     }
+    let mut failed = None;
     let namespaces = match crate::netns::discover(&[]) {
         Ok(n) => n,
         Err(e) => return ConnectionSeen::Unreadable(e.to_string()),
@@ -282,13 +283,15 @@ fn connection(bound: &Bound<'_>, uids: &[String], deadline: Instant) -> Connecti
         match in_namespace(&r, bound, deadline) {
             Ok(n) if n > 0 => return ConnectionSeen::Connected,
             Ok(_) => {}
-            // The pod's process exited meanwhile: its connection is gone with it.
             Err(e) => {
-                tracing::debug!(netns = %r.path.display(), error = %e, "node proxy pod's namespace not readable")
+                tracing::debug!(netns = %r.path.display(), error = %e, "node proxy pod's namespace not readable");
+                failed = Some(format!("{}: {e:#}", r.path.display()));
             }
         }
     }
-    ConnectionSeen::NotConnected
+    // Not found, but a namespace could not be read (a deadline, a permission): say so
+    // rather than "not connected".
+    failed.map_or(ConnectionSeen::NotConnected, ConnectionSeen::Unreadable)
 }
 
 /// Connections carrying `bound`'s address in the namespace `r`, through a pinned descriptor.
