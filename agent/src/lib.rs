@@ -16,3 +16,4 @@ pub mod netfilter;
 pub mod netlink;
 pub mod netns;
 pub mod plugin;
+pub mod sock_diag;

@@ -1,4 +1,5 @@
-//! The agent's netlink sockets (rtnetlink for addresses, nfnetlink for nf_tables dumps), on
+//! The agent's netlink sockets (rtnetlink for addresses, nfnetlink for nf_tables dumps,
+//! sock_diag for sockets: [`crate::sock_diag`]), on
 //! `netlink-sys`, always close-on-exec.
 //!
 //! In: a [`Bus`] and request bytes. Out: the kernel's answer bytes, or an `io::Error`
@@ -27,6 +28,8 @@ pub enum Bus {
     Route,
     /// `NETLINK_NETFILTER`: nf_tables.
     Netfilter,
+    /// `NETLINK_SOCK_DIAG`: the namespace's sockets.
+    SockDiag,
 }
 
 /// A bound netlink socket talking to the kernel.
@@ -43,6 +46,7 @@ impl Socket {
         let protocol = match bus {
             Bus::Route => protocols::NETLINK_ROUTE,
             Bus::Netfilter => protocols::NETLINK_NETFILTER,
+            Bus::SockDiag => protocols::NETLINK_SOCK_DIAG,
         };
         let mut inner = NlSocket::new(protocol)?;
         let portid = inner.bind_auto()?.port_number();
@@ -67,6 +71,16 @@ impl Socket {
         Ok(n)
     }
 
+    /// Bounds each later receive to `timeout` (`SO_RCVTIMEO`): a receive that waits longer
+    /// fails with `EAGAIN`, so a dump has a deadline.
+    pub fn set_recv_timeout(&self, timeout: std::time::Duration) -> io::Result<()> {
+        // SO_RCVTIMEO of zero means "no timeout": at least one microsecond.
+        let micros = timeout.as_micros().clamp(1, i64::MAX as u128) as i64;
+        let tv = nix::sys::time::TimeVal::new(micros / 1_000_000, (micros % 1_000_000) as _);
+        nix::sys::socket::setsockopt(&self.inner, nix::sys::socket::sockopt::ReceiveTimeout, &tv)
+            .map_err(io::Error::from)
+    }
+
     /// The port id the kernel gave the socket.
     pub fn portid(&self) -> u32 {
         self.portid
@@ -86,7 +100,7 @@ mod tests {
     /// The close-on-exec flag is set by `socket(2)` itself; the kernel gave a port id.
     #[test]
     fn sockets_are_close_on_exec_from_the_start() {
-        for bus in [Bus::Route, Bus::Netfilter] {
+        for bus in [Bus::Route, Bus::Netfilter, Bus::SockDiag] {
             let s = Socket::open(bus).unwrap();
             let flags = nix::fcntl::fcntl(&s.inner, nix::fcntl::FcntlArg::F_GETFD).unwrap();
             assert_ne!(flags & libc::FD_CLOEXEC, 0, "{bus:?}");

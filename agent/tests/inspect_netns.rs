@@ -1562,6 +1562,7 @@ mod identity {
             ips: vec![ip],
             annotations: BTreeMap::new(),
             profiles: vec![profile("linkerd")],
+            node_proxy: None,
         }
     }
 
@@ -1845,5 +1846,166 @@ mod identity {
             "{stale:?}"
         );
         true
+    }
+}
+
+/// The pod-level half of a node proxy on real namespaces, through the daemon's path (survey
+/// → `inspect_one`): an ambient pod whose rules are in place is `redirected` only once
+/// ztunnel's listeners (15008, 15006, 15001) are bound inside its netns.
+mod node_proxy_listeners {
+    use std::collections::BTreeMap;
+    use std::net::{IpAddr, Ipv4Addr, TcpListener};
+    use std::path::PathBuf;
+
+    use meshgate_agent::daemon::pods::sweep::{Job, ProxyCheck, inspect_one};
+    use meshgate_agent::netns;
+    use meshgate_core::node_proxy::ztunnel;
+    use meshgate_core::rules::RedirectVerdict;
+    use meshgate_e2e::sim::netns as netns_sim;
+
+    use super::{ISTIO_NFT, Netns, profile};
+
+    fn job(ip: IpAddr, ready: bool) -> Job {
+        Job {
+            uid: "00000000-0000-0000-0000-000000000000".into(),
+            ips: vec![ip],
+            annotations: BTreeMap::new(),
+            profiles: vec![profile("istio-ambient")],
+            node_proxy: Some(ProxyCheck {
+                profile: "istio-ambient".into(),
+                proxy: ztunnel(),
+                ready,
+                pods: Vec::new(),
+            }),
+        }
+    }
+
+    fn inspect(ip: IpAddr, ready: bool) -> (RedirectVerdict, String) {
+        let dirs = vec![PathBuf::from(netns::DEFAULT_NETNS_DIR)];
+        let (facts, _) = netns::survey(&dirs).expect("survey");
+        let got = inspect_one(&facts, &job(ip, ready));
+        let i = &got.inspections[0];
+        // Held from eviction exactly when listeners are missing while ztunnel is not ready.
+        let held = i.verdict == RedirectVerdict::Missing && !ready;
+        assert_eq!(got.held.is_some(), held, "{got:?}");
+        (i.verdict, i.message.clone())
+    }
+
+    #[test]
+    fn ztunnels_listeners_in_the_pods_netns_make_an_ambient_pod_redirected() {
+        let [a, b, c] = netns_sim::private_subnet();
+        let ip = IpAddr::V4(Ipv4Addr::new(a, b, c, 9));
+        let ns = Netns::new("ztl");
+        ns.addr(&format!("{ip}/24"));
+        ns.nft(ISTIO_NFT);
+
+        // istio-cni's rules, but ztunnel has not taken the pod.
+        let (v, why) = inspect(ip, true);
+        assert_eq!(v, RedirectVerdict::Missing, "{why}");
+        assert_eq!(
+            why,
+            "ztunnel has not taken this pod: no listener on 15008, 15006, 15001 in its netns"
+        );
+        // ...while ztunnel is not ready on the node: reported missing, held from eviction.
+        let (v, why) = inspect(ip, false);
+        assert_eq!(v, RedirectVerdict::Missing, "{why}");
+        assert!(
+            why.ends_with("not evicted while ztunnel is not ready on this node"),
+            "{why}"
+        );
+
+        // ztunnel opens its listeners inside the pod's netns (one of them IPv6-only: both
+        // families are read). The sockets stay in the namespace after the thread returns.
+        let bind = |addr: &str| TcpListener::bind(addr).expect("bind in the pod's netns");
+        let some = netns::with_netns(&ns.path(), || bind("0.0.0.0:15006")).expect("enter");
+        let (v, why) = inspect(ip, true);
+        assert_eq!(v, RedirectVerdict::Missing, "{why}");
+        assert!(why.contains("no listener on 15008, 15001 in"), "{why}");
+
+        let rest = netns::with_netns(&ns.path(), || (bind("0.0.0.0:15008"), bind("[::]:15001")))
+            .expect("enter");
+        let (v, why) = inspect(ip, true);
+        assert_eq!(v, RedirectVerdict::Redirected, "{why}");
+        drop((some, rest));
+        let (v, why) = inspect(ip, true);
+        assert_eq!(v, RedirectVerdict::Missing, "listeners closed: {why}");
+    }
+}
+
+/// Where a node proxy's connection shows: the kernel creates the listener's accepted end in
+/// the network namespace of the socket that connected. A listener in the agent's namespace
+/// (istio-cni's node agent, host network) and a client connecting from a pod's namespace
+/// (ztunnel): the agent's own dump sees no connection, the pod namespace's dump does.
+mod node_proxy_connection {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::fs::MetadataExt;
+    use std::time::{Duration, Instant};
+
+    use meshgate_agent::netns;
+    use meshgate_agent::sock_diag::unix::{Bound, connections};
+    use nix::sys::socket::{
+        AddressFamily, Backlog, SockFlag, SockType, UnixAddr, accept4, bind, connect, listen,
+        socket,
+    };
+
+    use super::Netns;
+
+    fn seqpacket() -> OwnedFd {
+        socket(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_proxy_in_its_own_pod_network_holds_both_ends_of_its_connection() {
+        let ns = Netns::new("ztc");
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("ztunnel.sock");
+        let listener = seqpacket();
+        bind(listener.as_raw_fd(), &UnixAddr::new(&path).unwrap()).unwrap();
+        listen(&listener, Backlog::new(8).unwrap()).unwrap();
+        let m = std::fs::symlink_metadata(&path).unwrap();
+        let bound = Bound {
+            path: &path,
+            dev: m.dev(),
+            ino: m.ino(),
+        };
+        let count = |sock: &meshgate_agent::netlink::Socket| {
+            connections(sock, &bound, Instant::now() + Duration::from_secs(2)).unwrap()
+        };
+        let here = meshgate_agent::sock_diag::open().unwrap();
+        let (dev, ino) = {
+            let m = std::fs::metadata(ns.path()).unwrap();
+            (m.dev(), m.ino())
+        };
+        let r = netns::discover(&[std::path::PathBuf::from(netns::DEFAULT_NETNS_DIR)])
+            .unwrap()
+            .into_iter()
+            .find(|r| (r.dev, r.inode) == (dev, ino))
+            .expect("the test's namespace is discovered");
+        let pod = r.pin().unwrap().sock_diag().unwrap().unwrap();
+        assert_eq!((count(&here), count(&pod)), (0, 0));
+
+        // ztunnel connects from inside its pod's namespace; the node agent accepts.
+        let client = netns::with_netns(&ns.path(), || {
+            let c = seqpacket();
+            connect(c.as_raw_fd(), &UnixAddr::new(&path).unwrap()).unwrap();
+            c
+        })
+        .unwrap();
+        let fd = accept4(listener.as_raw_fd(), SockFlag::SOCK_CLOEXEC).unwrap();
+        // SAFETY: accept4(2) just returned this descriptor; nothing else owns it.
+        let accepted = unsafe { OwnedFd::from_raw_fd(fd) };
+        assert_eq!(
+            (count(&here), count(&pod)),
+            (0, 1),
+            "the accepted end lives in the connecting socket's namespace"
+        );
+        drop((client, accepted));
+        assert_eq!(count(&pod), 0);
     }
 }

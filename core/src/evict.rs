@@ -173,6 +173,10 @@ pub enum SkipWhy {
     /// The pod carries the mesh's label but runs none of its proxy containers: not the
     /// mesh's to evict. Reported once per sandbox, never retried.
     NoProxy,
+    /// The missing part is the node proxy's listeners, and the node proxy is not ready on
+    /// the node (a restart closes them in every pod at once): reported, never evicted; the
+    /// pod is inspected again when the node's verdict changes.
+    NodeProxyNotReady,
     /// The mode is `report`: enforce would evict it now (counted in
     /// `meshgate_report_only_actions_total{action="evict"}`, not as a skip).
     Report,
@@ -189,6 +193,7 @@ impl SkipWhy {
             SkipWhy::Unowned => Some("unowned"),
             // Not in the contract's list: recorded as drift in docs/architecture.md.
             SkipWhy::NoProxy => Some("no_proxy"),
+            SkipWhy::NodeProxyNotReady => Some("node_proxy_not_ready"),
             SkipWhy::NoEvict | SkipWhy::AlreadyEvicted | SkipWhy::Unknown | SkipWhy::Report => None,
         }
     }
@@ -204,6 +209,7 @@ impl SkipWhy {
             SkipWhy::AlreadyEvicted => "already evicted",
             SkipWhy::Unknown => "verdict unknown",
             SkipWhy::NoProxy => "skipped: no proxy container of its mesh",
+            SkipWhy::NodeProxyNotReady => "not evicted while the node proxy is not ready",
             SkipWhy::Report => "report mode: would evict",
         }
     }
@@ -239,6 +245,9 @@ pub struct Candidate<'a> {
     pub has_proxy: bool,
     /// True when an ownerReference has `controller: true`.
     pub owned: bool,
+    /// True when what is missing is the node proxy's listeners while the node proxy is not
+    /// ready ([`crate::node_proxy::pod::judge`]): never evicted.
+    pub node_proxy_hold: bool,
     /// Pod UID + sandbox identity.
     pub key: &'a SandboxKey,
 }
@@ -258,6 +267,9 @@ pub fn decide(
     }
     if !pod.has_proxy {
         return Decision::Skip(SkipWhy::NoProxy);
+    }
+    if pod.node_proxy_hold {
+        return Decision::Skip(SkipWhy::NodeProxyNotReady);
     }
     if history.contains(pod.key) {
         return Decision::Skip(SkipWhy::AlreadyEvicted);
@@ -301,6 +313,7 @@ mod tests {
             verdict: RedirectVerdict::Missing,
             has_proxy: true,
             owned,
+            node_proxy_hold: false,
             key: k,
         }
     }
@@ -320,6 +333,7 @@ mod tests {
                 verdict,
                 has_proxy: true,
                 owned: true,
+                node_proxy_hold: false,
                 key: &k,
             };
             assert_eq!(decide(&c, &h, &mut lim, f, secs(5)), want, "{verdict:?}");
@@ -329,6 +343,7 @@ mod tests {
             verdict: RedirectVerdict::Unknown,
             has_proxy: true,
             owned: false,
+            node_proxy_hold: false,
             key: &k,
         };
         let all = Flags {
@@ -528,6 +543,7 @@ mod tests {
                 verdict: RedirectVerdict::Missing,
                 has_proxy: false,
                 owned,
+                node_proxy_hold: false,
                 key: &k,
             };
             assert_eq!(
@@ -542,6 +558,7 @@ mod tests {
             verdict: RedirectVerdict::Redirected,
             has_proxy: false,
             owned: true,
+            node_proxy_hold: false,
             key: &k,
         };
         assert_eq!(
@@ -558,5 +575,36 @@ mod tests {
         h.retain_pods(&["b".to_string()].into_iter().collect());
         assert_eq!(h.len(), 1);
         assert!(h.contains(&key("b", "1")));
+    }
+
+    /// Listeners of a node proxy that is not ready: reported, never evicted, whatever the
+    /// flags, and without taking a rate-limit token.
+    #[test]
+    fn missing_listeners_while_the_node_proxy_is_not_ready_never_evict() {
+        let k = SandboxKey {
+            pod_uid: "u".into(),
+            sandbox: "s".into(),
+        };
+        let h = History::default();
+        let mut lim = RateLimiter::new(1);
+        let c = Candidate {
+            verdict: RedirectVerdict::Missing,
+            has_proxy: true,
+            owned: true,
+            node_proxy_hold: true,
+            key: &k,
+        };
+        assert_eq!(
+            decide(&c, &h, &mut lim, Flags::default(), Duration::ZERO),
+            Decision::Skip(SkipWhy::NodeProxyNotReady)
+        );
+        let released = Candidate {
+            node_proxy_hold: false,
+            ..c
+        };
+        assert!(matches!(
+            decide(&released, &h, &mut lim, Flags::default(), Duration::ZERO),
+            Decision::Evict { .. }
+        ));
     }
 }

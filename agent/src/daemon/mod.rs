@@ -117,8 +117,9 @@ fn node_proxy_labels(s: &str) -> Result<BTreeMap<String, String>, String> {
 }
 
 /// The node proxy this node must run, with the `--node-proxy-*` flags over the named
-/// profile's record; `None` when no profile named by `--profile` has one.
-fn node_proxy(args: &Args, profiles: &ProfileSet) -> anyhow::Result<Option<NodeProxy>> {
+/// profile's record, and that profile's name; `None` when no profile named by `--profile`
+/// has one.
+fn node_proxy(args: &Args, profiles: &ProfileSet) -> anyhow::Result<Option<(String, NodeProxy)>> {
     let Some(profile) = meshgate_core::node_proxy::required(profiles, &args.common.profiles)?
     else {
         return Ok(None);
@@ -138,7 +139,7 @@ fn node_proxy(args: &Args, profiles: &ProfileSet) -> anyhow::Result<Option<NodeP
     if let Some(why) = proxy.problem() {
         anyhow::bail!("--node-proxy-* for profile {:?}: {why}", profile.name);
     }
-    Ok(Some(proxy))
+    Ok(Some((profile.name.clone(), proxy)))
 }
 
 /// What each part of the daemon takes from the flags: the one place that reads [`Args`].
@@ -192,6 +193,7 @@ impl Config {
             per_minute: args.max_evictions_per_minute,
             api_timeout: args.api_timeout,
             netns_dirs: vec![PathBuf::from(crate::netns::DEFAULT_NETNS_DIR)],
+            node_proxy: node_proxy.clone(),
         };
         Ok(Self {
             node: args.node_name.clone(),
@@ -206,7 +208,7 @@ impl Config {
             coalesce: args.coalesce,
             stall_timeout: args.stall_timeout,
             pods,
-            node_proxy,
+            node_proxy: node_proxy.map(|(_, p)| p),
         })
     }
 }
@@ -248,7 +250,10 @@ mod tests {
         ];
         let cli = Cli::try_parse_from(base.iter().chain(flags))?;
         let profiles = cli.args.common.load_profiles()?;
-        node_proxy(&cli.args, &profiles)
+        Ok(node_proxy(&cli.args, &profiles)?.map(|(profile, p)| {
+            assert_eq!(profile, "istio-ambient");
+            p
+        }))
     }
 
     #[test]

@@ -1,8 +1,8 @@
 //! The verdict loop: `start` → `pass` → `next_wake`, until SIGTERM.
 //!
 //! In: the daemon's [`Config`], inotify events, the resync tick, the Node watch, the live
-//! mode (`meshgate_shell::mode`), the node proxy's pods and socket when a named profile has
-//! one ([`NodeProxyWatch`]: ambient's ztunnel) and SIGTERM.
+//! mode (`meshgate_shell::mode`), the node proxy's pods, socket and connection when a named
+//! profile has one ([`NodeProxyWatch`]: ambient's ztunnel) and SIGTERM.
 //! Out: one pass per wake-up — verify (the chain, then the node proxy over it), hand the
 //! verdict to the pod inspector when it changed, reconcile the Node as the mode allows
 //! ([`NodeGate`]), then record the outcome (metrics, readiness, state file) or schedule a retry
@@ -58,7 +58,8 @@ pub enum Wake {
     Retry,
     /// The mode changed: the Node is written again as the new mode allows.
     ModeChanged,
-    /// The node proxy's pods on this node changed (ztunnel became Ready, or went away).
+    /// The node proxy's pods on this node changed (ztunnel became Ready, or went away), or
+    /// its connection to the CNI node agent's socket came or went (polled).
     NodeProxy,
 }
 
@@ -173,6 +174,10 @@ impl Daemon {
         let mode = watch_mode(&config, &clients, &metrics).await;
         let (node_tx, node_rx) = watch::channel::<Option<Node>>(None);
         let (verdict_tx, verdict_rx) = watch::channel::<Option<ChainVerdict>>(None);
+        let mut node_proxy = config
+            .node_proxy
+            .clone()
+            .map(|p| NodeProxyWatch::start(clients.node.clone(), &node, p));
         let pods = pods::spawn(
             config.pods.clone(),
             pod_clients,
@@ -183,6 +188,7 @@ impl Daemon {
                 progress: pod_progress,
                 stop: stop_rx,
                 mode: mode.subscribe(),
+                node_proxy_pods: node_proxy.as_ref().map(|np| np.pods.clone()),
             },
         );
         let node_watch = tokio::spawn(watch_node(
@@ -190,10 +196,6 @@ impl Daemon {
             node.clone(),
             node_tx,
         ));
-        let mut node_proxy = config
-            .node_proxy
-            .clone()
-            .map(|p| NodeProxyWatch::start(clients.node.clone(), &node, p));
         if let Some(np) = node_proxy.as_mut() {
             np.wait_listed(config.api_timeout).await;
         }
@@ -496,21 +498,32 @@ async fn verify(cni: Arc<CniArgs>, prober: Arc<Prober>) -> (ChainVerdict, Durati
 }
 
 /// The node's verdict with the node proxy over the chain's: its pods as last listed, its
-/// socket as it is now.
+/// socket and the connection on it as they are now.
 async fn judge_node_proxy(chain: ChainVerdict, np: &mut NodeProxyWatch) -> ChainVerdict {
     let pods = np.pods.borrow_and_update().clone();
-    let socket = node_proxy::socket(&np.proxy.socket).await;
-    let seen = meshgate_core::node_proxy::Observed { pods, socket };
+    np.socket.borrow_and_update();
+    let uids = node_proxy::ready_uids(pods.as_deref());
+    let (socket, connection) = node_proxy::look(&np.proxy.socket, uids).await;
+    let seen = meshgate_core::node_proxy::Observed {
+        pods,
+        socket,
+        connection,
+    };
     meshgate_core::node_proxy::judge(chain, &np.proxy, &seen)
 }
 
-/// Returns when the node proxy's pods changed; never without a node proxy (or once its
-/// watch ended).
+/// Returns when the node proxy's pods, or its socket or connection as polled, changed;
+/// never without a node proxy (or once both watches ended).
 async fn node_proxy_changed(np: Option<&mut NodeProxyWatch>) {
-    if let Some(np) = np
-        && np.pods.changed().await.is_ok()
-    {
-        return;
+    if let Some(np) = np {
+        let (pods, socket) = (&mut np.pods, &mut np.socket);
+        let changed = tokio::select! {
+            r = pods.changed() => r.is_ok(),
+            r = socket.changed() => r.is_ok(),
+        };
+        if changed {
+            return;
+        }
     }
     std::future::pending().await
 }

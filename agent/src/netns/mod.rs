@@ -3,7 +3,7 @@
 //! In: `/proc` (every process's `ns/net`, and its `cgroup` for the pod UID) and the netns
 //! directories (default [`DEFAULT_NETNS_DIR`]). Out: [`NetnsRef`]s deduplicated by inode with
 //! the host's namespace left out, their addresses, and [`Opened`] handles from which the
-//! netfilter readers get the namespace's rules.
+//! netfilter readers get the namespace's rules and sock_diag its listening TCP ports.
 //!
 //! Identity: a path names a namespace only for as long as what backs it lives. A
 //! `/proc/<pid>/ns/net` path follows the pid, and a pid can be reused by a process in
@@ -87,6 +87,14 @@ pub enum NetnsError {
         path: PathBuf,
         /// What failed.
         source: addr::AddrError,
+    },
+    /// Opening the sock_diag socket or reading the namespace's sockets failed.
+    #[error("cannot read the sockets of {path}: {source}")]
+    SockDiag {
+        /// The namespace path.
+        path: PathBuf,
+        /// What failed.
+        source: crate::sock_diag::DiagError,
     },
     /// Reading rules failed.
     #[error("cannot read netfilter rules in {path}: {source}")]
@@ -179,20 +187,24 @@ pub struct Opened {
     path: PathBuf,
     route: crate::netlink::Socket,
     rules: Option<netfilter::Sockets>,
+    /// sock_diag, opened with the rules: a node proxy's listeners in the pod.
+    diag: Option<crate::netlink::Socket>,
 }
 
-/// Enters `path` once and opens the rtnetlink socket, plus the netfilter handles when
-/// `with_rules` (which also reads the legacy table name lists inside the namespace).
+/// Enters `path` once and opens the rtnetlink socket, plus the netfilter handles and a
+/// sock_diag socket when `with_rules` (which also reads the legacy table name lists inside
+/// the namespace).
 pub fn open(path: &Path, with_rules: bool) -> Result<Opened, NetnsError> {
     open_file(&open_ns(path)?, path, with_rules)
 }
 
 /// [`open`] through an already open namespace descriptor.
 fn open_file(ns: &File, path: &Path, with_rules: bool) -> Result<Opened, NetnsError> {
-    let (route, rules) = with_netns_file(ns, path, || {
+    let (route, rules, diag) = with_netns_file(ns, path, || {
         let route = crate::netlink::Socket::open(crate::netlink::Bus::Route);
         let rules = with_rules.then(netfilter::Sockets::open_here);
-        (route, rules)
+        let diag = with_rules.then(crate::sock_diag::open);
+        (route, rules, diag)
     })?;
     let route = route.map_err(|source| NetnsError::RouteSocket {
         path: path.to_owned(),
@@ -202,10 +214,15 @@ fn open_file(ns: &File, path: &Path, with_rules: bool) -> Result<Opened, NetnsEr
         path: path.to_owned(),
         source,
     })?;
+    let diag = diag.transpose().map_err(|source| NetnsError::SockDiag {
+        path: path.to_owned(),
+        source,
+    })?;
     Ok(Opened {
         path: path.to_owned(),
         route,
         rules,
+        diag,
     })
 }
 
@@ -227,6 +244,19 @@ impl Opened {
             }),
             None => Ok(Ruleset::default()),
         }
+    }
+
+    /// The namespace's listening TCP ports, IPv4 and IPv6 (none when opened without rules).
+    pub fn tcp_listening(&self, deadline: std::time::Instant) -> Result<BTreeSet<u16>, NetnsError> {
+        let Some(diag) = &self.diag else {
+            return Ok(BTreeSet::new());
+        };
+        crate::sock_diag::inet::tcp_listening(diag, deadline).map_err(|source| {
+            NetnsError::SockDiag {
+                path: self.path.clone(),
+                source,
+            }
+        })
     }
 
     /// The netfilter handles, when opened with rules.
@@ -314,6 +344,13 @@ impl Pinned {
     /// nsfs (device, inode).
     pub fn id(&self) -> (u64, u64) {
         (self.dev, self.inode)
+    }
+
+    /// Enters it through the held descriptor and opens a sock_diag socket there.
+    pub fn sock_diag(
+        &self,
+    ) -> Result<Result<crate::netlink::Socket, crate::sock_diag::DiagError>, NetnsError> {
+        with_netns_file(&self.file, &self.path, crate::sock_diag::open)
     }
 
     /// Enters it through the held descriptor and opens its sockets: see [`open`].

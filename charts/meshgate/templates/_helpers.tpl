@@ -68,6 +68,28 @@ repeat (a ConfigMap cannot hold a key twice; set the named value instead).
 {{- end -}}
 
 {{/*
+Istio ambient (ambient.enabled): the profiles both components run, the settings the chart
+then owns (a JSON list, for meshgate.extraEnv), and the agent's node proxy socket directory.
+*/}}
+{{- define "meshgate.ambientProfiles" -}}
+istio-ambient,istio
+{{- end -}}
+{{- define "meshgate.ambientReserved" -}}
+{{- if .Values.ambient.enabled -}}
+["MESHGATE_PROFILES"]
+{{- else -}}
+[]
+{{- end -}}
+{{- end -}}
+{{- define "meshgate.nodeProxySocketDir" -}}
+{{- if .Values.agent.nodeProxySocketDir -}}
+{{ .Values.agent.nodeProxySocketDir }}
+{{- else if .Values.ambient.enabled -}}
+/var/run/ztunnel
+{{- end -}}
+{{- end -}}
+
+{{/*
 Tolerations of meshgate's taint: the chart's taintKey, and the keys meshgate used before
 (releases before --taint-key, and the default when taintKey is another), still on nodes until
 their agent is upgraded and removes them.

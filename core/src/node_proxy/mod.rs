@@ -1,15 +1,18 @@
 //! A mesh's node proxy: the per-node process a mesh's CNI plugin hands pods to (Istio
 //! ambient's ztunnel). With such a mesh, a chain that is verified is not enough: istio-cni
 //! writes the in-pod redirection, but a pod is only in the mesh once ztunnel on its node has
-//! taken the pod's sockets, over the unix socket istio-cni connects to.
+//! taken the pod: istio-cni's node agent listens on a unix socket, ztunnel connects to it and
+//! receives each pod's netns over that connection, then opens its listeners inside the pod.
 //!
 //! In: the profile's [`NodeProxy`] record (part of [`crate::profile::MeshProfile`], so a mesh
 //! declares it as data), the `--profile` names given (only a profile named there makes its
 //! node proxy a requirement: [`required`]), and what the agent observed on its node
-//! ([`Observed`]: the proxy's pods bound to the node with their Ready condition, and what is
-//! at the socket path). Out: the node's verdict ([`judge`]): the chain's own when it is not
-//! verified; otherwise `Verified` only when a proxy pod is Ready and the socket is a socket,
-//! else [`Reason::NodeProxyNotReady`] with a message naming what is missing.
+//! ([`Observed`]: the proxy's pods bound to the node with their Ready condition, what is at
+//! the socket path, and whether an established connection is on that socket). Out: the
+//! node's verdict ([`judge`]): the chain's own when it is not verified; otherwise `Verified`
+//! only when a proxy pod is Ready, the socket is a socket and the proxy is connected to it,
+//! else [`Reason::NodeProxyNotReady`] with a message naming what is missing. The pod-level
+//! half (the proxy's listeners in each pod's netns) is [`pod`].
 
 use std::collections::BTreeMap;
 
@@ -19,21 +22,29 @@ use crate::cni::{ChainVerdict, Reason};
 use crate::profile::{MeshProfile, ProfileSet, is_dns_label};
 
 /// Istio ambient's ztunnel, as istio/istio ships it: the DaemonSet's pods are labelled
-/// `app: ztunnel` (`manifests/charts/ztunnel/templates/daemonset.yaml`) in `istio-system`,
-/// and ztunnel listens on `/var/run/ztunnel/ztunnel.sock` (ztunnel's `INPOD_UDS` default),
-/// the address istio-cni's node agent connects to (`cni/pkg/cmd`, `ZtunnelUDSAddress`); the
-/// chart mounts that directory from the host (`hostPath` `/var/run/ztunnel`).
+/// `app: ztunnel` (`manifests/charts/ztunnel/templates/daemonset.yaml`) in `istio-system`.
+/// `/var/run/ztunnel/ztunnel.sock` is LISTENED on by istio-cni's node agent
+/// (`cni/pkg/nodeagent/ztunnelserver_linux.go`, `net.ListenUnix("unixpacket", ...)`; the
+/// flag's default in `cni/cmd/root.go`) and ztunnel connects to it (its `INPOD_UDS`); both
+/// charts mount that directory from the host (`hostPath` `/var/run/ztunnel`). Over that
+/// connection ztunnel receives each ambient pod's netns and opens, inside it, inbound HBONE
+/// 15008, plaintext inbound 15006 and outbound 15001.
 pub fn ztunnel() -> NodeProxy {
     NodeProxy {
         name: "ztunnel".into(),
         namespace: "istio-system".into(),
         labels: BTreeMap::from([("app".to_string(), "ztunnel".to_string())]),
         socket: "/var/run/ztunnel/ztunnel.sock".into(),
+        listen_ports: vec![15008, 15006, 15001],
     }
 }
 
-/// The node proxy a mesh needs on every node: its pods, and the unix socket its CNI plugin
-/// connects to (a path on the host).
+/// Ports a record may list in `listenPorts` at most.
+pub const MAX_LISTEN_PORTS: usize = 16;
+
+/// The node proxy a mesh needs on every node: its pods, the unix socket its CNI plugin's
+/// node agent listens on and the proxy connects to (a path on the host), and the ports the
+/// proxy listens on inside each of the mesh's pods.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct NodeProxy {
@@ -45,6 +56,10 @@ pub struct NodeProxy {
     pub labels: BTreeMap<String, String>,
     /// The socket's absolute path on the host.
     pub socket: String,
+    /// TCP ports the proxy listens on inside every pod of the mesh once it has taken the
+    /// pod (ztunnel: 15008, 15006, 15001). Empty: pods are judged on their rules alone.
+    #[serde(default)]
+    pub listen_ports: Vec<u16>,
 }
 
 impl NodeProxy {
@@ -62,6 +77,16 @@ impl NodeProxy {
         }
         if !self.socket.starts_with('/') || self.socket.contains('\0') {
             return Some("nodeProxy.socket must be an absolute path");
+        }
+        if self.listen_ports.len() > MAX_LISTEN_PORTS {
+            return Some("nodeProxy.listenPorts lists more than 16 ports");
+        }
+        if self.listen_ports.contains(&0) {
+            return Some("nodeProxy.listenPorts holds port 0");
+        }
+        let distinct: std::collections::BTreeSet<_> = self.listen_ports.iter().collect();
+        if distinct.len() != self.listen_ports.len() {
+            return Some("nodeProxy.listenPorts lists a port twice");
         }
         None
     }
@@ -131,6 +156,9 @@ pub fn required<'a>(
 pub struct ProxyPod {
     /// `metadata.name`.
     pub name: String,
+    /// `metadata.uid`: the agent finds the pod's network namespace by it, where the
+    /// proxy's end of its connection lives.
+    pub uid: String,
     /// Its `Ready` condition is `True`.
     pub ready: bool,
     /// It has a `deletionTimestamp`: it is going away.
@@ -150,6 +178,20 @@ pub enum SocketSeen {
     Unreadable(String),
 }
 
+/// Whether the proxy is connected to the socket: an established unix socket whose address
+/// is the socket's (the listener's accepted end of the proxy's connection, which the kernel
+/// creates in the *connecting* socket's network namespace: the proxy pod's), matched by the
+/// socket file's device and inode.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConnectionSeen {
+    /// At least one such connection.
+    Connected,
+    /// None: nothing is connected to the listener.
+    NotConnected,
+    /// The socket table could not be read (the error, as the agent saw it).
+    Unreadable(String),
+}
+
 /// What the agent observed of the node proxy on its node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Observed {
@@ -157,13 +199,16 @@ pub struct Observed {
     pub pods: Option<Vec<ProxyPod>>,
     /// The socket.
     pub socket: SocketSeen,
+    /// The connection on it (only read when the socket is a socket).
+    pub connection: ConnectionSeen,
 }
 
 /// Pod names a message lists at most.
 const MAX_NAMED_PODS: usize = 3;
 
 /// The node's verdict: `chain` when it is not verified, else `Verified` only when `proxy`
-/// is ready on this node (a pod Ready and not being deleted, and its socket a socket).
+/// is ready on this node: (a) a pod Ready and not being deleted, (b) its socket a socket
+/// (the CNI node agent listens), (c) a connection established on it (the proxy connected).
 pub fn judge(chain: ChainVerdict, proxy: &NodeProxy, seen: &Observed) -> ChainVerdict {
     if !chain.verified {
         return chain;
@@ -187,8 +232,12 @@ pub fn judge(chain: ChainVerdict, proxy: &NodeProxy, seen: &Observed) -> ChainVe
         },
     }
     match &seen.socket {
-        SocketSeen::Socket => {}
-        SocketSeen::Missing => missing.push(format!("its socket {} is missing", proxy.socket)),
+        SocketSeen::Socket => missing.extend(connection(proxy, &seen.connection)),
+        SocketSeen::Missing => missing.push(format!(
+            "its socket {} is missing: the CNI node agent {} connects to does not listen \
+             there (istio-cni's node agent does so only in ambient mode)",
+            proxy.socket, proxy.name
+        )),
         SocketSeen::NotASocket(kind) => {
             missing.push(format!("{} is {kind}, not a socket", proxy.socket))
         }
@@ -201,7 +250,7 @@ pub fn judge(chain: ChainVerdict, proxy: &NodeProxy, seen: &Observed) -> ChainVe
     match (ready_pod, missing.is_empty()) {
         (Some(p), true) => {
             v.message = format!(
-                "{}; {} ready: pod {}/{}, socket {}",
+                "{}; {} ready: pod {}/{}, connected to {}",
                 v.message, proxy.name, proxy.namespace, p.name, proxy.socket
             );
         }
@@ -216,6 +265,21 @@ pub fn judge(chain: ChainVerdict, proxy: &NodeProxy, seen: &Observed) -> ChainVe
         }
     }
     v
+}
+
+/// What (c) found wrong, if anything.
+fn connection(proxy: &NodeProxy, seen: &ConnectionSeen) -> Option<String> {
+    match seen {
+        ConnectionSeen::Connected => None,
+        ConnectionSeen::NotConnected => Some(format!(
+            "{} is not connected to {}: no established connection on that socket",
+            proxy.name, proxy.socket
+        )),
+        ConnectionSeen::Unreadable(e) => Some(format!(
+            "whether {} is connected to {} cannot be read: {e}",
+            proxy.name, proxy.socket
+        )),
+    }
 }
 
 /// "pod istio-system/ztunnel-x is not Ready", for every pod up to [`MAX_NAMED_PODS`].
@@ -239,6 +303,8 @@ fn not_ready(proxy: &NodeProxy, pods: &[ProxyPod]) -> String {
         named.join(", ")
     }
 }
+
+pub mod pod;
 
 #[cfg(test)]
 mod tests;

@@ -16,14 +16,22 @@ fn chain(reason: Reason) -> ChainVerdict {
 fn pod(name: &str, ready: bool, deleting: bool) -> ProxyPod {
     ProxyPod {
         name: name.into(),
+        uid: format!("uid-{name}"),
         ready,
         deleting,
     }
 }
 
+/// Connected whenever the socket is there: the (a)/(b) cases; (c) has its own test.
 fn seen(pods: Option<Vec<ProxyPod>>, socket: SocketSeen) -> Observed {
-    Observed { pods, socket }
+    Observed {
+        pods,
+        socket,
+        connection: ConnectionSeen::Connected,
+    }
 }
+
+const MISSING: &str = "its socket /var/run/ztunnel/ztunnel.sock is missing: the CNI node agent ztunnel connects to does not listen there (istio-cni's node agent does so only in ambient mode)";
 
 #[test]
 fn a_ready_ztunnel_with_its_socket_keeps_the_chain_verified() {
@@ -39,7 +47,7 @@ fn a_ready_ztunnel_with_its_socket_keeps_the_chain_verified() {
     assert_eq!(v.reason, Reason::Verified);
     assert!(
         v.message.ends_with(
-            "; ztunnel ready: pod istio-system/ztunnel-abc, socket /var/run/ztunnel/ztunnel.sock"
+            "; ztunnel ready: pod istio-system/ztunnel-abc, connected to /var/run/ztunnel/ztunnel.sock"
         ),
         "{}",
         v.message
@@ -76,9 +84,20 @@ fn each_missing_piece_is_node_proxy_not_ready_and_named() {
             ),
             "pod istio-system/ztunnel-abc is being deleted",
         ),
+        (seen(ready(), SocketSeen::Missing), MISSING),
         (
-            seen(ready(), SocketSeen::Missing),
-            "its socket /var/run/ztunnel/ztunnel.sock is missing",
+            Observed {
+                connection: ConnectionSeen::NotConnected,
+                ..seen(ready(), SocketSeen::Socket)
+            },
+            "ztunnel is not connected to /var/run/ztunnel/ztunnel.sock: no established connection on that socket",
+        ),
+        (
+            Observed {
+                connection: ConnectionSeen::Unreadable("no answer".into()),
+                ..seen(ready(), SocketSeen::Socket)
+            },
+            "whether ztunnel is connected to /var/run/ztunnel/ztunnel.sock cannot be read: no answer",
         ),
         (
             seen(ready(), SocketSeen::NotASocket("a regular file")),
@@ -112,8 +131,55 @@ fn both_missing_are_both_named_and_many_pods_are_bounded() {
     );
     assert_eq!(
         v.message,
-        "the CNI chain is verified, but ztunnel is not ready on this node: pod istio-system/z0 is not Ready, pod istio-system/z1 is not Ready, pod istio-system/z2 is not Ready (and 2 more); its socket /var/run/ztunnel/ztunnel.sock is missing"
+        format!(
+            "the CNI chain is verified, but ztunnel is not ready on this node: pod istio-system/z0 is not Ready, pod istio-system/z1 is not Ready, pod istio-system/z2 is not Ready (and 2 more); {MISSING}"
+        )
     );
+}
+
+/// (a) × (b) × (c): verified only when all three hold; otherwise every failing one named.
+#[test]
+fn verified_only_with_a_ready_pod_a_socket_and_a_connection() {
+    let pods = [
+        (Some(vec![pod("z", true, false)]), None),
+        (
+            Some(vec![pod("z", false, false)]),
+            Some("pod istio-system/z is not Ready"),
+        ),
+    ];
+    let sockets = [
+        (SocketSeen::Socket, None),
+        (SocketSeen::Missing, Some(MISSING)),
+    ];
+    let conns = [
+        (ConnectionSeen::Connected, None),
+        (
+            ConnectionSeen::NotConnected,
+            Some("ztunnel is not connected"),
+        ),
+    ];
+    for (p, p_why) in &pods {
+        for (s, s_why) in &sockets {
+            for (c, c_why) in &conns {
+                let observed = Observed {
+                    pods: p.clone(),
+                    socket: s.clone(),
+                    connection: c.clone(),
+                };
+                let v = judge(chain(Reason::Verified), &ztunnel(), &observed);
+                // The connection is only read, and so only named, where the socket is.
+                let c_why = c_why.filter(|_| *s == SocketSeen::Socket);
+                let whys: Vec<&str> = [*p_why, *s_why, c_why].into_iter().flatten().collect();
+                assert_eq!(v.verified, whys.is_empty(), "{observed:?}: {}", v.message);
+                for why in &whys {
+                    assert!(v.message.contains(why), "{observed:?}: {}", v.message);
+                }
+                if !whys.is_empty() {
+                    assert_eq!(v.reason, Reason::NodeProxyNotReady);
+                }
+            }
+        }
+    }
 }
 
 #[test]
@@ -160,10 +226,11 @@ fn only_a_named_profile_with_a_node_proxy_is_a_requirement() {
             "kuma".into()
         ))
     );
-    assert_eq!(
-        required(&set, &["kuma".into()]).unwrap().unwrap().name,
-        "kuma"
-    );
+    let kuma = required(&set, &["kuma".into()]).unwrap().unwrap();
+    assert_eq!(kuma.name, "kuma");
+    // A custom record without listenPorts judges pods on their rules alone.
+    assert!(kuma.node_proxy.as_ref().unwrap().listen_ports.is_empty());
+    assert_eq!(ztunnel().listen_ports, vec![15008, 15006, 15001]);
 }
 
 #[test]
@@ -172,6 +239,22 @@ fn a_custom_node_proxy_record_is_checked() {
         (
             r#""name":"","namespace":"k","labels":{"a":"b"},"socket":"/s""#,
             "name",
+        ),
+        (
+            r#""name":"k","namespace":"k","labels":{"a":"b"},"socket":"/s","listenPorts":[0]"#,
+            "listenPorts holds port 0",
+        ),
+        (
+            r#""name":"k","namespace":"k","labels":{"a":"b"},"socket":"/s","listenPorts":[1,1]"#,
+            "listenPorts lists a port twice",
+        ),
+        (
+            r#""name":"k","namespace":"k","labels":{"a":"b"},"socket":"/s","listenPorts":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]"#,
+            "more than 16",
+        ),
+        (
+            r#""name":"k","namespace":"k","labels":{"a":"b"},"socket":"/s","listenPorts":[70000]"#,
+            "expected u16",
         ),
         (
             r#""name":"k","namespace":"K S","labels":{"a":"b"},"socket":"/s""#,

@@ -1,13 +1,17 @@
 //! Istio ambient: the agent (a real process against the real apiserver) verifies a node only
-//! when ztunnel on it is ready — a pod with ztunnel's labels bound to the node and Ready, and
-//! its unix socket present — and gates it again when either goes away.
+//! when ztunnel on it is ready — a pod with ztunnel's labels bound to the node and Ready,
+//! istio-cni's node agent listening on the socket, and ztunnel connected to it — and gates
+//! it again when any of them goes away.
 //!
-//! What is stood in: ztunnel itself (it cannot be built here). Its pod is a pod object with
-//! ztunnel's label (`app: ztunnel`) bound to a simulated node, whose `Ready` condition the
-//! test writes through `pods/status` as the kubelet would; its socket is a real unix socket
-//! the test binds and removes. The watch, the socket check and the verdict are the agent's.
+//! What is stood in: ztunnel and istio-cni's node agent (neither runs on a simulated node).
+//! ztunnel's pod is a pod object with ztunnel's label (`app: ztunnel`) bound to a simulated
+//! node, whose `Ready` condition the test writes through `pods/status` as the kubelet would.
+//! The socket is a real `unixpacket` listener the test binds as istio-cni's node agent does
+//! (`net.ListenUnix("unixpacket", ...)`), and ztunnel's connection is a real connection the
+//! test makes to it and accepts. The watch, the socket and connection checks (unix
+//! sock_diag, never a connection of the agent's own) and the verdict are the agent's.
 
-use std::os::unix::net::UnixListener;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
 use std::time::Duration;
 
@@ -78,13 +82,41 @@ async fn ever_tainted(client: Client, node: String, window: Duration) -> anyhow:
     Ok(false)
 }
 
-fn bind(path: &Path) -> anyhow::Result<UnixListener> {
-    Ok(UnixListener::bind(path)?)
+fn seqpacket() -> anyhow::Result<OwnedFd> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socket};
+    Ok(socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?)
+}
+
+/// istio-cni's node agent in ambient mode: a `unixpacket` listener on the socket path.
+fn node_agent(path: &Path) -> anyhow::Result<OwnedFd> {
+    use nix::sys::socket::{Backlog, UnixAddr, bind, listen};
+    let fd = seqpacket()?;
+    bind(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+    listen(&fd, Backlog::new(8)?)?;
+    Ok(fd)
+}
+
+/// ztunnel connecting to the node agent's socket, and the node agent accepting: both ends.
+fn ztunnel_connects(agent: &OwnedFd, path: &Path) -> anyhow::Result<(OwnedFd, OwnedFd)> {
+    use nix::sys::socket::{SockFlag, UnixAddr, accept4, connect};
+    let ztunnel = seqpacket()?;
+    connect(ztunnel.as_raw_fd(), &UnixAddr::new(path)?)?;
+    // Close-on-exec: an agent the test (re)starts must not inherit the node agent's end and
+    // keep the connection open after the test closed it.
+    let fd = accept4(agent.as_raw_fd(), SockFlag::SOCK_CLOEXEC)?;
+    // SAFETY: accept(2) just returned this descriptor; nothing else owns it.
+    let accepted = unsafe { OwnedFd::from_raw_fd(fd) };
+    Ok((ztunnel, accepted))
 }
 
 #[tokio::test]
-async fn ambient_node_is_verified_only_while_ztunnel_is_ready_and_its_socket_is_there()
--> anyhow::Result<()> {
+async fn ambient_node_is_verified_only_while_ztunnel_is_ready_and_connected() -> anyhow::Result<()>
+{
     let cp = cp().await;
     let client = cp.client()?;
     let ns = cp.create_namespace(&client, "ztunnel").await?;
@@ -96,8 +128,8 @@ async fn ambient_node_is_verified_only_while_ztunnel_is_ready_and_its_socket_is_
     std::fs::create_dir(&sock_dir)?;
     let sock = sock_dir.join("ztunnel.sock");
     let sock_flag = sock.display().to_string();
-    // A resync of an hour: every change below must reach the verdict through the pod watch
-    // or the socket directory's inotify watch, not through a periodic pass.
+    // A resync of an hour: every change below must reach the verdict through the pod watch,
+    // the socket directory's inotify watch or the connection poll, not a periodic pass.
     let mut agent = Agent::start(
         cp,
         &node,
@@ -130,14 +162,14 @@ async fn ambient_node_is_verified_only_while_ztunnel_is_ready_and_its_socket_is_
     .await?;
     wait_not_ready(&client, &node, &format!("pod {ns}/{name} is not Ready")).await?;
     mark_pod_running(&client, &ns, &name, "10.0.0.2".parse()?).await?;
-    wait_not_ready(
-        &client,
-        &node,
-        &format!("its socket {sock_flag} is missing"),
-    )
-    .await?;
+    let missing = format!("its socket {sock_flag} is missing: the CNI node agent");
+    wait_not_ready(&client, &node, &missing).await?;
 
-    let listener = bind(&sock)?;
+    // istio-cni's node agent listens; ztunnel is not connected yet: still gated.
+    let not_connected = format!("ztunnel is not connected to {sock_flag}");
+    let listener = node_agent(&sock)?;
+    wait_not_ready(&client, &node, &not_connected).await?;
+    let conn = ztunnel_connects(&listener, &sock)?;
     wait_verified(&client, &node, &name).await?;
 
     // The agent restarts (SIGKILL) on a node whose ztunnel is ready: it waits for its pod
@@ -161,16 +193,19 @@ async fn ambient_node_is_verified_only_while_ztunnel_is_ready_and_its_socket_is_
     mark_pod_running(&client, &ns, &name, "10.0.0.2".parse()?).await?;
     wait_verified(&client, &node, &name).await?;
 
-    // ztunnel's socket goes away (ztunnel exited): gated again.
-    drop(listener);
+    // ztunnel's connection closes (ztunnel exited; no file changes): gated again, by the
+    // connection poll.
+    drop(conn);
+    wait_not_ready(&client, &node, &not_connected).await?;
+    let conn = ztunnel_connects(&listener, &sock)?;
+    wait_verified(&client, &node, &name).await?;
+
+    // istio-cni's node agent exits, its socket removed: gated again.
+    drop((conn, listener));
     std::fs::remove_file(&sock)?;
-    wait_not_ready(
-        &client,
-        &node,
-        &format!("its socket {sock_flag} is missing"),
-    )
-    .await?;
-    let _listener = bind(&sock)?;
+    wait_not_ready(&client, &node, &missing).await?;
+    let listener = node_agent(&sock)?;
+    let _conn = ztunnel_connects(&listener, &sock)?;
     wait_verified(&client, &node, &name).await?;
 
     // ztunnel's pod is deleted: gated again.

@@ -16,7 +16,7 @@ use meshgate_shell::mode::WouldAction;
 use super::Inspector;
 use super::eviction::{self, Answer, Outcome};
 use super::pod_info::PodInfo;
-use super::sweep::{self, Inspected, Job};
+use super::sweep::{self, Inspected, Job, ProxyCheck};
 use super::tracker::{Due, Tracker};
 use crate::daemon::state::State;
 use crate::netns::Pinned;
@@ -32,6 +32,9 @@ struct Missing<'a> {
     summary: String,
     /// The inspected namespace, held for the re-check before evicting.
     pinned: Option<Pinned>,
+    /// The deciding profile's missing part is its node proxy's listeners while the proxy
+    /// is not ready: never evicted.
+    node_proxy_hold: bool,
 }
 
 impl Inspector {
@@ -99,6 +102,21 @@ impl Inspector {
     /// Inspects the pods due on the blocking pool; `None` when the batch failed (every pod
     /// is then `unknown` and retried later, rather than spinning on the same pods).
     async fn sweep(&mut self, due: &[Due]) -> Option<Vec<Inspected>> {
+        // A pure input: the node's verdict is verified only while the proxy is ready there.
+        let node_proxy = self
+            .config
+            .node_proxy
+            .as_ref()
+            .map(|(profile, proxy)| ProxyCheck {
+                profile: profile.clone(),
+                proxy: proxy.clone(),
+                ready: self.last_verdict.is_some_and(|(verified, _)| verified),
+                pods: self
+                    .node_proxy_pods
+                    .as_ref()
+                    .map(|rx| crate::daemon::node_proxy::ready_uids(rx.borrow().as_deref()))
+                    .unwrap_or_default(),
+            });
         let jobs: Vec<Job> = due
             .iter()
             .map(|d| Job {
@@ -111,12 +129,15 @@ impl Inspector {
                     .iter()
                     .filter_map(|n| self.config.profiles.get(n).cloned())
                     .collect(),
+                node_proxy: node_proxy.clone(),
             })
             .collect();
         let dirs = self.config.netns_dirs.clone();
         let count = jobs.len();
         self.progress.pass_started();
-        let batch = tokio::task::spawn_blocking(move || sweep::run(&jobs, &dirs)).await;
+        let batch =
+            tokio::task::spawn_blocking(move || sweep::run(&sweep::confirm_ready(jobs), &dirs))
+                .await;
         self.progress.pass_ended();
         let node = &self.config.node;
         let batch = match batch {
@@ -173,12 +194,14 @@ impl Inspector {
                 let has_proxy = info.has_proxy(profiles, profile);
                 let summary = self.summary(decided, &inspected, has_proxy);
                 let pinned = inspected.pinned.take();
+                let node_proxy_hold = inspected.held.as_deref() == Some(profile.as_str());
                 let missing = Missing {
                     due: &d,
                     decided,
                     has_proxy,
                     summary,
                     pinned,
+                    node_proxy_hold,
                 };
                 self.act(missing).await;
             }
@@ -212,6 +235,7 @@ impl Inspector {
             verdict: RedirectVerdict::Missing,
             has_proxy: m.has_proxy,
             owned: info.owned,
+            node_proxy_hold: m.node_proxy_hold,
             key: &key,
         };
         let now = self.now();

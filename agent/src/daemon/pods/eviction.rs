@@ -128,6 +128,7 @@ impl Outcome {
             Outcome::Skipped(SkipWhy::NoEvict) => "ReportOnly",
             Outcome::Skipped(SkipWhy::AlreadyEvicted | SkipWhy::Unknown) => "Report",
             Outcome::Skipped(SkipWhy::NoProxy) => "ReportNoProxy",
+            Outcome::Skipped(SkipWhy::NodeProxyNotReady) => "ReportNodeProxyNotReady",
             Outcome::Skipped(SkipWhy::Report) => "WouldEvict",
             Outcome::Failed(_) => "EvictFailed",
         }
@@ -168,6 +169,9 @@ impl Outcome {
             Outcome::Skipped(SkipWhy::NoEvict) => "report only (--no-evict): not evicted".into(),
             Outcome::Skipped(SkipWhy::NoProxy) => {
                 "not evicted: the pod carries the mesh's label but runs no proxy container of the mesh, so it is not the mesh's to evict (a recreated pod would be the same); fix its injection or its labels".into()
+            }
+            Outcome::Skipped(SkipWhy::NodeProxyNotReady) => {
+                "not evicted while the node proxy is not ready on this node (its restart closes its listeners in every pod); inspected again once the node is verified".into()
             }
             Outcome::Skipped(w @ (SkipWhy::AlreadyEvicted | SkipWhy::Unknown)) => {
                 format!("not evicted: {w}")

@@ -5,8 +5,9 @@
 //! [`PAGE_SIZE`], decoded as [`slim::SlimPod`]; of each pod's labels and annotations the
 //! tracker keeps only those inspection reads), a metadata-only
 //! watch of Namespaces when a profile selects on namespace labels (`istio-ambient`), the
-//! node's verdict
-//! (a `watch` channel fed by the verdict loop), the shared state file (eviction history),
+//! node's verdict (a `watch` channel fed by the verdict loop; when the node requires a node
+//! proxy, a verified verdict is what lets missing proxy listeners in a pod evict it), the
+//! shared state file (eviction history),
 //! its [`Config`] (from `--profile`, `--profile-file`, `--dry-run`, `--no-evict`,
 //! `--max-evictions-per-minute`, `--evict-unowned`), the live mode (`report` evicts nothing
 //! and says "would evict"; a switch to a mode that evicts inspects every pod again), and the
@@ -59,6 +60,7 @@ use kube::runtime::watcher;
 use meshgate_core::cni::{ChainVerdict, Reason};
 use meshgate_core::evict::{Flags, RateLimiter};
 use meshgate_core::mode::Mode;
+use meshgate_core::node_proxy::{NodeProxy, ProxyPod};
 use meshgate_core::profile::ProfileSet;
 use meshgate_core::projection::PodKeys;
 use meshgate_shell::admin::LoopProgress;
@@ -105,6 +107,9 @@ pub struct Config {
     pub api_timeout: Duration,
     /// Where named network namespaces are bind-mounted, besides `/proc/*/ns/net`.
     pub netns_dirs: Vec<PathBuf>,
+    /// The profile whose node proxy the node requires, and the proxy's record (with the
+    /// `--node-proxy-*` flags over it): that profile's pods must have its listeners.
+    pub node_proxy: Option<(String, NodeProxy)>,
 }
 
 /// What the inspector shares with the rest of the daemon.
@@ -122,6 +127,9 @@ pub struct Inputs {
     pub stop: watch::Receiver<bool>,
     /// The live mode (`meshgate_shell::mode`).
     pub mode: watch::Receiver<Mode>,
+    /// The required node proxy's pods on this node, when there is one: the batch re-check of
+    /// its connection looks in their network namespaces.
+    pub node_proxy_pods: Option<watch::Receiver<Option<Vec<ProxyPod>>>>,
 }
 
 /// Spawns the inspector with `clients` (without kube's 429 retry, so a PDB refusal is seen as
@@ -142,6 +150,8 @@ pub struct Inspector {
     progress: LoopProgress,
     /// The live mode: `report` evicts nothing.
     mode: watch::Receiver<Mode>,
+    /// The required node proxy's pods ([`Inputs::node_proxy_pods`]).
+    node_proxy_pods: Option<watch::Receiver<Option<Vec<ProxyPod>>>>,
     tracker: Tracker,
     limiter: RateLimiter,
     /// The clock origin: `core::evict` and the tracker take durations since it.
@@ -208,6 +218,7 @@ pub async fn run(config: Config, clients: Clients, inputs: Inputs) {
         inputs.progress,
         mode.clone(),
     );
+    me.node_proxy_pods = inputs.node_proxy_pods;
     let mut namespace_events = namespace_stream(&clients, me.namespaces.watched());
     me.on_verdict(&verdict.borrow_and_update());
     let mut verdict_open = true;
@@ -285,6 +296,7 @@ impl Inspector {
             metrics,
             progress,
             mode,
+            node_proxy_pods: None,
             tracker: Tracker::new(),
             origin: Instant::now(),
             last_verdict: None,

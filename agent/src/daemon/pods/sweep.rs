@@ -1,26 +1,30 @@
 //! One sweep: a batch of pod inspections on a blocking thread (the node's namespaces surveyed
 //! once, then each pod located, pinned and read).
 //!
-//! In: the pods due ([`Job`]: UID, IPs, annotations, the profiles that select it) and the
-//! netns directories. Out: per pod, one [`Inspection`] per profile, the namespace it was read
-//! from, the time it took, and, when a redirect is missing, that namespace held open for the
-//! pre-eviction re-check ([`Inspected`]).
+//! In: the pods due ([`Job`]: UID, IPs, annotations, the profiles that select it, and the
+//! required node proxy's check: [`ProxyCheck`]) and the netns directories. Out: per pod,
+//! one [`Inspection`] per profile, the namespace it was read from, the time it took, and,
+//! when a redirect is missing, that namespace held open for the pre-eviction re-check
+//! ([`Inspected`]).
 //!
 //! The node's namespaces are surveyed once per batch (`/proc` scan plus their addresses),
 //! each pod is attributed to one of them by IP and UID (`core::rules::locate`), and that
 //! namespace is pinned (opened once, checked to be the surveyed device and inode: a reused
 //! pid or re-created netns entry is caught here) and entered through the pinned descriptor;
 //! its addresses must still hold every pod IP, then its rules are read once and matched
-//! against every profile selecting the pod. Anything that keeps a pod from being read
-//! makes it `unknown`, which never evicts.
+//! against every profile selecting the pod. For the profile whose node proxy the node
+//! requires (ambient's ztunnel), the namespace's listening TCP ports are read too (one
+//! inet sock_diag dump) and `core::node_proxy::pod::judge` puts them over the rules' verdict.
+//! Anything that keeps a pod from being read makes it `unknown`, which never evicts.
 //! Everything here blocks (setns, netlink): call it from `spawn_blocking`, never from an
 //! async worker.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use meshgate_core::node_proxy::NodeProxy;
 use meshgate_core::profile::MeshProfile;
 use meshgate_core::rules::locate::{self, Located, NetnsFacts};
 use meshgate_core::rules::{self, Inspection, RedirectVerdict};
@@ -41,7 +45,25 @@ pub struct Job {
     pub annotations: BTreeMap<String, String>,
     /// The profiles that select it.
     pub profiles: Vec<MeshProfile>,
+    /// The node proxy the node requires, when there is one.
+    pub node_proxy: Option<ProxyCheck>,
 }
+
+/// The node proxy a profile's pods must be taken by, and whether it is ready on the node.
+#[derive(Clone, Debug)]
+pub struct ProxyCheck {
+    /// The profile that requires it (`istio-ambient`).
+    pub profile: String,
+    /// Its record: the ports it listens on in each pod.
+    pub proxy: NodeProxy,
+    /// The node's verdict is verified (so the proxy is ready): missing listeners may evict.
+    pub ready: bool,
+    /// UIDs of its Ready pods on the node, where its connection is looked for again.
+    pub pods: Vec<String>,
+}
+
+/// How long reading one pod's listening ports may take.
+const LISTEN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// One pod's inspection.
 #[derive(Debug)]
@@ -56,6 +78,9 @@ pub struct Inspected {
     pub pinned: Option<Pinned>,
     /// Time spent on this pod: locating, reading and matching.
     pub elapsed: Duration,
+    /// The profile whose `missing` verdict must not evict: the node proxy's listeners are
+    /// what is missing, and the proxy is not ready (`core::node_proxy::pod::judge`).
+    pub held: Option<String>,
 }
 
 /// What one batch found.
@@ -104,9 +129,17 @@ fn all_unknown(profiles: &[MeshProfile], why: &str) -> Vec<Inspection> {
         .collect()
 }
 
-/// Pins the namespace, checks it still holds every pod IP, and reads its rules through the
-/// pinned descriptor.
-fn read_pinned(r: &NetnsRef, ips: &[IpAddr]) -> Result<(Pinned, rules::Ruleset), NetnsError> {
+/// What one pinned visit read: the rules, and the listening ports when asked for (or why
+/// they could not be read).
+type Read = (
+    Pinned,
+    rules::Ruleset,
+    Option<Result<BTreeSet<u16>, String>>,
+);
+
+/// Pins the namespace, checks it still holds every pod IP, and reads its rules (and, with
+/// `listeners`, its listening TCP ports) through the pinned descriptor.
+fn read_pinned(r: &NetnsRef, ips: &[IpAddr], listeners: bool) -> Result<Read, NetnsError> {
     let pinned = r.pin()?;
     let opened = pinned.open(true)?;
     let addresses = opened.addresses()?;
@@ -117,24 +150,51 @@ fn read_pinned(r: &NetnsRef, ips: &[IpAddr]) -> Result<(Pinned, rules::Ruleset),
         });
     }
     let ruleset = opened.ruleset()?;
-    Ok((pinned, ruleset))
+    let listening = listeners.then(|| {
+        opened
+            .tcp_listening(Instant::now() + LISTEN_TIMEOUT)
+            .map_err(|e| e.to_string())
+    });
+    Ok((pinned, ruleset, listening))
+}
+
+/// `profile`'s inspection of the rules, with the node proxy's listeners over it when the
+/// node requires that profile's proxy; and whether it must not evict.
+fn judge(
+    ruleset: &rules::Ruleset,
+    p: &MeshProfile,
+    job: &Job,
+    listening: Option<&Result<BTreeSet<u16>, String>>,
+) -> (Inspection, bool) {
+    let families = locate::required_families(&job.ips);
+    // What the mesh writes follows from the profile and the pod's annotations (opt-outs
+    // of a direction or family), so a pod that opted out is not missing.
+    let inspection = rules::check_pod(ruleset, p, &families, &job.annotations);
+    match (&job.node_proxy, listening) {
+        (Some(np), Some(l)) if np.profile == p.name => {
+            let l = l.as_ref().map_err(String::as_str);
+            meshgate_core::node_proxy::pod::judge(inspection, &np.proxy, l, np.ready)
+        }
+        _ => (inspection, false),
+    }
 }
 
 /// Inspects one pod against the surveyed namespaces.
 pub fn inspect_one(facts: &[NetnsFacts<NetnsRef>], job: &Job) -> Inspected {
     let start = Instant::now();
+    let mut held = None;
     let (inspections, netns, pinned) = match locate::locate(facts, &job.ips, Some(&job.uid)) {
         Located::Unknown(why) => (all_unknown(&job.profiles, &why), None, None),
-        Located::Found(r) => match read_pinned(&r, &job.ips) {
-            Ok((pinned, ruleset)) => {
-                let families = locate::required_families(&job.ips);
-                // What the mesh writes follows from the profile and the pod's annotations
-                // (opt-outs of a direction or family), so a pod that opted out is not missing.
-                let inspections: Vec<Inspection> = job
-                    .profiles
-                    .iter()
-                    .map(|p| rules::check_pod(&ruleset, p, &families, &job.annotations))
-                    .collect();
+        Located::Found(r) => match read_pinned(&r, &job.ips, wants_listeners(job)) {
+            Ok((pinned, ruleset, listening)) => {
+                let mut inspections = Vec::with_capacity(job.profiles.len());
+                for p in &job.profiles {
+                    let (i, hold) = judge(&ruleset, p, job, listening.as_ref());
+                    if hold {
+                        held = Some(p.name.clone());
+                    }
+                    inspections.push(i);
+                }
                 let missing = inspections
                     .iter()
                     .any(|i| i.verdict == RedirectVerdict::Missing);
@@ -152,7 +212,37 @@ pub fn inspect_one(facts: &[NetnsFacts<NetnsRef>], job: &Job) -> Inspected {
         netns,
         pinned,
         elapsed: start.elapsed(),
+        held,
     }
+}
+
+/// True when one of the job's profiles is the one whose node proxy's listeners count.
+fn wants_listeners(job: &Job) -> bool {
+    job.node_proxy.as_ref().is_some_and(|np| {
+        !np.proxy.listen_ports.is_empty() && job.profiles.iter().any(|p| p.name == np.profile)
+    })
+}
+
+/// The jobs with the node proxy's readiness confirmed right now: the verdict the jobs were
+/// built from may be up to one connection poll old, and a proxy that just went away has
+/// also just closed its listeners in every pod. Without its connection on the socket, no
+/// job's missing listeners may evict. Blocking.
+pub fn confirm_ready(mut jobs: Vec<Job>) -> Vec<Job> {
+    let Some(np) = jobs
+        .iter()
+        .find_map(|j| j.node_proxy.as_ref().filter(|n| n.ready))
+    else {
+        return jobs;
+    };
+    let deadline = Instant::now() + LISTEN_TIMEOUT;
+    let (_, connection) =
+        crate::daemon::node_proxy::look_blocking(Path::new(&np.proxy.socket), &np.pods, deadline);
+    if connection != meshgate_core::node_proxy::ConnectionSeen::Connected {
+        for np in jobs.iter_mut().filter_map(|j| j.node_proxy.as_mut()) {
+            np.ready = false;
+        }
+    }
+    jobs
 }
 
 /// Surveys the node's namespaces once and inspects every job. Blocking.
@@ -171,6 +261,7 @@ pub fn run(jobs: &[Job], netns_dirs: &[PathBuf]) -> Batch {
                         netns: None,
                         pinned: None,
                         elapsed: Duration::ZERO,
+                        held: None,
                     })
                     .collect(),
                 survey: start.elapsed(),
@@ -264,6 +355,7 @@ mod tests {
     #[test]
     fn a_pod_no_namespace_holds_is_unknown() {
         let job = Job {
+            node_proxy: None,
             uid: "u1".into(),
             ips: vec!["10.99.0.1".parse().unwrap()],
             annotations: BTreeMap::new(),

@@ -77,6 +77,10 @@ async fn the_chart_with_every_option_passes_a_server_side_dry_run() -> anyhow::R
             "every option on renders {want}"
         );
     }
+    ambient_is_on(
+        &builtin,
+        "MESHGATE_REQUIRE_PLUGINS: \"istio-cni,linkerd-cni\"",
+    );
     dry_run(f, "every option on", &builtin).await?;
     the_crd_kinds_are_as_documented(&crds, &builtin);
 
@@ -93,6 +97,62 @@ async fn the_chart_with_every_option_passes_a_server_side_dry_run() -> anyhow::R
     let (builtin, _) = split_rendered(&rendered);
     assert!(!builtin.iter().any(|d| d.contains("kind: Secret")));
     dry_run(f, "existing secret", &builtin).await?;
+    Ok(())
+}
+
+/// `ambient.enabled`: both components run istio-ambient,istio, the agent requires the
+/// ambient plugins (`plugins`, as rendered) and mounts ztunnel's socket directory.
+fn ambient_is_on(builtin: &[String], plugins: &str) {
+    let doc = |name: &str| {
+        builtin
+            .iter()
+            .find(|d| d.contains("kind: ConfigMap") && d.contains(&format!("name: {name}\n")))
+            .unwrap_or_else(|| panic!("no ConfigMap {name}"))
+    };
+    let profiles = "MESHGATE_PROFILES: \"istio-ambient,istio\"";
+    for name in ["meshgate-agent", "meshgate-webhook"] {
+        assert!(doc(name).contains(profiles), "{name}: {}", doc(name));
+    }
+    assert!(
+        doc("meshgate-agent").contains(plugins),
+        "{}",
+        doc("meshgate-agent")
+    );
+    let agent = builtin
+        .iter()
+        .find(|d| d.contains("kind: DaemonSet"))
+        .expect("the agent DaemonSet");
+    assert!(
+        agent.contains("mountPath: \"/var/run/ztunnel\"")
+            && agent.contains("path: \"/var/run/ztunnel\""),
+        "{agent}"
+    );
+}
+
+/// `ambient.enabled=true` alone: the defaults turned to ambient, with a server-side dry run;
+/// and the profiles then set from agent.env are refused.
+#[tokio::test]
+async fn the_chart_turns_ambient_on_with_one_value() -> anyhow::Result<()> {
+    let f = fixture().await;
+    let rendered = helm::template(&["--set", "ambient.enabled=true"]).await?;
+    let (builtin, _) = split_rendered(&rendered);
+    ambient_is_on(&builtin, "MESHGATE_REQUIRE_PLUGINS: \"istio-cni\"");
+    dry_run(f, "ambient enabled", &builtin).await?;
+    let defaults = helm::template(&[]).await?;
+    assert!(!defaults.contains("MESHGATE_PROFILES"), "off by default");
+    assert!(!defaults.contains("/var/run/ztunnel"), "off by default");
+    let refused = helm::template(&[
+        "--set",
+        "ambient.enabled=true",
+        "--set",
+        "agent.env.MESHGATE_PROFILES=istio",
+    ])
+    .await;
+    let err = format!(
+        "{:#}",
+        refused.expect_err("the chart owns MESHGATE_PROFILES then")
+    );
+    assert!(err.contains("agent.env.MESHGATE_PROFILES"), "{err}");
     Ok(())
 }
 
