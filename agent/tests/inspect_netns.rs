@@ -1971,7 +1971,6 @@ mod node_proxy_connection {
         let m = std::fs::symlink_metadata(&path).unwrap();
         let bound = Bound {
             path: &path,
-            dev: m.dev(),
             ino: m.ino(),
         };
         let count = |sock: &meshgate_agent::netlink::Socket| {

@@ -244,7 +244,6 @@ pub(crate) fn look_blocking(path: &Path, uids: &[String], deadline: Instant) -> 
     }
     let bound = Bound {
         path,
-        dev: m.dev(),
         ino: m.ino(),
     };
     (seen, connection(&bound, uids, deadline))

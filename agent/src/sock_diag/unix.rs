@@ -2,12 +2,14 @@
 //! socket table (`SOCK_DIAG_BY_FAMILY`, `AF_UNIX`) of the calling namespace, never by
 //! connecting: istio-cni's node agent takes every connection to its socket for a new ztunnel.
 //!
-//! In: the listener's path and the (device, inode) of the socket file there (`lstat`), a
-//! sock_diag socket, a deadline. Out: how many ESTABLISHED unix sockets carry that address.
-//! The accepted end of a connection inherits its listener's address and bound path, so each
-//! one reports the listener's name (`UNIX_DIAG_NAME`) and the socket file's inode and device
+//! In: the listener's path and the inode of the socket file there (`lstat`), a sock_diag
+//! socket, a deadline. Out: how many ESTABLISHED unix sockets carry that address. The
+//! accepted end of a connection inherits its listener's address and bound path, so each one
+//! reports the listener's name (`UNIX_DIAG_NAME`) and the socket file's inode
 //! (`UNIX_DIAG_VFS`). Both must match: a listener that was replaced leaves its old
 //! connections carrying the same path text but the old file's inode, and they do not count.
+//! The device is not compared: on an overlay (a node whose `/run` is one) `lstat` reports the
+//! upper layer's device while the socket table reports the overlay's, for the same file.
 
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
@@ -21,13 +23,11 @@ use netlink_packet_sock_diag::unix::{ShowFlags, StateFlags, UnixRequest};
 use super::{DiagError, dump};
 use crate::netlink::Socket;
 
-/// The socket file a listener is bound to: its path and identity as `lstat` gives them.
+/// The socket file a listener is bound to: its path and inode as `lstat` gives them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Bound<'a> {
     /// The path it is bound to.
     pub path: &'a Path,
-    /// `st_dev`.
-    pub dev: u64,
     /// `st_ino`.
     pub ino: u64,
 }
@@ -44,7 +44,8 @@ pub fn connections(
         show_flags: ShowFlags::NAME | ShowFlags::VFS,
         cookie: [0; 8],
     });
-    let want = (kernel_dev(bound.dev), bound.ino as u32);
+    // The kernel reports the low 32 bits of the inode.
+    let want = bound.ino as u32;
     let mut count = 0;
     dump(sock, request, deadline, |m| {
         let SockDiagMessage::UnixResponse(r) = m else {
@@ -52,7 +53,7 @@ pub fn connections(
         };
         let named = matches!(r.name(), Some(UnixDiagName::Pathname(p)) if p.as_bytes() == bound.path.as_os_str().as_bytes());
         let file = r.nlas.iter().find_map(|n| match n {
-            Nla::Vfs(v) => Some(vfs(v)),
+            Nla::Vfs(v) => Some(vfs_ino(v)),
             _ => None,
         });
         if named && file == Some(want) {
@@ -62,26 +63,16 @@ pub fn connections(
     Ok(count)
 }
 
-/// `(device, inode)` of a `UNIX_DIAG_VFS` attribute. The crate keeps the fields private;
-/// its `Emitable` writes the kernel's `struct unix_diag_vfs` back (`udiag_vfs_ino`, then
+/// The inode of a `UNIX_DIAG_VFS` attribute. The crate keeps the fields private; its
+/// `Emitable` writes the kernel's `struct unix_diag_vfs` back (`udiag_vfs_ino`, then
 /// `udiag_vfs_dev`, native endian).
-fn vfs(v: &impl Emitable) -> (u32, u32) {
+fn vfs_ino(v: &impl Emitable) -> u32 {
     let mut raw = [0u8; 8];
     if v.buffer_len() == raw.len() {
         v.emit(&mut raw);
     }
-    let [i0, i1, i2, i3, d0, d1, d2, d3] = raw;
-    (
-        u32::from_ne_bytes([d0, d1, d2, d3]),
-        u32::from_ne_bytes([i0, i1, i2, i3]),
-    )
-}
-
-/// The kernel's own encoding of a device number (`MKDEV`: major in the top 12 bits, minor
-/// in the low 20), as `UNIX_DIAG_VFS` reports it; `stat` reports the userspace encoding.
-fn kernel_dev(st_dev: u64) -> u32 {
-    let (major, minor) = (libc::major(st_dev), libc::minor(st_dev));
-    (major << 20) | (minor & 0xf_ffff)
+    let [i0, i1, i2, i3, ..] = raw;
+    u32::from_ne_bytes([i0, i1, i2, i3])
 }
 
 #[cfg(test)]
