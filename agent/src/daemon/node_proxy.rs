@@ -242,10 +242,7 @@ pub(crate) fn look_blocking(path: &Path, uids: &[String], deadline: Instant) -> 
     if seen != SocketSeen::Socket {
         return (seen, ConnectionSeen::NotConnected);
     }
-    let bound = Bound {
-        path,
-        ino: m.ino(),
-    };
+    let bound = Bound { path, ino: m.ino() };
     (seen, connection(&bound, uids, deadline))
 }
 

@@ -332,8 +332,8 @@ impl Daemon {
             tracing::info!(node = %self.node, reason = %v.reason, verified = v.verified, message = %v.message, "verdict");
         }
         self.verdict_tx.send_if_modified(|cur| {
-            let changed =
-                cur.as_ref().map(|c| (c.verified, c.reason)) != Some((v.verified, v.reason));
+            let changed = cur.as_ref().map(|c| (c.verified, c.reason, &c.message))
+                != Some((v.verified, v.reason, &v.message));
             if changed {
                 *cur = Some(v.clone());
             }

@@ -110,7 +110,7 @@ impl Inspector {
             .map(|(profile, proxy)| ProxyCheck {
                 profile: profile.clone(),
                 proxy: proxy.clone(),
-                ready: self.last_verdict.is_some_and(|(verified, _)| verified),
+                ready: self.proxy_settled(),
                 pods: self
                     .node_proxy_pods
                     .as_ref()

@@ -86,6 +86,11 @@ pub const PAGE_SIZE: u32 = 5;
 
 /// A burst of pod events ends after this much quiet; then its pods are inspected together.
 const BURST_QUIET: Duration = Duration::from_millis(20);
+/// How long the node proxy must have been ready (the node verified) before a pod without
+/// its listeners may be evicted: a proxy that just (re)connected is still opening its
+/// listeners in every pod it was handed, and a restarted ztunnel must not evict them all.
+/// Pods are inspected again when it ends.
+const PROXY_SETTLE: Duration = Duration::from_secs(10);
 /// ... or after this long, however busy the stream: detection is never delayed further.
 const BURST_MAX: Duration = Duration::from_millis(250);
 
@@ -158,6 +163,15 @@ pub struct Inspector {
     origin: Instant,
     /// The node verdict last seen (verified, reason); `None` before the first.
     last_verdict: Option<(bool, Reason)>,
+    /// The last verdict's message: with a node proxy it changes with the proxy's state
+    /// (connected, its pods) while the reason stays the same.
+    last_message: String,
+    /// Since when the node has been verified (with a node proxy: since the proxy is ready).
+    verified_since: Option<Instant>,
+    /// Whether the pods were inspected again once the proxy settled ([`PROXY_SETTLE`]).
+    settled_pass: bool,
+    /// The node was verified, then lost its node proxy, and is not verified again yet.
+    proxy_lost: bool,
     /// The eviction history is pruned after each complete pod list.
     prune_history: bool,
     namespaces: Namespaces,
@@ -171,6 +185,8 @@ enum Wake {
     Namespace(NamespaceEvent),
     Verdict,
     Mode,
+    /// The node proxy has been ready for [`PROXY_SETTLE`].
+    ProxySettled,
     /// A deferred retry or an enrollment grace is due.
     Due,
 }
@@ -242,6 +258,7 @@ pub async fn run(config: Config, clients: Clients, inputs: Inputs) {
             }
             Ok(()) = mode.changed() => Wake::Mode,
             _ = sleep_until(retry) => Wake::Due,
+            _ = sleep_until(me.settle_at()) => Wake::ProxySettled,
         };
         match wake {
             Wake::Stop => break,
@@ -259,6 +276,10 @@ pub async fn run(config: Config, clients: Clients, inputs: Inputs) {
                     me.tracker.verdict_changed();
                 }
                 may_evict = now;
+            }
+            Wake::ProxySettled => {
+                me.settled_pass = true;
+                me.tracker.verdict_changed();
             }
             Wake::Verdict | Wake::Due => {}
         }
@@ -300,6 +321,10 @@ impl Inspector {
             tracker: Tracker::new(),
             origin: Instant::now(),
             last_verdict: None,
+            last_message: String::new(),
+            verified_since: None,
+            settled_pass: false,
+            proxy_lost: false,
             prune_history: false,
         }
     }
@@ -328,11 +353,44 @@ impl Inspector {
     fn on_verdict(&mut self, v: &Option<ChainVerdict>) {
         let Some(v) = v else { return };
         let seen = (v.verified, v.reason);
-        if self.last_verdict.is_some_and(|last| last != seen) {
+        // Once a node proxy that was ready goes away, its pods' listeners close as its
+        // processes end, after the verdict changed: each later change of what the message
+        // says about it (its pod gone, a new one not connected) looks at the pods again.
+        if v.verified {
+            self.proxy_lost = false;
+        } else if self.config.node_proxy.is_some() && self.last_verdict.is_some_and(|(was, _)| was)
+        {
+            self.proxy_lost = true;
+        }
+        let proxy_changed = self.proxy_lost && v.message != self.last_message;
+        if self.last_verdict.is_some_and(|last| last != seen) || proxy_changed {
             tracing::info!(node = %self.config.node, reason = %v.reason, verified = v.verified, pods = self.tracker.len(), "node verdict changed; inspecting every meshed pod again");
             self.tracker.verdict_changed();
         }
+        if !v.verified {
+            self.verified_since = None;
+        } else if self.verified_since.is_none() {
+            self.verified_since = Some(Instant::now());
+            self.settled_pass = false;
+        }
         self.last_verdict = Some(seen);
+        self.last_message.clone_from(&v.message);
+    }
+
+    /// When the node proxy will have been ready for [`PROXY_SETTLE`], if that is still to
+    /// come: the pods are inspected again then, since listeners missing before it do not
+    /// evict.
+    fn settle_at(&self) -> Option<tokio::time::Instant> {
+        let since = self
+            .verified_since
+            .filter(|_| self.config.node_proxy.is_some())?;
+        (!self.settled_pass).then(|| tokio::time::Instant::from_std(since + PROXY_SETTLE))
+    }
+
+    /// Whether the node proxy has been ready long enough for missing listeners to evict.
+    fn proxy_settled(&self) -> bool {
+        self.verified_since
+            .is_some_and(|since| since.elapsed() >= PROXY_SETTLE)
     }
 
     fn on_namespace_event(&mut self, item: NamespaceEvent) {

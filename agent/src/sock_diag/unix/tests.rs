@@ -47,10 +47,7 @@ fn owned(fd: std::os::fd::RawFd) -> OwnedFd {
 
 fn count(path: &Path) -> usize {
     let m = std::fs::symlink_metadata(path).unwrap();
-    let bound = Bound {
-        path,
-        ino: m.ino(),
-    };
+    let bound = Bound { path, ino: m.ino() };
     let sock = super::super::open().unwrap();
     connections(&sock, &bound, Instant::now() + Duration::from_secs(2)).unwrap()
 }
