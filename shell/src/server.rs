@@ -345,8 +345,14 @@ impl<H: Handshake> Connections<H> {
         let watcher = self.graceful.watcher();
         self.tasks.spawn(async move {
             let _permit = permit;
+            let begun = tokio::time::Instant::now();
             let io = match tokio::time::timeout(timeout, handshake.handshake(tcp)).await {
-                Ok(Ok(s)) => s,
+                Ok(Ok(s)) => {
+                    // A client that opens a connection per request in flight (the apiserver:
+                    // HTTP/1.1, no TLS resumption) pays this on each: see docs/performance.md.
+                    tracing::debug!(%peer, took = ?begun.elapsed(), "handshake done");
+                    s
+                }
                 Ok(Err(e)) => {
                     tracing::debug!(%peer, error = %e, "handshake failed");
                     return;
