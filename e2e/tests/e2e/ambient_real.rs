@@ -58,6 +58,8 @@ async fn ambient_on_a_real_kubelet_is_gated_on_ztunnel_with_the_real_istio_cni()
         let a = cluster.meshgate_logs();
         bail!("{e:#}\n\n{a}");
     }
+    // The residue means something only once the node stopped.
+    drop(cluster);
     let left = meshgate_e2e::real::node::host_residue();
     ensure!(left.is_empty(), "left behind: {left:?}");
     Ok(())
