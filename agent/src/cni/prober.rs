@@ -66,6 +66,9 @@ const MAX_STDOUT: usize = 64 * 1024;
 const MAX_STDERR: usize = 4 * 1024;
 /// How long the pipes may stay open once everything the plugin started is dead.
 const PIPE_GRACE: Duration = Duration::from_millis(100);
+/// Retries of a spawn that failed with ETXTBSY, and the pause before each.
+const TXTBSY_RETRIES: usize = 10;
+const TXTBSY_PAUSE: Duration = Duration::from_millis(10);
 /// Scans of the process tree when killing what a plugin left without a PID namespace.
 const KILL_ROUNDS: usize = 50;
 
@@ -464,7 +467,20 @@ fn spawn(path: &Path, status_w: OwnedFd) -> Result<Child, (Broken, bool)> {
             init_loop(plugin, status_fd)
         });
     }
-    let child = cmd.spawn().map_err(|e| {
+    let mut child = cmd.spawn();
+    // ETXTBSY: the binary was opened for writing by someone, often only a process forked
+    // while an installer (or another thread here) had it open, which holds that descriptor
+    // until its own exec. It passes within milliseconds: retried, bounded.
+    for _ in 0..TXTBSY_RETRIES {
+        match &child {
+            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) => {
+                std::thread::sleep(TXTBSY_PAUSE);
+                child = cmd.spawn();
+            }
+            _ => break,
+        }
+    }
+    let child = child.map_err(|e| {
         let cacheable = e.raw_os_error() == Some(libc::ENOEXEC);
         (Broken::CannotStart(e.to_string()), cacheable)
     });

@@ -246,7 +246,8 @@ fn a_chains_plugins_are_probed_in_parallel() {
     assert!(
         answers
             .values()
-            .all(|o| matches!(o, ProbeOutcome::Answered { .. }))
+            .all(|o| matches!(o, ProbeOutcome::Answered { .. })),
+        "{answers:?}"
     );
     let log = std::fs::read_to_string(&shared).unwrap();
     let order: Vec<&str> = log.lines().collect();
