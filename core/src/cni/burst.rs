@@ -24,8 +24,8 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-/// Files open for writing tracked per burst; past this the burst waits to go quiet.
-pub const MAX_OPEN_TRACKED: usize = 256;
+/// Files written in place tracked per burst; past this the burst waits to go quiet.
+pub const MAX_WRITTEN_TRACKED: usize = 256;
 
 /// What one file event says about its path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,7 +75,7 @@ impl Burst {
         };
         match change {
             Change::Created | Change::Written => {
-                if self.written.len() >= MAX_OPEN_TRACKED {
+                if self.written.len() >= MAX_WRITTEN_TRACKED {
                     self.unknown = true;
                 } else {
                     self.written.insert(path.to_path_buf());

@@ -95,8 +95,8 @@ fn events_without_a_path_or_of_unknown_kind_wait_for_quiet() {
 }
 
 #[test]
-fn too_many_open_files_wait_for_quiet() {
-    let names: Vec<String> = (0..=MAX_OPEN_TRACKED)
+fn too_many_written_files_wait_for_quiet() {
+    let names: Vec<String> = (0..=MAX_WRITTEN_TRACKED)
         .map(|i| format!("/etc/cni/net.d/{i}"))
         .collect();
     let mut b = Burst::new();
