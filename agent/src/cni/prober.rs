@@ -543,33 +543,26 @@ fn run_isolated(path: &Path, deadline: Instant) -> Result<Run, (Broken, bool)> {
             let _ = stdin.write_all(VERSION_STDIN);
         });
     }
-    let stdout = capture(child.stdout.take(), MAX_STDOUT);
-    let stderr = capture(child.stderr.take(), MAX_STDERR);
-    let status_rx = read_status(std::fs::File::from(status_r));
+    // One channel for the three ends, so the run is seen to end the moment the last arrives.
+    let (tx, rx) = mpsc::channel();
+    capture(child.stdout.take(), MAX_STDOUT, tx.clone(), Piece::Stdout);
+    capture(child.stderr.take(), MAX_STDERR, tx.clone(), Piece::Stderr);
+    read_status(std::fs::File::from(status_r), tx);
 
-    let (mut status, mut out, mut err) = (None, None, None);
-    let mut pause = Duration::from_millis(1);
+    let mut got = Pieces::default();
     let finished = loop {
-        if status.is_none()
-            && let Ok(s) = status_rx.try_recv()
-        {
-            status = Some(s);
-        }
-        if out.is_none() {
-            out = stdout.try_recv().ok();
-        }
-        if err.is_none() {
-            err = stderr.try_recv().ok();
-        }
-        if status.is_some() && out.is_some() && err.is_some() {
+        if got.status.is_some() && got.out.is_some() && got.err.is_some() {
             break true;
         }
         let now = Instant::now();
         if now >= deadline {
             break false;
         }
-        std::thread::sleep(pause.min(deadline - now));
-        pause = (pause * 2).min(Duration::from_millis(10));
+        match rx.recv_timeout(deadline - now) {
+            Ok(piece) => got.take(piece),
+            // Every sender sends before it ends, so this is only the deadline.
+            Err(_) => break false,
+        }
     };
     // Always, whether the plugin exited, hung or forked: without a namespace, kill every
     // descendant of the init first (it is their subreaper, so none has left its subtree);
@@ -582,10 +575,20 @@ fn run_isolated(path: &Path, deadline: Instant) -> Result<Run, (Broken, bool)> {
     let _ = nix::sys::signal::killpg(Pid::from_raw(init), Signal::SIGKILL);
     let _ = child.wait();
     drop(holder);
+    // The status as it was at the end: the init may still report the plugin's death by our
+    // kill, which is no exit of its own.
+    let status = got.status.take();
+    // Once everything is dead the pipes close: what they held arrives within the grace.
+    let grace = Instant::now() + PIPE_GRACE;
+    while got.out.is_none() || got.err.is_none() {
+        let left = grace.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(piece) => got.take(piece),
+            Err(_) => break,
+        }
+    }
     let held_output = !finished && status.is_some();
-    let status = status.flatten();
-    let out = out.or_else(|| stdout.recv_timeout(PIPE_GRACE).ok());
-    let err = err.or_else(|| stderr.recv_timeout(PIPE_GRACE).ok());
+    let (status, out, err) = (status.flatten(), got.out, got.err);
     Ok(Run {
         status: if finished { status } else { None },
         held_output,
@@ -594,10 +597,37 @@ fn run_isolated(path: &Path, deadline: Instant) -> Result<Run, (Broken, bool)> {
     })
 }
 
-/// Reads the init's report of the plugin's wait status: `Some(status)`, or `None` inside
-/// when the init died without reporting (killed, or waitpid failed).
-fn read_status(mut r: std::fs::File) -> mpsc::Receiver<Option<ExitStatus>> {
-    let (tx, rx) = mpsc::channel();
+/// What the threads watching a run send, each once.
+enum Piece {
+    /// The init's report of the plugin's wait status; `None` when the init died without one.
+    Status(Option<ExitStatus>),
+    /// Everything the plugin wrote to stdout (capped), at EOF.
+    Stdout(Vec<u8>),
+    /// The same for stderr.
+    Stderr(Vec<u8>),
+}
+
+/// The pieces of a run received so far.
+#[derive(Default)]
+struct Pieces {
+    status: Option<Option<ExitStatus>>,
+    out: Option<Vec<u8>>,
+    err: Option<Vec<u8>>,
+}
+
+impl Pieces {
+    fn take(&mut self, piece: Piece) {
+        match piece {
+            Piece::Status(s) => self.status = Some(s),
+            Piece::Stdout(b) => self.out = Some(b),
+            Piece::Stderr(b) => self.err = Some(b),
+        }
+    }
+}
+
+/// Reads the init's report of the plugin's wait status on a thread of its own and sends it
+/// as [`Piece::Status`].
+fn read_status(mut r: std::fs::File, tx: mpsc::Sender<Piece>) {
     std::thread::spawn(move || {
         let mut b = [0u8; 4];
         let status = match r.read_exact(&mut b) {
@@ -607,9 +637,8 @@ fn read_status(mut r: std::fs::File) -> mpsc::Receiver<Option<ExitStatus>> {
             },
             Err(_) => None,
         };
-        let _ = tx.send(status);
+        let _ = tx.send(Piece::Status(status));
     });
-    rx
 }
 
 /// SIGKILLs every descendant of `root` (not `root` itself), in rounds until none is left
@@ -677,29 +706,32 @@ fn descendants(root: i32) -> Vec<i32> {
     found
 }
 
-/// Reads a pipe to its end on a thread, keeping at most `cap` bytes and discarding the rest
-/// (so a flooding child never blocks on a full pipe), and sends what it kept.
-fn capture(pipe: Option<impl Read + Send + 'static>, cap: usize) -> mpsc::Receiver<Vec<u8>> {
-    let (tx, rx) = mpsc::channel();
-    if let Some(mut pipe) = pipe {
-        std::thread::spawn(move || {
-            let mut kept = Vec::new();
-            let mut buf = [0u8; 8192];
-            loop {
-                match pipe.read(&mut buf) {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => {
-                        let room = cap.saturating_sub(kept.len());
-                        kept.extend_from_slice(&buf[..n.min(room)]);
-                    }
+/// Reads `pipe` to EOF on a thread of its own, keeping at most `cap` bytes, and sends them
+/// wrapped by `piece` (at once, empty, without a pipe).
+fn capture(
+    pipe: Option<impl Read + Send + 'static>,
+    cap: usize,
+    tx: mpsc::Sender<Piece>,
+    piece: fn(Vec<u8>) -> Piece,
+) {
+    let Some(mut pipe) = pipe else {
+        let _ = tx.send(piece(Vec::new()));
+        return;
+    };
+    std::thread::spawn(move || {
+        let mut kept = Vec::new();
+        let mut buf = [0u8; 8192];
+        loop {
+            match pipe.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    let room = cap.saturating_sub(kept.len());
+                    kept.extend_from_slice(&buf[..n.min(room)]);
                 }
             }
-            let _ = tx.send(kept);
-        });
-    } else {
-        let _ = tx.send(Vec::new());
-    }
-    rx
+        }
+        let _ = tx.send(piece(kept));
+    });
 }
 
 #[cfg(test)]
