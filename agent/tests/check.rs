@@ -403,7 +403,7 @@ fn plugins_get_exactly_libcnis_version_call() {
     node.plugin(
         "linkerd-cni",
         &format!(
-            "#!/bin/sh\ncat > {s}.stdin\nenv | grep ^CNI_ | sort > {s}.env\necho $$ > {s}.pid\n{}",
+            "#!/bin/sh\ncat > {s}.stdin\nenv | grep -E '^(CNI_|GO)' | sort > {s}.env\necho $$ > {s}.pid\n{}",
             GOOD.trim_start_matches("#!/bin/sh\ncat >/dev/null\n"),
             s = seen.display()
         ),
@@ -416,7 +416,11 @@ fn plugins_get_exactly_libcnis_version_call() {
     );
     assert_eq!(
         fs::read_to_string(seen.with_extension("env")).unwrap(),
-        "CNI_ARGS=\nCNI_COMMAND=VERSION\nCNI_CONTAINERID=\nCNI_IFNAME=dummy\nCNI_NETNS=dummy\nCNI_PATH=dummy\n"
+        concat!(
+            "CNI_ARGS=\nCNI_COMMAND=VERSION\nCNI_CONTAINERID=\nCNI_IFNAME=dummy\nCNI_NETNS=dummy\nCNI_PATH=dummy\n",
+            // Not libcni's: a Go plugin's start-up without collections (see the prober).
+            "GOGC=off\nGOMEMLIMIT=32MiB\n"
+        )
     );
     // As root the plugin runs in its own PID namespace, as PID 2 under meshgate's minimal
     // init (PID 1): what makes "kill everything it started" hold for setsid'd grandchildren.
