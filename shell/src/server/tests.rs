@@ -21,7 +21,7 @@ type Started = (
 
 /// A plain server on loopback answering `GET /` with "ok"; the phase sender stops it.
 async fn start(limits: Limits) -> Started {
-    start_draining_in(limits, Duration::from_millis(500)).await
+    start_draining_in(limits, DRAIN).await
 }
 
 /// [`start`] with the drain timeout `drain`.
@@ -199,23 +199,42 @@ async fn get_kept_alive(s: &mut TcpStream) -> bool {
     answered == Ok(true) && out.starts_with(b"HTTP/1.1 200")
 }
 
-/// Limits whose header and idle timeouts differ.
-fn keep_alive_limits(header_read: Duration, keep_alive: Duration) -> Limits {
-    Limits {
+/// A server with these header and idle timeouts (and `drain`), and a connection to it that
+/// was answered once and stays open.
+async fn answered_once(
+    header_read: Duration,
+    keep_alive: Duration,
+    drain: Duration,
+) -> (TcpStream, Started) {
+    let limits = Limits {
         header_read_timeout: header_read,
         keep_alive_timeout: keep_alive,
         ..TEST_LIMITS
-    }
+    };
+    let started = start_draining_in(limits, drain).await;
+    let mut s = TcpStream::connect(started.0).await.unwrap();
+    assert!(get_kept_alive(&mut s).await, "first request");
+    (s, started)
 }
+
+/// Waits (3 s at most) for the server to close `s` without sending anything (`what` names
+/// the connection); how long that took.
+async fn closed_silently(s: &mut TcpStream, what: &str) -> Duration {
+    let begun = std::time::Instant::now();
+    let (sent, closed) = read_to_close(s).await;
+    assert!(closed, "{what} was not closed within 3 s");
+    assert!(sent.is_empty(), "{what} was sent {sent:?}");
+    begun.elapsed()
+}
+
+const DRAIN: Duration = Duration::from_millis(500);
 
 /// A keep-alive connection idle for longer than the header timeout, but not the idle one,
 /// still serves its next request.
 #[tokio::test]
 async fn an_idle_connection_outlives_the_header_timeout() {
-    let limits = keep_alive_limits(Duration::from_millis(300), Duration::from_secs(5));
-    let (addr, phase, task) = start(limits).await;
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    assert!(get_kept_alive(&mut s).await, "first request");
+    let (mut s, (_, phase, task)) =
+        answered_once(Duration::from_millis(300), Duration::from_secs(5), DRAIN).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(
         get_kept_alive(&mut s).await,
@@ -228,21 +247,15 @@ async fn an_idle_connection_outlives_the_header_timeout() {
 /// timeout counted from its first byte, not at the idle timeout.
 #[tokio::test]
 async fn a_slow_second_head_is_held_to_the_header_timeout() {
-    let limits = keep_alive_limits(Duration::from_secs(1), Duration::from_secs(10));
-    let (addr, phase, task) = start(limits).await;
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    assert!(get_kept_alive(&mut s).await, "first request");
+    let (mut s, (_, phase, task)) =
+        answered_once(Duration::from_secs(1), Duration::from_secs(10), DRAIN).await;
     // Idle past the header timeout first: the head's deadline runs from its first byte.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ")
         .await
         .unwrap();
-    let begun = std::time::Instant::now();
     // Waits 3 s at most: the idle timeout would close it 8.5 s from now.
-    let (answer, closed) = read_to_close(&mut s).await;
-    let took = begun.elapsed();
-    assert!(closed, "the slow head was not closed within 3 s");
-    assert!(answer.is_empty(), "answered {answer:?}");
+    let took = closed_silently(&mut s, "the slow head").await;
     assert!(
         took >= Duration::from_millis(800),
         "closed {took:?} after the head began, the header timeout is 1 s"
@@ -253,15 +266,13 @@ async fn a_slow_second_head_is_held_to_the_header_timeout() {
 /// A keep-alive connection that stays idle is closed at the idle timeout.
 #[tokio::test]
 async fn an_idle_connection_is_closed_at_the_idle_timeout() {
-    let limits = keep_alive_limits(Duration::from_millis(300), Duration::from_millis(1200));
-    let (addr, phase, task) = start(limits).await;
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    assert!(get_kept_alive(&mut s).await, "first request");
-    let begun = std::time::Instant::now();
-    let (answer, closed) = read_to_close(&mut s).await;
-    let took = begun.elapsed();
-    assert!(closed, "the idle connection was not closed within 3 s");
-    assert!(answer.is_empty(), "sent {answer:?}");
+    let (mut s, (_, phase, task)) = answered_once(
+        Duration::from_millis(300),
+        Duration::from_millis(1200),
+        DRAIN,
+    )
+    .await;
+    let took = closed_silently(&mut s, "the idle connection").await;
     assert!(
         took >= Duration::from_millis(1000),
         "closed after {took:?} idle, the idle timeout is 1.2 s"
@@ -273,20 +284,15 @@ async fn an_idle_connection_is_closed_at_the_idle_timeout() {
 /// the drain's.
 #[tokio::test]
 async fn the_drain_closes_idle_connections_promptly() {
-    let limits = keep_alive_limits(Duration::from_millis(300), Duration::from_secs(30));
-    let (addr, phase, task) = start_draining_in(limits, Duration::from_secs(10)).await;
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    assert!(get_kept_alive(&mut s).await, "first request");
+    let (mut s, (_, phase, task)) = answered_once(
+        Duration::from_millis(300),
+        Duration::from_secs(30),
+        Duration::from_secs(10),
+    )
+    .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let begun = std::time::Instant::now();
     phase.send_replace(Phase::Draining);
-    let (answer, closed) = read_to_close(&mut s).await;
-    let took = begun.elapsed();
-    assert!(
-        closed,
-        "the idle connection was not closed within 3 s of the drain"
-    );
-    assert!(answer.is_empty(), "sent {answer:?}");
+    let took = closed_silently(&mut s, "the idle connection").await;
     assert!(
         took < Duration::from_secs(2),
         "closed {took:?} after the drain began"
