@@ -15,7 +15,8 @@
 //!   time), a later one from its first byte;
 //! - a keep-alive connection may sit idle between requests for `keep_alive_timeout`, then it
 //!   is closed. hyper times both with its one header-read timer, so each connection gets a
-//!   timer of its own that tells the two waits apart ([`keep_alive`], with its known gap);
+//!   timer of its own that tells the two waits apart (`server/keep_alive.rs`, with its
+//!   known gap);
 //! - hyper buffers at most `max_buf_size` bytes of a connection's input: a head that does not
 //!   fit is answered 431 and the connection closed. Bodies stream through the same buffer.
 //!

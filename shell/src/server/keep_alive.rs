@@ -41,8 +41,9 @@ struct Shared {
     armed: AtomicBool,
 }
 
-/// An accepted TCP connection, counting the bytes read from it for its [`HeadTimer`]. The
-/// stream a [`super::Handshake`] starts from.
+/// An accepted TCP connection, counting the bytes read from it for its connection's head
+/// timer (see [`super::Limits::keep_alive_timeout`]). The stream a [`super::Handshake`]
+/// starts from.
 #[derive(Debug)]
 pub struct Socket {
     tcp: TcpStream,
