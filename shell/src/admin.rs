@@ -243,11 +243,14 @@ async fn metrics_handler<R: Readiness, L: Liveness>(State(s): State<AdminState<R
 /// connections with small heads, so a port reachable from the node's network (the agent's is
 /// on the host network) holds at most 256 × 8 KiB of request buffers. A probe that finds the
 /// cap taken waits in the backlog until a connection ends, within 2 s at most for one that
-/// sends nothing.
+/// sends nothing. Idle keep-alive connections are closed after 2 s too: kubelet probes open
+/// a connection per probe, and a scraper's next scrape is further away than any useful idle
+/// bound.
 pub const LIMITS: server::Limits = server::Limits {
     max_connections: 256,
     handshake_timeout: Duration::from_secs(2),
     header_read_timeout: Duration::from_secs(2),
+    keep_alive_timeout: Duration::from_secs(2),
     max_buf_size: 8 * 1024,
 };
 

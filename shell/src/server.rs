@@ -10,15 +10,19 @@
 //!   accepted until one ends, so it waits in the kernel's accept backlog (and its client's own
 //!   timeout bounds the wait) instead of costing a task, buffers and memory;
 //! - the handshake must end within `handshake_timeout`;
-//! - a request head must arrive complete within `header_read_timeout`. hyper arms that timer
-//!   only when it has a timer, so the builder here always gives it one. hyper waits for the
-//!   next head of a keep-alive connection with the same timer, so an idle connection is closed
-//!   after that time too;
+//! - a request head must arrive complete within `header_read_timeout`: the first one counted
+//!   from the handshake's end (so a connection that never sends anything is closed after that
+//!   time), a later one from its first byte;
+//! - a keep-alive connection may sit idle between requests for `keep_alive_timeout`, then it
+//!   is closed. hyper times both with its one header-read timer, so each connection gets a
+//!   timer of its own that tells the two waits apart (`server/keep_alive.rs`, with its
+//!   known gap);
 //! - hyper buffers at most `max_buf_size` bytes of a connection's input: a head that does not
 //!   fit is answered 431 and the connection closed. Bodies stream through the same buffer.
 //!
 //! So the connections together hold at most `max_connections` × (`max_buf_size` + what the
-//! handshake keeps per connection) of memory, whatever their clients send or withhold.
+//! handshake keeps per connection) of memory, whatever their clients send or withhold; a long
+//! `keep_alive_timeout` lets an idle connection keep its place longer, not cost more.
 //!
 //! The phases (see [`Phase`]):
 //! - [`Phase::Delaying`]: the listener keeps accepting and every request is answered as
@@ -40,13 +44,16 @@ use axum::Router;
 use axum::http::{HeaderValue, header};
 use axum::response::Response;
 use hyper::server::conn::http1;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
+
+mod keep_alive;
+pub use keep_alive::Socket;
 
 /// Where a server is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,8 +73,13 @@ pub struct Limits {
     pub max_connections: usize,
     /// Deadline for the [`Handshake`] of a new connection.
     pub handshake_timeout: Duration,
-    /// Deadline for a complete request head, and for an idle keep-alive connection's next one.
+    /// Deadline for a complete request head: for the first request of a connection, from the
+    /// handshake's end (so a connection that never sends anything is closed after it); for a
+    /// later one, from its first byte.
     pub header_read_timeout: Duration,
+    /// How long a connection may sit idle between requests, after its first request, before
+    /// it is closed.
+    pub keep_alive_timeout: Duration,
     /// hyper's per-connection input buffer, in bytes (hyper's minimum, 8 KiB, at least). A
     /// request head must fit in it.
     pub max_buf_size: usize,
@@ -77,11 +89,12 @@ pub struct Limits {
 const MIN_BUF_SIZE: usize = 8 * 1024;
 
 impl Limits {
-    /// The HTTP/1 connection builder these limits describe.
+    /// The HTTP/1 connection builder these limits describe, but for its timer: hyper arms the
+    /// header timer only when it has one (and refuses to serve without it), so each connection
+    /// is given its own ([`Connections::spawn`]).
     fn http1(&self) -> http1::Builder {
         let mut builder = http1::Builder::new();
         builder
-            .timer(TokioTimer::new())
             .header_read_timeout(self.header_read_timeout)
             .max_buf_size(self.max_buf_size.max(MIN_BUF_SIZE));
         builder
@@ -94,7 +107,7 @@ pub trait Handshake: Clone + Send + Sync + 'static {
     /// The stream HTTP is spoken on.
     type Io: AsyncRead + AsyncWrite + Unpin + Send + 'static;
     /// Performs the handshake on `tcp`.
-    fn handshake(&self, tcp: TcpStream) -> impl Future<Output = std::io::Result<Self::Io>> + Send;
+    fn handshake(&self, tcp: Socket) -> impl Future<Output = std::io::Result<Self::Io>> + Send;
 }
 
 /// Plain HTTP: no handshake.
@@ -102,8 +115,8 @@ pub trait Handshake: Clone + Send + Sync + 'static {
 pub struct Plain;
 
 impl Handshake for Plain {
-    type Io = TcpStream;
-    fn handshake(&self, tcp: TcpStream) -> impl Future<Output = std::io::Result<TcpStream>> + Send {
+    type Io = Socket;
+    fn handshake(&self, tcp: Socket) -> impl Future<Output = std::io::Result<Socket>> + Send {
         std::future::ready(Ok(tcp))
     }
 }
@@ -132,7 +145,7 @@ pub async fn serve<H: Handshake>(
     let permits = Arc::new(Semaphore::new(max_connections));
     let mut conns = Connections {
         handshake,
-        handshake_timeout: limits.handshake_timeout,
+        limits,
         http1: limits.http1(),
         app: close_when_stopping(app, phase.clone()),
         phase: phase.clone(),
@@ -304,7 +317,7 @@ pub async fn serve_until<H: Handshake>(
 /// out).
 struct Connections<H> {
     handshake: H,
-    handshake_timeout: Duration,
+    limits: Limits,
     http1: http1::Builder,
     app: Router,
     phase: watch::Receiver<Phase>,
@@ -337,9 +350,15 @@ impl<H: Handshake> Connections<H> {
     /// `permit` is held until the connection ends: that is what the connection cap counts.
     fn spawn(&mut self, tcp: TcpStream, peer: SocketAddr, permit: OwnedSemaphorePermit) {
         let _ = tcp.set_nodelay(true);
+        let (tcp, timer) = Socket::new(
+            tcp,
+            self.limits.header_read_timeout,
+            self.limits.keep_alive_timeout,
+        );
         let handshake = self.handshake.clone();
-        let timeout = self.handshake_timeout;
-        let http1 = self.http1.clone();
+        let timeout = self.limits.handshake_timeout;
+        let mut http1 = self.http1.clone();
+        http1.timer(timer);
         let app = self.app.clone();
         let phase = self.phase.clone();
         let watcher = self.graceful.watcher();
@@ -413,172 +432,4 @@ fn accept_backlog(listener: TcpListener, mut serve: impl FnMut(TcpStream, Socket
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use axum::routing::get;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-    const TEST_LIMITS: Limits = Limits {
-        max_connections: 2,
-        handshake_timeout: Duration::from_secs(1),
-        header_read_timeout: Duration::from_millis(300),
-        max_buf_size: 8 * 1024,
-    };
-
-    /// A plain server on loopback answering `GET /` with "ok"; the phase sender stops it.
-    async fn start(
-        limits: Limits,
-    ) -> (
-        SocketAddr,
-        watch::Sender<Phase>,
-        tokio::task::JoinHandle<()>,
-    ) {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (tx, phase) = watch::channel(Phase::Serving);
-        let app = Router::new().route("/", get(|| async { "ok" }));
-        let drain = Duration::from_millis(500);
-        let task = tokio::spawn(serve(listener, Plain, app, phase, drain, limits));
-        (addr, tx, task)
-    }
-
-    /// Asks the server to drain and waits (2 s at most) for it to end.
-    async fn stop(phase: watch::Sender<Phase>, task: tokio::task::JoinHandle<()>) {
-        phase.send_replace(Phase::Draining);
-        tokio::time::timeout(Duration::from_secs(2), task)
-            .await
-            .expect("stopped within 2 s")
-            .unwrap();
-    }
-
-    /// Reads until the server closes (or 3 s pass): what it sent, and whether it closed.
-    async fn read_to_close(s: &mut TcpStream) -> (String, bool) {
-        let mut out = Vec::new();
-        let closed = tokio::time::timeout(Duration::from_secs(3), async {
-            let mut chunk = [0u8; 4096];
-            loop {
-                match s.read(&mut chunk).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => out.extend_from_slice(&chunk[..n]),
-                }
-            }
-        })
-        .await
-        .is_ok();
-        (String::from_utf8_lossy(&out).into_owned(), closed)
-    }
-
-    async fn get_ok(addr: SocketAddr) -> bool {
-        let Ok(mut s) = TcpStream::connect(addr).await else {
-            return false;
-        };
-        let req = b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
-        s.write_all(req).await.is_ok() && read_to_close(&mut s).await.0.ends_with("ok")
-    }
-
-    /// A client that sends part of a head and stops is closed at the header read timeout; one
-    /// that opens a connection and sends nothing, too; meanwhile and after, others are served.
-    #[tokio::test]
-    async fn a_head_that_never_ends_is_closed_at_the_header_timeout() {
-        let (addr, phase, task) = start(TEST_LIMITS).await;
-        let mut partial = TcpStream::connect(addr).await.unwrap();
-        partial
-            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ")
-            .await
-            .unwrap();
-        let mut silent = TcpStream::connect(addr).await.unwrap();
-        let begun = std::time::Instant::now();
-        let (_, closed) = read_to_close(&mut partial).await;
-        assert!(closed, "the partial head was not closed");
-        let (_, closed) = read_to_close(&mut silent).await;
-        assert!(closed, "the silent connection was not closed");
-        let took = begun.elapsed();
-        assert!(
-            took >= Duration::from_millis(250) && took < Duration::from_secs(2),
-            "closed after {took:?}, the timeout is 300 ms"
-        );
-        assert!(get_ok(addr).await, "served after the slow clients");
-        stop(phase, task).await;
-    }
-
-    /// A head larger than the buffer is answered 431 and closed as soon as the buffer is full,
-    /// without waiting for the rest of it.
-    #[tokio::test]
-    async fn a_head_larger_than_the_buffer_gets_a_431() {
-        let limits = Limits {
-            header_read_timeout: Duration::from_secs(30),
-            ..TEST_LIMITS
-        };
-        let (addr, phase, task) = start(limits).await;
-        let mut s = TcpStream::connect(addr).await.unwrap();
-        s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n").await.unwrap();
-        let line = format!("X-Big: {}\r\n", "a".repeat(1000));
-        // 20 KiB of head and no end: the 8 KiB buffer fills long before.
-        for _ in 0..20 {
-            if s.write_all(line.as_bytes()).await.is_err() {
-                break;
-            }
-        }
-        let (answer, closed) = read_to_close(&mut s).await;
-        assert!(closed, "not closed");
-        assert!(answer.starts_with("HTTP/1.1 431"), "{answer:?}");
-        assert!(get_ok(addr).await);
-        stop(phase, task).await;
-    }
-
-    /// With the cap taken by two silent connections, a third is not served until the header
-    /// timeout frees a place; then it is.
-    #[tokio::test]
-    async fn past_the_cap_a_connection_waits_for_a_free_place() {
-        let limits = Limits {
-            header_read_timeout: Duration::from_millis(800),
-            ..TEST_LIMITS
-        };
-        let (addr, phase, task) = start(limits).await;
-        let _a = TcpStream::connect(addr).await.unwrap();
-        let _b = TcpStream::connect(addr).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let begun = std::time::Instant::now();
-        assert!(get_ok(addr).await, "served once a place was free");
-        let waited = begun.elapsed();
-        assert!(
-            waited >= Duration::from_millis(500),
-            "served after {waited:?}, while the cap was taken"
-        );
-        stop(phase, task).await;
-    }
-
-    /// `serve_until`: the stop future ends serving; a connection holding a request in flight
-    /// does not keep the server past the drain timeout.
-    #[tokio::test]
-    async fn serve_until_stops_within_the_drain() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let app = Router::new().route(
-            "/slow",
-            get(|| async {
-                tokio::time::sleep(Duration::from_secs(30)).await;
-                "late"
-            }),
-        );
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let stop = async move {
-            let _ = stop_rx.await;
-        };
-        let drain = Duration::from_millis(300);
-        let task = tokio::spawn(serve_until(listener, Plain, app, stop, drain, TEST_LIMITS));
-        let mut s = TcpStream::connect(addr).await.unwrap();
-        s.write_all(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .unwrap();
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        drop(stop_tx);
-        let begun = std::time::Instant::now();
-        tokio::time::timeout(Duration::from_secs(2), task)
-            .await
-            .expect("stopped within the drain")
-            .unwrap();
-        assert!(begun.elapsed() >= drain);
-        assert!(TcpStream::connect(addr).await.is_err(), "listener closed");
-    }
-}
+mod tests;

@@ -13,9 +13,10 @@
 //! The connections are bounded by the server shared with the admin ports
 //! (`meshgate_shell::server`): at most `max_connections` at once (past the cap the next one
 //! waits, unaccepted, in the kernel's backlog), a TLS handshake within [`HANDSHAKE_TIMEOUT`],
-//! a request head within [`HEADER_READ_TIMEOUT`] (an idle keep-alive connection is closed
-//! after it too) and at most [`MAX_BUF_SIZE`] bytes buffered per connection (a larger head
-//! gets a 431). The shutdown phases (delay with `Connection: close`, then a bounded drain)
+//! a request head within [`HEADER_READ_TIMEOUT`] (of the handshake's end for a connection's
+//! first request, of its first byte for a later one), an idle keep-alive connection closed
+//! after [`KEEP_ALIVE_TIMEOUT`] and at most [`MAX_BUF_SIZE`] bytes buffered per connection (a
+//! larger head gets a 431). The shutdown phases (delay with `Connection: close`, then a bounded drain)
 //! are that server's too; [`crate::shutdown`] drives them.
 
 use std::sync::Arc;
@@ -26,9 +27,9 @@ use axum::extract::{FromRequest, Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::post;
-use meshgate_shell::server::{self as shared, Handshake};
+use meshgate_shell::server::{self as shared, Handshake, Socket};
 use rustls::ServerConfig;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 use tower_http::timeout::TimeoutLayer;
@@ -72,8 +73,16 @@ impl Default for Limits {
 
 /// Deadline for a TLS handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Deadline for a request head, and for an idle keep-alive connection's next request.
+/// Deadline for a request head: a new connection's first one from the handshake's end, a
+/// later one from its first byte.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a keep-alive connection may sit idle between requests. Above the idle timeout of
+/// the apiserver's webhook client (90 s, Go's `DefaultTransport`), so the client closes an
+/// idle connection first: a server that closes it races the client's reuse of it, and a lost
+/// race fails the review (Go does not retry a POST), while a close too early makes the next
+/// burst pay fresh TLS handshakes. An idle connection costs only its place among
+/// `max_connections`.
+pub const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(120);
 /// hyper's input buffer per connection, hyper's smallest. The apiserver's request heads are a
 /// few hundred bytes; bodies stream through it in chunks.
 pub const MAX_BUF_SIZE: usize = 8 * 1024;
@@ -165,8 +174,8 @@ pub fn router<C: Cluster>(
 struct Tls(TlsAcceptor);
 
 impl Handshake for Tls {
-    type Io = tokio_rustls::server::TlsStream<TcpStream>;
-    fn handshake(&self, tcp: TcpStream) -> impl Future<Output = std::io::Result<Self::Io>> + Send {
+    type Io = tokio_rustls::server::TlsStream<Socket>;
+    fn handshake(&self, tcp: Socket) -> impl Future<Output = std::io::Result<Self::Io>> + Send {
         self.0.accept(tcp)
     }
 }
@@ -187,6 +196,7 @@ pub async fn serve_tls(
         max_connections,
         handshake_timeout: HANDSHAKE_TIMEOUT,
         header_read_timeout: HEADER_READ_TIMEOUT,
+        keep_alive_timeout: KEEP_ALIVE_TIMEOUT,
         max_buf_size: MAX_BUF_SIZE,
     };
     let handshake = Tls(TlsAcceptor::from(tls));

@@ -688,3 +688,58 @@ async fn connections_past_the_cap_wait_until_one_ends() {
     phase.send_replace(Phase::Draining);
     stops(server, "the server stops").await;
 }
+
+/// Over TLS, with the shared server's idle timeout apart from its header timeout: a
+/// keep-alive connection idle past the header timeout still answers, and a next head begun
+/// with a partial TLS record (bytes on the socket, none decrypted yet) is closed at the
+/// header timeout from those bytes, not at the idle timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_idle_waits_outlive_the_header_timeout_but_a_begun_record_does_not() {
+    use tokio::io::AsyncWriteExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    let pki = Pki::new();
+    pki.issue(&cert, &key);
+    let (app, _tx) = app(fake_cluster(), true, Limits::default());
+    let tls = crate::tls::server_config(&cert, &key).unwrap();
+    let limits = shared::Limits {
+        max_connections: 4,
+        handshake_timeout: HANDSHAKE_TIMEOUT,
+        header_read_timeout: Duration::from_secs(1),
+        keep_alive_timeout: Duration::from_secs(10),
+        max_buf_size: MAX_BUF_SIZE,
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (phase_tx, phase) = crate::shutdown::phase_channel();
+    let handshake = Tls(TlsAcceptor::from(tls));
+    let drain = Duration::from_secs(5);
+    let server = tokio::spawn(shared::serve(
+        listener, handshake, app, phase, drain, limits,
+    ));
+    let review = pod_review("web", Some("bad"), true);
+    let mut s = connect_raw(&pki, addr).await.unwrap();
+    write_review(&mut s, &review).await;
+    assert_answered(&read_answer(&mut s).await, false);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    write_review(&mut s, &review).await;
+    assert_answered(&read_answer(&mut s).await, false);
+
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The first bytes of a TLS application-data record header, written under the TLS layer.
+    s.get_mut().0.write_all(&[0x17, 0x03]).await.unwrap();
+    let begun = std::time::Instant::now();
+    // The idle timeout would close it 8.5 s from now.
+    let closed = read_until_closed(&mut s, Duration::from_secs(3)).await;
+    let took = begun.elapsed();
+    assert!(
+        closed.is_some(),
+        "the begun record was not closed within 3 s"
+    );
+    assert!(
+        took >= Duration::from_millis(800),
+        "closed {took:?} after the record began, the header timeout is 1 s"
+    );
+    phase_tx.send_replace(Phase::Draining);
+    stops(server, "the server stops").await;
+}
