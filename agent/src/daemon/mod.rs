@@ -27,7 +27,6 @@ pub mod node_proxy;
 pub mod pods;
 mod stages;
 pub mod state;
-mod status;
 mod timer;
 pub mod verdict_loop;
 

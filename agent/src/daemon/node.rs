@@ -16,10 +16,6 @@
 //!   nothing, so one transition never yields two Events. A `CNIChainVerified` Event of a
 //!   reconcile that removed the taint carries the untaint latency in its note
 //!   (`gate::NodeEvent::with_untaint_latency`), measured from [`NodeGate::measure_from`].
-//!
-//! [`NodeGate::reconcile`] does both parts in order. The verdict loop calls its taint part
-//! ([`NodeGate::reconcile_taint`]) itself and leaves [`NodeGate::write_status`] to
-//! `super::status`, off its path.
 
 use std::time::{Duration, Instant};
 
@@ -90,12 +86,9 @@ pub struct Applied {
 
 /// The Node as last read, and whether it came from the API just now (a GET or a patch
 /// response) rather than the watch cache.
-#[derive(Clone, Debug)]
-pub struct Seen {
-    /// The Node.
-    pub node: Node,
-    /// Read from the API just now, not from the watch cache.
-    pub fresh: bool,
+struct Seen {
+    node: Node,
+    fresh: bool,
 }
 
 fn is_conflict(e: &kube::Error) -> bool {
@@ -119,7 +112,6 @@ fn to_event(planned: NodeEvent) -> Event {
 }
 
 /// The agent's handle on its own Node: carries out `core::gate`'s plans.
-#[derive(Clone)]
 pub struct NodeGate {
     /// Writes: the taint-and-label patch and the condition.
     api: Api<Node>,
@@ -204,19 +196,6 @@ impl NodeGate {
         verdict: &ChainVerdict,
         mode: Mode,
     ) -> Result<Applied, GateError> {
-        let (mut applied, seen) = self.reconcile_taint(seen, verdict, mode).await?;
-        self.write_status(seen, verdict, mode, &mut applied).await?;
-        Ok(applied)
-    }
-
-    /// The taint and label part of [`NodeGate::reconcile`]: what it applied, and the Node as
-    /// the write left it (or as read, when nothing was written), for [`NodeGate::write_status`].
-    pub async fn reconcile_taint(
-        &self,
-        seen: Option<Node>,
-        verdict: &ChainVerdict,
-        mode: Mode,
-    ) -> Result<(Applied, Seen), GateError> {
         let seen = match seen {
             Some(node) => Seen { node, fresh: false },
             None => Seen {
@@ -228,7 +207,9 @@ impl NodeGate {
         let seen = self
             .write_metadata(seen, verdict, mode, &mut applied)
             .await?;
-        Ok((applied, seen))
+        self.write_condition(seen, verdict, mode, &mut applied)
+            .await?;
+        Ok(applied)
     }
 
     /// Writes the taint and label, re-planning from a fresh read after each conflict.
@@ -291,15 +272,14 @@ impl NodeGate {
         self.call("patch node taints", call).await
     }
 
-    /// Writes the condition when it is not current, then publishes the transition's Event;
-    /// the Node as the condition write left it, when it wrote.
-    pub async fn write_status(
+    /// Writes the condition when it is not current, then publishes the transition's Event.
+    async fn write_condition(
         &self,
         mut seen: Seen,
         verdict: &ChainVerdict,
         mode: Mode,
         applied: &mut Applied,
-    ) -> Result<Option<Node>, GateError> {
+    ) -> Result<(), GateError> {
         let planned =
             |node: &Node| gate::plan_condition(gate::condition_of(node), verdict, Timestamp::now());
         // The watch cache can lag behind our own last condition write; writing from a stale
@@ -309,12 +289,12 @@ impl NodeGate {
             seen.node = self.get().await?;
         }
         let Some(condition) = planned(&seen.node) else {
-            return Ok(None);
+            return Ok(());
         };
         let patch = json!({"status": {"conditions": [condition]}});
         let (params, patch) = (PatchParams::default(), Patch::Strategic(patch));
         let call = self.api.patch_status(&self.name, &params, &patch);
-        let written = self.call("patch node condition", call).await?;
+        self.call("patch node condition", call).await?;
         applied.condition = true;
         if let Some(mut event) = gate::plan_event(gate::condition_of(&seen.node), verdict, mode) {
             if let Some(latency) = applied.untaint_latency {
@@ -324,12 +304,12 @@ impl NodeGate {
             let regarding = seen.node.object_ref(&());
             self.events.publish(&to_event(event), &regarding).await;
         }
-        Ok(Some(written))
+        Ok(())
     }
 }
 
 #[cfg(test)]
-pub(super) mod tests {
+mod tests {
     use super::*;
     use meshgate_core::cni::Reason;
     use meshgate_core::event_reason;
@@ -337,7 +317,7 @@ pub(super) mod tests {
     use meshgate_core::mode::TaintPolicy;
     use serde_json::Value;
 
-    pub(in crate::daemon) fn verdict(reason: Reason, message: &str) -> ChainVerdict {
+    fn verdict(reason: Reason, message: &str) -> ChainVerdict {
         let v = json!({
             "verified": reason == Reason::Verified, "reason": reason, "message": message,
             "config_file": null, "plugins": [], "runtime": "containerd",
@@ -364,7 +344,7 @@ pub(super) mod tests {
         assert!(serde_json::from_value::<json_patch::Patch>(plan.patch()).is_ok());
     }
 
-    pub(in crate::daemon) mod requests {
+    mod requests {
         //! The exact requests `NodeGate::reconcile` sends, against a tower-test mock.
         use super::*;
         use http::{Request, Response};
@@ -374,7 +354,7 @@ pub(super) mod tests {
         use std::pin::pin;
         use tower_test::mock;
 
-        pub(in crate::daemon) fn node(rv: &str, taints: Value) -> Value {
+        fn node(rv: &str, taints: Value) -> Value {
             json!({
                 "apiVersion": "v1", "kind": "Node",
                 "metadata": {"name": "n1", "resourceVersion": rv, "labels": {"kubernetes.io/hostname": "n1"}},
@@ -382,7 +362,7 @@ pub(super) mod tests {
             })
         }
 
-        pub(in crate::daemon) fn respond(status: u16, body: &Value) -> Response<Body> {
+        fn respond(status: u16, body: &Value) -> Response<Body> {
             Response::builder()
                 .status(status)
                 .body(Body::from(serde_json::to_vec(body).unwrap()))
@@ -390,7 +370,7 @@ pub(super) mod tests {
         }
 
         /// The gate of node `n1` (NoSchedule, 5 s API timeout), sending through `svc`.
-        pub(in crate::daemon) fn gate_for_n1(
+        fn gate_for_n1(
             svc: mock::Mock<Request<Body>, Response<Body>>,
             instance: Option<&str>,
         ) -> NodeGate {
@@ -412,7 +392,7 @@ pub(super) mod tests {
             )
         }
 
-        pub(in crate::daemon) async fn body_json(req: Request<Body>) -> Value {
+        async fn body_json(req: Request<Body>) -> Value {
             let bytes = req.into_body().collect().await.unwrap().to_bytes();
             serde_json::from_slice(&bytes).unwrap()
         }

@@ -4,9 +4,8 @@
 //! mode (`meshgate_shell::mode`), the node proxy's pods, socket and connection when a named
 //! profile has one ([`NodeProxyWatch`]: ambient's ztunnel) and SIGTERM.
 //! Out: one pass per wake-up — verify (the chain, then the node proxy over it), hand the
-//! verdict to the pod inspector when it changed, reconcile the Node's taint as the mode allows
-//! ([`NodeGate`]) and queue its condition and Event for the writer task (`super::status`,
-//! whose outcomes come back here), then record the outcome (metrics, readiness, state file) or schedule a retry
+//! verdict to the pod inspector when it changed, reconcile the Node as the mode allows
+//! ([`NodeGate`]), then record the outcome (metrics, readiness, state file) or schedule a retry
 //! with capped backoff — and, at `stop`, the tasks it started. A mode change wakes the loop to write the Node again without re-verifying.
 
 use std::future::Future;
@@ -42,7 +41,6 @@ use super::node_proxy::{self, NodeProxyWatch};
 use super::pods;
 use super::stages::PassClock;
 use super::state::{self, Loaded, Shared, State};
-use super::status::{Done, Job, StatusWriter};
 use super::timer::sleep_until;
 use crate::cni::preprobe::PreProber;
 use crate::cni::{CniArgs, Prober};
@@ -65,12 +63,6 @@ pub enum Wake {
     NodeProxy,
 }
 
-/// What `next_wake` waits for: a reason to pass, or the status writer's outcome of a job.
-enum Next {
-    Wake(Wake),
-    Written(Done),
-}
-
 /// The tasks the loop started, stopped with it.
 struct Tasks {
     stop: watch::Sender<bool>,
@@ -85,8 +77,6 @@ pub struct Daemon {
     cni: Arc<CniArgs>,
     prober: Arc<Prober>,
     gate: NodeGate,
-    /// Writes the condition and Events after each taint write, off the loop (see `status`).
-    status: StatusWriter,
     metrics: AgentMetrics,
     ready: Arc<AtomicBool>,
     shared: Arc<Shared>,
@@ -214,10 +204,8 @@ impl Daemon {
         let mut resync = tokio::time::interval(config.resync_interval);
         resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         resync.tick().await; // the first tick is immediate; the first pass covers it
-        let gate = node_gate(&config, &clients);
         Ok(Self {
-            status: StatusWriter::start(gate.clone(), config.api_timeout),
-            gate,
+            gate: node_gate(&config, &clients),
             prober,
             cni: Arc::new(config.cni),
             coalesce: config.coalesce,
@@ -271,17 +259,10 @@ impl Daemon {
             let mode = *self.mode_rx.borrow_and_update();
             self.gate.measure_from(self.changed_at);
             self.clock.reconcile_started();
-            match self.gate.reconcile_taint(seen, &v, mode).await {
-                Ok((applied, seen)) => {
+            match self.gate.reconcile(seen, &v, mode).await {
+                Ok(applied) => {
                     self.clock.report(&self.node, &applied, &self.metrics);
                     self.settled(&v, &applied, mode);
-                    self.write_status(Job {
-                        verdict: v,
-                        mode,
-                        seen,
-                        applied,
-                    })
-                    .await;
                 }
                 Err(e) => self.failed(&e),
             }
@@ -293,25 +274,18 @@ impl Daemon {
     /// is waited out before returning.
     pub async fn next_wake(&mut self) -> Option<Wake> {
         let mut first = None;
-        let wake = loop {
-            let next = tokio::select! {
-                _ = &mut self.shutdown => return None,
-                done = self.status.done() => Next::Written(done),
-                Some(e) = self.fs_rx.recv() => {
-                    let at = e.at;
-                    first = Some(e);
-                    Next::Wake(Wake::Files(at))
-                }
-                _ = self.resync.tick() => Next::Wake(Wake::Resync),
-                Ok(()) = self.node_rx.changed() => Next::Wake(Wake::NodeChanged),
-                Ok(()) = self.mode_rx.changed() => Next::Wake(Wake::ModeChanged),
-                () = node_proxy_changed(self.node_proxy.as_mut()) => Next::Wake(Wake::NodeProxy),
-                _ = sleep_until(self.retry_at) => Next::Wake(Wake::Retry),
-            };
-            match next {
-                Next::Wake(wake) => break wake,
-                Next::Written(done) => self.status_written(done),
+        let wake = tokio::select! {
+            _ = &mut self.shutdown => return None,
+            Some(e) = self.fs_rx.recv() => {
+                let at = e.at;
+                first = Some(e);
+                Wake::Files(at)
             }
+            _ = self.resync.tick() => Wake::Resync,
+            Ok(()) = self.node_rx.changed() => Wake::NodeChanged,
+            Ok(()) = self.mode_rx.changed() => Wake::ModeChanged,
+            () = node_proxy_changed(self.node_proxy.as_mut()) => Wake::NodeProxy,
+            _ = sleep_until(self.retry_at) => Wake::Retry,
         };
         self.clock.woke(match wake {
             Wake::Files(first) => Some(first),
@@ -344,7 +318,6 @@ impl Daemon {
             let _ = admin.await;
         }
         let _ = self.tasks.pods.await;
-        self.status.stop().await;
         if let Err(e) = self.shared.save() {
             tracing::warn!(node = %self.node, error = %e, "cannot save state");
         }
@@ -369,10 +342,14 @@ impl Daemon {
         self.verdict = Some(v);
     }
 
-    /// The Node's taint says what `v` says: metrics, readiness, the state file.
+    /// The Node says what `v` says (as `mode` allows): metrics, readiness, the state file.
     fn settled(&mut self, v: &ChainVerdict, applied: &Applied, mode: Mode) {
         self.retry = backoff();
         self.retry_at = None;
+        if mode.is_report() && applied.event == Some(event_reason::CHAIN_UNVERIFIED) {
+            self.metrics.mode.would(WouldAction::Taint);
+            tracing::warn!(node = %self.node, reason = %v.reason, "report mode: would taint the node (CNI chain not verified)");
+        }
         if let Some(added) = applied.taint {
             self.metrics.taint(added);
             if !added && !v.verified {
@@ -384,6 +361,9 @@ impl Daemon {
                 self.metrics.untaint_latency.observe(latency.as_secs_f64());
                 tracing::info!(node = %self.node, latency_ms = latency.as_millis() as u64, "node untainted: CNI chain verified");
             }
+        }
+        if let Some(event) = applied.event {
+            tracing::info!(node = %self.node, event, "event published");
         }
         self.metrics.node_verified.set(i64::from(v.verified));
         self.ready.store(true, Ordering::Release);
@@ -398,46 +378,6 @@ impl Daemon {
         });
         if let Err(e) = saved {
             tracing::warn!(node = %self.node, error = %e, "cannot save state");
-        }
-    }
-
-    /// Hands the condition and Event of a taint write to the status writer; written here, in
-    /// the loop, only if the writer is gone.
-    async fn write_status(&mut self, job: Job) {
-        let Err(job) = self.status.send(job).await else {
-            return;
-        };
-        tracing::error!(node = %self.node, "the Node's condition writer is gone; writing inline");
-        let Job {
-            verdict,
-            mode,
-            seen,
-            mut applied,
-        } = job;
-        let result = self
-            .gate
-            .write_status(seen, &verdict, mode, &mut applied)
-            .await
-            .map(|_| applied);
-        self.status_written(Done {
-            mode,
-            reason: verdict.reason,
-            result,
-        });
-    }
-
-    /// The status writer's outcome of one job: logged and counted, or retried.
-    fn status_written(&mut self, done: Done) {
-        let applied = match done.result {
-            Ok(applied) => applied,
-            Err(e) => return self.failed(&e),
-        };
-        if done.mode.is_report() && applied.event == Some(event_reason::CHAIN_UNVERIFIED) {
-            self.metrics.mode.would(WouldAction::Taint);
-            tracing::warn!(node = %self.node, reason = %done.reason, "report mode: would taint the node (CNI chain not verified)");
-        }
-        if let Some(event) = applied.event {
-            tracing::info!(node = %self.node, event, "event published");
         }
     }
 
