@@ -5,12 +5,15 @@
 //! creates the Event, or patches its series when the same one repeats), within the API
 //! timeout. An Event is a notification, not state: a failure or a timeout is logged and never
 //! retried, so a retry can never publish the same transition twice, and a slow API delays the
-//! caller by one timeout at most.
+//! caller by one timeout at most. [`EventQueue`] publishes them in order on a task of its own,
+//! for a caller that must not wait at all.
 
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, Recorder, Reporter};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 
 /// The controller name the agent's Events carry (`reportingController`).
 pub const REPORTER: &str = "meshgate-agent";
@@ -53,6 +56,63 @@ impl Events {
                 tracing::warn!(kind, namespace, name, reason = %event.reason, timeout_ms = self.timeout.as_millis() as u64, "publishing an Event timed out");
                 false
             }
+        }
+    }
+}
+
+/// Events waiting for [`EventQueue`]'s task; a sender waits while this many are queued.
+const QUEUED: usize = 16;
+
+/// Publishes Events on a task of its own, one at a time in the order they were sent, so the
+/// sender does not wait for them: the verdict loop's next pass (a re-taint right after an
+/// untaint) starts without waiting for the last one's Event.
+pub struct EventQueue {
+    tx: Option<mpsc::Sender<(Event, ObjectReference)>>,
+    task: JoinHandle<()>,
+    /// Publishes inline should the task be gone.
+    fallback: Events,
+    /// Bounds [`EventQueue::stop`]: every queued Event within its timeout.
+    stop_within: Duration,
+}
+
+impl EventQueue {
+    /// Starts the task publishing through `events`.
+    pub fn start(events: Events) -> Self {
+        let (tx, mut rx) = mpsc::channel::<(Event, ObjectReference)>(QUEUED);
+        let stop_within = events.timeout.saturating_mul(QUEUED as u32 + 1);
+        let fallback = events.clone();
+        let task = tokio::spawn(async move {
+            while let Some((event, regarding)) = rx.recv().await {
+                events.publish(&event, &regarding).await;
+            }
+        });
+        Self {
+            tx: Some(tx),
+            task,
+            fallback,
+            stop_within,
+        }
+    }
+
+    /// Queues `event` about `regarding`, waiting while the queue is full. Publishes it here
+    /// if the task is gone (it never ends before [`EventQueue::stop`]).
+    pub async fn send(&self, event: Event, regarding: ObjectReference) {
+        let Some(tx) = &self.tx else { return };
+        if let Err(mpsc::error::SendError((event, regarding))) = tx.send((event, regarding)).await {
+            tracing::error!("the Event publisher's task is gone; publishing inline");
+            self.fallback.publish(&event, &regarding).await;
+        }
+    }
+
+    /// Publishes what is queued, then ends the task (bounded).
+    pub async fn stop(mut self) {
+        self.tx = None;
+        if tokio::time::timeout(self.stop_within, &mut self.task)
+            .await
+            .is_err()
+        {
+            tracing::warn!("queued Events not published in time; dropped");
+            self.task.abort();
         }
     }
 }
@@ -144,5 +204,56 @@ mod tests {
         });
         assert!(!events.publish(&event(), &pod()).await);
         assert!(server.await.unwrap(), "no second request");
+    }
+
+    /// The queue returns at once, even while the API holds the first Event; the Events reach
+    /// the API one at a time, in the order they were sent; `stop` publishes what is queued.
+    #[tokio::test]
+    async fn the_queue_publishes_in_order_without_holding_the_sender() {
+        let (svc, handle) = mock::pair::<Request<Body>, Response<Body>>();
+        let events = Events::new(
+            kube::Client::new(svc, "default"),
+            "n1",
+            Duration::from_secs(5),
+        );
+        let (release, released) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(async move {
+            let mut handle = pin!(handle);
+            let mut reasons = Vec::new();
+            let mut released = Some(released);
+            for _ in 0..3 {
+                let (req, send) = handle.next_request().await.expect("an Event");
+                let bytes = http_body_util::BodyExt::collect(req.into_body())
+                    .await
+                    .unwrap()
+                    .to_bytes();
+                let ev: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+                reasons.push(ev["reason"].as_str().unwrap().to_owned());
+                // The first answer waits until the sender has queued everything.
+                if let Some(r) = released.take() {
+                    r.await.unwrap();
+                }
+                send.send_response(
+                    Response::builder()
+                        .status(201)
+                        .body(Body::from(bytes.to_vec()))
+                        .unwrap(),
+                );
+            }
+            reasons
+        });
+        let queue = EventQueue::start(events);
+        for reason in ["First", "Second", "Third"] {
+            let e = Event {
+                reason: reason.into(),
+                ..event()
+            };
+            tokio::time::timeout(Duration::from_secs(1), queue.send(e, pod()))
+                .await
+                .expect("queued without waiting for the API");
+        }
+        release.send(()).unwrap();
+        queue.stop().await;
+        assert_eq!(server.await.unwrap(), ["First", "Second", "Third"]);
     }
 }

@@ -16,10 +16,12 @@
 //!   nothing, so one transition never yields two Events. A `CNIChainVerified` Event of a
 //!   reconcile that removed the taint carries the untaint latency in its note
 //!   (`gate::NodeEvent::with_untaint_latency`), measured from [`NodeGate::measure_from`].
+//!   [`NodeGate::reconcile_deferring_event`] returns that Event instead of publishing it, for
+//!   a caller that publishes it off its own path (the verdict loop's `EventQueue`).
 
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, ObjectReference};
 use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
 use kube::api::{Api, Patch, PatchParams};
@@ -80,8 +82,16 @@ pub struct Applied {
     pub label: Option<&'static str>,
     /// True when the condition was written.
     pub condition: bool,
-    /// The Event reason published, if any.
+    /// The reason of the Event the transition publishes, if any.
     pub event: Option<&'static str>,
+}
+
+/// A transition's Event, planned by a reconcile and published after it.
+pub struct PendingEvent {
+    /// The Event.
+    pub event: Event,
+    /// The Node it is about.
+    pub regarding: ObjectReference,
 }
 
 /// The Node as last read, and whether it came from the API just now (a GET or a patch
@@ -196,6 +206,21 @@ impl NodeGate {
         verdict: &ChainVerdict,
         mode: Mode,
     ) -> Result<Applied, GateError> {
+        let (applied, event) = self.reconcile_deferring_event(seen, verdict, mode).await?;
+        if let Some(e) = event {
+            self.events.publish(&e.event, &e.regarding).await;
+        }
+        Ok(applied)
+    }
+
+    /// [`NodeGate::reconcile`] without publishing the transition's Event: it is returned, to
+    /// be published once this returns (its condition is written by then).
+    pub async fn reconcile_deferring_event(
+        &self,
+        seen: Option<Node>,
+        verdict: &ChainVerdict,
+        mode: Mode,
+    ) -> Result<(Applied, Option<PendingEvent>), GateError> {
         let seen = match seen {
             Some(node) => Seen { node, fresh: false },
             None => Seen {
@@ -207,9 +232,15 @@ impl NodeGate {
         let seen = self
             .write_metadata(seen, verdict, mode, &mut applied)
             .await?;
-        self.write_condition(seen, verdict, mode, &mut applied)
+        let event = self
+            .write_condition(seen, verdict, mode, &mut applied)
             .await?;
-        Ok(applied)
+        Ok((applied, event))
+    }
+
+    /// The Events' publisher (a clone), for publishing deferred Events in order elsewhere.
+    pub fn events(&self) -> Events {
+        self.events.clone()
     }
 
     /// Writes the taint and label, re-planning from a fresh read after each conflict.
@@ -272,14 +303,14 @@ impl NodeGate {
         self.call("patch node taints", call).await
     }
 
-    /// Writes the condition when it is not current, then publishes the transition's Event.
+    /// Writes the condition when it is not current; the transition's Event, to publish next.
     async fn write_condition(
         &self,
         mut seen: Seen,
         verdict: &ChainVerdict,
         mode: Mode,
         applied: &mut Applied,
-    ) -> Result<(), GateError> {
+    ) -> Result<Option<PendingEvent>, GateError> {
         let planned =
             |node: &Node| gate::plan_condition(gate::condition_of(node), verdict, Timestamp::now());
         // The watch cache can lag behind our own last condition write; writing from a stale
@@ -289,7 +320,7 @@ impl NodeGate {
             seen.node = self.get().await?;
         }
         let Some(condition) = planned(&seen.node) else {
-            return Ok(());
+            return Ok(None);
         };
         let patch = json!({"status": {"conditions": [condition]}});
         let (params, patch) = (PatchParams::default(), Patch::Strategic(patch));
@@ -301,10 +332,12 @@ impl NodeGate {
                 event = event.with_untaint_latency(latency);
             }
             applied.event = Some(event.reason);
-            let regarding = seen.node.object_ref(&());
-            self.events.publish(&to_event(event), &regarding).await;
+            return Ok(Some(PendingEvent {
+                event: to_event(event),
+                regarding: seen.node.object_ref(&()),
+            }));
         }
-        Ok(())
+        Ok(None)
     }
 }
 
@@ -560,6 +593,37 @@ mod tests {
                 Some(latency.as_millis()),
                 "{note}"
             );
+        }
+
+        /// The verdict loop's reconcile returns after the condition, its Event unsent: the
+        /// next pass does not wait for the Event's request.
+        #[tokio::test]
+        async fn a_deferred_event_is_returned_not_sent() {
+            let (svc, handle) = mock::pair::<Request<Body>, Response<Body>>();
+            let ours = json!({"key": TAINT_KEY, "effect": "NoSchedule"});
+            let server = tokio::spawn(async move {
+                let mut handle = pin!(handle);
+                for (path, rv) in [("/api/v1/nodes/n1", "2"), ("/api/v1/nodes/n1/status", "3")] {
+                    let (req, send) = handle.next_request().await.unwrap();
+                    assert_eq!(req.uri().path(), path);
+                    send.send_response(respond(200, &node(rv, json!([]))));
+                }
+                tokio::time::timeout(Duration::from_millis(100), handle.next_request())
+                    .await
+                    .is_err()
+            });
+            let gate = gate_for_n1(svc, Some("n1"));
+            let seen: Node = serde_json::from_value(node("1", json!([ours]))).unwrap();
+            let v = verdict(Reason::Verified, "chained");
+            let (applied, event) = gate
+                .reconcile_deferring_event(Some(seen), &v, Mode::Enforce)
+                .await
+                .unwrap();
+            assert_eq!(applied.event, Some(event_reason::CHAIN_VERIFIED));
+            let event = event.expect("the transition's Event");
+            assert_eq!(event.event.reason, event_reason::CHAIN_VERIFIED);
+            assert_eq!(event.regarding.name.as_deref(), Some("n1"));
+            assert!(server.await.unwrap(), "no Event request");
         }
 
         #[tokio::test]

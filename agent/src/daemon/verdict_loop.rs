@@ -33,7 +33,7 @@ use tokio::task::JoinHandle;
 use super::Config;
 use super::clients::Clients;
 use super::coalesce::coalesce;
-use super::events::REPORTER;
+use super::events::{EventQueue, REPORTER};
 use super::fswatch::{FsEvent, FsWatch};
 use super::metrics::AgentMetrics;
 use super::node::{Applied, GateError, NodeGate};
@@ -77,6 +77,8 @@ pub struct Daemon {
     cni: Arc<CniArgs>,
     prober: Arc<Prober>,
     gate: NodeGate,
+    /// Publishes the Node's Events off the loop, in order (see `events::EventQueue`).
+    node_events: EventQueue,
     metrics: AgentMetrics,
     ready: Arc<AtomicBool>,
     shared: Arc<Shared>,
@@ -204,8 +206,10 @@ impl Daemon {
         let mut resync = tokio::time::interval(config.resync_interval);
         resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         resync.tick().await; // the first tick is immediate; the first pass covers it
+        let gate = node_gate(&config, &clients);
         Ok(Self {
-            gate: node_gate(&config, &clients),
+            node_events: EventQueue::start(gate.events()),
+            gate,
             prober,
             cni: Arc::new(config.cni),
             coalesce: config.coalesce,
@@ -259,10 +263,13 @@ impl Daemon {
             let mode = *self.mode_rx.borrow_and_update();
             self.gate.measure_from(self.changed_at);
             self.clock.reconcile_started();
-            match self.gate.reconcile(seen, &v, mode).await {
-                Ok(applied) => {
+            match self.gate.reconcile_deferring_event(seen, &v, mode).await {
+                Ok((applied, event)) => {
                     self.clock.report(&self.node, &applied, &self.metrics);
                     self.settled(&v, &applied, mode);
+                    if let Some(e) = event {
+                        self.node_events.send(e.event, e.regarding).await;
+                    }
                 }
                 Err(e) => self.failed(&e),
             }
@@ -318,6 +325,7 @@ impl Daemon {
             let _ = admin.await;
         }
         let _ = self.tasks.pods.await;
+        self.node_events.stop().await;
         if let Err(e) = self.shared.save() {
             tracing::warn!(node = %self.node, error = %e, "cannot save state");
         }
@@ -363,7 +371,7 @@ impl Daemon {
             }
         }
         if let Some(event) = applied.event {
-            tracing::info!(node = %self.node, event, "event published");
+            tracing::info!(node = %self.node, event, "event queued");
         }
         self.metrics.node_verified.set(i64::from(v.verified));
         self.ready.store(true, Ordering::Release);
