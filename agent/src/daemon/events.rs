@@ -136,6 +136,11 @@ mod tests {
         }
     }
 
+    /// Events of node `n1` sent through the mock `svc`, each within `timeout`.
+    fn events_via(svc: mock::Mock<Request<Body>, Response<Body>>, timeout: Duration) -> Events {
+        Events::new(kube::Client::new(svc, "default"), "n1", timeout)
+    }
+
     fn pod() -> ObjectReference {
         ObjectReference {
             api_version: Some("v1".into()),
@@ -151,11 +156,7 @@ mod tests {
     #[tokio::test]
     async fn a_silent_api_costs_one_timeout() {
         let (svc, handle) = mock::pair::<Request<Body>, Response<Body>>();
-        let events = Events::new(
-            kube::Client::new(svc, "default"),
-            "n1",
-            Duration::from_millis(50),
-        );
+        let events = events_via(svc, Duration::from_millis(50));
         let server = tokio::spawn(async move {
             let mut handle = pin!(handle);
             // Take the request and never answer it.
@@ -177,11 +178,7 @@ mod tests {
     #[tokio::test]
     async fn a_refused_event_is_dropped_after_one_request() {
         let (svc, handle) = mock::pair::<Request<Body>, Response<Body>>();
-        let events = Events::new(
-            kube::Client::new(svc, "default"),
-            "n1",
-            Duration::from_secs(5),
-        );
+        let events = events_via(svc, Duration::from_secs(5));
         let server = tokio::spawn(async move {
             let mut handle = pin!(handle);
             let (req, send) = handle.next_request().await.expect("one request");
@@ -211,11 +208,7 @@ mod tests {
     #[tokio::test]
     async fn the_queue_publishes_in_order_without_holding_the_sender() {
         let (svc, handle) = mock::pair::<Request<Body>, Response<Body>>();
-        let events = Events::new(
-            kube::Client::new(svc, "default"),
-            "n1",
-            Duration::from_secs(5),
-        );
+        let events = events_via(svc, Duration::from_secs(5));
         let (release, released) = tokio::sync::oneshot::channel::<()>();
         let server = tokio::spawn(async move {
             let mut handle = pin!(handle);
