@@ -17,10 +17,13 @@ use std::time::Duration;
 
 use futures::StreamExt;
 
+use anyhow::Context;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use meshgate_e2e::sim::node::{gate_condition as condition, tainted, verified_label as label};
+use meshgate_e2e::sim::node::{
+    gate_condition as condition, plain, tail, tainted, verified_label as label,
+};
 use meshgate_e2e::sim::pod::bare_pod;
 use meshgate_e2e::{NodeSpec, mark_pod_running, unique_name};
 
@@ -28,31 +31,54 @@ use crate::cp;
 use crate::support::{Agent, CniDirs, golden, wait_node};
 
 /// Gated with NodeProxyNotReady, the message naming `needle`.
-async fn wait_not_ready(client: &Client, node: &str, needle: &str) -> anyhow::Result<()> {
+async fn wait_not_ready(
+    agent: &Agent,
+    client: &Client,
+    node: &str,
+    needle: &str,
+) -> anyhow::Result<()> {
     let what = format!("NodeProxyNotReady naming {needle:?}");
-    wait_node(client, node, &what, |n: &Node| {
+    let waited = wait_node(client, node, &what, |n: &Node| {
         tainted(n)
             && label(n) == Some("false")
             && condition(n).is_some_and(|(s, r, m)| {
                 s == "False" && r == "NodeProxyNotReady" && m.contains(needle)
             })
     })
-    .await?;
-    Ok(())
+    .await;
+    with_agent_log(waited, agent)
 }
 
 /// Verified, the message naming the ready ztunnel pod.
-async fn wait_verified(client: &Client, node: &str, pod: &str) -> anyhow::Result<()> {
+async fn wait_verified(
+    agent: &Agent,
+    client: &Client,
+    node: &str,
+    pod: &str,
+) -> anyhow::Result<()> {
     let needle = "ztunnel ready: pod ";
-    wait_node(client, node, "Verified with ztunnel ready", |n: &Node| {
+    let waited = wait_node(client, node, "Verified with ztunnel ready", |n: &Node| {
         !tainted(n)
             && label(n) == Some("true")
             && condition(n).is_some_and(|(s, r, m)| {
                 s == "True" && r == "Verified" && m.contains(needle) && m.contains(pod)
             })
     })
-    .await?;
-    Ok(())
+    .await;
+    with_agent_log(waited, agent)
+}
+
+/// A wait's failure with the agent's last log lines, which say what it saw instead.
+fn with_agent_log<T, E: Into<anyhow::Error>>(
+    waited: Result<T, E>,
+    agent: &Agent,
+) -> anyhow::Result<()> {
+    waited.map(|_| ()).map_err(Into::into).with_context(|| {
+        format!(
+            "the agent's log ends with:\n{}",
+            tail(&plain(&agent.log()), 40)
+        )
+    })
 }
 
 /// Writes the pod's `Ready` condition as the kubelet does when its readiness probe fails.
@@ -147,6 +173,7 @@ async fn ambient_node_is_verified_only_while_ztunnel_is_ready_and_connected() ->
     )?;
     // The chain alone is verified; no ztunnel yet.
     wait_not_ready(
+        &agent,
         &client,
         &node,
         &format!("no pod app=ztunnel in {ns} on this node"),
@@ -160,17 +187,23 @@ async fn ambient_node_is_verified_only_while_ztunnel_is_ready_and_connected() ->
         &bare_pod(&name, Some(&node), &[("app", "ztunnel")], Some(0)),
     )
     .await?;
-    wait_not_ready(&client, &node, &format!("pod {ns}/{name} is not Ready")).await?;
+    wait_not_ready(
+        &agent,
+        &client,
+        &node,
+        &format!("pod {ns}/{name} is not Ready"),
+    )
+    .await?;
     mark_pod_running(&client, &ns, &name, "10.0.0.2".parse()?).await?;
     let missing = format!("its socket {sock_flag} is missing: the CNI node agent");
-    wait_not_ready(&client, &node, &missing).await?;
+    wait_not_ready(&agent, &client, &node, &missing).await?;
 
     // istio-cni's node agent listens; ztunnel is not connected yet: still gated.
     let not_connected = format!("ztunnel is not connected to {sock_flag}");
     let listener = node_agent(&sock)?;
-    wait_not_ready(&client, &node, &not_connected).await?;
+    wait_not_ready(&agent, &client, &node, &not_connected).await?;
     let conn = ztunnel_connects(&listener, &sock)?;
-    wait_verified(&client, &node, &name).await?;
+    wait_verified(&agent, &client, &node, &name).await?;
 
     // The agent restarts (SIGKILL) on a node whose ztunnel is ready: it waits for its pod
     // watch's first list before its first verdict, so the node is never gated meanwhile.
@@ -189,29 +222,36 @@ async fn ambient_node_is_verified_only_while_ztunnel_is_ready_and_connected() ->
 
     // ztunnel's readiness probe fails: gated again.
     mark_not_ready(&pods, &name).await?;
-    wait_not_ready(&client, &node, &format!("pod {ns}/{name} is not Ready")).await?;
+    wait_not_ready(
+        &agent,
+        &client,
+        &node,
+        &format!("pod {ns}/{name} is not Ready"),
+    )
+    .await?;
     mark_pod_running(&client, &ns, &name, "10.0.0.2".parse()?).await?;
-    wait_verified(&client, &node, &name).await?;
+    wait_verified(&agent, &client, &node, &name).await?;
 
     // ztunnel's connection closes (ztunnel exited; no file changes): gated again, by the
     // connection poll.
     drop(conn);
-    wait_not_ready(&client, &node, &not_connected).await?;
+    wait_not_ready(&agent, &client, &node, &not_connected).await?;
     let conn = ztunnel_connects(&listener, &sock)?;
-    wait_verified(&client, &node, &name).await?;
+    wait_verified(&agent, &client, &node, &name).await?;
 
     // istio-cni's node agent exits, its socket removed: gated again.
     drop((conn, listener));
     std::fs::remove_file(&sock)?;
-    wait_not_ready(&client, &node, &missing).await?;
+    wait_not_ready(&agent, &client, &node, &missing).await?;
     let listener = node_agent(&sock)?;
     let _conn = ztunnel_connects(&listener, &sock)?;
-    wait_verified(&client, &node, &name).await?;
+    wait_verified(&agent, &client, &node, &name).await?;
 
     // ztunnel's pod is deleted: gated again.
     pods.delete(&name, &DeleteParams::default().grace_period(0))
         .await?;
     wait_not_ready(
+        &agent,
         &client,
         &node,
         &format!("no pod app=ztunnel in {ns} on this node"),
