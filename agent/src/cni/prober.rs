@@ -11,7 +11,7 @@
 //! - The plugin gets libcni's VERSION call: stdin `{"cniVersion":"1.1.0"}` (libcni sends
 //!   `version.Current()`, never the config's version), `CNI_COMMAND=VERSION`,
 //!   `CNI_NETNS`/`CNI_IFNAME`/`CNI_PATH` = `dummy`, empty `CNI_CONTAINERID`/`CNI_ARGS`; and,
-//!   for speed, `GOGC=off` with `GOMEMLIMIT` ([`GO_MEMORY_LIMIT`]): most plugins are Go
+//!   for speed, `GOGC=off` with `GOMEMLIMIT` (`GO_MEMORY_LIMIT`): most plugins are Go
 //!   programs, and garbage collections during their package initialisation are a fifth of
 //!   a large plugin's VERSION time. The answer does not depend on them.
 //!   Stdin is written by its own thread after the timer starts, so a plugin that never

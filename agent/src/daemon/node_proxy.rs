@@ -204,7 +204,7 @@ async fn poll(
 /// What is at `path` (not following a symlink: ztunnel connects to the path itself, and a
 /// socket is never reached through one there) and, when it is a socket, whether a
 /// connection is established on it (in the agent's own network namespace or in that of one
-/// of the pods `uids`), within [`SOCKET_TIMEOUT`] for both.
+/// of the pods `uids`), within `SOCKET_TIMEOUT` for both.
 pub async fn look(path: &str, uids: Vec<String>) -> Seen {
     let path = PathBuf::from(path);
     let deadline = Instant::now() + SOCKET_TIMEOUT;

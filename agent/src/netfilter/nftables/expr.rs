@@ -12,7 +12,7 @@ use super::attr::{
 };
 use crate::netfilter::{ReadError, c_name};
 
-/// One rule expression, reduced to what [`summarize`] needs.
+/// One rule expression, reduced to what [`super::summarize`] needs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Expr {
     /// `immediate` with a verdict (`reg 0`): NF_ACCEPT, NF_DROP, NFT_JUMP, ... plus chain.
