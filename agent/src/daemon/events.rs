@@ -71,7 +71,8 @@ pub struct EventQueue {
     task: JoinHandle<()>,
     /// Publishes inline should the task be gone.
     fallback: Events,
-    /// Bounds [`EventQueue::stop`]: every queued Event within its timeout.
+    /// Bounds [`EventQueue::stop`]: one API timeout for all that is queued, so Events never
+    /// hold the agent's termination much longer than a request would.
     stop_within: Duration,
 }
 
@@ -79,7 +80,7 @@ impl EventQueue {
     /// Starts the task publishing through `events`.
     pub fn start(events: Events) -> Self {
         let (tx, mut rx) = mpsc::channel::<(Event, ObjectReference)>(QUEUED);
-        let stop_within = events.timeout.saturating_mul(QUEUED as u32 + 1);
+        let stop_within = events.timeout;
         let fallback = events.clone();
         let task = tokio::spawn(async move {
             while let Some((event, regarding)) = rx.recv().await {
@@ -104,7 +105,8 @@ impl EventQueue {
         }
     }
 
-    /// Publishes what is queued, then ends the task (bounded).
+    /// Publishes what is queued, then ends the task; what is left after one API timeout is
+    /// dropped (and logged).
     pub async fn stop(mut self) {
         self.tx = None;
         if tokio::time::timeout(self.stop_within, &mut self.task)
