@@ -187,13 +187,8 @@ async fn ambient_node_is_verified_only_while_ztunnel_is_ready_and_connected() ->
         &bare_pod(&name, Some(&node), &[("app", "ztunnel")], Some(0)),
     )
     .await?;
-    wait_not_ready(
-        &agent,
-        &client,
-        &node,
-        &format!("pod {ns}/{name} is not Ready"),
-    )
-    .await?;
+    let not_ready = format!("pod {ns}/{name} is not Ready");
+    wait_not_ready(&agent, &client, &node, &not_ready).await?;
     mark_pod_running(&client, &ns, &name, "10.0.0.2".parse()?).await?;
     let missing = format!("its socket {sock_flag} is missing: the CNI node agent");
     wait_not_ready(&agent, &client, &node, &missing).await?;
@@ -222,13 +217,7 @@ async fn ambient_node_is_verified_only_while_ztunnel_is_ready_and_connected() ->
 
     // ztunnel's readiness probe fails: gated again.
     mark_not_ready(&pods, &name).await?;
-    wait_not_ready(
-        &agent,
-        &client,
-        &node,
-        &format!("pod {ns}/{name} is not Ready"),
-    )
-    .await?;
+    wait_not_ready(&agent, &client, &node, &not_ready).await?;
     mark_pod_running(&client, &ns, &name, "10.0.0.2".parse()?).await?;
     wait_verified(&agent, &client, &node, &name).await?;
 
