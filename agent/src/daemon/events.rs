@@ -67,7 +67,7 @@ const QUEUED: usize = 16;
 /// sender does not wait for them: the verdict loop's next pass (a re-taint right after an
 /// untaint) starts without waiting for the last one's Event.
 pub struct EventQueue {
-    tx: Option<mpsc::Sender<(Event, ObjectReference)>>,
+    tx: mpsc::Sender<(Event, ObjectReference)>,
     task: JoinHandle<()>,
     /// Publishes inline should the task be gone.
     fallback: Events,
@@ -88,7 +88,7 @@ impl EventQueue {
             }
         });
         Self {
-            tx: Some(tx),
+            tx,
             task,
             fallback,
             stop_within,
@@ -98,8 +98,8 @@ impl EventQueue {
     /// Queues `event` about `regarding`, waiting while the queue is full. Publishes it here
     /// if the task is gone (it never ends before [`EventQueue::stop`]).
     pub async fn send(&self, event: Event, regarding: ObjectReference) {
-        let Some(tx) = &self.tx else { return };
-        if let Err(mpsc::error::SendError((event, regarding))) = tx.send((event, regarding)).await {
+        let sent = self.tx.send((event, regarding)).await;
+        if let Err(mpsc::error::SendError((event, regarding))) = sent {
             tracing::error!("the Event publisher's task is gone; publishing inline");
             self.fallback.publish(&event, &regarding).await;
         }
@@ -107,14 +107,18 @@ impl EventQueue {
 
     /// Publishes what is queued, then ends the task; what is left after one API timeout is
     /// dropped (and logged).
-    pub async fn stop(mut self) {
-        self.tx = None;
-        if tokio::time::timeout(self.stop_within, &mut self.task)
-            .await
-            .is_err()
-        {
+    pub async fn stop(self) {
+        let Self {
+            tx,
+            mut task,
+            stop_within,
+            ..
+        } = self;
+        // The task ends once the queue is empty and no sender is left.
+        drop(tx);
+        if tokio::time::timeout(stop_within, &mut task).await.is_err() {
             tracing::warn!("queued Events not published in time; dropped");
-            self.task.abort();
+            task.abort();
         }
     }
 }
