@@ -126,6 +126,7 @@ fn s7_binary_missing_empty_hanging_or_too_old() {
             },
             Reason::PluginBinaryMissing,
             "no regular file of that name in the CNI bin dirs (/opt/cni/bin)",
+            false,
         ),
         (
             ProbeOutcome::Broken {
@@ -134,6 +135,7 @@ fn s7_binary_missing_empty_hanging_or_too_old() {
             },
             Reason::PluginBinaryBroken,
             "its binary is empty",
+            false,
         ),
         (
             ProbeOutcome::Broken {
@@ -142,6 +144,16 @@ fn s7_binary_missing_empty_hanging_or_too_old() {
             },
             Reason::PluginBinaryBroken,
             "within 2000 ms",
+            true,
+        ),
+        (
+            ProbeOutcome::Broken {
+                path: "/opt/cni/bin/linkerd-cni".into(),
+                why: Broken::CannotStart("Text file busy (os error 26)".into()),
+            },
+            Reason::PluginBinaryBroken,
+            "cannot be executed: Text file busy",
+            true,
         ),
         (
             ProbeOutcome::Answered {
@@ -150,12 +162,15 @@ fn s7_binary_missing_empty_hanging_or_too_old() {
             },
             Reason::PluginBinaryBroken,
             "does not list the list's cniVersion (2 versions listed)",
+            false,
         ),
     ];
-    for (outcome, reason, text) in cases {
+    for (outcome, reason, text, transient) in cases {
         let mut bins = Bins::healthy().with("linkerd-cni", outcome);
         let v = run(&entries, &o, &mut bins);
         assert_eq!(v.reason, reason, "{}", v.message);
+        // A timeout or a failed start may pass by itself: the agent verifies again soon.
+        assert_eq!(v.transient, transient, "{}", v.message);
         assert!(v.message.contains(text), "{:?} lacks {text:?}", v.message);
         assert!(
             v.message.contains(
@@ -539,6 +554,7 @@ fn crio_skips_lists_that_fail_validate_network_list() {
         &mut Bins::healthy().with("linkerd-cni", slow),
     );
     assert_eq!(v.reason, Reason::PluginBinaryBroken, "{}", v.message);
+    assert!(v.transient, "{}", v.message);
     assert_eq!(
         v.config_file.as_deref(),
         Some("/etc/cni/net.d/10-calico.conflist")

@@ -15,7 +15,8 @@
 //! one writer of meshgate's names on the Node and every write is based on a verdict computed
 //! just before it. A failed reconcile is retried with capped exponential backoff, and each
 //! retry verifies again, so a long API outage can never end in an untaint based on what the
-//! disk said before it.
+//! disk said before it. A verdict that rests on a failure that may pass by itself (a plugin
+//! that timed out) is verified again on a schedule of its own, 1–2 s doubling to 15–30 s.
 
 pub mod clients;
 mod coalesce;

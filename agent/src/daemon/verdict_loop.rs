@@ -6,7 +6,8 @@
 //! Out: one pass per wake-up — verify (the chain, then the node proxy over it), hand the
 //! verdict to the pod inspector when it changed, reconcile the Node as the mode allows
 //! ([`NodeGate`]), then record the outcome (metrics, readiness, state file) or schedule a retry
-//! with capped backoff — and, at `stop`, the tasks it started. A mode change wakes the loop to write the Node again without re-verifying.
+//! with capped backoff, and, after a transient verdict, schedule verifying again — and, at
+//! `stop`, the tasks it started. A mode change wakes the loop to write the Node again without re-verifying.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -56,6 +57,9 @@ pub enum Wake {
     NodeChanged,
     /// A failed reconcile's retry is due.
     Retry,
+    /// A verdict that rested on a failure that may pass by itself (`ChainVerdict::transient`)
+    /// is due to be verified again.
+    Reverify,
     /// The mode changed: the Node is written again as the new mode allows.
     ModeChanged,
     /// The node proxy's pods on this node changed (ztunnel became Ready, or went away), or
@@ -100,6 +104,10 @@ pub struct Daemon {
     coalesce: Duration,
     retry: ExponentialBackoff,
     retry_at: Option<tokio::time::Instant>,
+    /// Verifying again after a transient verdict: its own schedule, which a successful
+    /// reconcile does not reset (the verdict, not the write, is what may change).
+    reverify: ExponentialBackoff,
+    reverify_at: Option<tokio::time::Instant>,
     /// When the disk last changed: the start of the untaint-latency measurement.
     changed_at: Instant,
     verdict: Option<ChainVerdict>,
@@ -118,6 +126,22 @@ fn backoff() -> ExponentialBackoff {
         .without_max_times()
         .build()
 }
+
+/// The schedule of verifying again after a transient verdict: 1 s doubling to 15 s, each
+/// stretched by up to as much again (backon's jitter), so 1–2 s first and never more than
+/// 30 s, for as long as the verdict stays transient. Each run is bounded by --probe-timeout,
+/// so a plugin that always hangs costs one probe per 15–30 s, not a busy loop.
+fn reverify_backoff() -> ExponentialBackoff {
+    ExponentialBuilder::default()
+        .with_min_delay(Duration::from_secs(1))
+        .with_max_delay(REVERIFY_MAX)
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
+/// The longest step of that schedule, before its jitter.
+const REVERIFY_MAX: Duration = Duration::from_secs(15);
 
 /// The state saved by an agent earlier in this boot, or a fresh one.
 fn restore_state(node: &str, config: &Config) -> anyhow::Result<State> {
@@ -228,6 +252,8 @@ impl Daemon {
             resync,
             retry: backoff(),
             retry_at: None,
+            reverify: reverify_backoff(),
+            reverify_at: None,
             changed_at: Instant::now(),
             verdict: None,
             clock: PassClock::default(),
@@ -257,6 +283,7 @@ impl Daemon {
                 None => v,
             };
             self.adopt(v);
+            self.schedule_reverify();
         }
         if let Some(v) = self.verdict.clone() {
             let seen = self.node_rx.borrow_and_update().clone();
@@ -293,6 +320,7 @@ impl Daemon {
             Ok(()) = self.mode_rx.changed() => Wake::ModeChanged,
             () = node_proxy_changed(self.node_proxy.as_mut()) => Wake::NodeProxy,
             _ = sleep_until(self.retry_at) => Wake::Retry,
+            _ = sleep_until(self.reverify_at) => Wake::Reverify,
         };
         self.clock.woke(match wake {
             Wake::Files(first) => Some(first),
@@ -348,6 +376,20 @@ impl Daemon {
             changed
         });
         self.verdict = Some(v);
+    }
+
+    /// After a verification: a transient verdict is verified again on its own schedule
+    /// (without waiting for the resync); any other ends that schedule.
+    fn schedule_reverify(&mut self) {
+        if !self.verdict.as_ref().is_some_and(|v| v.transient) {
+            self.reverify = reverify_backoff();
+            self.reverify_at = None;
+            return;
+        }
+        let delay = self.reverify.next().unwrap_or(REVERIFY_MAX);
+        tracing::info!(node = %self.node, retry_in_ms = delay.as_millis() as u64,
+            "the verdict rests on a failure that may pass by itself; verifying again");
+        self.reverify_at = Some(tokio::time::Instant::now() + delay);
     }
 
     /// The Node says what `v` says (as `mode` allows): metrics, readiness, the state file.
@@ -501,6 +543,8 @@ async fn verify(cni: Arc<CniArgs>, prober: Arc<Prober>) -> (ChainVerdict, Durati
         plugins: Vec::new(),
         runtime,
         delegate: None,
+        // A read error or a failed blocking task says nothing lasting about the node.
+        transient: true,
     };
     (v, Duration::ZERO)
 }

@@ -8,17 +8,16 @@
 use std::collections::HashMap;
 
 use super::config::NetConfList;
-use super::probe::{Broken, ProbeOutcome, is_plain_name};
+use super::probe::{ProbeOutcome, is_plain_name};
 use super::reason::Reason;
 
 /// A binary problem: the reason, what is wrong, and whether it may be transient.
 pub(super) struct Problem {
     pub(super) reason: Reason,
     pub(super) why: String,
-    /// The failure says nothing lasting about the binary: it ran out of time, kept its output
-    /// open, or could not be started at all (`ETXTBSY` while an installer rewrites it in place,
-    /// a failed fork, thread or pipe). CRI-O would skip its list only if the same happened to
-    /// CRI-O, which cannot be predicted: selection stops on it instead of skipping.
+    /// The failure says nothing lasting about the binary ([`super::probe::Broken::is_transient`]). CRI-O would
+    /// skip its list only if the same happened to CRI-O, which cannot be predicted: selection
+    /// stops on it instead of skipping.
     pub(super) undecidable: bool,
 }
 
@@ -34,6 +33,14 @@ impl<P: FnMut(&str) -> ProbeOutcome> Binaries<P> {
             probe,
             seen: HashMap::new(),
         }
+    }
+
+    /// Whether a probe of this verification failed in a way that may pass by itself
+    /// ([`super::probe::Broken::is_transient`]).
+    pub(super) fn saw_transient(&self) -> bool {
+        self.seen
+            .values()
+            .any(|o| matches!(o, ProbeOutcome::Broken { why, .. } if why.is_transient()))
     }
 
     /// How many distinct plugin types were probed.
@@ -83,10 +90,7 @@ impl<P: FnMut(&str) -> ProbeOutcome> Binaries<P> {
             }),
             ProbeOutcome::Broken { why, .. } => Err(Problem {
                 reason: Reason::PluginBinaryBroken,
-                undecidable: matches!(
-                    why,
-                    Broken::TimedOut { .. } | Broken::HeldOutput { .. } | Broken::CannotStart(_)
-                ),
+                undecidable: why.is_transient(),
                 why: format!("its binary {why}"),
             }),
         }

@@ -111,6 +111,18 @@ pub enum ReplyError {
     NoSupportedVersions,
 }
 
+impl Broken {
+    /// The failure says nothing lasting about the binary: it ran out of time, kept its
+    /// output open, or could not be started at all (`ETXTBSY` while an installer rewrites it
+    /// in place, a failed fork, thread or pipe). The same binary may answer on the next run.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            Broken::TimedOut { .. } | Broken::HeldOutput { .. } | Broken::CannotStart(_)
+        )
+    }
+}
+
 impl std::fmt::Display for Broken {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

@@ -59,6 +59,11 @@ pub struct ChainVerdict {
     /// output; the message names the layout and the delegate without its content).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delegate: Option<Box<DelegateView>>,
+    /// Not verified, and a plugin probe of this verification failed in a way that may pass
+    /// by itself (timed out, kept its output open, could not be started): the agent verifies
+    /// again soon instead of at the next resync.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub transient: bool,
 }
 
 /// The cluster-default network a meta plugin (Multus) runs, as `check` shows it.
@@ -95,9 +100,20 @@ pub fn verify(
     opts: &VerifyOptions,
     probe: impl FnMut(&str) -> ProbeOutcome,
 ) -> ChainVerdict {
-    let out = Report { opts };
     let mut bins = Binaries::new(probe);
-    let eff = match select(src, &out, &mut bins) {
+    let mut v = judge(src, opts, &mut bins);
+    v.transient = !v.verified && bins.saw_transient();
+    v
+}
+
+/// [`verify`]'s verdict, before it is marked transient.
+fn judge<P: FnMut(&str) -> ProbeOutcome>(
+    src: &mut dyn ConfSource,
+    opts: &VerifyOptions,
+    bins: &mut Binaries<P>,
+) -> ChainVerdict {
+    let out = Report { opts };
+    let eff = match select(src, &out, bins) {
         Ok(eff) => eff,
         Err(verdict) => return verdict,
     };
@@ -129,7 +145,7 @@ pub fn verify(
     let chain = Chain::new(&eff, delegate.as_ref(), &file);
     let problem = check_structure(&chain, &opts.required)
         .err()
-        .or_else(|| binary_problem(&mut bins, &chain, &opts.required));
+        .or_else(|| binary_problem(bins, &chain, &opts.required));
     let view = delegate.as_ref().map(|(_, d)| {
         Box::new(DelegateView {
             layout: d.layout,
@@ -227,6 +243,7 @@ impl Report<'_> {
             plugins,
             runtime: self.opts.runtime,
             delegate: None,
+            transient: false,
         }
     }
 

@@ -29,6 +29,7 @@ fn verdict(reason: Reason, message: &str) -> ChainVerdict {
         plugins: vec![],
         runtime: Runtime::Containerd,
         delegate: None,
+        transient: false,
     }
 }
 

@@ -10,6 +10,7 @@ fn chain(reason: Reason) -> ChainVerdict {
         plugins: vec!["calico".into(), "istio-cni".into()],
         runtime: Runtime::Containerd,
         delegate: None,
+        transient: false,
     }
 }
 

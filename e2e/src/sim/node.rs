@@ -21,6 +21,12 @@ use crate::ControlPlane;
 /// A plugin that answers VERSION like a healthy CNI plugin.
 pub const GOOD_PLUGIN: &str = "#!/bin/sh\ncat >/dev/null\necho '{\"cniVersion\":\"1.0.0\",\"supportedVersions\":[\"0.3.0\",\"0.3.1\",\"0.4.0\",\"1.0.0\"]}'\n";
 
+/// [`GOOD_PLUGIN`] running the shell line `first` before it answers (a delay, a condition).
+pub fn good_plugin_after(first: &str) -> String {
+    let answer = GOOD_PLUGIN.trim_start_matches("#!/bin/sh\n");
+    format!("#!/bin/sh\n{first}\n{answer}")
+}
+
 /// A workspace binary (`meshgate-agent`, `meshgate-webhook`) from the same target dir as the
 /// running executable, or from `MESHGATE_BIN_DIR`. `make test` builds them first.
 pub fn workspace_bin(name: &str) -> io::Result<PathBuf> {
