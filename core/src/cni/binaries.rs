@@ -15,9 +15,9 @@ use super::reason::Reason;
 pub(super) struct Problem {
     pub(super) reason: Reason,
     pub(super) why: String,
-    /// The failure says nothing lasting about the binary ([`super::probe::Broken::is_transient`]). CRI-O would
-    /// skip its list only if the same happened to CRI-O, which cannot be predicted: selection
-    /// stops on it instead of skipping.
+    /// The failure says nothing lasting about the binary
+    /// ([`super::probe::Broken::is_transient`]). CRI-O would skip its list only if the same
+    /// happened to CRI-O, which cannot be predicted: selection stops on it instead of skipping.
     pub(super) undecidable: bool,
 }
 

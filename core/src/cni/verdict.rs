@@ -16,6 +16,8 @@
 //! Messages never quote file content or plugin output: they name files (config dir entry
 //! names), positions ("plugin #2"), the operator's own `--require-plugin` names, counts and
 //! lengths. The chain's types are in [`ChainVerdict::plugins`] for the `check` command only.
+//! [`ChainVerdict::transient`] marks a verdict that a probe failure which may pass by itself
+//! decided, so the agent verifies again soon.
 
 use serde::{Deserialize, Serialize};
 
@@ -60,8 +62,9 @@ pub struct ChainVerdict {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delegate: Option<Box<DelegateView>>,
     /// Not verified, and a plugin probe of this verification failed in a way that may pass
-    /// by itself (timed out, kept its output open, could not be started): the agent verifies
-    /// again soon instead of at the next resync.
+    /// by itself ([`super::probe::Broken::is_transient`]: timed out, kept its output open,
+    /// could not be started), or (set by the agent) the config dir could not be read: the
+    /// agent verifies again soon instead of at the next resync.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub transient: bool,
 }
