@@ -117,7 +117,8 @@ pub struct Daemon {
     tasks: Tasks,
 }
 
-/// The reconcile retry schedule: 50 ms doubling to 500 ms, jittered, for ever.
+/// The reconcile retry schedule: 50 ms doubling to 500 ms, each step stretched by up to as
+/// much again (backon's jitter, so never more than 1 s), for ever.
 fn backoff() -> ExponentialBackoff {
     ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(50))
