@@ -149,7 +149,7 @@ fn not_meshed(input: &Input<'_>, meshes: &[Mesh<'_>]) -> Option<AllowReason> {
         .then_some(AllowReason::NotMeshed)
 }
 
-/// Decides one pod placement by [`ALLOW_RULES`].
+/// Decides one pod placement by the allow rules (`ALLOW_RULES`, in order).
 pub fn decide(input: &Input<'_>, profiles: &ProfileSet) -> Decision {
     let meshes = selecting_meshes(input, profiles);
     if let Some(why) = ALLOW_RULES.iter().find_map(|rule| rule(input, &meshes)) {

@@ -8,7 +8,7 @@
 //! namespace labels the caller does not have answers `Unknown`, never a guess), and whether
 //! the pod runs the mesh's proxy container ([`MeshProfile::proxy_present`]). Built-in
 //! profiles follow the contract table, except `istio-ambient`, which selects as Istio itself
-//! enrolls pods (see [`builtin`] and docs/architecture.md "Contract drift"); operators add
+//! enrolls pods (see [`crate::meshes`] and docs/architecture.md "Contract drift"); operators add
 //! their own from a JSON file parsed by [`ProfileSet::with_custom_json`].
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -188,7 +188,7 @@ pub fn load_dir(dir: &Path) -> io::Result<Vec<(String, Vec<u8>)>> {
 /// are the core's golden configs, kept once, in core/testdata.
 const SHARED_SEEDS: &[(&str, &str)] = &[("conflist", "../core/testdata")];
 
-/// A target's committed seeds: `corpus/<target>/` and its [`SHARED_SEEDS`] directories, which
+/// A target's committed seeds: `corpus/<target>/` and its `SHARED_SEEDS` directories, which
 /// must exist.
 pub fn load_seeds(target: &str) -> io::Result<Vec<(String, Vec<u8>)>> {
     let dir = crate_dir();

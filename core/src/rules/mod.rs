@@ -5,7 +5,7 @@
 //! the pod's namespace (nf_tables rules written by `iptables-nft` or by native `nft`, and the
 //! legacy `ip_tables`/`ip6_tables` blobs written by `iptables-legacy`), a
 //! [`MeshProfile`](crate::profile::MeshProfile), and what the mesh is expected to have written
-//! for this pod ([`expect::Expectation`], derived from the profile, the pod's IP families and
+//! for this pod ([`expected::Expectation`], derived from the profile, the pod's IP families and
 //! its annotations). Out: an [`Inspection`] with one [`DirectionResult`] per direction and a
 //! [`RedirectVerdict`] (`redirected` / `missing`; `unknown` when the rules could not be read or were
 //! too large to judge, see [`DumpLimits`]).

@@ -2,10 +2,10 @@
 //!
 //! In: the binaries `e2e/install-deps.sh` built, root. Out: a running control plane
 //! ([`control_plane`]) with its certificates ([`pki`]) and tokens ([`identity`]), tracked
-//! processes ([`process`]), where things are ([`paths`]), bounded waits ([`wait`]), the
+//! processes (`process`), where things are ([`paths`]), bounded waits ([`wait`]), the
 //! harness's errors ([`error`]), meshgate's chart rendered and installed with helm ([`helm`]),
 //! the apiserver's audit log ([`audit`]), the host's links and
-//! routes for routable control planes and real nodes ([`hostnet`]), and what a real node needs
+//! routes for routable control planes and real nodes (`hostnet`), and what a real node needs
 //! of the host ([`host_check`]).
 
 pub mod audit;

@@ -304,7 +304,7 @@ pub(super) fn host_kube_proxy_tables() -> Vec<String> {
 }
 
 /// Standard node paths and kube-proxy tables that appeared on the host, and host-wide sysctls
-/// the kubelet sets ([`KERNEL_TUNABLES`]) that changed, since the first real node of this
+/// the kubelet sets (`KERNEL_TUNABLES`) that changed, since the first real node of this
 /// process started; empty when the nodes kept to their namespaces. While a real
 /// node runs, that is reported as the first line: the check means something only once every
 /// node stopped.

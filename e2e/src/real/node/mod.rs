@@ -17,7 +17,7 @@
 //! kube-proxy (nftables mode) run inside, so their rules, bridge and ports never touch the
 //! host's, and two nodes' hostNetwork pods do not collide. The control plane must be routable
 //! ([`start_control_plane`]). containerd starts in a mount namespace of the node's own
-//! ([`crate::real::mounts`]): shared inside, as on a systemd host, whatever the host's
+//! (`crate::real::mounts`): shared inside, as on a systemd host, whatever the host's
 //! propagation; overlays over `/etc`, `/opt`, `/var/lib`, `/var/log` and `/run` with their upper
 //! layers in the run dir; the standard node paths bound to the run dir's; the host-wide sysctls
 //! the kubelet sets covered by files of the run dir. The kubelet and kube-proxy join it. So the
