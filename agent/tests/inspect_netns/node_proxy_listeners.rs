@@ -1,0 +1,90 @@
+//! The pod-level half of a node proxy on real namespaces, through the daemon's path (survey
+//! → `inspect_one`): an ambient pod whose rules are in place is `redirected` only once
+//! ztunnel's listeners (15008, 15006, 15001) are bound inside its netns.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, TcpListener};
+use std::path::PathBuf;
+
+use meshgate_agent::daemon::pods::sweep::{Job, ProxyCheck, inspect_one};
+use meshgate_agent::netns;
+use meshgate_core::node_proxy::ztunnel;
+use meshgate_core::rules::RedirectVerdict;
+use meshgate_e2e::sim::netns as netns_sim;
+
+use super::{ISTIO_NFT, Netns, eventually, profile};
+
+fn job(ip: IpAddr, ready: bool) -> Job {
+    Job {
+        uid: "00000000-0000-0000-0000-000000000000".into(),
+        ips: vec![ip],
+        annotations: BTreeMap::new(),
+        profiles: vec![profile("istio-ambient")],
+        node_proxy: Some(ProxyCheck {
+            profile: "istio-ambient".into(),
+            proxy: ztunnel(),
+            ready,
+            pods: Vec::new(),
+        }),
+    }
+}
+
+fn inspect(ip: IpAddr, ready: bool) -> (RedirectVerdict, String) {
+    let dirs = vec![PathBuf::from(netns::DEFAULT_NETNS_DIR)];
+    let (facts, _) = netns::survey(&dirs).expect("survey");
+    let got = inspect_one(&facts, &job(ip, ready));
+    let i = &got.inspections[0];
+    // Held from eviction exactly when listeners are missing while ztunnel is not ready.
+    let held = i.verdict == RedirectVerdict::Missing && !ready;
+    assert_eq!(got.held.is_some(), held, "{got:?}");
+    (i.verdict, i.message.clone())
+}
+
+#[test]
+fn ztunnels_listeners_in_the_pods_netns_make_an_ambient_pod_redirected() {
+    let [a, b, c] = netns_sim::private_subnet();
+    let ip = IpAddr::V4(Ipv4Addr::new(a, b, c, 9));
+    let ns = Netns::new("ztl");
+    ns.addr(&format!("{ip}/24"));
+    ns.nft(ISTIO_NFT);
+
+    // istio-cni's rules, but ztunnel has not taken the pod.
+    let (v, why) = inspect(ip, true);
+    assert_eq!(v, RedirectVerdict::Missing, "{why}");
+    assert_eq!(
+        why,
+        "ztunnel has not taken this pod: no listener on 15008, 15006, 15001 in its netns"
+    );
+    // ...while ztunnel is not ready on the node: reported missing, held from eviction.
+    let (v, why) = inspect(ip, false);
+    assert_eq!(v, RedirectVerdict::Missing, "{why}");
+    assert!(
+        why.ends_with("not evicted while ztunnel is not ready on this node"),
+        "{why}"
+    );
+
+    // ztunnel opens its listeners inside the pod's netns (one of them IPv6-only: both
+    // families are read). The sockets stay in the namespace after the thread returns.
+    let bind = |addr: &str| TcpListener::bind(addr).expect("bind in the pod's netns");
+    let some = netns::with_netns(&ns.path(), || bind("0.0.0.0:15006")).expect("enter");
+    let (v, why) = inspect(ip, true);
+    assert_eq!(v, RedirectVerdict::Missing, "{why}");
+    assert!(why.contains("no listener on 15008, 15001 in"), "{why}");
+
+    let rest = netns::with_netns(&ns.path(), || (bind("0.0.0.0:15008"), bind("[::]:15001")))
+        .expect("enter");
+    let (v, why) = inspect(ip, true);
+    assert_eq!(v, RedirectVerdict::Redirected, "{why}");
+    drop((some, rest));
+    let mut last = inspect(ip, true);
+    eventually(|| {
+        last = inspect(ip, true);
+        last.0 == RedirectVerdict::Missing
+    });
+    assert_eq!(
+        last.0,
+        RedirectVerdict::Missing,
+        "listeners closed: {}",
+        last.1
+    );
+}
