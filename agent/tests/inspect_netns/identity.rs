@@ -54,6 +54,16 @@ fn add_named(name: &str, ip: IpAddr) {
     ]);
 }
 
+/// A sandbox as a CNI plugin leaves it: `ip netns add mg-<tag>-<pid>` with the pod IP on
+/// its loopback, deleted when the guard drops. Fails (never skips) without the tools.
+fn sandbox(tag: &str) -> (IpAddr, Named) {
+    netns_sim::require_tools(TOOLS).unwrap_or_else(|e| panic!("{e:#}"));
+    let ip = pod_ip();
+    let guard = Named(format!("mg-{tag}-{}", std::process::id()));
+    add_named(&guard.0, ip);
+    (ip, guard)
+}
+
 struct Named(String);
 impl Drop for Named {
     fn drop(&mut self) {
@@ -88,11 +98,8 @@ fn dirs() -> Vec<PathBuf> {
 /// capture, and the job's annotations are what keeps it from being `missing`.
 #[test]
 fn the_daemon_judges_a_pod_by_the_rules_its_annotations_ask_for() {
-    netns_sim::require_tools(TOOLS).unwrap_or_else(|e| panic!("{e:#}"));
-    let ip = pod_ip();
-    let name = format!("mg-optout-{}", std::process::id());
-    let _guard = Named(name.clone());
-    add_named(&name, ip);
+    let (ip, guard) = sandbox("optout");
+    let name = guard.0.clone();
     let rules = std::env::temp_dir().join(format!("{name}.rules"));
     std::fs::write(
         &rules,
@@ -127,11 +134,8 @@ fn the_daemon_judges_a_pod_by_the_rules_its_annotations_ask_for() {
 /// old one.
 #[test]
 fn a_netns_recreated_under_its_name_with_the_pods_ip_is_not_the_one_inspected() {
-    netns_sim::require_tools(TOOLS).unwrap_or_else(|e| panic!("{e:#}"));
-    let ip = pod_ip();
-    let name = format!("mg-reuse-{}", std::process::id());
-    let guard = Named(name.clone());
-    add_named(&name, ip);
+    let (ip, guard) = sandbox("reuse");
+    let name = guard.0.clone();
 
     let (facts, _) = netns::survey(&dirs()).expect("survey");
     let got = inspect_one(&facts, &job(ip));
@@ -178,11 +182,8 @@ fn a_netns_recreated_under_its_name_with_the_pods_ip_is_not_the_one_inspected() 
 /// torn down, the IP moved): not confirmed, and a stale survey reads it as unknown.
 #[test]
 fn a_namespace_that_no_longer_holds_the_pod_ip_is_not_acted_on() {
-    netns_sim::require_tools(TOOLS).unwrap_or_else(|e| panic!("{e:#}"));
-    let ip = pod_ip();
-    let name = format!("mg-ipgone-{}", std::process::id());
-    let _guard = Named(name.clone());
-    add_named(&name, ip);
+    let (ip, guard) = sandbox("ipgone");
+    let name = guard.0.clone();
     let (facts, _) = netns::survey(&dirs()).expect("survey");
     let pinned = inspect_one(&facts, &job(ip))
         .pinned
