@@ -586,6 +586,7 @@ fn symlinked_directories_and_hard_links_cost_one_read_not_hundreds_of_mb() {
             conf_dir: dir.display().to_string(),
             runtime,
             required: vec!["linkerd-cni".into()],
+            multus: Default::default(),
         };
         let prober = Prober::new(vec![node.bin.clone()], Duration::from_secs(2));
         let deadline = Instant::now() + Duration::from_secs(10);
