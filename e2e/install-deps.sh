@@ -8,7 +8,7 @@
 #     github.com/containerd/containerd/v2 module, Debian's runc and containernetworking-plugins;
 #   - istio-cni and its node agent (install-cni), built from the istio.io/istio module, and the
 #     ambient test's stand-in ztunnel (e2e/ztunnel-standin) on istio's ZDS messages;
-#   - helm, built from the helm.sh/helm/v4 module (it installs meshgate's chart, charts/meshgate);
+#   - helm, built from the helm.sh/helm/v4 module (it installs meshgate's chart, manifests/charts/meshgate);
 #   - the real node's images (pause, busybox; install-cni and ztunnel-standin for ambient) as
 #     OCI image-layout tarballs (e2e/images).
 # Prints the Kubernetes bin directory as its last line; helm is linked into it as `helm` (the
