@@ -15,7 +15,7 @@ use meshgate_core::meshes::istio_ambient::{
 use meshgate_core::rules::{Inspection, RedirectVerdict};
 use meshgate_e2e::harness::paths;
 
-use super::{Netns, profile};
+use super::{Netns, annotations, profile};
 
 const BACKENDS: [&str; 3] = ["iptables-nft", "iptables-legacy", "nftables"];
 
@@ -33,13 +33,6 @@ fn istio_inpod() -> PathBuf {
         bin.display()
     );
     bin
-}
-
-fn annotations(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-    pairs
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
 }
 
 /// A fresh pod namespace with istio-cni's in-pod rules for a pod carrying `pod` annotations,
