@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use meshgate_core::profile::MeshProfile;
 use meshgate_core::rules::{self, Inspection, IpFamily, RedirectVerdict};
 
+use super::addr::AddrError;
 use super::{Address, NetnsError, open};
 use crate::netfilter::ReadError;
 
@@ -61,24 +62,29 @@ pub fn read_netns(path: &Path) -> Result<NetnsContents, NetnsError> {
 
 /// Reads the namespace at `path` and checks its rules against what `profile`'s mesh writes
 /// for a pod with these annotations ([`meshgate_core::rules::check_pod`]); the pod's
-/// families are the namespace's global addresses'. Rules past the dump caps give an
-/// `unknown` inspection, never `missing`. Blocking.
+/// families are the namespace's global addresses'. Rules or addresses past the dump caps
+/// give an `unknown` inspection, never `missing`. Blocking.
 pub fn check_pod(
     path: &Path,
     profile: &MeshProfile,
     annotations: &BTreeMap<String, String>,
 ) -> Result<Inspection, NetnsError> {
+    let too_large = |e: &dyn std::fmt::Display| {
+        Ok(Inspection::unknown(
+            profile,
+            &format!("{}: {e}", profile.name),
+        ))
+    };
     let contents = match read_netns(path) {
         Ok(c) => c,
         Err(NetnsError::Rules {
             source: e @ ReadError::TooLarge { .. },
             ..
-        }) => {
-            return Ok(Inspection::unknown(
-                profile,
-                &format!("{}: {e}", profile.name),
-            ));
-        }
+        }) => return too_large(&e),
+        Err(NetnsError::Addresses {
+            source: e @ AddrError::TooMany(_),
+            ..
+        }) => return too_large(&e),
         Err(e) => return Err(e),
     };
     Ok(rules::check_pod(
