@@ -21,9 +21,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use meshgate_agent::netns;
-use meshgate_core::profile::ProfileSet;
+use meshgate_core::profile::{MeshProfile, ProfileSet};
 use meshgate_core::rules::RedirectVerdict;
-use meshgate_core::rules::locate::{Located, locate};
+use meshgate_core::rules::locate::{Located, NetnsFacts, locate};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
@@ -261,8 +261,6 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(250);
     let rounds: usize = 5;
-    let profiles = ProfileSet::all_builtin();
-    let dirs = vec![PathBuf::from(netns::DEFAULT_NETNS_DIR)];
 
     let t = Instant::now();
     let node = build(n);
@@ -273,81 +271,117 @@ fn main() {
     // Let every sleeper finish entering its namespace.
     std::thread::sleep(Duration::from_millis(500));
 
-    let mut discovery = Vec::new();
-    let mut per_pod = Vec::new();
-    let mut sweeps = Vec::new();
-    let mut wrong = 0usize;
-    let mut unknown = 0usize;
-    for round in 0..rounds {
-        let sweep = Instant::now();
-        let t = Instant::now();
-        let (facts, errors) = netns::survey(&dirs).expect("survey");
-        discovery.push(t.elapsed());
-        if round == 0 {
-            println!(
-                "discovery saw {} namespaces ({} unreadable)",
-                facts.len(),
-                errors.len()
-            );
-        }
-        for pod in &node.pods {
-            let profile = profiles.get(pod.kind.profile()).expect("profile");
-            let t = Instant::now();
-            let verdict = match locate(&facts, &pod.ips, None) {
-                Located::Found(r) => match netns::check_pod(&r.path, profile, &BTreeMap::new()) {
-                    Ok(i) => i.verdict,
-                    Err(e) => {
-                        eprintln!("{}: {e}", pod.ns);
-                        RedirectVerdict::Unknown
-                    }
-                },
-                Located::Unknown(why) => {
-                    eprintln!("{}: {why}", pod.ns);
-                    RedirectVerdict::Unknown
-                }
-            };
-            per_pod.push(t.elapsed());
-            if verdict == RedirectVerdict::Unknown {
-                unknown += 1;
-            } else if verdict != pod.kind.expected() {
-                wrong += 1;
-                eprintln!("{}: {:?} got {verdict:?}", pod.ns, pod.kind);
-            }
-        }
-        sweeps.push(sweep.elapsed());
-    }
-    discovery.sort();
-    per_pod.sort();
-    sweeps.sort();
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    let us = |d: Duration| d.as_secs_f64() * 1e6;
-    println!(
-        "pods: {n}, rounds: {rounds}, mix: linkerd iptables-nft v4+v6 / linkerd legacy v4+v6 / istio nft inet / none"
-    );
-    println!(
-        "discovery (scan + addresses of every netns): p50 {:.1} ms, max {:.1} ms",
-        ms(pct(&discovery, 0.5)),
-        ms(pct(&discovery, 1.0))
-    );
-    println!(
-        "per-pod inspection (locate + enter + addresses + rules + match): p50 {:.0} µs, p99 {:.0} µs, max {:.0} µs",
-        us(pct(&per_pod, 0.5)),
-        us(pct(&per_pod, 0.99)),
-        us(pct(&per_pod, 1.0))
-    );
-    println!(
-        "full sweep of {n} pods (discovery + every pod): p50 {:.1} ms, max {:.1} ms",
-        ms(pct(&sweeps, 0.5)),
-        ms(pct(&sweeps, 1.0))
-    );
-    println!(
-        "bench process RSS: {} KiB (peak {} KiB)",
-        rss_kib("VmRSS:"),
-        rss_kib("VmHWM:")
-    );
-    println!("wrong verdicts: {wrong}, unknown: {unknown}");
+    let figures = Figures::sweep(&node, rounds);
+    figures.print(n, rounds);
     drop(node);
-    if wrong > 0 || unknown > 0 {
+    if figures.wrong > 0 || figures.unknown > 0 {
         std::process::exit(1);
+    }
+}
+
+/// What the rounds measured, each series sorted, and the verdicts that were not as built.
+struct Figures {
+    discovery: Vec<Duration>,
+    per_pod: Vec<Duration>,
+    sweeps: Vec<Duration>,
+    wrong: usize,
+    unknown: usize,
+}
+
+impl Figures {
+    /// `rounds` full sweeps of `node`: discovery, then every pod located and inspected.
+    fn sweep(node: &Node, rounds: usize) -> Self {
+        let profiles = ProfileSet::all_builtin();
+        let dirs = vec![PathBuf::from(netns::DEFAULT_NETNS_DIR)];
+        let mut f = Figures {
+            discovery: Vec::new(),
+            per_pod: Vec::new(),
+            sweeps: Vec::new(),
+            wrong: 0,
+            unknown: 0,
+        };
+        for round in 0..rounds {
+            let sweep = Instant::now();
+            let t = Instant::now();
+            let (facts, errors) = netns::survey(&dirs).expect("survey");
+            f.discovery.push(t.elapsed());
+            if round == 0 {
+                println!(
+                    "discovery saw {} namespaces ({} unreadable)",
+                    facts.len(),
+                    errors.len()
+                );
+            }
+            for pod in &node.pods {
+                let profile = profiles.get(pod.kind.profile()).expect("profile");
+                let t = Instant::now();
+                let verdict = verdict_of(&facts, pod, profile);
+                f.per_pod.push(t.elapsed());
+                if verdict == RedirectVerdict::Unknown {
+                    f.unknown += 1;
+                } else if verdict != pod.kind.expected() {
+                    f.wrong += 1;
+                    eprintln!("{}: {:?} got {verdict:?}", pod.ns, pod.kind);
+                }
+            }
+            f.sweeps.push(sweep.elapsed());
+        }
+        f.discovery.sort();
+        f.per_pod.sort();
+        f.sweeps.sort();
+        f
+    }
+
+    fn print(&self, n: usize, rounds: usize) {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let us = |d: Duration| d.as_secs_f64() * 1e6;
+        let (discovery, per_pod, sweeps) = (&self.discovery, &self.per_pod, &self.sweeps);
+        println!(
+            "pods: {n}, rounds: {rounds}, mix: linkerd iptables-nft v4+v6 / linkerd legacy v4+v6 / istio nft inet / none"
+        );
+        println!(
+            "discovery (scan + addresses of every netns): p50 {:.1} ms, max {:.1} ms",
+            ms(pct(discovery, 0.5)),
+            ms(pct(discovery, 1.0))
+        );
+        println!(
+            "per-pod inspection (locate + enter + addresses + rules + match): p50 {:.0} µs, p99 {:.0} µs, max {:.0} µs",
+            us(pct(per_pod, 0.5)),
+            us(pct(per_pod, 0.99)),
+            us(pct(per_pod, 1.0))
+        );
+        println!(
+            "full sweep of {n} pods (discovery + every pod): p50 {:.1} ms, max {:.1} ms",
+            ms(pct(sweeps, 0.5)),
+            ms(pct(sweeps, 1.0))
+        );
+        println!(
+            "bench process RSS: {} KiB (peak {} KiB)",
+            rss_kib("VmRSS:"),
+            rss_kib("VmHWM:")
+        );
+        println!("wrong verdicts: {}, unknown: {}", self.wrong, self.unknown);
+    }
+}
+
+/// `pod`'s verdict: located among `facts` by its IPs and inspected for `profile`; unknown
+/// (said on stderr) when it cannot be.
+fn verdict_of(
+    facts: &[NetnsFacts<netns::NetnsRef>],
+    pod: &Pod,
+    profile: &MeshProfile,
+) -> RedirectVerdict {
+    match locate(facts, &pod.ips, None) {
+        Located::Found(r) => match netns::check_pod(&r.path, profile, &BTreeMap::new()) {
+            Ok(i) => i.verdict,
+            Err(e) => {
+                eprintln!("{}: {e}", pod.ns);
+                RedirectVerdict::Unknown
+            }
+        },
+        Located::Unknown(why) => {
+            eprintln!("{}: {why}", pod.ns);
+            RedirectVerdict::Unknown
+        }
     }
 }

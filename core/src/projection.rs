@@ -277,23 +277,7 @@ mod tests {
         let builtin = PodKeys::selection(&ProfileSet::all_builtin());
         assert!(!builtin.label_keys().any(|k| k == "app"));
 
-        let fat = "x".repeat(256 * 1024);
-        let labels = map(&[
-            ("app", "web"),
-            ("linkerd.io/control-plane-ns", "linkerd"),
-            (ISTIO_DATAPLANE_MODE, "ambient"),
-            ("security.istio.io/tlsMode", "disabled"),
-            ("team", "payments"),
-        ]);
-        let annotations = map(&[
-            (LAST_APPLIED, &fat),
-            (ISTIO_SIDECAR_STATUS, &fat),
-            ("kuma.io/sidecar-injected", "true"),
-            (
-                "traffic.sidecar.istio.io/excludeOutboundIPRanges",
-                "0.0.0.0/0",
-            ),
-        ]);
+        let (labels, annotations) = bulky_pod();
         assert_eq!(
             keys.project_labels(&labels),
             map(&[
@@ -312,11 +296,39 @@ mod tests {
                 (ISTIO_SIDECAR_STATUS, ""),
             ])
         );
-        // The agent also keeps the annotations the Istio and Linkerd rules read, as they are.
+        the_inspection_keeps_the_rules_annotations(&annotations);
+        the_json_text_projects_the_same(&keys, &labels);
+    }
+
+    /// A pod's labels and annotations, with kubectl's copy of the object and a long status
+    /// among them.
+    fn bulky_pod() -> (BTreeMap<String, String>, BTreeMap<String, String>) {
+        let fat = "x".repeat(256 * 1024);
+        let labels = map(&[
+            ("app", "web"),
+            ("linkerd.io/control-plane-ns", "linkerd"),
+            (ISTIO_DATAPLANE_MODE, "ambient"),
+            ("security.istio.io/tlsMode", "disabled"),
+            ("team", "payments"),
+        ]);
+        let annotations = map(&[
+            (LAST_APPLIED, &fat),
+            (ISTIO_SIDECAR_STATUS, &fat),
+            ("kuma.io/sidecar-injected", "true"),
+            (
+                "traffic.sidecar.istio.io/excludeOutboundIPRanges",
+                "0.0.0.0/0",
+            ),
+        ]);
+        (labels, annotations)
+    }
+
+    /// The agent also keeps the annotations the Istio and Linkerd rules read, as they are.
+    fn the_inspection_keeps_the_rules_annotations(annotations: &BTreeMap<String, String>) {
         let inspection = PodKeys::inspection(&profiles());
         assert_eq!(
             inspection
-                .project_annotations(&annotations)
+                .project_annotations(annotations)
                 .get("traffic.sidecar.istio.io/excludeOutboundIPRanges")
                 .map(String::as_str),
             Some("0.0.0.0/0")
@@ -327,12 +339,14 @@ mod tests {
                 .any(|k| k == "config.linkerd.io/skip-subnets")
         );
         assert!(!inspection.annotation_keys().any(|k| k == LAST_APPLIED));
+    }
 
-        // The same from the JSON text; escapes in keys and values are read as JSON says.
-        let text = serde_json::to_string(&labels).unwrap();
+    /// The same from the JSON text; escapes in keys and values are read as JSON says.
+    fn the_json_text_projects_the_same(keys: &PodKeys, labels: &BTreeMap<String, String>) {
+        let text = serde_json::to_string(labels).unwrap();
         assert_eq!(
             keys.project_labels_json(&text).unwrap(),
-            keys.project_labels(&labels)
+            keys.project_labels(labels)
         );
         let escaped = r#"{"linkerd.io\/control-plane-ns": "a\"b", "kuma.io/sidecar-injected": "x", "app": "batch"}"#;
         assert_eq!(

@@ -479,10 +479,18 @@ fn crio_skips_lists_that_fail_validate_network_list() {
         ("10-calico.conflist", golden("calico-linkerd.conflist")),
         ("20-calico.conflist", golden("calico.conflist")),
     ];
+    a_missing_mesh_binary_skips_the_list(&files);
+    bad_replies_skip_the_list(&files);
+    only_the_chain_is_validated(&files);
+    a_timeout_never_skips(&files);
+}
+
+/// The mesh plugin's binary is missing: CRI-O skips the list, containerd does not.
+fn a_missing_mesh_binary_skips_the_list(files: &[(&str, Vec<u8>)]) {
     // The mesh plugin's binary is missing: ocicni skips the first list, so the effective
     // one is the second, which does not chain the mesh plugin.
     let v = run(
-        &files,
+        files,
         &crio(&["linkerd-cni"]),
         &mut Bins::healthy().with("linkerd-cni", missing()),
     );
@@ -493,13 +501,15 @@ fn crio_skips_lists_that_fail_validate_network_list() {
     );
     // containerd does not validate: the first list is effective and its binary is missing.
     let v = run(
-        &files,
+        files,
         &opts(&["linkerd-cni"]),
         &mut Bins::healthy().with("linkerd-cni", missing()),
     );
     assert_eq!(v.reason, Reason::PluginBinaryMissing, "{}", v.message);
+}
 
-    // A bad VERSION reply and an unsupported cniVersion are skips too.
+/// A bad VERSION reply and an unsupported cniVersion are skips too.
+fn bad_replies_skip_the_list(files: &[(&str, Vec<u8>)]) {
     for outcome in [
         ProbeOutcome::Broken {
             path: "/opt/cni/bin/linkerd-cni".into(),
@@ -514,15 +524,20 @@ fn crio_skips_lists_that_fail_validate_network_list() {
         },
     ] {
         let v = run(
-            &files,
+            files,
             &crio(&["linkerd-cni"]),
             &mut Bins::healthy().with("linkerd-cni", outcome),
         );
         assert_eq!(v.reason, Reason::ChainedPluginMissing, "{}", v.message);
     }
+}
+
+/// Only the chain is validated, not the IPAM plugin; when no list validates, the first
+/// skip's reason is the verdict.
+fn only_the_chain_is_validated(files: &[(&str, Vec<u8>)]) {
     // Only the chain is validated by ocicni, not the IPAM plugin: the list stays effective.
     let v = run(
-        &files,
+        files,
         &crio(&["linkerd-cni"]),
         &mut Bins::healthy().with("calico-ipam", missing()),
     );
@@ -543,13 +558,16 @@ fn crio_skips_lists_that_fail_validate_network_list() {
         "{}",
         v.message
     );
-    // A plugin that runs out of time cannot be judged: stop, never skip to a later file.
+}
+
+/// A plugin that runs out of time cannot be judged: stop, never skip to a later file.
+fn a_timeout_never_skips(files: &[(&str, Vec<u8>)]) {
     let slow = ProbeOutcome::Broken {
         path: "/opt/cni/bin/linkerd-cni".into(),
         why: Broken::TimedOut { after_ms: 2000 },
     };
     let v = run(
-        &files,
+        files,
         &crio(&["linkerd-cni"]),
         &mut Bins::healthy().with("linkerd-cni", slow),
     );
@@ -836,28 +854,54 @@ fn ipam_type_path_traversal_is_never_probed() {
     assert!(bins.calls.iter().all(|c| !c.contains('/')));
 }
 
+/// A marker in file content and plugin output that no message may quote.
+const S: &str = "SECRETzz";
+
 #[test]
 fn messages_never_quote_file_content_or_plugin_output() {
-    const S: &str = "SECRETzz";
+    for (files, o) in secret_cases() {
+        let v = run(&files, &o, &mut secret_bins());
+        assert!(!v.message.contains(S), "{:?}: {}", v.reason, v.message);
+    }
+    // A drop-in directory named by the network name: neither is quoted.
+    let mut src = MemSource::new()
+        .file("10.conflist", format!(r#"{{"name":"{S}"}}"#).into_bytes())
+        .file(
+            format!("{S}/50.conf"),
+            format!(r#"{{"type":{{"{S}":1}}}}"#).into_bytes(),
+        );
+    let v = run_src(&mut src, &opts(&[]), &mut secret_bins());
+    assert_eq!(v.reason, Reason::ConfigInvalid);
+    assert!(!v.message.contains(S), "{}", v.message);
+}
+
+/// A plugin named by the marker that fails with a CNI error.
+fn secret_bins() -> Bins {
+    Bins::healthy().with(
+        S,
+        ProbeOutcome::Broken {
+            path: format!("/opt/cni/bin/{S}"),
+            why: Broken::Failed {
+                status: "exit status: 1".into(),
+                cni_code: Some(7),
+                stdout_len: 40,
+                stderr_len: 12,
+            },
+        },
+    )
+}
+
+/// Files and options whose every field a message might quote holds the marker: (files,
+/// options).
+type Case = (Vec<(&'static str, Vec<u8>)>, VerifyOptions);
+
+/// Configs whose names, versions, types, capabilities and plugin names are the marker, valid
+/// and not.
+fn secret_cases() -> Vec<Case> {
     let secret_list = format!(
         r#"{{"cniVersion":"{S}","name":"{S}","plugins":[{{"type":"{S}","ipam":{{"type":"{S}2"}}}},{{"type":"linkerd-cni","capabilities":{{"{S}":true}}}}]}}"#
     );
-    let bins = || {
-        Bins::healthy().with(
-            S,
-            ProbeOutcome::Broken {
-                path: format!("/opt/cni/bin/{S}"),
-                why: Broken::Failed {
-                    status: "exit status: 1".into(),
-                    cni_code: Some(7),
-                    stdout_len: 40,
-                    stderr_len: 12,
-                },
-            },
-        )
-    };
-    type Case<'a> = (Vec<(&'a str, Vec<u8>)>, VerifyOptions);
-    let cases: Vec<Case> = vec![
+    vec![
         (
             vec![("10.conflist", secret_list.clone().into_bytes())],
             opts(&["linkerd-cni"]),
@@ -909,21 +953,7 @@ fn messages_never_quote_file_content_or_plugin_output() {
             )],
             opts(&[]),
         ),
-    ];
-    for (files, o) in cases {
-        let v = run(&files, &o, &mut bins());
-        assert!(!v.message.contains(S), "{:?}: {}", v.reason, v.message);
-    }
-    // A drop-in directory named by the network name: neither is quoted.
-    let mut src = MemSource::new()
-        .file("10.conflist", format!(r#"{{"name":"{S}"}}"#).into_bytes())
-        .file(
-            format!("{S}/50.conf"),
-            format!(r#"{{"type":{{"{S}":1}}}}"#).into_bytes(),
-        );
-    let v = run_src(&mut src, &opts(&[]), &mut bins());
-    assert_eq!(v.reason, Reason::ConfigInvalid);
-    assert!(!v.message.contains(S), "{}", v.message);
+    ]
 }
 
 #[test]

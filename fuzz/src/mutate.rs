@@ -154,50 +154,9 @@ impl Mutator {
                 data[i] = rng.byte();
             }
             // Overwrite an 8/16/32-bit field with an interesting value, either byte order.
-            2 if len > 0 => {
-                let width = [1usize, 2, 4][rng.below(3)].min(len);
-                let at = rng.below(len - width + 1);
-                let v = rng.pick(INTERESTING).copied().unwrap_or(0);
-                let bytes = if rng.one_in(2) {
-                    v.to_le_bytes()
-                } else {
-                    v.to_be_bytes()
-                };
-                let src = if rng.one_in(2) {
-                    &bytes[..width]
-                } else {
-                    &bytes[8 - width..]
-                };
-                data[at..at + width].copy_from_slice(src);
-            }
+            2 if len > 0 => overwrite_interesting(rng, data),
             // Add or subtract a small number to a 16/32-bit native-endian field (lengths).
-            3 if len >= 2 => {
-                let width = if len >= 4 && rng.one_in(2) { 4 } else { 2 };
-                let at = rng.below(len - width + 1);
-                let delta = 1 + rng.below(35) as u32;
-                let sub = rng.one_in(2);
-                if width == 2 {
-                    let mut b = [0u8; 2];
-                    b.copy_from_slice(&data[at..at + 2]);
-                    let v = u16::from_ne_bytes(b);
-                    let v = if sub {
-                        v.wrapping_sub(delta as u16)
-                    } else {
-                        v.wrapping_add(delta as u16)
-                    };
-                    data[at..at + 2].copy_from_slice(&v.to_ne_bytes());
-                } else {
-                    let mut b = [0u8; 4];
-                    b.copy_from_slice(&data[at..at + 4]);
-                    let v = u32::from_ne_bytes(b);
-                    let v = if sub {
-                        v.wrapping_sub(delta)
-                    } else {
-                        v.wrapping_add(delta)
-                    };
-                    data[at..at + 4].copy_from_slice(&v.to_ne_bytes());
-                }
-            }
+            3 if len >= 2 => add_small(rng, data),
             // Delete a block.
             4 if len > 0 => {
                 let at = rng.below(len);
@@ -268,6 +227,57 @@ impl Mutator {
         let mut seen = 0usize;
         mutate_node(rng, &mut value, target, &mut seen, &self.dictionary);
         serde_json::to_vec(&value).ok()
+    }
+}
+
+/// Overwrites an 8/16/32-bit field of `data` (not empty) with an interesting value, either byte
+/// order.
+fn overwrite_interesting(rng: &mut Rng, data: &mut [u8]) {
+    let len = data.len();
+    let width = [1usize, 2, 4][rng.below(3)].min(len);
+    let at = rng.below(len - width + 1);
+    let v = rng.pick(INTERESTING).copied().unwrap_or(0);
+    let bytes = if rng.one_in(2) {
+        v.to_le_bytes()
+    } else {
+        v.to_be_bytes()
+    };
+    let src = if rng.one_in(2) {
+        &bytes[..width]
+    } else {
+        &bytes[8 - width..]
+    };
+    data[at..at + width].copy_from_slice(src);
+}
+
+/// Adds or subtracts a small number to a 16/32-bit native-endian field of `data` (at least 2
+/// bytes long): lengths just off by a few.
+fn add_small(rng: &mut Rng, data: &mut [u8]) {
+    let len = data.len();
+    let width = if len >= 4 && rng.one_in(2) { 4 } else { 2 };
+    let at = rng.below(len - width + 1);
+    let delta = 1 + rng.below(35) as u32;
+    let sub = rng.one_in(2);
+    if width == 2 {
+        let mut b = [0u8; 2];
+        b.copy_from_slice(&data[at..at + 2]);
+        let v = u16::from_ne_bytes(b);
+        let v = if sub {
+            v.wrapping_sub(delta as u16)
+        } else {
+            v.wrapping_add(delta as u16)
+        };
+        data[at..at + 2].copy_from_slice(&v.to_ne_bytes());
+    } else {
+        let mut b = [0u8; 4];
+        b.copy_from_slice(&data[at..at + 4]);
+        let v = u32::from_ne_bytes(b);
+        let v = if sub {
+            v.wrapping_sub(delta)
+        } else {
+            v.wrapping_add(delta)
+        };
+        data[at..at + 4].copy_from_slice(&v.to_ne_bytes());
     }
 }
 

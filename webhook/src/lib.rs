@@ -117,6 +117,18 @@ pub fn parse_max_connections(s: &str) -> Result<usize, String> {
     }
 }
 
+impl Args {
+    /// The review server's limits, as given on the command line.
+    fn limits(&self) -> server::Limits {
+        server::Limits {
+            max_body_bytes: self.max_body_bytes,
+            request_timeout: self.request_timeout,
+            max_connections: self.max_connections,
+            review_memory_bytes: self.review_memory_bytes,
+        }
+    }
+}
+
 /// Runs the webhook until SIGTERM/SIGINT (and the shutdown delay and drain after it).
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let listener = TcpListener::bind(args.listen)
@@ -192,6 +204,7 @@ async fn run_with(
         MODE_FIRST_LIST,
     )
     .await;
+    let limits = args.limits();
     let reviewer = Arc::new(
         review::Reviewer::new(caches, profiles, metrics)
             .with_taint_key(args.common.taint_key.clone())
@@ -199,12 +212,6 @@ async fn run_with(
             .with_agent_daemonset(args.agent_daemonset)
             .with_mode(mode.subscribe()),
     );
-    let limits = server::Limits {
-        max_body_bytes: args.max_body_bytes,
-        request_timeout: args.request_timeout,
-        max_connections: args.max_connections,
-        review_memory_bytes: args.review_memory_bytes,
-    };
     let servers = Servers {
         listener,
         tls,

@@ -120,21 +120,55 @@ pub(super) async fn run(
     eprintln!("detection: {n} un-redirected pods for the agent, {n} for the sweep model ...");
     require_privileges()?;
     let subnet = private_subnet();
-    let mk = |hosts: std::ops::Range<u8>| -> anyhow::Result<Vec<PodNetns>> {
-        hosts
-            .map(|h| {
-                PodNetns::new(
-                    Ipv4Addr::new(subnet[0], subnet[1], subnet[2], h),
-                    Rules::None,
-                )
-            })
-            .collect()
-    };
-    let (ours_ns, sweep_ns) = (mk(1..5)?, mk(11..15)?);
+    let (ours_ns, sweep_ns) = (netns(subnet, 1..5)?, netns(subnet, 11..15)?);
     let (deleted, watcher) = deletion_watch(client, ns);
 
     // meshgate, under its own identity so its eviction requests are timed by the apiserver.
     let id = AuditedIdentity::new(cp, client, ns, "detect-agent").await?;
+    let ips: Vec<Ipv4Addr> = ours_ns.iter().map(|n| n.ip).collect();
+    let (seen, requested) = meshgate(cp, client, ns, &id, &ips, n, &deleted).await?;
+
+    // The sweep model on its own node, same pods.
+    let interval = Duration::from_millis(env_num("MESHGATE_BENCH_SWEEP_INTERVAL_MS", 150));
+    let sweep = Sweep::run(client, cp, ns, &sweep_ns, n, interval, &deleted).await?;
+    watcher.abort();
+    sweep.rows(table, &seen);
+    table.note(format!(
+        "Detection: {n} bare meshed pods, one at a time, each marked Running (status patch) with the IP of a real network namespace without redirect rules; timed from just before the status patch to a pod watch seeing the eviction's deletion timestamp. By the apiserver's clock (audit log), the eviction request arrived p50 {} / p99 {} after the status patch was sent ({} requests matched).",
+        human(quantile(&requested, 0.5)),
+        human(quantile(&requested, 0.99)),
+        requested.len()
+    ));
+    sweep.note(table, interval);
+    table.note("Linkerd's validator is modeled as its 10 s timeout alone (a lower bound; container start, crash-loop backoff or the repair controller's deletion come on top). It is fail-closed: the app container never starts without redirects, whereas a pod meshgate evicts ran unredirected for the detection time plus its termination grace period.".to_string());
+    id.remove(client).await;
+    Ok(())
+}
+
+/// Network namespaces without rules at `hosts` of `subnet`.
+fn netns(subnet: [u8; 3], hosts: std::ops::Range<u8>) -> anyhow::Result<Vec<PodNetns>> {
+    hosts
+        .map(|h| {
+            PodNetns::new(
+                Ipv4Addr::new(subnet[0], subnet[1], subnet[2], h),
+                Rules::None,
+            )
+        })
+        .collect()
+}
+
+/// meshgate's agent, as `id`, detecting `n` un-redirected pods at `ips`. Returns, sorted, the
+/// time from Running to the eviction seen by the watch, and, by the apiserver's clock, to
+/// the eviction request.
+async fn meshgate(
+    cp: &ControlPlane,
+    client: &Client,
+    ns: &str,
+    id: &AuditedIdentity,
+    ips: &[Ipv4Addr],
+    n: usize,
+    deleted: &Arc<Mutex<HashMap<String, Instant>>>,
+) -> anyhow::Result<(Vec<Duration>, Vec<Duration>)> {
     let node = "detect-agent";
     cp.register_node(client, &NodeSpec::new(node)).await?;
     let dirs = CniDirs::new()?;
@@ -153,8 +187,7 @@ pub(super) async fn run(
         ],
     )?;
     agent.wait_ready(Duration::from_secs(60)).await?;
-    let ips: Vec<Ipv4Addr> = ours_ns.iter().map(|n| n.ip).collect();
-    let ours = run_detection(client, ns, node, "d", &ips, n, Duration::ZERO, &deleted).await?;
+    let ours = run_detection(client, ns, node, "d", ips, n, Duration::ZERO, deleted).await?;
     let requests = id.requests(cp, SystemTime::now() - Duration::from_secs(3600))?;
     drop(agent);
     let mut seen: Vec<Duration> = ours.iter().map(|(_, _, t0, t1)| *t1 - *t0).collect();
@@ -169,81 +202,102 @@ pub(super) async fn run(
         })
         .collect();
     requested.sort();
+    Ok((seen, requested))
+}
 
-    // The sweep model on its own node, same pods.
-    let interval = Duration::from_millis(env_num("MESHGATE_BENCH_SWEEP_INTERVAL_MS", 150));
-    let node_c = "detect-sweep";
-    cp.register_node(client, &NodeSpec::new(node_c)).await?;
-    let map: HashMap<IpAddr, String> = sweep_ns
-        .iter()
-        .map(|n| (IpAddr::V4(n.ip), n.name.clone()))
-        .collect();
-    let found: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-    let driver = tokio::spawn(sweep_driver(
-        client.clone(),
-        node_c.into(),
-        map,
-        interval,
-        found.clone(),
-    ));
-    let ips: Vec<Ipv4Addr> = sweep_ns.iter().map(|n| n.ip).collect();
-    let theirs = run_detection(client, ns, node_c, "s", &ips, n, interval, &deleted).await?;
-    driver.abort();
-    watcher.abort();
-    let (mut phase, mut work, mut total) = (Vec::new(), Vec::new(), Vec::new());
-    {
-        let found = found.lock().unwrap_or_else(|e| e.into_inner());
-        for (name, _, t0, t1) in &theirs {
-            let swept = found.get(name).copied().unwrap_or(*t0).max(*t0);
-            phase.push(swept - *t0);
-            work.push(t1.saturating_duration_since(swept));
-            total.push(*t1 - *t0);
+/// The sweep model's figures, each sorted: the sweep's phase, the work after the sweep
+/// started, and the end-to-end time.
+struct Sweep {
+    phase: Vec<Duration>,
+    work: Vec<Duration>,
+    total: Vec<Duration>,
+}
+
+impl Sweep {
+    /// The sweep model every `interval` on its own node, detecting `n` un-redirected pods in
+    /// `sweep_ns`.
+    #[allow(clippy::too_many_arguments)]
+    async fn run(
+        client: &Client,
+        cp: &ControlPlane,
+        ns: &str,
+        sweep_ns: &[PodNetns],
+        n: usize,
+        interval: Duration,
+        deleted: &Arc<Mutex<HashMap<String, Instant>>>,
+    ) -> anyhow::Result<Self> {
+        let node_c = "detect-sweep";
+        cp.register_node(client, &NodeSpec::new(node_c)).await?;
+        let map: HashMap<IpAddr, String> = sweep_ns
+            .iter()
+            .map(|n| (IpAddr::V4(n.ip), n.name.clone()))
+            .collect();
+        let found: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+        let driver = tokio::spawn(sweep_driver(
+            client.clone(),
+            node_c.into(),
+            map,
+            interval,
+            found.clone(),
+        ));
+        let ips: Vec<Ipv4Addr> = sweep_ns.iter().map(|n| n.ip).collect();
+        let theirs = run_detection(client, ns, node_c, "s", &ips, n, interval, deleted).await?;
+        driver.abort();
+        let (mut phase, mut work, mut total) = (Vec::new(), Vec::new(), Vec::new());
+        {
+            let found = found.lock().unwrap_or_else(|e| e.into_inner());
+            for (name, _, t0, t1) in &theirs {
+                let swept = found.get(name).copied().unwrap_or(*t0).max(*t0);
+                phase.push(swept - *t0);
+                work.push(t1.saturating_duration_since(swept));
+                total.push(*t1 - *t0);
+            }
+        }
+        for v in [&mut phase, &mut work, &mut total] {
+            v.sort();
+        }
+        Ok(Self { phase, work, total })
+    }
+
+    /// meshgate's detection times (`seen`) beside the sweep's, modeled at its real 15 s tick,
+    /// and beside Linkerd's validator timeout.
+    fn rows(&self, table: &mut Table, seen: &[Duration]) {
+        let real_sweep = Duration::from_secs(15);
+        let validator = Duration::from_secs(10);
+        for (q, label) in [(0.5, "p50"), (0.99, "p99")] {
+            let o = quantile(seen, q);
+            let sweep = modeled(real_sweep, &self.work, q);
+            table.row(
+                &format!("detection: un-redirected pod Running → evicted, {label}"),
+                human(o),
+                "Cilium-style 15 s sweep tick",
+                format!("{} (modeled)", human(sweep)),
+                ratio(sweep, o),
+                if label == "p99" { "p99 ≤ 1 s" } else { "" },
+                (label == "p99").then_some(o <= Duration::from_secs(1)),
+            );
+            table.row(
+                &format!("detection, {label}"),
+                human(o),
+                "Linkerd validator init container, 10 s timeout",
+                format!("≥ {} (modeled)", human(validator)),
+                format!("≥ {}", ratio(validator, o)),
+                "",
+                None,
+            );
         }
     }
-    for v in [&mut phase, &mut work, &mut total] {
-        v.sort();
+
+    fn note(&self, table: &mut Table, interval: Duration) {
+        table.note(format!(
+            "Sweep model run for real at a {} interval: list the node's pods, `meshgate-agent inspect` each Running meshed pod, evict: phase p50 {} (expected {}), work after the sweep started p50 {} p99 {}, end to end at that interval p50 {} p99 {}. Modeled at 15 s: U(0, 15 s) + work. Cilium's watcher also skips pods younger than 30 s (unmanagedPodMinimalAge), which would add 30 s; not counted.",
+            human(interval),
+            human(quantile(&self.phase, 0.5)),
+            human(interval / 2),
+            human(quantile(&self.work, 0.5)),
+            human(quantile(&self.work, 0.99)),
+            human(quantile(&self.total, 0.5)),
+            human(quantile(&self.total, 0.99)),
+        ));
     }
-    let real_sweep = Duration::from_secs(15);
-    let validator = Duration::from_secs(10);
-    for (q, label) in [(0.5, "p50"), (0.99, "p99")] {
-        let o = quantile(&seen, q);
-        let sweep = modeled(real_sweep, &work, q);
-        table.row(
-            &format!("detection: un-redirected pod Running → evicted, {label}"),
-            human(o),
-            "Cilium-style 15 s sweep tick",
-            format!("{} (modeled)", human(sweep)),
-            ratio(sweep, o),
-            if label == "p99" { "p99 ≤ 1 s" } else { "" },
-            (label == "p99").then_some(o <= Duration::from_secs(1)),
-        );
-        table.row(
-            &format!("detection, {label}"),
-            human(o),
-            "Linkerd validator init container, 10 s timeout",
-            format!("≥ {} (modeled)", human(validator)),
-            format!("≥ {}", ratio(validator, o)),
-            "",
-            None,
-        );
-    }
-    table.note(format!(
-        "Detection: {n} bare meshed pods, one at a time, each marked Running (status patch) with the IP of a real network namespace without redirect rules; timed from just before the status patch to a pod watch seeing the eviction's deletion timestamp. By the apiserver's clock (audit log), the eviction request arrived p50 {} / p99 {} after the status patch was sent ({} requests matched).",
-        human(quantile(&requested, 0.5)),
-        human(quantile(&requested, 0.99)),
-        requested.len()
-    ));
-    table.note(format!(
-        "Sweep model run for real at a {} interval: list the node's pods, `meshgate-agent inspect` each Running meshed pod, evict: phase p50 {} (expected {}), work after the sweep started p50 {} p99 {}, end to end at that interval p50 {} p99 {}. Modeled at 15 s: U(0, 15 s) + work. Cilium's watcher also skips pods younger than 30 s (unmanagedPodMinimalAge), which would add 30 s; not counted.",
-        human(interval),
-        human(quantile(&phase, 0.5)),
-        human(interval / 2),
-        human(quantile(&work, 0.5)),
-        human(quantile(&work, 0.99)),
-        human(quantile(&total, 0.5)),
-        human(quantile(&total, 0.99)),
-    ));
-    table.note("Linkerd's validator is modeled as its 10 s timeout alone (a lower bound; container start, crash-loop backoff or the repair controller's deletion come on top). It is fail-closed: the app container never starts without redirects, whereas a pod meshgate evicts ran unredirected for the detection time plus its termination grace period.".to_string());
-    id.remove(client).await;
-    Ok(())
 }

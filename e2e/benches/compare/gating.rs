@@ -157,12 +157,35 @@ pub(super) async fn run(
         golden("calico.conflist")?,
         golden("calico-linkerd.conflist")?,
     );
+    let configs = (invalid.as_slice(), valid.as_slice());
+    let (untaint, retaint, rss) = meshgate(cp, client, table, n, configs).await?;
+    let interval = Duration::from_millis(env_num("MESHGATE_BENCH_NRC_INTERVAL_MS", 300));
+    let nrc = Nrc::run(cp, client, n, interval, configs).await?;
+    nrc.rows(table, &untaint, &retaint);
+    table.note(format!(
+        "Gating: {n} transitions each way, from the write on disk to a Node watch seeing the taint change. meshgate max untaint {}, max re-taint {}; agent RSS after {:.1} MiB.",
+        human(quantile(&untaint, 1.0)),
+        human(quantile(&retaint, 1.0)),
+        rss as f64 / 1024.0
+    ));
+    nrc.note(table, n, interval);
+    Ok(StandIn { untaint, retaint })
+}
 
-    // meshgate.
+/// meshgate's agent on a stand-in node, the config flipped `n` times each way between
+/// `(invalid, valid)`; each transition's stages go in the table. Returns the untaint and
+/// re-taint latencies (sorted) and the agent's RSS after.
+async fn meshgate(
+    cp: &ControlPlane,
+    client: &Client,
+    table: &mut Table,
+    n: usize,
+    (invalid, valid): (&[u8], &[u8]),
+) -> anyhow::Result<(Vec<Duration>, Vec<Duration>, u64)> {
     let node = "gate-agent";
     cp.register_node(client, &NodeSpec::new(node)).await?;
     let dirs = CniDirs::new()?;
-    dirs.config("10-calico.conflist", &invalid)?;
+    dirs.config("10-calico.conflist", invalid)?;
     agent_log("warn,meshgate_agent::daemon::stages=info");
     let agent = Agent::start(cp, node, &dirs, &["--log-format", "json"])?;
     let (mut rx, w) = watch_taint(client, node, meshgate_core::gate::DEFAULT_TAINT_KEY);
@@ -171,7 +194,7 @@ pub(super) async fn run(
     let (mut untaint, mut retaint) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let mut transitions = Vec::with_capacity(2 * n);
     for _ in 0..n {
-        for (text, tainted) in [(&valid, false), (&invalid, true)] {
+        for (text, tainted) in [(valid, false), (invalid, true)] {
             let (wall, at) = stages::stamp();
             dirs.config("10-calico.conflist", text)?;
             let seen = until(&mut rx, tainted).await?;
@@ -193,108 +216,138 @@ pub(super) async fn run(
     stages::rows(table, "stand-in node", &transitions, &joined);
     untaint.sort();
     retaint.sort();
+    Ok((untaint, retaint, rss))
+}
 
-    // The node-readiness-controller model, same transitions.
-    let interval = Duration::from_millis(env_num("MESHGATE_BENCH_NRC_INTERVAL_MS", 300));
-    let real = Duration::from_secs(30);
-    let node_b = "gate-nrc";
-    cp.register_node(
-        client,
-        &NodeSpec::new(node_b).taint(NRC_TAINT, "NoSchedule"),
-    )
-    .await?;
-    let dirs_b = CniDirs::new()?;
-    dirs_b.config("10-calico.conflist", &invalid)?;
-    let (ptx, prx) = watch::channel((Instant::now(), false));
-    let reporter = tokio::spawn(nrc_reporter(
-        client.clone(),
-        node_b.into(),
-        (dirs_b.conf.clone(), dirs_b.bin.clone()),
-        interval,
-        ptx,
-    ));
-    let controller = tokio::spawn(nrc_controller(client.clone(), node_b.into()));
-    let (mut rx, w) = watch_taint(client, node_b, NRC_TAINT);
-    until(&mut rx, true)
-        .await
-        .context("NRC model: initial taint")?;
-    let (mut phase, mut work_un, mut work_re, mut total_un, mut total_re) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut seed = 0x6d65_7368u64;
-    for i in 0..2 * n {
-        let want_valid = i % 2 == 0;
-        // A random phase of the poll interval for every write.
-        tokio::time::sleep(jitter(&mut seed, interval)).await;
-        let t0 = Instant::now();
-        dirs_b.config(
-            "10-calico.conflist",
-            if want_valid { &valid } else { &invalid },
-        )?;
-        let seen = until(&mut rx, !want_valid).await?;
-        // The first poll that started after the write and saw the new verdict.
-        let (polled, ok) = *prx.borrow();
-        if ok != want_valid {
-            bail!("NRC model: the reporter's last poll disagrees with the disk");
-        }
-        let polled = polled.max(t0);
-        phase.push(polled - t0);
-        let (work, total) = if want_valid {
-            (&mut work_un, &mut total_un)
-        } else {
-            (&mut work_re, &mut total_re)
+/// The node-readiness-controller model's figures, each sorted: the poll's phase, the work
+/// after the poll and the end-to-end latency, untaint (`_un`) and re-taint (`_re`).
+struct Nrc {
+    phase: Vec<Duration>,
+    work_un: Vec<Duration>,
+    work_re: Vec<Duration>,
+    total_un: Vec<Duration>,
+    total_re: Vec<Duration>,
+}
+
+impl Nrc {
+    /// The node-readiness-controller model, same transitions, polling every `interval`.
+    async fn run(
+        cp: &ControlPlane,
+        client: &Client,
+        n: usize,
+        interval: Duration,
+        (invalid, valid): (&[u8], &[u8]),
+    ) -> anyhow::Result<Self> {
+        let node_b = "gate-nrc";
+        cp.register_node(
+            client,
+            &NodeSpec::new(node_b).taint(NRC_TAINT, "NoSchedule"),
+        )
+        .await?;
+        let dirs_b = CniDirs::new()?;
+        dirs_b.config("10-calico.conflist", invalid)?;
+        let (ptx, prx) = watch::channel((Instant::now(), false));
+        let reporter = tokio::spawn(nrc_reporter(
+            client.clone(),
+            node_b.into(),
+            (dirs_b.conf.clone(), dirs_b.bin.clone()),
+            interval,
+            ptx,
+        ));
+        let controller = tokio::spawn(nrc_controller(client.clone(), node_b.into()));
+        let (mut rx, w) = watch_taint(client, node_b, NRC_TAINT);
+        until(&mut rx, true)
+            .await
+            .context("NRC model: initial taint")?;
+        let mut nrc = Self {
+            phase: Vec::new(),
+            work_un: Vec::new(),
+            work_re: Vec::new(),
+            total_un: Vec::new(),
+            total_re: Vec::new(),
         };
-        work.push(seen.saturating_duration_since(polled));
-        total.push(seen - t0);
-    }
-    w.abort();
-    reporter.abort();
-    controller.abort();
-    for v in [
-        &mut phase,
-        &mut work_un,
-        &mut work_re,
-        &mut total_un,
-        &mut total_re,
-    ] {
-        v.sort();
+        let mut seed = 0x6d65_7368u64;
+        for i in 0..2 * n {
+            let want_valid = i % 2 == 0;
+            // A random phase of the poll interval for every write.
+            tokio::time::sleep(jitter(&mut seed, interval)).await;
+            let t0 = Instant::now();
+            dirs_b.config(
+                "10-calico.conflist",
+                if want_valid { valid } else { invalid },
+            )?;
+            let seen = until(&mut rx, !want_valid).await?;
+            // The first poll that started after the write and saw the new verdict.
+            let (polled, ok) = *prx.borrow();
+            if ok != want_valid {
+                bail!("NRC model: the reporter's last poll disagrees with the disk");
+            }
+            let polled = polled.max(t0);
+            nrc.phase.push(polled - t0);
+            let (work, total) = if want_valid {
+                (&mut nrc.work_un, &mut nrc.total_un)
+            } else {
+                (&mut nrc.work_re, &mut nrc.total_re)
+            };
+            work.push(seen.saturating_duration_since(polled));
+            total.push(seen - t0);
+        }
+        w.abort();
+        reporter.abort();
+        controller.abort();
+        for v in [
+            &mut nrc.phase,
+            &mut nrc.work_un,
+            &mut nrc.work_re,
+            &mut nrc.total_un,
+            &mut nrc.total_re,
+        ] {
+            v.sort();
+        }
+        Ok(nrc)
     }
 
-    for (name, ours, work) in [
-        ("untaint: config valid → taint removed", &untaint, &work_un),
-        ("re-taint on drift (S4)", &retaint, &work_re),
-    ] {
-        for (q, label) in [(0.5, "p50"), (0.99, "p99")] {
-            let theirs = modeled(real, work, q);
-            let o = quantile(ours, q);
-            table.row(
-                &format!("{name}, {label}"),
-                human(o),
-                "NRC: 30 s condition poll + controller",
-                format!("{} (modeled)", human(theirs)),
-                ratio(theirs, o),
-                if label == "p99" { "p99 ≤ 100 ms" } else { "" },
-                (label == "p99").then_some(o <= Duration::from_millis(100)),
-            );
+    /// meshgate's untaint and re-taint latencies beside the model's, scaled to its real 30 s
+    /// interval.
+    fn rows(&self, table: &mut Table, untaint: &[Duration], retaint: &[Duration]) {
+        let real = Duration::from_secs(30);
+        for (name, ours, work) in [
+            (
+                "untaint: config valid → taint removed",
+                untaint,
+                &self.work_un,
+            ),
+            ("re-taint on drift (S4)", retaint, &self.work_re),
+        ] {
+            for (q, label) in [(0.5, "p50"), (0.99, "p99")] {
+                let theirs = modeled(real, work, q);
+                let o = quantile(ours, q);
+                table.row(
+                    &format!("{name}, {label}"),
+                    human(o),
+                    "NRC: 30 s condition poll + controller",
+                    format!("{} (modeled)", human(theirs)),
+                    ratio(theirs, o),
+                    if label == "p99" { "p99 ≤ 100 ms" } else { "" },
+                    (label == "p99").then_some(o <= Duration::from_millis(100)),
+                );
+            }
         }
     }
-    table.note(format!(
-        "Gating: {n} transitions each way, from the write on disk to a Node watch seeing the taint change. meshgate max untaint {}, max re-taint {}; agent RSS after {:.1} MiB.",
-        human(quantile(&untaint, 1.0)),
-        human(quantile(&retaint, 1.0)),
-        rss as f64 / 1024.0
-    ));
-    table.note(format!(
-        "NRC model run for real at a {} poll interval ({} transitions): measured phase p50 {} (expected {} = interval/2), work after the poll (check + condition patch + controller's taint patch + watch) p50 {} p99 {}; measured end-to-end at that interval p50 {} / p99 {} (untaint), {} / {} (re-taint). Modeled at the real 30 s interval: U(0, 30 s) + measured work.",
-        human(interval),
-        2 * n,
-        human(quantile(&phase, 0.5)),
-        human(interval / 2),
-        human(quantile(&work_un, 0.5)),
-        human(quantile(&work_un, 0.99)),
-        human(quantile(&total_un, 0.5)),
-        human(quantile(&total_un, 0.99)),
-        human(quantile(&total_re, 0.5)),
-        human(quantile(&total_re, 0.99)),
-    ));
-    Ok(StandIn { untaint, retaint })
+
+    fn note(&self, table: &mut Table, n: usize, interval: Duration) {
+        table.note(format!(
+            "NRC model run for real at a {} poll interval ({} transitions): measured phase p50 {} (expected {} = interval/2), work after the poll (check + condition patch + controller's taint patch + watch) p50 {} p99 {}; measured end-to-end at that interval p50 {} / p99 {} (untaint), {} / {} (re-taint). Modeled at the real 30 s interval: U(0, 30 s) + measured work.",
+            human(interval),
+            2 * n,
+            human(quantile(&self.phase, 0.5)),
+            human(interval / 2),
+            human(quantile(&self.work_un, 0.5)),
+            human(quantile(&self.work_un, 0.99)),
+            human(quantile(&self.total_un, 0.5)),
+            human(quantile(&self.total_un, 0.99)),
+            human(quantile(&self.total_re, 0.5)),
+            human(quantile(&self.total_re, 0.99)),
+        ));
+    }
 }

@@ -81,110 +81,22 @@ impl Pki {
         write(&ca_path, ca_pem.as_bytes(), 0o644)?;
         let ca_key = dir.join("ca.key");
         write(&ca_key, ca.key().serialize_pem().as_bytes(), 0o600)?;
+        let (front_proxy_ca, front_proxy_client) = front_proxy(dir)?;
 
-        // A separate CA for the aggregation layer's request-header authentication, as kubeadm
-        // does: a client certificate from the main CA must never be able to assert
-        // X-Remote-User. The controller manager and scheduler read it from the
-        // extension-apiserver-authentication ConfigMap and complain while it is missing.
-        let (front_proxy, front_proxy_cert) = new_ca("meshgate-e2e-front-proxy-ca")?;
-        let front_proxy_ca = dir.join("front-proxy-ca.crt");
-        write(&front_proxy_ca, front_proxy_cert.pem().as_bytes(), 0o644)?;
-        let front_proxy_client = leaf(
-            &front_proxy,
-            dir,
-            "front-proxy-client",
-            FRONT_PROXY_CLIENT,
-            None,
-            Vec::new(),
-            Usage::Client,
-        )?;
-
-        let loopback = || {
-            vec![
-                SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)),
-                dns("localhost"),
-            ]
-        };
-        let mut apiserver_sans = loopback();
-        apiserver_sans.push(SanType::IpAddress(KUBERNETES_SERVICE_IP));
-        apiserver_sans.extend(extra_ips.iter().copied().map(SanType::IpAddress));
-        for name in [
-            "kubernetes",
-            "kubernetes.default",
-            "kubernetes.default.svc",
-            "kubernetes.default.svc.cluster.local",
-        ] {
-            apiserver_sans.push(dns(name));
-        }
-
-        let apiserver = leaf(
-            &ca,
-            dir,
-            "apiserver",
-            "kube-apiserver",
-            None,
-            apiserver_sans,
-            Usage::Server,
-        )?;
-        let controller_manager_serving = leaf(
-            &ca,
-            dir,
+        let serving = |stem, name, sans| leaf(&ca, dir, stem, name, None, sans, Usage::Server);
+        let apiserver = serving("apiserver", "kube-apiserver", apiserver_sans(extra_ips))?;
+        let controller_manager_serving = serving(
             "controller-manager-serving",
             "kube-controller-manager",
-            None,
             loopback(),
-            Usage::Server,
         )?;
-        let scheduler_serving = leaf(
-            &ca,
-            dir,
-            "scheduler-serving",
-            "kube-scheduler",
-            None,
-            loopback(),
-            Usage::Server,
-        )?;
-        let admin = leaf(
-            &ca,
-            dir,
-            "admin",
-            "admin",
-            Some("system:masters"),
-            Vec::new(),
-            Usage::Client,
-        )?;
-        let controller_manager = leaf(
-            &ca,
-            dir,
-            "controller-manager",
-            "system:kube-controller-manager",
-            None,
-            Vec::new(),
-            Usage::Client,
-        )?;
-        let scheduler = leaf(
-            &ca,
-            dir,
-            "scheduler",
-            "system:kube-scheduler",
-            None,
-            Vec::new(),
-            Usage::Client,
-        )?;
-
-        let sa_key = key("the service-account signing key")?;
-        let service_account_key = dir.join("sa.key");
-        let service_account_pub = dir.join("sa.pub");
-        write(
-            &service_account_key,
-            sa_key.serialize_pem().as_bytes(),
-            0o600,
-        )?;
-        write(
-            &service_account_pub,
-            sa_key.public_key_pem().as_bytes(),
-            0o644,
-        )?;
+        let scheduler_serving = serving("scheduler-serving", "kube-scheduler", loopback())?;
+        let client = |stem, name, group| leaf(&ca, dir, stem, name, group, vec![], Usage::Client);
+        let admin = client("admin", "admin", Some("system:masters"))?;
+        let controller_manager =
+            client("controller-manager", "system:kube-controller-manager", None)?;
+        let scheduler = client("scheduler", "system:kube-scheduler", None)?;
+        let (service_account_key, service_account_pub) = service_account(dir)?;
 
         Ok(Self {
             ca_cert: ca_path,
@@ -234,6 +146,71 @@ impl Pki {
             Usage::Client,
         )
     }
+}
+
+/// A separate CA for the aggregation layer's request-header authentication, as kubeadm does: a
+/// client certificate from the main CA must never be able to assert X-Remote-User. The
+/// controller manager and scheduler read it from the extension-apiserver-authentication
+/// ConfigMap and complain while it is missing. Returns the CA's certificate file and the
+/// apiserver's client certificate it signs.
+fn front_proxy(dir: &Path) -> Result<(PathBuf, CertFiles), Error> {
+    let (front_proxy, front_proxy_cert) = new_ca("meshgate-e2e-front-proxy-ca")?;
+    let front_proxy_ca = dir.join("front-proxy-ca.crt");
+    write(&front_proxy_ca, front_proxy_cert.pem().as_bytes(), 0o644)?;
+    let front_proxy_client = leaf(
+        &front_proxy,
+        dir,
+        "front-proxy-client",
+        FRONT_PROXY_CLIENT,
+        None,
+        Vec::new(),
+        Usage::Client,
+    )?;
+    Ok((front_proxy_ca, front_proxy_client))
+}
+
+/// The names every serving certificate carries: 127.0.0.1 and `localhost`.
+fn loopback() -> Vec<SanType> {
+    vec![
+        SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+        dns("localhost"),
+    ]
+}
+
+/// The apiserver's names: loopback, the `kubernetes` Service's ClusterIP and DNS names, and
+/// `extra_ips`.
+fn apiserver_sans(extra_ips: &[IpAddr]) -> Vec<SanType> {
+    let mut sans = loopback();
+    sans.push(SanType::IpAddress(KUBERNETES_SERVICE_IP));
+    sans.extend(extra_ips.iter().copied().map(SanType::IpAddress));
+    for name in [
+        "kubernetes",
+        "kubernetes.default",
+        "kubernetes.default.svc",
+        "kubernetes.default.svc.cluster.local",
+    ] {
+        sans.push(dns(name));
+    }
+    sans
+}
+
+/// The service-account signing key pair, apart from the CA as in a real cluster: (private key,
+/// public key) files.
+fn service_account(dir: &Path) -> Result<(PathBuf, PathBuf), Error> {
+    let sa_key = key("the service-account signing key")?;
+    let service_account_key = dir.join("sa.key");
+    let service_account_pub = dir.join("sa.pub");
+    write(
+        &service_account_key,
+        sa_key.serialize_pem().as_bytes(),
+        0o600,
+    )?;
+    write(
+        &service_account_pub,
+        sa_key.public_key_pem().as_bytes(),
+        0o644,
+    )?;
+    Ok((service_account_key, service_account_pub))
 }
 
 /// Common name of the control plane's CA.

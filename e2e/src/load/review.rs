@@ -453,19 +453,7 @@ async fn connection_loop(
     };
     let mut sender: Option<Sender> = None;
     let mut k: u32 = 0;
-    loop {
-        let due = if spec.rate.is_finite() {
-            match interval
-                .checked_mul(k)
-                .and_then(|d| d.checked_add(offset))
-                .and_then(|d| start.checked_add(d))
-            {
-                Some(due) => due,
-                None => break,
-            }
-        } else {
-            Instant::now().max(start)
-        };
+    while let Some(due) = due_at(&spec, start, interval, offset, k) {
         if due >= end {
             break;
         }
@@ -481,28 +469,15 @@ async fn connection_loop(
         let review =
             &spec.reviews[index.wrapping_add((k as usize).wrapping_mul(connections)) % reviews];
         let sent = Instant::now();
-        // A connection the server closed, or said it would close (`Connection: close` on the
-        // last answer, as a stopping webhook does), is not reused: `ready` waits for the
-        // connection's state to settle instead of racing the close (RFC 9112 §9.6).
-        if let Some(s) = sender.as_mut()
-            && !matches!(tokio::time::timeout(step, s.ready()).await, Ok(Ok(())))
-        {
-            sender = None;
-        }
-        if sender.is_none() {
-            sender = match connect(&spec, step).await {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    out.push(Sample {
-                        due,
-                        sent,
-                        done: Instant::now(),
-                        outcome: Outcome::Failed(format!("connect: {e}")),
-                        connection: index,
-                    });
-                    continue;
-                }
-            };
+        if let Err(e) = reuse_or_connect(&mut sender, &spec, step).await {
+            out.push(Sample {
+                due,
+                sent,
+                done: Instant::now(),
+                outcome: Outcome::Failed(format!("connect: {e}")),
+                connection: index,
+            });
+            continue;
         }
         let Some(s) = sender.as_mut() else { continue };
         let outcome = match one(s, &spec, review, step).await {
@@ -521,6 +496,44 @@ async fn connection_loop(
         });
     }
     out
+}
+
+/// When request `k` of a connection is due: `offset` plus `k` intervals after `start` at a
+/// finite rate, now (not before `start`) in a closed loop; `None` when that overflows.
+fn due_at(
+    spec: &Spec,
+    start: Instant,
+    interval: Duration,
+    offset: Duration,
+    k: u32,
+) -> Option<Instant> {
+    if !spec.rate.is_finite() {
+        return Some(Instant::now().max(start));
+    }
+    interval
+        .checked_mul(k)
+        .and_then(|d| d.checked_add(offset))
+        .and_then(|d| start.checked_add(d))
+}
+
+/// Leaves a usable connection in `sender`: the current one, or a new one when there is none or
+/// it cannot take a request. A connection the server closed, or said it would close
+/// (`Connection: close` on the last answer, as a stopping webhook does), is not reused: `ready`
+/// waits for the connection's state to settle instead of racing the close (RFC 9112 §9.6).
+async fn reuse_or_connect(
+    sender: &mut Option<Sender>,
+    spec: &Spec,
+    step: Duration,
+) -> anyhow::Result<()> {
+    if let Some(s) = sender.as_mut()
+        && !matches!(tokio::time::timeout(step, s.ready()).await, Ok(Ok(())))
+    {
+        *sender = None;
+    }
+    if sender.is_none() {
+        *sender = Some(connect(spec, step).await?);
+    }
+    Ok(())
 }
 
 /// Offers the load and returns every sample once the last request finished; refuses a spec

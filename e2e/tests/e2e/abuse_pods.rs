@@ -29,7 +29,7 @@ use meshgate_e2e::harness::wait::{API_TIMEOUT, poll_until};
 use meshgate_e2e::load::review::{self, Review, WebhookProcess};
 use meshgate_e2e::sim::node::{Agent, CniDirs, golden, metric_sample, plain, tail};
 use meshgate_e2e::sim::pod::{self, ANNOTATION_LIMIT, Fat};
-use meshgate_e2e::{NodeSpec, unique_name};
+use meshgate_e2e::{ControlPlane, NodeSpec, unique_name};
 
 use crate::{WAIT, cp};
 
@@ -212,78 +212,11 @@ async fn fat_unscheduled_pods_keep_the_webhook_under_half_its_memory_limit() -> 
         // Created after every fat pod: once it is cached, they all went through the watch.
         create_all(&client, &ns, vec![pod::pending_meshed_pod("marker")]).await?;
         wait_cached(&watching, &ns, "marker", &unverified).await?;
-        let (rss_watch, hwm_watch) = watching.rss_kib().context("the watching webhook's RSS")?;
+        let watched = watching.rss_kib().context("the watching webhook's RSS")?;
         drop(watching);
-
-        let started = Instant::now();
-        let mut listing = WebhookProcess::start(cp.admin_kubeconfig_path(), &[])?;
-        let ready = listing.wait_ready(WAIT).await?;
-        let (rss_list, hwm_list) = listing.rss_kib().context("the listing webhook's RSS")?;
-        eprintln!(
-            "[abuse-pods] {count} unscheduled pods × {ANNOTATION_LIMIT} B of annotations \
-             (and {} B of labels) created in {took:?}; webhook watching them: RSS {:.1} MiB, \
-             peak {:.1} MiB; a new webhook listing them: ready after {:?} (start to /ready \
-             {:?}), RSS {:.1} MiB, peak {:.1} MiB (bound {:.0} MiB)",
-            fat.labels,
-            mib(rss_watch),
-            mib(hwm_watch),
-            ready,
-            started.elapsed(),
-            mib(rss_list),
-            mib(hwm_list),
-            mib(WEBHOOK_BOUND_KIB),
-        );
-        ensure!(
-            hwm_watch < WEBHOOK_BOUND_KIB,
-            "the webhook watching {count} fat pods peaked at {:.1} MiB",
-            mib(hwm_watch)
-        );
-        ensure!(
-            hwm_list < WEBHOOK_BOUND_KIB,
-            "the webhook listing {count} fat pods peaked at {:.1} MiB",
-            mib(hwm_list)
-        );
-
-        // Answered from the cache: every meshed fat pod refused on the unverified node, every
-        // plain one allowed there, any of them allowed on the verified node.
-        let reviews: Vec<Review> = names
-            .iter()
-            .enumerate()
-            .flat_map(|(i, n)| {
-                [
-                    review::binding_review(&format!("u-{n}"), &ns, n, &unverified, i % 2 != 0),
-                    review::binding_review(&format!("v-{n}"), &ns, n, &verified, true),
-                ]
-            })
-            .collect();
-        let sent = reviews.len();
-        let report = review::run(spec(&listing, reviews, 1000.0, paced(sent, 1000.0), 4)?).await?;
-        let errors = report.errors();
-        ensure!(
-            errors.is_empty() && report.samples.len() == sent,
-            "{} of {} bindings answered wrong, first: {:?}",
-            errors.len(),
-            report.samples.len(),
-            errors.first()
-        );
-        let meshed = review::binding_review("msg", &ns, &names[0], &unverified, false);
-        let answer =
-            review::answer(&spec(&listing, vec![], 1.0, Duration::ZERO, 1)?, &meshed).await?;
-        let message = answer["status"]["message"].as_str().unwrap_or_default();
-        ensure!(
-            message.contains("belongs to mesh profile linkerd"),
-            "{message}"
-        );
-        let (_, body) = listing.admin_get("/metrics").await.context("/metrics")?;
-        ensure!(
-            !body.contains("meshgate_pod_lookups_total{"),
-            "bindings of cached pods were looked up:\n{body}"
-        );
-        ensure!(
-            listing.pid().is_some(),
-            "the webhook exited:\n{}",
-            tail(&listing.log(), 20)
-        );
+        let listing =
+            a_listing_webhook_stays_under_the_bound(cp, count, fat, took, watched).await?;
+        bindings_are_answered_from_the_cache(&listing, &ns, &names, &verified, &unverified).await?;
         anyhow::Ok(())
     }
     .await;
@@ -292,6 +225,96 @@ async fn fat_unscheduled_pods_keep_the_webhook_under_half_its_memory_limit() -> 
     delete_all(&client, &ns, &all).await;
     delete_nodes(&client, &[&verified, &unverified]).await;
     result
+}
+
+/// A webhook started once the fat pods are all there (its list is what every relist does)
+/// gets ready; it and the one that watched them arrive (`watched`: RSS, peak) stay under the
+/// bound. Returns the listing webhook.
+async fn a_listing_webhook_stays_under_the_bound(
+    cp: &ControlPlane,
+    count: usize,
+    fat: Fat,
+    took: Duration,
+    (rss_watch, hwm_watch): (u64, u64),
+) -> anyhow::Result<WebhookProcess> {
+    let started = Instant::now();
+    let mut listing = WebhookProcess::start(cp.admin_kubeconfig_path(), &[])?;
+    let ready = listing.wait_ready(WAIT).await?;
+    let (rss_list, hwm_list) = listing.rss_kib().context("the listing webhook's RSS")?;
+    eprintln!(
+        "[abuse-pods] {count} unscheduled pods × {ANNOTATION_LIMIT} B of annotations \
+         (and {} B of labels) created in {took:?}; webhook watching them: RSS {:.1} MiB, \
+         peak {:.1} MiB; a new webhook listing them: ready after {:?} (start to /ready \
+         {:?}), RSS {:.1} MiB, peak {:.1} MiB (bound {:.0} MiB)",
+        fat.labels,
+        mib(rss_watch),
+        mib(hwm_watch),
+        ready,
+        started.elapsed(),
+        mib(rss_list),
+        mib(hwm_list),
+        mib(WEBHOOK_BOUND_KIB),
+    );
+    ensure!(
+        hwm_watch < WEBHOOK_BOUND_KIB,
+        "the webhook watching {count} fat pods peaked at {:.1} MiB",
+        mib(hwm_watch)
+    );
+    ensure!(
+        hwm_list < WEBHOOK_BOUND_KIB,
+        "the webhook listing {count} fat pods peaked at {:.1} MiB",
+        mib(hwm_list)
+    );
+    Ok(listing)
+}
+
+/// Answered from the cache: every meshed fat pod refused on the unverified node, every
+/// plain one allowed there, any of them allowed on the verified node.
+async fn bindings_are_answered_from_the_cache(
+    listing: &WebhookProcess,
+    ns: &str,
+    names: &[String],
+    verified: &str,
+    unverified: &str,
+) -> anyhow::Result<()> {
+    let reviews: Vec<Review> = names
+        .iter()
+        .enumerate()
+        .flat_map(|(i, n)| {
+            [
+                review::binding_review(&format!("u-{n}"), ns, n, unverified, i % 2 != 0),
+                review::binding_review(&format!("v-{n}"), ns, n, verified, true),
+            ]
+        })
+        .collect();
+    let sent = reviews.len();
+    let report = review::run(spec(listing, reviews, 1000.0, paced(sent, 1000.0), 4)?).await?;
+    let errors = report.errors();
+    ensure!(
+        errors.is_empty() && report.samples.len() == sent,
+        "{} of {} bindings answered wrong, first: {:?}",
+        errors.len(),
+        report.samples.len(),
+        errors.first()
+    );
+    let meshed = review::binding_review("msg", ns, &names[0], unverified, false);
+    let answer = review::answer(&spec(listing, vec![], 1.0, Duration::ZERO, 1)?, &meshed).await?;
+    let message = answer["status"]["message"].as_str().unwrap_or_default();
+    ensure!(
+        message.contains("belongs to mesh profile linkerd"),
+        "{message}"
+    );
+    let (_, body) = listing.admin_get("/metrics").await.context("/metrics")?;
+    ensure!(
+        !body.contains("meshgate_pod_lookups_total{"),
+        "bindings of cached pods were looked up:\n{body}"
+    );
+    ensure!(
+        listing.pid().is_some(),
+        "the webhook exited:\n{}",
+        tail(&listing.log(), 20)
+    );
+    Ok(())
 }
 
 /// Issue 18, item 5, the agent's side: 100 (`MESHGATE_FAT_PODS`) pods of about 1.25 MiB
@@ -371,88 +394,91 @@ async fn fat_pods_on_its_node_keep_the_agent_under_half_its_memory_limit() -> an
     result
 }
 
-/// Issue 18, item 6: 3,000 binding reviews naming made-up pods, sent straight to the
-/// webhook's port at 1,000/s (every tenth names the same made-up pod), mixed with bindings
-/// of a real pending meshed pod. The webhook (defaults: 20 lookups a second, 8 at once)
-/// answers every one right, and its pod GETs in the audit log stay within its rate: at most
-/// one second's worth plus 20 a second. Reviews of the repeated name are answered from
-/// memory once the API said it does not exist (`known_missing`).
-#[tokio::test]
-async fn forged_binding_reviews_cost_the_apiserver_at_most_the_lookup_rate() -> anyhow::Result<()> {
-    let cp = cp().await;
-    let admin = cp.client()?;
-    let home = cp.create_namespace(&admin, "abuse-id").await?;
-    let identity = AuditedIdentity::new(cp, &admin, &home, "meshgate-webhook").await?;
-    let ns = cp.create_namespace(&admin, "abuse-forged").await?;
-    let tag = unique_name("forged");
-    let (verified, unverified) = (format!("{tag}-v-0"), format!("{tag}-u-0"));
-    let result = async {
-        review::create_nodes(&admin, &tag, 1, 1, 2).await?;
-        create_all(&admin, &ns, vec![pod::pending_meshed_pod("pending")]).await?;
-        let mut webhook = WebhookProcess::start(&identity.kubeconfig, &[])?;
-        webhook.wait_ready(WAIT).await?;
-        wait_cached(&webhook, &ns, "pending", &unverified).await?;
+/// How many forged binding reviews the flood sends.
+const FORGED: usize = 3000;
 
-        const FORGED: usize = 3000;
-        let mut reviews: Vec<Review> = (0..FORGED)
-            .map(|i| {
-                let pod = if i % 10 == 0 {
-                    "ghost".to_string()
-                } else {
-                    unique_name("forged")
-                };
-                review::binding_review(&format!("f-{i}"), &ns, &pod, &unverified, false)
-            })
+/// The flood: [`FORGED`] bindings of made-up pods to the unverified node (every tenth names
+/// the same made-up pod, `ghost`), with a binding of the real pending pod to each node every
+/// hundred.
+fn forged_reviews(ns: &str, verified: &str, unverified: &str) -> Vec<Review> {
+    let mut reviews: Vec<Review> = (0..FORGED)
+        .map(|i| {
+            let pod = if i % 10 == 0 {
+                "ghost".to_string()
+            } else {
+                unique_name("forged")
+            };
+            review::binding_review(&format!("f-{i}"), ns, &pod, unverified, false)
+        })
+        .collect();
+    for i in 0..FORGED / 100 {
+        reviews.insert(
+            i * 100,
+            review::binding_review(&format!("p-{i}"), ns, "pending", unverified, false),
+        );
+        reviews.insert(
+            i * 100 + 1,
+            review::binding_review(&format!("v-{i}"), ns, "pending", verified, true),
+        );
+    }
+    reviews
+}
+
+/// The webhook's pod GETs in the audit log since `from`, once the log stops growing.
+async fn settled_pod_gets(
+    cp: &ControlPlane,
+    identity: &AuditedIdentity,
+    from: SystemTime,
+) -> anyhow::Result<Vec<String>> {
+    // The audit log lags the requests a little.
+    let mut gets = Vec::new();
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let now: Vec<String> = identity
+            .requests(cp, from)?
+            .into_iter()
+            .filter(|r| r.verb == "get" && r.resource == "pods")
+            .map(|r| r.name)
             .collect();
-        for i in 0..FORGED / 100 {
-            reviews.insert(
-                i * 100,
-                review::binding_review(&format!("p-{i}"), &ns, "pending", &unverified, false),
-            );
-            reviews.insert(
-                i * 100 + 1,
-                review::binding_review(&format!("v-{i}"), &ns, "pending", &verified, true),
-            );
+        if now.len() == gets.len() && !now.is_empty() {
+            break;
         }
-        let from = SystemTime::now();
-        let report = review::run(spec(
-            &webhook,
-            reviews.clone(),
-            1000.0,
-            paced(reviews.len(), 1000.0),
-            8,
-        )?)
-        .await?;
-        let elapsed = from.elapsed().unwrap_or_default();
-        let forged =
-            review::binding_review("one-more", &ns, &unique_name("forged"), &unverified, false);
-        let answer =
-            review::answer(&spec(&webhook, vec![], 1.0, Duration::ZERO, 1)?, &forged).await?;
-        let message = answer["status"]["message"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
+        gets = now;
+    }
+    Ok(gets)
+}
 
-        // The audit log lags the requests a little: wait until it stops growing.
-        let mut gets = Vec::new();
-        for _ in 0..20 {
-            tokio::time::sleep(Duration::from_millis(250)).await;
-            let now: Vec<String> = identity
-                .requests(cp, from)?
-                .into_iter()
-                .filter(|r| r.verb == "get" && r.resource == "pods")
-                .map(|r| r.name)
-                .collect();
-            if now.len() == gets.len() && !now.is_empty() {
-                break;
-            }
-            gets = now;
-        }
+/// What the flood of forged reviews cost.
+struct Flood {
+    /// Reviews sent, forged and real.
+    sent: usize,
+    report: review::Report,
+    elapsed: Duration,
+    /// The webhook's pod GETs, by pod name.
+    gets: Vec<String>,
+    /// The webhook's `/metrics` after the flood.
+    metrics: String,
+    /// A forged binding's refusal, sent after the flood.
+    message: String,
+}
+
+impl Flood {
+    /// Every review answered right; pod GETs within the lookup rate, the repeated name looked
+    /// up at most 8 times per 5 s; lookups refused; the refusal says why.
+    fn lookups_stayed_within_the_rate(&self) -> anyhow::Result<()> {
+        let Self {
+            sent,
+            report,
+            elapsed,
+            gets,
+            metrics: body,
+            message,
+        } = self;
+        let (sent, elapsed) = (*sent, *elapsed);
         let ghost = gets.iter().filter(|n| *n == "ghost").count();
-        let (_, body) = webhook.admin_get("/metrics").await.context("/metrics")?;
         let outcome = |o: &str| {
             metric_sample(
-                &body,
+                body,
                 &format!("meshgate_pod_lookups_total{{outcome=\"{o}\"}}"),
             )
             .unwrap_or(0.0)
@@ -466,7 +492,7 @@ async fn forged_binding_reviews_cost_the_apiserver_at_most_the_lookup_rate() -> 
              repeated name: {ghost}; lookups by outcome: found {}, not_found {}, known_missing \
              {}, rate_limited {}, in_flight_limit {}, failed {}; a forged binding's refusal: \
              {message}",
-            reviews.len(),
+            sent,
             report.summary(),
             gets.len(),
             outcome("found"),
@@ -478,7 +504,7 @@ async fn forged_binding_reviews_cost_the_apiserver_at_most_the_lookup_rate() -> 
         );
         let errors: Vec<_> = report.errors();
         ensure!(
-            errors.is_empty() && report.samples.len() == reviews.len(),
+            errors.is_empty() && report.samples.len() == sent,
             "{} of {} reviews answered wrong, first: {:?}",
             errors.len(),
             report.samples.len(),
@@ -505,7 +531,63 @@ async fn forged_binding_reviews_cost_the_apiserver_at_most_the_lookup_rate() -> 
             message.contains("was not looked up") || message.contains("was not found"),
             "a forged binding's refusal does not say why: {message}"
         );
-        anyhow::Ok(())
+        Ok(())
+    }
+}
+
+/// Issue 18, item 6: 3,000 binding reviews naming made-up pods, sent straight to the
+/// webhook's port at 1,000/s (every tenth names the same made-up pod), mixed with bindings
+/// of a real pending meshed pod. The webhook (defaults: 20 lookups a second, 8 at once)
+/// answers every one right, and its pod GETs in the audit log stay within its rate: at most
+/// one second's worth plus 20 a second. Reviews of the repeated name are answered from
+/// memory once the API said it does not exist (`known_missing`).
+#[tokio::test]
+async fn forged_binding_reviews_cost_the_apiserver_at_most_the_lookup_rate() -> anyhow::Result<()> {
+    let cp = cp().await;
+    let admin = cp.client()?;
+    let home = cp.create_namespace(&admin, "abuse-id").await?;
+    let identity = AuditedIdentity::new(cp, &admin, &home, "meshgate-webhook").await?;
+    let ns = cp.create_namespace(&admin, "abuse-forged").await?;
+    let tag = unique_name("forged");
+    let (verified, unverified) = (format!("{tag}-v-0"), format!("{tag}-u-0"));
+    let result = async {
+        review::create_nodes(&admin, &tag, 1, 1, 2).await?;
+        create_all(&admin, &ns, vec![pod::pending_meshed_pod("pending")]).await?;
+        let mut webhook = WebhookProcess::start(&identity.kubeconfig, &[])?;
+        webhook.wait_ready(WAIT).await?;
+        wait_cached(&webhook, &ns, "pending", &unverified).await?;
+
+        let reviews = forged_reviews(&ns, &verified, &unverified);
+        let from = SystemTime::now();
+        let report = review::run(spec(
+            &webhook,
+            reviews.clone(),
+            1000.0,
+            paced(reviews.len(), 1000.0),
+            8,
+        )?)
+        .await?;
+        let elapsed = from.elapsed().unwrap_or_default();
+        let forged =
+            review::binding_review("one-more", &ns, &unique_name("forged"), &unverified, false);
+        let answer =
+            review::answer(&spec(&webhook, vec![], 1.0, Duration::ZERO, 1)?, &forged).await?;
+        let message = answer["status"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+
+        let gets = settled_pod_gets(cp, &identity, from).await?;
+        let (_, metrics) = webhook.admin_get("/metrics").await.context("/metrics")?;
+        let flood = Flood {
+            sent: reviews.len(),
+            report,
+            elapsed,
+            gets,
+            metrics,
+            message,
+        };
+        flood.lookups_stayed_within_the_rate()
     }
     .await;
     delete_all(&admin, &ns, &["pending".to_string()]).await;

@@ -25,7 +25,7 @@ use meshgate_e2e::sim::node::{
     gate_condition as condition, plain, tail, tainted, verified_label as label,
 };
 use meshgate_e2e::sim::pod::bare_pod;
-use meshgate_e2e::{NodeSpec, mark_pod_running, unique_name};
+use meshgate_e2e::{ControlPlane, NodeSpec, mark_pod_running, unique_name};
 
 use crate::cp;
 use crate::support::{Agent, CniDirs, golden, wait_node};
@@ -154,23 +154,7 @@ async fn ambient_node_is_verified_only_while_ztunnel_is_ready_and_connected() ->
     std::fs::create_dir(&sock_dir)?;
     let sock = sock_dir.join("ztunnel.sock");
     let sock_flag = sock.display().to_string();
-    // A resync of an hour: every change below must reach the verdict through the pod watch,
-    // the socket directory's inotify watch or the connection poll, not a periodic pass.
-    let mut agent = Agent::start(
-        cp,
-        &node,
-        &dirs,
-        &[
-            "--profile",
-            "istio-ambient",
-            "--node-proxy-namespace",
-            &ns,
-            "--node-proxy-socket",
-            &sock_flag,
-            "--resync-interval",
-            "1h",
-        ],
-    )?;
+    let mut agent = start_agent(cp, &node, &dirs, &ns, &sock_flag)?;
     // The chain alone is verified; no ztunnel yet.
     wait_not_ready(
         &agent,
@@ -200,26 +184,8 @@ async fn ambient_node_is_verified_only_while_ztunnel_is_ready_and_connected() ->
     let conn = ztunnel_connects(&listener, &sock)?;
     wait_verified(&agent, &client, &node, &name).await?;
 
-    // The agent restarts (SIGKILL) on a node whose ztunnel is ready: it waits for its pod
-    // watch's first list before its first verdict, so the node is never gated meanwhile.
-    let watching = tokio::spawn(ever_tainted(
-        client.clone(),
-        node.clone(),
-        Duration::from_secs(5),
-    ));
-    agent.kill9();
-    agent.restart()?;
-    agent.wait_ready(crate::WAIT).await?;
-    assert!(
-        !watching.await??,
-        "the restarted agent gated a node whose ztunnel is ready"
-    );
-
-    // ztunnel's readiness probe fails: gated again.
-    mark_not_ready(&pods, &name).await?;
-    wait_not_ready(&agent, &client, &node, &not_ready).await?;
-    mark_pod_running(&client, &ns, &name, "10.0.0.2".parse()?).await?;
-    wait_verified(&agent, &client, &node, &name).await?;
+    restart_never_gates_a_ready_node(&mut agent, &client, &node).await?;
+    readiness_failure_gates_again(&agent, &client, &node, &ns, &name, &not_ready).await?;
 
     // ztunnel's connection closes (ztunnel exited; no file changes): gated again, by the
     // connection poll.
@@ -246,6 +212,72 @@ async fn ambient_node_is_verified_only_while_ztunnel_is_ready_and_connected() ->
         &format!("no pod app=ztunnel in {ns} on this node"),
     )
     .await?;
+    Ok(())
+}
+
+/// The agent with the istio-ambient profile, ztunnel's namespace and socket. A resync of an
+/// hour: every change the test makes must reach the verdict through the pod watch, the socket
+/// directory's inotify watch or the connection poll, not a periodic pass.
+fn start_agent(
+    cp: &ControlPlane,
+    node: &str,
+    dirs: &CniDirs,
+    ns: &str,
+    sock_flag: &str,
+) -> anyhow::Result<Agent> {
+    Ok(Agent::start(
+        cp,
+        node,
+        dirs,
+        &[
+            "--profile",
+            "istio-ambient",
+            "--node-proxy-namespace",
+            ns,
+            "--node-proxy-socket",
+            sock_flag,
+            "--resync-interval",
+            "1h",
+        ],
+    )?)
+}
+
+/// The agent restarts (SIGKILL) on a node whose ztunnel is ready: it waits for its pod
+/// watch's first list before its first verdict, so the node is never gated meanwhile.
+async fn restart_never_gates_a_ready_node(
+    agent: &mut Agent,
+    client: &Client,
+    node: &str,
+) -> anyhow::Result<()> {
+    let watching = tokio::spawn(ever_tainted(
+        client.clone(),
+        node.to_owned(),
+        Duration::from_secs(5),
+    ));
+    agent.kill9();
+    agent.restart()?;
+    agent.wait_ready(crate::WAIT).await?;
+    assert!(
+        !watching.await??,
+        "the restarted agent gated a node whose ztunnel is ready"
+    );
+    Ok(())
+}
+
+/// ztunnel's readiness probe fails: gated again. Verified once it is Ready again.
+async fn readiness_failure_gates_again(
+    agent: &Agent,
+    client: &Client,
+    node: &str,
+    ns: &str,
+    name: &str,
+    not_ready: &str,
+) -> anyhow::Result<()> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    mark_not_ready(&pods, name).await?;
+    wait_not_ready(agent, client, node, not_ready).await?;
+    mark_pod_running(client, ns, name, "10.0.0.2".parse()?).await?;
+    wait_verified(agent, client, node, name).await?;
     Ok(())
 }
 

@@ -70,181 +70,246 @@ async fn ambient_steps(cluster: &RealCluster) -> anyhow::Result<()> {
     let a = cluster.add_node().await?;
     a.import_ambient_images().await?;
     a.make_node_proc().await?;
-    let t = Instant::now();
-    let say = |line: &str| eprintln!("[{:>7.3}s] {line}", t.elapsed().as_secs_f64());
-    let fail_with_logs = |e: anyhow::Error| {
-        anyhow::anyhow!(
-            "{e:#}\nistio-system's logs:\n{}",
-            a.pod_logs(ISTIO_NAMESPACE)
-        )
+    let steps = Steps {
+        cluster,
+        client,
+        a: &a,
+        t: Instant::now(),
     };
-
-    // 1. meshgate with the ambient profile: gated, istio-cni is not chained yet.
-    cluster.install_meshgate_with(&[AMBIENT_VALUES]).await?;
-    let (_, reason, _) = gated(&client, &a, None).await?;
-    say(&format!(
-        "meshgate installed with istio-ambient: {} gated ({reason})",
-        a.name()
-    ));
-
-    // 2. istio-cni's node agent, for real: it chains its plugin and listens on ztunnel's socket;
-    //    with no ztunnel the node stays gated, now for the node proxy.
-    create_namespace(&client, ISTIO_NAMESPACE, false).await?;
-    ambient::create(&client, &ambient::istio_cni_objects()).await?;
-    let began = Instant::now();
-    ready_pod(&client, &format!("k8s-app={ISTIO_CNI_DAEMONSET}"))
-        .await
-        .map_err(fail_with_logs)?;
-    say(&format!(
-        "istio-cni-node Ready in {:.1}s",
-        began.elapsed().as_secs_f64()
-    ));
-    let conf: serde_json::Value = serde_json::from_slice(&std::fs::read(a.conflist_path())?)?;
-    let entry = conf["plugins"]
-        .as_array()
-        .and_then(|ps| ps.iter().find(|p| p["type"] == "istio-cni"))
-        .with_context(|| format!("the node agent did not chain istio-cni: {conf}"))?;
-    ensure!(
-        entry["ambient_enabled"] == true,
-        "istio-cni's entry is not ambient: {entry}"
-    );
-    let socks = a.unix_sockets(ZTUNNEL_SOCKET).await?;
-    ensure!(
-        socks.iter().any(|s| s.state == "LISTEN"),
-        "the node agent does not listen on {ZTUNNEL_SOCKET} in the node's netns: {socks:?}"
-    );
-    let (_, reason, message) = gated(&client, &a, Some("NodeProxyNotReady")).await?;
-    say(&format!(
-        "istio-cni chained (ambient_enabled) and listening on {ZTUNNEL_SOCKET}; no ztunnel: gated, NodeProxyNotReady: {message}"
-    ));
-    ensure!(reason == "NodeProxyNotReady");
-
-    // 3. The stand-in ztunnel: Ready once connected; the node is verified then.
-    let began = Instant::now();
-    ambient::create(
-        &client,
-        &[ambient::ztunnel_daemonset(StandinMode::Connected)],
-    )
-    .await?;
-    let zt = ready_pod(&client, "app=ztunnel")
-        .await
-        .map_err(fail_with_logs)?;
-    let ready_after = began.elapsed();
-    verified(&client, &a).await?;
-    say(&format!(
-        "ztunnel stand-in {} Ready {:.1}s after its DaemonSet, node verified {:.1}s after it",
-        zt.name_any(),
-        ready_after.as_secs_f64(),
-        began.elapsed().as_secs_f64()
-    ));
-    // Where ztunnel's connection shows: the kernel creates the accepted end of a unix
-    // connection in the CONNECTING socket's network namespace (af_unix `unix_stream_connect`),
-    // with the listener's address. ztunnel runs in a netns of its own, so both ends are in its
-    // pod's netns, and the node's (where the hostNetwork node agent listens) shows only the
-    // listener.
-    let in_node = a.unix_sockets(ZTUNNEL_SOCKET).await?;
-    let zt_pid = container_pid(&a, &zt, "istio-proxy").await?;
-    let in_ztunnel: Vec<String> = in_netns(zt_pid, &["ss", "-xaH"])
-        .await?
-        .lines()
-        .filter(|l| l.contains(ZTUNNEL_SOCKET))
-        .map(str::to_owned)
-        .collect();
-    ensure!(
-        in_ztunnel.iter().any(|l| l.contains("ESTAB")),
-        "ztunnel's connection is not an ESTABLISHED socket on {ZTUNNEL_SOCKET} in ztunnel's netns: {in_ztunnel:?}"
-    );
-    say(&format!(
-        "ztunnel's connection: in ztunnel's pod netns {in_ztunnel:?}; in the node's netns {in_node:?}"
-    ));
-
-    // 4. An ambient pod: istio-cni writes its in-pod redirection, the stand-in its listeners,
-    //    and the agent judges it Redirected.
-    let agent = cluster.agent_admin(&a);
-    create_namespace(&client, APP_NS, true).await?;
-    let pod = run_pod(&client, &a, "ambient-1", json!({}))
-        .await
-        .map_err(fail_with_logs)?;
-    let pid = app_pid(&a, &pod).await?;
-    let rules = in_netns(pid, &["iptables-save"]).await?;
-    ensure!(
-        rules.contains("ISTIO_PRERT") && rules.contains("ISTIO_OUTPUT"),
-        "istio-cni's in-pod rules are not in the pod's netns:\n{rules}"
-    );
-    listeners_within(pid, true).await?;
-    let pod = wait_annotation(&client, &pod.name_any(), "enabled").await?;
-    wait_metric(agent, REDIRECTED, 1.0).await?;
-    say(&format!(
-        "ambient pod {} (pid {pid}): istio-cni's ISTIO_PRERT/ISTIO_OUTPUT in its netns, the stand-in listens on {ZTUNNEL_PORTS:?} there, ambient.istio.io/redirection=enabled; the agent judged it redirected",
-        pod.name_any()
-    ));
-
-    // 4b. A pod that opts out of inbound capture: istio-cni's node agent writes its outbound
-    //     redirect only; the agent judges it redirected and never evicts it.
-    bypass_inbound_pod(&client, &a, agent)
-        .await
-        .map_err(fail_with_logs)?;
-    say(
-        "an ambient pod with ambient.istio.io/bypass-inbound-capture=true: istio-cni wrote outbound only; judged redirected, never missing, not evicted",
-    );
-
-    // 5. ztunnel's pod deleted: the node is gated at once, and verified again once its
-    //    replacement (the DaemonSet's) is Ready and connected; the pod is never evicted.
-    let pods: Api<Pod> = Api::namespaced(client.clone(), ISTIO_NAMESPACE);
-    let deleted = Instant::now();
-    wait::api(
-        "deleting ztunnel's pod",
-        pods.delete(&zt.name_any(), &DeleteParams::default()),
-    )
-    .await?;
-    let (_, reason, message) = gated(&client, &a, Some("NodeProxyNotReady")).await?;
-    let regated = deleted.elapsed();
-    verified(&client, &a).await?;
-    let back = deleted.elapsed();
-    say(&format!(
-        "ztunnel's pod deleted: gated after {} ms ({reason}: {message}); verified again {:.1}s after the delete",
-        regated.as_millis(),
-        back.as_secs_f64()
-    ));
-    ensure!(
-        regated < Duration::from_secs(10),
-        "re-gated only after {regated:?}"
-    );
-    listeners_within(pid, true).await?;
-    still_running(&client, &pod).await?;
-    wait_metric(agent, EVICTED, 0.0).await?;
-    ensure!(
-        metric(agent, EVICTED).await? == 0.0,
-        "the agent evicted an ambient pod while ztunnel restarted"
-    );
-    say(
-        "the new stand-in got the pod again in the node agent's snapshot: its listeners are back, the pod was never evicted",
-    );
-
+    steps.gated_without_istio_cni().await?;
+    steps.istio_cni_listens_without_ztunnel().await?;
+    let zt = steps.ztunnel_connects().await?;
+    let (pod, pid) = steps.ambient_pod_redirected().await?;
+    steps.bypass_inbound_pod_redirected().await?;
+    steps.ztunnel_restart_regates(&zt, &pod, pid).await?;
     // ---- Below: the node proxy contract's "connected" check and pod-level listener rule. ----
-    // 6. A ztunnel whose pod is Ready but that never connected: the node is gated
-    //    (NodeProxyNotReady, the message naming the connection), the pod lost its listeners and
-    //    is reported missing, but not evicted while the node proxy is not ready.
-    let missing_before = metric(agent, MISSING).await?;
-    replace_standin(&client, StandinMode::ReadyUnconnected).await?;
-    ready_pod(&client, "app=ztunnel").await?;
-    listeners_within(pid, false).await?;
-    let (_, reason, message) = gated(&client, &a, Some("NodeProxyNotReady")).await?;
-    ensure!(
-        message.to_lowercase().contains("connect"),
-        "the NodeProxyNotReady message does not say ztunnel is not connected: {message:?}"
-    );
-    hold_gated(&client, &a, Duration::from_secs(3)).await?;
-    wait_metric(agent, MISSING, missing_before + 1.0).await?;
-    still_running(&client, &pod).await?;
-    ensure!(
-        metric(agent, EVICTED).await? == 0.0,
-        "evicted while ztunnel was not connected"
-    );
-    say(&format!(
-        "a Ready but unconnected ztunnel keeps the node gated ({reason}: {message}); the pod without listeners is reported missing, not evicted"
-    ));
-    Ok(())
+    steps.unconnected_ztunnel_keeps_gated(&pod, pid).await
+}
+
+/// What every step works with: the cluster, a client, node A and the timeline's start.
+struct Steps<'a> {
+    cluster: &'a RealCluster,
+    client: Client,
+    a: &'a RealNode,
+    t: Instant,
+}
+
+impl Steps<'_> {
+    /// One timeline line.
+    fn say(&self, line: &str) {
+        eprintln!("[{:>7.3}s] {line}", self.t.elapsed().as_secs_f64());
+    }
+
+    /// Adds istio-system's logs to a step's error.
+    fn with_logs(&self) -> impl Fn(anyhow::Error) -> anyhow::Error + '_ {
+        |e: anyhow::Error| {
+            anyhow::anyhow!(
+                "{e:#}\nistio-system's logs:\n{}",
+                self.a.pod_logs(ISTIO_NAMESPACE)
+            )
+        }
+    }
+
+    /// Step 1: meshgate with the ambient profile: gated, istio-cni is not chained yet.
+    async fn gated_without_istio_cni(&self) -> anyhow::Result<()> {
+        let Steps {
+            cluster, client, a, ..
+        } = self;
+        cluster.install_meshgate_with(&[AMBIENT_VALUES]).await?;
+        let (_, reason, _) = gated(client, a, None).await?;
+        self.say(&format!(
+            "meshgate installed with istio-ambient: {} gated ({reason})",
+            a.name()
+        ));
+        Ok(())
+    }
+
+    /// Step 2: istio-cni's node agent, for real: it chains its plugin and listens on ztunnel's
+    /// socket; with no ztunnel the node stays gated, now for the node proxy.
+    async fn istio_cni_listens_without_ztunnel(&self) -> anyhow::Result<()> {
+        let Steps { client, a, .. } = self;
+        create_namespace(client, ISTIO_NAMESPACE, false).await?;
+        ambient::create(client, &ambient::istio_cni_objects()).await?;
+        let began = Instant::now();
+        ready_pod(client, &format!("k8s-app={ISTIO_CNI_DAEMONSET}"))
+            .await
+            .map_err(self.with_logs())?;
+        self.say(&format!(
+            "istio-cni-node Ready in {:.1}s",
+            began.elapsed().as_secs_f64()
+        ));
+        let conf: serde_json::Value = serde_json::from_slice(&std::fs::read(a.conflist_path())?)?;
+        let entry = conf["plugins"]
+            .as_array()
+            .and_then(|ps| ps.iter().find(|p| p["type"] == "istio-cni"))
+            .with_context(|| format!("the node agent did not chain istio-cni: {conf}"))?;
+        ensure!(
+            entry["ambient_enabled"] == true,
+            "istio-cni's entry is not ambient: {entry}"
+        );
+        let socks = a.unix_sockets(ZTUNNEL_SOCKET).await?;
+        ensure!(
+            socks.iter().any(|s| s.state == "LISTEN"),
+            "the node agent does not listen on {ZTUNNEL_SOCKET} in the node's netns: {socks:?}"
+        );
+        let (_, reason, message) = gated(client, a, Some("NodeProxyNotReady")).await?;
+        self.say(&format!(
+            "istio-cni chained (ambient_enabled) and listening on {ZTUNNEL_SOCKET}; no ztunnel: gated, NodeProxyNotReady: {message}"
+        ));
+        ensure!(reason == "NodeProxyNotReady");
+        Ok(())
+    }
+
+    /// Step 3: The stand-in ztunnel: Ready once connected; the node is verified then.
+    async fn ztunnel_connects(&self) -> anyhow::Result<Pod> {
+        let Steps { client, a, .. } = self;
+        let began = Instant::now();
+        ambient::create(
+            client,
+            &[ambient::ztunnel_daemonset(StandinMode::Connected)],
+        )
+        .await?;
+        let zt = ready_pod(client, "app=ztunnel")
+            .await
+            .map_err(self.with_logs())?;
+        let ready_after = began.elapsed();
+        verified(client, a).await?;
+        self.say(&format!(
+            "ztunnel stand-in {} Ready {:.1}s after its DaemonSet, node verified {:.1}s after it",
+            zt.name_any(),
+            ready_after.as_secs_f64(),
+            began.elapsed().as_secs_f64()
+        ));
+        // Where ztunnel's connection shows: the kernel creates the accepted end of a unix
+        // connection in the CONNECTING socket's network namespace (af_unix `unix_stream_connect`),
+        // with the listener's address. ztunnel runs in a netns of its own, so both ends are in its
+        // pod's netns, and the node's (where the hostNetwork node agent listens) shows only the
+        // listener.
+        let in_node = a.unix_sockets(ZTUNNEL_SOCKET).await?;
+        let zt_pid = container_pid(a, &zt, "istio-proxy").await?;
+        let in_ztunnel: Vec<String> = in_netns(zt_pid, &["ss", "-xaH"])
+            .await?
+            .lines()
+            .filter(|l| l.contains(ZTUNNEL_SOCKET))
+            .map(str::to_owned)
+            .collect();
+        ensure!(
+            in_ztunnel.iter().any(|l| l.contains("ESTAB")),
+            "ztunnel's connection is not an ESTABLISHED socket on {ZTUNNEL_SOCKET} in ztunnel's netns: {in_ztunnel:?}"
+        );
+        self.say(&format!(
+            "ztunnel's connection: in ztunnel's pod netns {in_ztunnel:?}; in the node's netns {in_node:?}"
+        ));
+        Ok(zt)
+    }
+
+    /// Step 4: An ambient pod: istio-cni writes its in-pod redirection, the stand-in its
+    /// listeners, and the agent judges it Redirected.
+    async fn ambient_pod_redirected(&self) -> anyhow::Result<(Pod, i32)> {
+        let Steps {
+            cluster, client, a, ..
+        } = self;
+        let agent = cluster.agent_admin(a);
+        create_namespace(client, APP_NS, true).await?;
+        let pod = run_pod(client, a, "ambient-1", json!({}))
+            .await
+            .map_err(self.with_logs())?;
+        let pid = app_pid(a, &pod).await?;
+        let rules = in_netns(pid, &["iptables-save"]).await?;
+        ensure!(
+            rules.contains("ISTIO_PRERT") && rules.contains("ISTIO_OUTPUT"),
+            "istio-cni's in-pod rules are not in the pod's netns:\n{rules}"
+        );
+        listeners_within(pid, true).await?;
+        let pod = wait_annotation(client, &pod.name_any(), "enabled").await?;
+        wait_metric(agent, REDIRECTED, 1.0).await?;
+        self.say(&format!(
+            "ambient pod {} (pid {pid}): istio-cni's ISTIO_PRERT/ISTIO_OUTPUT in its netns, the stand-in listens on {ZTUNNEL_PORTS:?} there, ambient.istio.io/redirection=enabled; the agent judged it redirected",
+            pod.name_any()
+        ));
+        Ok((pod, pid))
+    }
+
+    /// Step 4b: a pod that opts out of inbound capture: istio-cni's node agent writes its
+    /// outbound redirect only; the agent judges it redirected and never evicts it.
+    async fn bypass_inbound_pod_redirected(&self) -> anyhow::Result<()> {
+        let agent = self.cluster.agent_admin(self.a);
+        bypass_inbound_pod(&self.client, self.a, agent)
+            .await
+            .map_err(self.with_logs())?;
+        self.say("an ambient pod with ambient.istio.io/bypass-inbound-capture=true: istio-cni wrote outbound only; judged redirected, never missing, not evicted");
+        Ok(())
+    }
+
+    /// Step 5: ztunnel's pod deleted: the node is gated at once, and verified again once its
+    /// replacement (the DaemonSet's) is Ready and connected; the pod is never evicted.
+    async fn ztunnel_restart_regates(&self, zt: &Pod, pod: &Pod, pid: i32) -> anyhow::Result<()> {
+        let Steps {
+            client, a, cluster, ..
+        } = self;
+        let agent = cluster.agent_admin(a);
+        let pods: Api<Pod> = Api::namespaced(client.clone(), ISTIO_NAMESPACE);
+        let deleted = Instant::now();
+        wait::api(
+            "deleting ztunnel's pod",
+            pods.delete(&zt.name_any(), &DeleteParams::default()),
+        )
+        .await?;
+        let (_, reason, message) = gated(client, a, Some("NodeProxyNotReady")).await?;
+        let regated = deleted.elapsed();
+        verified(client, a).await?;
+        let back = deleted.elapsed();
+        self.say(&format!(
+            "ztunnel's pod deleted: gated after {} ms ({reason}: {message}); verified again {:.1}s after the delete",
+            regated.as_millis(),
+            back.as_secs_f64()
+        ));
+        ensure!(
+            regated < Duration::from_secs(10),
+            "re-gated only after {regated:?}"
+        );
+        listeners_within(pid, true).await?;
+        still_running(client, pod).await?;
+        wait_metric(agent, EVICTED, 0.0).await?;
+        ensure!(
+            metric(agent, EVICTED).await? == 0.0,
+            "the agent evicted an ambient pod while ztunnel restarted"
+        );
+        self.say(
+            "the new stand-in got the pod again in the node agent's snapshot: its listeners are back, the pod was never evicted",
+        );
+        Ok(())
+    }
+
+    /// Step 6: A ztunnel whose pod is Ready but that never connected: the node is gated
+    /// (NodeProxyNotReady, the message naming the connection), the pod lost its listeners and
+    /// is reported missing, but not evicted while the node proxy is not ready.
+    async fn unconnected_ztunnel_keeps_gated(&self, pod: &Pod, pid: i32) -> anyhow::Result<()> {
+        let Steps {
+            client, a, cluster, ..
+        } = self;
+        let agent = cluster.agent_admin(a);
+        let missing_before = metric(agent, MISSING).await?;
+        replace_standin(client, StandinMode::ReadyUnconnected).await?;
+        ready_pod(client, "app=ztunnel").await?;
+        listeners_within(pid, false).await?;
+        let (_, reason, message) = gated(client, a, Some("NodeProxyNotReady")).await?;
+        ensure!(
+            message.to_lowercase().contains("connect"),
+            "the NodeProxyNotReady message does not say ztunnel is not connected: {message:?}"
+        );
+        hold_gated(client, a, Duration::from_secs(3)).await?;
+        wait_metric(agent, MISSING, missing_before + 1.0).await?;
+        still_running(client, pod).await?;
+        ensure!(
+            metric(agent, EVICTED).await? == 0.0,
+            "evicted while ztunnel was not connected"
+        );
+        self.say(&format!(
+            "a Ready but unconnected ztunnel keeps the node gated ({reason}: {message}); the pod without listeners is reported missing, not evicted"
+        ));
+        Ok(())
+    }
 }
 
 /// An ambient pod annotated `ambient.istio.io/bypass-inbound-capture: "true"` on `node`: the

@@ -12,6 +12,7 @@
 //! Out: pass/fail; the impersonation ClusterRole replaces the default one halfway through, so
 //! the two modes run one after the other in a single test.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::SystemTime;
 
@@ -308,7 +309,14 @@ async fn switch_to_impersonation(f: &Fixture) -> anyhow::Result<()> {
 /// With the component: the ServiceAccount reads no Pod or Node any more; as node A, the
 /// token reads node A and the pods bound to it, nothing else.
 async fn impersonation_reads(f: &Fixture) -> anyhow::Result<()> {
-    let want = triples(&[
+    let clients = f.agent(&f.node_a).await?;
+    as_itself_it_reads_no_pod_or_node(f, &clients).await?;
+    as_the_node_it_reads_its_own_only(f, &clients).await
+}
+
+/// The agent's rules with the impersonation component, in every namespace.
+fn impersonation_rules() -> BTreeSet<(String, String, String)> {
+    triples(&[
         ("", &["nodes"], &["patch"]),
         ("", &["nodes/status"], &["patch"]),
         ("events.k8s.io", &["events"], &["create", "patch"]),
@@ -340,8 +348,13 @@ async fn impersonation_reads(f: &Fixture) -> anyhow::Result<()> {
             &["pods/eviction"],
             &["impersonate-on:associated-node:create"],
         ),
-    ]);
-    let clients = f.agent(&f.node_a).await?;
+    ])
+}
+
+/// As itself, the ServiceAccount has only the impersonation rules: it reads no Node (nor
+/// Pod), and Namespaces stay readable.
+async fn as_itself_it_reads_no_pod_or_node(f: &Fixture, clients: &Clients) -> anyhow::Result<()> {
+    let want = impersonation_rules();
     for ns in [NS, "default", f.app.as_str()] {
         let mut want = want.clone();
         if ns == NS {
@@ -360,7 +373,12 @@ async fn impersonation_reads(f: &Fixture) -> anyhow::Result<()> {
         .list(&ListParams::default().limit(1))
         .await
         .context("Namespaces stay readable as itself")?;
+    Ok(())
+}
 
+/// As node A, the token lists and watches node A's pods and reads node A, and nothing else:
+/// every pod, node B's pods, node B, all nodes and Secrets are refused.
+async fn as_the_node_it_reads_its_own_only(f: &Fixture, clients: &Clients) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::all(clients.node.clone());
     let mine = ListParams::default().fields(&format!("spec.nodeName={}", f.node_a));
     let listed = pods
@@ -401,7 +419,7 @@ async fn impersonation_reads(f: &Fixture) -> anyhow::Result<()> {
     expect_forbidden(&b, "only its own Node object")?;
     let all = nodes.list(&ListParams::default()).await;
     expect_forbidden(&all, "cannot read all nodes")?;
-    let secret = Api::<Secret>::namespaced(clients.node, &f.app)
+    let secret = Api::<Secret>::namespaced(clients.node.clone(), &f.app)
         .list(&ListParams::default())
         .await;
     expect_forbidden(&secret, "cannot impersonate-on:associated-node:list")?;
@@ -554,8 +572,17 @@ async fn agent_runs_as_its_node(f: &Fixture) -> anyhow::Result<()> {
     }
     agent.wait_ready(WAIT).await?;
 
-    // Its Node read through the impersonating client (NodeGate::reading_as), its writes as
-    // itself: the product's gate taints node A again.
+    its_gate_reads_as_the_node_and_writes_as_itself(f, &nodes, agent).await?;
+    every_request_answered_as_the_right_user(f, since)
+}
+
+/// Its Node read through the impersonating client (NodeGate::reading_as), its writes as
+/// itself: the product's gate taints node A again. The agent process is stopped first.
+async fn its_gate_reads_as_the_node_and_writes_as_itself(
+    f: &Fixture,
+    nodes: &Api<Node>,
+    agent: Agent,
+) -> anyhow::Result<()> {
     let clients = f.agent(&f.node_a).await?;
     drop(agent);
     let recorder = kube::runtime::events::Recorder::new(
@@ -580,7 +607,13 @@ async fn agent_runs_as_its_node(f: &Fixture) -> anyhow::Result<()> {
         tainted(&nodes.get(&f.node_a).await?),
         "node A tainted again"
     );
+    Ok(())
+}
 
+/// By the audit log since `since`: none of the agent's requests was refused; it read pods and
+/// nodes as node A, and patched its Node, listed namespaces and created Events as itself,
+/// never the other way round.
+fn every_request_answered_as_the_right_user(f: &Fixture, since: SystemTime) -> anyhow::Result<()> {
     let user = audit::service_account_user(NS, AGENT);
     let all = audit::read(&f.cp.audit_log())?;
     let mine = audit::by_user(&all, &user, since, SystemTime::now());

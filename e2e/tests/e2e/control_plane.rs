@@ -17,7 +17,7 @@ use kube::api::{Api, EvictParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use meshgate_core::gate::DEFAULT_TAINT_KEY as TAINT_KEY;
 use meshgate_e2e::harness::wait::poll_until;
-use meshgate_e2e::{NodeSpec, TokenOptions, unique_name};
+use meshgate_e2e::{ControlPlane, NodeSpec, TokenOptions, unique_name};
 use serde_json::json;
 
 use crate::{WAIT, cp};
@@ -243,11 +243,25 @@ async fn deployment_avoids_the_tainted_node_until_the_taint_is_removed() -> anyh
     .await?;
 
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    two_pods_avoid_the_tainted_node(&client, &ns, &group, &deployments, &clean).await?;
+    let pending = two_more_pend_on_the_taint(&client, &ns, &deployments).await?;
+    they_land_once_it_is_untainted(&client, &ns, &pending, &tainted, &clean).await?;
+    Ok(())
+}
+
+/// A Deployment of 2 lands both pods on the clean node, avoiding the tainted one.
+async fn two_pods_avoid_the_tainted_node(
+    client: &Client,
+    ns: &str,
+    group: &str,
+    deployments: &Api<Deployment>,
+    clean: &str,
+) -> anyhow::Result<()> {
     deployments
-        .create(&PostParams::default(), &deployment("web", &group, 2)?)
+        .create(&PostParams::default(), &deployment("web", group, 2)?)
         .await?;
     let placed = poll_until("2 pods scheduled", WAIT, || async {
-        let pods = pods_with_label(&client, &ns, "web").await?;
+        let pods = pods_with_label(client, ns, "web").await?;
         let bound: Vec<String> = pods
             .iter()
             .filter_map(|p| node_of(p).map(str::to_owned))
@@ -259,9 +273,16 @@ async fn deployment_avoids_the_tainted_node_until_the_taint_is_removed() -> anyh
         placed.iter().all(|n| *n == clean),
         "pods must avoid the tainted node: {placed:?}"
     );
+    Ok(())
+}
 
-    // Two more replicas: the clean node is full and the other is tainted, so they stay pending,
-    // and the scheduler says a taint is one reason (since 1.33 it no longer names the key).
+/// Two more replicas: the clean node is full and the other is tainted, so they stay pending,
+/// and the scheduler says a taint is one reason (since 1.33 it no longer names the key).
+async fn two_more_pend_on_the_taint(
+    client: &Client,
+    ns: &str,
+    deployments: &Api<Deployment>,
+) -> anyhow::Result<Vec<String>> {
     deployments
         .patch(
             "web",
@@ -269,11 +290,11 @@ async fn deployment_avoids_the_tainted_node_until_the_taint_is_removed() -> anyh
             &Patch::Merge(json!({ "spec": { "replicas": 4 } })),
         )
         .await?;
-    let pending = poll_until(
+    Ok(poll_until(
         "2 pods unschedulable because of the taint",
         WAIT,
         || async {
-            let pods = pods_with_label(&client, &ns, "web").await?;
+            let pods = pods_with_label(client, ns, "web").await?;
             let pending: Vec<String> = pods
                 .iter()
                 .filter(|p| node_of(p).is_none())
@@ -296,12 +317,21 @@ async fn deployment_avoids_the_tainted_node_until_the_taint_is_removed() -> anyh
             Ok::<_, anyhow::Error>((pods.len() == 4 && pending.len() == 2).then_some(pending))
         },
     )
-    .await?;
+    .await?)
+}
 
+/// Once the taint is removed, the pending pods land on that node; the clean node keeps two.
+async fn they_land_once_it_is_untainted(
+    client: &Client,
+    ns: &str,
+    pending: &[String],
+    tainted: &str,
+    clean: &str,
+) -> anyhow::Result<()> {
     let nodes: Api<Node> = Api::all(client.clone());
     nodes
         .patch(
-            &tainted,
+            tainted,
             &PatchParams::default(),
             &Patch::Merge(json!({ "spec": { "taints": null } })),
         )
@@ -311,10 +341,10 @@ async fn deployment_avoids_the_tainted_node_until_the_taint_is_removed() -> anyh
         "the pending pods to land on the untainted node",
         WAIT,
         || async {
-            let pods = pods_with_label(&client, &ns, "web").await?;
+            let pods = pods_with_label(client, ns, "web").await?;
             let moved: BTreeSet<String> = pods
                 .iter()
-                .filter(|p| pending.contains(&p.name_any()) && node_of(p) == Some(tainted.as_str()))
+                .filter(|p| pending.contains(&p.name_any()) && node_of(p) == Some(tainted))
                 .map(|p| p.name_any())
                 .collect();
             Ok::<_, anyhow::Error>((moved.len() == 2).then_some(moved))
@@ -322,10 +352,10 @@ async fn deployment_avoids_the_tainted_node_until_the_taint_is_removed() -> anyh
     )
     .await?;
     assert_eq!(on_tainted.len(), 2);
-    let on_clean = pods_with_label(&client, &ns, "web")
+    let on_clean = pods_with_label(client, ns, "web")
         .await?
         .iter()
-        .filter(|p| node_of(p) == Some(&clean))
+        .filter(|p| node_of(p) == Some(clean))
         .count();
     assert_eq!(on_clean, 2);
     Ok(())
@@ -415,53 +445,66 @@ async fn eviction_honours_the_pdb_and_the_replicaset_recreates_the_pod() -> anyh
         Ok::<_, anyhow::Error>((ready.len() == 2).then_some(ready))
     })
     .await?;
-    let disruptions_allowed = |want: i32| {
-        let pdbs = pdbs.clone();
-        async move {
-            poll_until(
-                &format!("PDB status disruptionsAllowed={want}"),
-                WAIT,
-                || async {
-                    let pdb = pdbs.get("guarded").await?;
-                    let generation = pdb.metadata.generation;
-                    let status = pdb.status.unwrap_or_default();
-                    let current =
-                        status.observed_generation == generation && status.current_healthy == 2;
-                    Ok::<_, kube::Error>(
-                        (current && status.disruptions_allowed == want).then_some(()),
-                    )
-                },
-            )
-            .await
-        }
-    };
-    disruptions_allowed(0).await?;
-
+    disruptions_allowed(&pdbs, 0).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let victim = original[0].name_any();
-    let err = pods
-        .evict(&victim, &EvictParams::default())
-        .await
-        .expect_err("the PDB must refuse");
-    assert_eq!(api_code(&err), Some(429), "{err}");
-    assert!(
-        pods.get(&victim)
-            .await?
-            .metadata
-            .deletion_timestamp
-            .is_none(),
-        "a refused eviction deletes nothing"
-    );
-
+    refused_while_the_pdb_forbids(&pods, &victim).await?;
     pdbs.patch(
         "guarded",
         &PatchParams::default(),
         &Patch::Merge(json!({ "spec": { "minAvailable": 1 } })),
     )
     .await?;
-    disruptions_allowed(1).await?;
+    disruptions_allowed(&pdbs, 1).await?;
     pods.evict(&victim, &EvictParams::default()).await?;
 
+    the_replicaset_replaces_it(&client, &ns, &original, &victim).await
+}
+
+/// Waits until the PDB's status, current for its generation with 2 healthy pods, allows
+/// `want` disruptions.
+async fn disruptions_allowed(pdbs: &Api<PodDisruptionBudget>, want: i32) -> anyhow::Result<()> {
+    poll_until(
+        &format!("PDB status disruptionsAllowed={want}"),
+        WAIT,
+        || async {
+            let pdb = pdbs.get("guarded").await?;
+            let generation = pdb.metadata.generation;
+            let status = pdb.status.unwrap_or_default();
+            let current = status.observed_generation == generation && status.current_healthy == 2;
+            Ok::<_, kube::Error>((current && status.disruptions_allowed == want).then_some(()))
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+/// While the PDB allows no disruption, evicting `victim` is refused with 429 and deletes
+/// nothing.
+async fn refused_while_the_pdb_forbids(pods: &Api<Pod>, victim: &str) -> anyhow::Result<()> {
+    let err = pods
+        .evict(victim, &EvictParams::default())
+        .await
+        .expect_err("the PDB must refuse");
+    assert_eq!(api_code(&err), Some(429), "{err}");
+    assert!(
+        pods.get(victim)
+            .await?
+            .metadata
+            .deletion_timestamp
+            .is_none(),
+        "a refused eviction deletes nothing"
+    );
+    Ok(())
+}
+
+/// The evicted pod's ReplicaSet (not a new rollout) replaces it with a Running one.
+async fn the_replicaset_replaces_it(
+    client: &Client,
+    ns: &str,
+    original: &[Pod],
+    victim: &str,
+) -> anyhow::Result<()> {
     let rs_uid = original[0]
         .owner_references()
         .first()
@@ -471,7 +514,7 @@ async fn eviction_honours_the_pdb_and_the_replicaset_recreates_the_pod() -> anyh
         "the ReplicaSet to replace the evicted pod with a Running one",
         WAIT,
         || async {
-            let now = pods_with_label(&client, &ns, "guarded").await?;
+            let now = pods_with_label(client, ns, "guarded").await?;
             if now.iter().any(|p| p.name_any() == victim) {
                 return Ok(None); // the kubelet stand-in has not finalized the deletion yet
             }
@@ -492,7 +535,7 @@ async fn eviction_honours_the_pdb_and_the_replicaset_recreates_the_pod() -> anyh
             .map(|o| o.uid.clone()),
         Some(rs_uid.clone())
     );
-    let rs = Api::<ReplicaSet>::namespaced(client.clone(), &ns)
+    let rs = Api::<ReplicaSet>::namespaced(client.clone(), ns)
         .list(&ListParams::default())
         .await?;
     assert_eq!(rs.items.len(), 1, "the same ReplicaSet, not a new rollout");
@@ -540,13 +583,28 @@ async fn service_account_token_carries_node_identity_and_rbac_applies() -> anyho
     cp.register_node(&client, &NodeSpec::new(&node).label(TEST_LABEL, &ns))
         .await?;
 
-    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), &ns);
+    let pod = scheduled_agent_pod(&client, &ns).await?;
+    let options = TokenOptions {
+        bound_pod: Some(pod),
+        ..Default::default()
+    };
+    let token = meshgate_e2e::service_account_token(&client, &ns, "agent", &options).await?;
+    let agent = cp.client_for_token(&token)?;
+
+    the_token_names_its_node_and_pod(&agent, &ns, &node).await?;
+    rbac_denies_until_a_binding_allows(&client, agent, &ns, &node).await?;
+    the_token_kubeconfig_authenticates(cp, &ns, &token, &node).await
+}
+
+/// A pod of ServiceAccount `agent` in `ns`, once the scheduler bound it.
+async fn scheduled_agent_pod(client: &Client, ns: &str) -> anyhow::Result<Pod> {
+    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
     sas.create(
         &PostParams::default(),
         &serde_json::from_value(json!({ "metadata": { "name": "agent" } }))?,
     )
     .await?;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let pod: Pod = serde_json::from_value(json!({
         "metadata": { "name": "agent" },
         "spec": {
@@ -556,19 +614,20 @@ async fn service_account_token_carries_node_identity_and_rbac_applies() -> anyho
         }
     }))?;
     pods.create(&PostParams::default(), &pod).await?;
-    let pod = poll_until("the agent pod to be scheduled", WAIT, || async {
+    Ok(poll_until("the agent pod to be scheduled", WAIT, || async {
         let p = pods.get("agent").await?;
         Ok::<_, kube::Error>(node_of(&p).is_some().then_some(p))
     })
-    .await?;
+    .await?)
+}
 
-    let options = TokenOptions {
-        bound_pod: Some(pod),
-        ..Default::default()
-    };
-    let token = meshgate_e2e::service_account_token(&client, &ns, "agent", &options).await?;
-    let agent = cp.client_for_token(&token)?;
-
+/// A token bound to that pod authenticates as the ServiceAccount and carries the pod's
+/// node and name.
+async fn the_token_names_its_node_and_pod(
+    agent: &Client,
+    ns: &str,
+    node: &str,
+) -> anyhow::Result<()> {
     let review: SelfSubjectReview = Api::<SelfSubjectReview>::all(agent.clone())
         .create(&PostParams::default(), &SelfSubjectReview::default())
         .await?;
@@ -583,17 +642,27 @@ async fn service_account_token_carries_node_identity_and_rbac_applies() -> anyho
     let extra = user.extra.unwrap_or_default();
     assert_eq!(
         extra.get("authentication.kubernetes.io/node-name"),
-        Some(&vec![node.clone()]),
+        Some(&vec![node.to_owned()]),
         "{extra:?}"
     );
     assert_eq!(
         extra.get("authentication.kubernetes.io/pod-name"),
         Some(&vec!["agent".to_owned()])
     );
+    Ok(())
+}
 
+/// RBAC is enforced: nothing grants this identity access to Nodes until a
+/// ClusterRoleBinding does.
+async fn rbac_denies_until_a_binding_allows(
+    client: &Client,
+    agent: Client,
+    ns: &str,
+    node: &str,
+) -> anyhow::Result<()> {
     // RBAC is enforced: nothing grants this identity access to Nodes yet...
     let agent_nodes: Api<Node> = Api::all(agent);
-    let err = agent_nodes.get(&node).await.expect_err("RBAC must deny");
+    let err = agent_nodes.get(node).await.expect_err("RBAC must deny");
     assert_eq!(api_code(&err), Some(403), "{err}");
 
     // ...until a ClusterRoleBinding does.
@@ -618,21 +687,30 @@ async fn service_account_token_carries_node_identity_and_rbac_applies() -> anyho
         )
         .await?;
     poll_until("RBAC to allow the agent to read its node", WAIT, || async {
-        match agent_nodes.get(&node).await {
+        match agent_nodes.get(node).await {
             Ok(n) => Ok(Some(n)),
             Err(e) if api_code(&e) == Some(403) => Ok(None),
             Err(e) => Err(e),
         }
     })
     .await?;
+    Ok(())
+}
 
-    // The same token as a kubeconfig file, for processes under test.
-    let path = cp.write_token_kubeconfig(&ns, &token)?;
+/// The same token as a kubeconfig file, for processes under test, authenticates and lives in
+/// the control plane's directory.
+async fn the_token_kubeconfig_authenticates(
+    cp: &ControlPlane,
+    ns: &str,
+    token: &str,
+    node: &str,
+) -> anyhow::Result<()> {
+    let path = cp.write_token_kubeconfig(ns, token)?;
     let from_file = kube::config::Kubeconfig::read_from(&path)?;
     let file_client = Client::try_from(
         kube::Config::from_custom_kubeconfig(from_file, &Default::default()).await?,
     )?;
-    if Api::<Node>::all(file_client).get(&node).await.is_err() {
+    if Api::<Node>::all(file_client).get(node).await.is_err() {
         bail!(
             "the token kubeconfig at {} does not authenticate",
             path.display()

@@ -248,6 +248,37 @@ async fn requests_while_dead(
     nowhere: &str,
 ) -> anyhow::Result<Vec<Row>> {
     let mut rows = Vec::new();
+    let g = ns.governed.as_str();
+    let pods = pods_to_create(ns, nowhere);
+    for (what, n, p) in pods {
+        record(&mut rows, what, n, create(c, n, p)).await?;
+    }
+    let what = "pods/binding (what kube-scheduler posts), plain pod";
+    record(&mut rows, what, g, bind(c, g, "unbound-plain", nowhere)).await?;
+    let what = "legacy bindings, plain pod";
+    record(
+        &mut rows,
+        what,
+        g,
+        bind_legacy(c, g, "unbound-plain", nowhere),
+    )
+    .await?;
+    let api: Api<Pod> = Api::namespaced(c.clone(), g);
+    let del = async {
+        let r = tokio::time::timeout(CALL, api.delete("unbound", &DeleteParams::default())).await?;
+        Ok(r.map(|_| ()).map_err(|e| e.to_string()))
+    };
+    record(&mut rows, "pod delete (not registered)", g, del).await?;
+    rows.push(node_creation(c, &f.tag).await?);
+    Ok(rows)
+}
+
+/// Pods of every kind, with and without spec.nodeName, in each kind of namespace: (what, its
+/// namespace, the pod).
+fn pods_to_create<'a>(
+    ns: &'a Namespaces,
+    nowhere: &str,
+) -> [(&'static str, &'a str, anyhow::Result<Pod>); 10] {
     let (g, a, i) = (
         ns.governed.as_str(),
         ns.ambient.as_str(),
@@ -256,7 +287,7 @@ async fn requests_while_dead(
     let (at, no) = (Some(nowhere), json!({}));
     let bound =
         |labels: Value, annotations: Value| pod(&unique_name(SYSTEM_POD), at, labels, annotations);
-    let pods = [
+    [
         (
             "pod with spec.nodeName, linkerd label",
             g,
@@ -307,28 +338,7 @@ async fn requests_while_dead(
             g,
             pod("unbound-plain", None, no.clone(), no.clone()),
         ),
-    ];
-    for (what, n, p) in pods {
-        record(&mut rows, what, n, create(c, n, p)).await?;
-    }
-    let what = "pods/binding (what kube-scheduler posts), plain pod";
-    record(&mut rows, what, g, bind(c, g, "unbound-plain", nowhere)).await?;
-    let what = "legacy bindings, plain pod";
-    record(
-        &mut rows,
-        what,
-        g,
-        bind_legacy(c, g, "unbound-plain", nowhere),
-    )
-    .await?;
-    let api: Api<Pod> = Api::namespaced(c.clone(), g);
-    let del = async {
-        let r = tokio::time::timeout(CALL, api.delete("unbound", &DeleteParams::default())).await?;
-        Ok(r.map(|_| ()).map_err(|e| e.to_string()))
-    };
-    record(&mut rows, "pod delete (not registered)", g, del).await?;
-    rows.push(node_creation(c, &f.tag).await?);
-    Ok(rows)
+    ]
 }
 
 /// Registers a Node in this test's scope and deletes it again: admitted without meshgate's

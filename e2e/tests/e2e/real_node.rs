@@ -88,103 +88,11 @@ async fn check_names_the_config_containerd_really_loaded() -> anyhow::Result<()>
         .context("the real node did not come up")?;
     print_times(&node);
     let dir = node.cni_conf_dir();
-    let write = |name: &str, text: &str| std::fs::write(dir.join(name), text);
-    let single = |name: &str| {
-        serde_json::json!({
-            "cniVersion": "0.4.0", "name": name, "type": "bridge", "bridge": "unused0",
-            "ipam": {"type": "host-local", "subnet": "10.201.0.0/24"}
-        })
-        .to_string()
-    };
-    let list = |name: &str| {
-        serde_json::json!({
-            "cniVersion": "1.0.0", "name": name,
-            "plugins": [{"type": "bridge", "bridge": "unused1"}, {"type": "portmap", "capabilities": {"portMappings": true}}]
-        })
-        .to_string()
-    };
-    // containerd 2.4.2 reloads its CNI config on Write, Remove and Rename events in the conf
-    // dir, never on Create or Chmod (`internal/cri/server/cni_conf_syncer.go`): an entry that
-    // only appears (a symlink, a directory or file renamed in) is loaded at the next other
-    // event. The layouts below that only create end with a rewrite of the ignored `.bak`, the
-    // event a later config write would bring. (meshgate re-verifies on every event.)
-    let reload = || write("00-old.conflist.bak", &list("old"));
     // The drop-in directory of the primary network, and where it is prepared.
     let drop_in = dir.join("meshgate-e2e");
     let staged = dir.with_file_name("drop-in.staged");
-    // (what is on disk, the network both must name: Some((name, plugin types)) or None = the
-    // first file is invalid and nothing is loaded)
-    type Want = Option<(&'static str, &'static [&'static str])>;
-    type Change<'a> = Box<dyn Fn() -> std::io::Result<()> + 'a>;
-    let mut steps: Vec<(&str, Change, Want)> = Vec::new();
-    steps.push((
-        "the primary conflist alone",
-        Box::new(|| Ok(())),
-        Some(("meshgate-e2e", &["bridge", "portmap"])),
-    ));
-    steps.push((
-        "a lone .conf sorting first",
-        Box::new(|| write("05-lone.conf", &single("lone"))),
-        Some(("lone", &["bridge"])),
-    ));
-    steps.push((
-        "an invalid first file",
-        Box::new(|| {
-            write(
-                "01-broken.conflist",
-                "{\"cniVersion\": \"1.0.0\", \"name\": ",
-            )
-        }),
-        None,
-    ));
-    steps.push((
-        "a leftover .bak sorting first, the .conf moved after the conflist",
-        Box::new(|| {
-            std::fs::remove_file(dir.join("01-broken.conflist"))?;
-            std::fs::rename(dir.join("05-lone.conf"), dir.join("20-lone.conf"))?;
-            write("00-old.conflist.bak", &list("old"))
-        }),
-        Some(("meshgate-e2e", &["bridge", "portmap"])),
-    ));
-    steps.push((
-        "a .conf beside a .conflist of the same stem",
-        Box::new(|| write("10-meshgate-e2e-bridge.conf", &single("beside"))),
-        Some(("beside", &["bridge"])),
-    ));
-    // CNI 1.1 drop-ins (libcni v1.3.1 `NetworkConfFromFile`, which containerd 2.4.2 vendors):
-    // `<conf dir>/<network name>/*.conf` is appended to the list. The directory is made beside
-    // the conf dir and renamed in whole.
-    steps.push((
-        "a drop-in plugin directory for the primary network",
-        Box::new(|| {
-            std::fs::remove_file(dir.join("10-meshgate-e2e-bridge.conf"))?;
-            std::fs::create_dir(&staged)?;
-            std::fs::write(
-                staged.join("50-portmap.conf"),
-                r#"{"type": "portmap", "capabilities": {"portMappings": true}}"#,
-            )?;
-            std::fs::rename(&staged, &drop_in)?;
-            reload()
-        }),
-        Some(("meshgate-e2e", &["bridge", "portmap", "portmap"])),
-    ));
-    steps.push((
-        "a symlink to a directory sorting first (a candidate that cannot be read)",
-        Box::new(|| {
-            std::os::unix::fs::symlink(&drop_in, dir.join("00-linked.conflist"))?;
-            reload()
-        }),
-        None,
-    ));
-    steps.push((
-        "a regular file where the drop-in directory would be",
-        Box::new(|| {
-            std::fs::remove_file(dir.join("00-linked.conflist"))?;
-            std::fs::remove_dir_all(&drop_in)?;
-            write("meshgate-e2e", "not a directory")
-        }),
-        None,
-    ));
+    let mut steps = plain_layouts(&dir);
+    steps.extend(drop_in_layouts(&dir, &drop_in, &staged));
     for (what, change, want) in steps {
         change().with_context(|| format!("writing the layout: {what}"))?;
         let (_, files) = agree_on(&node, what, want).await?;
@@ -195,6 +103,123 @@ async fn check_names_the_config_containerd_really_loaded() -> anyhow::Result<()>
     }
     node.stop();
     assert_clean(&cp.client()?, &node).await
+}
+
+/// What a layout should load: Some((network name, plugin types)), or None when the first file
+/// is invalid and nothing is loaded.
+type Want = Option<(&'static str, &'static [&'static str])>;
+/// Writes one layout over the previous one.
+type Layout<'a> = Box<dyn Fn() -> std::io::Result<()> + 'a>;
+
+/// A single-plugin `.conf` of network `name`.
+fn single_conf(name: &str) -> String {
+    serde_json::json!({
+        "cniVersion": "0.4.0", "name": name, "type": "bridge", "bridge": "unused0",
+        "ipam": {"type": "host-local", "subnet": "10.201.0.0/24"}
+    })
+    .to_string()
+}
+
+/// A two-plugin `.conflist` of network `name`.
+fn list_conf(name: &str) -> String {
+    serde_json::json!({
+        "cniVersion": "1.0.0", "name": name,
+        "plugins": [{"type": "bridge", "bridge": "unused1"}, {"type": "portmap", "capabilities": {"portMappings": true}}]
+    })
+    .to_string()
+}
+
+/// containerd 2.4.2 reloads its CNI config on Write, Remove and Rename events in the conf dir,
+/// never on Create or Chmod (`internal/cri/server/cni_conf_syncer.go`): an entry that only
+/// appears (a symlink, a directory or file renamed in) is loaded at the next other event. The
+/// layouts that only create end with this rewrite of the ignored `.bak`, the event a later
+/// config write would bring. (meshgate re-verifies on every event.)
+fn reload(dir: &Path) -> std::io::Result<()> {
+    std::fs::write(dir.join("00-old.conflist.bak"), list_conf("old"))
+}
+
+/// Layouts of plain files in `dir`: (what is on disk, how it is written, what both must name).
+fn plain_layouts(dir: &Path) -> Vec<(&'static str, Layout<'_>, Want)> {
+    let write = move |name: &str, text: &str| std::fs::write(dir.join(name), text);
+    vec![
+        (
+            "the primary conflist alone",
+            Box::new(|| Ok(())),
+            Some(("meshgate-e2e", &["bridge", "portmap"])),
+        ),
+        (
+            "a lone .conf sorting first",
+            Box::new(move || write("05-lone.conf", &single_conf("lone"))),
+            Some(("lone", &["bridge"])),
+        ),
+        (
+            "an invalid first file",
+            Box::new(move || {
+                write(
+                    "01-broken.conflist",
+                    "{\"cniVersion\": \"1.0.0\", \"name\": ",
+                )
+            }),
+            None,
+        ),
+        (
+            "a leftover .bak sorting first, the .conf moved after the conflist",
+            Box::new(move || {
+                std::fs::remove_file(dir.join("01-broken.conflist"))?;
+                std::fs::rename(dir.join("05-lone.conf"), dir.join("20-lone.conf"))?;
+                write("00-old.conflist.bak", &list_conf("old"))
+            }),
+            Some(("meshgate-e2e", &["bridge", "portmap"])),
+        ),
+        (
+            "a .conf beside a .conflist of the same stem",
+            Box::new(move || write("10-meshgate-e2e-bridge.conf", &single_conf("beside"))),
+            Some(("beside", &["bridge"])),
+        ),
+    ]
+}
+
+/// CNI 1.1 drop-ins (libcni v1.3.1 `NetworkConfFromFile`, which containerd 2.4.2 vendors):
+/// `<conf dir>/<network name>/*.conf` is appended to the list. The directory `drop_in` is made
+/// at `staged`, beside the conf dir, and renamed in whole.
+fn drop_in_layouts<'a>(
+    dir: &'a Path,
+    drop_in: &'a Path,
+    staged: &'a Path,
+) -> Vec<(&'static str, Layout<'a>, Want)> {
+    vec![
+        (
+            "a drop-in plugin directory for the primary network",
+            Box::new(move || {
+                std::fs::remove_file(dir.join("10-meshgate-e2e-bridge.conf"))?;
+                std::fs::create_dir(staged)?;
+                std::fs::write(
+                    staged.join("50-portmap.conf"),
+                    r#"{"type": "portmap", "capabilities": {"portMappings": true}}"#,
+                )?;
+                std::fs::rename(staged, drop_in)?;
+                reload(dir)
+            }),
+            Some(("meshgate-e2e", &["bridge", "portmap", "portmap"])),
+        ),
+        (
+            "a symlink to a directory sorting first (a candidate that cannot be read)",
+            Box::new(move || {
+                std::os::unix::fs::symlink(drop_in, dir.join("00-linked.conflist"))?;
+                reload(dir)
+            }),
+            None,
+        ),
+        (
+            "a regular file where the drop-in directory would be",
+            Box::new(move || {
+                std::fs::remove_file(dir.join("00-linked.conflist"))?;
+                std::fs::remove_dir_all(drop_in)?;
+                std::fs::write(dir.join("meshgate-e2e"), "not a directory")
+            }),
+            None,
+        ),
+    ]
 }
 
 /// The second witness of what containerd loaded: for a pod sandbox containerd really created,
@@ -217,85 +242,9 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
     let ns = cp.create_namespace(&client, "real-chain").await?;
     let kubeconfig = istio_cni_kubeconfig(cp, &client, &ns).await?;
     let dir = node.cni_conf_dir();
-    // A lone network on the node's own bridge and IPAM (the primary list's first plugin), so
-    // a pod can run through it and the teardown removes what it creates.
-    let primary: serde_json::Value = serde_json::from_slice(&std::fs::read(node.conflist_path())?)?;
-    let single = |name: &str| {
-        let mut conf = primary["plugins"][0].clone();
-        conf["cniVersion"] = "1.0.0".into();
-        conf["name"] = name.into();
-        conf.to_string()
-    };
     let drop_in = dir.join("meshgate-e2e");
     let staged = dir.with_file_name("drop-in.staged");
-    type Change<'a> = Box<dyn Fn() -> anyhow::Result<()> + 'a>;
-    // (layout, how it is written, the network both views must name, whether the pod is meshed)
-    let steps: Vec<(&str, Change, Network, bool)> = vec![
-        (
-            "the primary conflist alone",
-            Box::new(|| Ok(())),
-            ("meshgate-e2e", &["bridge", "portmap"]),
-            false,
-        ),
-        (
-            "istio-cni chained by its installer",
-            Box::new(|| Ok(node.install_istio_cni(&kubeconfig, false)?)),
-            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
-            false,
-        ),
-        (
-            "a leftover .bak of another network sorting first",
-            Box::new(|| {
-                Ok(std::fs::write(
-                    dir.join("00-old.conflist.bak"),
-                    single("old"),
-                )?)
-            }),
-            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
-            false,
-        ),
-        (
-            "a .conf beside the .conflist of the same stem",
-            Box::new(|| {
-                Ok(std::fs::write(
-                    dir.join("10-meshgate-e2e-bridge.conf"),
-                    single("beside"),
-                )?)
-            }),
-            ("beside", &["bridge"]),
-            false,
-        ),
-        (
-            "a lone .conf sorting first",
-            Box::new(|| Ok(std::fs::write(dir.join("05-lone.conf"), single("lone"))?)),
-            ("lone", &["bridge"]),
-            false,
-        ),
-        (
-            "istio-cni as a CNI 1.1 drop-in of the primary network",
-            Box::new(|| {
-                std::fs::remove_file(dir.join("05-lone.conf"))?;
-                std::fs::remove_file(dir.join("10-meshgate-e2e-bridge.conf"))?;
-                // The entry the installer appended, moved out of the list into the drop-in.
-                let list: serde_json::Value =
-                    serde_json::from_slice(&std::fs::read(node.conflist_path())?)?;
-                let entry = list["plugins"]
-                    .as_array()
-                    .and_then(|ps| ps.iter().find(|p| p["type"] == "istio-cni"))
-                    .context("the conflist has no istio-cni entry to move")?
-                    .to_string();
-                node.remove_istio_cni()?;
-                std::fs::create_dir(&staged)?;
-                std::fs::write(staged.join("50-istio-cni.conf"), entry)?;
-                std::fs::rename(&staged, &drop_in)?;
-                // Renamed in whole, which containerd does not reload on: nudge it with a write
-                // (see check_names_the_config_containerd_really_loaded).
-                Ok(std::fs::write(dir.join("00-old.conflist.bak"), "{}")?)
-            }),
-            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
-            true,
-        ),
-    ];
+    let steps = loaded_layouts(&node, &kubeconfig, &dir, &drop_in, &staged)?;
     for (i, (what, change, want, meshed)) in steps.into_iter().enumerate() {
         change().with_context(|| format!("writing the layout: {what}"))?;
         let name = format!("chain-{i}");
@@ -308,62 +257,180 @@ async fn a_pod_sandboxs_real_chain_is_the_file_check_names() -> anyhow::Result<(
     // none, the kubelet retries them until the drain gives up, about a minute).
     let linked = dir.join("00-linked.conflist");
     let broken = dir.join("01-broken.conflist");
-    let nudge = || std::fs::write(dir.join("00-old.conflist.bak"), "{}");
-    let invalid: Vec<(&str, Change, Change, Network)> = vec![
-        (
-            "an invalid first file",
-            Box::new(|| {
-                Ok(std::fs::write(
-                    &broken,
-                    "{\"cniVersion\": \"1.0.0\", \"name\": ",
-                )?)
-            }),
-            Box::new(|| Ok(std::fs::remove_file(&broken)?)),
-            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
-        ),
-        (
-            "a symlink to a directory sorting first",
-            Box::new(|| {
-                std::os::unix::fs::symlink(&drop_in, &linked)?;
-                Ok(nudge()?)
-            }),
-            Box::new(|| Ok(std::fs::remove_file(&linked)?)),
-            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
-        ),
-        (
-            "a regular file where the drop-in directory would be",
-            Box::new(|| {
-                std::fs::remove_dir_all(&drop_in)?;
-                Ok(std::fs::write(&drop_in, "not a directory")?)
-            }),
-            Box::new(|| Ok(std::fs::remove_file(&drop_in)?)),
-            ("meshgate-e2e", &["bridge", "portmap"]),
-        ),
-    ];
+    let invalid = invalid_layouts(&dir, &drop_in, &linked, &broken);
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let events: Api<Event> = Api::namespaced(client.clone(), &ns);
     for (j, (what, spoil, restore, after)) in invalid.into_iter().enumerate() {
         spoil().with_context(|| format!("writing the layout: {what}"))?;
         let name = format!("chain-invalid-{j}");
-        let refused = refusal(&node, &pods, &events, what, &name).await;
-        let _ = pods
-            .delete(&name, &DeleteParams::default().grace_period(0))
-            .await;
-        restore().with_context(|| format!("undoing the layout: {what}"))?;
-        let (event, ran) = refused.with_context(|| format!("layout \"{what}\""))?;
-        ensure!(
-            ran.is_empty(),
-            "layout \"{what}\": a chain ran for {name} although nothing is loaded: {ran:?}"
-        );
-        eprintln!(
-            "layout \"{what}\": {name} refused ({}: {}); no chain ran",
-            event.reason.unwrap_or_default(),
-            event.message.unwrap_or_default()
-        );
+        nothing_loaded_refuses_the_pod(&node, &pods, &events, what, &name, restore).await?;
         agree_on(&node, &format!("{what}, undone"), Some(after)).await?;
     }
     node.stop();
     assert_clean(&client, &node).await
+}
+
+/// Writes one layout over the previous one, or undoes one.
+type Change<'a> = Box<dyn Fn() -> anyhow::Result<()> + 'a>;
+
+/// Layouts containerd loads: (layout, how it is written, the network both views must name,
+/// whether the pod is meshed). The drop-in is prepared at `staged` and renamed to `drop_in`.
+fn loaded_layouts<'a>(
+    node: &'a RealNode,
+    kubeconfig: &'a str,
+    dir: &'a Path,
+    drop_in: &'a Path,
+    staged: &'a Path,
+) -> anyhow::Result<Vec<(&'static str, Change<'a>, Network, bool)>> {
+    // A lone network on the node's own bridge and IPAM (the primary list's first plugin), so
+    // a pod can run through it and the teardown removes what it creates.
+    let primary: serde_json::Value = serde_json::from_slice(&std::fs::read(node.conflist_path())?)?;
+    let single = |name: &str| {
+        let mut conf = primary["plugins"][0].clone();
+        conf["cniVersion"] = "1.0.0".into();
+        conf["name"] = name.into();
+        conf.to_string()
+    };
+    let (old, beside, lone) = (single("old"), single("beside"), single("lone"));
+    Ok(vec![
+        (
+            "the primary conflist alone",
+            Box::new(|| Ok(())),
+            ("meshgate-e2e", &["bridge", "portmap"]),
+            false,
+        ),
+        (
+            "istio-cni chained by its installer",
+            Box::new(move || Ok(node.install_istio_cni(kubeconfig, false)?)),
+            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
+            false,
+        ),
+        (
+            "a leftover .bak of another network sorting first",
+            Box::new(move || Ok(std::fs::write(dir.join("00-old.conflist.bak"), &old)?)),
+            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
+            false,
+        ),
+        (
+            "a .conf beside the .conflist of the same stem",
+            Box::new(move || {
+                Ok(std::fs::write(
+                    dir.join("10-meshgate-e2e-bridge.conf"),
+                    &beside,
+                )?)
+            }),
+            ("beside", &["bridge"]),
+            false,
+        ),
+        (
+            "a lone .conf sorting first",
+            Box::new(move || Ok(std::fs::write(dir.join("05-lone.conf"), &lone)?)),
+            ("lone", &["bridge"]),
+            false,
+        ),
+        (
+            "istio-cni as a CNI 1.1 drop-in of the primary network",
+            Box::new(move || istio_cni_as_drop_in(node, dir, drop_in, staged)),
+            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
+            true,
+        ),
+    ])
+}
+
+/// Moves the entry istio-cni's installer appended out of the list into a drop-in of the
+/// primary network, prepared at `staged` and renamed to `drop_in`.
+fn istio_cni_as_drop_in(
+    node: &RealNode,
+    dir: &Path,
+    drop_in: &Path,
+    staged: &Path,
+) -> anyhow::Result<()> {
+    std::fs::remove_file(dir.join("05-lone.conf"))?;
+    std::fs::remove_file(dir.join("10-meshgate-e2e-bridge.conf"))?;
+    // The entry the installer appended, moved out of the list into the drop-in.
+    let list: serde_json::Value = serde_json::from_slice(&std::fs::read(node.conflist_path())?)?;
+    let entry = list["plugins"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|p| p["type"] == "istio-cni"))
+        .context("the conflist has no istio-cni entry to move")?
+        .to_string();
+    node.remove_istio_cni()?;
+    std::fs::create_dir(staged)?;
+    std::fs::write(staged.join("50-istio-cni.conf"), entry)?;
+    std::fs::rename(staged, drop_in)?;
+    // Renamed in whole, which containerd does not reload on: nudge it with a write
+    // (see check_names_the_config_containerd_really_loaded).
+    Ok(std::fs::write(dir.join("00-old.conflist.bak"), "{}")?)
+}
+
+/// Layouts where nothing is loaded: (layout, how it is written, how it is undone, the network
+/// both views name once it is undone).
+fn invalid_layouts<'a>(
+    dir: &'a Path,
+    drop_in: &'a Path,
+    linked: &'a Path,
+    broken: &'a Path,
+) -> Vec<(&'static str, Change<'a>, Change<'a>, Network)> {
+    let nudge = move || std::fs::write(dir.join("00-old.conflist.bak"), "{}");
+    vec![
+        (
+            "an invalid first file",
+            Box::new(move || {
+                Ok(std::fs::write(
+                    broken,
+                    "{\"cniVersion\": \"1.0.0\", \"name\": ",
+                )?)
+            }),
+            Box::new(move || Ok(std::fs::remove_file(broken)?)),
+            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
+        ),
+        (
+            "a symlink to a directory sorting first",
+            Box::new(move || {
+                std::os::unix::fs::symlink(drop_in, linked)?;
+                Ok(nudge()?)
+            }),
+            Box::new(move || Ok(std::fs::remove_file(linked)?)),
+            ("meshgate-e2e", &["bridge", "portmap", "istio-cni"]),
+        ),
+        (
+            "a regular file where the drop-in directory would be",
+            Box::new(move || {
+                std::fs::remove_dir_all(drop_in)?;
+                Ok(std::fs::write(drop_in, "not a directory")?)
+            }),
+            Box::new(move || Ok(std::fs::remove_file(drop_in)?)),
+            ("meshgate-e2e", &["bridge", "portmap"]),
+        ),
+    ]
+}
+
+/// With nothing loaded, pod `name` is refused and no chain runs for it; the pod is deleted and
+/// the layout undone with `restore` before anything can fail.
+async fn nothing_loaded_refuses_the_pod(
+    node: &RealNode,
+    pods: &Api<Pod>,
+    events: &Api<Event>,
+    what: &str,
+    name: &str,
+    restore: Change<'_>,
+) -> anyhow::Result<()> {
+    let refused = refusal(node, pods, events, what, name).await;
+    let _ = pods
+        .delete(name, &DeleteParams::default().grace_period(0))
+        .await;
+    restore().with_context(|| format!("undoing the layout: {what}"))?;
+    let (event, ran) = refused.with_context(|| format!("layout \"{what}\""))?;
+    ensure!(
+        ran.is_empty(),
+        "layout \"{what}\": a chain ran for {name} although nothing is loaded: {ran:?}"
+    );
+    eprintln!(
+        "layout \"{what}\": {name} refused ({}: {}); no chain ran",
+        event.reason.unwrap_or_default(),
+        event.message.unwrap_or_default()
+    );
+    Ok(())
 }
 
 /// A pod network both views must name: its name and plugin types.

@@ -172,13 +172,41 @@ impl Fixture {
         let (cert, key) = f.cert_paths();
         f.ca.issue(&cert, &key)?;
 
-        let args = meshgate_webhook::Args {
-            listen,
+        let args = f.args(start, cert, key)?;
+        let listener = tokio::net::TcpListener::bind(listen).await?;
+        let (stop_tx, stop_rx) = oneshot::channel();
+        f.stop = Some(stop_tx);
+        f.server = Some(tokio::spawn(meshgate_webhook::run_on(
+            args,
+            listener,
+            async move {
+                let _ = stop_rx.await;
+            },
+        )));
+
+        f.until_ready().await?;
+        f.register(cp).await?;
+        // Readiness does not wait for the agent DaemonSet's watch: wait until new Nodes are
+        // gated (a Linux node in scope, as the shipped placement selects).
+        crate::placement::until_gated(&f, json!({"kubernetes.io/os": "linux"}), true).await?;
+        Ok(f)
+    }
+
+    /// The webhook's arguments: as `start` says, with this fixture's ports and certificate,
+    /// and short timeouts.
+    fn args(
+        &self,
+        start: Start,
+        cert: PathBuf,
+        key: PathBuf,
+    ) -> anyhow::Result<meshgate_webhook::Args> {
+        Ok(meshgate_webhook::Args {
+            listen: self.listen,
             tls_cert: cert,
             tls_key: key,
             common: meshgate_shell::cli::Common {
                 kubeconfig: Some(start.kubeconfig),
-                admin_addr: Some(admin),
+                admin_addr: Some(self.admin),
                 profiles: Vec::new(),
                 profile_file: start.profile_file,
                 log_format: meshgate_shell::logging::LogFormat::Text,
@@ -195,37 +223,26 @@ impl Fixture {
             shutdown_delay: Duration::ZERO,
             shutdown_timeout: Duration::from_secs(5),
             pods: meshgate_webhook::pods::PodLimits::default(),
-            agent_daemonset: format!("{}/meshgate-agent", f.agent_namespace)
+            agent_daemonset: format!("{}/meshgate-agent", self.agent_namespace)
                 .parse()
                 .map_err(anyhow::Error::msg)?,
-        };
-        let listener = tokio::net::TcpListener::bind(listen).await?;
-        let (stop_tx, stop_rx) = oneshot::channel();
-        f.stop = Some(stop_tx);
-        f.server = Some(tokio::spawn(meshgate_webhook::run_on(
-            args,
-            listener,
-            async move {
-                let _ = stop_rx.await;
-            },
-        )));
+        })
+    }
 
+    /// Waits up to 30 s for `/ready`; fails at once if the server task ended.
+    async fn until_ready(&self) -> anyhow::Result<()> {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            if let Ok((200, _)) = http_get(admin, "/ready").await {
+            if let Ok((200, _)) = http_get(self.admin, "/ready").await {
                 break;
             }
-            if f.server.as_ref().is_some_and(|s| s.is_finished()) {
+            if self.server.as_ref().is_some_and(|s| s.is_finished()) {
                 bail!("webhook exited during startup");
             }
             ensure!(Instant::now() < deadline, "webhook not ready after 30 s");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        f.register(cp).await?;
-        // Readiness does not wait for the agent DaemonSet's watch: wait until new Nodes are
-        // gated (a Linux node in scope, as the shipped placement selects).
-        crate::placement::until_gated(&f, json!({"kubernetes.io/os": "linux"}), true).await?;
-        Ok(f)
+        Ok(())
     }
 
     /// This test's scope: its namespaces and nodes carry `SCOPE_KEY=<tag>`.
@@ -427,7 +444,31 @@ async fn webhook_gates_mesh_pods_bindings_and_new_nodes() {
 async fn gates(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
     let c = &f.client;
     let nodes: Api<Node> = Api::all(c.clone());
+    let (unverified, verified, pretainted) = new_nodes_are_tainted_once(cp, f, &nodes).await?;
+    play_the_agent(&nodes, &unverified, &verified).await?;
+    let ns = f.namespace(&[]).await?;
+    pods_are_gated_by_their_node(c, &ns, &unverified, &verified).await?;
+    bindings_are_gated_by_their_node(c, &ns, &unverified, &verified).await?;
+    certificate_rotates_under_load(f, &ns, &verified).await?;
+    metrics_count_the_reviews(f).await?;
 
+    force_delete_pods(c, &ns, &["meshed", "plain", "pending"]).await;
+    let dp = DeleteParams::default();
+    for n in [&unverified, &verified, &pretainted] {
+        let _ = tokio::time::timeout(CALL, nodes.delete(n, &dp)).await;
+    }
+    Ok(())
+}
+
+/// Nodes: the mutating webhook gates them from creation on (taint and `verified=false`), and
+/// a node created with meshgate's taint keeps one. Returns the (unverified, verified,
+/// pretainted) node names.
+async fn new_nodes_are_tainted_once(
+    cp: &ControlPlane,
+    f: &Fixture,
+    nodes: &Api<Node>,
+) -> anyhow::Result<(String, String, String)> {
+    let c = &f.client;
     // --- Nodes: the mutating webhook gates them from creation on.
     let unverified = unique_name("whg-unv");
     let verified = unique_name("whg-ver");
@@ -465,13 +506,16 @@ async fn gates(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
         "taint duplicated on {pretainted}: {:?}",
         node.spec
     );
+    Ok((unverified, verified, pretainted))
+}
 
-    // The agent's part, played by the test: the unverified node gets its condition, the
-    // verified one its label.
+/// The agent's part, played by the test: the unverified node gets its condition, the verified
+/// one its label.
+async fn play_the_agent(nodes: &Api<Node>, unverified: &str, verified: &str) -> anyhow::Result<()> {
     tokio::time::timeout(
         CALL,
         nodes.patch_status(
-            &unverified,
+            unverified,
             &PatchParams::default(),
             &Patch::Strategic(json!({"status": {"conditions": [{
                 "type": "MeshCNIVerified", "status": "False", "reason": "ChainedPluginMissing",
@@ -483,24 +527,33 @@ async fn gates(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
     tokio::time::timeout(
         CALL,
         nodes.patch(
-            &verified,
+            verified,
             &PatchParams::default(),
             &Patch::Merge(json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}})),
         ),
     )
     .await??;
+    Ok(())
+}
 
-    let ns = f.namespace(&[]).await?;
-
+/// Pods created with spec.nodeName: a mesh pod is refused on the unverified node with a
+/// message naming the webhook, the node, the reason, a remedy and the plugin; it is admitted on
+/// the verified one, and a non-mesh pod anywhere.
+async fn pods_are_gated_by_their_node(
+    c: &Client,
+    ns: &str,
+    unverified: &str,
+    verified: &str,
+) -> anyhow::Result<()> {
     // --- Pods created with spec.nodeName.
-    let refused = create_pod(c, &ns, &pod("meshed", Some(&unverified), true, None), false).await?;
+    let refused = create_pod(c, ns, &pod("meshed", Some(unverified), true, None), false).await?;
     let message = match refused {
         Ok(_) => bail!("mesh pod admitted on unverified node {unverified}"),
         Err(m) => m,
     };
     for needle in [
         "pods.validate.meshgate.io",
-        unverified.as_str(),
+        unverified,
         "ChainedPluginMissing",
         "Remedy",
         "linkerd-cni",
@@ -512,44 +565,63 @@ async fn gates(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
     }
     tracing::info!(%message, "refusal as the client sees it");
 
-    admitted_eventually(c, &ns, &pod("meshed", Some(&verified), true, None)).await?;
-    create_pod(c, &ns, &pod("plain", Some(&unverified), false, None), false)
+    admitted_eventually(c, ns, &pod("meshed", Some(verified), true, None)).await?;
+    create_pod(c, ns, &pod("plain", Some(unverified), false, None), false)
         .await?
         .map_err(|m| anyhow::anyhow!("non-mesh pod refused: {m}"))?;
+    Ok(())
+}
 
-    // --- Bindings, as the scheduler creates them. The pods name a scheduler that does not
-    // run, so only the test binds them.
+/// Bindings, as the scheduler creates them: a mesh pod's binding to the unverified node is
+/// refused, to the verified one admitted.
+async fn bindings_are_gated_by_their_node(
+    c: &Client,
+    ns: &str,
+    unverified: &str,
+    verified: &str,
+) -> anyhow::Result<()> {
+    // The pods name a scheduler that does not run, so only the test binds them.
     create_pod(
         c,
-        &ns,
+        ns,
         &pod("pending", None, true, Some("meshgate-e2e-nobody")),
         false,
     )
     .await?
     .map_err(|m| anyhow::anyhow!("unbound mesh pod refused: {m}"))?;
-    match bind(c, &ns, "pending", &unverified).await? {
+    match bind(c, ns, "pending", unverified).await? {
         Ok(()) => bail!("binding of a mesh pod to {unverified} admitted"),
         Err(m) => {
             ensure!(
                 m.contains("bindings.validate.meshgate.io")
-                    && m.contains(&unverified)
+                    && m.contains(unverified)
                     && m.contains("tolerate"),
                 "binding refusal: {m}"
             );
         }
     }
-    bind(c, &ns, "pending", &verified)
+    bind(c, ns, "pending", verified)
         .await?
         .map_err(|m| anyhow::anyhow!("binding to the verified node refused: {m}"))?;
-    let pods: Api<Pod> = Api::namespaced(c.clone(), &ns);
+    let pods: Api<Pod> = Api::namespaced(c.clone(), ns);
     let bound = tokio::time::timeout(CALL, pods.get("pending")).await??;
-    ensure!(bound.spec.and_then(|s| s.node_name).as_deref() == Some(verified.as_str()));
+    ensure!(bound.spec.and_then(|s| s.node_name).as_deref() == Some(verified));
+    Ok(())
+}
 
+/// Rotation: the certificate changes on disk while requests keep flowing; a new connection
+/// gets the new one without a restart, and no request fails.
+async fn certificate_rotates_under_load(
+    f: &Fixture,
+    ns: &str,
+    verified: &str,
+) -> anyhow::Result<()> {
+    let c = &f.client;
     // --- Rotation: the certificate changes on disk while requests keep flowing.
     let (cert, key) = f.cert_paths();
     let before = presented(&f.ca, f.listen).await?;
     let load = {
-        let (c, ns, verified) = (c.clone(), ns.clone(), verified.clone());
+        let (c, ns, verified) = (c.clone(), ns.to_owned(), verified.to_owned());
         tokio::spawn(async move {
             let p = pod("rotating", Some(&verified), true, None);
             let (mut ok, mut failed) = (0u32, Vec::new());
@@ -582,7 +654,11 @@ async fn gates(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
         "requests failed across the rotation: {failed:?}"
     );
     ensure!(ok > 10, "too few requests across the rotation: {ok}");
+    Ok(())
+}
 
+/// Metrics on the admin port count the reviews by resource and answer.
+async fn metrics_count_the_reviews(f: &Fixture) -> anyhow::Result<()> {
     // --- Metrics on the admin port.
     let (code, metrics) = http_get(f.admin, "/metrics").await?;
     ensure!(code == 200, "/metrics answered {code}");
@@ -596,12 +672,6 @@ async fn gates(cp: &ControlPlane, f: &Fixture) -> anyhow::Result<()> {
             metrics.contains(needle),
             "metrics lack {needle}:\n{metrics}"
         );
-    }
-
-    force_delete_pods(c, &ns, &["meshed", "plain", "pending"]).await;
-    let dp = DeleteParams::default();
-    for n in [&unverified, &verified, &pretainted] {
-        let _ = tokio::time::timeout(CALL, nodes.delete(n, &dp)).await;
     }
     Ok(())
 }
@@ -742,27 +812,46 @@ async fn legacy_and_unknown(
     // Requests the webhook makes from here on are counted at the end.
     let from = std::time::SystemTime::now();
 
-    // --- The legacy bindings resource: a mesh pod is refused the unverified node, with the
-    // same message as a pods/binding, and bound to the verified one.
+    legacy_bindings_are_gated(f, &ns, &unverified, &verified).await?;
+    unknown_nodes_cost_no_request(cp, f, identity, from, &ns, &unverified).await?;
+
+    force_delete_pods(c, &ns, &["legacy"]).await;
+    let dp = DeleteParams::default();
+    for n in [&unverified, &verified] {
+        let _ = tokio::time::timeout(CALL, nodes.delete(n, &dp)).await;
+    }
+    Ok(())
+}
+
+/// The legacy bindings resource: a mesh pod is refused the unverified node, with the same
+/// message as a pods/binding, and bound to the verified one; the refusal counts as a
+/// pods_binding review.
+async fn legacy_bindings_are_gated(
+    f: &Fixture,
+    ns: &str,
+    unverified: &str,
+    verified: &str,
+) -> anyhow::Result<()> {
+    let c = &f.client;
     create_pod(
         c,
-        &ns,
+        ns,
         &pod("legacy", None, true, Some("meshgate-e2e-nobody")),
         false,
     )
     .await?
     .map_err(|m| anyhow::anyhow!("unbound mesh pod refused: {m}"))?;
-    match bind_legacy(c, &ns, "legacy", &unverified).await? {
+    match bind_legacy(c, ns, "legacy", unverified).await? {
         Ok(()) => bail!("legacy binding of a mesh pod to {unverified} admitted"),
         Err(m) => ensure!(
             m.contains("bindings.validate.meshgate.io")
                 && m.contains(&format!("pod {ns}/legacy"))
-                && m.contains(&unverified)
+                && m.contains(unverified)
                 && m.contains("tolerate"),
             "legacy binding refusal: {m}"
         ),
     }
-    let pods: Api<Pod> = Api::namespaced(c.clone(), &ns);
+    let pods: Api<Pod> = Api::namespaced(c.clone(), ns);
     let still = tokio::time::timeout(CALL, pods.get("legacy")).await??;
     ensure!(
         still
@@ -775,14 +864,14 @@ async fn legacy_and_unknown(
     // The webhook's node cache follows the label a few milliseconds behind.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        match bind_legacy(c, &ns, "legacy", &verified).await? {
+        match bind_legacy(c, ns, "legacy", verified).await? {
             Ok(()) => break,
             Err(m) if Instant::now() >= deadline => bail!("legacy binding to {verified}: {m}"),
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }
     }
     let bound = tokio::time::timeout(CALL, pods.get("legacy")).await??;
-    ensure!(bound.spec.and_then(|s| s.node_name).as_deref() == Some(verified.as_str()));
+    ensure!(bound.spec.and_then(|s| s.node_name).as_deref() == Some(verified));
     let (_, metrics) = http_get(f.admin, "/metrics").await?;
     ensure!(
         metrics.contains(
@@ -790,21 +879,33 @@ async fn legacy_and_unknown(
         ),
         "the legacy binding counts as pods_binding:\n{metrics}"
     );
+    Ok(())
+}
 
-    // --- A flood of reviews naming made-up nodes: each refused from the cache, none costs
-    // the apiserver a request. Refusals on the known unverified node, for comparison, cost a
-    // GET to word the reason (remembered for 5 s, so usually one for all of them).
+/// A flood of reviews naming made-up nodes: each refused from the cache, none costs the
+/// apiserver a request (counted by the audit log since `from`). Refusals on the known
+/// unverified node, for comparison, cost a GET to word the reason (remembered for 5 s, so
+/// usually one for all of them).
+async fn unknown_nodes_cost_no_request(
+    cp: &ControlPlane,
+    f: &Fixture,
+    identity: &meshgate_e2e::harness::audit::AuditedIdentity,
+    from: std::time::SystemTime,
+    ns: &str,
+    unverified: &str,
+) -> anyhow::Result<()> {
+    let c = &f.client;
     const FLOOD: usize = 40;
     for i in 0..FLOOD {
         let node = unique_name(&format!("whl-made-up-{i}"));
-        match create_pod(c, &ns, &pod("flood", Some(&node), true, None), true).await? {
+        match create_pod(c, ns, &pod("flood", Some(&node), true, None), true).await? {
             Ok(_) => bail!("mesh pod admitted on made-up node {node}"),
             Err(m) => ensure!(m.contains("not known"), "refusal for {node}: {m}"),
         }
     }
-    match create_pod(c, &ns, &pod("known", Some(&unverified), true, None), true).await? {
+    match create_pod(c, ns, &pod("known", Some(unverified), true, None), true).await? {
         Ok(_) => bail!("mesh pod admitted on {unverified}"),
-        Err(m) => ensure!(m.contains(&unverified), "{m}"),
+        Err(m) => ensure!(m.contains(unverified), "{m}"),
     }
     // The audit log may lag a little behind: wait for the GET of the known node.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -815,21 +916,15 @@ async fn legacy_and_unknown(
             .filter(|r| r.verb == "get" && r.resource == "nodes")
             .map(|r| r.name)
             .collect();
-        if gets.contains(&unverified) || Instant::now() >= deadline {
+        if gets.iter().any(|g| g == unverified) || Instant::now() >= deadline {
             break gets;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     ensure!(
-        !gets.is_empty() && gets.iter().all(|g| g == &unverified),
+        !gets.is_empty() && gets.iter().all(|g| g == unverified),
         "node GETs by the webhook during {FLOOD} reviews of made-up nodes and two refusals on \
          {unverified}: {gets:?}"
     );
-
-    force_delete_pods(c, &ns, &["legacy"]).await;
-    let dp = DeleteParams::default();
-    for n in [&unverified, &verified] {
-        let _ = tokio::time::timeout(CALL, nodes.delete(n, &dp)).await;
-    }
     Ok(())
 }

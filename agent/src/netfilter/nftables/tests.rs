@@ -164,6 +164,13 @@ fn native_tproxy_is_conditional() {
 
 #[test]
 fn verdicts_comments_and_conditions() {
+    jumps_returns_and_gotos();
+    sets_and_redirects();
+    nat_and_reject();
+}
+
+/// Jumps, returns and gotos, with and without conditions.
+fn jumps_returns_and_gotos() {
     // `-m comment --comment x -j PROXY_INIT_REDIRECT`: unconditional jump.
     let (r, xt) = summarize(
         Family::Ip,
@@ -213,6 +220,10 @@ fn verdicts_comments_and_conditions() {
     );
     assert_eq!(r.protocol, Protocol::Other);
     assert_eq!(r.action, Action::Goto("X".into()));
+}
+
+/// Redirects, with and without conditions.
+fn sets_and_redirects() {
     // Sets and unknown expressions are conditions; redirect without port has none.
     let (r, _) = summarize(
         Family::Ip6,
@@ -235,7 +246,10 @@ fn verdicts_comments_and_conditions() {
         ],
     );
     assert_eq!(r, Rule::all(Action::Redirect { port: None }));
-    // Other NAT and reject.
+}
+
+/// Other NAT and reject.
+fn nat_and_reject() {
     assert_eq!(
         summarize(Family::Ip, &[Expr::Named("masq".into())])
             .0
@@ -276,7 +290,40 @@ fn raw_chain(family: u32, table: &str, name: &str, hook: Option<u32>) -> Body {
 
 #[test]
 fn assemble_groups_and_labels_tables() {
-    let tables = vec![
+    let chains = vec![
+        raw_chain(2, "nat", "PREROUTING", Some(0)),
+        raw_chain(2, "nat", "PROXY_INIT_REDIRECT", None),
+        raw_chain(1, "istio-proxy-nat", "prerouting", Some(0)),
+        raw_chain(1, "sleeping", "prerouting", Some(0)),
+    ];
+    let rs = assemble(raw_tables(), chains, raw_rules());
+    let names: Vec<_> = rs
+        .tables
+        .iter()
+        .map(|t| (t.family, t.name.as_str(), t.source))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            (Family::Ip, "nat", Source::IptablesNft),
+            (Family::Inet, "istio-proxy-nat", Source::Nftables),
+        ]
+    );
+    let nat = &rs.tables[0];
+    assert_eq!(nat.chains.len(), 2);
+    assert_eq!(
+        nat.chain("PREROUTING").map(|c| c.base.map(|b| b.hook)),
+        Some(Some(Hook::Prerouting))
+    );
+    assert_eq!(
+        nat.chain("PROXY_INIT_REDIRECT").map(|c| c.rules.len()),
+        Some(1)
+    );
+}
+
+/// An iptables-nft table, an nftables one, a dormant one and a bridge table.
+fn raw_tables() -> Vec<Body> {
+    vec![
         Body::Table(RawTable {
             family: 2,
             name: "nat".into(),
@@ -297,13 +344,11 @@ fn assemble_groups_and_labels_tables() {
             name: "br".into(),
             flags: 0,
         }),
-    ];
-    let chains = vec![
-        raw_chain(2, "nat", "PREROUTING", Some(0)),
-        raw_chain(2, "nat", "PROXY_INIT_REDIRECT", None),
-        raw_chain(1, "istio-proxy-nat", "prerouting", Some(0)),
-        raw_chain(1, "sleeping", "prerouting", Some(0)),
-    ];
+    ]
+}
+
+/// A rule in each table's chains, and one in a chain that does not exist.
+fn raw_rules() -> Vec<Body> {
     let rule = |family, table: &str, chain: &str, action| {
         Body::Rule(RawRule {
             family,
@@ -313,7 +358,7 @@ fn assemble_groups_and_labels_tables() {
             uses_xt: false,
         })
     };
-    let rules = vec![
+    vec![
         rule(
             2,
             "nat",
@@ -339,30 +384,7 @@ fn assemble_groups_and_labels_tables() {
             Action::Redirect { port: Some(1) },
         ),
         rule(2, "nat", "VANISHED", Action::Accept),
-    ];
-    let rs = assemble(tables, chains, rules);
-    let names: Vec<_> = rs
-        .tables
-        .iter()
-        .map(|t| (t.family, t.name.as_str(), t.source))
-        .collect();
-    assert_eq!(
-        names,
-        [
-            (Family::Ip, "nat", Source::IptablesNft),
-            (Family::Inet, "istio-proxy-nat", Source::Nftables),
-        ]
-    );
-    let nat = &rs.tables[0];
-    assert_eq!(nat.chains.len(), 2);
-    assert_eq!(
-        nat.chain("PREROUTING").map(|c| c.base.map(|b| b.hook)),
-        Some(Some(Hook::Prerouting))
-    );
-    assert_eq!(
-        nat.chain("PROXY_INIT_REDIRECT").map(|c| c.rules.len()),
-        Some(1)
-    );
+    ]
 }
 
 #[test]

@@ -478,6 +478,22 @@ impl Drop for LinkGuard {
     }
 }
 
+/// The apiserver's address: loopback, or with `routable` a dummy link's named after `dir`.
+/// Until the ControlPlane owns it, the link is deleted by the returned guard on any early return
+/// or panic: a temporary dir goes with it, and with the dir the owner file the next run's sweep
+/// would have found the link by.
+pub(super) fn apiserver_address(
+    routable: bool,
+    dir: &Path,
+) -> Result<(Ipv4Addr, LinkGuard), Error> {
+    if !routable {
+        return Ok((Ipv4Addr::LOCALHOST, LinkGuard(None)));
+    }
+    let name = link_name(dir);
+    let link = LinkGuard(Some(name.clone()));
+    Ok((add_dummy(dir, &name)?, link))
+}
+
 /// Creates the link `link` (a port-less bridge) with an unused /32 in 10.203.0.0/16 (no other
 /// fixture uses that range: pods get 10.200.x, the netns fixtures 10.100-199.x, real nodes'
 /// links 10.202.x).

@@ -176,16 +176,7 @@ impl ControlPlane {
         let (dir, temp) = run_dir(options.dir.as_ref())?;
 
         // The routable address first: the serving certificate names it.
-        // Until the ControlPlane owns it, the link is deleted by the guard on any early
-        // return or panic: a temporary dir goes with it, and with the dir the owner file the
-        // next run's sweep would have found the link by.
-        let (address, link) = if options.routable {
-            let name = link_name(&dir);
-            let link = LinkGuard(Some(name.clone()));
-            (add_dummy(&dir, &name)?, link)
-        } else {
-            (Ipv4Addr::LOCALHOST, LinkGuard(None))
-        };
+        let (address, link) = apiserver_address(options.routable, &dir)?;
         let background = Background::start()?;
         let mode = if options.detached {
             Mode::Detached
@@ -242,16 +233,22 @@ impl ControlPlane {
             address,
             link: link.hand_over(),
         };
-        if options.detached {
-            cp.write_state()?;
+        cp.settle(options.detached)
+    }
+
+    /// Leaves a detached control plane's state for `down`, or keeps an attached one's node
+    /// leases renewed; then logs it healthy.
+    fn settle(self, detached: bool) -> Result<Self, Error> {
+        if detached {
+            self.write_state()?;
         } else {
-            cp.background.handle.spawn(kubelet::lease_loop(
-                cp.admin_kubeconfig.clone(),
-                cp.nodes.clone(),
+            self.background.handle.spawn(kubelet::lease_loop(
+                self.admin_kubeconfig.clone(),
+                self.nodes.clone(),
             ));
         }
-        cp.log_healthy();
-        Ok(cp)
+        self.log_healthy();
+        Ok(self)
     }
 
     fn log_healthy(&self) {

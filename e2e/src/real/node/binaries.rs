@@ -79,24 +79,7 @@ impl NodeBinaries {
                 .or_else(|| Some(Path::new("/usr/bin").join(name)).filter(|p| is_executable(p)))
                 .ok_or_else(|| missing(name, &Path::new("$PATH").join(name)))
         };
-        let meshgate_image = match env_var(MESHGATE_IMAGE_ENV) {
-            Some(path) => PathBuf::from(path),
-            None => crate::sim::node::workspace_bin_dir()
-                .map_err(|e| Error::io("finding the workspace's target dir", e))?
-                .parent()
-                .map(|target| target.join("meshgate-image/meshgate.tar"))
-                .unwrap_or_default(),
-        };
-        if !meshgate_image.is_file() {
-            return Err(Error::RealNode {
-                part: "meshgate's image",
-                detail: format!(
-                    "{} is missing: build it with `e2e/images/build-meshgate-image.sh target/release {0}` \
-                     after `cargo build --release -p meshgate-agent -p meshgate-webhook` (make test does)",
-                    meshgate_image.display()
-                ),
-            });
-        }
+        let meshgate_image = meshgate_image()?;
         Ok(Self {
             meshgate_image,
             kubelet: need("kubelet", paths::k8s_bin_dir()?.join("kubelet"))?,
@@ -125,6 +108,30 @@ impl NodeBinaries {
             )?,
         })
     }
+}
+
+/// meshgate's image tarball: `MESHGATE_IMAGE_TAR`, or the one `make` builds beside the
+/// workspace's target dir; an error names the commands that build it.
+fn meshgate_image() -> Result<PathBuf, Error> {
+    let meshgate_image = match env_var(MESHGATE_IMAGE_ENV) {
+        Some(path) => PathBuf::from(path),
+        None => crate::sim::node::workspace_bin_dir()
+            .map_err(|e| Error::io("finding the workspace's target dir", e))?
+            .parent()
+            .map(|target| target.join("meshgate-image/meshgate.tar"))
+            .unwrap_or_default(),
+    };
+    if !meshgate_image.is_file() {
+        return Err(Error::RealNode {
+            part: "meshgate's image",
+            detail: format!(
+                "{} is missing: build it with `e2e/images/build-meshgate-image.sh target/release {0}` \
+                 after `cargo build --release -p meshgate-agent -p meshgate-webhook` (make test does)",
+                meshgate_image.display()
+            ),
+        });
+    }
+    Ok(meshgate_image)
 }
 
 pub(super) fn missing(part: &'static str, path: &Path) -> Error {

@@ -389,71 +389,17 @@ mod tests {
     fn a_dead_runs_leftovers_are_swept() {
         crate::harness::paths::require_root().expect("the real-node sweep test needs root");
         let base = tempfile::tempdir_in("/dev/shm").unwrap();
-        let dir = tempfile::Builder::new()
-            .prefix(DIR_PREFIX)
-            .tempdir_in(base.path())
-            .unwrap()
-            .keep();
-        // The owner: a process that has exited, recorded with its start time while it lived.
-        let mut owner = std::process::Command::new("/bin/sleep")
-            .arg("30")
-            .spawn()
-            .unwrap();
-        let owner_pid = owner.id() as i32;
-        let owner_start = process::start_time(owner_pid).unwrap();
-        owner.kill().unwrap();
-        owner.wait().unwrap();
-        std::fs::write(dir.join("owner"), format!("{owner_pid} {owner_start}\n")).unwrap();
-
+        let dir = dead_runs_dir(base.path());
         let fp = Footprint::of(&dir);
-        // A pod's process in the node's cgroups (one hierarchy is enough), reaped by a thread.
-        let hierarchies = cgroup_hierarchies();
-        let hierarchy = hierarchies
-            .iter()
-            .find(|h| h.ends_with("pids"))
-            .or(hierarchies.first())
-            .expect("a cgroup hierarchy")
-            .clone();
-        let cg = hierarchy
-            .join(fp.cgroup_root.trim_start_matches('/'))
-            .join("kubepods");
-        std::fs::create_dir_all(&cg).unwrap();
-        let mut pod = std::process::Command::new("/bin/sleep")
-            .arg("300")
-            .spawn()
-            .unwrap();
-        std::fs::write(cg.join("cgroup.procs"), pod.id().to_string()).unwrap();
-        let reaper = std::thread::spawn(move || pod.wait());
-        // A mount (a rootfs or netns left mounted) and the bridge.
-        let mnt = dir.join("containerd/state/mnt");
-        std::fs::create_dir_all(&mnt).unwrap();
-        nix::mount::mount(
-            Some("tmpfs"),
-            &mnt,
-            Some("tmpfs"),
-            nix::mount::MsFlags::empty(),
-            None::<&str>,
-        )
-        .unwrap();
-        let added = std::process::Command::new("ip")
-            .args(["link", "add", &fp.bridge, "type", "bridge"])
-            .status()
-            .unwrap();
-        assert!(added.success());
+        let (hierarchy, reaper) = pod_in_the_nodes_cgroups(&fp);
+        let mnt = mount_and_bridge(&dir, &fp);
         // The node's network: its namespace pinned in the run dir, the veth and the route.
         let net = fp.add_network().unwrap();
-        let pod_route = || {
-            let out = std::process::Command::new("ip")
-                .args(["route", "show", &format!("{}/24", net.pod_net)])
-                .output()
-                .unwrap();
-            String::from_utf8_lossy(&out.stdout).trim().to_owned()
-        };
         // Each kind of leftover is there before the sweep, so its absence after it counts.
         assert!(
-            pod_route().contains(&fp.veth),
+            pod_route(&net).contains(&fp.veth),
             "no pod route: {:?}",
-            pod_route()
+            pod_route(&net)
         );
         let before = fp.residue();
         for want in [
@@ -475,12 +421,89 @@ mod tests {
         sweep_stale(base.path());
 
         assert_eq!(fp.residue(), Vec::<String>::new());
-        assert_eq!(pod_route(), "", "the pod route outlived its veth");
+        assert_eq!(pod_route(&net), "", "the pod route outlived its veth");
         let status = reaper.join().unwrap().unwrap();
         assert!(
             !status.success(),
             "the pod's process was killed: {status:?}"
         );
+    }
+
+    /// A run directory under `base` whose owner is a process that has exited, recorded with
+    /// its start time while it lived.
+    fn dead_runs_dir(base: &Path) -> PathBuf {
+        let dir = tempfile::Builder::new()
+            .prefix(DIR_PREFIX)
+            .tempdir_in(base)
+            .unwrap()
+            .keep();
+        let mut owner = std::process::Command::new("/bin/sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let owner_pid = owner.id() as i32;
+        let owner_start = process::start_time(owner_pid).unwrap();
+        owner.kill().unwrap();
+        owner.wait().unwrap();
+        std::fs::write(dir.join("owner"), format!("{owner_pid} {owner_start}\n")).unwrap();
+        dir
+    }
+
+    /// A pod's process in the node's cgroups (one hierarchy is enough), reaped by a thread:
+    /// the hierarchy and the reaper.
+    fn pod_in_the_nodes_cgroups(
+        fp: &Footprint,
+    ) -> (
+        PathBuf,
+        std::thread::JoinHandle<std::io::Result<std::process::ExitStatus>>,
+    ) {
+        let hierarchies = cgroup_hierarchies();
+        let hierarchy = hierarchies
+            .iter()
+            .find(|h| h.ends_with("pids"))
+            .or(hierarchies.first())
+            .expect("a cgroup hierarchy")
+            .clone();
+        let cg = hierarchy
+            .join(fp.cgroup_root.trim_start_matches('/'))
+            .join("kubepods");
+        std::fs::create_dir_all(&cg).unwrap();
+        let mut pod = std::process::Command::new("/bin/sleep")
+            .arg("300")
+            .spawn()
+            .unwrap();
+        std::fs::write(cg.join("cgroup.procs"), pod.id().to_string()).unwrap();
+        let reaper = std::thread::spawn(move || pod.wait());
+        (hierarchy, reaper)
+    }
+
+    /// A mount (a rootfs or netns left mounted) and the bridge; returns the mount point.
+    fn mount_and_bridge(dir: &Path, fp: &Footprint) -> PathBuf {
+        let mnt = dir.join("containerd/state/mnt");
+        std::fs::create_dir_all(&mnt).unwrap();
+        nix::mount::mount(
+            Some("tmpfs"),
+            &mnt,
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        )
+        .unwrap();
+        let added = std::process::Command::new("ip")
+            .args(["link", "add", &fp.bridge, "type", "bridge"])
+            .status()
+            .unwrap();
+        assert!(added.success());
+        mnt
+    }
+
+    /// The host's route to the node's pod network, empty when there is none.
+    fn pod_route(net: &NodeNet) -> String {
+        let out = std::process::Command::new("ip")
+            .args(["route", "show", &format!("{}/24", net.pod_net)])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
     }
 
     #[test]

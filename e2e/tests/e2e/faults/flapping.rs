@@ -25,72 +25,21 @@ async fn config_flapping_keeps_cpu_bounded_and_ends_right() -> anyhow::Result<()
     tokio::time::sleep(Duration::from_secs(1)).await;
 
     let duration = Duration::from_secs(if soak() { 60 } else { 20 });
-    let period = Duration::from_millis(60);
     let (cpu0, rss0) = (
         cpu_seconds(pid).context("cpu")?,
         agent.rss_kib().unwrap_or(0),
     );
     let from = SystemTime::now();
-    let begun = Instant::now();
-    let live = dirs.conf.join("10-calico.conflist");
-    let (mut writes, mut extra) = (0u32, false);
-    let mut rss_max = rss0;
-    while begun.elapsed() < duration {
-        match rng.below(6) {
-            0 | 1 => dirs.config("10-calico.conflist", &valid)?,
-            2 => dirs.config("10-calico.conflist", &invalid)?,
-            // In place: the agent may read an empty or half-written file.
-            3 => std::fs::write(&live, &valid[..valid.len() / 2])?,
-            4 => std::fs::write(&live, &valid)?,
-            _ => {
-                if extra {
-                    dirs.remove_config("05-extra.conflist")?;
-                } else {
-                    dirs.config("05-extra.conflist", &invalid)?;
-                }
-                extra = !extra;
-            }
-        }
-        writes += 1;
-        if writes % 50 == 0 {
-            rss_max = rss_max.max(agent.rss_kib().unwrap_or(0));
-        }
-        tokio::time::sleep_until((begun + period * writes).into()).await;
-    }
-    let flapped = begun.elapsed();
+    let (writes, extra, rss_max, flapped) =
+        flap(&dirs, &agent, &mut rng, duration, (&valid, &invalid), rss0).await?;
     let cpu = cpu_seconds(pid).context("cpu after")? - cpu0;
-    // The final state: the extra file gone, the config valid.
-    if extra {
-        dirs.remove_config("05-extra.conflist")?;
-    }
-    dirs.config("10-calico.conflist", &valid)?;
-    let last_write = Instant::now();
-    let settled = log
-        .wait(
-            "verified after the last write",
-            Duration::from_secs(10),
-            verified,
-        )
-        .await
-        .with_context(|| tail(&agent.log(), 40))?;
-    let settle = settled.saturating_duration_since(last_write);
+    let settle = settle_valid(&dirs, &log, &agent, extra, &valid).await?;
     // Stays verified (no late write from the flapping lands after the final one).
     tokio::time::sleep(Duration::from_secs(2)).await;
     let last = log.last().context("node state")?;
     let requests = id.requests(cp, from)?;
-    let mut kinds: BTreeMap<String, usize> = BTreeMap::new();
-    for r in &requests {
-        *kinds.entry(r.kind()).or_default() += 1;
-    }
-    let writes_api: usize = requests
-        .iter()
-        .filter(|r| matches!(r.verb.as_str(), "patch" | "update" | "create"))
-        .count();
-    let transitions = log
-        .all()
-        .windows(2)
-        .filter(|w| w[0].tainted != w[1].tainted)
-        .count();
+    let (kinds, writes_api) = api_writes(&requests);
+    let transitions = taint_transitions(&log);
     let rss1 = agent.rss_kib().unwrap_or(0);
     let cpu_share = cpu / flapped.as_secs_f64();
     eprintln!(
@@ -136,4 +85,94 @@ async fn config_flapping_keeps_cpu_bounded_and_ends_right() -> anyhow::Result<()
     );
     id.remove(&client).await;
     Ok(())
+}
+
+/// Rewrites the config every 60 ms for `duration`: valid and invalid, atomically and in place,
+/// with an invalid file appearing before it and going away. Returns the rewrites, whether
+/// that extra file is there at the end, the agent's largest RSS (from `rss0`), and the time
+/// taken.
+async fn flap(
+    dirs: &CniDirs,
+    agent: &Agent,
+    rng: &mut Rng,
+    duration: Duration,
+    (valid, invalid): (&[u8], &[u8]),
+    rss0: u64,
+) -> anyhow::Result<(u32, bool, u64, Duration)> {
+    let period = Duration::from_millis(60);
+    let begun = Instant::now();
+    let live = dirs.conf.join("10-calico.conflist");
+    let (mut writes, mut extra) = (0u32, false);
+    let mut rss_max = rss0;
+    while begun.elapsed() < duration {
+        match rng.below(6) {
+            0 | 1 => dirs.config("10-calico.conflist", valid)?,
+            2 => dirs.config("10-calico.conflist", invalid)?,
+            // In place: the agent may read an empty or half-written file.
+            3 => std::fs::write(&live, &valid[..valid.len() / 2])?,
+            4 => std::fs::write(&live, valid)?,
+            _ => {
+                if extra {
+                    dirs.remove_config("05-extra.conflist")?;
+                } else {
+                    dirs.config("05-extra.conflist", invalid)?;
+                }
+                extra = !extra;
+            }
+        }
+        writes += 1;
+        if writes % 50 == 0 {
+            rss_max = rss_max.max(agent.rss_kib().unwrap_or(0));
+        }
+        tokio::time::sleep_until((begun + period * writes).into()).await;
+    }
+    Ok((writes, extra, rss_max, begun.elapsed()))
+}
+
+/// The final state: the extra file gone, the config valid. Returns how long after that last
+/// write the node showed Verified (within 10 s).
+async fn settle_valid(
+    dirs: &CniDirs,
+    log: &NodeLog,
+    agent: &Agent,
+    extra: bool,
+    valid: &[u8],
+) -> anyhow::Result<Duration> {
+    if extra {
+        dirs.remove_config("05-extra.conflist")?;
+    }
+    dirs.config("10-calico.conflist", valid)?;
+    let last_write = Instant::now();
+    let settled = log
+        .wait(
+            "verified after the last write",
+            Duration::from_secs(10),
+            verified,
+        )
+        .await
+        .with_context(|| tail(&agent.log(), 40))?;
+    Ok(settled.saturating_duration_since(last_write))
+}
+
+/// The agent's API requests by kind, and how many of them were writes.
+fn api_writes(
+    requests: &[meshgate_e2e::harness::audit::Request],
+) -> (BTreeMap<String, usize>, usize) {
+    let mut kinds: BTreeMap<String, usize> = BTreeMap::new();
+    for r in requests {
+        *kinds.entry(r.kind()).or_default() += 1;
+    }
+    let writes_api: usize = requests
+        .iter()
+        .filter(|r| matches!(r.verb.as_str(), "patch" | "update" | "create"))
+        .count();
+    (kinds, writes_api)
+}
+
+/// How often the watched node's taint changed.
+fn taint_transitions(log: &NodeLog) -> usize {
+    log.all()
+        .windows(2)
+        .filter(|w| w[0].tainted != w[1].tainted)
+        .count()
 }

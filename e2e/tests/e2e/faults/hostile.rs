@@ -68,13 +68,31 @@ async fn hostile_entries_in_the_cni_dirs_never_hang_or_bloat_the_daemon() -> any
     let mut report = Vec::new();
     let mut rss_max = rss0;
 
-    // (name, set up, expected reason while present, remove)
-    type Action = Box<dyn Fn(&Path) -> std::io::Result<()>>;
-    type Step = (&'static str, Action, &'static str, Action);
+    config_entries_are_judged(&conf, &log, &agent, pid, &mut rss_max, &mut report).await?;
+    broken_plugins_are_judged(&dirs, &log, &agent, pid, &mut rss_max, &mut report).await?;
+    eprintln!(
+        "[faults] hostile entries (agent RSS {rss0} KiB at start, max {rss_max} KiB):\n  {}",
+        report.join("\n  ")
+    );
+    ensure!(
+        rss_max < rss0 + 32 * 1024,
+        "the agent's RSS grew from {rss0} KiB to {rss_max} KiB"
+    );
+    ensure!(!agent.log().contains("panicked"), "{}", agent.log());
+    Ok(())
+}
+
+/// Sets up and removes one hostile entry in the conf dir.
+type Action = Box<dyn Fn(&Path) -> std::io::Result<()>>;
+/// (name, set up, expected reason while present, remove)
+type Step = (&'static str, Action, &'static str, Action);
+
+/// The hostile entries in the conf dir, each with the reason the node shows while it is there.
+fn config_entries() -> Vec<Step> {
     let rm = |name: &'static str| -> Action {
         Box::new(move |d: &Path| std::fs::remove_file(d.join(name)))
     };
-    let steps: Vec<Step> = vec![
+    vec![
         (
             "a sparse 8 GiB file sorting first",
             Box::new(|d: &Path| {
@@ -144,9 +162,22 @@ async fn hostile_entries_in_the_cni_dirs_never_hang_or_bloat_the_daemon() -> any
                 Ok(())
             }),
         ),
-    ];
+    ]
+}
+
+/// Each hostile conf dir entry in turn: the node shows the expected reason quickly (or stays
+/// Verified), and returns to Verified once the entry is removed.
+async fn config_entries_are_judged(
+    conf: &Path,
+    log: &NodeLog,
+    agent: &Agent,
+    pid: u32,
+    rss_max: &mut u64,
+    report: &mut Vec<String>,
+) -> anyhow::Result<()> {
+    let steps = config_entries();
     for (what, setup, reason, remove) in &steps {
-        setup(&conf)?;
+        setup(conf)?;
         let t0 = Instant::now();
         let want = *reason;
         let took = if want == "Verified" {
@@ -166,19 +197,23 @@ async fn hostile_entries_in_the_cni_dirs_never_hang_or_bloat_the_daemon() -> any
         };
         let hostile = Hostile { what, want, took };
         hostile
-            .repair(
-                &log,
-                &agent,
-                pid,
-                || remove(&conf),
-                &mut rss_max,
-                &mut report,
-            )
+            .repair(log, agent, pid, || remove(conf), rss_max, report)
             .await?;
     }
+    Ok(())
+}
 
-    // Plugins: one floods stdout forever, one floods stderr and exits 1, one exits at once
-    // but leaves a child holding its stdout open.
+/// Plugins: one floods stdout forever, one floods stderr and exits 1, one exits at once but
+/// leaves a child holding its stdout open. Each is judged broken, and the node returns to
+/// Verified once the good plugin is back.
+async fn broken_plugins_are_judged(
+    dirs: &CniDirs,
+    log: &NodeLog,
+    agent: &Agent,
+    pid: u32,
+    rss_max: &mut u64,
+    report: &mut Vec<String>,
+) -> anyhow::Result<()> {
     let plugins = [
         (
             "floods stdout forever",
@@ -207,17 +242,8 @@ async fn hostile_entries_in_the_cni_dirs_never_hang_or_bloat_the_daemon() -> any
         };
         let fix = || dirs.plugin("linkerd-cni", GOOD_PLUGIN).map(drop);
         hostile
-            .repair(&log, &agent, pid, fix, &mut rss_max, &mut report)
+            .repair(log, agent, pid, fix, rss_max, report)
             .await?;
     }
-    eprintln!(
-        "[faults] hostile entries (agent RSS {rss0} KiB at start, max {rss_max} KiB):\n  {}",
-        report.join("\n  ")
-    );
-    ensure!(
-        rss_max < rss0 + 32 * 1024,
-        "the agent's RSS grew from {rss0} KiB to {rss_max} KiB"
-    );
-    ensure!(!agent.log().contains("panicked"), "{}", agent.log());
     Ok(())
 }

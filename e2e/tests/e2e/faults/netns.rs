@@ -37,71 +37,14 @@ async fn vanishing_netns_and_unmatched_ips_are_never_evicted_blindly() -> anyhow
     let ghost = private_subnet();
 
     let (n_vanish, n_ghost) = if soak() { (60, 40) } else { (24, 12) };
-    let mut vanishing: Vec<(String, Ipv4Addr, Option<PodNetns>)> = Vec::new();
-    for i in 0..n_vanish {
-        let ip = ip_of(subnet, (i + 1) as u8);
-        vanishing.push((
-            format!("vanish-{i}"),
-            ip,
-            Some(PodNetns::new(ip, Rules::None)?),
-        ));
-    }
+    let mut vanishing = vanishing_pods(subnet, n_vanish)?;
     let control_missing = PodNetns::new(ip_of(subnet, 200), Rules::None)?;
     let control_ok = PodNetns::new(ip_of(subnet, 201), Rules::Linkerd("iptables-nft"))?;
-    for (name, _, _) in &vanishing {
-        api.create(&PostParams::default(), &meshed_pod(name, &node)?)
-            .await?;
-    }
-    for i in 0..n_ghost {
-        api.create(
-            &PostParams::default(),
-            &meshed_pod(&format!("ghost-{i}"), &node)?,
-        )
-        .await?;
-    }
-    for name in ["control-missing", "control-ok"] {
-        api.create(&PostParams::default(), &meshed_pod(name, &node)?)
-            .await?;
-    }
+    create_pods(&api, &node, &vanishing, n_ghost).await?;
     let cpu0 = cpu_seconds(pid).context("cpu")?;
     let begun = Instant::now();
 
-    // Start the pods one after the other while their namespaces disappear at random moments
-    // over the same span: some before their pod is Running, some while the agent inspects
-    // the burst, some after.
-    let mut schedule: Vec<(usize, Duration, PodNetns)> = Vec::new();
-    for (i, v) in vanishing.iter_mut().enumerate() {
-        if let Some(netns) = v.2.take() {
-            schedule.push((
-                i,
-                Duration::from_millis(rng.below(20 * n_vanish as u64)),
-                netns,
-            ));
-        }
-    }
-    schedule.sort_by_key(|(_, at, _)| *at);
-    let t0 = Instant::now();
-    let deleter = tokio::task::spawn_blocking(move || {
-        let mut deleted = HashMap::new();
-        for (i, at, netns) in schedule {
-            std::thread::sleep((t0 + at).saturating_duration_since(Instant::now()));
-            drop(netns); // `ip netns del`
-            deleted.insert(i, Instant::now());
-        }
-        deleted
-    });
-    let mut marked: HashMap<usize, Instant> = HashMap::new();
-    for (i, (name, ip, _)) in vanishing.iter().enumerate() {
-        marked.insert(i, Instant::now());
-        meshgate_e2e::mark_pod_running(&client, &ns, name, IpAddr::V4(*ip)).await?;
-    }
-    let deleted = deleter.await?;
-    let gone_before_running: Vec<String> = vanishing
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| deleted[i] < marked[i])
-        .map(|(_, v)| v.0.clone())
-        .collect();
+    let gone_before_running = start_while_vanishing(&client, &ns, &mut vanishing, &mut rng).await?;
     for i in 0..n_ghost {
         meshgate_e2e::mark_pod_running(
             &client,
@@ -131,7 +74,121 @@ async fn vanishing_netns_and_unmatched_ips_are_never_evicted_blindly() -> anyhow
     tokio::time::sleep(Duration::from_secs(if soak() { 30 } else { 8 })).await;
     let elapsed = begun.elapsed();
     let cpu = cpu_seconds(pid).context("cpu after")? - cpu0;
+    let spent = Spent { pid, cpu, elapsed };
+    none_evicted_blindly(
+        &api,
+        &agent,
+        &gone_before_running,
+        (n_vanish, n_ghost),
+        spent,
+    )
+    .await
+}
 
+/// The pods whose namespace will vanish: (name, IP, namespace).
+type Vanishing = Vec<(String, Ipv4Addr, Option<PodNetns>)>;
+
+/// `n` pods in namespaces without rules, in `subnet` from .1 on.
+fn vanishing_pods(subnet: [u8; 3], n: usize) -> anyhow::Result<Vanishing> {
+    let mut vanishing: Vanishing = Vec::new();
+    for i in 0..n {
+        let ip = ip_of(subnet, (i + 1) as u8);
+        vanishing.push((
+            format!("vanish-{i}"),
+            ip,
+            Some(PodNetns::new(ip, Rules::None)?),
+        ));
+    }
+    Ok(vanishing)
+}
+
+/// Creates the vanishing pods, `n_ghost` pods no namespace will hold, and the two control
+/// pods, on `node`.
+async fn create_pods(
+    api: &Api<Pod>,
+    node: &str,
+    vanishing: &Vanishing,
+    n_ghost: usize,
+) -> anyhow::Result<()> {
+    for (name, _, _) in vanishing {
+        api.create(&PostParams::default(), &meshed_pod(name, node)?)
+            .await?;
+    }
+    for i in 0..n_ghost {
+        api.create(
+            &PostParams::default(),
+            &meshed_pod(&format!("ghost-{i}"), node)?,
+        )
+        .await?;
+    }
+    for name in ["control-missing", "control-ok"] {
+        api.create(&PostParams::default(), &meshed_pod(name, node)?)
+            .await?;
+    }
+    Ok(())
+}
+
+/// Starts the pods one after the other while their namespaces disappear at random moments
+/// over the same span: some before their pod is Running, some while the agent inspects the
+/// burst, some after. Returns the pods whose namespace was gone before they were Running.
+async fn start_while_vanishing(
+    client: &Client,
+    ns: &str,
+    vanishing: &mut Vanishing,
+    rng: &mut Rng,
+) -> anyhow::Result<Vec<String>> {
+    let n_vanish = vanishing.len();
+    let mut schedule: Vec<(usize, Duration, PodNetns)> = Vec::new();
+    for (i, v) in vanishing.iter_mut().enumerate() {
+        if let Some(netns) = v.2.take() {
+            schedule.push((
+                i,
+                Duration::from_millis(rng.below(20 * n_vanish as u64)),
+                netns,
+            ));
+        }
+    }
+    schedule.sort_by_key(|(_, at, _)| *at);
+    let t0 = Instant::now();
+    let deleter = tokio::task::spawn_blocking(move || {
+        let mut deleted = HashMap::new();
+        for (i, at, netns) in schedule {
+            std::thread::sleep((t0 + at).saturating_duration_since(Instant::now()));
+            drop(netns); // `ip netns del`
+            deleted.insert(i, Instant::now());
+        }
+        deleted
+    });
+    let mut marked: HashMap<usize, Instant> = HashMap::new();
+    for (i, (name, ip, _)) in vanishing.iter().enumerate() {
+        marked.insert(i, Instant::now());
+        meshgate_e2e::mark_pod_running(client, ns, name, IpAddr::V4(*ip)).await?;
+    }
+    let deleted = deleter.await?;
+    Ok(vanishing
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| deleted[i] < marked[i])
+        .map(|(_, v)| v.0.clone())
+        .collect())
+}
+
+/// The agent's process and the CPU it spent over the watched span.
+struct Spent {
+    pid: u32,
+    cpu: f64,
+    elapsed: Duration,
+}
+
+/// None of the pods was evicted without its namespace read without rules, the ghosts are
+/// reported unknown, and the agent lives, did not panic, and backed off.
+async fn none_evicted_blindly(
+    api: &Api<Pod>,
+    agent: &Agent,
+    gone_before_running: &[String],
+    (n_vanish, n_ghost): (usize, usize),
+    Spent { pid, cpu, elapsed }: Spent,
+) -> anyhow::Result<()> {
     let all = api.list(&Default::default()).await?.items;
     let evicted: Vec<String> = all
         .iter()

@@ -35,24 +35,88 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
     dirs.config("10-calico.conflist", &invalid)?;
 
     let subnet = private_subnet();
+    let (ips, _kubelet) = run_pods(cp, &node);
+    let started = SystemTime::now();
+    // When each pod was first seen terminating (or gone), by a watch of the test's own; and a
+    // clock pair to compare those instants with the audit log's wall-clock times.
+    let clock = (Instant::now(), SystemTime::now());
+    let (term_watch, terminating, watch_errors) = watch_terminating(&client, &ns);
+    let mut agent = start_agent(&id, &node, &dirs)?;
+    let log = NodeLog::start(&client, &node);
+    log.wait("gated at start", WAIT, gated("ChainedPluginMissing"))
+        .await
+        .with_context(|| tail(&agent.log(), 40))?;
+
+    let rounds = if soak() { 200 } else { 50 };
+    let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let world = World {
+        dirs: &dirs,
+        configs: [&invalid, &valid],
+        subnet,
+        ips: &ips,
+        api: &api,
+        node: &node,
+        log: &log,
+    };
+    let kills = Kills::run(&world, &mut agent, &mut rng, rounds).await?;
+
+    // Every pod without rules is evicted in the end; then count evictions in the audit log.
+    let bad: Vec<&String> = kills
+        .pods
+        .iter()
+        .filter(|(_, r)| !**r)
+        .map(|(n, _)| n)
+        .collect();
+    every_pod_without_rules_evicted(&api, &bad, &agent).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    term_watch.abort();
+    let requests = id.requests(cp, started)?;
+    let terminating = snapshot(&terminating);
+    let evictions = Evictions::of(&requests);
+    let watch_errors = snapshot(&watch_errors);
+    let judged = evictions.judge(&kills.pods, &bad, &terminating, clock);
+    let seen = log.all();
+    let wrong = wrong_untaints(&seen, &kills.timeline);
+    kills.report(rounds, seen.len(), &bad, &evictions);
+    ensure!(
+        wrong.is_empty(),
+        "wrong untaints: {wrong:?}\n{}",
+        tail(&agent.log(), 80)
+    );
+    let slow_rounds = &kills.slow_rounds;
+    ensure!(
+        slow_rounds.is_empty(),
+        "converged later than 2 s after restart: {slow_rounds:?}"
+    );
+    judged.check(&agent, &watch_errors)?;
+    drop(kills);
+    id.remove(&client).await;
+    Ok(())
+}
+
+/// The kubelet stand-in for `node`, reporting each pod's IP from the returned map.
+fn run_pods(
+    cp: &ControlPlane,
+    node: &str,
+) -> (Arc<Mutex<HashMap<String, IpAddr>>>, meshgate_e2e::PodRunner) {
     let ips: Arc<Mutex<HashMap<String, IpAddr>>> = Arc::default();
     let source = ips.clone();
-    let _kubelet = cp.run_pods(&node, move |p: &Pod| {
+    let kubelet = cp.run_pods(node, move |p: &Pod| {
         source
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&p.name_any())
             .copied()
     });
-    let started = SystemTime::now();
-    // When each pod was first seen terminating (or gone), by a watch of the test's own; and a
-    // clock pair to compare those instants with the audit log's wall-clock times.
-    let clock = (Instant::now(), SystemTime::now());
-    let (term_watch, terminating, watch_errors) = watch_terminating(&client, &ns);
-    let mut agent = Agent::start_with_kubeconfig(
+    (ips, kubelet)
+}
+
+/// The agent, as its ServiceAccount, evicting unowned pods without a rate limit.
+fn start_agent(id: &AuditedIdentity, node: &str, dirs: &CniDirs) -> anyhow::Result<Agent> {
+    Ok(Agent::start_with_kubeconfig(
         &id.kubeconfig,
-        &node,
-        &dirs,
+        node,
+        dirs,
         &[
             "--profile",
             "linkerd",
@@ -60,56 +124,92 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
             "--max-evictions-per-minute",
             "100000",
         ],
-    )?;
-    let log = NodeLog::start(&client, &node);
-    log.wait("gated at start", WAIT, gated("ChainedPluginMissing"))
-        .await
-        .with_context(|| tail(&agent.log(), 40))?;
+    )?)
+}
 
-    let rounds = if soak() { 200 } else { 50 };
-    // Config validity over time, for the continuous check.
-    let mut timeline: Vec<(Instant, bool)> = vec![(Instant::now(), false)];
-    let mut valid_now = false;
-    let mut netns: Vec<PodNetns> = Vec::new();
-    // pod name -> has redirect rules
-    let mut pods: BTreeMap<String, bool> = BTreeMap::new();
-    let mut converge: Vec<Duration> = Vec::new();
-    let mut slow_rounds: Vec<String> = Vec::new();
-    let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let mut host = 1u8;
-    let mut port_collisions = 0u32;
-    for round in 0..rounds {
+/// A copy of what the watch task has gathered so far.
+fn snapshot<T: Clone>(shared: &Mutex<T>) -> T {
+    shared.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// What the kill rounds act on.
+struct World<'a> {
+    dirs: &'a CniDirs,
+    /// The config: [invalid, valid].
+    configs: [&'a [u8]; 2],
+    subnet: [u8; 3],
+    /// The pods' IPs, as the kubelet stand-in reports them.
+    ips: &'a Mutex<HashMap<String, IpAddr>>,
+    api: &'a Api<Pod>,
+    node: &'a str,
+    log: &'a NodeLog,
+}
+
+/// What the kill rounds did.
+struct Kills {
+    /// Config validity over time, for the continuous check.
+    timeline: Vec<(Instant, bool)>,
+    valid_now: bool,
+    netns: Vec<PodNetns>,
+    /// pod name -> has redirect rules
+    pods: BTreeMap<String, bool>,
+    converge: Vec<Duration>,
+    slow_rounds: Vec<String>,
+    host: u8,
+    port_collisions: u32,
+}
+
+impl Kills {
+    async fn run(
+        world: &World<'_>,
+        agent: &mut Agent,
+        rng: &mut Rng,
+        rounds: u64,
+    ) -> anyhow::Result<Self> {
+        let mut kills = Self {
+            timeline: vec![(Instant::now(), false)],
+            valid_now: false,
+            netns: Vec::new(),
+            pods: BTreeMap::new(),
+            converge: Vec::new(),
+            slow_rounds: Vec::new(),
+            host: 1,
+            port_collisions: 0,
+        };
+        for round in 0..rounds {
+            kills.round(world, agent, rng, round).await?;
+        }
+        // Sorted for the percentiles.
+        kills.converge.sort();
+        Ok(kills)
+    }
+
+    /// Maybe flips the config, maybe adds a pod or two, then kills the agent at a random
+    /// moment 0-250 ms later and waits for the restarted one to converge.
+    async fn round(
+        &mut self,
+        world: &World<'_>,
+        agent: &mut Agent,
+        rng: &mut Rng,
+        round: u64,
+    ) -> anyhow::Result<()> {
         let flip = round == 0 || rng.below(10) < 6;
-        let new_pods = if host < 240 && rng.below(2) == 0 {
+        let new_pods = if self.host < 240 && rng.below(2) == 0 {
             1 + rng.below(2)
         } else {
             0
         };
         if flip {
-            valid_now = !valid_now;
-            dirs.config(
+            self.valid_now = !self.valid_now;
+            world.dirs.config(
                 "10-calico.conflist",
-                if valid_now { &valid } else { &invalid },
+                world.configs[usize::from(self.valid_now)],
             )?;
-            timeline.push((Instant::now(), valid_now));
+            self.timeline.push((Instant::now(), self.valid_now));
         }
         for _ in 0..new_pods {
             let redirected = rng.below(4) == 0;
-            let ip = ip_of(subnet, host);
-            host += 1;
-            let rules = if redirected {
-                Rules::Linkerd("iptables-legacy")
-            } else {
-                Rules::None
-            };
-            netns.push(PodNetns::new(ip, rules)?);
-            let name = format!("p{round}-{host}");
-            ips.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(name.clone(), IpAddr::V4(ip));
-            api.create(&PostParams::default(), &meshed_pod(&name, &node)?)
-                .await?;
-            pods.insert(name, redirected);
+            self.add_pod(world, round, redirected).await?;
         }
         let delay = Duration::from_millis(rng.below(250));
         tokio::time::sleep(delay).await;
@@ -117,24 +217,79 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
         let restarted = Instant::now();
         agent.restart()?;
         let took = converged(
-            &log,
-            &mut agent,
-            valid_now,
+            world.log,
+            agent,
+            self.valid_now,
             round,
             restarted,
-            &mut port_collisions,
+            &mut self.port_collisions,
         )
         .await?;
         if took > Duration::from_secs(2) {
-            slow_rounds.push(format!(
+            self.slow_rounds.push(format!(
                 "round {round}: {took:?} (flip {flip}, pods {new_pods}, kill after {delay:?})"
             ));
         }
-        converge.push(took);
+        self.converge.push(took);
+        Ok(())
     }
 
-    // Every pod without rules is evicted in the end; then count evictions in the audit log.
-    let bad: Vec<&String> = pods.iter().filter(|(_, r)| !**r).map(|(n, _)| n).collect();
+    /// A meshed pod in a network namespace of its own, with linkerd's rules or none.
+    async fn add_pod(
+        &mut self,
+        world: &World<'_>,
+        round: u64,
+        redirected: bool,
+    ) -> anyhow::Result<()> {
+        let ip = ip_of(world.subnet, self.host);
+        self.host += 1;
+        let rules = if redirected {
+            Rules::Linkerd("iptables-legacy")
+        } else {
+            Rules::None
+        };
+        self.netns.push(PodNetns::new(ip, rules)?);
+        let name = format!("p{round}-{}", self.host);
+        world
+            .ips
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.clone(), IpAddr::V4(ip));
+        world
+            .api
+            .create(&PostParams::default(), &meshed_pod(&name, world.node)?)
+            .await?;
+        self.pods.insert(name, redirected);
+        Ok(())
+    }
+
+    /// Prints the run's figures, before any of them is judged.
+    fn report(&self, rounds: u64, states: usize, bad: &[&String], evictions: &Evictions) {
+        let Evictions { by_pod, codes } = evictions;
+        let (converge, port_collisions) = (&self.converge, self.port_collisions);
+        let attempts: usize = by_pod.values().map(Vec::len).sum();
+        eprintln!(
+            "[faults] sigkill: {rounds} kills; converged after restart p50 {:.0} ms p90 {:.0} ms max {:.0} ms; \
+             {} node states watched, {} config flips; {} pods ({} without rules, all evicted), {attempts} eviction \
+             requests for {} pods; answers by HTTP code {codes:?}; admin port taken at restart {port_collisions} times",
+            ms(percentile(converge, 0.5)),
+            ms(percentile(converge, 0.9)),
+            ms(percentile(converge, 1.0)),
+            states,
+            self.timeline.len() - 1,
+            self.pods.len(),
+            bad.len(),
+            by_pod.len(),
+        );
+    }
+}
+
+/// Every pod without rules ends up evicted (terminating or gone).
+async fn every_pod_without_rules_evicted(
+    api: &Api<Pod>,
+    bad: &[&String],
+    agent: &Agent,
+) -> anyhow::Result<()> {
     meshgate_e2e::harness::wait::poll_until("every pod without rules evicted", WAIT, || async {
         let live = api.list(&Default::default()).await?.items;
         let left: Vec<String> = live
@@ -145,108 +300,121 @@ async fn agent_sigkill_at_random_moments_converges_and_never_untaints_unverified
         anyhow::Ok(left.is_empty().then_some(()))
     })
     .await
-    .with_context(|| tail(&agent.log(), 60))?;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    term_watch.abort();
-    // Evictions, by the apiserver's audit log. A request the agent abandoned because it was
-    // killed shows as 504 (context canceled) and may or may not have been applied, so whether
-    // a pod was evicted is read from the pod itself (above), and "evicted twice" means: an
-    // eviction request received after the pod was already terminating (as this test's watch
-    // saw it, with a margin for the watch's delivery delay) — the agent acting on stale
-    // knowledge of its own eviction.
-    const MARGIN: Duration = Duration::from_millis(200);
-    let requests = id.requests(cp, started)?;
-    let terminating = terminating
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone();
-    let wall = |t: Instant| clock.1 + t.saturating_duration_since(clock.0);
-    let mut by_pod: BTreeMap<String, Vec<(SystemTime, Option<u16>)>> = BTreeMap::new();
-    let mut codes: BTreeMap<Option<u16>, usize> = BTreeMap::new();
-    for r in requests
-        .iter()
-        .filter(|r| r.subresource == "eviction" && r.verb == "create")
-    {
-        *codes.entry(r.code).or_default() += 1;
-        by_pod
-            .entry(r.name.clone())
-            .or_default()
-            .push((r.received, r.code));
+    .with_context(|| tail(&agent.log(), 60))
+}
+
+/// The agent's eviction requests, by the apiserver's audit log.
+struct Evictions {
+    /// Per pod: when each request was received, and its answer's HTTP code.
+    by_pod: BTreeMap<String, Vec<(SystemTime, Option<u16>)>>,
+    /// How many requests got each HTTP code.
+    codes: BTreeMap<Option<u16>, usize>,
+}
+
+/// The eviction requests that break a promise.
+struct Judged<'a> {
+    /// Evicted pods the test's watch never saw terminating.
+    unwatched: Vec<&'a String>,
+    /// Pods evicted again after they were terminating.
+    twice: Vec<String>,
+    /// Pods with redirect rules that got an eviction request.
+    wrongly: Vec<&'a String>,
+    /// Pods without rules that got none.
+    unrequested: Vec<&'a &'a String>,
+}
+
+impl Evictions {
+    fn of(requests: &[meshgate_e2e::harness::audit::Request]) -> Self {
+        let mut by_pod: BTreeMap<String, Vec<(SystemTime, Option<u16>)>> = BTreeMap::new();
+        let mut codes: BTreeMap<Option<u16>, usize> = BTreeMap::new();
+        for r in requests
+            .iter()
+            .filter(|r| r.subresource == "eviction" && r.verb == "create")
+        {
+            *codes.entry(r.code).or_default() += 1;
+            by_pod
+                .entry(r.name.clone())
+                .or_default()
+                .push((r.received, r.code));
+        }
+        Self { by_pod, codes }
     }
-    // Every evicted pod must have been seen terminating, or the re-eviction check below
-    // could not judge it.
-    let unwatched: Vec<&String> = by_pod
-        .keys()
-        .filter(|p| bad.contains(p) && !terminating.contains_key(*p))
-        .collect();
-    let watch_errors = watch_errors
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone();
-    let twice: Vec<String> = by_pod
-        .iter()
-        .filter_map(|(pod, reqs)| {
-            let t = wall(*terminating.get(pod)?);
-            let late: Vec<_> = reqs.iter().filter(|(at, _)| *at > t + MARGIN).collect();
-            (!late.is_empty()).then(|| {
-                format!("{pod}: requests {reqs:?}, terminating since {t:?}, late {late:?}")
+
+    /// A request the agent abandoned because it was killed shows as 504 (context canceled) and
+    /// may or may not have been applied, so whether a pod was evicted is read from the pod
+    /// itself, and "evicted twice" means: an eviction request received after the pod was
+    /// already terminating (as the test's watch saw it, with a margin for the watch's delivery
+    /// delay) — the agent acting on stale knowledge of its own eviction.
+    fn judge<'a>(
+        &'a self,
+        pods: &BTreeMap<String, bool>,
+        bad: &'a [&'a String],
+        terminating: &HashMap<String, Instant>,
+        clock: (Instant, SystemTime),
+    ) -> Judged<'a> {
+        const MARGIN: Duration = Duration::from_millis(200);
+        let by_pod = &self.by_pod;
+        let wall = |t: Instant| clock.1 + t.saturating_duration_since(clock.0);
+        // Every evicted pod must have been seen terminating, or the re-eviction check below
+        // could not judge it.
+        let unwatched: Vec<&String> = by_pod
+            .keys()
+            .filter(|p| bad.contains(p) && !terminating.contains_key(*p))
+            .collect();
+        let twice: Vec<String> = by_pod
+            .iter()
+            .filter_map(|(pod, reqs)| {
+                let t = wall(*terminating.get(pod)?);
+                let late: Vec<_> = reqs.iter().filter(|(at, _)| *at > t + MARGIN).collect();
+                (!late.is_empty()).then(|| {
+                    format!("{pod}: requests {reqs:?}, terminating since {t:?}, late {late:?}")
+                })
             })
-        })
-        .collect();
-    let wrongly: Vec<_> = by_pod
-        .keys()
-        .filter(|n| pods.get(*n) == Some(&true))
-        .collect();
-    let unrequested: Vec<_> = bad.iter().filter(|n| !by_pod.contains_key(**n)).collect();
+            .collect();
+        let wrongly: Vec<_> = by_pod
+            .keys()
+            .filter(|n| pods.get(*n) == Some(&true))
+            .collect();
+        let unrequested: Vec<_> = bad.iter().filter(|n| !by_pod.contains_key(**n)).collect();
+        Judged {
+            unwatched,
+            twice,
+            wrongly,
+            unrequested,
+        }
+    }
+}
 
-    let seen = log.all();
-    let wrong = wrong_untaints(&seen, &timeline);
-
-    converge.sort();
-    let attempts: usize = by_pod.values().map(Vec::len).sum();
-    eprintln!(
-        "[faults] sigkill: {rounds} kills; converged after restart p50 {:.0} ms p90 {:.0} ms max {:.0} ms; \
-         {} node states watched, {} config flips; {} pods ({} without rules, all evicted), {attempts} eviction \
-         requests for {} pods; answers by HTTP code {codes:?}; admin port taken at restart {port_collisions} times",
-        ms(percentile(&converge, 0.5)),
-        ms(percentile(&converge, 0.9)),
-        ms(percentile(&converge, 1.0)),
-        seen.len(),
-        timeline.len() - 1,
-        pods.len(),
-        bad.len(),
-        by_pod.len(),
-    );
-    ensure!(
-        wrong.is_empty(),
-        "wrong untaints: {wrong:?}\n{}",
-        tail(&agent.log(), 80)
-    );
-    ensure!(
-        slow_rounds.is_empty(),
-        "converged later than 2 s after restart: {slow_rounds:?}"
-    );
-    ensure!(
-        unwatched.is_empty(),
-        "evicted pods never seen terminating by the test's watch, so whether they were \
-         evicted again cannot be judged: {unwatched:?} (watch errors: {watch_errors:?})"
-    );
-    ensure!(
-        twice.is_empty(),
-        "pods evicted again after they were terminating: {twice:?}\n{}",
-        tail(&agent.log(), 60)
-    );
-    ensure!(
-        wrongly.is_empty(),
-        "pods with redirect rules evicted: {wrongly:?}"
-    );
-    ensure!(
-        unrequested.is_empty(),
-        "pods evicted without an eviction request by the agent: {unrequested:?}"
-    );
-    drop(netns);
-    id.remove(&client).await;
-    Ok(())
+impl Judged<'_> {
+    /// Every evicted pod was watched, none was evicted twice, none with rules was evicted,
+    /// and every one without rules was asked to be.
+    fn check(&self, agent: &Agent, watch_errors: &[String]) -> anyhow::Result<()> {
+        let Self {
+            unwatched,
+            twice,
+            wrongly,
+            unrequested,
+        } = self;
+        ensure!(
+            unwatched.is_empty(),
+            "evicted pods never seen terminating by the test's watch, so whether they were \
+             evicted again cannot be judged: {unwatched:?} (watch errors: {watch_errors:?})"
+        );
+        ensure!(
+            twice.is_empty(),
+            "pods evicted again after they were terminating: {twice:?}\n{}",
+            tail(&agent.log(), 60)
+        );
+        ensure!(
+            wrongly.is_empty(),
+            "pods with redirect rules evicted: {wrongly:?}"
+        );
+        ensure!(
+            unrequested.is_empty(),
+            "pods evicted without an eviction request by the agent: {unrequested:?}"
+        );
+        Ok(())
+    }
 }
 
 /// When each pod of `ns` was first seen terminating (or gone), by a watch of the test's own,

@@ -1,6 +1,7 @@
 //! The webhook sustains load, then drains its in-flight reviews on SIGTERM.
 
 use super::*;
+use meshgate_e2e::load::review::Sample;
 
 /// A TCP proxy between the webhook and the apiserver that can stall every byte on demand, so
 /// the webhook's API lookups hang (an apiserver that stops answering) while the apiserver
@@ -148,20 +149,45 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
         webhook.wait_ready(Duration::from_secs(60)).await?;
         // The cache has every node once its labels answer as expected.
         let connector = review::tls_connector(&webhook.ca_der)?;
-        let mut reviews: Vec<Review> = Vec::new();
-        for i in 0..400 {
-            let (g, b) = (&good[i % good.len()], &bad[i % bad.len()]);
-            let uid = format!("{tag}-{i}");
-            reviews.push(match i % 10 {
-                0..=3 => review::pod_review(&uid, g, true, true),
-                4..=6 => review::pod_review(&uid, b, true, false),
-                7 | 8 => review::pod_review(&uid, b, false, true),
-                _ => review::binding_review(&uid, &ns, "pending", b, false),
-            });
-        }
-        let reviews = Arc::new(reviews);
-        // Warm up until the caches answer every kind right.
-        meshgate_e2e::harness::wait::poll_until("the webhook's caches to hold the test's nodes and pod", WAIT, || async {
+        let reviews = Arc::new(mixed_reviews(&tag, &ns, &good, &bad));
+        warm_up(&webhook, &connector, &reviews).await?;
+
+        sustains_load(&webhook, &connector, &reviews).await?;
+        drains_on_sigterm(webhook, &proxy, &connector, &reviews, &ns, &tag, &bad, delay).await
+    }
+    .await;
+    cleanup.await;
+    result
+}
+
+/// 400 reviews of every kind: pods on verified nodes (allowed), meshed pods on unverified ones
+/// (refused), unmeshed pods there (allowed), and bindings of the pending pod to them
+/// (refused).
+fn mixed_reviews(tag: &str, ns: &str, good: &[String], bad: &[String]) -> Vec<Review> {
+    let mut reviews: Vec<Review> = Vec::new();
+    for i in 0..400 {
+        let (g, b) = (&good[i % good.len()], &bad[i % bad.len()]);
+        let uid = format!("{tag}-{i}");
+        reviews.push(match i % 10 {
+            0..=3 => review::pod_review(&uid, g, true, true),
+            4..=6 => review::pod_review(&uid, b, true, false),
+            7 | 8 => review::pod_review(&uid, b, false, true),
+            _ => review::binding_review(&uid, ns, "pending", b, false),
+        });
+    }
+    reviews
+}
+
+/// Warms up until the caches answer every kind right.
+async fn warm_up(
+    webhook: &WebhookProcess,
+    connector: &tokio_rustls::TlsConnector,
+    reviews: &Arc<Vec<Review>>,
+) -> anyhow::Result<()> {
+    meshgate_e2e::harness::wait::poll_until(
+        "the webhook's caches to hold the test's nodes and pod",
+        WAIT,
+        || async {
             let r = review::run(review::Spec {
                 addr: webhook.listen,
                 path: "/validate".into(),
@@ -173,15 +199,10 @@ async fn webhook_sustains_load_then_drains_in_flight_reviews_on_sigterm() -> any
             })
             .await?;
             anyhow::Ok((r.errors().is_empty() && !r.samples.is_empty()).then_some(()))
-        })
-        .await?;
-
-        sustains_load(&webhook, &connector, &reviews).await?;
-        drains_on_sigterm(webhook, &proxy, &connector, &reviews, &ns, &tag, &bad, delay).await
-    }
-    .await;
-    cleanup.await;
-    result
+        },
+    )
+    .await?;
+    Ok(())
 }
 
 /// The webhook answers the offered rate without an error, counting every review (and, in the
@@ -277,6 +298,47 @@ async fn drains_on_sigterm(
 ) -> anyhow::Result<()> {
     // Drain: stall the API, send reviews that need lookups, SIGTERM while they wait.
     proxy.stall(true);
+    let slow_load = tokio::spawn(review::run(stalled_load(&webhook, connector, ns, tag, bad)));
+    let background = tokio::spawn(review::run(background_load(&webhook, connector, reviews)));
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let term = webhook.sigterm().context("SIGTERM")?;
+    let probes = Probes::during_delay(&webhook, term, delay).await;
+    // The exit is awaited while the loads still run in their own tasks (the background
+    // one outlasts the drain), so `exited` is the process's exit, polled every 10 ms.
+    let exit = webhook.wait_exit(Duration::from_secs(30)).await;
+    let exited = term.elapsed();
+    let slow = slow_load.await??;
+    let background = background.await??;
+    proxy.stall(false);
+    let log = webhook.log();
+
+    // The drain starts at SIGTERM + delay (a little later, counting the signal's delivery).
+    let drain = term + delay;
+    let stalled = Stalled::judge(&slow, term, drain);
+    // The process exits once the drain is done: when the last in-flight review is answered
+    // (after the delay), plus its shutdown, within a margin for a loaded machine. A drain
+    // that waited for its 20 s timeout instead fails this (and the log check below).
+    let exit_bound = delay + stalled.last_answer + Duration::from_millis(1500);
+    let bg = Background::judge(&background, term, drain, probes.unready);
+    let exit = Exit {
+        status: exit,
+        after_term: exited,
+        bound: exit_bound,
+    };
+    report_drain(delay, term, drain, &probes, &stalled, &bg, &exit, &log);
+    stayed_ready_to_serve_in_the_delay(&webhook, delay, &probes, &bg)?;
+    answered_every_review_then_exited(&webhook, &stalled, &bg, &exit, &log)
+}
+
+/// 40 bindings of pods the cache does not hold, to an unverified node: each pod is looked up
+/// (stalled, bounded by --lookup-timeout 2 s), then refused. All are sent at once.
+fn stalled_load(
+    webhook: &WebhookProcess,
+    connector: &tokio_rustls::TlsConnector,
+    ns: &str,
+    tag: &str,
+    bad: &[String],
+) -> review::Spec {
     let mut slow = Vec::new();
     for i in 0..40 {
         let uid = format!("{tag}-slow-{i}");
@@ -290,7 +352,7 @@ async fn drains_on_sigterm(
             false,
         ));
     }
-    let slow_load = tokio::spawn(review::run(review::Spec {
+    review::Spec {
         addr: webhook.listen,
         path: "/validate".into(),
         connector: connector.clone(),
@@ -298,12 +360,20 @@ async fn drains_on_sigterm(
         rate: 400.0,
         duration: Duration::from_millis(100),
         connections: 40,
-    }));
+    }
+}
+
+/// A background load through the delay and past the drain: 1,000/s for 3 s.
+fn background_load(
+    webhook: &WebhookProcess,
+    connector: &tokio_rustls::TlsConnector,
+    reviews: &Arc<Vec<Review>>,
+) -> review::Spec {
     // Allowed reviews only: a refusal looks up the node's condition reason (its message
     // names it), which now stalls for the 2 s lookup timeout and would hold a background
     // connection through most of the delay.
     let allowed: Vec<Review> = reviews.iter().filter(|r| r.allowed).cloned().collect();
-    let background = tokio::spawn(review::run(review::Spec {
+    review::Spec {
         addr: webhook.listen,
         path: "/validate".into(),
         connector: connector.clone(),
@@ -311,93 +381,199 @@ async fn drains_on_sigterm(
         rate: 1000.0,
         duration: Duration::from_secs(3),
         connections: 8,
-    }));
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    let term = webhook.sigterm().context("SIGTERM")?;
-    // The kubelet's readiness probe, polled right after the signal: 503 within the delay,
-    // while the process still lives (`/live`).
-    let mut unready = None;
-    while unready.is_none() && term.elapsed() < delay {
-        if let Some((503, _)) = webhook.admin_get("/ready").await {
-            unready = Some(Instant::now());
-        } else {
-            tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The kubelet's probes right after the signal.
+struct Probes {
+    /// When `/ready` first answered 503, if it did within the delay.
+    unready: Option<Instant>,
+    /// `/live`'s status code then.
+    live_in_delay: Option<u16>,
+    /// How long after SIGTERM `/live` was checked.
+    live_checked: Duration,
+}
+
+impl Probes {
+    /// The kubelet's readiness probe, polled right after the signal: 503 within the delay,
+    /// while the process still lives (`/live`).
+    async fn during_delay(webhook: &WebhookProcess, term: Instant, delay: Duration) -> Self {
+        let mut unready = None;
+        while unready.is_none() && term.elapsed() < delay {
+            if let Some((503, _)) = webhook.admin_get("/ready").await {
+                unready = Some(Instant::now());
+            } else {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        let live_in_delay = webhook.admin_get("/live").await.map(|(code, _)| code);
+        let live_checked = term.elapsed();
+        Self {
+            unready,
+            live_in_delay,
+            live_checked,
         }
     }
-    let live_in_delay = webhook.admin_get("/live").await.map(|(code, _)| code);
-    let live_checked = term.elapsed();
-    // The exit is awaited while the loads still run in their own tasks (the background
-    // one outlasts the drain), so `exited` is the process's exit, polled every 10 ms.
-    let exit = webhook.wait_exit(Duration::from_secs(30)).await;
-    let exited = term.elapsed();
-    let slow = slow_load.await??;
-    let background = background.await??;
-    proxy.stall(false);
-    let log = webhook.log();
+}
 
-    // The drain starts at SIGTERM + delay (a little later, counting the signal's delivery).
-    let drain = term + delay;
-    let in_flight: Vec<_> = slow.samples.iter().filter(|s| s.sent < term).collect();
-    let slow_wrong: Vec<_> = in_flight
-        .iter()
-        .filter(|s| s.outcome != Outcome::Right)
-        .collect();
-    let slowest = in_flight
-        .iter()
-        .map(|s| s.done.saturating_duration_since(s.sent))
-        .max()
-        .unwrap_or_default();
-    // Answered 500 ms or more after the drain began: they were in flight when it did.
-    // Each waits for the 2 s lookup timeout from when it was sent, ≥ 400 ms before
-    // SIGTERM, so they are answered ~1 s after the drain began.
-    let answered_in_drain = in_flight
-        .iter()
-        .filter(|s| s.done > drain + Duration::from_millis(500))
-        .count();
-    let first_slow_answer = in_flight
-        .iter()
-        .map(|s| s.done.saturating_duration_since(drain))
-        .min()
-        .unwrap_or_default();
-    let last_slow_answer = in_flight
-        .iter()
-        .map(|s| s.done.saturating_duration_since(drain))
-        .max()
-        .unwrap_or_default();
-    // The process exits once the drain is done: when the last in-flight review is answered
-    // (after the delay), plus its shutdown, within a margin for a loaded machine. A drain
-    // that waited for its 20 s timeout instead fails this (and the log check below).
-    let exit_bound = delay + last_slow_answer + Duration::from_millis(1500);
-    // Background requests sent at least `margin` before the drain reached the server
-    // before the listener closed (the client still has to connect, since every answer
-    // during the delay closes its connection); later ones race the close and are
-    // reported, not judged.
-    let margin = Duration::from_millis(20);
-    let bg_judged: Vec<_> = background
-        .samples
-        .iter()
-        .filter(|s| s.sent + margin < drain)
-        .collect();
-    let bg_judged_wrong: Vec<_> = bg_judged
-        .iter()
-        .filter(|s| s.outcome != Outcome::Right)
-        .collect();
-    let bg_in_delay = bg_judged.iter().filter(|s| s.sent >= term).count();
-    let bg_while_unready = unready.map_or(0, |u| {
-        bg_judged
+/// The reviews waiting on stalled lookups, judged against the drain.
+struct Stalled<'a> {
+    /// Those sent before SIGTERM.
+    in_flight: Vec<&'a Sample>,
+    /// Those of them not answered right.
+    wrong: Vec<&'a Sample>,
+    /// The longest any of them took.
+    slowest: Duration,
+    /// How many were answered 500 ms or more after the drain began.
+    answered_in_drain: usize,
+    /// The first and last answer, from the drain's start.
+    first_answer: Duration,
+    last_answer: Duration,
+}
+
+impl<'a> Stalled<'a> {
+    fn judge(slow: &'a review::Report, term: Instant, drain: Instant) -> Self {
+        let in_flight: Vec<_> = slow.samples.iter().filter(|s| s.sent < term).collect();
+        let wrong: Vec<_> = in_flight
             .iter()
-            .filter(|s| s.sent >= u && s.outcome == Outcome::Right)
-            .count()
-    });
-    let bg_after: Vec<_> = background
-        .samples
-        .iter()
-        .filter(|s| s.sent >= drain)
-        .collect();
-    let bg_after_failed = bg_after
-        .iter()
-        .filter(|s| matches!(s.outcome, Outcome::Failed(_)))
-        .count();
+            .copied()
+            .filter(|s| s.outcome != Outcome::Right)
+            .collect();
+        let slowest = in_flight
+            .iter()
+            .map(|s| s.done.saturating_duration_since(s.sent))
+            .max()
+            .unwrap_or_default();
+        // Answered 500 ms or more after the drain began: they were in flight when it did.
+        // Each waits for the 2 s lookup timeout from when it was sent, ≥ 400 ms before
+        // SIGTERM, so they are answered ~1 s after the drain began.
+        let answered_in_drain = in_flight
+            .iter()
+            .filter(|s| s.done > drain + Duration::from_millis(500))
+            .count();
+        let first_answer = in_flight
+            .iter()
+            .map(|s| s.done.saturating_duration_since(drain))
+            .min()
+            .unwrap_or_default();
+        let last_answer = in_flight
+            .iter()
+            .map(|s| s.done.saturating_duration_since(drain))
+            .max()
+            .unwrap_or_default();
+        Self {
+            in_flight,
+            wrong,
+            slowest,
+            answered_in_drain,
+            first_answer,
+            last_answer,
+        }
+    }
+}
+
+/// Background requests sent at least this long before the drain reached the server before the
+/// listener closed (the client still has to connect, since every answer during the delay
+/// closes its connection); later ones race the close and are reported, not judged.
+const MARGIN: Duration = Duration::from_millis(20);
+
+/// The background load, judged against the signal, `/ready` and the drain.
+struct Background<'a> {
+    /// Those sent at least [`MARGIN`] before the drain.
+    judged: Vec<&'a Sample>,
+    /// Those of them not answered right.
+    judged_wrong: Vec<&'a Sample>,
+    /// Judged ones sent during the delay.
+    in_delay: usize,
+    /// Judged ones sent after `/ready` turned 503, and answered right.
+    while_unready: usize,
+    /// Those sent after the drain began, and how many of them failed.
+    after: usize,
+    after_failed: usize,
+    /// When the last one answered right, and the first one not, were sent.
+    last_right: Option<Instant>,
+    first_failed: Option<Instant>,
+}
+
+impl<'a> Background<'a> {
+    fn judge(
+        background: &'a review::Report,
+        term: Instant,
+        drain: Instant,
+        unready: Option<Instant>,
+    ) -> Self {
+        let judged: Vec<_> = background
+            .samples
+            .iter()
+            .filter(|s| s.sent + MARGIN < drain)
+            .collect();
+        let judged_wrong: Vec<_> = judged
+            .iter()
+            .copied()
+            .filter(|s| s.outcome != Outcome::Right)
+            .collect();
+        let in_delay = judged.iter().filter(|s| s.sent >= term).count();
+        let while_unready = unready.map_or(0, |u| {
+            judged
+                .iter()
+                .filter(|s| s.sent >= u && s.outcome == Outcome::Right)
+                .count()
+        });
+        let after: Vec<_> = background
+            .samples
+            .iter()
+            .filter(|s| s.sent >= drain)
+            .collect();
+        let after_failed = after
+            .iter()
+            .filter(|s| matches!(s.outcome, Outcome::Failed(_)))
+            .count();
+        let last_right = background
+            .samples
+            .iter()
+            .filter(|s| s.outcome == Outcome::Right)
+            .map(|s| s.sent)
+            .max();
+        let first_failed = background
+            .samples
+            .iter()
+            .filter(|s| s.outcome != Outcome::Right)
+            .map(|s| s.sent)
+            .min();
+        Self {
+            judged,
+            judged_wrong,
+            in_delay,
+            while_unready,
+            after: after.len(),
+            after_failed,
+            last_right,
+            first_failed,
+        }
+    }
+}
+
+/// The webhook's exit: its status, how long after SIGTERM, and the bound it must meet.
+struct Exit {
+    status: Option<i32>,
+    after_term: Duration,
+    bound: Duration,
+}
+
+/// Prints every figure of the drain, before any of them is judged.
+#[allow(clippy::too_many_arguments)]
+fn report_drain(
+    delay: Duration,
+    term: Instant,
+    drain: Instant,
+    probes: &Probes,
+    stalled: &Stalled,
+    bg: &Background,
+    exit: &Exit,
+    log: &str,
+) {
+    let margin = MARGIN;
+    let live_in_delay = probes.live_in_delay;
     let signed_ms = |t: Instant| {
         if t >= drain {
             ms(t - drain)
@@ -405,48 +581,51 @@ async fn drains_on_sigterm(
             -ms(drain - t)
         }
     };
-    let last_right = background
-        .samples
-        .iter()
-        .filter(|s| s.outcome == Outcome::Right)
-        .map(|s| s.sent)
-        .max();
-    let first_failed = background
-        .samples
-        .iter()
-        .filter(|s| s.outcome != Outcome::Right)
-        .map(|s| s.sent)
-        .min();
     eprintln!(
         "[faults] webhook drain (--shutdown-delay {delay:?}): /ready 503 {} after SIGTERM, /live {live_in_delay:?} at {:.0} ms; \
          {} reviews waiting on stalled lookups at SIGTERM, each answered up to {:.0} ms after it was sent (the first {:.0} ms and the last {:.0} ms after the drain began, {} of them ≥ 500 ms after), {} wrong; \
          background: {} sent before the drain less {margin:?} ({} wrong; {} of them during the delay, {} answered right after /ready turned 503), \
          last answered one sent {} ms from the drain, first failure sent {} ms from it; {} sent after the drain ({} refused by the closed listener); \
          exit {:?} {:.0} ms after SIGTERM (bound {:.0} ms), log drained: {}, drain timed out: {}",
-        unready.map_or("never".to_string(), |u| format!("{:.0} ms", ms(u - term))),
-        ms(live_checked),
-        in_flight.len(),
-        ms(slowest),
-        ms(first_slow_answer),
-        ms(last_slow_answer),
-        answered_in_drain,
-        slow_wrong.len(),
-        bg_judged.len(),
-        bg_judged_wrong.len(),
-        bg_in_delay,
-        bg_while_unready,
-        last_right.map_or("-".to_string(), |t| format!("{:+.0}", signed_ms(t))),
-        first_failed.map_or("-".to_string(), |t| format!("{:+.0}", signed_ms(t))),
-        bg_after.len(),
-        bg_after_failed,
-        exit,
-        ms(exited),
-        ms(exit_bound),
+        probes
+            .unready
+            .map_or("never".to_string(), |u| format!("{:.0} ms", ms(u - term))),
+        ms(probes.live_checked),
+        stalled.in_flight.len(),
+        ms(stalled.slowest),
+        ms(stalled.first_answer),
+        ms(stalled.last_answer),
+        stalled.answered_in_drain,
+        stalled.wrong.len(),
+        bg.judged.len(),
+        bg.judged_wrong.len(),
+        bg.in_delay,
+        bg.while_unready,
+        bg.last_right
+            .map_or("-".to_string(), |t| format!("{:+.0}", signed_ms(t))),
+        bg.first_failed
+            .map_or("-".to_string(), |t| format!("{:+.0}", signed_ms(t))),
+        bg.after,
+        bg.after_failed,
+        exit.status,
+        ms(exit.after_term),
+        ms(exit.bound),
         log.contains("drained"),
         log.contains("drain timed out"),
     );
+}
+
+/// During the delay `/ready` answered 503, `/live` 200, and reviews were still answered after
+/// `/ready` turned.
+fn stayed_ready_to_serve_in_the_delay(
+    webhook: &WebhookProcess,
+    delay: Duration,
+    probes: &Probes,
+    bg: &Background,
+) -> anyhow::Result<()> {
+    let live_in_delay = probes.live_in_delay;
     ensure!(
-        unready.is_some(),
+        probes.unready.is_some(),
         "/ready did not answer 503 within the {delay:?} delay\n{}",
         tail(&webhook.log(), 30)
     );
@@ -455,18 +634,32 @@ async fn drains_on_sigterm(
         "/live answered {live_in_delay:?} during the delay"
     );
     ensure!(
-        live_checked < delay,
+        probes.live_checked < delay,
         "/live was checked {:.0} ms after SIGTERM, after the {delay:?} delay ended",
-        ms(live_checked)
+        ms(probes.live_checked)
     );
     ensure!(
-        bg_while_unready > 0,
+        bg.while_unready > 0,
         "no review was answered while /ready said 503: the webhook stopped serving at the signal"
     );
+    Ok(())
+}
+
+/// Every stalled review was in flight at SIGTERM and answered right during the drain, every
+/// background review sent before it was answered right, and the process exited 0 once the
+/// drain completed.
+fn answered_every_review_then_exited(
+    webhook: &WebhookProcess,
+    stalled: &Stalled,
+    bg: &Background,
+    exit: &Exit,
+    log: &str,
+) -> anyhow::Result<()> {
+    let (slow_wrong, answered_in_drain) = (&stalled.wrong, stalled.answered_in_drain);
     ensure!(
-        in_flight.len() == 40,
+        stalled.in_flight.len() == 40,
         "all 40 slow reviews were sent before SIGTERM: {}",
-        in_flight.len()
+        stalled.in_flight.len()
     );
     ensure!(
         slow_wrong.is_empty(),
@@ -478,28 +671,29 @@ async fn drains_on_sigterm(
         "only {answered_in_drain} of 40 stalled reviews were answered ≥ 500 ms after the drain began"
     );
     ensure!(
-        bg_judged_wrong.is_empty(),
+        bg.judged_wrong.is_empty(),
         "{} of {} reviews sent before the drain failed; first: {:?}",
-        bg_judged_wrong.len(),
-        bg_judged.len(),
-        bg_judged_wrong.first()
+        bg.judged_wrong.len(),
+        bg.judged.len(),
+        bg.judged_wrong.first()
+    );
+    let exit_status = exit.status;
+    ensure!(
+        exit_status == Some(0),
+        "webhook exit status {exit_status:?}\n{}",
+        tail(log, 30)
     );
     ensure!(
-        exit == Some(0),
-        "webhook exit status {exit:?}\n{}",
-        tail(&log, 30)
-    );
-    ensure!(
-        exited <= exit_bound,
+        exit.after_term <= exit.bound,
         "exited {:.0} ms after SIGTERM, later than the delay + the last stalled answer + 1.5 s ({:.0} ms)\n{}",
-        ms(exited),
-        ms(exit_bound),
-        tail(&log, 30)
+        ms(exit.after_term),
+        ms(exit.bound),
+        tail(log, 30)
     );
     ensure!(
         log.contains("drained") && !log.contains("drain timed out"),
         "the drain did not complete\n{}",
-        tail(&log, 30)
+        tail(log, 30)
     );
     Ok(())
 }

@@ -17,7 +17,7 @@ use meshgate_core::gate::{
 use meshgate_e2e::{ControlPlane, NodeSpec, Options, unique_name};
 use serde_json::json;
 
-use super::{gated_node, plugin, run};
+use super::{Ran, gated_node, plugin, run};
 
 static DEDICATED: OnceLock<&'static ControlPlane> = OnceLock::new();
 static START: tokio::sync::OnceCell<Result<(), String>> = tokio::sync::OnceCell::const_new();
@@ -144,30 +144,7 @@ async fn cleanup_removes_only_meshgates_marks_and_is_idempotent() -> anyhow::Res
     let ran = run(kubeconfig, &["cleanup", "--wait-for-agents", "-n", &ns]).await?;
     ensure!(ran.code == Some(0), "{ran}");
     for n in [&a, &b] {
-        ensure!(
-            ran.stdout
-                .contains(&format!("node/{n}: removed taint, label, condition\n")),
-            "{ran}"
-        );
-        let (t, l, c) = marks(&client, n).await?;
-        let want = |set: &BTreeSet<String>, ours: &str| -> BTreeSet<String> {
-            set.iter().filter(|k| k.as_str() != ours).cloned().collect()
-        };
-        ensure!(
-            t == want(&before.0, TAINT_KEY),
-            "taints of {n}: {t:?}, before {:?}",
-            before.0
-        );
-        ensure!(
-            l.iter().all(|k| k != VERIFIED_LABEL) && l.contains("example.com/team"),
-            "labels of {n}: {l:?}"
-        );
-        ensure!(
-            !c.contains(CONDITION_TYPE)
-                && c.contains("example.com/DiskHealthy")
-                && c.contains("Ready"),
-            "conditions of {n}: {c:?}"
-        );
+        only_meshgates_marks_were_removed(&client, &ran, n, &before.0).await?;
     }
     ensure!(
         before.0.contains("example.com/maintenance"),
@@ -184,6 +161,40 @@ async fn cleanup_removes_only_meshgates_marks_and_is_idempotent() -> anyhow::Res
     ensure!(
         again.code == Some(0) && again.stdout.contains("cleanup: 0 changed, 0 failed"),
         "{again}"
+    );
+    Ok(())
+}
+
+/// The cleanup says it removed node `n`'s taint, label and condition, and those are gone
+/// while the node's other taints (`taints_before` less meshgate's), labels and conditions
+/// stay.
+async fn only_meshgates_marks_were_removed(
+    client: &Client,
+    ran: &Ran,
+    n: &str,
+    taints_before: &BTreeSet<String>,
+) -> anyhow::Result<()> {
+    ensure!(
+        ran.stdout
+            .contains(&format!("node/{n}: removed taint, label, condition\n")),
+        "{ran}"
+    );
+    let (t, l, c) = marks(client, n).await?;
+    let want = |set: &BTreeSet<String>, ours: &str| -> BTreeSet<String> {
+        set.iter().filter(|k| k.as_str() != ours).cloned().collect()
+    };
+    ensure!(
+        t == want(taints_before, TAINT_KEY),
+        "taints of {n}: {t:?}, before {:?}",
+        taints_before
+    );
+    ensure!(
+        l.iter().all(|k| k != VERIFIED_LABEL) && l.contains("example.com/team"),
+        "labels of {n}: {l:?}"
+    );
+    ensure!(
+        !c.contains(CONDITION_TYPE) && c.contains("example.com/DiskHealthy") && c.contains("Ready"),
+        "conditions of {n}: {c:?}"
     );
     Ok(())
 }

@@ -23,6 +23,19 @@ async fn only_pods_without_redirects_are_evicted_and_their_replicaset_replaces_t
     agent.wait_ready(WAIT).await?;
 
     let started = Instant::now();
+    create_workloads(&scene).await?;
+    let (original_web, replaced, latency) = web_pods_evicted_and_replaced(&scene, &agent).await?;
+    let evict_seconds = started.elapsed();
+    inspected_once_each(&agent).await?;
+    the_rest_still_run(&scene, &replaced, &fixed).await?;
+    events_only_about_pods_without_rules(&scene, &original_web).await?;
+    report_latency(&agent, &latency, evict_seconds, &plan).await;
+    drop(plan);
+    Ok(())
+}
+
+/// Two web and two ok pods by ReplicaSet, a bare pod, an unmeshed one and a hostNetwork one.
+async fn create_workloads(scene: &Scene) -> anyhow::Result<()> {
     scene
         .create_rs(&replica_set("web", &scene.node, 2, false)?)
         .await?;
@@ -39,9 +52,16 @@ async fn only_pods_without_redirects_are_evicted_and_their_replicaset_replaces_t
     scene
         .create_pod(&bare_pod("bare", &scene.node, true))
         .await?;
+    Ok(())
+}
 
-    // Both web pods are evicted and replaced by Running pods in namespaces with rules.
-    // Polled every 20 ms to time each pod from Running to evicted as the API shows it.
+/// Both web pods are evicted and replaced by Running pods in namespaces with rules.
+/// Polled every 20 ms to time each pod from Running to evicted as the API shows it. Returns the
+/// original web pods, their replacements, and each original's time from Running to evicted.
+async fn web_pods_evicted_and_replaced(
+    scene: &Scene,
+    agent: &Agent,
+) -> anyhow::Result<(Vec<String>, Vec<String>, Latency)> {
     let mut latency = Latency::default();
     let mut original_web: Vec<String> = Vec::new();
     let deadline = Instant::now() + WAIT;
@@ -74,17 +94,19 @@ async fn only_pods_without_redirects_are_evicted_and_their_replicaset_replaces_t
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    let evict_seconds = started.elapsed();
+    Ok((original_web, replaced, latency))
+}
 
-    // Every selected pod with its own namespace was inspected exactly once: 2 web + 1 bare
-    // missing; 2 ok + 2 replacements redirected. plain and hostnet never.
-    wait_metric(&agent, REDIRECTED, |v| v >= 4.0).await?;
+/// Every selected pod with its own namespace was inspected exactly once: 2 web + 1 bare
+/// missing; 2 ok + 2 replacements redirected. plain and hostnet never.
+async fn inspected_once_each(agent: &Agent) -> anyhow::Result<()> {
+    wait_metric(agent, REDIRECTED, |v| v >= 4.0).await?;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    assert_eq!(metric(&agent, REDIRECTED).await, 4.0, "{}", agent.log());
-    assert_eq!(metric(&agent, MISSING).await, 3.0, "{}", agent.log());
-    assert_eq!(metric(&agent, UNKNOWN).await, 0.0, "{}", agent.log());
-    assert_eq!(metric(&agent, EVICTED).await, 2.0);
-    assert_eq!(metric(&agent, &skipped("unowned")).await, 1.0);
+    assert_eq!(metric(agent, REDIRECTED).await, 4.0, "{}", agent.log());
+    assert_eq!(metric(agent, MISSING).await, 3.0, "{}", agent.log());
+    assert_eq!(metric(agent, UNKNOWN).await, 0.0, "{}", agent.log());
+    assert_eq!(metric(agent, EVICTED).await, 2.0);
+    assert_eq!(metric(agent, &skipped("unowned")).await, 1.0);
     assert!(
         agent
             .metric("meshgate_pod_inspection_seconds_count")
@@ -92,11 +114,18 @@ async fn only_pods_without_redirects_are_evicted_and_their_replicaset_replaces_t
             .is_some_and(|c| c == 7.0),
         "one histogram sample per inspected pod"
     );
+    Ok(())
+}
 
-    // The replacements, the ok pods and the bare pod are still there and running.
+/// The replacements, the ok pods and the bare pod are still there and running.
+async fn the_rest_still_run(
+    scene: &Scene,
+    replaced: &[String],
+    fixed: &[IpAddr],
+) -> anyhow::Result<()> {
     let pods = scene.pods().list(&ListParams::default()).await?.items;
     let alive = |name: &str| pods.iter().any(|p| p.name_any() == name && running(p));
-    for name in &replaced {
+    for name in replaced {
         assert!(alive(name), "replacement {name} must not be evicted");
         let ip = pods.iter().find(|p| &p.name_any() == name).and_then(pod_ip);
         assert!(
@@ -119,9 +148,15 @@ async fn only_pods_without_redirects_are_evicted_and_their_replicaset_replaces_t
     }
     let hostnet = scene.app_pods("hostnet").await?;
     assert!(hostnet.len() == 1 && !terminating(&hostnet[0]));
+    Ok(())
+}
 
-    // Events: evicted for the web pods, skipped as unowned for the bare pod, none else.
-    scene.wait_events(&original_web, "Evict", "evicted").await?;
+/// Events: evicted for the web pods, skipped as unowned for the bare pod, none else.
+async fn events_only_about_pods_without_rules(
+    scene: &Scene,
+    original_web: &[String],
+) -> anyhow::Result<()> {
+    scene.wait_events(original_web, "Evict", "evicted").await?;
     scene
         .wait_events(&["bare".into()], "ReportUnowned", "skipped as unowned")
         .await?;
@@ -143,7 +178,11 @@ async fn only_pods_without_redirects_are_evicted_and_their_replicaset_replaces_t
             "the note says what is missing: {es:?}"
         );
     }
+    Ok(())
+}
 
+/// Prints the latencies, API side and agent side, and the mean inspection time.
+async fn report_latency(agent: &Agent, latency: &Latency, evict_seconds: Duration, plan: &Plan) {
     let rss = agent.rss_kib();
     let mut detect: Vec<u128> = latency.evicted.values().map(Duration::as_millis).collect();
     detect.sort();
@@ -161,14 +200,12 @@ async fn only_pods_without_redirects_are_evicted_and_their_replicaset_replaces_t
     eprintln!(
         "[pods] agent-side detection latency (Running seen -> eviction requested): {detect_lines:?} ms"
     );
-    let sum = metric(&agent, "meshgate_pod_inspection_seconds_sum").await;
-    let count = metric(&agent, "meshgate_pod_inspection_seconds_count").await;
+    let sum = metric(agent, "meshgate_pod_inspection_seconds_sum").await;
+    let count = metric(agent, "meshgate_pod_inspection_seconds_count").await;
     eprintln!(
         "[pods] mean inspection time per pod (locate + read rules + match): {:.0} µs over {count} pods",
         sum / count.max(1.0) * 1e6
     );
-    drop(plan);
-    Ok(())
 }
 
 #[tokio::test]
@@ -201,32 +238,46 @@ async fn a_pdb_that_forbids_disruption_blocks_the_eviction_until_it_allows_it() 
     .await?;
 
     let agent = scene.start_agent(&[])?;
-    // Refused, and retried: at least two refusals per pod.
-    wait_metric(&agent, &skipped("pdb"), |v| v >= 4.0).await?;
+    blocked_while_the_pdb_forbids(&scene, &agent, &original).await?;
+    evicted_in_turn_once_allowed(&scene, &pdbs, &agent, &original).await
+}
+
+/// Refused, and retried: at least two refusals per pod; nothing is evicted, and each pod gets
+/// one Warning Event however often the PDB refuses.
+async fn blocked_while_the_pdb_forbids(
+    scene: &Scene,
+    agent: &Agent,
+    original: &[String],
+) -> anyhow::Result<()> {
+    wait_metric(agent, &skipped("pdb"), |v| v >= 4.0).await?;
     let pods = scene.app_pods("guarded").await?;
     assert_eq!(pods.len(), 2, "nothing evicted while the PDB forbids it");
     assert!(
         pods.iter()
             .all(|p| running(p) && original.contains(&p.name_any()))
     );
-    assert_eq!(metric(&agent, EVICTED).await, 0.0);
+    assert_eq!(metric(agent, EVICTED).await, 0.0);
     scene
-        .wait_events(
-            &original,
-            "EvictBlocked",
-            "blocked by a PodDisruptionBudget",
-        )
+        .wait_events(original, "EvictBlocked", "blocked by a PodDisruptionBudget")
         .await?;
     let events = scene.events().await?;
-    for pod in &original {
+    for pod in original {
         assert_eq!(
             events.get(pod).map(Vec::len),
             Some(1),
             "one Warning Event per pod, however often the PDB refuses: {events:?}"
         );
     }
+    Ok(())
+}
 
-    // The budget now allows one disruption at a time: both are evicted in turn.
+/// The budget now allows one disruption at a time: both are evicted in turn.
+async fn evicted_in_turn_once_allowed(
+    scene: &Scene,
+    pdbs: &Api<PodDisruptionBudget>,
+    agent: &Agent,
+    original: &[String],
+) -> anyhow::Result<()> {
     pdbs.patch(
         "guarded",
         &PatchParams::default(),
@@ -251,8 +302,8 @@ async fn a_pdb_that_forbids_disruption_blocks_the_eviction_until_it_allows_it() 
     )
     .await
     .with_context(|| format!("--- agent log ---\n{}", tail(&agent.log(), 60)))?;
-    assert_eq!(metric(&agent, EVICTED).await, 2.0);
-    scene.wait_events(&original, "Evict", "evicted").await?;
+    assert_eq!(metric(agent, EVICTED).await, 2.0);
+    scene.wait_events(original, "Evict", "evicted").await?;
     Ok(())
 }
 

@@ -2,10 +2,13 @@
 //! label without a proxy, and ambient pods by their namespace's label.
 
 use super::*;
+use k8s_openapi::api::core::v1::Namespace;
+
+/// The pods of the busy node.
+const PODS: usize = 60;
 
 #[tokio::test]
 async fn no_evict_reports_every_pod_of_a_busy_node() -> anyhow::Result<()> {
-    const PODS: usize = 60;
     let scene = Scene::new("pods-busy").await?;
     let mut plan = Plan::new()?;
     let missing = plan.add("busy", PODS / 2, Rules::None)?;
@@ -33,21 +36,39 @@ async fn no_evict_reports_every_pod_of_a_busy_node() -> anyhow::Result<()> {
     wait_metric(&agent, REDIRECTED, |v| v >= half).await?;
     let all_seen = started.elapsed();
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(metric(&agent, MISSING).await, half, "{}", agent.log());
-    assert_eq!(metric(&agent, REDIRECTED).await, half);
-    assert_eq!(metric(&agent, UNKNOWN).await, 0.0);
+    reported_without_a_skip(&agent).await;
+    every_pod_runs_and_those_without_rules_are_reported(&scene, &missing).await?;
+    report_busy(&agent, all_seen, idle_rss).await;
+    drop(plan);
+    Ok(())
+}
+
+/// Half the pods missing, half redirected, none unknown; nothing evicted, and report-only is
+/// no skip.
+async fn reported_without_a_skip(agent: &Agent) {
+    let half = (PODS / 2) as f64;
+    assert_eq!(metric(agent, MISSING).await, half, "{}", agent.log());
+    assert_eq!(metric(agent, REDIRECTED).await, half);
+    assert_eq!(metric(agent, UNKNOWN).await, 0.0);
     assert_eq!(
-        metric(&agent, EVICTED).await,
+        metric(agent, EVICTED).await,
         0.0,
         "--no-evict evicts nothing"
     );
     for why in ["pdb", "rate_limit", "dry_run", "unowned"] {
         assert_eq!(
-            metric(&agent, &skipped(why)).await,
+            metric(agent, &skipped(why)).await,
             0.0,
             "report-only is no skip: {why}"
         );
     }
+}
+
+/// Every pod still runs, and each without rules got one report-only Event, the others none.
+async fn every_pod_runs_and_those_without_rules_are_reported(
+    scene: &Scene,
+    missing: &[IpAddr],
+) -> anyhow::Result<()> {
     let pods = scene.app_pods("busy").await?;
     assert_eq!(pods.len(), PODS);
     assert!(pods.iter().all(running), "nothing evicted");
@@ -65,9 +86,13 @@ async fn no_evict_reports_every_pod_of_a_busy_node() -> anyhow::Result<()> {
         PODS / 2,
         "Events only about the pods without rules"
     );
+    Ok(())
+}
 
+/// Prints the inspection and survey times and the agent's RSS, idle and loaded.
+async fn report_busy(agent: &Agent, all_seen: Duration, idle_rss: Option<u64>) {
     let rss = agent.rss_kib();
-    let sum = metric(&agent, "meshgate_pod_inspection_seconds_sum").await;
+    let sum = metric(agent, "meshgate_pod_inspection_seconds_sum").await;
     let log = plain(&agent.log());
     let surveys: Vec<u64> = log
         .lines()
@@ -95,8 +120,6 @@ async fn no_evict_reports_every_pod_of_a_busy_node() -> anyhow::Result<()> {
         },
         surveys.iter().max().copied().unwrap_or(0),
     );
-    drop(plan);
-    Ok(())
 }
 
 #[tokio::test]
@@ -238,22 +261,8 @@ async fn ambient_pods_are_selected_by_their_namespace_label_and_the_opt_out_hold
     scene
         .dirs
         .config("10-calico.conflist", &golden("istio-cni.conflist")?)?;
-    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(scene.client.clone());
-    let label_ambient = |ns: String| {
-        let namespaces = namespaces.clone();
-        async move {
-            namespaces
-                .patch(
-                    &ns,
-                    &PatchParams::default(),
-                    &Patch::Merge(
-                        json!({"metadata": {"labels": {"istio.io/dataplane-mode": "ambient"}}}),
-                    ),
-                )
-                .await
-        }
-    };
-    label_ambient(scene.ns.clone()).await?;
+    let namespaces: Api<Namespace> = Api::all(scene.client.clone());
+    label_ambient(&namespaces, &scene.ns).await?;
     let late_ns = scene
         .cp
         .create_namespace(&scene.client, "pods-ambient-late")
@@ -264,6 +273,26 @@ async fn ambient_pods_are_selected_by_their_namespace_label_and_the_opt_out_hold
     plan.add("optout", 1, Rules::None)?;
     plan.add("late", 1, Rules::None)?;
     let _kubelet = cp().await.run_pods(&scene.node, plan.ip_source());
+    three_pods_run(&scene, &late_ns).await?;
+    let agent = scene.start_agent_with(&["--profile", "istio-ambient", "--dry-run"])?;
+    only_the_enrolled_pod_is_judged(&scene, &agent).await?;
+    late_namespace_is_judged_after_the_grace(&scene, &agent, &namespaces, &late_ns).await
+}
+
+/// Labels namespace `ns` into ambient.
+async fn label_ambient(namespaces: &Api<Namespace>, ns: &str) -> kube::Result<Namespace> {
+    namespaces
+        .patch(
+            ns,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"istio.io/dataplane-mode": "ambient"}}})),
+        )
+        .await
+}
+
+/// In the ambient namespace a pod and an opted-out pod, in `late_ns` (not yet ambient) a
+/// third; all running.
+async fn three_pods_run(scene: &Scene, late_ns: &str) -> anyhow::Result<()> {
     scene
         .create_rs(&plain_replica_set("amb", &scene.node, &[])?)
         .await?;
@@ -274,8 +303,8 @@ async fn ambient_pods_are_selected_by_their_namespace_label_and_the_opt_out_hold
             &[("istio.io/dataplane-mode", "none")],
         )?)
         .await?;
-    let late_pods: Api<Pod> = Api::namespaced(scene.client.clone(), &late_ns);
-    Api::<ReplicaSet>::namespaced(scene.client.clone(), &late_ns)
+    let late_pods: Api<Pod> = Api::namespaced(scene.client.clone(), late_ns);
+    Api::<ReplicaSet>::namespaced(scene.client.clone(), late_ns)
         .create(
             &PostParams::default(),
             &plain_replica_set("late", &scene.node, &[])?,
@@ -291,9 +320,13 @@ async fn ambient_pods_are_selected_by_their_namespace_label_and_the_opt_out_hold
         )
     })
     .await?;
+    Ok(())
+}
 
-    let agent = scene.start_agent_with(&["--profile", "istio-ambient", "--dry-run"])?;
-    wait_metric(&agent, AMBIENT_MISSING, |v| v >= 1.0).await?;
+/// Only the ambient namespace's pod is judged (missing, reported in dry run), not its
+/// opted-out one nor the unlabelled namespace's.
+async fn only_the_enrolled_pod_is_judged(scene: &Scene, agent: &Agent) -> anyhow::Result<()> {
+    wait_metric(agent, AMBIENT_MISSING, |v| v >= 1.0).await?;
     let amb: Vec<String> = scene
         .app_pods("amb")
         .await?
@@ -305,38 +338,42 @@ async fn ambient_pods_are_selected_by_their_namespace_label_and_the_opt_out_hold
         .await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(
-        metric(&agent, AMBIENT_MISSING).await,
+        metric(agent, AMBIENT_MISSING).await,
         1.0,
         "only the ambient namespace's pod, not its opted-out one nor the unlabelled namespace's:\n{}",
         agent.log()
     );
+    Ok(())
+}
 
-    // The other namespace joins ambient: its running pod is inspected without any pod
-    // event, but only once Istio has had ENROLL_GRACE to enroll it (it adds running pods
-    // asynchronously): not at once, where it would be judged (and evicted) as missing.
-    label_ambient(late_ns.clone()).await?;
+/// The other namespace joins ambient: its running pod is inspected without any pod
+/// event, but only once Istio has had ENROLL_GRACE to enroll it (it adds running pods
+/// asynchronously): not at once, where it would be judged (and evicted) as missing.
+/// Its pod is judged then; the opted-out pod is never reported.
+async fn late_namespace_is_judged_after_the_grace(
+    scene: &Scene,
+    agent: &Agent,
+    namespaces: &Api<Namespace>,
+    late_ns: &str,
+) -> anyhow::Result<()> {
+    label_ambient(namespaces, late_ns).await?;
     let labelled = Instant::now();
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(
-        metric(&agent, AMBIENT_MISSING).await,
+        metric(agent, AMBIENT_MISSING).await,
         1.0,
         "a running pod was inspected right after its namespace joined the mesh:\n{}",
         agent.log()
     );
-    wait_metric(&agent, AMBIENT_MISSING, |v| v >= 2.0).await?;
+    wait_metric(agent, AMBIENT_MISSING, |v| v >= 2.0).await?;
     assert!(
         labelled.elapsed() >= meshgate_agent::daemon::pods::tracker::ENROLL_GRACE,
         "inspected {:?} after the label, before the enrollment grace",
         labelled.elapsed()
     );
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(
-        metric(&agent, AMBIENT_MISSING).await,
-        2.0,
-        "{}",
-        agent.log()
-    );
-    assert_eq!(metric(&agent, &skipped("dry_run")).await, 2.0);
+    assert_eq!(metric(agent, AMBIENT_MISSING).await, 2.0, "{}", agent.log());
+    assert_eq!(metric(agent, &skipped("dry_run")).await, 2.0);
     let events = scene.events().await?;
     let optout: Vec<String> = scene
         .app_pods("optout")

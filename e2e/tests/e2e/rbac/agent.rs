@@ -8,8 +8,26 @@ async fn agent_runs_with_its_token_and_gates_only_its_own_node() -> anyhow::Resu
     let f = fixture().await;
     let admin = f.cp.client()?;
     let nodes: Api<Node> = Api::all(admin.clone());
+    let (dirs, _scratch, mut agent) = start_as_the_daemonset_does(f, &admin).await?;
+    gated_without_config(f, &nodes, &mut agent).await?;
+    verified_once_chained(f, &nodes, &agent, &dirs).await?;
+    its_events_are_accepted(f, &admin).await?;
+    let as_agent: Api<Node> = Api::all(f.cp.client_for_token(&f.agent_token)?);
+    node_b_is_refused(f, &nodes, &as_agent).await?;
 
-    // The agent exactly as the DaemonSet runs it, with the token bound to its pod on node A.
+    // A hand-made write to its own node passes the policy (dry run): the refusals above are
+    // about the node, not the kind of write.
+    let own = label_verified_dry_run(&as_agent, &f.node_a).await;
+    assert!(own.is_ok(), "{}", describe(&own));
+    Ok(())
+}
+
+/// The agent exactly as the DaemonSet runs it, with the token bound to its pod on node A.
+/// Returns its CNI dirs, its scratch dir (both kept while it runs) and the process.
+async fn start_as_the_daemonset_does(
+    f: &Fixture,
+    admin: &Client,
+) -> anyhow::Result<(CniDirs, tempfile::TempDir, Workload)> {
     let ds = Api::<DaemonSet>::namespaced(admin.clone(), NS)
         .get(AGENT)
         .await?;
@@ -24,8 +42,8 @@ async fn agent_runs_with_its_token_and_gates_only_its_own_node() -> anyhow::Resu
         ("/opt/cni/bin", dirs.bin.clone()),
     ]);
     let kubeconfig = f.cp.write_token_kubeconfig("rbac-agent", &f.agent_token)?;
-    let mut agent = Workload::start(
-        &admin,
+    let agent = Workload::start(
+        admin,
         &spec,
         &f.node_a,
         &kubeconfig,
@@ -37,8 +55,15 @@ async fn agent_runs_with_its_token_and_gates_only_its_own_node() -> anyhow::Resu
         agent.mounts.contains_key("/var/run/meshgate"),
         "the state dir is a volume"
     );
+    Ok((dirs, scratch, agent))
+}
 
-    // No config yet: the node stays gated, and the condition says why.
+/// No config yet: the node stays gated, and the condition says why.
+async fn gated_without_config(
+    f: &Fixture,
+    nodes: &Api<Node>,
+    agent: &mut Workload,
+) -> anyhow::Result<()> {
     let gated = poll_until("node A gated with reason NoConfig", WAIT, || async {
         let n = nodes.get(&f.node_a).await?;
         let ok = tainted(&n)
@@ -54,8 +79,16 @@ async fn agent_runs_with_its_token_and_gates_only_its_own_node() -> anyhow::Resu
             agent.log()
         );
     }
+    Ok(())
+}
 
-    // The mesh plugin is chained: the agent's own token untaints its own node.
+/// The mesh plugin is chained: the agent's own token untaints its own node. It is ready then.
+async fn verified_once_chained(
+    f: &Fixture,
+    nodes: &Api<Node>,
+    agent: &Workload,
+    dirs: &CniDirs,
+) -> anyhow::Result<()> {
     dirs.config(
         "10-calico-linkerd.conflist",
         &golden("calico-linkerd.conflist")?,
@@ -73,8 +106,11 @@ async fn agent_runs_with_its_token_and_gates_only_its_own_node() -> anyhow::Resu
     }
     let ready = agent.addrs.get("--admin-addr").copied().context("admin")?;
     assert_eq!(http_status(ready, "/ready").await, Some(200));
+    Ok(())
+}
 
-    // Its Events were accepted (events.k8s.io create under its RBAC).
+/// Its Events were accepted (events.k8s.io create under its RBAC).
+async fn its_events_are_accepted(f: &Fixture, admin: &Client) -> anyhow::Result<()> {
     let events: Api<Event> = Api::namespaced(admin.clone(), "default");
     let verified_event = poll_until("the CNIChainVerified Event", WAIT, || async {
         let list = events.list(&ListParams::default()).await?;
@@ -88,9 +124,16 @@ async fn agent_runs_with_its_token_and_gates_only_its_own_node() -> anyhow::Resu
         verified_event.reporting_controller.as_deref(),
         Some("meshgate-agent")
     );
+    Ok(())
+}
 
-    // The same token is refused node B: the taint, the label, and the condition.
-    let as_agent: Api<Node> = Api::all(f.cp.client_for_token(&f.agent_token)?);
+/// The same token is refused node B: the taint, the label, and the condition. Node B keeps
+/// all three.
+async fn node_b_is_refused(
+    f: &Fixture,
+    nodes: &Api<Node>,
+    as_agent: &Api<Node>,
+) -> anyhow::Result<()> {
     let untaint_b = as_agent
         .patch(
             &f.node_b,
@@ -143,11 +186,6 @@ async fn agent_runs_with_its_token_and_gates_only_its_own_node() -> anyhow::Resu
     assert!(tainted(&b), "node B keeps its taint");
     assert_eq!(label(&b), None);
     assert_eq!(condition(&b), None);
-
-    // A hand-made write to its own node passes the policy (dry run): the refusals above are
-    // about the node, not the kind of write.
-    let own = label_verified_dry_run(&as_agent, &f.node_a).await;
-    assert!(own.is_ok(), "{}", describe(&own));
     Ok(())
 }
 

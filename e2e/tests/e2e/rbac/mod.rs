@@ -41,7 +41,7 @@ use k8s_openapi::api::admissionregistration::v1::{
 };
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{
-    ConfigMap, Namespace, Node, Pod, PodSpec, Secret, Service, ServiceAccount,
+    ConfigMap, Container, Namespace, Node, Pod, PodSpec, Secret, Service, ServiceAccount,
 };
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -144,8 +144,38 @@ async fn setup() -> anyhow::Result<Fixture> {
     tracing::info!(%installed, "installed the chart");
     let tls = Tls::read(&client).await?;
 
-    // Nodes register tainted, as with kubelet --register-with-taints (no webhook serves the
-    // mutating registration here; it fails open, as designed).
+    let (node_a, node_b, node_c) = register_nodes(cp, &client).await?;
+
+    // The DaemonSet controller and the scheduler place an agent pod on each node; the tokens
+    // are bound to real pods of the workloads, as the kubelet's projected tokens are.
+    let agent_a = scheduled_pod(&client, AGENT, Some(&node_a)).await?;
+    let agent_b = scheduled_pod(&client, AGENT, Some(&node_b)).await?;
+    let webhook_pod = scheduled_pod(&client, WEBHOOK, None).await?;
+    let agent_c = scheduled_pod(&client, AGENT, Some(&node_c)).await?;
+    let agent_token = bound_token(&client, AGENT, agent_a).await?;
+    let agent_token_c = bound_token(&client, AGENT, agent_c).await?;
+    let webhook_token = bound_token(&client, WEBHOOK, webhook_pod).await?;
+
+    policies_refuse_the_agent(cp, &agent_token, &node_b, &agent_b).await?;
+
+    Ok(Fixture {
+        cp,
+        tls,
+        node_a,
+        node_b,
+        node_c,
+        agent_token,
+        agent_token_c,
+        webhook_token,
+    })
+}
+
+/// Nodes register tainted, as with kubelet --register-with-taints (no webhook serves the
+/// mutating registration here; it fails open, as designed). Returns nodes A, B and C.
+async fn register_nodes(
+    cp: &ControlPlane,
+    client: &Client,
+) -> anyhow::Result<(String, String, String)> {
     let node_a = unique_name("rbac-a");
     let node_b = unique_name("rbac-b");
     let node_c = unique_name("rbac-c");
@@ -158,22 +188,21 @@ async fn setup() -> anyhow::Result<Fixture> {
                 .taint(FOREIGN_TAINT, "NoSchedule")
                 .label(RESTRICTED_LABEL, "a");
         }
-        cp.register_node(&client, &spec).await?;
+        cp.register_node(client, &spec).await?;
     }
+    Ok((node_a, node_b, node_c))
+}
 
-    // The DaemonSet controller and the scheduler place an agent pod on each node; the tokens
-    // are bound to real pods of the workloads, as the kubelet's projected tokens are.
-    let agent_a = scheduled_pod(&client, AGENT, Some(&node_a)).await?;
-    let agent_b = scheduled_pod(&client, AGENT, Some(&node_b)).await?;
-    let webhook_pod = scheduled_pod(&client, WEBHOOK, None).await?;
-    let agent_c = scheduled_pod(&client, AGENT, Some(&node_c)).await?;
-    let agent_token = bound_token(&client, AGENT, agent_a).await?;
-    let agent_token_c = bound_token(&client, AGENT, agent_c).await?;
-    let webhook_token = bound_token(&client, WEBHOOK, webhook_pod).await?;
-
-    // Policies and bindings reach the apiserver's admission through informers: wait until
-    // both refuse (dry-run probes, so nothing changes if they do not yet).
-    let agent = cp.client_for_token(&agent_token)?;
+/// Policies and bindings reach the apiserver's admission through informers: wait until
+/// both refuse (dry-run probes, so nothing changes if they do not yet). The probes use the
+/// agent's token, on node B and on its pod there, `agent_b`.
+async fn policies_refuse_the_agent(
+    cp: &ControlPlane,
+    agent_token: &str,
+    node_b: &str,
+    agent_b: &Pod,
+) -> anyhow::Result<()> {
+    let agent = cp.client_for_token(agent_token)?;
     let nodes: Api<Node> = Api::all(agent.clone());
     poll_until(
         "the node policy to refuse the agent another Node",
@@ -181,7 +210,7 @@ async fn setup() -> anyhow::Result<Fixture> {
         || async {
             let r = nodes
                 .patch(
-                    &node_b,
+                    node_b,
                     &PatchParams::default().dry_run(),
                     &Patch::Merge(json!({"metadata": {"labels": {"probe": "x"}}})),
                 )
@@ -200,17 +229,7 @@ async fn setup() -> anyhow::Result<Fixture> {
         },
     )
     .await?;
-
-    Ok(Fixture {
-        cp,
-        tls,
-        node_a,
-        node_b,
-        node_c,
-        agent_token,
-        agent_token_c,
-        webhook_token,
-    })
+    Ok(())
 }
 
 /// The webhook's TLS material the chart made, read back from the Secret the webhook mounts.
@@ -337,47 +356,8 @@ impl Workload {
         let configmaps: Api<ConfigMap> = Api::namespaced(admin.clone(), NS);
         let secrets: Api<Secret> = Api::namespaced(admin.clone(), NS);
 
-        let mut mounts = BTreeMap::new();
-        for vm in container.volume_mounts.iter().flatten() {
-            let vol = spec
-                .volumes
-                .iter()
-                .flatten()
-                .find(|v| v.name == vm.name)
-                .with_context(|| format!("volumeMount {} has no volume", vm.name))?;
-            let local = scratch.join("volumes").join(&vol.name);
-            let dir = if let Some(hp) = &vol.host_path {
-                match host_dirs.get(hp.path.as_str()) {
-                    Some(d) => d.clone(),
-                    None => {
-                        std::fs::create_dir_all(&local)?;
-                        local
-                    }
-                }
-            } else if let Some(cm) = &vol.config_map {
-                let data = configmaps.get(&cm.name).await?.data.unwrap_or_default();
-                std::fs::create_dir_all(&local)?;
-                for (k, v) in data {
-                    std::fs::write(local.join(k), v)?;
-                }
-                local
-            } else if let Some(s) = &vol.secret {
-                let name = s
-                    .secret_name
-                    .as_deref()
-                    .context("secret volume without name")?;
-                let data = secrets.get(name).await?.data.unwrap_or_default();
-                std::fs::create_dir_all(&local)?;
-                for (k, v) in data {
-                    std::fs::write(local.join(k), v.0)?;
-                }
-                local
-            } else {
-                bail!("volume {} is of a kind this test does not map", vol.name);
-            };
-            mounts.insert(vm.mount_path.clone(), dir);
-        }
-
+        let mounts =
+            local_volumes(spec, container, &configmaps, &secrets, host_dirs, scratch).await?;
         let mut argv: Vec<String> = container.command.clone().unwrap_or_default();
         argv.extend(container.args.clone().unwrap_or_default());
         ensure!(!argv.is_empty(), "the container names no command");
@@ -387,62 +367,10 @@ impl Workload {
             .context("command")?
             .to_owned();
         let mut cmd = Command::new(workspace_bin(&bin_name)?);
-        let mut addrs = BTreeMap::new();
-        for arg in &argv[1..] {
-            let Some((flag, value)) = arg.split_once('=') else {
-                cmd.arg(arg);
-                continue;
-            };
-            if flag == "--admin-addr" || flag == "--listen" {
-                let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
-                addrs.insert(flag.to_owned(), addr);
-                cmd.arg(format!("{flag}={addr}"));
-            } else if value.starts_with('/') {
-                let (mount, dir) = mounts
-                    .iter()
-                    .filter(|(m, _)| value == m.as_str() || value.starts_with(&format!("{}/", m)))
-                    .max_by_key(|(m, _)| m.len())
-                    .with_context(|| format!("{arg}: no volume is mounted at that path"))?;
-                let rest = value[mount.len()..].trim_start_matches('/');
-                let local = if rest.is_empty() {
-                    dir.clone()
-                } else {
-                    dir.join(rest)
-                };
-                cmd.arg(format!("{flag}={}", local.display()));
-            } else {
-                cmd.arg(arg);
-            }
-        }
+        let addrs = map_args(&mut cmd, &argv[1..], &mounts)?;
         cmd.arg(format!("--kubeconfig={}", kubeconfig.display()));
 
-        cmd.env_clear();
-        cmd.env("RUST_LOG", "info");
-        for e in container.env.iter().flatten() {
-            if let Some(v) = &e.value {
-                cmd.env(&e.name, v);
-            } else if let Some(src) = &e.value_from {
-                match src.field_ref.as_ref().map(|f| f.field_path.as_str()) {
-                    Some("metadata.namespace") => {
-                        cmd.env(&e.name, NS);
-                    }
-                    Some("spec.nodeName") => {
-                        cmd.env(&e.name, node);
-                    }
-                    other => bail!("env {} from {other:?} is not mapped", e.name),
-                }
-            }
-        }
-        for from in container.env_from.iter().flatten() {
-            let cm = from
-                .config_map_ref
-                .as_ref()
-                .context("envFrom other than a ConfigMap")?;
-            for (k, v) in configmaps.get(&cm.name).await?.data.unwrap_or_default() {
-                cmd.env(k, v);
-            }
-        }
-
+        set_env(&mut cmd, container, &configmaps, node).await?;
         let log = scratch.join(format!("{bin_name}.log"));
         let file = std::fs::File::create(&log)?;
         let child = cmd
@@ -466,6 +394,135 @@ impl Workload {
     fn exited(&mut self) -> Option<std::process::ExitStatus> {
         self.child.try_wait().ok().flatten()
     }
+}
+
+/// A local directory for each volume mount of `container` (mountPath → dir), holding what the
+/// volume would: a hostPath from `host_dirs` (else an empty dir under `scratch`), a
+/// ConfigMap's or Secret's keys as files.
+async fn local_volumes(
+    spec: &PodSpec,
+    container: &Container,
+    configmaps: &Api<ConfigMap>,
+    secrets: &Api<Secret>,
+    host_dirs: &BTreeMap<&str, PathBuf>,
+    scratch: &Path,
+) -> anyhow::Result<BTreeMap<String, PathBuf>> {
+    let mut mounts = BTreeMap::new();
+    for vm in container.volume_mounts.iter().flatten() {
+        let vol = spec
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == vm.name)
+            .with_context(|| format!("volumeMount {} has no volume", vm.name))?;
+        let local = scratch.join("volumes").join(&vol.name);
+        let dir = if let Some(hp) = &vol.host_path {
+            match host_dirs.get(hp.path.as_str()) {
+                Some(d) => d.clone(),
+                None => {
+                    std::fs::create_dir_all(&local)?;
+                    local
+                }
+            }
+        } else if let Some(cm) = &vol.config_map {
+            let data = configmaps.get(&cm.name).await?.data.unwrap_or_default();
+            std::fs::create_dir_all(&local)?;
+            for (k, v) in data {
+                std::fs::write(local.join(k), v)?;
+            }
+            local
+        } else if let Some(s) = &vol.secret {
+            let name = s
+                .secret_name
+                .as_deref()
+                .context("secret volume without name")?;
+            let data = secrets.get(name).await?.data.unwrap_or_default();
+            std::fs::create_dir_all(&local)?;
+            for (k, v) in data {
+                std::fs::write(local.join(k), v.0)?;
+            }
+            local
+        } else {
+            bail!("volume {} is of a kind this test does not map", vol.name);
+        };
+        mounts.insert(vm.mount_path.clone(), dir);
+    }
+    Ok(mounts)
+}
+
+/// Adds `args` to `cmd`: `--admin-addr` and `--listen` get free loopback ports (returned by
+/// flag), and every absolute path must lie under a volume mount and is mapped to its local
+/// directory (a path no volume provides is a manifest bug and fails here).
+fn map_args(
+    cmd: &mut Command,
+    args: &[String],
+    mounts: &BTreeMap<String, PathBuf>,
+) -> anyhow::Result<BTreeMap<String, SocketAddr>> {
+    let mut addrs = BTreeMap::new();
+    for arg in args {
+        let Some((flag, value)) = arg.split_once('=') else {
+            cmd.arg(arg);
+            continue;
+        };
+        if flag == "--admin-addr" || flag == "--listen" {
+            let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+            addrs.insert(flag.to_owned(), addr);
+            cmd.arg(format!("{flag}={addr}"));
+        } else if value.starts_with('/') {
+            let (mount, dir) = mounts
+                .iter()
+                .filter(|(m, _)| value == m.as_str() || value.starts_with(&format!("{}/", m)))
+                .max_by_key(|(m, _)| m.len())
+                .with_context(|| format!("{arg}: no volume is mounted at that path"))?;
+            let rest = value[mount.len()..].trim_start_matches('/');
+            let local = if rest.is_empty() {
+                dir.clone()
+            } else {
+                dir.join(rest)
+            };
+            cmd.arg(format!("{flag}={}", local.display()));
+        } else {
+            cmd.arg(arg);
+        }
+    }
+    Ok(addrs)
+}
+
+/// The environment is exactly the container's `env` (the Downward API's spec.nodeName is
+/// `node`) and `envFrom` ConfigMaps.
+async fn set_env(
+    cmd: &mut Command,
+    container: &Container,
+    configmaps: &Api<ConfigMap>,
+    node: &str,
+) -> anyhow::Result<()> {
+    cmd.env_clear();
+    cmd.env("RUST_LOG", "info");
+    for e in container.env.iter().flatten() {
+        if let Some(v) = &e.value {
+            cmd.env(&e.name, v);
+        } else if let Some(src) = &e.value_from {
+            match src.field_ref.as_ref().map(|f| f.field_path.as_str()) {
+                Some("metadata.namespace") => {
+                    cmd.env(&e.name, NS);
+                }
+                Some("spec.nodeName") => {
+                    cmd.env(&e.name, node);
+                }
+                other => bail!("env {} from {other:?} is not mapped", e.name),
+            }
+        }
+    }
+    for from in container.env_from.iter().flatten() {
+        let cm = from
+            .config_map_ref
+            .as_ref()
+            .context("envFrom other than a ConfigMap")?;
+        for (k, v) in configmaps.get(&cm.name).await?.data.unwrap_or_default() {
+            cmd.env(k, v);
+        }
+    }
+    Ok(())
 }
 
 impl Drop for Workload {

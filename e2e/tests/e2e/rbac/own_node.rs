@@ -106,9 +106,7 @@ async fn the_agents_own_writes_pass(
     before: &Node,
     foreign: &serde_json::Value,
 ) -> anyhow::Result<()> {
-    use kube::runtime::events::{Event as Note, EventType, Recorder, Reporter};
-    use meshgate_agent::daemon::node::{NodeGate, TaintEffect, TaintKey};
-    use meshgate_core::mode::Mode;
+    use kube::runtime::events::Reporter;
     let nodes: Api<Node> = Api::all(admin.clone());
     // 1. Everything the real agent writes passes: NodeGate (the taint and label JSON patch
     //    guarded by a resourceVersion test, the condition by strategic merge on nodes/status,
@@ -118,13 +116,29 @@ async fn the_agents_own_writes_pass(
         controller: "meshgate-agent".into(),
         instance: Some(c.to_owned()),
     };
+    node_gate_writes_pass(&nodes, agent, c, reporter.clone(), foreign).await?;
+    its_events_pass(admin, agent, c, before, reporter).await
+}
+
+/// `NodeGate`'s writes through unverified → verified → unverified: label and condition
+/// written, taint removed, taint added back, and nothing else changed.
+async fn node_gate_writes_pass(
+    nodes: &Api<Node>,
+    agent: &Client,
+    c: &str,
+    reporter: kube::runtime::events::Reporter,
+    foreign: &serde_json::Value,
+) -> anyhow::Result<()> {
+    use kube::runtime::events::Recorder;
+    use meshgate_agent::daemon::node::{NodeGate, TaintEffect, TaintKey};
+    use meshgate_core::mode::Mode;
     let gate = NodeGate::new(
         agent.clone(),
         c.to_owned(),
         TaintKey::default(),
         TaintEffect::NoSchedule,
         std::time::Duration::from_secs(5),
-        Recorder::new(agent.clone(), reporter.clone()),
+        Recorder::new(agent.clone(), reporter),
     );
     for (verified, want_taint, reason) in [
         (false, true, "ChainedPluginMissing"),
@@ -151,7 +165,18 @@ async fn the_agents_own_writes_pass(
             "the agent's writes kept the rest"
         );
     }
-    // Its Events (created, then patched as a series repeats), about its Node and about a Pod.
+    Ok(())
+}
+
+/// Its Events (created, then patched as a series repeats), about its Node and about a Pod.
+async fn its_events_pass(
+    admin: &Client,
+    agent: &Client,
+    c: &str,
+    before: &Node,
+    reporter: kube::runtime::events::Reporter,
+) -> anyhow::Result<()> {
+    use kube::runtime::events::{Event as Note, EventType, Recorder};
     let events: Api<Event> = Api::namespaced(admin.clone(), "default");
     poll_until(
         "the agent's CNIChainVerified Event on node C",
@@ -192,7 +217,6 @@ async fn the_agents_own_writes_pass(
         .publish(&note, &pod_ref)
         .await
         .context("the agent's Event about a Pod")?;
-
     Ok(())
 }
 
@@ -205,8 +229,77 @@ async fn every_other_change_is_refused(
 ) -> anyhow::Result<()> {
     let as_agent: Api<Node> = Api::all(agent.clone());
     // 2. Every other change to its own Node is refused, each with the policy's message.
-    let own = "meshgate-agent-own-node";
     let n = nodes.get(c).await?;
+    let msg = Messages::of(c);
+    let mut tried = Attempts::default();
+    other_taint_changes(&as_agent, c, &n, &msg, &mut tried).await?;
+    spec_and_metadata_changes(&as_agent, c, &msg, &mut tried).await;
+    status_changes(&as_agent, c, &msg, &mut tried).await;
+    let wrong: Vec<_> = tried
+        .tried
+        .iter()
+        .filter(|(_, _, bad)| !bad.is_empty())
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "changes not refused by the policy with its message: {wrong:#?}"
+    );
+    spec_sent_to_status_is_dropped(nodes, &as_agent, c, foreign).await
+}
+
+/// The policy's message for each kind of change to Node `c`.
+struct Messages {
+    spec: String,
+    label: String,
+    meta: String,
+    status: String,
+}
+
+impl Messages {
+    fn of(c: &str) -> Self {
+        Self {
+            spec: format!("may change only the taint {TAINT_KEY} in the spec of Node {c}"),
+            label: format!("may change only the label {VERIFIED_LABEL} of Node {c}"),
+            meta: format!("may not change the metadata of Node {c}"),
+            status: format!(
+                "may change only the condition {CONDITION_TYPE} in the status of Node {c}"
+            ),
+        }
+    }
+}
+
+/// Each change tried: what, the answer, and "" when the policy refused it with its message.
+#[derive(Default)]
+struct Attempts {
+    tried: Vec<(&'static str, String, &'static str)>,
+}
+
+impl Attempts {
+    fn record(&mut self, what: &'static str, r: Result<Node, kube::Error>, msg: &str) {
+        let own = "meshgate-agent-own-node";
+        self.tried.push((
+            what,
+            r.as_ref()
+                .map(|_| "allowed".to_owned())
+                .unwrap_or_else(|e| e.to_string()),
+            if refused_by_policy(&r, own) && status_of(&r).is_some_and(|(_, m)| m.contains(msg)) {
+                ""
+            } else {
+                "NOT REFUSED AS EXPECTED"
+            },
+        ));
+    }
+}
+
+/// The agent's own patch shape (resourceVersion test, then the taint list), with another
+/// taint removed, added or changed.
+async fn other_taint_changes(
+    as_agent: &Api<Node>,
+    c: &str,
+    n: &Node,
+    msg: &Messages,
+    tried: &mut Attempts,
+) -> anyhow::Result<()> {
     let rv = n.resource_version().unwrap_or_default();
     let taints = n
         .spec
@@ -230,52 +323,42 @@ async fn every_other_change_is_refused(
         }
         t
     };
-    // The agent's own patch shape (resourceVersion test, then the taint list), with another
-    // taint removed, added or changed.
     let rv_patch = |taints: &[k8s_openapi::api::core::v1::Taint]| -> anyhow::Result<Patch<()>> {
         Ok(Patch::Json(serde_json::from_value(json!([
             {"op": "test", "path": "/metadata/resourceVersion", "value": rv},
             {"op": "add", "path": "/spec/taints", "value": taints},
         ]))?))
     };
-    let spec_msg = format!("may change only the taint {TAINT_KEY} in the spec of Node {c}");
-    let label_msg = format!("may change only the label {VERIFIED_LABEL} of Node {c}");
-    let meta_msg = format!("may not change the metadata of Node {c}");
-    let status_msg =
-        format!("may change only the condition {CONDITION_TYPE} in the status of Node {c}");
     let pp = PatchParams::default();
-    let mut tried: Vec<(&str, String, &str)> = Vec::new();
-    let mut attempt = |what: &'static str, r: Result<Node, kube::Error>, msg: &str| {
-        tried.push((
-            what,
-            r.as_ref()
-                .map(|_| "allowed".to_owned())
-                .unwrap_or_else(|e| e.to_string()),
-            if refused_by_policy(&r, own) && status_of(&r).is_some_and(|(_, m)| m.contains(msg)) {
-                ""
-            } else {
-                "NOT REFUSED AS EXPECTED"
-            },
-        ));
-    };
-    attempt(
+    tried.record(
         "remove another taint",
         as_agent.patch(c, &pp, &rv_patch(&ours_only)?).await,
-        &spec_msg,
+        &msg.spec,
     );
-    attempt(
+    tried.record(
         "add another taint",
         as_agent.patch(c, &pp, &rv_patch(&plus_evil)?).await,
-        &spec_msg,
+        &msg.spec,
     );
-    attempt(
+    tried.record(
         "change another taint's effect",
         as_agent
             .patch(c, &pp, &rv_patch(&harden(taints.clone()))?)
             .await,
-        &spec_msg,
+        &msg.spec,
     );
-    attempt(
+    Ok(())
+}
+
+/// Cordoning, the provider ID, labels, annotations and finalizers.
+async fn spec_and_metadata_changes(
+    as_agent: &Api<Node>,
+    c: &str,
+    msg: &Messages,
+    tried: &mut Attempts,
+) {
+    let pp = PatchParams::default();
+    tried.record(
         "cordon (spec.unschedulable)",
         as_agent
             .patch(
@@ -284,9 +367,9 @@ async fn every_other_change_is_refused(
                 &Patch::Merge(json!({"spec": {"unschedulable": true}})),
             )
             .await,
-        &spec_msg,
+        &msg.spec,
     );
-    attempt(
+    tried.record(
         "set spec.providerID",
         as_agent
             .patch(
@@ -295,9 +378,9 @@ async fn every_other_change_is_refused(
                 &Patch::Merge(json!({"spec": {"providerID": "evil://x"}})),
             )
             .await,
-        &spec_msg,
+        &msg.spec,
     );
-    attempt(
+    tried.record(
         "change a node-restriction.kubernetes.io label",
         as_agent
             .patch(
@@ -306,14 +389,14 @@ async fn every_other_change_is_refused(
                 &Patch::Merge(json!({"metadata": {"labels": {RESTRICTED_LABEL: "b"}}})),
             )
             .await,
-        &label_msg,
+        &msg.label,
     );
-    attempt(
+    tried.record(
         "add a node-restriction.kubernetes.io label",
         as_agent.patch(c, &pp, &Patch::Merge(json!({"metadata": {"labels": {"node-restriction.kubernetes.io/secure": "true"}}}))).await,
-        &label_msg,
+        &msg.label,
     );
-    attempt(
+    tried.record(
         "remove another label",
         as_agent
             .patch(
@@ -322,9 +405,9 @@ async fn every_other_change_is_refused(
                 &Patch::Merge(json!({"metadata": {"labels": {"kubernetes.io/hostname": null}}})),
             )
             .await,
-        &label_msg,
+        &msg.label,
     );
-    attempt(
+    tried.record(
         "add an annotation",
         as_agent
             .patch(
@@ -333,9 +416,9 @@ async fn every_other_change_is_refused(
                 &Patch::Merge(json!({"metadata": {"annotations": {"example.com/x": "y"}}})),
             )
             .await,
-        &meta_msg,
+        &msg.meta,
     );
-    attempt(
+    tried.record(
         "add a finalizer",
         as_agent
             .patch(
@@ -344,9 +427,15 @@ async fn every_other_change_is_refused(
                 &Patch::Merge(json!({"metadata": {"finalizers": ["example.com/hold"]}})),
             )
             .await,
-        &meta_msg,
+        &msg.meta,
     );
-    attempt(
+}
+
+/// Through nodes/status: other conditions, the capacity, the addresses, and a label beside
+/// its own condition.
+async fn status_changes(as_agent: &Api<Node>, c: &str, msg: &Messages, tried: &mut Attempts) {
+    let pp = PatchParams::default();
+    tried.record(
         "set the Ready condition False (nodes/status)",
         as_agent
             .patch_status(
@@ -357,9 +446,9 @@ async fn every_other_change_is_refused(
                 }]}})),
             )
             .await,
-        &status_msg,
+        &msg.status,
     );
-    attempt(
+    tried.record(
         "change the capacity (nodes/status)",
         as_agent
             .patch_status(
@@ -368,16 +457,16 @@ async fn every_other_change_is_refused(
                 &Patch::Merge(json!({"status": {"capacity": {"pods": "1000"}}})),
             )
             .await,
-        &status_msg,
+        &msg.status,
     );
-    attempt(
+    tried.record(
         "change the addresses (nodes/status)",
         as_agent
             .patch_status(c, &pp, &Patch::Merge(json!({"status": {"addresses": [{"type": "InternalIP", "address": "10.9.9.9"}]}})))
             .await,
-        &status_msg,
+        &msg.status,
     );
-    attempt(
+    tried.record(
         "its condition plus a label (nodes/status)",
         as_agent
             .patch_status(c, &pp, &Patch::Strategic(json!({
@@ -385,16 +474,20 @@ async fn every_other_change_is_refused(
                 "status": {"conditions": [{"type": CONDITION_TYPE, "status": "True", "reason": "Verified", "message": "forged"}]}
             })))
             .await,
-        &label_msg,
+        &msg.label,
     );
-    let wrong: Vec<_> = tried.iter().filter(|(_, _, bad)| !bad.is_empty()).collect();
-    assert!(
-        wrong.is_empty(),
-        "changes not refused by the policy with its message: {wrong:#?}"
-    );
+}
 
-    // A spec change sent to nodes/status is dropped by the apiserver (the status strategy
-    // keeps the old spec) whatever the policy says: the node stays schedulable.
+/// A spec change sent to nodes/status is dropped by the apiserver (the status strategy keeps
+/// the old spec) whatever the policy says: the node stays schedulable, and nothing but
+/// meshgate's parts changed.
+async fn spec_sent_to_status_is_dropped(
+    nodes: &Api<Node>,
+    as_agent: &Api<Node>,
+    c: &str,
+    foreign: &serde_json::Value,
+) -> anyhow::Result<()> {
+    let pp = PatchParams::default();
     let _ = as_agent
         .patch_status(
             c,

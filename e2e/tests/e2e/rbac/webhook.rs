@@ -8,7 +8,14 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
     let f = fixture().await;
     let admin = f.cp.client()?;
     let webhook = f.cp.client_for_token(&f.webhook_token)?;
+    its_rules_only_read(&webhook).await?;
+    every_write_is_refused(f, &admin, &webhook).await?;
+    let (_scratch, server) = ready_under_its_token(f, &admin).await?;
+    serves_the_generated_certificate(f, &admin, &server).await
+}
 
+/// Its effective rules, namespace by namespace, read what it caches and nothing more.
+async fn its_rules_only_read(webhook: &Client) -> anyhow::Result<()> {
     let cluster_wide = [
         ("", &["nodes", "pods"][..], &["get", "list", "watch"][..]),
         ("", &["namespaces"], &["list", "watch"]),
@@ -27,13 +34,20 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
         ("default", triples(&cluster_wide)),
         ("kube-system", triples(&cluster_wide)),
     ] {
-        let have = effective_rules(&webhook, ns).await?;
+        let have = effective_rules(webhook, ns).await?;
         assert_eq!(have, want, "the webhook's rules in namespace {ns}");
     }
-    expect_only_the_mode_configmap(&webhook).await?;
+    expect_only_the_mode_configmap(webhook).await?;
+    Ok(())
+}
 
-    // Every kind of write it might be tempted to make is refused by RBAC (dry runs, so a
-    // wrongly granted write would change nothing and still fail the test).
+/// Every kind of write it might be tempted to make is refused by RBAC (dry runs, so a wrongly
+/// granted write would change nothing and still fail the test).
+async fn every_write_is_refused(
+    f: &Fixture,
+    admin: &Client,
+    webhook: &Client,
+) -> anyhow::Result<()> {
     let dry = PatchParams::default().dry_run();
     let dry_post = PostParams {
         dry_run: true,
@@ -41,7 +55,7 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
     };
     let nodes: Api<Node> = Api::all(webhook.clone());
     let pods: Api<Pod> = Api::namespaced(webhook.clone(), NS);
-    let victim = scheduled_pod(&admin, AGENT, Some(&f.node_a))
+    let victim = scheduled_pod(admin, AGENT, Some(&f.node_a))
         .await?
         .name_any();
     let mut attempts: Vec<(&str, String, bool)> = Vec::new();
@@ -93,14 +107,7 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
         .create(&dry_post, &event)
         .await;
     attempts.push(("create event", describe(&r), refused_by_rbac(&r)));
-    let cm = Api::<ConfigMap>::namespaced(admin.clone(), NS)
-        .list(&ListParams::default())
-        .await?
-        .items
-        .into_iter()
-        .map(|c| c.name_any())
-        .find(|n| n.starts_with("meshgate-profiles"))
-        .context("the profiles ConfigMap")?;
+    let cm = profiles_configmap(admin).await?;
     let r = Api::<ConfigMap>::namespaced(webhook.clone(), NS)
         .patch(&cm, &dry, &Patch::Merge(json!({"data": {"x": "y"}})))
         .await;
@@ -110,10 +117,28 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
         allowed.is_empty(),
         "writes not refused by RBAC: {allowed:#?}"
     );
+    Ok(())
+}
 
-    // Enough to work: the webhook as the Deployment runs it, with this token, gets ready
-    // (both metadata caches listed under its RBAC) and serves the Secret's certificate for
-    // the Service's DNS name, trusted through the caBundle the apiserver uses.
+/// The name of the chart's profiles ConfigMap.
+async fn profiles_configmap(admin: &Client) -> anyhow::Result<String> {
+    Api::<ConfigMap>::namespaced(admin.clone(), NS)
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .map(|c| c.name_any())
+        .find(|n| n.starts_with("meshgate-profiles"))
+        .context("the profiles ConfigMap")
+}
+
+/// Enough to work: the webhook as the Deployment runs it, with this token, gets ready (both
+/// metadata caches listed under its RBAC) and lists the agent DaemonSet. Returns its scratch
+/// directory (kept while it runs) and the process.
+async fn ready_under_its_token(
+    f: &Fixture,
+    admin: &Client,
+) -> anyhow::Result<(tempfile::TempDir, Workload)> {
     let deployment = Api::<Deployment>::namespaced(admin.clone(), NS)
         .get(WEBHOOK)
         .await?;
@@ -125,7 +150,7 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
     let kubeconfig =
         f.cp.write_token_kubeconfig("rbac-webhook", &f.webhook_token)?;
     let mut server = Workload::start(
-        &admin,
+        admin,
         &spec,
         &f.node_a,
         &kubeconfig,
@@ -158,7 +183,16 @@ async fn webhook_token_reads_what_it_caches_and_writes_nothing() -> anyhow::Resu
     if let Err(e) = listed {
         bail!("{e}; webhook log:\n{}", server.log());
     }
+    Ok((scratch, server))
+}
 
+/// It serves the Secret's certificate for the Service's DNS name, trusted through the
+/// caBundle the apiserver uses.
+async fn serves_the_generated_certificate(
+    f: &Fixture,
+    admin: &Client,
+    server: &Workload,
+) -> anyhow::Result<()> {
     let vwc = Api::<ValidatingWebhookConfiguration>::all(admin.clone())
         .get("meshgate")
         .await?;
