@@ -11,7 +11,14 @@ fn inspect_binary_text_json_and_exit_codes() {
     ns.sh(&linkerd_rules("iptables-nft", 4143));
     let path = ns.path();
     let path = path.to_str().expect("utf-8 path");
+    text_redirected_and_json_missing(path);
+    pid_reads_the_same_namespace(&mut ns);
+    usage_and_io_errors_exit_two(path);
+    a_file_defined_profile_is_inspected(&ns, path);
+}
 
+/// Text output of a redirected pod (exit 0), JSON of a missing one (exit 1).
+fn text_redirected_and_json_missing(path: &str) {
     let (code, out, err) = binary(&["inspect", "--netns", path, "--profile", "linkerd"]);
     assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
     assert!(out.contains("REDIRECTED"), "{out}");
@@ -38,8 +45,10 @@ fn inspect_binary_text_json_and_exit_codes() {
     assert_eq!(v["inbound"]["found"], false);
     assert_eq!(v["outbound"]["port"], 15001);
     assert!(v["message"].as_str().is_some_and(|m| m.contains("15006")));
+}
 
-    // --pid reads the same namespace through a process inside it.
+/// --pid reads the same namespace through a process inside it.
+fn pid_reads_the_same_namespace(ns: &mut Netns) {
     let pid = ns.spawn_sleeper().to_string();
     let (code, out, err) = binary(&[
         "inspect",
@@ -58,8 +67,10 @@ fn inspect_binary_text_json_and_exit_codes() {
         "ip nat OUTPUT -> PROXY_INIT_OUTPUT (iptables-nft)"
     );
     assert_eq!(v["netns"], format!("/proc/{pid}/ns/net"));
+}
 
-    // Usage and I/O errors exit 2.
+/// Usage and I/O errors exit 2.
+fn usage_and_io_errors_exit_two(path: &str) {
     let (code, _, err) = binary(&["inspect", "--netns", path, "--profile", "consul"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("consul"), "{err}");
@@ -73,8 +84,10 @@ fn inspect_binary_text_json_and_exit_codes() {
     assert_eq!(code, 2, "{err}");
     let (code, _, _) = binary(&["inspect", "--profile", "istio"]);
     assert_eq!(code, 2);
+}
 
-    // A custom profile from --profile-file.
+/// A custom profile from --profile-file.
+fn a_file_defined_profile_is_inspected(ns: &Netns, path: &str) {
     let file = std::env::temp_dir().join(format!("{}-profiles.json", ns.name()));
     std::fs::write(
         &file,

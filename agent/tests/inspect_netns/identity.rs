@@ -237,7 +237,48 @@ fn a_recycled_pid_never_gets_the_wrong_namespace_acted_on() {
 /// One round of the scenario above; `false` when the pid could not be recycled.
 fn recycled_pid_round() -> bool {
     let ip = pod_ip();
-    let mut first = Killed(
+    let (mut first, pid) = unshared_sandbox(ip);
+
+    let (facts, _) = netns::survey(&dirs()).expect("survey");
+    let got = inspect_one(&facts, &job(ip));
+    assert_eq!(
+        got.netns,
+        Some(PathBuf::from(format!("/proc/{pid}/ns/net"))),
+        "{got:?}"
+    );
+    assert_first(&got, RedirectVerdict::Missing, "");
+    let pinned = got.pinned.expect("missing keeps it");
+    pinned.confirm(&[ip]).expect("nothing changed yet");
+
+    // The pod's sandbox dies; another pod's sandbox gets the same IP and, in it, a
+    // process gets the same pid.
+    let _ = first.0.kill();
+    let _ = first.0.wait();
+    let other = super::Netns::new("recycled");
+    other.sh(&format!("ip addr add {ip}/32 dev lo"));
+    let other_ino = std::fs::metadata(other.path()).expect("stat").ino();
+    let Some(_recycled) = recycle_pid_into(pid, &other) else {
+        return false;
+    };
+    assert!(
+        wait_in(pid, other_ino),
+        "the recycled pid never entered the other namespace"
+    );
+
+    // Through the path, this is now the other pod's namespace, with the pod's IP.
+    match pinned.confirm(&[ip]) {
+        Err(NetnsError::Replaced { .. }) => {}
+        other => panic!("the recycled pid's namespace passed for the inspected one: {other:?}"),
+    }
+    let stale = inspect_one(&facts, &job(ip));
+    assert_first(&stale, RedirectVerdict::Unknown, "");
+    true
+}
+
+/// A process in a network namespace of its own (as a pod sandbox), with `ip` on its
+/// loopback: the process and its pid.
+fn unshared_sandbox(ip: IpAddr) -> (Killed, u32) {
+    let first = Killed(
         Command::new("unshare")
             .args(["--net", "sleep", "infinity"])
             .stdin(Stdio::null())
@@ -268,26 +309,12 @@ fn recycled_pid_round() -> bool {
         "dev",
         "lo",
     ]);
+    (first, pid)
+}
 
-    let (facts, _) = netns::survey(&dirs()).expect("survey");
-    let got = inspect_one(&facts, &job(ip));
-    assert_eq!(
-        got.netns,
-        Some(PathBuf::from(format!("/proc/{pid}/ns/net"))),
-        "{got:?}"
-    );
-    assert_first(&got, RedirectVerdict::Missing, "");
-    let pinned = got.pinned.expect("missing keeps it");
-    pinned.confirm(&[ip]).expect("nothing changed yet");
-
-    // The pod's sandbox dies; another pod's sandbox gets the same IP and, in it, a
-    // process gets the same pid.
-    let _ = first.0.kill();
-    let _ = first.0.wait();
-    let other = super::Netns::new("recycled");
-    other.sh(&format!("ip addr add {ip}/32 dev lo"));
-    let other_ino = std::fs::metadata(other.path()).expect("stat").ino();
-    let mut recycled = None;
+/// Starts a process in `other`'s namespace with the freed `pid`, through `ns_last_pid`;
+/// `None` when another process kept taking it.
+fn recycle_pid_into(pid: u32, other: &super::Netns) -> Option<Killed> {
     for _ in 0..200 {
         if std::path::Path::new(&format!("/proc/{pid}")).exists() {
             // Someone else's process holds it for now.
@@ -304,24 +331,8 @@ fn recycled_pid_round() -> bool {
             .expect("nsenter");
         let c = Killed(child);
         if c.0.id() == pid {
-            recycled = Some(c);
-            break;
+            return Some(c);
         }
     }
-    let Some(_recycled) = recycled else {
-        return false;
-    };
-    assert!(
-        wait_in(pid, other_ino),
-        "the recycled pid never entered the other namespace"
-    );
-
-    // Through the path, this is now the other pod's namespace, with the pod's IP.
-    match pinned.confirm(&[ip]) {
-        Err(NetnsError::Replaced { .. }) => {}
-        other => panic!("the recycled pid's namespace passed for the inspected one: {other:?}"),
-    }
-    let stale = inspect_one(&facts, &job(ip));
-    assert_first(&stale, RedirectVerdict::Unknown, "");
-    true
+    None
 }
