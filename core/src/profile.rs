@@ -17,6 +17,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::rules::expected::AnnotationDialect;
 
+pub mod node_proxy;
+
+pub use node_proxy::NodeProxy;
+
 /// How a profile recognises its pods.
 ///
 /// Every listed requirement must hold (logical AND): the pod's `labels` and `annotations`,
@@ -203,7 +207,7 @@ pub struct MeshProfile {
     /// must be ready on a node for it to be verified when the profile is named by
     /// `--profile` ([`crate::node_proxy`]). None: the mesh has no node proxy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub node_proxy: Option<crate::node_proxy::NodeProxy>,
+    pub node_proxy: Option<NodeProxy>,
 }
 
 impl MeshProfile {

@@ -267,7 +267,7 @@ mod tests {
         assert_eq!(proxy(&["--profile", "istio"]).unwrap(), None);
         assert_eq!(
             proxy(&["--profile", "istio,istio-ambient"]).unwrap(),
-            Some(meshgate_core::node_proxy::ztunnel())
+            Some(meshgate_core::meshes::istio_ambient::ztunnel())
         );
         let p = proxy(&[
             "--profile",
