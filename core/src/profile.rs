@@ -159,6 +159,33 @@ impl PodSelector {
         got
     }
 
+    /// Labels that make a pod without annotations certainly selected, its namespace's labels
+    /// unknown: the required labels (`any` for one whose value may be anything), with those of
+    /// the first alternative that is selected so. `None` when labels alone cannot do it (the
+    /// selector requires an annotation or namespace labels).
+    pub fn labels_that_select(&self, any: &str) -> Option<BTreeMap<String, String>> {
+        if !self.annotations.is_empty() || !self.namespace_labels.is_empty() {
+            return None;
+        }
+        let own: BTreeMap<String, String> = self
+            .labels
+            .iter()
+            .map(|(k, v)| (k.clone(), if v.is_empty() { any } else { v }.to_string()))
+            .collect();
+        let candidates = if self.any_of.is_empty() {
+            vec![own]
+        } else {
+            let with = |alt: BTreeMap<String, String>| own.clone().into_iter().chain(alt).collect();
+            self.any_of
+                .iter()
+                .filter_map(|alt| alt.labels_that_select(any))
+                .map(with)
+                .collect()
+        };
+        let none = BTreeMap::new();
+        candidates.into_iter().find(|l| self.matches(l, &none))
+    }
+
     /// True when the selector certainly selects a pod with these labels and annotations,
     /// its namespace's labels unknown.
     pub fn matches(
@@ -351,6 +378,19 @@ impl ProfileSet {
             p.selector.namespace_label_keys(&mut keys);
         }
         keys
+    }
+
+    /// One label set that selects a pod for each profile that labels alone can select
+    /// ([`PodSelector::labels_that_select`]); where two profiles want one key, the earlier
+    /// profile's value is kept.
+    pub fn labels_selecting_each(&self, any: &str) -> BTreeMap<String, String> {
+        let mut out = BTreeMap::new();
+        for p in &self.profiles {
+            for (k, v) in p.selector.labels_that_select(any).into_iter().flatten() {
+                out.entry(k).or_insert(v);
+            }
+        }
+        out
     }
 
     /// Every profile that selects the pod or may select it (`Unknown`: it hangs on
