@@ -1,9 +1,15 @@
 //! Logging setup: `tracing` to stderr, filtered by `RUST_LOG` (default `info`).
 //!
 //! In: the `--log-format` flag. Out: a global subscriber. JSON lines suit log pipelines;
-//! text suits people at a terminal.
+//! text suits people at a terminal. The daemons put what a run of lines shares on a span
+//! (the agent's node, a verdict pass, a pod; a webhook review), not on each line, so both
+//! formats print the spans an event is in with their fields: text as `agent{node=n1}:pass{..}:`
+//! before the message, JSON under `span` (the innermost) and `spans` (outermost first).
 
+use tracing::Subscriber;
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::util::SubscriberInitExt;
 
 /// `--log-format` values.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -18,11 +24,115 @@ pub enum LogFormat {
 /// Installs the global subscriber. Calling it twice is harmless (the second call is ignored).
 pub fn init(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let _ = subscriber(format, filter, std::io::stderr).try_init();
+}
+
+/// The subscriber [`init`] installs, writing to `writer`. A JSON line holds the event's own
+/// fields at the top level, and the fields of the spans it is in under `span` and `spans`.
+fn subscriber<W>(
+    format: LogFormat,
+    filter: EnvFilter,
+    writer: W,
+) -> Box<dyn Subscriber + Send + Sync + 'static>
+where
+    W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
+{
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
-    };
+        .with_writer(writer);
+    match format {
+        LogFormat::Text => Box::new(builder.finish()),
+        LogFormat::Json => Box::new(
+            builder
+                .json()
+                .flatten_event(true)
+                .with_current_span(true)
+                .with_span_list(true)
+                .finish(),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+
+    /// A writer into a shared buffer, for reading back what the subscriber printed.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'w> MakeWriter<'w> for Captured {
+        type Writer = Captured;
+        fn make_writer(&'w self) -> Self::Writer {
+            self.clone()
+        }
+    }
+
+    /// What `format` prints for one event inside an `agent{node}` and a `pass{wake}` span.
+    fn printed(format: LogFormat) -> String {
+        let out = Captured::default();
+        let sub = subscriber(format, EnvFilter::new("info"), out.clone());
+        tracing::subscriber::with_default(sub, || {
+            let agent = tracing::info_span!("agent", node = "node-a");
+            let _agent = agent.enter();
+            let pass = tracing::info_span!("pass", wake = "resync");
+            let _pass = pass.enter();
+            tracing::info!(reason = "Verified", "verdict");
+        });
+        let bytes = out.0.lock().unwrap().clone();
+        String::from_utf8(bytes).unwrap()
+    }
+
+    #[test]
+    fn a_json_line_carries_the_fields_of_the_spans_it_is_in() {
+        let text = printed(LogFormat::Json);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 1, "{text}");
+        let line: serde_json::Value = serde_json::from_str(lines[0]).unwrap();
+        assert_eq!(line["message"], "verdict");
+        assert_eq!(line["reason"], "Verified");
+        assert_eq!(line["span"]["name"], "pass");
+        assert_eq!(line["span"]["wake"], "resync");
+        assert_eq!(line["spans"][0]["name"], "agent");
+        assert_eq!(line["spans"][0]["node"], "node-a");
+        assert_eq!(line["spans"][1]["wake"], "resync");
+        assert!(line.get("node").is_none(), "the node is the span's: {line}");
+    }
+
+    /// `text` without its terminal colours (`ESC [ ... m`).
+    fn plain(text: &str) -> String {
+        let mut out = String::new();
+        let mut chars = text.chars();
+        while let Some(c) = chars.next() {
+            if c == '\x1b' {
+                chars.by_ref().find(|&c| c == 'm');
+            } else {
+                out.push(c);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_text_line_names_the_spans_it_is_in() {
+        let text = plain(&printed(LogFormat::Text));
+        assert!(
+            text.contains("agent{node=\"node-a\"}:pass{wake=\"resync\"}"),
+            "{text}"
+        );
+        assert!(text.contains("verdict reason=\"Verified\""), "{text}");
+    }
 }
