@@ -1,12 +1,17 @@
 //! Logging setup: `tracing` to stderr, filtered by `RUST_LOG` (default `info`).
 //!
-//! In: the `--log-format` flag. Out: a global subscriber. JSON lines suit log pipelines;
-//! text suits people at a terminal. The daemons put what a run of lines shares on a span
-//! (the agent's node, a verdict pass, a pod; a webhook review), not on each line, so both
-//! formats print the spans an event is in with their fields: text as `agent{node=n1}:pass{..}:`
-//! before the message, JSON under `span` (the innermost) and `spans` (outermost first).
+//! In: the `--log-format` flag. Out: a global subscriber (or, for tests, one that keeps what
+//! it prints: [`capture`]). JSON lines suit log pipelines; text suits people at a terminal.
+//! The daemons put what a run of lines shares on a span (the agent's node, a verdict pass, a
+//! pod; a webhook review), not on each line, so both formats print the spans an event is in
+//! with their fields: text as `agent{node=n1}:pass{wake=files}:` before the message, JSON
+//! under `span` (the innermost) and `spans` (outermost first).
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
 
 use tracing::Subscriber;
+use tracing::subscriber::DefaultGuard;
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -53,47 +58,71 @@ where
     }
 }
 
+/// A subscriber's output, kept in memory: see [`capture`].
+#[derive(Clone, Default)]
+pub struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Captured {
+    /// Everything printed so far.
+    pub fn text(&self) -> String {
+        let bytes = self.0.lock().map(|b| b.clone()).unwrap_or_default();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// Every line printed so far that is a JSON object (with [`LogFormat::Json`]: all).
+    pub fn json_lines(&self) -> Vec<serde_json::Value> {
+        self.text()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+}
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if let Ok(mut b) = self.0.lock() {
+            b.extend_from_slice(buf);
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'w> MakeWriter<'w> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'w self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+/// What [`init`]'s subscriber of `format` prints, filtered by `directives` (`RUST_LOG`'s
+/// syntax), captured on this thread while the guard lives: for tests that check what a
+/// component logs (a `#[tokio::test]` runs on one thread, so its tasks log here too).
+pub fn capture(format: LogFormat, directives: &str) -> (Captured, DefaultGuard) {
+    let out = Captured::default();
+    let guard = tracing::subscriber::set_default(subscriber(
+        format,
+        EnvFilter::new(directives),
+        out.clone(),
+    ));
+    (out, guard)
+}
+
 #[cfg(test)]
 mod tests {
-    use std::io::Write;
-    use std::sync::{Arc, Mutex};
-
     use super::*;
-
-    /// A writer into a shared buffer, for reading back what the subscriber printed.
-    #[derive(Clone, Default)]
-    struct Captured(Arc<Mutex<Vec<u8>>>);
-
-    impl Write for Captured {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    impl<'w> MakeWriter<'w> for Captured {
-        type Writer = Captured;
-        fn make_writer(&'w self) -> Self::Writer {
-            self.clone()
-        }
-    }
 
     /// What `format` prints for one event inside an `agent{node}` and a `pass{wake}` span.
     fn printed(format: LogFormat) -> String {
-        let out = Captured::default();
-        let sub = subscriber(format, EnvFilter::new("info"), out.clone());
-        tracing::subscriber::with_default(sub, || {
-            let agent = tracing::info_span!("agent", node = "node-a");
-            let _agent = agent.enter();
-            let pass = tracing::info_span!("pass", wake = "resync");
-            let _pass = pass.enter();
-            tracing::info!(reason = "Verified", "verdict");
-        });
-        let bytes = out.0.lock().unwrap().clone();
-        String::from_utf8(bytes).unwrap()
+        let (out, _guard) = capture(format, "info");
+        let agent = tracing::info_span!("agent", node = "node-a");
+        let _agent = agent.enter();
+        let pass = tracing::info_span!("pass", wake = "resync");
+        let _pass = pass.enter();
+        tracing::info!(reason = "Verified", "verdict");
+        out.text()
     }
 
     #[test]
