@@ -1,12 +1,13 @@
 //! Mesh profiles: which pods a mesh owns, which chained CNI plugin it needs, which proxy
-//! container it injects, and which redirect ports its CNI plugin writes into the pod's
-//! network namespace.
+//! container it injects, which redirect ports its CNI plugin writes into the pod's network
+//! namespace, and the node proxy it needs, if any ([`node_proxy`]).
 //!
 //! In: a pod's labels and annotations (plain maps), its Namespace's labels when the caller
 //! knows them ([`PodView`]), its container names, or a profile file's text. Out: the
 //! profiles that select the pod, each with a three-valued [`Selected`] (a selector that reads
-//! namespace labels the caller does not have answers `Unknown`, never a guess), and whether
-//! the pod runs the mesh's proxy container ([`MeshProfile::proxy_present`]). Built-in
+//! namespace labels the caller does not have answers `Unknown`, never a guess), whether
+//! the pod runs the mesh's proxy container ([`MeshProfile::proxy_present`]), and labels that
+//! every profile selects ([`ProfileSet::labels_selecting_each`], the status probe's). Built-in
 //! profiles follow the contract table, except `istio-ambient`, which selects as Istio itself
 //! enrolls pods (see [`crate::meshes`] and docs/architecture.md "Contract drift"); operators add
 //! their own from a JSON file parsed by [`ProfileSet::with_custom_json`].
