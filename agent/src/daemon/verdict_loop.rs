@@ -549,7 +549,10 @@ async fn wait_stop(mut rx: watch::Receiver<bool>) {
 async fn verify(cni: Arc<CniArgs>, prober: Arc<Prober>) -> (ChainVerdict, Duration) {
     let dir = cni.cni_conf_dir.display().to_string();
     let runtime: Runtime = cni.runtime;
-    let result = tokio::task::spawn_blocking(move || cni.verify_timed(&prober)).await;
+    // The prober's lines belong to the pass that asked for them.
+    let span = tracing::Span::current();
+    let result =
+        tokio::task::spawn_blocking(move || span.in_scope(|| cni.verify_timed(&prober))).await;
     let why = match result {
         Ok(Ok(v)) => return v,
         Ok(Err(e)) => format!("cannot read {dir}: {e}"),

@@ -138,9 +138,9 @@ impl Inspector {
         let dirs = self.config.netns_dirs.clone();
         let count = jobs.len();
         self.progress.pass_started();
-        let batch =
-            tokio::task::spawn_blocking(move || sweep::run(&sweep::confirm_ready(jobs), &dirs))
-                .await;
+        let span = tracing::Span::current();
+        let work = move || span.in_scope(|| sweep::run(&sweep::confirm_ready(jobs), &dirs));
+        let batch = tokio::task::spawn_blocking(work).await;
         self.progress.pass_ended();
         let batch = match batch {
             Ok(b) => b,
