@@ -39,6 +39,6 @@ FROM gcr.io/distroless/cc-debian12
 # /usr/local/bin/{meshgate-agent,meshgate-webhook,kubectl-meshgate} and /usr/lib/<libraries>
 # (on the dynamic loader's default search path on every architecture).
 COPY --from=build /out/ /
-# The agent runs as root with three capabilities (charts/meshgate/templates/agent.yaml); the
+# The agent runs as root with three capabilities (manifests/charts/meshgate/templates/agent.yaml); the
 # webhook Deployment and the cleanup Job set runAsUser 65532 (distroless's "nonroot").
 ENTRYPOINT ["/usr/local/bin/meshgate-agent"]

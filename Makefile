@@ -44,19 +44,19 @@ deps:
 
 ## chart: helm lint of the chart, with its default values and with every option on
 chart: deps
-	@echo "==> helm lint charts/meshgate"
-	"$(HELM)" lint --strict charts/meshgate
-	"$(HELM)" lint --strict charts/meshgate --values e2e/chart/all-on-values.yaml
+	@echo "==> helm lint manifests/charts/meshgate"
+	"$(HELM)" lint --strict manifests/charts/meshgate
+	"$(HELM)" lint --strict manifests/charts/meshgate --values e2e/chart/all-on-values.yaml
 
 ## alerts: promtool checks and unit tests of the chart's PrometheusRule
 alerts: deps
 	@echo "==> promtool check rules / test rules"
-	HELM="$(HELM)" bash charts/monitoring/test.sh
+	HELM="$(HELM)" bash manifests/charts/monitoring/test.sh
 
 ## images: the chart pins meshgate's image by digest; the real node's values run its local build
 images: deps
-	@echo "==> charts/images.sh check"
-	HELM="$(HELM)" bash charts/images.sh check
+	@echo "==> manifests/charts/images.sh check"
+	HELM="$(HELM)" bash manifests/charts/images.sh check
 
 lint:
 	@echo "==> cargo fmt --check"

@@ -7,8 +7,9 @@
 #   - the real node's runtime: containerd, ctr and containerd-shim-runc-v2 built from the
 #     github.com/containerd/containerd/v2 module, Debian's runc and containernetworking-plugins;
 #   - istio-cni and its node agent (install-cni), built from the istio.io/istio module, and the
-#     ambient test's stand-in ztunnel (e2e/ztunnel-standin) on istio's ZDS messages;
-#   - helm, built from the helm.sh/helm/v4 module (it installs meshgate's chart, charts/meshgate);
+#     ambient test's stand-in ztunnel (e2e/ztunnel-standin) on istio's ZDS messages, and
+#     istio-inpod (e2e/istio-inpod), istio-cni's in-pod rule builders for the inspection tests;
+#   - helm, built from the helm.sh/helm/v4 module (it installs meshgate's chart, manifests/charts/meshgate);
 #   - the real node's images (pause, busybox; install-cni and ztunnel-standin for ambient) as
 #     OCI image-layout tarballs (e2e/images).
 # Prints the Kubernetes bin directory as its last line; helm is linked into it as `helm` (the
@@ -222,6 +223,11 @@ go_main cri-status "$cache_root/cri-status/$k8s_version" "k8s.io/cri-api $stagin
 # istio's own ZDS messages (istio.io/istio/pkg/zdsapi at the pinned version).
 zt_dir="$cache_root/ztunnel-standin/$istio_cni_version"
 go_main ztunnel-standin "$zt_dir" "istio.io/istio $istio_cni_version"
+
+# istio-inpod (e2e/istio-inpod/main.go): writes istio-cni's ambient in-pod rules into the
+# namespace it runs in, with istio's own rule builders at the pinned version, for the pod-level
+# overrides an annotated pod gets; the privileged inspection tests judge what it wrote.
+go_main istio-inpod "$cache_root/istio-inpod/$istio_cni_version" "istio.io/istio $istio_cni_version"
 
 # Images, rebuilt when their inputs change (the C source, the script, Debian's busybox).
 images="$cache_root/images"

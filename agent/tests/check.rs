@@ -193,6 +193,22 @@ fn usage_and_io_errors_exit_two() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
 }
 
+/// `meshgate-agent check` on `node` with `extra` flags: exit code and stderr.
+fn check_fails(node: &Node, extra: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_meshgate-agent"))
+        .arg("check")
+        .arg("--cni-conf-dir")
+        .arg(&node.conf)
+        .args(["--require-plugin", "linkerd-cni"])
+        .args(extra)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// `meshgate-agent check` with text output on `node`: exit code and stdout.
 fn check_text(node: &Node) -> (Option<i32>, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_meshgate-agent"))
@@ -586,6 +602,7 @@ fn symlinked_directories_and_hard_links_cost_one_read_not_hundreds_of_mb() {
             conf_dir: dir.display().to_string(),
             runtime,
             required: vec!["linkerd-cni".into()],
+            multus: Default::default(),
         };
         let prober = Prober::new(vec![node.bin.clone()], Duration::from_secs(2));
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -734,4 +751,78 @@ fn multus_thick_delegate_file_verifies_and_its_drift_re_gates() {
     // A delegate binary going missing gates the node as well.
     fs::remove_file(node.bin.join("linkerd-cni")).unwrap();
     assert_names(&node, "PluginBinaryMissing", &[], "via multus (thick)");
+}
+
+/// `check --cni-conf-dir <copy>` on a copy of a thick Multus node's directory: the daemon's
+/// `/host/etc/cni/net.d/...` clusterNetwork is the copy's file, and the mesh plugin dropped in
+/// under the network's name (Multus v4.2.1+ runs it) is part of the chain.
+#[test]
+fn multus_thick_on_a_copy_reads_the_copy_and_its_drop_ins() {
+    let node = Node::new();
+    node.plugin("multus-shim", GOOD);
+    let shim = serde_json::json!({
+        "cniVersion": "0.3.1", "name": "multus-cni-network", "type": "multus-shim",
+        "clusterNetwork": "/host/etc/cni/net.d/10-calico.conflist",
+    });
+    node.config("00-multus.conf", &serde_json::to_vec(&shim).unwrap());
+    node.config("10-calico.conflist", &golden("calico.conflist"));
+    fs::create_dir_all(node.conf.join("k8s-pod-network")).unwrap();
+    node.config(
+        "k8s-pod-network/50-linkerd-cni.conf",
+        br#"{"type":"linkerd-cni"}"#,
+    );
+    let json = assert_reason(&node, "Verified", 0, &[]);
+    let copy = node.conf.join("10-calico.conflist").display().to_string();
+    assert_eq!(json["delegate"]["file"], copy);
+    assert_eq!(
+        json["delegate"]["plugins"],
+        serde_json::json!(["calico", "portmap", "bandwidth", "linkerd-cni"])
+    );
+    // An older Multus runs the inline plugins only.
+    assert_names(
+        &node,
+        "ChainedPluginMissing",
+        &["--multus-version", "v4.1.4"],
+        "does not chain linkerd-cni",
+    );
+    let (code, err) = check_fails(&node, &["--multus-version", "four"]);
+    assert_eq!(
+        code,
+        Some(2),
+        "a release that does not parse is a usage error"
+    );
+    assert!(
+        err.contains("is not `latest` or a release such as v4.2.1"),
+        "{err}"
+    );
+}
+
+/// `check` reads the chain only: what the daemon also needs of the node for the selected
+/// profiles (ztunnel for istio-ambient) is listed in `not_judged`, never assumed.
+#[test]
+fn check_names_what_it_does_not_judge() {
+    let node = Node::new();
+    node.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
+    let json = assert_reason(&node, "Verified", 0, &[]);
+    let listed = json["not_judged"].as_array().expect("not_judged").clone();
+    assert_eq!(listed.len(), 1, "{json}");
+    let line = listed[0].as_str().unwrap();
+    assert!(
+        line.starts_with("istio-ambient: whether ztunnel is ready on this node")
+            && line.contains("/var/run/ztunnel/ztunnel.sock")
+            && line.contains("NodeProxyNotReady"),
+        "{line}"
+    );
+    let json = assert_reason(&node, "Verified", 0, &["--profile", "linkerd,istio"]);
+    assert_eq!(json["not_judged"], serde_json::json!([]));
+    let json = assert_reason(&node, "Verified", 0, &["--profile", "istio-ambient"]);
+    assert_eq!(json["not_judged"].as_array().unwrap().len(), 1);
+    let (code, err) = check_fails(&node, &["--profile", "kuma"]);
+    assert_eq!(code, Some(2), "an unknown profile is a usage error");
+    assert!(err.contains("kuma"), "{err}");
+    let (_, shown) = check_text(&node);
+    assert!(
+        shown.contains("not judged: istio-ambient: whether ztunnel"),
+        "{shown}"
+    );
 }

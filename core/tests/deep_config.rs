@@ -49,6 +49,7 @@ fn check(src: MemSource, runtime: Runtime) -> ChainVerdict {
         conf_dir: "/etc/cni/net.d".into(),
         runtime,
         required: vec!["linkerd-cni".into()],
+        multus: Default::default(),
     };
     let mut src = src;
     verify(&mut src, &opts, |t| ProbeOutcome::Answered {

@@ -270,17 +270,157 @@ fn multus_chained_with_other_plugins_runs_them_after_the_delegate() {
     assert_eq!(v.reason, Reason::PrimaryPluginMissing, "{}", v.message);
 }
 
-#[test]
-fn delegate_drop_ins_are_not_run_by_multus() {
-    // libcni appends CNI 1.1 drop-ins only when it loads a file; Multus runs the delegate
-    // from its bytes (ConfListFromBytes), so a mesh plugin dropped in beside the primary
-    // network does not run for Multus's pods.
-    let mut src = thick_node("calico.conflist").file(
+/// A thick node whose mesh plugin is a CNI 1.1 drop-in of the cluster network, as Multus's
+/// own e2e `test-subdirectory-chaining.sh` lays one down (`<conf dir>/<network name>/`).
+fn thick_node_with_drop_in() -> MemSource {
+    thick_node("calico.conflist").file(
         "k8s-pod-network/50-istio-cni.conf",
         br#"{"type":"istio-cni"}"#.to_vec(),
+    )
+}
+
+fn with_multus(version: &str) -> meshgate_core::cni::VerifyOptions {
+    let mut o = opts(&["istio-cni"]);
+    o.multus.version = version.parse().unwrap();
+    o
+}
+
+#[test]
+fn a_cluster_network_files_drop_ins_run_from_multus_v4_2_1() {
+    // Multus v4.2.1+ loads a .conflist clusterNetwork with LoadChainedPluginsFromFile, which
+    // appends the network's subdirectory drop-ins (loadSubdirectoryChain).
+    for version in ["latest", "v4.2.1", "4.3"] {
+        let mut src = thick_node_with_drop_in();
+        let v = run_src(&mut src, &with_multus(version), &mut Bins::healthy());
+        assert_eq!(v.reason, Reason::Verified, "{version}: {}", v.message);
+        let d = v.delegate.unwrap();
+        assert_eq!(
+            d.plugins,
+            ["calico", "portmap", "bandwidth", "istio-cni"],
+            "{version}"
+        );
+        assert_eq!(
+            d.source,
+            "clusterNetwork /etc/cni/net.d/10-calico.conflist + drop-in plugin file 50-istio-cni.conf"
+        );
+    }
+    // Before v4.2.1 Multus loaded the file's inline plugins only.
+    for version in ["v4.2.0", "4.1.4", "v3.9"] {
+        let mut src = thick_node_with_drop_in();
+        let v = run_src(&mut src, &with_multus(version), &mut Bins::healthy());
+        assert_eq!(
+            v.reason,
+            Reason::ChainedPluginMissing,
+            "{version}: {}",
+            v.message
+        );
+        assert_eq!(
+            v.delegate.unwrap().plugins,
+            ["calico", "portmap", "bandwidth"]
+        );
+    }
+}
+
+#[test]
+fn load_only_inlined_plugins_and_inline_delegates_get_no_drop_ins() {
+    // The list's own loadOnlyInlinedPlugins turns them off.
+    let inlined = golden_with(
+        "calico.conflist",
+        "\"name\": \"k8s-pod-network\",",
+        "\"name\": \"k8s-pod-network\", \"loadOnlyInlinedPlugins\": true,",
     );
+    let mut src = MemSource::new()
+        .file("00-multus.conf", golden("multus-thick.conf"))
+        .file("10-calico.conflist", inlined)
+        .file(
+            "k8s-pod-network/50-istio-cni.conf",
+            br#"{"type":"istio-cni"}"#.to_vec(),
+        );
     let v = run(&mut src, &["istio-cni"], &mut Bins::healthy());
     assert_eq!(v.reason, Reason::ChainedPluginMissing, "{}", v.message);
+    // An inline delegate is run from its bytes (LoadDelegateNetConf): never drop-ins.
+    let mut src = MemSource::new()
+        .file("00-multus.conf", golden("multus-thin-istio.conf"))
+        .file(
+            "k8s-pod-network/50-bandwidth.conf",
+            br#"{"type":"bandwidth"}"#.to_vec(),
+        );
+    let v = run(&mut src, &["istio-cni"], &mut Bins::healthy());
+    assert_eq!(v.reason, Reason::Verified, "{}", v.message);
+    assert_eq!(
+        v.delegate.unwrap().plugins,
+        ["calico", "portmap", "istio-cni"]
+    );
+}
+
+#[test]
+fn a_drop_in_that_does_not_load_or_a_bad_network_name_fails_closed() {
+    let mut src = thick_node("calico.conflist")
+        .file("k8s-pod-network/50-istio-cni.conf", b"{not json".to_vec());
+    let v = run(&mut src, &["istio-cni"], &mut Bins::healthy());
+    assert_eq!(v.reason, Reason::ConfigInvalid, "{}", v.message);
+    assert!(
+        v.message
+            .contains("drop-in plugin file #1 (50-istio-cni.conf)"),
+        "{}",
+        v.message
+    );
+    // Multus validates the network name before it reads the subdirectory.
+    let bad = golden_with("calico.conflist", "k8s-pod-network", "-pod network");
+    let mut src = MemSource::new()
+        .file("00-multus.conf", golden("multus-thick.conf"))
+        .file("10-calico.conflist", bad);
+    let v = run(&mut src, &["istio-cni"], &mut Bins::healthy());
+    assert_eq!(v.reason, Reason::ConfigInvalid, "{}", v.message);
+    assert!(
+        v.message.contains("not a valid CNI network name"),
+        "{}",
+        v.message
+    );
+    assert!(
+        !v.message.contains("-pod network"),
+        "no file content: {}",
+        v.message
+    );
+}
+
+#[test]
+fn a_thick_path_under_the_daemon_conf_dir_is_read_in_the_dir_being_checked() {
+    // `check --cni-conf-dir /srv/node-a/net.d` on a copy of a node's directory: the daemon's
+    // /host/etc/cni/net.d/10-calico.conflist is the copy's 10-calico.conflist.
+    let mut o = opts(&["istio-cni"]);
+    o.conf_dir = "/srv/node-a/net.d".into();
+    let mut src = thick_node("istio-cni.conflist");
+    let v = run_src(&mut src, &o, &mut Bins::healthy());
+    assert_eq!(v.reason, Reason::Verified, "{}", v.message);
+    let d = v.delegate.unwrap();
+    assert_eq!(
+        d.source,
+        "clusterNetwork /srv/node-a/net.d/10-calico.conflist"
+    );
+    assert_eq!(
+        d.file.as_deref(),
+        Some("/srv/node-a/net.d/10-calico.conflist")
+    );
+    assert!(src.reads.contains(&b"10-calico.conflist".to_vec()));
+
+    // A daemon configured with another conf dir: its paths map, /host ones outside it do not.
+    let mut o = opts(&["istio-cni"]);
+    o.multus.daemon_conf_dir = "/var/multus/net.d".into();
+    let moved = golden_with(
+        "multus-thick.conf",
+        "/host/etc/cni/net.d/10-calico.conflist",
+        "/var/multus/net.d/10-calico.conflist",
+    );
+    let mut src = MemSource::new()
+        .file("00-multus.conf", moved)
+        .file("10-calico.conflist", golden("istio-cni.conflist"));
+    let v = run_src(&mut src, &o, &mut Bins::healthy());
+    assert_eq!(v.reason, Reason::Verified, "{}", v.message);
+    assert_eq!(
+        v.delegate.unwrap().file.as_deref(),
+        Some("/etc/cni/net.d/10-calico.conflist")
+    );
 }
 
 #[test]

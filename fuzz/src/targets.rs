@@ -223,6 +223,7 @@ fn conflist_exec(input: &[u8]) -> u64 {
                 conf_dir: "/etc/cni/net.d".into(),
                 runtime,
                 required: vec!["linkerd-cni".into()],
+                multus: Default::default(),
             };
             let mut s = src.clone();
             let v = verify(&mut s, &opts, fake_probe);

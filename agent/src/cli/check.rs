@@ -1,14 +1,17 @@
 //! The one-shot `check` subcommand: verify the node's effective CNI config once.
 //!
-//! In: [`Args`]. Out: the verdict on stdout (text or the contract's JSON object) and the
-//! exit code: 0 verified, 1 not verified, 2 usage or I/O error.
+//! In: [`Args`]. Out: the verdict on stdout (text or the contract's JSON object, with
+//! `not_judged`: what the daemon's verdict also needs of the node and `check` does not read)
+//! and the exit code: 0 verified, 1 not verified, 2 usage or I/O error.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context as _;
 use meshgate_core::cni::ChainVerdict;
 use meshgate_shell::entry::Exit;
 
-use super::Output;
+use super::{Output, node_proxy_not_judged};
 use crate::cni::CniArgs;
 
 /// `meshgate-agent check --cni-conf-dir DIR --cni-bin-dir DIR --require-plugin TYPE ...`
@@ -16,6 +19,13 @@ use crate::cni::CniArgs;
 pub struct Args {
     #[command(flatten)]
     pub cni: CniArgs,
+    /// The mesh profiles the node's daemon gates (repeatable or comma-separated; default:
+    /// every built-in and file-defined one), for what of their verdict `check` cannot judge.
+    #[arg(long = "profile", env = "MESHGATE_PROFILES", value_delimiter = ',')]
+    pub profiles: Vec<String>,
+    /// JSON file of custom mesh profiles, added to the built-in ones.
+    #[arg(long, env = "MESHGATE_PROFILE_FILE")]
+    pub profile_file: Option<PathBuf>,
     /// Output format.
     #[arg(long, env = "MESHGATE_OUTPUT", value_enum, default_value = "text")]
     pub output: Output,
@@ -23,6 +33,13 @@ pub struct Args {
 
 /// Runs `check` and maps the verdict to the exit code.
 pub fn main(args: Args) -> ExitCode {
+    let not_judged = match not_judged(&args) {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("meshgate-agent check: {e:#}");
+            return Exit::UsageOrIo.into();
+        }
+    };
     let prober = args.cni.prober();
     let verdict = match args.cni.verify(&prober) {
         Ok(v) => v,
@@ -35,14 +52,14 @@ pub fn main(args: Args) -> ExitCode {
         }
     };
     match args.output {
-        Output::Json => match serde_json::to_string(&verdict) {
+        Output::Json => match render_json(&verdict, &not_judged) {
             Ok(json) => println!("{json}"),
             Err(e) => {
                 eprintln!("meshgate-agent check: cannot encode the verdict: {e}");
                 return Exit::UsageOrIo.into();
             }
         },
-        Output::Text => print!("{}", render_text(&verdict)),
+        Output::Text => print!("{}", render_text(&verdict, &not_judged)),
     }
     if verdict.verified {
         Exit::Success.into()
@@ -51,8 +68,24 @@ pub fn main(args: Args) -> ExitCode {
     }
 }
 
+/// What of the selected profiles' verdicts `check` does not judge.
+fn not_judged(args: &Args) -> anyhow::Result<Vec<String>> {
+    let profiles = meshgate_shell::profiles::load(&args.profiles, args.profile_file.as_deref())
+        .context("the profiles")?;
+    Ok(profiles.iter().filter_map(node_proxy_not_judged).collect())
+}
+
+/// The contract's JSON object, with `not_judged`.
+pub fn render_json(v: &ChainVerdict, not_judged: &[String]) -> serde_json::Result<String> {
+    let mut value = serde_json::to_value(v)?;
+    if let Some(o) = value.as_object_mut() {
+        o.insert("not_judged".into(), serde_json::json!(not_judged));
+    }
+    serde_json::to_string(&value)
+}
+
 /// The human-readable verdict.
-pub fn render_text(v: &ChainVerdict) -> String {
+pub fn render_text(v: &ChainVerdict, not_judged: &[String]) -> String {
     let status = if v.verified {
         "VERIFIED"
     } else {
@@ -80,5 +113,8 @@ pub fn render_text(v: &ChainVerdict) -> String {
         ));
     }
     out.push_str(&format!("message:  {}\n", v.message));
+    for n in not_judged {
+        out.push_str(&format!("not judged: {n}\n"));
+    }
     out
 }

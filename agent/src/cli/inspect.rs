@@ -3,8 +3,9 @@
 //! In: [`Args`] (a namespace path or a pid, a profile name, optionally a profile file and the
 //! pod's annotations). Out: the verdict on stdout, as text or the contract's JSON object, and
 //! the exit code: 0 redirected, 1 missing, 2 unknown, usage or I/O error. The library half
-//! is [`crate::netns::check_pod`]: enter once, read addresses and rules, derive what the mesh
-//! writes for this pod, match.
+//! is [`crate::netns::inspect_pod`]: enter, read addresses and rules, derive what the mesh
+//! writes for this pod, match; then a node proxy's listeners in the namespace, as the daemon
+//! judges them. Its readiness on the node is not judged: the verdict's `not_judged` says so.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -14,7 +15,7 @@ use anyhow::Context as _;
 use meshgate_core::rules::{self, Inspection, RedirectVerdict};
 use meshgate_shell::entry::Exit;
 
-use super::Output;
+use super::{Output, node_proxy_not_judged};
 use crate::netns;
 
 /// `meshgate-agent inspect (--netns PATH | --pid PID) --profile NAME [--output text|json]`
@@ -56,16 +57,16 @@ pub struct Args {
 /// Runs `inspect`. Exit 0 = redirected, 1 = missing, 2 = unknown (rules unreadable or past the dump caps), usage or I/O error.
 pub fn main(args: Args) -> ExitCode {
     match run(&args) {
-        Ok((path, inspection)) => {
+        Ok((path, inspection, not_judged)) => {
             match args.output {
-                Output::Json => match render_json(&path, &inspection) {
+                Output::Json => match render_json(&path, &inspection, &not_judged) {
                     Ok(json) => println!("{json}"),
                     Err(e) => {
                         eprintln!("meshgate-agent inspect: cannot encode the verdict: {e}");
                         return Exit::UsageOrIo.into();
                     }
                 },
-                Output::Text => print!("{}", render_text(&path, &inspection)),
+                Output::Text => print!("{}", render_text(&path, &inspection, &not_judged)),
             }
             match inspection.verdict {
                 RedirectVerdict::Redirected => Exit::Success.into(),
@@ -80,7 +81,7 @@ pub fn main(args: Args) -> ExitCode {
     }
 }
 
-fn run(args: &Args) -> anyhow::Result<(PathBuf, Inspection)> {
+fn run(args: &Args) -> anyhow::Result<(PathBuf, Inspection, Vec<String>)> {
     let profiles = meshgate_shell::profiles::load(&[], args.profile_file.as_deref())?;
     let profile = profiles
         .select(std::slice::from_ref(&args.profile))
@@ -94,8 +95,9 @@ fn run(args: &Args) -> anyhow::Result<(PathBuf, Inspection)> {
         (None, None) => anyhow::bail!("give --netns PATH or --pid PID"),
     };
     let annotations = annotations(args)?;
-    let inspection = netns::check_pod(&path, &profile, &annotations)?;
-    Ok((path, inspection))
+    let inspection = netns::inspect_pod(&path, &profile, &annotations)?;
+    let not_judged = node_proxy_not_judged(&profile).into_iter().collect();
+    Ok((path, inspection, not_judged))
 }
 
 /// `KEY=VALUE` → `(KEY, VALUE)`; the value may be empty, the key may not.
@@ -119,8 +121,12 @@ fn annotations(args: &Args) -> anyhow::Result<BTreeMap<String, String>> {
     Ok(out)
 }
 
-/// The contract's JSON object.
-pub fn render_json(path: &Path, i: &Inspection) -> serde_json::Result<String> {
+/// The contract's JSON object, with `not_judged`.
+pub fn render_json(
+    path: &Path,
+    i: &Inspection,
+    not_judged: &[String],
+) -> serde_json::Result<String> {
     serde_json::to_string(&serde_json::json!({
         "verdict": i.verdict.as_str(),
         "profile": i.profile,
@@ -128,11 +134,12 @@ pub fn render_json(path: &Path, i: &Inspection) -> serde_json::Result<String> {
         "inbound": i.inbound,
         "outbound": i.outbound,
         "message": i.message,
+        "not_judged": not_judged,
     }))
 }
 
 /// Human-readable lines.
-pub fn render_text(path: &Path, i: &Inspection) -> String {
+pub fn render_text(path: &Path, i: &Inspection, not_judged: &[String]) -> String {
     let dir = |d: &rules::DirectionResult| match (&d.via, d.found, d.expected) {
         (Some(via), _, false) => format!("{} not expected (found via {via})", d.port),
         (None, _, false) => format!("{} not expected", d.port),
@@ -140,7 +147,7 @@ pub fn render_text(path: &Path, i: &Inspection) -> String {
         (Some(via), false, true) => format!("{} MISSING (only via {via})", d.port),
         (None, _, true) => format!("{} MISSING", d.port),
     };
-    format!(
+    let mut out = format!(
         "verdict:  {}\nprofile:  {}\nnetns:    {}\ninbound:  {}\noutbound: {}\nmessage:  {}\n",
         i.verdict.as_str().to_uppercase(),
         i.profile,
@@ -148,5 +155,9 @@ pub fn render_text(path: &Path, i: &Inspection) -> String {
         dir(&i.inbound),
         dir(&i.outbound),
         i.message
-    )
+    );
+    for n in not_judged {
+        out.push_str(&format!("not judged: {n}\n"));
+    }
+    out
 }

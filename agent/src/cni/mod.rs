@@ -15,6 +15,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+use meshgate_core::cni::multus::{self, MultusOptions, MultusVersion};
 use meshgate_core::cni::{ChainVerdict, Runtime, VerifyOptions, plan, verify};
 
 pub use prober::Prober;
@@ -62,6 +63,14 @@ pub struct CniArgs {
     /// Overall time one verification may spend running plugin binaries.
     #[arg(long, env = "MESHGATE_VERIFY_TIMEOUT", default_value = "10s", value_parser = meshgate_shell::cli::duration)]
     pub verify_timeout: Duration,
+    /// Multus thick's view of this node's CNI config directory (its daemon config's
+    /// `multusAutoconfigDir`): a `clusterNetwork` under it is read under --cni-conf-dir.
+    #[arg(long, env = "MESHGATE_MULTUS_DAEMON_CONF_DIR", default_value = multus::DEFAULT_DAEMON_CONF_DIR)]
+    pub multus_daemon_conf_dir: String,
+    /// The Multus release the node runs (`latest`, or e.g. `v4.1.4`): from v4.2.1 on, a
+    /// `.conflist` `clusterNetwork` file gets its subdirectory drop-in plugins.
+    #[arg(long, env = "MESHGATE_MULTUS_VERSION", default_value = "latest")]
+    pub multus_version: MultusVersion,
 }
 
 /// `--runtime` values: the names of the runtimes core has rules for, each with its summary
@@ -103,6 +112,10 @@ impl CniArgs {
             conf_dir: self.cni_conf_dir.display().to_string(),
             runtime: self.runtime,
             required: self.require_plugins.clone(),
+            multus: MultusOptions {
+                daemon_conf_dir: self.multus_daemon_conf_dir.clone(),
+                version: self.multus_version,
+            },
         };
         let planned = plan::plugin_types(&mut self.reader(), &opts);
         prober.allow(&planned);

@@ -200,9 +200,10 @@ impl FsWatch {
             dirs.extend(want.iter().cloned());
         }
         if let Some(dir) = want {
+            // Recursive: Multus loads the file's drop-in plugins from a subdirectory.
             self.targets.push(Target {
                 dir,
-                mode: RecursiveMode::NonRecursive,
+                mode: RecursiveMode::Recursive,
                 watching: None,
             });
         }

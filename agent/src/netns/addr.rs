@@ -2,7 +2,10 @@
 //! and decoded with `netlink-packet-core` and `netlink-packet-route`.
 //!
 //! In: a `NETLINK_ROUTE` socket created inside the namespace (it stays bound to it after
-//! the thread switches back). Out: every address with its prefix length, scope and interface.
+//! the thread switches back). Out: every address with its prefix length, scope and interface,
+//! up to [`MAX_ADDRESSES`]: a pod that can make its own user namespace can fill its netns
+//! with millions of addresses, and past the cap the namespace is unreadable (its pod
+//! `unknown`, never evicted) rather than costing the agent memory without bound.
 //! [`decode_buffer`] is bounds-checked and never panics on arbitrary bytes.
 //!
 //! Only the `ifaddrmsg` header and the two address attributes are parsed, not the whole
@@ -33,6 +36,9 @@ const IFADDRMSG: usize = 8;
 const BUF_LEN: usize = 32 * 1024;
 /// Dumps retried before giving up on an address list that keeps changing.
 const MAX_ATTEMPTS: u32 = 5;
+/// Addresses one namespace may hold before it is too many to judge (a pod has a handful;
+/// 4,096 cost the agent about 100 KiB).
+pub const MAX_ADDRESSES: usize = 4096;
 
 /// One interface address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,6 +80,9 @@ pub enum AddrError {
     /// The address list kept changing during the dump.
     #[error("the address list changed during {0} consecutive dumps")]
     Interrupted(u32),
+    /// More addresses than the cap: reading stopped there.
+    #[error("more than {0} addresses, too many to judge")]
+    TooMany(usize),
 }
 
 /// What one receive buffer carried.
@@ -89,15 +98,21 @@ pub struct Batch {
     pub error: Option<i32>,
 }
 
-/// Dumps every address of the socket's namespace, retrying an interrupted dump.
+/// Dumps every address of the socket's namespace, retrying an interrupted dump; more than
+/// [`MAX_ADDRESSES`] is [`AddrError::TooMany`].
 pub fn dump(sock: &crate::netlink::Socket) -> Result<Vec<Address>, AddrError> {
+    dump_within(sock, MAX_ADDRESSES)
+}
+
+/// [`dump`] with a cap of `max` addresses.
+pub fn dump_within(sock: &crate::netlink::Socket, max: usize) -> Result<Vec<Address>, AddrError> {
     let mut buf = vec![0u8; BUF_LEN];
     for seq in 1..=MAX_ATTEMPTS {
         sock.send(&request(seq)).map_err(|source| AddrError::Io {
             what: "send",
             source,
         })?;
-        let (all, interrupted) = receive(sock, &mut buf, seq)?;
+        let (all, interrupted) = receive(sock, &mut buf, seq, max)?;
         if !interrupted {
             return Ok(all);
         }
@@ -106,11 +121,12 @@ pub fn dump(sock: &crate::netlink::Socket) -> Result<Vec<Address>, AddrError> {
 }
 
 /// Reads one dump's datagrams until `NLMSG_DONE`: the addresses, and whether any message
-/// was flagged interrupted.
+/// was flagged interrupted. Past `max` addresses it stops (one datagram over at most).
 fn receive(
     sock: &crate::netlink::Socket,
     buf: &mut [u8],
     seq: u32,
+    max: usize,
 ) -> Result<(Vec<Address>, bool), AddrError> {
     let mut all = Vec::new();
     let mut interrupted = false;
@@ -126,6 +142,9 @@ fn receive(
             )));
         }
         all.extend(batch.addresses);
+        if all.len() > max {
+            return Err(AddrError::TooMany(max));
+        }
         interrupted |= batch.interrupted;
         if batch.done {
             return Ok((all, interrupted));

@@ -41,7 +41,7 @@ use nix::sched::{CloneFlags, setns};
 
 use crate::netfilter::{self, ReadError};
 pub use addr::Address;
-pub use read::{NetnsContents, check_pod, read_netns};
+pub use read::{LISTEN_TIMEOUT, NetnsContents, check_pod, inspect_pod, read_netns};
 
 /// Where `ip netns` and the container runtimes bind-mount named namespaces.
 pub const DEFAULT_NETNS_DIR: &str = "/var/run/netns";

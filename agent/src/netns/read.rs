@@ -2,16 +2,19 @@
 //! `inspect` subcommand's library half, also used by the privileged tests and the bench.
 //!
 //! In: a namespace path, a [`MeshProfile`] and the pod's annotations. Out: the namespace's
-//! addresses and rules ([`NetnsContents`]), or the [`Inspection`] of them. The daemon does
+//! addresses and rules ([`NetnsContents`]), or the [`Inspection`] of them ([`check_pod`]:
+//! the rules alone; [`inspect_pod`]: with a node proxy's listeners too). The daemon does
 //! not come through here: it pins each surveyed namespace and reads it through the pinned
 //! descriptor (`daemon::pods::inspect`), so a path that now leads elsewhere is caught.
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use meshgate_core::profile::MeshProfile;
-use meshgate_core::rules::{self, Inspection, IpFamily};
+use meshgate_core::rules::{self, Inspection, IpFamily, RedirectVerdict};
 
+use super::addr::AddrError;
 use super::{Address, NetnsError, open};
 use crate::netfilter::ReadError;
 
@@ -59,24 +62,29 @@ pub fn read_netns(path: &Path) -> Result<NetnsContents, NetnsError> {
 
 /// Reads the namespace at `path` and checks its rules against what `profile`'s mesh writes
 /// for a pod with these annotations ([`meshgate_core::rules::check_pod`]); the pod's
-/// families are the namespace's global addresses'. Rules past the dump caps give an
-/// `unknown` inspection, never `missing`. Blocking.
+/// families are the namespace's global addresses'. Rules or addresses past the dump caps
+/// give an `unknown` inspection, never `missing`. Blocking.
 pub fn check_pod(
     path: &Path,
     profile: &MeshProfile,
     annotations: &BTreeMap<String, String>,
 ) -> Result<Inspection, NetnsError> {
+    let too_large = |e: &dyn std::fmt::Display| {
+        Ok(Inspection::unknown(
+            profile,
+            &format!("{}: {e}", profile.name),
+        ))
+    };
     let contents = match read_netns(path) {
         Ok(c) => c,
         Err(NetnsError::Rules {
             source: e @ ReadError::TooLarge { .. },
             ..
-        }) => {
-            return Ok(Inspection::unknown(
-                profile,
-                &format!("{}: {e}", profile.name),
-            ));
-        }
+        }) => return too_large(&e),
+        Err(NetnsError::Addresses {
+            source: e @ AddrError::TooMany(_),
+            ..
+        }) => return too_large(&e),
         Err(e) => return Err(e),
     };
     Ok(rules::check_pod(
@@ -85,4 +93,34 @@ pub fn check_pod(
         &contents.families(),
         annotations,
     ))
+}
+
+/// How long reading a namespace's listening sockets may take.
+pub const LISTEN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// [`check_pod`], then, when the rules are in place and `profile`'s node proxy listens in
+/// every pod (ztunnel), its listeners in the namespace judged over them as the daemon judges
+/// them ([`meshgate_core::node_proxy::pod::judge`]), with the proxy taken as ready: whether
+/// it is, is the node's verdict, which needs the API and the proxy's socket. Blocking.
+pub fn inspect_pod(
+    path: &Path,
+    profile: &MeshProfile,
+    annotations: &BTreeMap<String, String>,
+) -> Result<Inspection, NetnsError> {
+    let rules = check_pod(path, profile, annotations)?;
+    let Some(proxy) = profile
+        .node_proxy
+        .as_ref()
+        .filter(|np| !np.listen_ports.is_empty())
+    else {
+        return Ok(rules);
+    };
+    if rules.verdict != RedirectVerdict::Redirected {
+        return Ok(rules);
+    }
+    let listening = open(path, true)
+        .and_then(|o| o.tcp_listening(Instant::now() + LISTEN_TIMEOUT))
+        .map_err(|e| e.to_string());
+    let listening = listening.as_ref().map_err(String::as_str);
+    Ok(meshgate_core::node_proxy::pod::judge(rules, proxy, listening, true).0)
 }

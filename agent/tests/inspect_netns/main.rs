@@ -7,6 +7,7 @@
 //! what is missing: they never skip silently.
 //!
 //! One file per concern: [`meshes`] (each mesh's rules through each backend, per pod),
+//! [`ambient_overrides`] (istio-cni's own ambient rules for each pod-level override),
 //! [`binary`] (the `inspect` command), [`reading`] (how a namespace is read, and what a
 //! hostile or busy one cannot do to the reader), [`kernel`] (the matcher against real
 //! connections), [`identity`] (what the survey found is what is read and acted on), and the
@@ -14,6 +15,7 @@
 //! fixture and the shared helpers; the Istio goldens that `binary`, `kernel` and `identity`
 //! load too are in `meshes`.
 
+mod ambient_overrides;
 mod binary;
 mod identity;
 mod kernel;

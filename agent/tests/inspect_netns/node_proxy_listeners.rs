@@ -1,6 +1,7 @@
 //! The pod-level half of a node proxy on real namespaces, through the daemon's path (survey
-//! → `inspect_one`): an ambient pod whose rules are in place is `redirected` only once
-//! ztunnel's listeners (15008, 15006, 15001) are bound inside its netns.
+//! → `inspect_one`) and the `inspect` command: an ambient pod whose rules are in place is
+//! `redirected` only once ztunnel's listeners (15008, 15006, 15001) are bound inside its
+//! netns.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, TcpListener};
@@ -12,7 +13,7 @@ use meshgate_core::meshes::istio_ambient::ztunnel;
 use meshgate_core::rules::RedirectVerdict;
 use meshgate_e2e::sim::netns as netns_sim;
 
-use super::{ISTIO_NFT, Netns, eventually, profile};
+use super::{ISTIO_NFT, Netns, binary, eventually, profile};
 
 fn job(ip: IpAddr, ready: bool) -> Job {
     Job {
@@ -87,4 +88,69 @@ fn ztunnels_listeners_in_the_pods_netns_make_an_ambient_pod_redirected() {
         "listeners closed: {}",
         last.1
     );
+}
+
+/// `meshgate-agent inspect --profile istio-ambient` judges ztunnel's listeners as the daemon
+/// does, and says that ztunnel's readiness on the node is not judged.
+#[test]
+fn the_inspect_command_judges_ztunnels_listeners_and_names_what_it_cannot() {
+    let ns = Netns::new("ztb");
+    ns.addr("10.244.7.9/24");
+    ns.nft(ISTIO_NFT);
+    let path = ns.path();
+    let path = path.to_str().expect("utf-8 path");
+    let run = |p: &str| {
+        let (code, out, err) = binary(&[
+            "inspect",
+            "--netns",
+            path,
+            "--profile",
+            p,
+            "--output",
+            "json",
+        ]);
+        let v: serde_json::Value = serde_json::from_str(out.trim())
+            .unwrap_or_else(|e| panic!("{e}: stdout {out}\nstderr {err}"));
+        (code, v)
+    };
+    let (code, v) = run("istio-ambient");
+    assert_eq!((code, v["verdict"].as_str()), (1, Some("missing")), "{v}");
+    assert_eq!(
+        v["message"],
+        "ztunnel has not taken this pod: no listener on 15008, 15006, 15001 in its netns"
+    );
+    let not_judged = v["not_judged"].as_array().expect("not_judged");
+    assert_eq!(not_judged.len(), 1, "{v}");
+    assert!(
+        not_judged[0]
+            .as_str()
+            .is_some_and(|n| n.starts_with("istio-ambient: whether ztunnel is ready on this node")),
+        "{v}"
+    );
+
+    let bind = |addr: &str| TcpListener::bind(addr).expect("bind in the pod's netns");
+    let held = netns::with_netns(&ns.path(), || {
+        (
+            bind("0.0.0.0:15008"),
+            bind("0.0.0.0:15006"),
+            bind("0.0.0.0:15001"),
+        )
+    })
+    .expect("enter");
+    let (code, v) = run("istio-ambient");
+    assert_eq!(
+        (code, v["verdict"].as_str()),
+        (0, Some("redirected")),
+        "{v}"
+    );
+    assert!(
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.ends_with("ztunnel listens in the pod's netns")),
+        "{v}"
+    );
+    // The sidecar profile has no node proxy: nothing is left unjudged.
+    let (_, v) = run("istio");
+    assert_eq!(v["not_judged"], serde_json::json!([]), "{v}");
+    drop(held);
 }

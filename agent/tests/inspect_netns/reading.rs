@@ -1,7 +1,7 @@
 //! How a namespace is read: reading creates nothing (no legacy tables), discovery finds each
 //! namespace once, the reading thread returns to its own namespace, forged netlink answers
 //! from the pod are refused, concurrent rule changes never give a torn read, and an oversized
-//! dump is `unknown`, never `missing`.
+//! dump (rules or addresses) is `unknown`, never `missing`.
 
 use super::*;
 
@@ -242,4 +242,44 @@ fn oversized_rule_dumps_are_unknown_never_missing() {
     ns.sh(&linkerd_rules("iptables-legacy", 4143));
     let got = inspect(&ns, "linkerd");
     assert_eq!(got.verdict, RedirectVerdict::Unknown, "{}", got.message);
+}
+
+#[test]
+fn a_namespace_with_too_many_addresses_is_unknown_never_missing() {
+    // One more than the agent reads: the dump stops there, at bounded memory.
+    let ns = Netns::new("bigaddrs");
+    ns.addr("10.244.17.30/24");
+    let extra = netns::addr::MAX_ADDRESSES;
+    let mut batch = String::new();
+    for i in 0..extra {
+        batch.push_str(&format!(
+            "addr add 10.99.{}.{}/32 dev eth0\n",
+            i / 250,
+            i % 250 + 1
+        ));
+    }
+    let file = std::env::temp_dir().join(format!("{}.ip", ns.name()));
+    std::fs::write(&file, &batch).expect("write ip batch");
+    ns.sh(&format!("ip -batch {}", file.display()));
+    let _ = std::fs::remove_file(&file);
+    let got = inspect(&ns, "linkerd");
+    assert_eq!(got.verdict, RedirectVerdict::Unknown, "{}", got.message);
+    assert!(
+        got.message
+            .contains(&format!("more than {extra} addresses, too many to judge")),
+        "{}",
+        got.message
+    );
+    // The daemon's survey cannot read it either: the namespace is an error, its pods are
+    // located nowhere (unknown), never judged on a partial address list.
+    let dirs = vec![PathBuf::from(netns::DEFAULT_NETNS_DIR)];
+    let (facts, errors) = netns::survey(&dirs).expect("survey");
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.to_string().contains("too many to judge")),
+        "{errors:?}"
+    );
+    let pod_ip: IpAddr = "10.244.17.30".parse().expect("ip");
+    assert!(!facts.iter().any(|f| f.addresses.contains(&pod_ip)));
 }

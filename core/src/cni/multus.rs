@@ -23,11 +23,18 @@
 //!   in Multus's own conf dir; with `/` it is a directory (its first config, as
 //!   `GetCNIConfigFromFile("", dir)` picks it) or a file, loaded with libcni
 //!   `ConfListFromFile` (`.conflist`) or `ConfFromFile` (other names).
+//!   Since v4.2.1 a `.conflist` file is loaded by `LoadChainedPluginsFromFile`
+//!   (`loadSubdirectoryChain`): unless the list sets `loadOnlyInlinedPlugins`, the `.conf`
+//!   files of `<the file's directory>/<its network name>/` are appended, as libcni's
+//!   `NetworkPluginConfsFromFiles` lists them; the name must be a valid CNI network name.
+//!   Older releases load the file's inline plugins only ([`MultusVersion`]).
 //! - `pkg/server/config/manager.go`: the thick daemon's generated `00-multus.conf` names the
 //!   primary config as `clusterNetwork` = `multusAutoconfigDir` + file; the shipped thick
-//!   DaemonSet (`deployments/multus-daemonset-thick.yml`) mounts the host's
-//!   `/etc/cni/net.d` at `/host/etc/cni/net.d`, so a thick path under [`THICK_HOST_ROOT`]
-//!   is that host path.
+//!   DaemonSet (`deployments/multus-daemonset-thick.yml`) sets `cniConfigDir` and
+//!   `multusAutoconfigDir` to `/host/etc/cni/net.d`, where it mounts the node's
+//!   `/etc/cni/net.d`. So a thick path under the daemon's conf dir
+//!   ([`MultusOptions::daemon_conf_dir`]) is the same file under the directory being checked;
+//!   any other thick path under [`THICK_HOST_ROOT`] is that host path.
 
 use serde::{Deserialize, Serialize};
 
@@ -35,11 +42,86 @@ use super::config::{NetConfList, PluginConf};
 use super::gojson::{self, GoValue};
 use super::listing::{ConfSource, Dirent, SourceError, display, ext, is_config_name, join_clean};
 use super::reason::Reason;
-use super::select::EffectiveConfig;
+use super::select::{EffectiveConfig, LoadFail, append_drop_ins};
 
 /// Where the thick daemon of Multus's shipped DaemonSet sees the host's root for the config
 /// directory (`hostPath: /etc/cni/net.d` mounted at `/host/etc/cni/net.d`).
 pub const THICK_HOST_ROOT: &str = "/host";
+
+/// The daemon conf dir of Multus's shipped thick DaemonSet (`cniConfigDir` and
+/// `multusAutoconfigDir` in its `daemon-config.json`).
+pub const DEFAULT_DAEMON_CONF_DIR: &str = "/host/etc/cni/net.d";
+
+/// What meshgate must be told of the Multus on the node: nothing on the node's disk says it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MultusOptions {
+    /// The thick daemon's view of the node's CNI config directory (its daemon config's
+    /// `multusAutoconfigDir`, which prefixes the `clusterNetwork` it generates). A thick
+    /// `clusterNetwork` under it is read under the directory being checked.
+    pub daemon_conf_dir: String,
+    /// The Multus release, for how it loads a `clusterNetwork` file.
+    pub version: MultusVersion,
+}
+
+impl Default for MultusOptions {
+    fn default() -> Self {
+        Self {
+            daemon_conf_dir: DEFAULT_DAEMON_CONF_DIR.into(),
+            version: MultusVersion::Latest,
+        }
+    }
+}
+
+/// A Multus release, as the operator names it (`latest`, `v4.2.1`, `4.1`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MultusVersion {
+    /// The current release's behaviour.
+    #[default]
+    Latest,
+    /// `major.minor.patch`.
+    Release(u32, u32, u32),
+}
+
+impl MultusVersion {
+    /// True when a `.conflist` `clusterNetwork` file gets its subdirectory drop-ins (v4.2.1
+    /// and later).
+    pub fn loads_drop_ins(self) -> bool {
+        match self {
+            MultusVersion::Latest => true,
+            MultusVersion::Release(a, b, c) => (a, b, c) >= (4, 2, 1),
+        }
+    }
+}
+
+impl std::str::FromStr for MultusVersion {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "latest" {
+            return Ok(MultusVersion::Latest);
+        }
+        let bad = || format!("{s:?} is not `latest` or a release such as v4.2.1");
+        let digits = s.strip_prefix('v').unwrap_or(s);
+        let parts: Vec<u32> = digits
+            .split('.')
+            .map(|p| p.parse::<u32>().map_err(|_| bad()))
+            .collect::<Result<_, _>>()?;
+        match parts[..] {
+            [a, b] => Ok(MultusVersion::Release(a, b, 0)),
+            [a, b, c] => Ok(MultusVersion::Release(a, b, c)),
+            _ => Err(bad()),
+        }
+    }
+}
+
+impl std::fmt::Display for MultusVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MultusVersion::Latest => f.write_str("latest"),
+            MultusVersion::Release(a, b, c) => write!(f, "v{a}.{b}.{c}"),
+        }
+    }
+}
 
 /// Which Multus runs the cluster-default network.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -120,6 +202,7 @@ struct MultusConf {
 pub fn resolve(
     src: &mut dyn ConfSource,
     conf_dir: &str,
+    opts: &MultusOptions,
     eff: &EffectiveConfig,
     at: usize,
     layout: Layout,
@@ -133,7 +216,7 @@ pub fn resolve(
             "its clusterNetwork is a network name, which Multus resolves through the API first (a NetworkAttachmentDefinition in its namespace) and only then in its own conf dir, so the cluster-default network cannot be verified from the node's files; name the file by its path in clusterNetwork, or let Multus copy the primary config into its delegates",
         ));
     }
-    from_file(src, conf_dir, &conf.cluster_network, layout)
+    from_file(src, conf_dir, opts, &conf.cluster_network, layout)
 }
 
 /// The Multus plugin's object as Multus decodes it: the Go map of the plugin (libcni's
@@ -245,27 +328,22 @@ fn load_delegate(map: &GoValue) -> Result<NetConfList, String> {
 }
 
 /// A `clusterNetwork` path: read through the budgeted source, loaded as libcni's
-/// `ConfListFromFile` / `ConfFromFile` and then as Multus's delegate.
+/// `ConfListFromFile` / `ConfFromFile` and then as Multus's delegate, with the subdirectory
+/// drop-ins of a `.conflist` file when the release loads them.
 fn from_file(
     src: &mut dyn ConfSource,
     conf_dir: &str,
+    opts: &MultusOptions,
     path: &str,
     layout: Layout,
 ) -> Result<Delegate, Unresolved> {
-    let host_path = match layout {
-        Layout::MultusThick => path
-            .strip_prefix(THICK_HOST_ROOT)
-            .filter(|rest| rest.starts_with('/'))
-            .unwrap_or(path),
-        Layout::MultusThin => path,
-    };
-    let Some(rel) = relative_to(conf_dir, host_path) else {
+    let Some((rel, on_node)) = locate(conf_dir, opts, path, layout) else {
         return Err(invalid(
             "its clusterNetwork path is not an absolute path without `..` that meshgate can map onto the node, so the cluster-default network cannot be verified",
         ));
     };
     let inside = !rel.starts_with(b"../") && rel != b"..";
-    let source = if inside {
+    let mut source = if inside {
         format!(
             "clusterNetwork {}/{}",
             conf_dir.trim_end_matches('/'),
@@ -274,19 +352,21 @@ fn from_file(
     } else {
         format!("clusterNetwork file outside {conf_dir}")
     };
-    let fail = |why: String| invalid(format!("its {source} {why}"));
-    let (bytes, read) = read_path(src, &rel).map_err(fail)?;
+    let fail = |source: &str, why: String| invalid(format!("its {source} {why}"));
+    let (bytes, read) = read_path(src, &rel).map_err(|why| fail(&source, why))?;
     let file = if read == rel {
-        host_path.to_string()
+        on_node
     } else {
         format!(
             "{}/{}",
-            host_path.trim_end_matches('/'),
+            on_node.trim_end_matches('/'),
             display(&read[rel.len()..]).trim_start_matches('/')
         )
     };
-    let doc = gojson::parse(&bytes).map_err(|e| fail(format!("is not valid JSON: {e}")))?;
-    let loaded = if ext(&read) == b".conflist" {
+    let doc =
+        gojson::parse(&bytes).map_err(|e| fail(&source, format!("is not valid JSON: {e}")))?;
+    let conflist = ext(&read) == b".conflist";
+    let loaded = if conflist {
         NetConfList::from_go_map(&doc).map(drop)
     } else {
         PluginConf::decode_typed(&doc, None).and_then(|p| {
@@ -297,14 +377,89 @@ fn from_file(
             }
         })
     };
-    loaded.map_err(|e| fail(format!("does not load with libcni: {e}")))?;
-    let list = load_delegate(&doc.as_go_map()).map_err(fail)?;
+    loaded.map_err(|e| fail(&source, format!("does not load with libcni: {e}")))?;
+    let mut list = load_delegate(&doc.as_go_map()).map_err(|why| fail(&source, why))?;
+    // A named file only: a directory's first config is read as Multus reads bytes.
+    if conflist && read == rel && opts.version.loads_drop_ins() && !list.load_only_inlined_plugins {
+        let drop_ins =
+            subdirectory_drop_ins(src, &read, &mut list).map_err(|why| fail(&source, why))?;
+        if !drop_ins.is_empty() {
+            source = format!("{source} + {}", drop_in_names(&drop_ins));
+        }
+    }
     Ok(Delegate {
         layout,
         source,
         file: Some(file),
         list,
     })
+}
+
+/// Where a `clusterNetwork` path is read: relative to the config directory (with `..` to
+/// climb out of it), and the absolute path the agent reads and watches. A thick path under
+/// the daemon's conf dir is the same file under `conf_dir`; any other thick path loses its
+/// [`THICK_HOST_ROOT`]; a thin path is the host's.
+fn locate(
+    conf_dir: &str,
+    opts: &MultusOptions,
+    path: &str,
+    layout: Layout,
+) -> Option<(Vec<u8>, String)> {
+    if layout == Layout::MultusThick
+        && let Some(rel) = relative_to(&opts.daemon_conf_dir, path)
+            .filter(|r| !r.starts_with(b"..") && conf_dir.starts_with('/'))
+    {
+        let on_node = if rel.is_empty() {
+            conf_dir.to_string()
+        } else {
+            format!("{}/{}", conf_dir.trim_end_matches('/'), display(&rel))
+        };
+        return Some((rel, on_node));
+    }
+    let host_path = match layout {
+        Layout::MultusThick => path
+            .strip_prefix(THICK_HOST_ROOT)
+            .filter(|rest| rest.starts_with('/'))
+            .unwrap_or(path),
+        Layout::MultusThin => path,
+    };
+    relative_to(conf_dir, host_path).map(|rel| (rel, host_path.to_string()))
+}
+
+/// Multus's `loadSubdirectoryChain` for the `.conflist` at `file`: its network name must be a
+/// valid CNI name, then libcni's drop-ins beside the file are appended.
+fn subdirectory_drop_ins(
+    src: &mut dyn ConfSource,
+    file: &[u8],
+    list: &mut NetConfList,
+) -> Result<Vec<Vec<u8>>, String> {
+    if !is_cni_network_name(&list.name) {
+        return Err(
+            "has a network name that is not a valid CNI network name, which Multus refuses when it loads the network's drop-in plugins".into(),
+        );
+    }
+    let dir = match file.iter().rposition(|&b| b == b'/') {
+        Some(i) => &file[..i],
+        None => &b""[..],
+    };
+    append_drop_ins(src, dir, list).map_err(|e| match e {
+        LoadFail::Error(why) | LoadFail::Undecidable(why) => why,
+    })
+}
+
+/// The CNI spec's network name: an alphanumeric, then alphanumerics, `_`, `.` or `-`.
+fn is_cni_network_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
+}
+
+/// `drop-in plugin files a.conf, b.conf`, for the delegate's source (file names only: the
+/// directory is the network's name, which is file content).
+fn drop_in_names(files: &[Vec<u8>]) -> String {
+    let names: Vec<String> = files.iter().map(|f| display(f)).collect();
+    let s = if names.len() == 1 { "" } else { "s" };
+    format!("drop-in plugin file{s} {}", names.join(", "))
 }
 
 /// Reads a `clusterNetwork` path as Multus does (`os.Stat`, then a file, or a directory's
@@ -386,6 +541,21 @@ mod tests {
         assert_eq!(r("/etc/cni/net.d", "/etc/cni/net.d/../x"), None);
         assert_eq!(r("net.d", "/etc/x"), None);
         assert_eq!(r("/etc/cni/net.d", "x.conf"), None);
+    }
+
+    #[test]
+    fn releases_parse_and_drop_ins_start_at_v4_2_1() {
+        let v = |s: &str| s.parse::<MultusVersion>();
+        assert_eq!(v("latest"), Ok(MultusVersion::Latest));
+        assert_eq!(v("v4.2.1"), Ok(MultusVersion::Release(4, 2, 1)));
+        assert_eq!(v("4.1"), Ok(MultusVersion::Release(4, 1, 0)));
+        for bad in ["", "v", "4", "4.x", "v4.2.1.1", "-1.2", "4.2.1-rc1"] {
+            assert!(v(bad).is_err(), "{bad:?}");
+        }
+        let drops = |s: &str| v(s).unwrap().loads_drop_ins();
+        assert!(drops("latest") && drops("v4.2.1") && drops("4.3.0") && drops("v5.0"));
+        assert!(!drops("v4.2.0") && !drops("4.1.4") && !drops("3.9.3"));
+        assert_eq!(MultusVersion::Release(4, 2, 1).to_string(), "v4.2.1");
     }
 
     #[test]

@@ -41,6 +41,7 @@ mod tests {
             conf_dir: "/etc/cni/net.d".into(),
             runtime,
             required: vec!["istio-cni".into()],
+            multus: Default::default(),
         }
     }
 

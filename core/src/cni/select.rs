@@ -99,8 +99,11 @@ pub enum NotSelected {
     },
 }
 
-enum LoadFail {
+/// Why a file does not load: an error, or meshgate cannot tell.
+pub(super) enum LoadFail {
+    /// It does not load, for this reason.
     Error(String),
+    /// Past a read budget, or not a regular file: meshgate cannot tell.
     Undecidable(String),
 }
 
@@ -204,47 +207,62 @@ fn load(src: &mut dyn ConfSource, file: &[u8]) -> Result<Loaded, LoadFail> {
     }
     let mut list =
         NetConfList::from_conflist_bytes(&bytes).map_err(|e| LoadFail::Error(e.to_string()))?;
-    let mut drop_ins = Vec::new();
-    if !list.load_only_inlined_plugins {
-        let dir = join_clean(b"", list.name.as_bytes());
-        let entries = match src.list(&dir) {
-            Ok(e) => e,
-            Err(SourceError::NotFound) => Vec::new(),
-            Err(SourceError::Undecidable(why)) => return Err(LoadFail::Undecidable(why)),
-            Err(SourceError::Io(why)) => {
-                return Err(LoadFail::Error(format!(
-                    "names a network whose drop-in plugin directory cannot be listed ({why}), so the list fails to load"
-                )));
-            }
-        };
-        for (k, f) in entries
-            .into_iter()
-            .filter(|f| !f.is_dir && ext(&f.name) == b".conf")
-            .enumerate()
-        {
-            let path = join_clean(&dir, &f.name);
-            let shown = display(&f.name);
-            let plugin = src
-                .read(&path)
-                .map_err(|e| match e {
-                    SourceError::Undecidable(why) => LoadFail::Undecidable(why),
-                    other => {
-                        LoadFail::Error(format!("drop-in plugin file #{} ({shown}) {other}", k + 1))
-                    }
-                })
-                .and_then(|b| {
-                    PluginConf::from_bytes(&b).map_err(|e| {
-                        LoadFail::Error(format!("drop-in plugin file #{} ({shown}) {e}", k + 1))
-                    })
-                })?;
-            list.plugins.push(plugin);
-            drop_ins.push(f.name);
-        }
-    }
+    let drop_ins = if list.load_only_inlined_plugins {
+        Vec::new()
+    } else {
+        append_drop_ins(src, b"", &mut list)?
+    };
     if list.plugins.is_empty() {
         return Err(LoadFail::Error(
             "has no plugins (none inline and none in its drop-in directory)".into(),
         ));
     }
     Ok((bytes, list, drop_ins))
+}
+
+/// libcni `NetworkPluginConfsFromFiles(filepath.Join(dir, list.name), ...)`: the `.conf` files
+/// of the list's drop-in directory beside its file (`dir`, relative to the source), appended
+/// to `list` in name order; their names are returned. A missing directory adds nothing; any
+/// other listing error, or a drop-in that does not load, fails the whole list.
+pub(super) fn append_drop_ins(
+    src: &mut dyn ConfSource,
+    dir: &[u8],
+    list: &mut NetConfList,
+) -> Result<Vec<Vec<u8>>, LoadFail> {
+    let dir = join_clean(dir, list.name.as_bytes());
+    let entries = match src.list(&dir) {
+        Ok(e) => e,
+        Err(SourceError::NotFound) => Vec::new(),
+        Err(SourceError::Undecidable(why)) => return Err(LoadFail::Undecidable(why)),
+        Err(SourceError::Io(why)) => {
+            return Err(LoadFail::Error(format!(
+                "names a network whose drop-in plugin directory cannot be listed ({why}), so the list fails to load"
+            )));
+        }
+    };
+    let mut drop_ins = Vec::new();
+    for (k, f) in entries
+        .into_iter()
+        .filter(|f| !f.is_dir && ext(&f.name) == b".conf")
+        .enumerate()
+    {
+        let path = join_clean(&dir, &f.name);
+        let shown = display(&f.name);
+        let plugin = src
+            .read(&path)
+            .map_err(|e| match e {
+                SourceError::Undecidable(why) => LoadFail::Undecidable(why),
+                other => {
+                    LoadFail::Error(format!("drop-in plugin file #{} ({shown}) {other}", k + 1))
+                }
+            })
+            .and_then(|b| {
+                PluginConf::from_bytes(&b).map_err(|e| {
+                    LoadFail::Error(format!("drop-in plugin file #{} ({shown}) {e}", k + 1))
+                })
+            })?;
+        list.plugins.push(plugin);
+        drop_ins.push(f.name);
+    }
+    Ok(drop_ins)
 }

@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 use super::binaries::{self, Binaries};
 use super::config::NetConfList;
 use super::listing::{CONFIG_EXTENSIONS, ConfSource, display};
-use super::multus::{self, Delegate, Layout};
+use super::multus::{self, Delegate, Layout, MultusOptions};
 use super::probe::ProbeOutcome;
 use super::reason::Reason;
 use super::runtime::Runtime;
@@ -42,6 +42,8 @@ pub struct VerifyOptions {
     pub runtime: Runtime,
     /// Plugin types the effective chain must contain (e.g. `linkerd-cni`).
     pub required: Vec<String>,
+    /// What the node's Multus, if it runs, loads and from where.
+    pub multus: MultusOptions,
 }
 
 /// The outcome of one verification.
@@ -133,26 +135,28 @@ fn judge<P: FnMut(&str) -> ProbeOutcome>(
     let plugins = eff.list.plugin_types();
     let delegate = match multus::find(&eff.list) {
         None => None,
-        Some((at, layout)) => match multus::resolve(src, &opts.conf_dir, &eff, at, layout) {
-            Ok(d) => Some((at, d)),
-            Err(u) => {
-                let message = format!(
-                    "{file} runs {} (plugin #{}), whose cluster-default network cannot be verified: {}",
-                    layout.display(),
-                    at + 1,
-                    u.why
-                );
-                let view = DelegateView {
-                    layout,
-                    source: "its cluster-default network (not resolved)".into(),
-                    file: None,
-                    plugins: Vec::new(),
-                };
-                let mut v = out.verdict(u.reason, message, Some(file), plugins);
-                v.delegate = Some(Box::new(view));
-                return v;
+        Some((at, layout)) => {
+            match multus::resolve(src, &opts.conf_dir, &opts.multus, &eff, at, layout) {
+                Ok(d) => Some((at, d)),
+                Err(u) => {
+                    let message = format!(
+                        "{file} runs {} (plugin #{}), whose cluster-default network cannot be verified: {}",
+                        layout.display(),
+                        at + 1,
+                        u.why
+                    );
+                    let view = DelegateView {
+                        layout,
+                        source: "its cluster-default network (not resolved)".into(),
+                        file: None,
+                        plugins: Vec::new(),
+                    };
+                    let mut v = out.verdict(u.reason, message, Some(file), plugins);
+                    v.delegate = Some(Box::new(view));
+                    return v;
+                }
             }
-        },
+        }
     };
     let chain = Chain::new(&eff, delegate.as_ref(), &file);
     let problem = check_structure(&chain, &opts.required, mesh_plugins)

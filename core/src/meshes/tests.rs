@@ -129,7 +129,12 @@ fn a_profile_file_names_a_dialect_the_meshes_know() {
             r#"[{{"name":"x","selector":{{"labels":{{"a":""}}}},"pluginType":"x","inboundPort":1,"outboundPort":2,"annotationDialect":"{dialect}"}}]"#
         )
     };
-    for (name, keys) in [("none", 0), ("istio", 5), ("linkerd", 3)] {
+    for (name, keys) in [
+        ("none", 0),
+        ("istio", 5),
+        ("linkerd", 3),
+        ("istio-ambient", 1),
+    ] {
         let set = ProfileSet::all_builtin()
             .with_custom_json(&with(name))
             .unwrap();
@@ -142,7 +147,7 @@ fn a_profile_file_names_a_dialect_the_meshes_know() {
         .to_string();
     assert!(
         err.contains(
-            "unknown variant `kuma`, expected one of `none`, `linkerd`, `istio` at line 1"
+            "unknown variant `kuma`, expected one of `none`, `linkerd`, `istio`, `istio-ambient` at line 1"
         ),
         "{err}"
     );

@@ -23,6 +23,7 @@ pub fn opts(required: &[&str]) -> VerifyOptions {
         conf_dir: "/etc/cni/net.d".into(),
         runtime: Runtime::Containerd,
         required: required.iter().map(|s| s.to_string()).collect(),
+        multus: Default::default(),
     }
 }
 

@@ -1,4 +1,5 @@
-//! meshgate's chart (`charts/meshgate`), rendered and installed with helm as an operator does.
+//! meshgate's chart (`manifests/charts/meshgate`), rendered and installed with helm as an
+//! operator does.
 //!
 //! In: the helm binary `e2e/install-deps.sh` builds (`MESHGATE_HELM`, else
 //! `<cache>/helm/<helm-version>/bin/helm`), the chart in this repository, values files and
@@ -45,10 +46,10 @@ pub fn binary() -> Result<PathBuf, Error> {
 
 /// The chart's directory in this repository.
 pub fn chart() -> PathBuf {
-    paths::repo_root().join("charts/meshgate")
+    paths::repo_root().join("manifests/charts/meshgate")
 }
 
-/// `helm template meshgate charts/meshgate -n kube-system ARGS...`: the rendered objects.
+/// `helm template meshgate manifests/charts/meshgate -n kube-system ARGS...`: the rendered objects.
 pub async fn template(args: &[&str]) -> Result<String, Error> {
     let chart = chart();
     let chart = chart.to_string_lossy();
@@ -63,7 +64,7 @@ pub async fn template(args: &[&str]) -> Result<String, Error> {
     exec(None, &all, TEMPLATE_TIMEOUT).await
 }
 
-/// `helm VERB meshgate charts/meshgate -n kube-system EXTRA...` against `cp` (`install`,
+/// `helm VERB meshgate manifests/charts/meshgate -n kube-system EXTRA...` against `cp` (`install`,
 /// `upgrade`), bounded by `timeout`; helm's stdout.
 pub async fn release(
     cp: &ControlPlane,

@@ -1,8 +1,8 @@
 //! A dedicated cluster of real nodes, with meshgate installed as a user installs it.
 //!
 //! In: root, the node binaries, images and helm (`e2e/install-deps.sh`), meshgate's image
-//! (`make` builds it), and this repository's chart `charts/meshgate` with the real node's
-//! values `e2e/chart/real-node-values.yaml`. Out: a [`RealCluster`]: a control plane the
+//! (`make` builds it), and this repository's chart `manifests/charts/meshgate` with the real
+//! node's values `e2e/chart/real-node-values.yaml`. Out: a [`RealCluster`]: a control plane the
 //! nodes' network namespaces can reach ([`start_control_plane`]), real nodes added one by one
 //! ([`RealCluster::add_node`]), meshgate installed with `helm install`
 //! ([`RealCluster::install_meshgate`]) and removed with `helm uninstall`

@@ -20,9 +20,9 @@ use meshgate_e2e::{NodeSpec, unique_name};
 
 use crate::{WAIT, cp};
 
-/// Half of `charts/meshgate/templates/webhook.yaml`'s memory limit (256Mi), in KiB.
+/// Half of `manifests/charts/meshgate/templates/webhook.yaml`'s memory limit (256Mi), in KiB.
 const WEBHOOK_BAR_KIB: u64 = 128 * 1024;
-/// Half of `charts/meshgate/templates/agent.yaml`'s memory limit (160Mi), in KiB.
+/// Half of `manifests/charts/meshgate/templates/agent.yaml`'s memory limit (160Mi), in KiB.
 const AGENT_BAR_KIB: u64 = 80 * 1024;
 
 /// Just under the webhook's default 3 MiB body limit.

@@ -33,9 +33,9 @@ use meshgate_e2e::{NodeSpec, unique_name};
 
 use crate::{WAIT, cp};
 
-/// Half the webhook's memory limit in `charts/meshgate/templates/webhook.yaml` (256Mi).
+/// Half the webhook's memory limit in `manifests/charts/meshgate/templates/webhook.yaml` (256Mi).
 const WEBHOOK_BOUND_KIB: u64 = 128 * 1024;
-/// Half the agent's memory limit in `charts/meshgate/templates/agent.yaml` (160Mi).
+/// Half the agent's memory limit in `manifests/charts/meshgate/templates/agent.yaml` (160Mi).
 const AGENT_BOUND_KIB: u64 = 80 * 1024;
 
 fn mib(kib: u64) -> f64 {

@@ -162,7 +162,7 @@ async fn ambient_steps(cluster: &RealCluster) -> anyhow::Result<()> {
     //    and the agent judges it Redirected.
     let agent = cluster.agent_admin(&a);
     create_namespace(&client, APP_NS, true).await?;
-    let pod = run_pod(&client, &a, "ambient-1")
+    let pod = run_pod(&client, &a, "ambient-1", json!({}))
         .await
         .map_err(fail_with_logs)?;
     let pid = app_pid(&a, &pod).await?;
@@ -178,6 +178,15 @@ async fn ambient_steps(cluster: &RealCluster) -> anyhow::Result<()> {
         "ambient pod {} (pid {pid}): istio-cni's ISTIO_PRERT/ISTIO_OUTPUT in its netns, the stand-in listens on {ZTUNNEL_PORTS:?} there, ambient.istio.io/redirection=enabled; the agent judged it redirected",
         pod.name_any()
     ));
+
+    // 4b. A pod that opts out of inbound capture: istio-cni's node agent writes its outbound
+    //     redirect only; the agent judges it redirected and never evicts it.
+    bypass_inbound_pod(&client, &a, agent)
+        .await
+        .map_err(fail_with_logs)?;
+    say(
+        "an ambient pod with ambient.istio.io/bypass-inbound-capture=true: istio-cni wrote outbound only; judged redirected, never missing, not evicted",
+    );
 
     // 5. ztunnel's pod deleted: the node is gated at once, and verified again once its
     //    replacement (the DaemonSet's) is Ready and connected; the pod is never evicted.
@@ -235,6 +244,42 @@ async fn ambient_steps(cluster: &RealCluster) -> anyhow::Result<()> {
     say(&format!(
         "a Ready but unconnected ztunnel keeps the node gated ({reason}: {message}); the pod without listeners is reported missing, not evicted"
     ));
+    Ok(())
+}
+
+/// An ambient pod annotated `ambient.istio.io/bypass-inbound-capture: "true"` on `node`: the
+/// real node agent's rules in its netns redirect outbound to 15001 and nothing inbound, and
+/// the agent judges it redirected (its missing count stays, nothing is evicted) over a hold.
+async fn bypass_inbound_pod(
+    client: &Client,
+    node: &RealNode,
+    agent: std::net::SocketAddr,
+) -> anyhow::Result<()> {
+    let (missing, redirected) = (
+        metric(agent, MISSING).await?,
+        metric(agent, REDIRECTED).await?,
+    );
+    let key = meshgate_core::meshes::istio_ambient::AMBIENT_BYPASS_INBOUND;
+    let bypass =
+        serde_json::Value::Object([(key.to_string(), json!("true"))].into_iter().collect());
+    let pod = run_pod(client, node, "ambient-ingress", bypass).await?;
+    let pid = app_pid(node, &pod).await?;
+    let nat = in_netns(pid, &["iptables-save", "-t", "nat"]).await?;
+    ensure!(
+        nat.contains("-j ISTIO_PRERT")
+            && nat.contains("--to-ports 15001")
+            && !nat.contains("--to-ports 15006"),
+        "istio-cni's in-pod rules for an inbound bypass are not outbound-only:\n{nat}"
+    );
+    listeners_within(pid, true).await?;
+    wait_annotation(client, &pod.name_any(), "enabled").await?;
+    wait_metric(agent, REDIRECTED, redirected + 1.0).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    still_running(client, &pod).await?;
+    ensure!(
+        metric(agent, MISSING).await? == missing && metric(agent, EVICTED).await? == 0.0,
+        "the agent judged the inbound-bypass pod missing or evicted a pod"
+    );
     Ok(())
 }
 
@@ -344,10 +389,15 @@ async fn replace_standin(client: &Client, mode: StandinMode) -> anyhow::Result<(
 }
 
 /// A busybox pod in the ambient namespace, bound to `node`, running.
-async fn run_pod(client: &Client, node: &RealNode, name: &str) -> anyhow::Result<Pod> {
+async fn run_pod(
+    client: &Client,
+    node: &RealNode,
+    name: &str,
+    annotations: serde_json::Value,
+) -> anyhow::Result<Pod> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), APP_NS);
     let pod: Pod = serde_json::from_value(json!({
-        "metadata": {"name": name, "labels": {"app": name}},
+        "metadata": {"name": name, "labels": {"app": name}, "annotations": annotations},
         "spec": {
             "nodeName": node.name(),
             "automountServiceAccountToken": false,

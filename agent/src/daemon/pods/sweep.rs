@@ -29,6 +29,7 @@ use meshgate_core::profile::MeshProfile;
 use meshgate_core::rules::locate::{self, Located, NetnsFacts};
 use meshgate_core::rules::{self, Inspection, RedirectVerdict};
 
+use crate::netns::LISTEN_TIMEOUT;
 use crate::netns::{self, NetnsError, NetnsRef, Pinned};
 
 /// One pod to inspect.
@@ -61,9 +62,6 @@ pub struct ProxyCheck {
     /// UIDs of its Ready pods on the node, where its connection is looked for again.
     pub pods: Vec<String>,
 }
-
-/// How long reading one pod's listening ports may take.
-const LISTEN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// One pod's inspection.
 #[derive(Debug)]

@@ -106,6 +106,7 @@ fn the_chain_verdict_treats_its_plugin_as_interface_less() {
         conf_dir: "/etc/cni/net.d".into(),
         runtime: Runtime::Containerd,
         required: vec!["istio-cni".into()],
+        multus: Default::default(),
     };
     let verify = |meshes: &[Mesh]| {
         let mut src = MemSource::new().file("10-k8s.conflist", conflist.to_vec());

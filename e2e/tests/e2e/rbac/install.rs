@@ -186,7 +186,7 @@ async fn the_policies_type_check(client: &Client) -> anyhow::Result<()> {
 
 #[test]
 fn alert_rules_pass_promtool() -> anyhow::Result<()> {
-    let script = repo_root().join("charts/monitoring/test.sh");
+    let script = repo_root().join("manifests/charts/monitoring/test.sh");
     let out = Command::new("bash")
         .arg(&script)
         .env("HELM", helm::binary()?)

@@ -1,8 +1,8 @@
 //! The chart installed on a real apiserver, and least privilege proven with the components'
 //! real ServiceAccount tokens.
 //!
-//! In: `charts/meshgate` (installed with `helm install`, its self-signed TLS and the opt-in
-//! NetworkPolicy on), a dedicated control plane, the built `meshgate-agent` and
+//! In: `manifests/charts/meshgate` (installed with `helm install`, its self-signed TLS and the
+//! opt-in NetworkPolicy on), a dedicated control plane, the built `meshgate-agent` and
 //! `meshgate-webhook`. Out: pass/fail:
 //! - `helm install` passes the apiserver's validation, the DaemonSet and Deployment get their
 //!   pods, the caBundles carry the chart's CA (the one in the Secret the webhook mounts), the

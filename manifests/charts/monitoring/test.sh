@@ -10,7 +10,7 @@
 # test passes, 1 on a failure, 2 when promtool or helm is missing or the rules cannot be
 # extracted.
 #
-# To use the rules without the Prometheus Operator: `charts/monitoring/test.sh --extract
+# To use the rules without the Prometheus Operator: `manifests/charts/monitoring/test.sh --extract
 # [HELM FLAGS]` prints the plain rules file (for your taint key: --set taintKey=...).
 set -euo pipefail
 
@@ -61,9 +61,9 @@ fi
 # The tests name the rules file relative to themselves: run them beside the extracted copy.
 cp "${tests[@]}" "$work/"
 cd "$work"
-echo "==> promtool check rules (charts/meshgate/templates/prometheusrule.yaml, rendered)"
+echo "==> promtool check rules (manifests/charts/meshgate/templates/prometheusrule.yaml, rendered)"
 "$promtool" check rules meshgate.rules.yaml
-echo "==> promtool test rules (charts/monitoring/tests)"
+echo "==> promtool test rules (manifests/charts/monitoring/tests)"
 names=()
 for t in "${tests[@]}"; do names+=("$(basename "$t")"); done
 "$promtool" test rules "${names[@]}"

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The image reference of meshgate's chart: pinned by digest, in one place
-# (charts/meshgate/values.yaml, `image:`), so every install from the chart runs exactly the
+# (manifests/charts/meshgate/values.yaml, `image:`), so every install from the chart runs exactly the
 # bytes a release pushed.
 #
-#   charts/images.sh pin ghcr.io/meshgate/meshgate:TAG@sha256:DIGEST  # a release, its push
-#   charts/images.sh check [--release]                                # make test; a release
+#   manifests/charts/images.sh pin ghcr.io/meshgate/meshgate:TAG@sha256:DIGEST  # a release, its push
+#   manifests/charts/images.sh check [--release]                                # make test; a release
 #
 # `pin` changes the tag and digest only (a mirror sets `image.repository` and keeps them,
 # docs/operations.md). `check` renders the chart with `helm template` (HELM, or helm on PATH)
@@ -19,7 +19,7 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 chart="$here/meshgate"
 values="$chart/values.yaml"
-e2e_values="$here/../e2e/chart/real-node-values.yaml"
+e2e_values="$here/../../e2e/chart/real-node-values.yaml"
 helm="${HELM:-helm}"
 name="ghcr.io/meshgate/meshgate"
 digest_re='sha256:[0-9a-f]{64}'

@@ -6,7 +6,7 @@ record half-way through the uninstall, and the cleanup hook could not start ther
 */}}
 {{- define "meshgate.namespace" -}}
 {{- if eq .Values.namespace .Release.Namespace -}}
-{{- fail (printf "install the release into another namespace than %q (e.g. `helm install meshgate charts/meshgate -n kube-system`): the chart creates and deletes %q itself, and `helm uninstall` could not finish in a namespace it is deleting" .Values.namespace .Values.namespace) -}}
+{{- fail (printf "install the release into another namespace than %q (e.g. `helm install meshgate manifests/charts/meshgate -n kube-system`): the chart creates and deletes %q itself, and `helm uninstall` could not finish in a namespace it is deleting" .Values.namespace .Values.namespace) -}}
 {{- end -}}
 {{- .Values.namespace -}}
 {{- end -}}
