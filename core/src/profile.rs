@@ -1,12 +1,13 @@
 //! Mesh profiles: which pods a mesh owns, which chained CNI plugin it needs, which proxy
-//! container it injects, and which redirect ports its CNI plugin writes into the pod's
-//! network namespace.
+//! container it injects, which redirect ports its CNI plugin writes into the pod's network
+//! namespace, and the node proxy it needs, if any ([`node_proxy`]).
 //!
 //! In: a pod's labels and annotations (plain maps), its Namespace's labels when the caller
 //! knows them ([`PodView`]), its container names, or a profile file's text. Out: the
 //! profiles that select the pod, each with a three-valued [`Selected`] (a selector that reads
-//! namespace labels the caller does not have answers `Unknown`, never a guess), and whether
-//! the pod runs the mesh's proxy container ([`MeshProfile::proxy_present`]). Built-in
+//! namespace labels the caller does not have answers `Unknown`, never a guess), whether
+//! the pod runs the mesh's proxy container ([`MeshProfile::proxy_present`]), and labels that
+//! every profile selects ([`ProfileSet::labels_selecting_each`], the status probe's). Built-in
 //! profiles follow the contract table, except `istio-ambient`, which selects as Istio itself
 //! enrolls pods (see [`crate::meshes`] and docs/architecture.md "Contract drift"); operators add
 //! their own from a JSON file parsed by [`ProfileSet::with_custom_json`].
@@ -16,6 +17,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use crate::rules::expected::AnnotationDialect;
+
+pub mod node_proxy;
+
+pub use node_proxy::NodeProxy;
 
 /// How a profile recognises its pods.
 ///
@@ -155,6 +160,33 @@ impl PodSelector {
         got
     }
 
+    /// Labels that make a pod without annotations certainly selected, its namespace's labels
+    /// unknown: the required labels (`any` for one whose value may be anything), with those of
+    /// the first alternative that is selected so. `None` when labels alone cannot do it (the
+    /// selector requires an annotation or namespace labels).
+    pub fn labels_that_select(&self, any: &str) -> Option<BTreeMap<String, String>> {
+        if !self.annotations.is_empty() || !self.namespace_labels.is_empty() {
+            return None;
+        }
+        let own: BTreeMap<String, String> = self
+            .labels
+            .iter()
+            .map(|(k, v)| (k.clone(), if v.is_empty() { any } else { v }.to_string()))
+            .collect();
+        let candidates = if self.any_of.is_empty() {
+            vec![own]
+        } else {
+            let with = |alt: BTreeMap<String, String>| own.clone().into_iter().chain(alt).collect();
+            self.any_of
+                .iter()
+                .filter_map(|alt| alt.labels_that_select(any))
+                .map(with)
+                .collect()
+        };
+        let none = BTreeMap::new();
+        candidates.into_iter().find(|l| self.matches(l, &none))
+    }
+
     /// True when the selector certainly selects a pod with these labels and annotations,
     /// its namespace's labels unknown.
     pub fn matches(
@@ -203,7 +235,7 @@ pub struct MeshProfile {
     /// must be ready on a node for it to be verified when the profile is named by
     /// `--profile` ([`crate::node_proxy`]). None: the mesh has no node proxy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub node_proxy: Option<crate::node_proxy::NodeProxy>,
+    pub node_proxy: Option<NodeProxy>,
 }
 
 impl MeshProfile {
@@ -347,6 +379,19 @@ impl ProfileSet {
             p.selector.namespace_label_keys(&mut keys);
         }
         keys
+    }
+
+    /// One label set that selects a pod for each profile that labels alone can select
+    /// ([`PodSelector::labels_that_select`]); where two profiles want one key, the earlier
+    /// profile's value is kept.
+    pub fn labels_selecting_each(&self, any: &str) -> BTreeMap<String, String> {
+        let mut out = BTreeMap::new();
+        for p in &self.profiles {
+            for (k, v) in p.selector.labels_that_select(any).into_iter().flatten() {
+                out.entry(k).or_insert(v);
+            }
+        }
+        out
     }
 
     /// Every profile that selects the pod or may select it (`Unknown`: it hangs on

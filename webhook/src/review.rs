@@ -10,8 +10,9 @@
 //! (`meshgate_core::mode`): refused in `enforce` and `condition-only` (which judge the node by
 //! meshgate's label, never by a taint), admitted in `report` with the refusal as a warning to
 //! the client and the audit annotation [`WOULD_REFUSE`]. A Node is tainted at CREATE only in
-//! `enforce`. Every decoding
-//! failure is a value, never a panic: the proptest in this module feeds it arbitrary bytes.
+//! `enforce`. Every decoding failure is a value, never a panic: the proptest in this module
+//! feeds it arbitrary bytes. A decoded review's lines are logged inside its `review` span
+//! (uid, operation, resource, namespace, name, dry run).
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -28,6 +29,7 @@ use meshgate_core::mode::{Mode, OnRefusal};
 use meshgate_core::profile::ProfileSet;
 use meshgate_shell::mode::WouldAction;
 use tokio::sync::watch;
+use tracing::Instrument;
 
 pub use crate::decode::decode;
 use crate::decode::{Object, Request};
@@ -265,6 +267,12 @@ impl<C: Cluster> Reviewer<C> {
                 return Outcome::Malformed(m);
             }
         };
+        let span = review_span(&req);
+        self.validate_decoded(&req, start).instrument(span).await
+    }
+
+    /// [`Reviewer::validate`] once the review decoded.
+    async fn validate_decoded(&self, req: &Request, start: Instant) -> Outcome {
         let core = req.resource.group.is_empty();
         let resource = match (
             core,
@@ -277,18 +285,16 @@ impl<C: Cluster> Reviewer<C> {
                 // Only reachable through a misconfigured webhook registration: this webhook
                 // has no opinion on other resources, so it must not block them.
                 tracing::warn!(
-                    uid = %req.uid,
-                    resource = %req.resource.resource,
                     sub_resource = ?req.sub_resource,
                     "review for a resource meshgate does not gate; allowing"
                 );
-                return answer(AdmissionResponse::from(&req));
+                return answer(AdmissionResponse::from(req));
             }
         };
         let outcome = if req.operation == Operation::Create {
-            self.validate_create(&req, resource).await
+            self.validate_create(req, resource).await
         } else {
-            answer(AdmissionResponse::from(&req))
+            answer(AdmissionResponse::from(req))
         };
         if let Some(allowed) = outcome.allowed() {
             self.metrics.observe(resource, allowed, start.elapsed());
@@ -346,7 +352,7 @@ impl<C: Cluster> Reviewer<C> {
         };
         match admission::decide(&input, &self.profiles) {
             Decision::Allow(why) => {
-                tracing::debug!(uid = %req.uid, node = t.node, ?why, "allowed");
+                tracing::debug!(node = t.node, ?why, "allowed");
                 answer(AdmissionResponse::from(req))
             }
             Decision::Refuse { .. } => self.refusal(req, resource, input).await,
@@ -375,10 +381,10 @@ impl<C: Cluster> Reviewer<C> {
         };
         let mode = *self.mode.borrow();
         let (namespace, pod, node) = (input.namespace, input.pod_name, input.node_name);
-        let (uid, resource, dry_run) = (&req.uid, resource.as_str(), req.dry_run);
+        let resource = resource.as_str();
         match mode.on_refusal() {
             OnRefusal::Refuse => {
-                tracing::info!(%uid, namespace, pod, node, resource, dry_run, %mode, "refused mesh pod on unverified node");
+                tracing::info!(namespace, pod, node, resource, %mode, "refused mesh pod on unverified node");
                 refuse(req, message, 403)
             }
             OnRefusal::Warn => {
@@ -386,7 +392,7 @@ impl<C: Cluster> Reviewer<C> {
                 if !req.dry_run {
                     self.metrics.mode.would(WouldAction::Refuse);
                 }
-                tracing::info!(%uid, namespace, pod, node, resource, dry_run, %mode, "report mode: admitted mesh pod on unverified node that enforce would refuse");
+                tracing::info!(namespace, pod, node, resource, %mode, "report mode: admitted mesh pod on unverified node that enforce would refuse");
                 admit_with_warning(req, message)
             }
         }
@@ -403,6 +409,8 @@ impl<C: Cluster> Reviewer<C> {
                 return Outcome::Malformed(m);
             }
         };
+        let span = review_span(&req);
+        let _in_review = span.enter();
         let resp = AdmissionResponse::from(&req);
         let is_node_create = req.operation == Operation::Create
             && req.resource.group.is_empty()
@@ -431,7 +439,7 @@ impl<C: Cluster> Reviewer<C> {
         match resp.clone().with_patch(patch) {
             Ok(r) => {
                 let taint = mode.taints_at_registration();
-                tracing::info!(node = %req.name, %mode, taint, "gating new node: label (and, in enforce, taint) added");
+                tracing::info!(%mode, taint, "gating new node: label (and, in enforce, taint) added");
                 answer(r)
             }
             Err(e) => {
@@ -440,6 +448,20 @@ impl<C: Cluster> Reviewer<C> {
             }
         }
     }
+}
+
+/// The span a review's lines are logged in: which request it is (its `uid`, as the
+/// apiserver's audit log names it) and what it is about.
+fn review_span(req: &Request) -> tracing::Span {
+    tracing::info_span!(
+        "review",
+        uid = %req.uid,
+        operation = ?req.operation,
+        resource = %req.resource.resource,
+        namespace = req.namespace.as_deref().unwrap_or(""),
+        name = %req.name,
+        dry_run = req.dry_run,
+    )
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, Recorder, Reporter};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
+use tracing::Instrument;
 
 /// The controller name the agent's Events carry (`reportingController`).
 pub const REPORTER: &str = "meshgate-agent";
@@ -82,11 +83,14 @@ impl EventQueue {
         let (tx, mut rx) = mpsc::channel::<(Event, ObjectReference)>(QUEUED);
         let stop_within = events.timeout;
         let fallback = events.clone();
-        let task = tokio::spawn(async move {
-            while let Some((event, regarding)) = rx.recv().await {
-                events.publish(&event, &regarding).await;
+        let task = tokio::spawn(
+            async move {
+                while let Some((event, regarding)) = rx.recv().await {
+                    events.publish(&event, &regarding).await;
+                }
             }
-        });
+            .in_current_span(),
+        );
         Self {
             tx,
             task,

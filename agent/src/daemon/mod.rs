@@ -17,6 +17,9 @@
 //! retry verifies again, so a long API outage can never end in an untaint based on what the
 //! disk said before it. A verdict that rests on a failure that may pass by itself (a plugin
 //! that timed out) is verified again on a schedule of its own, 1–2 s doubling to 15–30 s.
+//!
+//! Logs: everything the daemon and its tasks log is inside an `agent` span naming the node;
+//! a verdict pass's lines inside a `pass` span (why it woke), a pod's inside a `pod` span.
 
 pub mod clients;
 mod coalesce;
@@ -36,6 +39,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
+use tracing::Instrument;
 
 use meshgate_core::gate::{TaintEffect, TaintKey};
 use meshgate_core::node_proxy::NodeProxy;
@@ -217,6 +221,14 @@ impl Config {
 /// Runs the daemon until SIGTERM/SIGINT.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let config = Config::from_args(&args)?;
+    // Every line the daemon logs is about this node: its span says so once, and the tasks the
+    // daemon starts log inside it too.
+    let span = tracing::info_span!("agent", node = %config.node);
+    run_on_node(config).instrument(span).await
+}
+
+/// The verdict loop, from start to stop.
+async fn run_on_node(config: Config) -> anyhow::Result<()> {
     let mut daemon = Daemon::start(config).await?;
     let mut wake = Wake::Resync;
     loop {
@@ -267,7 +279,7 @@ mod tests {
         assert_eq!(proxy(&["--profile", "istio"]).unwrap(), None);
         assert_eq!(
             proxy(&["--profile", "istio,istio-ambient"]).unwrap(),
-            Some(meshgate_core::node_proxy::ztunnel())
+            Some(meshgate_core::meshes::istio_ambient::ztunnel())
         );
         let p = proxy(&[
             "--profile",

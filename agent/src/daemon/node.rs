@@ -281,7 +281,7 @@ impl NodeGate {
                     if attempts >= MAX_CONFLICT_RETRIES {
                         return Err(GateError::Conflicts);
                     }
-                    tracing::debug!(node = %self.name, attempts, "node changed under us; re-reading");
+                    tracing::debug!(attempts, "node changed under us; re-reading");
                     seen = Seen {
                         node: self.get().await?,
                         fresh: true,

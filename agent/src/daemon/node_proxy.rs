@@ -25,6 +25,7 @@ use meshgate_core::node_proxy::{ConnectionSeen, NodeProxy, ProxyPod, SocketSeen}
 use crate::sock_diag::unix::Bound;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tracing::Instrument;
 
 /// Pods of the proxy kept at most (a DaemonSet has one per node; a rollout two).
 const MAX_PODS: usize = 64;
@@ -62,10 +63,10 @@ impl NodeProxyWatch {
             .fields(&format!("spec.nodeName={node}"))
             .labels(&proxy.label_selector());
         let (tx, pods) = watch::channel(None);
-        let node = node.to_string();
-        let task = tokio::spawn(run(api, config, node, tx));
+        let task = tokio::spawn(run(api, config, tx).in_current_span());
         let (socket_tx, socket) = watch::channel(None);
-        let poll = tokio::spawn(poll(proxy.socket.clone(), pods.clone(), socket_tx));
+        let poll =
+            tokio::spawn(poll(proxy.socket.clone(), pods.clone(), socket_tx).in_current_span());
         Self {
             proxy,
             pods,
@@ -99,12 +100,7 @@ impl NodeProxyWatch {
 }
 
 /// Feeds `tx` with the pods as listed and watched, reconnecting with backoff.
-async fn run(
-    api: Api<Pod>,
-    config: watcher::Config,
-    node: String,
-    tx: watch::Sender<Option<Vec<ProxyPod>>>,
-) {
+async fn run(api: Api<Pod>, config: watcher::Config, tx: watch::Sender<Option<Vec<ProxyPod>>>) {
     let mut stream = std::pin::pin!(watcher(api, config).default_backoff());
     let mut pods: BTreeMap<String, ProxyPod> = BTreeMap::new();
     let mut listing: Option<BTreeMap<String, ProxyPod>> = None;
@@ -129,7 +125,7 @@ async fn run(
                 publish(&tx, &pods);
             }
             Err(e) => {
-                tracing::debug!(node = %node, error = %e, "node proxy pod watch error; retrying")
+                tracing::debug!(error = %e, "node proxy pod watch error; retrying")
             }
         }
     }

@@ -57,7 +57,7 @@ impl PassClock {
     }
 
     /// Logs and records the stages of a pass whose reconcile changed the taint.
-    pub(super) fn report(&self, node: &str, applied: &Applied, metrics: &AgentMetrics) {
+    pub(super) fn report(&self, applied: &Applied, metrics: &AgentMetrics) {
         let (Some(tainted), Some(patched), Some(started), Some(reconcile)) = (
             applied.taint,
             applied.taint_at,
@@ -93,7 +93,6 @@ impl PassClock {
         }
         let verified_at = self.verify.map(|(total, _)| started + total);
         tracing::info!(
-            node,
             tainted,
             first_event_unix_us = self.first_event.map(unix),
             pass_start_unix_us = unix(started),
@@ -118,14 +117,14 @@ mod tests {
     fn reported(clock: &PassClock, tainted: Option<bool>) -> String {
         let mut registry = Registry::default();
         let metrics = AgentMetrics::register(&mut registry);
-        clock.report("n", &Applied::default(), &metrics);
+        clock.report(&Applied::default(), &metrics);
         if let Some(tainted) = tainted {
             let applied = Applied {
                 taint: Some(tainted),
                 taint_at: Some(Instant::now()),
                 ..Applied::default()
             };
-            clock.report("n", &applied, &metrics);
+            clock.report(&applied, &metrics);
         }
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();

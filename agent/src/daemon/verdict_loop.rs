@@ -30,6 +30,7 @@ use meshgate_shell::mode::{ModeWatch, WouldAction};
 use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
+use tracing::Instrument;
 
 use super::Config;
 use super::clients::Clients;
@@ -67,6 +68,21 @@ pub enum Wake {
     NodeProxy,
 }
 
+impl Wake {
+    /// How logs name it (the `pass` span's `wake` field).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Wake::Files(_) => "files",
+            Wake::Resync => "resync",
+            Wake::NodeChanged => "node-changed",
+            Wake::Retry => "retry",
+            Wake::Reverify => "reverify",
+            Wake::ModeChanged => "mode-changed",
+            Wake::NodeProxy => "node-proxy",
+        }
+    }
+}
+
 /// The tasks the loop started, stopped with it.
 struct Tasks {
     stop: watch::Sender<bool>,
@@ -77,7 +93,6 @@ struct Tasks {
 
 /// Everything a pass needs, between wake-ups.
 pub struct Daemon {
-    node: String,
     cni: Arc<CniArgs>,
     prober: Arc<Prober>,
     gate: NodeGate,
@@ -145,7 +160,7 @@ fn reverify_backoff() -> ExponentialBackoff {
 const REVERIFY_MAX: Duration = Duration::from_secs(15);
 
 /// The state saved by an agent earlier in this boot, or a fresh one.
-fn restore_state(node: &str, config: &Config) -> anyhow::Result<State> {
+fn restore_state(config: &Config) -> anyhow::Result<State> {
     let boot_id = state::boot_id().context("reading the boot id")?;
     let fresh = || State {
         version: state::FORMAT_VERSION,
@@ -154,15 +169,15 @@ fn restore_state(node: &str, config: &Config) -> anyhow::Result<State> {
     };
     Ok(match state::load(&config.state_file, &boot_id) {
         Loaded::Restarted(s) => {
-            tracing::info!(node, last = ?s.last_verdict, evictions = s.evicted.len(), "agent restarted within the same boot; state restored");
+            tracing::info!(last = ?s.last_verdict, evictions = s.evicted.len(), "agent restarted within the same boot; state restored");
             s
         }
         Loaded::FreshBoot { previous_boot } => {
-            tracing::info!(node, ?previous_boot, "fresh boot: verifying from scratch");
+            tracing::info!(?previous_boot, "fresh boot: verifying from scratch");
             fresh()
         }
         Loaded::Refused(e) => {
-            tracing::error!(node, error = %e, "refusing the state file; starting fresh");
+            tracing::error!(error = %e, "refusing the state file; starting fresh");
             fresh()
         }
     })
@@ -177,7 +192,7 @@ impl Daemon {
         let node = config.node.clone();
         let shared = Arc::new(Shared::new(
             config.state_file.clone(),
-            restore_state(&node, &config)?,
+            restore_state(&config)?,
         ));
         let kubeconfig = config.common.kubeconfig.as_deref();
         let clients = Clients::build(kubeconfig, &node, config.impersonate_node, true).await?;
@@ -218,11 +233,9 @@ impl Daemon {
                 node_proxy_pods: node_proxy.as_ref().map(|np| np.pods.clone()),
             },
         );
-        let node_watch = tokio::spawn(watch_node(
-            Api::all(clients.node.clone()),
-            node.clone(),
-            node_tx,
-        ));
+        let node_watch = tokio::spawn(
+            watch_node(Api::all(clients.node.clone()), node.clone(), node_tx).in_current_span(),
+        );
         if let Some(np) = node_proxy.as_mut() {
             np.wait_listed(config.api_timeout).await;
         }
@@ -238,7 +251,6 @@ impl Daemon {
             prober,
             cni: Arc::new(config.cni),
             coalesce: config.coalesce,
-            node,
             metrics,
             ready,
             shared,
@@ -269,7 +281,9 @@ impl Daemon {
     }
 
     /// One pass: verify (unless only the Node changed and the verdict is fresh), then make
-    /// the Node say what the verdict says, and record the outcome.
+    /// the Node say what the verdict says, and record the outcome. Its lines are logged
+    /// inside a `pass` span that says why it ran.
+    #[tracing::instrument(name = "pass", skip_all, fields(wake = wake.as_str()))]
     pub async fn pass(&mut self, wake: &Wake) {
         self.progress.pass_started();
         self.clock.pass_started();
@@ -293,7 +307,7 @@ impl Daemon {
             self.clock.reconcile_started();
             match self.gate.reconcile_deferring_event(seen, &v, mode).await {
                 Ok((applied, event)) => {
-                    self.clock.report(&self.node, &applied, &self.metrics);
+                    self.clock.report(&applied, &self.metrics);
                     self.settled(&v, &applied, mode);
                     if let Some(e) = event {
                         self.node_events.send(e.event, e.regarding).await;
@@ -343,7 +357,7 @@ impl Daemon {
 
     /// Stops the tasks it started and saves the state; the Node keeps its taint state.
     pub async fn stop(self) {
-        tracing::info!(node = %self.node, "stopping; the Node keeps its taint state as it is");
+        tracing::info!("stopping; the Node keeps its taint state as it is");
         let _ = self.tasks.stop.send(true);
         self.tasks.node_watch.abort();
         self.mode.stop();
@@ -356,7 +370,7 @@ impl Daemon {
         let _ = self.tasks.pods.await;
         self.node_events.stop().await;
         if let Err(e) = self.shared.save() {
-            tracing::warn!(node = %self.node, error = %e, "cannot save state");
+            tracing::warn!(error = %e, "cannot save state");
         }
     }
 
@@ -366,7 +380,7 @@ impl Daemon {
         self.metrics.verified(v.reason.as_str());
         let last = self.verdict.as_ref().map(|o| (o.reason, &o.message));
         if last != Some((v.reason, &v.message)) {
-            tracing::info!(node = %self.node, reason = %v.reason, verified = v.verified, message = %v.message, "verdict");
+            tracing::info!(reason = %v.reason, verified = v.verified, message = %v.message, "verdict");
         }
         self.verdict_tx.send_if_modified(|cur| {
             let changed = cur.as_ref().map(|c| (c.verified, c.reason, &c.message))
@@ -388,8 +402,10 @@ impl Daemon {
             return;
         }
         let delay = self.reverify.next().unwrap_or(REVERIFY_MAX);
-        tracing::info!(node = %self.node, retry_in_ms = delay.as_millis() as u64,
-            "the verdict rests on a failure that may pass by itself; verifying again");
+        tracing::info!(
+            retry_in_ms = delay.as_millis() as u64,
+            "the verdict rests on a failure that may pass by itself; verifying again"
+        );
         self.reverify_at = Some(tokio::time::Instant::now() + delay);
     }
 
@@ -399,22 +415,25 @@ impl Daemon {
         self.retry_at = None;
         if mode.is_report() && applied.event == Some(event_reason::CHAIN_UNVERIFIED) {
             self.metrics.mode.would(WouldAction::Taint);
-            tracing::warn!(node = %self.node, reason = %v.reason, "report mode: would taint the node (CNI chain not verified)");
+            tracing::warn!(reason = %v.reason, "report mode: would taint the node (CNI chain not verified)");
         }
         if let Some(added) = applied.taint {
             self.metrics.taint(added);
             if !added && !v.verified {
-                tracing::info!(node = %self.node, %mode, "meshgate's taint removed: this mode does not gate");
+                tracing::info!(%mode, "meshgate's taint removed: this mode does not gate");
             } else if added {
-                tracing::warn!(node = %self.node, reason = %v.reason, "node tainted: CNI chain not verified");
+                tracing::warn!(reason = %v.reason, "node tainted: CNI chain not verified");
             } else {
                 let latency = applied.untaint_latency.unwrap_or_default();
                 self.metrics.untaint_latency.observe(latency.as_secs_f64());
-                tracing::info!(node = %self.node, latency_ms = latency.as_millis() as u64, "node untainted: CNI chain verified");
+                tracing::info!(
+                    latency_ms = latency.as_millis() as u64,
+                    "node untainted: CNI chain verified"
+                );
             }
         }
         if let Some(event) = applied.event {
-            tracing::info!(node = %self.node, event, "event queued");
+            tracing::info!(event, "event queued");
         }
         self.metrics.node_verified.set(i64::from(v.verified));
         self.ready.store(true, Ordering::Release);
@@ -428,14 +447,14 @@ impl Daemon {
             changed
         });
         if let Err(e) = saved {
-            tracing::warn!(node = %self.node, error = %e, "cannot save state");
+            tracing::warn!(error = %e, "cannot save state");
         }
     }
 
     /// The reconcile failed: the Node keeps its state; retried after the next backoff step.
     fn failed(&mut self, e: &GateError) {
         let delay = self.retry.next().unwrap_or(Duration::from_millis(500));
-        tracing::warn!(node = %self.node, error = %e, retry_in_ms = delay.as_millis() as u64, "reconcile failed; the Node keeps its current state");
+        tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "reconcile failed; the Node keeps its current state");
         self.retry_at = Some(tokio::time::Instant::now() + delay);
     }
 }
@@ -494,7 +513,7 @@ fn watch_files(
     let fs = FsWatch::start(&config.cni.cni_conf_dir, &dirs, tx, notice)
         .context("starting inotify watches")?;
     if !fs.all_direct() {
-        tracing::info!(node = %config.node, dir = %config.cni.cni_conf_dir.display(), "a CNI directory does not exist yet; waiting for it");
+        tracing::info!(dir = %config.cni.cni_conf_dir.display(), "a CNI directory does not exist yet; waiting for it");
     }
     Ok((fs, rx))
 }
@@ -530,7 +549,10 @@ async fn wait_stop(mut rx: watch::Receiver<bool>) {
 async fn verify(cni: Arc<CniArgs>, prober: Arc<Prober>) -> (ChainVerdict, Duration) {
     let dir = cni.cni_conf_dir.display().to_string();
     let runtime: Runtime = cni.runtime;
-    let result = tokio::task::spawn_blocking(move || cni.verify_timed(&prober)).await;
+    // The prober's lines belong to the pass that asked for them.
+    let span = tracing::Span::current();
+    let result =
+        tokio::task::spawn_blocking(move || span.in_scope(|| cni.verify_timed(&prober))).await;
     let why = match result {
         Ok(Ok(v)) => return v,
         Ok(Err(e)) => format!("cannot read {dir}: {e}"),
@@ -590,7 +612,7 @@ async fn watch_node(api: Api<Node>, name: String, tx: watch::Sender<Option<Node>
             Ok(node) => {
                 let _ = tx.send(node);
             }
-            Err(e) => tracing::debug!(node = %name, error = %e, "node watch error; retrying"),
+            Err(e) => tracing::debug!(error = %e, "node watch error; retrying"),
         }
     }
 }

@@ -2,9 +2,10 @@
 //! fail-closed entry `pods.validate` must review.
 //!
 //! In: the configuration's name, the namespace to probe in, a deadline. Out: a
-//! `core::status::Webhook`. The probe pod carries every built-in mesh's pod label and names a
-//! node that does not exist (`spec.nodeName`), so the shipped configuration sends it to the
-//! webhook, which refuses it (the node is not verified). Nothing is stored: with `dryRun=All`
+//! `core::status::Webhook`. The probe pod carries labels every built-in mesh's selector
+//! selects (read from the profiles, so a new mesh is probed as it is) and names a node that
+//! does not exist (`spec.nodeName`), so the shipped configuration sends it to the webhook,
+//! which refuses it (the node is not verified). Nothing is stored: with `dryRun=All`
 //! the apiserver runs admission and stops, and the webhooks (`sideEffects: None`) are called
 //! as for a real create. The answer is read raw, for its status and `Warning` headers:
 //! - refused by one of the configuration's webhooks, or admitted with a warning naming the
@@ -21,6 +22,7 @@ use std::time::Duration;
 use http_body_util::{BodyExt, Limited};
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use kube::api::{Api, PostParams};
+use meshgate_core::profile::ProfileSet;
 use meshgate_core::status::Webhook;
 use meshgate_shell::cli::duration;
 use serde_json::{Value, json};
@@ -126,17 +128,23 @@ pub struct Answer {
     pub warnings: Vec<String>,
 }
 
-/// The probe pod: every built-in profile's pod label, on [`PROBE_NODE`], as Pod Security's
-/// `restricted` level admits it.
+/// The probe pod: a label set every built-in profile selects, on [`PROBE_NODE`], as Pod
+/// Security's `restricted` level admits it.
 pub fn probe_pod(name: &str) -> Value {
+    probe_pod_of(name, &ProfileSet::all_builtin())
+}
+
+/// The probe pod for `profiles`: their selectors' labels, each that takes any value set to
+/// `meshgate-status-probe` ([`ProfileSet::labels_selecting_each`]).
+fn probe_pod_of(name: &str, profiles: &ProfileSet) -> Value {
+    let mut labels = profiles.labels_selecting_each("meshgate-status-probe");
+    labels.insert(
+        "app.kubernetes.io/name".into(),
+        "meshgate-status-probe".into(),
+    );
     json!({
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "labels": {
-            "linkerd.io/control-plane-ns": "meshgate-status-probe",
-            "security.istio.io/tlsMode": "istio",
-            "istio.io/dataplane-mode": "ambient",
-            "app.kubernetes.io/name": "meshgate-status-probe",
-        }},
+        "metadata": {"name": name, "labels": labels},
         "spec": {
             "nodeName": PROBE_NODE,
             "automountServiceAccountToken": false,
@@ -302,5 +310,54 @@ mod tests {
             pod["metadata"]["labels"]["security.istio.io/tlsMode"],
             "istio"
         );
+    }
+
+    #[test]
+    fn the_probe_pod_carries_the_builtin_selectors_labels() {
+        let pod = probe_pod("p");
+        assert_eq!(
+            pod["metadata"]["labels"],
+            json!({
+                "linkerd.io/control-plane-ns": "meshgate-status-probe",
+                "security.istio.io/tlsMode": "istio",
+                "istio.io/dataplane-mode": "ambient",
+                "app.kubernetes.io/name": "meshgate-status-probe",
+            })
+        );
+    }
+
+    /// A mesh added as its record alone (`core/src/meshes/<mesh>.rs` and its entry in
+    /// `meshes::ALL`) is probed as it is: its selector's labels are on the probe pod.
+    #[test]
+    fn a_new_meshs_labels_are_on_the_probe_pod() {
+        use meshgate_core::meshes::Mesh;
+        use meshgate_core::profile::{MeshProfile, PodSelector};
+        use meshgate_core::rules::expected::{AnnotationDialect, NO_DIALECT};
+        fn example() -> MeshProfile {
+            MeshProfile {
+                name: "example".into(),
+                selector: PodSelector {
+                    labels: [("example.test/mesh".to_string(), String::new())].into(),
+                    ..PodSelector::default()
+                },
+                plugin_type: "example-cni".into(),
+                inbound_port: 4143,
+                outbound_port: 4140,
+                dual_stack: false,
+                annotation_dialect: AnnotationDialect::NONE,
+                proxy_containers: Vec::new(),
+                node_proxy: None,
+            }
+        }
+        const EXAMPLE: Mesh = Mesh {
+            profile: example,
+            dialect: &NO_DIALECT,
+        };
+        let pod = probe_pod_of("p", &ProfileSet::of(&[EXAMPLE]));
+        assert_eq!(
+            pod["metadata"]["labels"]["example.test/mesh"],
+            "meshgate-status-probe"
+        );
+        assert_eq!(pod["spec"]["nodeName"], PROBE_NODE);
     }
 }

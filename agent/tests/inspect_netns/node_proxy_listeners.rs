@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use meshgate_agent::daemon::pods::sweep::{Job, ProxyCheck, inspect_one};
 use meshgate_agent::netns;
-use meshgate_core::node_proxy::ztunnel;
+use meshgate_core::meshes::istio_ambient::ztunnel;
 use meshgate_core::rules::RedirectVerdict;
 use meshgate_e2e::sim::netns as netns_sim;
 

@@ -2,8 +2,10 @@
 //!
 //! In: a [`ConfSource`] over the config directory, [`VerifyOptions`] (directory path for
 //! messages, runtime semantics, required chained plugin types) and a probe closure answering
-//! what each plugin binary said to `VERSION`. Out: a [`ChainVerdict`], which is also the JSON
-//! object printed by `meshgate-agent check --output json`.
+//! what each plugin binary said to `VERSION`; the meshes' CNI plugin types, which never
+//! create a pod's interface, come from their records ([`meshes::ALL`]). Out: a
+//! [`ChainVerdict`], which is also the JSON object printed by `meshgate-agent check --output
+//! json`.
 //!
 //! Checks run from the cheapest to the costliest: selection (`NoConfig`, `ConfigInvalid`;
 //! for a runtime whose rules validate chains, CRI-O, the chain binaries already take part
@@ -29,6 +31,7 @@ use super::probe::ProbeOutcome;
 use super::reason::Reason;
 use super::runtime::Runtime;
 use super::select::{EffectiveConfig, NotSelected, Validation, select_effective};
+use crate::meshes::{self, Mesh};
 
 /// What to verify against.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -86,17 +89,10 @@ pub struct DelegateView {
     pub plugins: Vec<String>,
 }
 
-/// Plugin types that never create the pod's interface: a chain made only of these (and the
-/// required mesh plugins) before a required plugin has no primary plugin.
-const INTERFACE_LESS_PLUGINS: [&str; 7] = [
-    "portmap",
-    "bandwidth",
-    "tuning",
-    "firewall",
-    "sbr",
-    "linkerd-cni",
-    "istio-cni",
-];
+/// Generic plugin types that never create the pod's interface. Neither does a mesh's plugin
+/// ([`meshes::plugin_types`]): a chain made only of these, the meshes' plugins and the
+/// required plugins before a required plugin has no primary plugin.
+const INTERFACE_LESS_PLUGINS: [&str; 5] = ["portmap", "bandwidth", "tuning", "firewall", "sbr"];
 
 /// Verifies a config directory. `probe(type)` reports what the binary of that plugin type
 /// answered to VERSION; it is called at most once per type, only for plain file names.
@@ -105,8 +101,20 @@ pub fn verify(
     opts: &VerifyOptions,
     probe: impl FnMut(&str) -> ProbeOutcome,
 ) -> ChainVerdict {
+    verify_knowing(src, opts, &meshes::ALL, probe)
+}
+
+/// [`verify`], knowing `meshes` (the built-in ones: [`meshes::ALL`]), whose plugins are
+/// interface-less wherever they are in the chain.
+pub(crate) fn verify_knowing(
+    src: &mut dyn ConfSource,
+    opts: &VerifyOptions,
+    meshes: &[Mesh],
+    probe: impl FnMut(&str) -> ProbeOutcome,
+) -> ChainVerdict {
     let mut bins = Binaries::new(probe);
-    let mut v = judge(src, opts, &mut bins);
+    let mesh_plugins = meshes::plugin_types(meshes);
+    let mut v = judge(src, opts, &mesh_plugins, &mut bins);
     v.transient = !v.verified && bins.saw_transient();
     v
 }
@@ -115,6 +123,7 @@ pub fn verify(
 fn judge<P: FnMut(&str) -> ProbeOutcome>(
     src: &mut dyn ConfSource,
     opts: &VerifyOptions,
+    mesh_plugins: &[String],
     bins: &mut Binaries<P>,
 ) -> ChainVerdict {
     let out = Report { opts };
@@ -150,7 +159,7 @@ fn judge<P: FnMut(&str) -> ProbeOutcome>(
         }
     };
     let chain = Chain::new(&eff, delegate.as_ref(), &file);
-    let problem = check_structure(&chain, &opts.required)
+    let problem = check_structure(&chain, &opts.required, mesh_plugins)
         .err()
         .or_else(|| binary_problem(bins, &chain, &opts.required));
     let view = delegate.as_ref().map(|(_, d)| {
@@ -446,7 +455,11 @@ fn name_list<'a>(names: impl ExactSizeIterator<Item = &'a Vec<u8>>) -> String {
 }
 
 /// The chain-structure checks, which need no binary.
-fn check_structure(chain: &Chain<'_>, required: &[String]) -> Result<(), (Reason, String)> {
+fn check_structure(
+    chain: &Chain<'_>,
+    required: &[String],
+    mesh_plugins: &[String],
+) -> Result<(), (Reason, String)> {
     let types = &chain.types;
     let file = &chain.name;
     let missing: Vec<&str> = required
@@ -470,9 +483,11 @@ fn check_structure(chain: &Chain<'_>, required: &[String]) -> Result<(), (Reason
         let Some(at) = types.iter().position(|t| t == r) else {
             continue;
         };
-        let has_primary = types[..at]
-            .iter()
-            .any(|t| !INTERFACE_LESS_PLUGINS.contains(t) && !required.iter().any(|q| q == t));
+        let has_primary = types[..at].iter().any(|t| {
+            !INTERFACE_LESS_PLUGINS.contains(t)
+                && !mesh_plugins.iter().any(|m| m == t)
+                && !required.iter().any(|q| q == t)
+        });
         if !has_primary {
             let before = if at == 0 {
                 "it is first in the chain".to_string()

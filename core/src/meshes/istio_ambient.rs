@@ -12,7 +12,7 @@
 //! it: selecting on it could never find the pods meshgate exists for (docs/architecture.md,
 //! "Contract drift"). An ambient pod's traffic is only meshed once ztunnel on its node
 //! took the pod's sockets, so the profile carries ztunnel as its node proxy
-//! ([`crate::node_proxy::ztunnel`]).
+//! ([`ztunnel`]).
 //!
 //! Its annotations are the pod-level overrides istio-cni's node agent reads
 //! (`getPodLevelTrafficOverrides` in istio/istio `cni/pkg/nodeagent/net.go`), as its in-pod
@@ -87,7 +87,25 @@ fn profile() -> MeshProfile {
         // Ambient runs no sidecar: ztunnel is a node proxy.
         proxy_containers: Vec::new(),
         // ...and a node is in the mesh only once ztunnel there is ready.
-        node_proxy: Some(crate::node_proxy::ztunnel()),
+        node_proxy: Some(ztunnel()),
+    }
+}
+
+/// Istio ambient's ztunnel, as istio/istio ships it: the DaemonSet's pods are labelled
+/// `app: ztunnel` (`manifests/charts/ztunnel/templates/daemonset.yaml`) in `istio-system`.
+/// `/var/run/ztunnel/ztunnel.sock` is LISTENED on by istio-cni's node agent
+/// (`cni/pkg/nodeagent/ztunnelserver_linux.go`, `net.ListenUnix("unixpacket", ...)`; the
+/// flag's default in `cni/cmd/root.go`) and ztunnel connects to it (its `INPOD_UDS`); both
+/// charts mount that directory from the host (`hostPath` `/var/run/ztunnel`). Over that
+/// connection ztunnel receives each ambient pod's netns and opens, inside it, inbound HBONE
+/// 15008, plaintext inbound 15006 and outbound 15001.
+pub fn ztunnel() -> crate::profile::NodeProxy {
+    crate::profile::NodeProxy {
+        name: "ztunnel".into(),
+        namespace: "istio-system".into(),
+        labels: map(&[("app", "ztunnel")]),
+        socket: "/var/run/ztunnel/ztunnel.sock".into(),
+        listen_ports: vec![15008, 15006, 15001],
     }
 }
 

@@ -152,3 +152,5 @@ fn a_profile_file_names_a_dialect_the_meshes_know() {
         "{err}"
     );
 }
+
+mod new_mesh;

@@ -5,8 +5,10 @@
 //! receives each pod's netns over that connection, then opens its listeners inside the pod.
 //!
 //! In: the profile's [`NodeProxy`] record (part of [`crate::profile::MeshProfile`], so a mesh
-//! declares it as data), the `--profile` names given (only a profile named there makes its
-//! node proxy a requirement: [`required`]), and what the agent observed on its node
+//! declares it as data in its own file, as `istio-ambient` does with
+//! [`crate::meshes::istio_ambient::ztunnel`]; the record is [`crate::profile::node_proxy`]'s,
+//! re-exported here), the `--profile` names given (only a profile named there makes its node
+//! proxy a requirement: [`required`]), and what the agent observed on its node
 //! ([`Observed`]: the proxy's pods bound to the node with their Ready condition, what is at
 //! the socket path, and whether an established connection is on that socket). Out: the
 //! node's verdict ([`judge`]): the chain's own when it is not verified; otherwise `Verified`
@@ -14,110 +16,10 @@
 //! else [`Reason::NodeProxyNotReady`] with a message naming what is missing. The pod-level
 //! half (the proxy's listeners in each pod's netns) is [`pod`].
 
-use std::collections::BTreeMap;
-
-use serde::{Deserialize, Serialize};
-
 use crate::cni::{ChainVerdict, Reason};
-use crate::profile::{MeshProfile, ProfileSet, is_dns_label};
+use crate::profile::{MeshProfile, ProfileSet};
 
-/// Istio ambient's ztunnel, as istio/istio ships it: the DaemonSet's pods are labelled
-/// `app: ztunnel` (`manifests/charts/ztunnel/templates/daemonset.yaml`) in `istio-system`.
-/// `/var/run/ztunnel/ztunnel.sock` is LISTENED on by istio-cni's node agent
-/// (`cni/pkg/nodeagent/ztunnelserver_linux.go`, `net.ListenUnix("unixpacket", ...)`; the
-/// flag's default in `cni/cmd/root.go`) and ztunnel connects to it (its `INPOD_UDS`); both
-/// charts mount that directory from the host (`hostPath` `/var/run/ztunnel`). Over that
-/// connection ztunnel receives each ambient pod's netns and opens, inside it, inbound HBONE
-/// 15008, plaintext inbound 15006 and outbound 15001.
-pub fn ztunnel() -> NodeProxy {
-    NodeProxy {
-        name: "ztunnel".into(),
-        namespace: "istio-system".into(),
-        labels: BTreeMap::from([("app".to_string(), "ztunnel".to_string())]),
-        socket: "/var/run/ztunnel/ztunnel.sock".into(),
-        listen_ports: vec![15008, 15006, 15001],
-    }
-}
-
-/// Ports a record may list in `listenPorts` at most.
-pub const MAX_LISTEN_PORTS: usize = 16;
-
-/// The node proxy a mesh needs on every node: its pods, the unix socket its CNI plugin's
-/// node agent listens on and the proxy connects to (a path on the host), and the ports the
-/// proxy listens on inside each of the mesh's pods.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct NodeProxy {
-    /// What messages call it (`ztunnel`).
-    pub name: String,
-    /// The namespace its pods run in.
-    pub namespace: String,
-    /// Labels every one of its pods carries (all must match).
-    pub labels: BTreeMap<String, String>,
-    /// The socket's absolute path on the host.
-    pub socket: String,
-    /// TCP ports the proxy listens on inside every pod of the mesh once it has taken the
-    /// pod (ztunnel: 15008, 15006, 15001). Empty: pods are judged on their rules alone.
-    #[serde(default)]
-    pub listen_ports: Vec<u16>,
-}
-
-impl NodeProxy {
-    /// Why the record is unusable, if it is: an empty name or label set, a namespace that
-    /// is no DNS label, a relative socket path.
-    pub fn problem(&self) -> Option<&'static str> {
-        if self.name.is_empty() {
-            return Some("nodeProxy.name is empty");
-        }
-        if !is_dns_label(&self.namespace) {
-            return Some("nodeProxy.namespace must be a namespace name");
-        }
-        if self.labels.is_empty() || self.labels.keys().any(String::is_empty) {
-            return Some("nodeProxy.labels must name at least one label");
-        }
-        if !self.socket.starts_with('/') || self.socket.contains('\0') {
-            return Some("nodeProxy.socket must be an absolute path");
-        }
-        if self.listen_ports.len() > MAX_LISTEN_PORTS {
-            return Some("nodeProxy.listenPorts lists more than 16 ports");
-        }
-        if self.listen_ports.contains(&0) {
-            return Some("nodeProxy.listenPorts holds port 0");
-        }
-        let distinct: std::collections::BTreeSet<_> = self.listen_ports.iter().collect();
-        if distinct.len() != self.listen_ports.len() {
-            return Some("nodeProxy.listenPorts lists a port twice");
-        }
-        None
-    }
-
-    /// The label selector the agent lists its pods with (`app=ztunnel`).
-    pub fn label_selector(&self) -> String {
-        self.labels
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(",")
-    }
-}
-
-/// `key=value[,key=value]` as `--node-proxy-labels` takes it.
-pub fn parse_labels(s: &str) -> Result<BTreeMap<String, String>, String> {
-    let mut out = BTreeMap::new();
-    for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (k, v) = pair
-            .split_once('=')
-            .ok_or_else(|| format!("{pair:?} is not key=value"))?;
-        if k.is_empty() {
-            return Err(format!("{pair:?} has no key"));
-        }
-        out.insert(k.to_string(), v.to_string());
-    }
-    if out.is_empty() {
-        return Err("no label given".into());
-    }
-    Ok(out)
-}
+pub use crate::profile::node_proxy::{MAX_LISTEN_PORTS, NodeProxy, parse_labels};
 
 /// Errors from choosing the node proxy requirement.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

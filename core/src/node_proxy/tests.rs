@@ -1,5 +1,7 @@
 use super::*;
 use crate::cni::Runtime;
+use crate::meshes::istio_ambient::ztunnel;
+use std::collections::BTreeMap;
 
 fn chain(reason: Reason) -> ChainVerdict {
     ChainVerdict {

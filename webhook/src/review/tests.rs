@@ -7,6 +7,8 @@ use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use meshgate_shell::logging::{LogFormat, capture};
+
 /// A cluster made of maps; records which lookups happened.
 #[derive(Default)]
 pub(crate) struct FakeCluster {
@@ -590,4 +592,25 @@ fn arb_json() -> impl Strategy<Value = Value> {
                 .prop_map(|m| Value::Object(m.into_iter().collect())),
         ]
     })
+}
+
+/// A review's lines are logged inside its span, which names the request once.
+#[tokio::test]
+async fn a_refusal_is_logged_inside_its_review_span() {
+    let (log, _guard) = capture(LogFormat::Json, "info");
+    let (r, _) = reviewer(fake_cluster());
+    validate(&r, &pod_review("web", Some("bad"), true)).await;
+    let lines = log.json_lines();
+    let refused = lines
+        .iter()
+        .find(|l| l["message"] == "refused mesh pod on unverified node")
+        .unwrap_or_else(|| panic!("{lines:?}"));
+    let span = &refused["span"];
+    assert_eq!(span["name"], "review");
+    assert_eq!(span["uid"], "uid-web");
+    assert_eq!(span["resource"], "pods");
+    assert_eq!(span["namespace"], "shop");
+    assert_eq!(span["dry_run"], false);
+    assert_eq!(refused["node"], "bad");
+    assert!(refused.get("uid").is_none(), "{refused}");
 }

@@ -5,13 +5,14 @@
 //! redirects are missing, `core::evict::decide`'s [`Decision`] carried out — the Eviction API
 //! call after the pinned namespace's re-check, the rate-limit token given back when nothing
 //! was disrupted — then reported: metrics, logs and the pod's Event, once per sandbox and
-//! outcome.
+//! outcome. A pod's lines are logged inside its `pod` span, which names it.
 
 use std::time::Duration;
 
 use meshgate_core::evict::{self, Candidate, Decision, SandboxKey, SkipWhy};
 use meshgate_core::rules::{Inspection, RedirectVerdict};
 use meshgate_shell::mode::WouldAction;
+use tracing::Instrument;
 
 use super::Inspector;
 use super::eviction::{self, Answer, Outcome};
@@ -52,7 +53,9 @@ impl Inspector {
             return;
         };
         for (d, inspected) in due.into_iter().zip(batch) {
-            self.decide(d, inspected).await;
+            // What one pod's inspection leads to is logged inside its span.
+            let span = tracing::info_span!("pod", pod = %d.info.key());
+            self.decide(d, inspected).instrument(span).await;
         }
     }
 
@@ -96,7 +99,7 @@ impl Inspector {
             Ok(Err(e)) => e.to_string(),
             Err(e) => e.to_string(),
         };
-        tracing::warn!(node = %self.config.node, %error, "{failed}");
+        tracing::warn!(%error, "{failed}");
     }
 
     /// Inspects the pods due on the blocking pool; `None` when the batch failed (every pod
@@ -135,15 +138,14 @@ impl Inspector {
         let dirs = self.config.netns_dirs.clone();
         let count = jobs.len();
         self.progress.pass_started();
-        let batch =
-            tokio::task::spawn_blocking(move || sweep::run(&sweep::confirm_ready(jobs), &dirs))
-                .await;
+        let span = tracing::Span::current();
+        let work = move || span.in_scope(|| sweep::run(&sweep::confirm_ready(jobs), &dirs));
+        let batch = tokio::task::spawn_blocking(work).await;
         self.progress.pass_ended();
-        let node = &self.config.node;
         let batch = match batch {
             Ok(b) => b,
             Err(e) => {
-                tracing::error!(node = %node, error = %e, pods = count, "pod inspection batch failed");
+                tracing::error!(error = %e, pods = count, "pod inspection batch failed");
                 let now = self.now();
                 for d in due {
                     self.tracker.inspected(d);
@@ -153,10 +155,9 @@ impl Inspector {
             }
         };
         for e in &batch.survey_errors {
-            tracing::debug!(node = %node, error = %e, "a network namespace could not be surveyed");
+            tracing::debug!(error = %e, "a network namespace could not be surveyed");
         }
         tracing::debug!(
-            node = %node,
             pods = count,
             namespaces = batch.namespaces,
             survey_us = batch.survey.as_micros() as u64,
@@ -180,15 +181,15 @@ impl Inspector {
         else {
             return;
         };
-        let (node, pod, profile) = (&self.config.node, info.key(), &decided.profile);
+        let profile = &decided.profile;
         match decided.verdict {
             RedirectVerdict::Redirected => {
                 self.tracker.settled(&info.uid);
-                tracing::debug!(node = %node, pod = %pod, %profile, inspect_us = inspected.elapsed.as_micros() as u64, "mesh redirects in place");
+                tracing::debug!(%profile, inspect_us = inspected.elapsed.as_micros() as u64, "mesh redirects in place");
             }
             RedirectVerdict::Unknown => {
                 let retry = self.tracker.unknown(&info.uid, self.now());
-                tracing::info!(node = %node, pod = %pod, %profile, why = %decided.message, retry_in_ms = retry.map(|r| r.as_millis() as u64), "pod's network namespace not inspectable; never evicting on unknown");
+                tracing::info!(%profile, why = %decided.message, retry_in_ms = retry.map(|r| r.as_millis() as u64), "pod's network namespace not inspectable; never evicting on unknown");
             }
             RedirectVerdict::Missing => {
                 let has_proxy = info.has_proxy(profiles, profile);
@@ -250,7 +251,7 @@ impl Inspector {
         let outcome = match decision {
             Decision::NotNeeded | Decision::Skip(SkipWhy::Unknown) => return,
             Decision::Skip(SkipWhy::AlreadyEvicted) => {
-                tracing::debug!(node = %self.config.node, pod = %info.key(), "sandbox already evicted");
+                tracing::debug!("sandbox already evicted");
                 return;
             }
             Decision::Skip(SkipWhy::RateLimit) => {
@@ -281,18 +282,18 @@ impl Inspector {
         token: Duration,
     ) -> Option<Outcome> {
         let (info, now) = (&m.due.info, self.now());
-        let (node, pod, profile) = (&self.config.node, info.key(), &m.decided.profile);
+        let profile = &m.decided.profile;
         // The verdict is about the namespace that was read: act only while the pod's path
         // still leads to it and it still holds the pod's IPs (a recycled pid or a re-created
         // sandbox must never get a pod evicted).
         if let Err(why) = confirm(pinned, info).await {
             self.limiter.refund(token);
             let retry = self.tracker.unknown(&info.uid, now);
-            tracing::warn!(node = %node, pod = %pod, %profile, %why, retry_in_ms = retry.map(|r| r.as_millis() as u64), "not evicting: the pod's network namespace changed since it was inspected");
+            tracing::warn!(%profile, %why, retry_in_ms = retry.map(|r| r.as_millis() as u64), "not evicting: the pod's network namespace changed since it was inspected");
             return None;
         }
         let detect_ms = now.saturating_sub(m.due.ready_since).as_millis() as u64;
-        tracing::info!(node = %node, pod = %pod, %profile, detect_ms, "evicting: mesh redirects missing");
+        tracing::info!(%profile, detect_ms, "evicting: mesh redirects missing");
         let timeout = self.config.api_timeout;
         let answer = eviction::evict(
             &self.client,
@@ -313,22 +314,22 @@ impl Inspector {
                 Some(Outcome::Evicted)
             }
             Answer::Gone => {
-                tracing::debug!(node = %node, pod = %pod, "pod gone before its eviction");
+                tracing::debug!("pod gone before its eviction");
                 None
             }
             Answer::Pdb(message) => {
                 let retry_in_ms = back_off_ms(&mut self.tracker, &info.uid, now);
-                tracing::info!(node = %node, pod = %pod, %message, retry_in_ms, "eviction refused by a PodDisruptionBudget");
+                tracing::info!(%message, retry_in_ms, "eviction refused by a PodDisruptionBudget");
                 Some(Outcome::Skipped(SkipWhy::Pdb))
             }
             Answer::MultiplePdbs(message) => {
                 let retry_in_ms = back_off_ms(&mut self.tracker, &info.uid, now);
-                tracing::warn!(node = %node, pod = %pod, %message, retry_in_ms, "eviction refused: several PodDisruptionBudgets match the pod");
+                tracing::warn!(%message, retry_in_ms, "eviction refused: several PodDisruptionBudgets match the pod");
                 Some(Outcome::MultiplePdbs)
             }
             Answer::Failed(e) => {
                 let retry_in_ms = back_off_ms(&mut self.tracker, &info.uid, now);
-                tracing::warn!(node = %node, pod = %pod, error = %e, retry_in_ms, "eviction failed");
+                tracing::warn!(error = %e, retry_in_ms, "eviction failed");
                 Some(Outcome::Failed(e))
             }
         }
@@ -337,7 +338,7 @@ impl Inspector {
     /// Counts, logs and publishes (once per sandbox and outcome) what happened to the pod.
     async fn report(&mut self, m: &Missing<'_>, outcome: &Outcome) {
         let info = &m.due.info;
-        let (node, pod, profile) = (&self.config.node, info.key(), &m.decided.profile);
+        let profile = &m.decided.profile;
         if let Some(why) = outcome.skip_label() {
             self.metrics.skipped(why);
         }
@@ -347,10 +348,10 @@ impl Inspector {
         let message = &m.decided.message;
         if *outcome == Outcome::Evicted {
             let detect_ms = self.now().saturating_sub(m.due.ready_since).as_millis() as u64;
-            tracing::warn!(node = %node, pod = %pod, %profile, detect_ms, %message, "pod evicted: mesh redirects missing");
+            tracing::warn!(%profile, detect_ms, %message, "pod evicted: mesh redirects missing");
         } else {
             let what = outcome.describe(self.config.per_minute);
-            tracing::warn!(node = %node, pod = %pod, %profile, outcome = %what, %message, "mesh redirects missing");
+            tracing::warn!(%profile, outcome = %what, %message, "mesh redirects missing");
         }
         if self
             .tracker

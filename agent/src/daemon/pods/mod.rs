@@ -66,6 +66,7 @@ use meshgate_core::projection::PodKeys;
 use meshgate_shell::admin::LoopProgress;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tracing::Instrument;
 
 use super::clients::Clients;
 use super::events::Events;
@@ -141,7 +142,7 @@ pub struct Inputs {
 /// one; the pod watch and evictions as the node with `--impersonate-node`). It stops when
 /// `inputs.stop` turns true.
 pub fn spawn(config: Config, clients: Clients, inputs: Inputs) -> JoinHandle<()> {
-    tokio::spawn(run(config, clients, inputs))
+    tokio::spawn(run(config, clients, inputs).in_current_span())
 }
 
 /// The inspector's state between wake-ups.
@@ -272,7 +273,10 @@ pub async fn run(config: Config, clients: Clients, inputs: Inputs) {
                 let now = mode.borrow_and_update().may_evict();
                 if now && !may_evict {
                     // What report mode only reported is acted on now.
-                    tracing::info!(node = %me.config.node, pods = me.tracker.len(), "the mode evicts now; inspecting every meshed pod again");
+                    tracing::info!(
+                        pods = me.tracker.len(),
+                        "the mode evicts now; inspecting every meshed pod again"
+                    );
                     me.tracker.verdict_changed();
                 }
                 may_evict = now;
@@ -285,7 +289,7 @@ pub async fn run(config: Config, clients: Clients, inputs: Inputs) {
         }
         me.pass().await;
     }
-    tracing::info!(node = %me.config.node, "pod inspector stopped");
+    tracing::info!("pod inspector stopped");
 }
 
 impl Inspector {
@@ -299,7 +303,6 @@ impl Inspector {
     ) -> Self {
         let profiles: Vec<&str> = config.profiles.iter().map(|p| p.name.as_str()).collect();
         tracing::info!(
-            node = %config.node,
             profiles = ?profiles,
             dry_run = config.flags.dry_run,
             no_evict = config.flags.no_evict,
@@ -364,7 +367,7 @@ impl Inspector {
         }
         let proxy_changed = self.proxy_lost && v.message != self.last_message;
         if self.last_verdict.is_some_and(|last| last != seen) || proxy_changed {
-            tracing::info!(node = %self.config.node, reason = %v.reason, verified = v.verified, pods = self.tracker.len(), "node verdict changed; inspecting every meshed pod again");
+            tracing::info!(reason = %v.reason, verified = v.verified, pods = self.tracker.len(), "node verdict changed; inspecting every meshed pod again");
             self.tracker.verdict_changed();
         }
         if !v.verified {
@@ -398,7 +401,7 @@ impl Inspector {
         let changes = match self.namespaces.apply(item) {
             Ok(changes) => changes,
             Err(e) => {
-                tracing::warn!(node = %self.config.node, error = %e, "namespace watch error; retrying with backoff");
+                tracing::warn!(error = %e, "namespace watch error; retrying with backoff");
                 return;
             }
         };
@@ -410,11 +413,14 @@ impl Inspector {
                 self.tracker
                     .reselect_namespace(name, profiles, labels, c.known_before, now);
             if changed > 0 {
-                tracing::info!(node = %self.config.node, namespace = name, labels = ?labels, pods = changed, "namespace labels changed which profiles select its pods");
+                tracing::info!(namespace = name, labels = ?labels, pods = changed, "namespace labels changed which profiles select its pods");
             }
         }
         if !was_synced && self.namespaces.synced() {
-            tracing::info!(node = %self.config.node, namespaces = self.namespaces.len(), "namespace list complete");
+            tracing::info!(
+                namespaces = self.namespaces.len(),
+                "namespace list complete"
+            );
         }
     }
 
@@ -438,10 +444,10 @@ impl Inspector {
             Ok(watcher::Event::InitDone) => {
                 self.tracker.finish_list();
                 self.prune_history = true;
-                tracing::debug!(node = %self.config.node, pods = self.tracker.len(), "pod list complete");
+                tracing::debug!(pods = self.tracker.len(), "pod list complete");
             }
             Err(e) => {
-                tracing::warn!(node = %self.config.node, error = %e, "pod watch error; retrying with backoff")
+                tracing::warn!(error = %e, "pod watch error; retrying with backoff")
             }
         }
     }

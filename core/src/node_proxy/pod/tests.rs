@@ -1,5 +1,5 @@
 use super::*;
-use crate::node_proxy::ztunnel;
+use crate::meshes::istio_ambient::ztunnel;
 
 fn rules(verdict: RedirectVerdict) -> Inspection {
     let profile = crate::meshes::builtin_named("istio-ambient").unwrap();
