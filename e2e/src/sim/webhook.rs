@@ -288,7 +288,9 @@ mod tests {
             .join("manifests/charts/meshgate")
             .join(SHIPPED);
         let text = std::fs::read_to_string(&path).expect("the chart's webhook configurations");
-        let at = text.find("- name: mesh-marked").expect("a mesh-marked condition");
+        let at = text
+            .find("- name: mesh-marked")
+            .expect("a mesh-marked condition");
         let condition = &text[at..at + text[at..].find("failurePolicy").expect("its webhook")];
         let labels = meshgate_core::profile::ProfileSet::all_builtin().labels_selecting_each("");
         assert!(!labels.is_empty());
