@@ -382,7 +382,10 @@ async fn fat_pods_on_its_node_keep_the_agent_under_half_its_memory_limit() -> an
         );
         let meshed = count.div_ceil(2);
         ensure!(
-            log.contains(&format!("pod list complete node={node} pods={meshed}")),
+            // The node is a field of the agent's span, which prefixes every line.
+            log.lines()
+                .any(|l| l.contains(&format!("agent{{node={node}}}"))
+                    && l.contains(&format!("pod list complete pods={meshed}"))),
             "the agent does not track the {meshed} meshed pods:\n{}",
             tail(&log, 30)
         );

@@ -492,8 +492,11 @@ async fn a_restarted_agent_does_not_evict_again() -> anyhow::Result<()> {
         );
     }
     assert!(
-        plain(&agent.log()).contains("state restored node=")
-            && plain(&agent.log()).contains("evictions=2"),
+        plain(&agent.log())
+            .lines()
+            .any(|l| l.contains("agent{node=")
+                && l.contains("state restored")
+                && l.contains("evictions=2")),
         "the history was restored from the state file:\n{}",
         tail(&agent.log(), 40)
     );
