@@ -263,9 +263,38 @@ fn transparent_listener(ns: &Netns, port: u16) -> std::net::TcpListener {
 /// both cases, and `missing` once the TPROXY rule is gone (then nothing answers).
 #[test]
 fn tproxy_delivers_without_the_fwmark_rule_and_the_verdict_follows() {
-    use std::io::Read as _;
     let pod = Netns::new("tppod");
     let client = Netns::new("tpcli");
+    link_pod_and_client(&pod, &client);
+    pod.restore("iptables-nft-restore", ISTIO_TPROXY_V4);
+    let listener = transparent_listener(&pod, 15006);
+    listener.set_nonblocking(true).expect("nonblocking");
+    let connect = || connect_through(&client, &listener);
+
+    assert_eq!(
+        connect().as_deref(),
+        Some("proxy at 10.252.0.2:8080"),
+        "without the ip rule"
+    );
+    assert_eq!(inspect(&pod, "istio").verdict, RedirectVerdict::Redirected);
+    pod.sh("ip rule add fwmark 1337 lookup 133; ip route add local default dev lo table 133");
+    assert_eq!(
+        connect().as_deref(),
+        Some("proxy at 10.252.0.2:8080"),
+        "with the ip rule"
+    );
+    assert_eq!(inspect(&pod, "istio").verdict, RedirectVerdict::Redirected);
+    pod.sh("iptables-nft -w -t mangle -F ISTIO_TPROXY");
+    assert_eq!(
+        connect(),
+        None,
+        "nothing intercepts without the TPROXY rule"
+    );
+    assert_eq!(inspect(&pod, "istio").verdict, RedirectVerdict::Missing);
+}
+
+/// A veth pair between the pod (10.252.0.2) and the client (10.252.0.1).
+fn link_pod_and_client(pod: &Netns, client: &Netns) {
     let (a, b) = (
         format!("tpa{}", std::process::id() % 100_000),
         format!("tpb{}", std::process::id() % 100_000),
@@ -298,59 +327,39 @@ fn tproxy_delivers_without_the_fwmark_rule_and_the_verdict_follows() {
     client.sh(&format!(
         "ip link set {b} up; ip addr add 10.252.0.1/24 dev {b}"
     ));
-    pod.restore("iptables-nft-restore", ISTIO_TPROXY_V4);
-    let listener = transparent_listener(&pod, 15006);
-    listener.set_nonblocking(true).expect("nonblocking");
+}
 
-    let connect = || -> Option<String> {
-        let connected = netns::with_netns(&client.path(), || {
-            std::net::TcpStream::connect_timeout(
-                &"10.252.0.2:8080".parse().expect("addr"),
-                std::time::Duration::from_millis(700),
-            )
-        })
-        .expect("enter");
-        let mut c = connected.ok()?;
-        // Accept on this thread: the connection is queued on the transparent listener.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
-        let (mut s, _) = loop {
-            match listener.accept() {
-                Ok(x) => break x,
-                Err(_) if std::time::Instant::now() < deadline => {
-                    std::thread::sleep(std::time::Duration::from_millis(5))
-                }
-                Err(_) => return None,
+/// The client connects to the pod's 10.252.0.2:8080; what it reads back from whoever
+/// accepted on the transparent `listener`, and the destination that one saw (`None`: no
+/// connection, or nothing accepted it).
+fn connect_through(client: &Netns, listener: &std::net::TcpListener) -> Option<String> {
+    use std::io::Read as _;
+    let connected = netns::with_netns(&client.path(), || {
+        std::net::TcpStream::connect_timeout(
+            &"10.252.0.2:8080".parse().expect("addr"),
+            std::time::Duration::from_millis(700),
+        )
+    })
+    .expect("enter");
+    let mut c = connected.ok()?;
+    // Accept on this thread: the connection is queued on the transparent listener.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    let (mut s, _) = loop {
+        match listener.accept() {
+            Ok(x) => break x,
+            Err(_) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(5))
             }
-        };
-        // The proxy sees the original destination, as Envoy's inbound listener does.
-        let local = s.local_addr().ok()?;
-        std::io::Write::write_all(&mut s, b"proxy").ok()?;
-        drop(s);
-        let mut got = String::new();
-        c.set_read_timeout(Some(std::time::Duration::from_millis(700)))
-            .ok()?;
-        c.read_to_string(&mut got).ok()?;
-        Some(format!("{got} at {local}"))
+            Err(_) => return None,
+        }
     };
-
-    assert_eq!(
-        connect().as_deref(),
-        Some("proxy at 10.252.0.2:8080"),
-        "without the ip rule"
-    );
-    assert_eq!(inspect(&pod, "istio").verdict, RedirectVerdict::Redirected);
-    pod.sh("ip rule add fwmark 1337 lookup 133; ip route add local default dev lo table 133");
-    assert_eq!(
-        connect().as_deref(),
-        Some("proxy at 10.252.0.2:8080"),
-        "with the ip rule"
-    );
-    assert_eq!(inspect(&pod, "istio").verdict, RedirectVerdict::Redirected);
-    pod.sh("iptables-nft -w -t mangle -F ISTIO_TPROXY");
-    assert_eq!(
-        connect(),
-        None,
-        "nothing intercepts without the TPROXY rule"
-    );
-    assert_eq!(inspect(&pod, "istio").verdict, RedirectVerdict::Missing);
+    // The proxy sees the original destination, as Envoy's inbound listener does.
+    let local = s.local_addr().ok()?;
+    std::io::Write::write_all(&mut s, b"proxy").ok()?;
+    drop(s);
+    let mut got = String::new();
+    c.set_read_timeout(Some(std::time::Duration::from_millis(700)))
+        .ok()?;
+    c.read_to_string(&mut got).ok()?;
+    Some(format!("{got} at {local}"))
 }
