@@ -85,9 +85,15 @@ impl Netns {
     /// Loads an `iptables-save`-format script with `tool` (`iptables-nft-restore`, ...),
     /// through a file: a large script does not fit in an argument list.
     fn restore(&self, tool: &str, script: &str) {
-        let file = std::env::temp_dir().join(format!("{}-{tool}.rules", self.name()));
-        std::fs::write(&file, format!("{script}\n")).expect("write rules file");
-        self.sh(&format!("{tool} -w < {}", file.display()));
+        self.run_file(&format!("{tool} -w <"), "rules", &format!("{script}\n"));
+    }
+
+    /// Runs `command FILE` inside the namespace, `script` written to FILE (`name.ext`): a
+    /// large script does not fit in an argument list.
+    fn run_file(&self, command: &str, ext: &str, script: &str) {
+        let file = std::env::temp_dir().join(format!("{}.{ext}", self.name()));
+        std::fs::write(&file, script).expect("write script file");
+        self.sh(&format!("{command} {}", file.display()));
         let _ = std::fs::remove_file(&file);
     }
 

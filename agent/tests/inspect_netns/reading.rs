@@ -200,10 +200,7 @@ fn oversized_rule_dumps_are_unknown_never_missing() {
         script.push_str(&format!("chain c{i} {{ }}\n"));
     }
     script.push('}');
-    let file = std::env::temp_dir().join(format!("{}.nft", ns.name()));
-    std::fs::write(&file, &script).expect("write nft file");
-    ns.sh(&format!("nft -f {}", file.display()));
-    let _ = std::fs::remove_file(&file);
+    ns.run_file("nft -f", "nft", &script);
     let got = inspect(&ns, "linkerd");
     assert_eq!(got.verdict, RedirectVerdict::Unknown, "{}", got.message);
     let path = ns.path();
@@ -258,10 +255,7 @@ fn a_namespace_with_too_many_addresses_is_unknown_never_missing() {
             i % 250 + 1
         ));
     }
-    let file = std::env::temp_dir().join(format!("{}.ip", ns.name()));
-    std::fs::write(&file, &batch).expect("write ip batch");
-    ns.sh(&format!("ip -batch {}", file.display()));
-    let _ = std::fs::remove_file(&file);
+    ns.run_file("ip -batch", "ip", &batch);
     let got = inspect(&ns, "linkerd");
     assert_eq!(got.verdict, RedirectVerdict::Unknown, "{}", got.message);
     assert!(
