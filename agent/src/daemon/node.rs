@@ -433,82 +433,7 @@ mod tests {
         #[tokio::test]
         async fn conflict_is_retried_on_a_fresh_read_and_keeps_the_other_writers_taint() {
             let (svc, handle) = mock::pair::<Request<Body>, Response<Body>>();
-            let foreign = json!({"key": "example.com/maintenance", "effect": "NoSchedule"});
-            let ours = json!({"key": TAINT_KEY, "effect": "NoSchedule"});
-            let server = tokio::spawn({
-                let (foreign, ours) = (foreign.clone(), ours.clone());
-                async move {
-                    let mut handle = pin!(handle);
-                    // 1. Patch planned from the watch cache (rv 1): refused, someone wrote meanwhile.
-                    let (req, send) = handle.next_request().await.unwrap();
-                    assert_eq!(req.method(), http::Method::PATCH);
-                    assert_eq!(req.uri().path(), "/api/v1/nodes/n1");
-                    assert_eq!(req.headers()["content-type"], "application/json-patch+json");
-                    let patch = body_json(req).await;
-                    assert_eq!(
-                        patch[0],
-                        json!({"op": "test", "path": "/metadata/resourceVersion", "value": "1"})
-                    );
-                    assert_eq!(
-                        patch[1],
-                        json!({"op": "add", "path": "/spec/taints", "value": [ours]})
-                    );
-                    assert_eq!(
-                        patch[2],
-                        json!({"op": "add", "path": "/metadata/labels/meshgate.io~1cni-verified", "value": "false"})
-                    );
-                    send.send_response(respond(422, &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Invalid", "code": 422, "message": "the server rejected our request due to an error in our request"})));
-                    // 2. Fresh read: the other writer added its taint.
-                    let (req, send) = handle.next_request().await.unwrap();
-                    assert_eq!(req.method(), http::Method::GET);
-                    assert_eq!(req.uri().path(), "/api/v1/nodes/n1");
-                    send.send_response(respond(200, &node("2", json!([foreign]))));
-                    // 3. Recomputed patch keeps it.
-                    let (req, send) = handle.next_request().await.unwrap();
-                    let patch = body_json(req).await;
-                    assert_eq!(patch[0]["value"], "2");
-                    assert_eq!(patch[1]["value"], json!([foreign, ours]));
-                    send.send_response(respond(200, &node("3", json!([foreign, ours]))));
-                    // 4. The condition, through the status subresource, as a strategic merge.
-                    let (req, send) = handle.next_request().await.unwrap();
-                    assert_eq!(req.method(), http::Method::PATCH);
-                    assert_eq!(req.uri().path(), "/api/v1/nodes/n1/status");
-                    assert_eq!(
-                        req.headers()["content-type"],
-                        "application/strategic-merge-patch+json"
-                    );
-                    let patch = body_json(req).await;
-                    let cond = &patch["status"]["conditions"][0];
-                    assert_eq!(cond["type"], CONDITION_TYPE);
-                    assert_eq!(cond["status"], "False");
-                    assert_eq!(cond["reason"], "ChainedPluginMissing");
-                    assert_eq!(
-                        cond["message"],
-                        "10-calico.conflist does not chain linkerd-cni"
-                    );
-                    assert!(cond["lastTransitionTime"].is_string());
-                    send.send_response(respond(200, &node("4", json!([foreign, ours]))));
-                    // 5. One Warning Event on the Node, in the default namespace.
-                    let (req, send) = handle.next_request().await.unwrap();
-                    assert_eq!(req.method(), http::Method::POST);
-                    assert_eq!(
-                        req.uri().path(),
-                        "/apis/events.k8s.io/v1/namespaces/default/events"
-                    );
-                    let ev = body_json(req).await;
-                    assert_eq!(ev["reason"], event_reason::CHAIN_UNVERIFIED);
-                    assert_eq!(ev["type"], "Warning");
-                    assert_eq!(ev["regarding"]["kind"], "Node");
-                    assert_eq!(ev["regarding"]["name"], "n1");
-                    send.send_response(respond(201, &ev));
-                    // Nothing else is sent.
-                    assert!(
-                        tokio::time::timeout(Duration::from_millis(100), handle.next_request())
-                            .await
-                            .is_err()
-                    );
-                }
-            });
+            let server = tokio::spawn(conflict_then_fresh_read(handle));
             let gate = gate_for_n1(svc, Some("n1"));
             let seen: Node = serde_json::from_value(node("1", json!([]))).unwrap();
             let applied = gate
@@ -541,6 +466,83 @@ mod tests {
                 }
             );
             server.await.unwrap();
+        }
+
+        /// The apiserver side of a conflicting taint patch: refused (someone wrote meanwhile),
+        /// a fresh read showing another writer's taint, the recomputed patch keeping it, the
+        /// condition and one Warning Event; nothing else.
+        async fn conflict_then_fresh_read(handle: mock::Handle<Request<Body>, Response<Body>>) {
+            let foreign = json!({"key": "example.com/maintenance", "effect": "NoSchedule"});
+            let ours = json!({"key": TAINT_KEY, "effect": "NoSchedule"});
+            let mut handle = pin!(handle);
+            // 1. Patch planned from the watch cache (rv 1): refused, someone wrote meanwhile.
+            let (req, send) = handle.next_request().await.unwrap();
+            assert_eq!(req.method(), http::Method::PATCH);
+            assert_eq!(req.uri().path(), "/api/v1/nodes/n1");
+            assert_eq!(req.headers()["content-type"], "application/json-patch+json");
+            let patch = body_json(req).await;
+            assert_eq!(
+                patch[0],
+                json!({"op": "test", "path": "/metadata/resourceVersion", "value": "1"})
+            );
+            assert_eq!(
+                patch[1],
+                json!({"op": "add", "path": "/spec/taints", "value": [ours]})
+            );
+            assert_eq!(
+                patch[2],
+                json!({"op": "add", "path": "/metadata/labels/meshgate.io~1cni-verified", "value": "false"})
+            );
+            send.send_response(respond(422, &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Invalid", "code": 422, "message": "the server rejected our request due to an error in our request"})));
+            // 2. Fresh read: the other writer added its taint.
+            let (req, send) = handle.next_request().await.unwrap();
+            assert_eq!(req.method(), http::Method::GET);
+            assert_eq!(req.uri().path(), "/api/v1/nodes/n1");
+            send.send_response(respond(200, &node("2", json!([foreign]))));
+            // 3. Recomputed patch keeps it.
+            let (req, send) = handle.next_request().await.unwrap();
+            let patch = body_json(req).await;
+            assert_eq!(patch[0]["value"], "2");
+            assert_eq!(patch[1]["value"], json!([foreign, ours]));
+            send.send_response(respond(200, &node("3", json!([foreign, ours]))));
+            // 4. The condition, through the status subresource, as a strategic merge.
+            let (req, send) = handle.next_request().await.unwrap();
+            assert_eq!(req.method(), http::Method::PATCH);
+            assert_eq!(req.uri().path(), "/api/v1/nodes/n1/status");
+            assert_eq!(
+                req.headers()["content-type"],
+                "application/strategic-merge-patch+json"
+            );
+            let patch = body_json(req).await;
+            let cond = &patch["status"]["conditions"][0];
+            assert_eq!(cond["type"], CONDITION_TYPE);
+            assert_eq!(cond["status"], "False");
+            assert_eq!(cond["reason"], "ChainedPluginMissing");
+            assert_eq!(
+                cond["message"],
+                "10-calico.conflist does not chain linkerd-cni"
+            );
+            assert!(cond["lastTransitionTime"].is_string());
+            send.send_response(respond(200, &node("4", json!([foreign, ours]))));
+            // 5. One Warning Event on the Node, in the default namespace.
+            let (req, send) = handle.next_request().await.unwrap();
+            assert_eq!(req.method(), http::Method::POST);
+            assert_eq!(
+                req.uri().path(),
+                "/apis/events.k8s.io/v1/namespaces/default/events"
+            );
+            let ev = body_json(req).await;
+            assert_eq!(ev["reason"], event_reason::CHAIN_UNVERIFIED);
+            assert_eq!(ev["type"], "Warning");
+            assert_eq!(ev["regarding"]["kind"], "Node");
+            assert_eq!(ev["regarding"]["name"], "n1");
+            send.send_response(respond(201, &ev));
+            // Nothing else is sent.
+            assert!(
+                tokio::time::timeout(Duration::from_millis(100), handle.next_request())
+                    .await
+                    .is_err()
+            );
         }
 
         #[tokio::test]
