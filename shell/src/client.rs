@@ -3,9 +3,9 @@
 //! In: an optional kubeconfig path, and optionally a user to impersonate. Out: a
 //! `kube::Client` whose connections time out, or the configuration it is built from
 //! ([`load_config`]), from which [`from_config`] builds the variants a daemon needs (without
-//! kube's retry, impersonating) without reading the kubeconfig again. Each caller puts its own deadline on every
-//! non-watch call (`--api-timeout`, `--lookup-timeout`), so no step hangs on a half-open
-//! connection.
+//! kube's retry, impersonating) without reading the kubeconfig again. Each caller puts its
+//! own deadline on every non-watch call (`--api-timeout`, `--lookup-timeout`), so no step
+//! hangs on a half-open connection.
 
 use std::path::Path;
 use std::time::Duration;
