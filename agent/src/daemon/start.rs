@@ -13,6 +13,7 @@
 //! `--api-timeout`), the prober and the inotify watches. Nothing is verified before the first
 //! pass. Stop: the tasks in reverse, then the queued Events and the state file.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
@@ -24,7 +25,9 @@ use kube::api::Api;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::events::{Recorder, Reporter};
 use meshgate_core::cni::ChainVerdict;
+use meshgate_core::gate::{TaintEffect, TaintKey};
 use meshgate_shell::admin::{AdminServer, LoopProgress};
+use meshgate_shell::cli::Common;
 use meshgate_shell::mode::ModeWatch;
 use meshgate_shell::runtime::Runtime;
 use prometheus_client::registry::Registry;
@@ -42,8 +45,8 @@ use super::node_proxy::NodeProxyWatch;
 use super::pods;
 use super::state::{self, Loaded, Shared, State};
 use super::verdict_loop::{Outcome, VerdictLoop, Verifier, Wakes};
-use crate::cni::Prober;
 use crate::cni::preprobe::PreProber;
+use crate::cni::{CniArgs, Prober};
 
 /// The verdict loop and the tasks beside it.
 pub struct Daemon {
@@ -76,13 +79,14 @@ impl Daemon {
     /// watches, the pod inspector and the inotify watches. Nothing is verified yet: the first
     /// pass of [`Daemon::run`] does that.
     pub async fn start(config: Config) -> anyhow::Result<Self> {
-        let (progress, pod_progress) = progress(&config);
+        let (progress, pod_progress) = progress(config.resync_interval, config.stall_timeout);
         let ready = Arc::new(AtomicBool::new(false));
         let live = (progress.clone(), pod_progress.clone());
-        let (rt, metrics) = start_runtime(&config, ready.clone(), live).await?;
+        let probes = (ready.clone(), live);
+        let (rt, metrics) = start_runtime(&config.common, config.api_timeout, probes).await?;
         let shared = Arc::new(Shared::new(
             config.state_file.clone(),
-            restore_state(&config)?,
+            restore_state(&config.state_file)?,
         ));
         let (node, impersonate) = (&config.node, config.impersonate_node);
         let clients = Clients::with_retry(rt.client, &rt.client_config, node, impersonate)?;
@@ -99,13 +103,15 @@ impl Daemon {
             progress: pod_progress,
             node_proxy: node_proxy.as_ref(),
         };
-        let spawned = spawn_tasks(&config, &clients, pod_clients, inputs, (rt.admin, rt.mode));
+        let pods = (config.pods.clone(), pod_clients, inputs);
+        let spawned = spawn_tasks(node, &clients, pods, (rt.admin, rt.mode));
         if let Some(np) = node_proxy.as_mut() {
             np.wait_listed(config.api_timeout).await;
         }
         let prober = Arc::new(config.cni.prober().with_counters(metrics.probes.clone()));
-        let (fs, files) = watch_files(&config, node_proxy.as_ref(), &prober)?;
-        let gate = node_gate(&config, &clients);
+        let (fs, files) = watch_files(&config.cni, node_proxy.as_ref(), &prober)?;
+        let taint = (config.taint_key.clone(), config.taint_effect);
+        let gate = node_gate(&clients, node, taint, config.api_timeout);
         let outcome = Outcome {
             node_events: EventQueue::start(gate.events()),
             gate,
@@ -156,16 +162,16 @@ impl Daemon {
 /// true after the first pass that wrote the Node and `/live` following both loops' progress;
 /// the mode's first list is waited for within `--api-timeout`.
 async fn start_runtime(
-    config: &Config,
-    ready: Arc<AtomicBool>,
-    live: (LoopProgress, LoopProgress),
+    common: &Common,
+    api_timeout: Duration,
+    (ready, live): (Arc<AtomicBool>, (LoopProgress, LoopProgress)),
 ) -> anyhow::Result<(Runtime, AgentMetrics)> {
     let mut registry = Registry::default();
     let metrics = AgentMetrics::register(&mut registry);
-    let rt = Runtime::builder(&config.common)
+    let rt = Runtime::builder(common)
         .metrics(registry, metrics.mode.clone())
         .probes(ready, live)
-        .mode_first_list(config.api_timeout)
+        .mode_first_list(api_timeout)
         .build()
         .await?;
     Ok((rt, metrics))
@@ -182,17 +188,16 @@ struct PodInputs<'a> {
 /// Starts the pod inspector and the Node watch, and keeps them with the runtime's admin server
 /// and mode watch, to be stopped together.
 fn spawn_tasks(
-    config: &Config,
+    node_name: &str,
     clients: &Clients,
-    pod_clients: Clients,
-    inputs: PodInputs<'_>,
+    (config, pod_clients, inputs): (pods::Config, Clients, PodInputs<'_>),
     (admin, mode): (AdminServer, ModeWatch),
 ) -> Spawned {
     let (node_tx, node) = watch::channel::<Option<Node>>(None);
     let (to_pods, verdict) = watch::channel::<Option<ChainVerdict>>(None);
     let (stop_pods, stop) = watch::channel(false);
     let pods = pods::spawn(
-        config.pods.clone(),
+        config,
         pod_clients,
         pods::Inputs {
             verdict,
@@ -205,7 +210,7 @@ fn spawn_tasks(
         },
     );
     let api = Api::all(clients.node.clone());
-    let node_watch = tokio::spawn(watch_node(api, config.node.clone(), node_tx).in_current_span());
+    let node_watch = tokio::spawn(watch_node(api, node_name.to_owned(), node_tx).in_current_span());
     Spawned {
         tasks: Tasks {
             admin,
@@ -228,14 +233,14 @@ async fn resync(every: Duration) -> tokio::time::Interval {
 }
 
 /// The state saved by an agent earlier in this boot, or a fresh one.
-fn restore_state(config: &Config) -> anyhow::Result<State> {
+fn restore_state(state_file: &Path) -> anyhow::Result<State> {
     let boot_id = state::boot_id().context("reading the boot id")?;
     let fresh = || State {
         version: state::FORMAT_VERSION,
         boot_id: boot_id.clone(),
         ..State::default()
     };
-    Ok(match state::load(&config.state_file, &boot_id) {
+    Ok(match state::load(state_file, &boot_id) {
         Loaded::Restarted(s) => {
             tracing::info!(last = ?s.last_verdict, evictions = s.evicted.len(), "agent restarted within the same boot; state restored");
             s
@@ -253,32 +258,37 @@ fn restore_state(config: &Config) -> anyhow::Result<State> {
 
 /// The gate of this node: writes and Events as the ServiceAccount, reads as the node with
 /// `--impersonate-node`.
-fn node_gate(config: &Config, clients: &Clients) -> NodeGate {
+fn node_gate(
+    clients: &Clients,
+    node: &str,
+    (taint_key, taint_effect): (TaintKey, TaintEffect),
+    api_timeout: Duration,
+) -> NodeGate {
     let recorder = Recorder::new(
         clients.own.clone(),
         Reporter {
             controller: REPORTER.into(),
-            instance: Some(config.node.clone()),
+            instance: Some(node.to_owned()),
         },
     );
     NodeGate::new(
         clients.own.clone(),
-        config.node.clone(),
-        config.taint_key.clone(),
-        config.taint_effect,
-        config.api_timeout,
+        node.to_owned(),
+        taint_key,
+        taint_effect,
+        api_timeout,
         recorder,
     )
     .reading_as(clients.node.clone())
 }
 
 /// What `/live` checks: the verdict loop's passes and waits, the pod inspector's batches.
-fn progress(config: &Config) -> (LoopProgress, LoopProgress) {
-    let max_wait = config.resync_interval.saturating_add(config.stall_timeout);
-    let verdict_loop = LoopProgress::new(config.stall_timeout, max_wait);
+fn progress(resync_interval: Duration, stall_timeout: Duration) -> (LoopProgress, LoopProgress) {
+    let max_wait = resync_interval.saturating_add(stall_timeout);
+    let verdict_loop = LoopProgress::new(stall_timeout, max_wait);
     // The pod inspector's batches are bounded by the same stall timeout; it may idle for as
     // long as no pod needs inspecting, so only its passes are bounded.
-    let pods = LoopProgress::idle("the pod inspector", config.stall_timeout, Duration::MAX);
+    let pods = LoopProgress::idle("the pod inspector", stall_timeout, Duration::MAX);
     (verdict_loop, pods)
 }
 
@@ -286,19 +296,19 @@ fn progress(config: &Config) -> (LoopProgress, LoopProgress) {
 /// that does not exist yet is waited for), and the pre-prober they feed, which lives as long
 /// as the watches.
 fn watch_files(
-    config: &Config,
+    cni: &CniArgs,
     node_proxy: Option<&NodeProxyWatch>,
     prober: &Arc<Prober>,
 ) -> anyhow::Result<(FsWatch, mpsc::UnboundedReceiver<FsEvent>)> {
     let (tx, rx) = mpsc::unbounded_channel();
-    let mut dirs = config.cni.cni_bin_dirs.clone();
+    let mut dirs = cni.cni_bin_dirs.clone();
     dirs.extend(node_proxy.and_then(NodeProxyWatch::socket_dir));
     let pre = PreProber::start(prober.clone()).context("starting the pre-probe workers")?;
     let notice = Arc::new(move |p: &std::path::Path| pre.notice(p));
-    let fs = FsWatch::start(&config.cni.cni_conf_dir, &dirs, tx, notice)
-        .context("starting inotify watches")?;
+    let fs =
+        FsWatch::start(&cni.cni_conf_dir, &dirs, tx, notice).context("starting inotify watches")?;
     if !fs.all_direct() {
-        tracing::info!(dir = %config.cni.cni_conf_dir.display(), "a CNI directory does not exist yet; waiting for it");
+        tracing::info!(dir = %cni.cni_conf_dir.display(), "a CNI directory does not exist yet; waiting for it");
     }
     Ok((fs, rx))
 }
