@@ -6,6 +6,8 @@
 //! 200 once the signal says ready, else 503; `GET /metrics` → the registry in OpenMetrics
 //! text. Nothing here knows about the webhook or the agent: the webhook is [`AlwaysLive`]
 //! (serving is its work), the agent reports its loop's progress through [`LoopProgress`].
+//! [`AdminServer`] runs it in a task of its own, as `crate::runtime` starts it for both
+//! daemons.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -19,7 +21,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
 
 use crate::server;
 
@@ -279,6 +282,61 @@ pub async fn serve_with<R: Readiness, L: Liveness>(
 ) {
     let app = router_with(registry, ready, live);
     server::serve_until(listener, server::Plain, app, shutdown, DRAIN, LIMITS).await;
+}
+
+/// How long [`AdminServer::stop`] waits for the server to end: its drain ([`DRAIN`]) and a
+/// margin.
+pub const STOP_WAIT: Duration = Duration::from_secs(2);
+
+/// The admin server in a task of its own, from [`AdminServer::start`] until
+/// [`AdminServer::stop`] (or until dropped: then it ends at once, without draining).
+#[derive(Debug)]
+pub struct AdminServer {
+    /// The server's task and the sender whose drop stops it; `None` without a listener.
+    running: Option<(JoinHandle<()>, oneshot::Sender<()>)>,
+}
+
+impl AdminServer {
+    /// Serves the admin router with `/live` answering from `live` on `listener`; no server
+    /// when there is none (no `--admin-addr`).
+    pub fn start<R: Readiness, L: Liveness>(
+        listener: Option<TcpListener>,
+        registry: Arc<Registry>,
+        ready: R,
+        live: L,
+    ) -> Self {
+        let running = listener.map(|listener| {
+            let (stop, stopped) = oneshot::channel::<()>();
+            let stopped = async move {
+                let _ = stopped.await;
+            };
+            let task = tokio::spawn(serve_with(listener, registry, ready, live, stopped));
+            (task, stop)
+        });
+        Self { running }
+    }
+
+    /// Stops the server: requests in flight finish within [`DRAIN`]. Waits for it within
+    /// [`STOP_WAIT`], and logs when it failed or did not stop in time.
+    pub async fn stop(mut self) {
+        let Some((task, stop)) = self.running.take() else {
+            return;
+        };
+        drop(stop);
+        match tokio::time::timeout(STOP_WAIT, task).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "admin server task failed"),
+            Err(_) => tracing::warn!("admin server did not stop in time"),
+        }
+    }
+}
+
+impl Drop for AdminServer {
+    fn drop(&mut self) {
+        if let Some((task, _)) = &self.running {
+            task.abort();
+        }
+    }
 }
 
 #[cfg(test)]

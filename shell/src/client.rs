@@ -1,9 +1,11 @@
 //! Builds the Kubernetes client and bounds every call in time.
 //!
 //! In: an optional kubeconfig path, and optionally a user to impersonate. Out: a
-//! `kube::Client` whose connections time out. Each caller puts its own deadline on every
-//! non-watch call (`--api-timeout`, `--lookup-timeout`), so no step hangs on a half-open
-//! connection.
+//! `kube::Client` whose connections time out, or the configuration it is built from
+//! ([`load_config`]), from which [`from_config`] builds the variants a daemon needs (without
+//! kube's retry, impersonating) without reading the kubeconfig again. Each caller puts its
+//! own deadline on every non-watch call (`--api-timeout`, `--lookup-timeout`), so no step
+//! hangs on a half-open connection.
 
 use std::path::Path;
 use std::time::Duration;
@@ -16,7 +18,7 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Builds a client from `kubeconfig` if given, else `KUBECONFIG`, else the in-cluster config.
 pub async fn build(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
-    kube::Client::try_from(config(kubeconfig).await?).context("building the Kubernetes client")
+    kube::Client::try_from(load_config(kubeconfig).await?).context("building the Kubernetes client")
 }
 
 /// Like [`build`], as kubectl's `--context` does: the kubeconfig's context `context` instead
@@ -46,32 +48,32 @@ pub async fn build_in_context(
     kube::Client::try_from(config).context("building the Kubernetes client")
 }
 
-/// Like [`build`], but without kube's built-in retry of 429/503/504 responses. For calls
-/// where a 429 is an answer rather than congestion: an eviction refused by a
-/// PodDisruptionBudget must reach the caller at once, not be retried inside the client
-/// until the caller's deadline expires.
-pub async fn build_without_retry(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
-    let mut config = config(kubeconfig).await?;
-    config.default_retry = false;
-    kube::Client::try_from(config).context("building the Kubernetes client")
-}
-
-/// Like [`build`] (`retry`) or [`build_without_retry`], but every request carries
-/// `Impersonate-User: <user>`: the apiserver authorizes and admits it as `user`, once the
-/// caller's own identity may impersonate `user` for that request (Constrained
-/// Impersonation: `impersonate:<mode>` and `impersonate-on:<mode>:<verb>`).
-pub async fn build_impersonating(
-    kubeconfig: Option<&Path>,
-    user: &str,
+/// A client from `config` (as [`load_config`] read it), as [`build`] makes one, but:
+/// - with `retry: false`, without kube's built-in retry of 429/503/504 responses. For calls
+///   where a 429 is an answer rather than congestion: an eviction refused by a
+///   PodDisruptionBudget must reach the caller at once, not be retried inside the client
+///   until the caller's deadline expires;
+/// - with `impersonate: Some(user)`, every request carries `Impersonate-User: <user>`: the
+///   apiserver authorizes and admits it as `user`, once the caller's own identity may
+///   impersonate `user` for that request (Constrained Impersonation: `impersonate:<mode>`
+///   and `impersonate-on:<mode>:<verb>`).
+pub fn from_config(
+    config: &kube::Config,
     retry: bool,
+    impersonate: Option<&str>,
 ) -> anyhow::Result<kube::Client> {
-    let mut config = config(kubeconfig).await?;
+    let mut config = config.clone();
     config.default_retry = retry;
+    let Some(user) = impersonate else {
+        return kube::Client::try_from(config).context("building the Kubernetes client");
+    };
     config.auth_info.impersonate = Some(user.to_owned());
     kube::Client::try_from(config).context("building the impersonating Kubernetes client")
 }
 
-async fn config(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Config> {
+/// The client configuration from `kubeconfig` if given, else `KUBECONFIG`, else the
+/// in-cluster config, with [`CONNECT_TIMEOUT`].
+pub async fn load_config(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Config> {
     let mut config = match kubeconfig {
         Some(path) => {
             let kc = Kubeconfig::read_from(path)
@@ -142,7 +144,8 @@ mod tests {
     #[tokio::test]
     async fn an_impersonating_client_names_the_user_on_every_request() {
         let head = head_sent_by(|path| async move {
-            build_impersonating(Some(&path), "system:node:node-a", false).await
+            let config = load_config(Some(&path)).await?;
+            from_config(&config, false, Some("system:node:node-a"))
         })
         .await;
         assert!(

@@ -42,7 +42,8 @@ pub struct Process {
 
 /// Sets up logging, builds the runtime and runs `daemon` on it to the end: [`Exit::Success`]
 /// when it returns `Ok`, [`Exit::Failed`] (with the error chain logged) when it returns an
-/// error, [`Exit::UsageOrIo`] when the runtime cannot be built.
+/// error (a drain cut by a further stop signal among them: `shutdown::Aborted`),
+/// [`Exit::UsageOrIo`] when the runtime cannot be built.
 pub fn run(process: Process, daemon: impl Future<Output = anyhow::Result<()>>) -> ExitCode {
     logging::init(process.log_format);
     let mut builder = tokio::runtime::Builder::new_multi_thread();
@@ -60,6 +61,9 @@ pub fn run(process: Process, daemon: impl Future<Output = anyhow::Result<()>>) -
         Ok(()) => Exit::Success.into(),
         Err(e) => {
             tracing::error!(error = format!("{e:#}"), "{} stopped", process.name);
+            // Ends now: blocking work still running (a DNS lookup, a plugin probe) is not
+            // waited for, so a daemon whose drain was cut by a further signal exits at once.
+            rt.shutdown_background();
             Exit::Failed.into()
         }
     }

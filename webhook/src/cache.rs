@@ -141,6 +141,19 @@ pub struct Watches {
     pub synced: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
 }
 
+impl Watches {
+    /// Runs each watch in a task of its own; the caller aborts them at stop.
+    pub fn spawn(self) -> [tokio::task::JoinHandle<()>; 5] {
+        [
+            tokio::spawn(self.namespaces),
+            tokio::spawn(self.nodes),
+            tokio::spawn(self.pods),
+            tokio::spawn(self.agent),
+            tokio::spawn(self.synced),
+        ]
+    }
+}
+
 /// A metadata-only watch of `K` into `writer`, retried with backoff for as long as it runs;
 /// `slim` drops what the decisions never read before an object is stored.
 fn metadata_watch<K>(

@@ -13,11 +13,15 @@
 //!   (`meshgate_shell::server`); [`budget`]: the memory the reviews in flight may hold;
 //!   [`tls`]: certificates re-read on change.
 //! - [`shutdown`]: the stop sequence (signal → not ready but serving for `--shutdown-delay`
-//!   → drain within `--shutdown-timeout` → admin server stops).
+//!   → drain within `--shutdown-timeout` → admin server stops; a signal while draining cuts
+//!   the drain, and the process exits 1 through `meshgate_shell::entry`).
 //! - [`placement`]: which new Nodes `/mutate-node` gates (those the agent DaemonSet will run
 //!   on, `meshgate_core::placement`).
-//! - [`metrics`]: the metrics of docs/operations.md, served by `meshgate_shell::admin` with the agent's
-//!   admin server; logging, client and profiles come from `meshgate_shell` too.
+//! - [`metrics`]: the metrics of docs/operations.md, served by `meshgate_shell::admin` with the
+//!   agent's admin server.
+//!
+//! The start-up (signal handlers, client, admin server, mode watch) is the agent's too:
+//! `meshgate_shell::runtime`. Logging, profiles and the exit code come from `meshgate_shell`.
 
 pub mod budget;
 pub mod cache;
@@ -37,10 +41,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use meshgate_shell::admin::{AdminServer, AlwaysLive};
 use meshgate_shell::cli::{Common, duration};
+use meshgate_shell::runtime::Runtime;
+use meshgate_shell::shutdown::Shutdown;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::watch;
 
 /// `meshgate-webhook` command line (docs/operations.md, "`meshgate-webhook`"): its own flags
 /// plus the ones it shares with the agent ([`Common`]).
@@ -105,7 +112,7 @@ pub struct Args {
 
 /// How long the start waits for the mode ConfigMap's first list; past it the webhook enforces
 /// until the list comes (`meshgate_shell::mode`).
-const MODE_FIRST_LIST: Duration = Duration::from_secs(5);
+const MODE_FIRST_LIST: Duration = meshgate_shell::runtime::DEFAULT_MODE_FIRST_LIST;
 
 /// Parses `--max-connections`: a positive count.
 pub fn parse_max_connections(s: &str) -> Result<usize, String> {
@@ -129,64 +136,52 @@ impl Args {
     }
 }
 
-/// Runs the webhook until SIGTERM/SIGINT (and the shutdown delay and drain after it).
+/// Runs the webhook until SIGTERM/SIGINT (and the shutdown delay and drain after it). A
+/// further signal once the drain has begun cuts it: the error is [`shutdown::Aborted`].
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
-    let (requests, signals) =
-        shutdown::signals().context("installing the SIGTERM and SIGINT handlers")?;
-    let result = run_with(args, listener, requests).await;
-    signals.abort();
-    result
+    run_with(args, listener, None).await
 }
 
 /// Runs the webhook on an already-bound listener until `shutdown` resolves, then keeps
 /// serving for `--shutdown-delay` and drains (tests and embedders pick their own port and
-/// stop condition).
+/// stop condition; the process's signal handlers are left alone).
 pub async fn run_on(
     args: Args,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let (requests, feeder) = shutdown::once(shutdown);
-    let result = run_with(args, listener, requests).await;
-    feeder.abort();
-    result
+    run_with(args, listener, Some(Box::pin(shutdown))).await
 }
 
-/// Builds the client, caches and servers, and serves until the stop sequence has run.
+/// An embedder's stop condition, instead of the signals.
+type StopOn = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Reads the profiles and certificates, starts the runtime (signals, client, admin server,
+/// mode), the caches and the TLS server, and serves until the stop sequence has run.
 async fn run_with(
     args: Args,
     listener: TcpListener,
-    requests: mpsc::Receiver<()>,
+    stop_on: Option<StopOn>,
 ) -> anyhow::Result<()> {
+    // The flags' files first: a typo stops the webhook before it touches the API.
     let profiles = args.common.load_profiles()?;
     let tls = tls::server_config(&args.tls_cert, &args.tls_key)?;
-    let client = meshgate_shell::client::build(args.common.kubeconfig.as_deref()).await?;
-
-    let mut registry = Registry::default();
-    let metrics = metrics::Metrics::register(&mut registry);
-    let registry = Arc::new(registry);
-
-    let (ready_tx, ready_rx) = watch::channel(false);
+    let (phase_tx, phase) = shutdown::phase_channel();
+    let (synced_tx, synced) = watch::channel(false);
+    let ready = shutdown::Readiness::new(synced.clone(), phase.clone());
+    let (rt, metrics) = start_runtime(&args.common, stop_on, ready).await?;
     let setup = cache::Setup::new(
         &profiles,
         args.lookup_timeout,
         args.pods,
         args.agent_daemonset.clone(),
     );
-    let mode_client = client.clone();
-    let (caches, watches) = cache::Caches::new(client, setup, metrics.clone(), ready_tx);
-    let watch_tasks = [
-        tokio::spawn(watches.namespaces),
-        tokio::spawn(watches.nodes),
-        tokio::spawn(watches.pods),
-        tokio::spawn(watches.agent),
-        tokio::spawn(watches.synced),
-    ];
-
-    let admin = args.common.bind_admin().await?;
+    let (caches, watches) =
+        cache::Caches::new(rt.client.clone(), setup, metrics.clone(), synced_tx);
+    let watch_tasks = watches.spawn();
 
     let profile_names: Vec<&str> = profiles.iter().map(|p| p.name.as_str()).collect();
     tracing::info!(
@@ -196,61 +191,75 @@ async fn run_with(
         shutdown_delay = ?args.shutdown_delay,
         "webhook listening"
     );
-    let mode_metrics = metrics.mode.clone();
-    let mode = meshgate_shell::mode::ModeWatch::start(
-        mode_client,
-        &args.common.mode,
-        mode_metrics,
-        MODE_FIRST_LIST,
-    )
-    .await;
     let limits = args.limits();
-    let reviewer = Arc::new(
-        review::Reviewer::new(caches, profiles, metrics)
-            .with_taint_key(args.common.taint_key.clone())
-            .with_taint_effect(args.common.taint_effect)
-            .with_agent_daemonset(args.agent_daemonset)
-            .with_mode(mode.subscribe()),
-    );
+    let reviewer = review::Reviewer::new(caches, profiles, metrics)
+        .with_taint_key(args.common.taint_key.clone())
+        .with_taint_effect(args.common.taint_effect)
+        .with_agent_daemonset(args.agent_daemonset)
+        .with_mode(rt.mode.subscribe());
     let servers = Servers {
         listener,
         tls,
         max_connections: limits.max_connections,
-        app: server::router(reviewer, ready_rx.clone(), limits),
-        admin,
-        registry,
-        synced: ready_rx,
+        app: server::router(Arc::new(reviewer), synced, limits),
     };
     let stop = Stop {
-        requests,
+        shutdown: rt.shutdown,
+        admin: rt.admin,
+        phase: (phase_tx, phase),
         delay: args.shutdown_delay,
         drain: args.shutdown_timeout,
     };
-    serve_until_stopped(servers, stop).await;
-
+    let stopped = serve_until_stopped(servers, stop).await;
     for t in watch_tasks {
         t.abort();
     }
+    stopped?;
     tracing::info!("webhook stopped");
     Ok(())
 }
 
-/// The bound sockets and what they serve.
+/// The shared runtime (`meshgate_shell::runtime`) with the webhook's metrics, `/ready`
+/// following `ready` and `/live` always 200 (serving is its work); stopping on `stop_on`
+/// instead of the signals when given.
+async fn start_runtime(
+    common: &Common,
+    stop_on: Option<StopOn>,
+    ready: shutdown::Readiness,
+) -> anyhow::Result<(Runtime, metrics::Metrics)> {
+    let mut registry = Registry::default();
+    let metrics = metrics::Metrics::register(&mut registry);
+    let builder = Runtime::builder(common)
+        .metrics(registry, metrics.mode.clone())
+        .probes(ready, AlwaysLive)
+        .mode_first_list(MODE_FIRST_LIST);
+    let builder = match stop_on {
+        Some(stop) => builder.stop_on(stop),
+        None => builder,
+    };
+    Ok((builder.build().await?, metrics))
+}
+
+/// The bound TLS socket and what it serves.
 struct Servers {
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
     /// `--max-connections`.
     max_connections: usize,
     app: axum::Router,
-    admin: Option<TcpListener>,
-    registry: Arc<Registry>,
-    /// True once the caches have synced.
-    synced: watch::Receiver<bool>,
 }
 
 /// When and how to stop.
 struct Stop {
-    requests: mpsc::Receiver<()>,
+    /// The stop requests ([`shutdown::sequence`]).
+    shutdown: Shutdown,
+    /// Serving since the start; stopped last.
+    admin: AdminServer,
+    /// What the sequence drives, and what the TLS server and `/ready` follow.
+    phase: (
+        watch::Sender<shutdown::Phase>,
+        watch::Receiver<shutdown::Phase>,
+    ),
     delay: Duration,
     drain: Duration,
 }
@@ -258,41 +267,39 @@ struct Stop {
 /// Serves until the stop sequence has run: a stop request turns `/ready` to 503 while the
 /// TLS server keeps serving for `delay`; then the TLS server drains (at most `drain`); the
 /// admin server stops last, so `/live` stays 200 (the kubelet must not restart a draining
-/// pod) and `/metrics` can be scraped to the end.
-async fn serve_until_stopped(servers: Servers, stop: Stop) {
-    let (phase_tx, phase) = shutdown::phase_channel();
-    let sequence = tokio::spawn(shutdown::sequence(stop.requests, stop.delay, phase_tx));
-    let (admin_stop, admin_stopped) = oneshot::channel::<()>();
-    let admin = servers.admin.map(|l| {
-        tokio::spawn(meshgate_shell::admin::serve(
-            l,
-            servers.registry.clone(),
-            shutdown::Readiness::new(servers.synced.clone(), phase.clone()),
-            async move {
-                let _ = admin_stopped.await;
-            },
-        ))
-    });
-
-    server::serve_tls(
+/// pod) and `/metrics` can be scraped to the end. A stop request during the drain cuts it:
+/// the connections left and the admin server end at once, and it returns [`shutdown::Aborted`].
+async fn serve_until_stopped(servers: Servers, stop: Stop) -> Result<(), shutdown::Aborted> {
+    let Stop {
+        shutdown,
+        admin,
+        phase: (phase_tx, phase),
+        delay,
+        drain,
+    } = stop;
+    let stopping = async move {
+        let shutdown = shutdown::sequence(shutdown, delay, phase_tx).await;
+        shutdown::while_draining(shutdown).await
+    };
+    let serving = server::serve_tls(
         servers.listener,
         servers.tls,
         servers.app,
         phase,
-        stop.drain,
+        drain,
         servers.max_connections,
-    )
-    .await;
-    sequence.abort();
-
-    drop(admin_stop);
-    if let Some(a) = admin {
-        match tokio::time::timeout(Duration::from_secs(2), a).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::warn!(error = %e, "admin server task failed"),
-            Err(_) => tracing::warn!("admin server did not stop in time"),
-        }
+    );
+    // Dropping the server's future ends its connections (their tasks are aborted with it).
+    let served = tokio::select! {
+        () = serving => Ok(()),
+        aborted = stopping => Err(aborted),
+    };
+    match served {
+        Ok(()) => admin.stop().await,
+        // Dropped: ends at once, without its drain.
+        Err(_) => drop(admin),
     }
+    served
 }
 
 #[cfg(test)]
@@ -401,8 +408,11 @@ mod tests {
         pki: server::tests::Pki,
         addr: SocketAddr,
         admin: SocketAddr,
-        requests: mpsc::Sender<()>,
+        requests: tokio::sync::mpsc::Sender<&'static str>,
+        /// Ends when serving has.
         task: tokio::task::JoinHandle<()>,
+        /// How serving ended.
+        outcome: tokio::sync::oneshot::Receiver<Result<(), shutdown::Aborted>>,
         _synced: watch::Sender<bool>,
         _dir: tempfile::TempDir,
     }
@@ -422,22 +432,32 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let admin_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let admin = admin_listener.local_addr().unwrap();
-        let (requests, rx) = mpsc::channel(4);
+        let (phase_tx, phase) = shutdown::phase_channel();
+        let admin_server = AdminServer::start(
+            Some(admin_listener),
+            Arc::new(Registry::default()),
+            shutdown::Readiness::new(synced, phase.clone()),
+            AlwaysLive,
+        );
+        let (requests, stop_requests) = Shutdown::channel(4);
         let servers = Servers {
             listener,
             tls: tls::server_config(&cert, &key).unwrap(),
             max_connections: server::DEFAULT_MAX_CONNECTIONS,
             app,
-            admin: Some(admin_listener),
-            registry: Arc::new(Registry::default()),
-            synced,
         };
         let stop = Stop {
-            requests: rx,
+            shutdown: stop_requests,
+            admin: admin_server,
+            phase: (phase_tx, phase),
             delay,
             drain: Duration::from_secs(5),
         };
-        let task = tokio::spawn(serve_until_stopped(servers, stop));
+        let (outcome_tx, outcome) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(async move {
+            let served = serve_until_stopped(servers, stop).await;
+            let _ = outcome_tx.send(served);
+        });
         assert_eq!(admin_status(admin, "/ready").await, Some(200));
         Running {
             pki,
@@ -445,6 +465,7 @@ mod tests {
             admin,
             requests,
             task,
+            outcome,
             _synced: synced_tx,
             _dir: dir,
         }
@@ -459,7 +480,7 @@ mod tests {
         let r = running(Duration::from_millis(1500), delay).await;
         let review = review::tests::pod_review("web", Some("bad"), true);
 
-        r.requests.send(()).await.unwrap();
+        r.requests.send("SIGTERM").await.unwrap();
         let stop_requested = std::time::Instant::now();
         // A binding whose 1.5 s pod lookup outlasts the 1 s delay.
         let (mut c, _) = server::tests::connect(&r.pki, r.addr).await.unwrap();
@@ -520,7 +541,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_second_stop_request_skips_the_rest_of_the_delay() {
         let r = running(Duration::from_millis(10), Duration::from_secs(60)).await;
-        r.requests.send(()).await.unwrap();
+        r.requests.send("SIGTERM").await.unwrap();
         tokio::time::sleep(Duration::from_millis(200)).await;
         let (mut c, _) = server::tests::connect(&r.pki, r.addr)
             .await
@@ -534,12 +555,47 @@ mod tests {
             http::StatusCode::OK
         );
         assert!(!r.task.is_finished());
-        r.requests.send(()).await.unwrap();
+        r.requests.send("SIGTERM").await.unwrap();
         tokio::time::timeout(Duration::from_secs(5), r.task)
             .await
             .expect("the second request ended the 60 s delay")
             .unwrap();
         assert!(server::tests::connect(&r.pki, r.addr).await.is_err());
+    }
+
+    /// A stop request once the drain has begun cuts it: serving ends at once with `Aborted`
+    /// (which `run` returns, so the process exits 1), the review still in flight is cut
+    /// unanswered, and the admin server is gone with it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stop_request_while_draining_cuts_the_drain() {
+        let r = running(Duration::from_secs(10), Duration::from_millis(500)).await;
+        r.requests.send("SIGTERM").await.unwrap();
+        // A binding whose 10 s pod lookup would hold the drain for as long.
+        let (mut c, _) = server::tests::connect(&r.pki, r.addr).await.unwrap();
+        let binding = review::tests::binding_review("meshed", "bad");
+        let in_flight =
+            tokio::spawn(async move { server::tests::try_send(&mut c, &binding).await });
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        assert!(
+            server::tests::connect(&r.pki, r.addr).await.is_err(),
+            "draining: the listener is closed"
+        );
+        assert!(!r.task.is_finished(), "the drain waits for the review");
+        r.requests.send("SIGTERM").await.unwrap();
+        tokio::time::timeout(Duration::from_secs(1), r.task)
+            .await
+            .expect("the request ended the drain at once")
+            .unwrap();
+        assert_eq!(
+            r.outcome.await.unwrap(),
+            Err(shutdown::Aborted { signal: "SIGTERM" })
+        );
+        let cut = tokio::time::timeout(Duration::from_secs(1), in_flight)
+            .await
+            .expect("the review's connection was closed")
+            .unwrap();
+        assert!(cut.is_err(), "the review in flight was cut");
+        assert_eq!(admin_status(r.admin, "/live").await, None);
     }
 
     #[test]

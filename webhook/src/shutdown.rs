@@ -1,23 +1,28 @@
 //! The webhook's stop sequence: keep serving for a grace period, then drain.
 //!
-//! In: stop requests (SIGTERM/SIGINT, or an embedder's future) on a channel, and the
-//! `--shutdown-delay`. Out: a [`Phase`] watch that three readers follow:
+//! In: the process's stop requests (`meshgate_shell::shutdown::Shutdown`: SIGTERM/SIGINT, or
+//! an embedder's future) and the `--shutdown-delay`. Out: a [`Phase`] watch that three
+//! readers follow:
 //! - the admin `/ready` ([`Readiness`]: 503 from the first request on, so the kubelet's
 //!   readiness probe takes the pod out of the Service's endpoints);
 //! - the TLS server's responses (`Connection: close` from the first request on, so clients
 //!   move their keep-alive connections elsewhere while this replica still answers);
 //! - the TLS server's accept loop (the listener closes and the drain starts at
-//!   [`Phase::Draining`]).
+//!   [`Phase::Draining`]);
+//!
+//! and, for a request that comes once the drain has begun, [`Aborted`]: the caller cuts the
+//! drain and the process ends with exit code 1 (`meshgate_shell::entry`).
 //!
 //! Why a delay at all: the apiserver keeps sending reviews to a terminating replica until the
 //! endpoint removal has reached it (EndpointSlice controller, then kube-proxy or the
 //! apiserver's own endpoint resolver). A replica that closed its listener on the signal would
 //! fail those calls, and with `failurePolicy: Fail` the pod creations behind them.
 
-use std::future::Future;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, watch};
+pub use meshgate_shell::shutdown::Aborted;
+use meshgate_shell::shutdown::Shutdown;
+use tokio::sync::watch;
 
 /// Where the webhook is in its life: [`Phase::Serving`], [`Phase::Delaying`] (stop requested:
 /// not ready, still accepting and answering for `--shutdown-delay`), [`Phase::Draining`]
@@ -51,14 +56,15 @@ impl meshgate_shell::admin::Readiness for Readiness {
 }
 
 /// Drives `phase`: the first stop request starts the delay, the end of the delay (or a second
-/// request) starts the drain. A closed channel means "no more requests", never "stop": an
-/// embedder that dropped its sender does not cut the delay short.
+/// request) starts the drain; returns `shutdown` then. No more requests (the senders gone)
+/// means "no more requests", never "stop": an embedder that dropped its sender does not cut
+/// the delay short.
 pub async fn sequence(
-    mut requests: mpsc::Receiver<()>,
+    mut shutdown: Shutdown,
     delay: Duration,
     phase: watch::Sender<Phase>,
-) {
-    if requests.recv().await.is_none() {
+) -> Shutdown {
+    if next(&mut shutdown).await.is_none() {
         // Never asked to stop.
         std::future::pending::<()>().await;
     }
@@ -69,72 +75,34 @@ pub async fn sequence(
     );
     tokio::select! {
         () = tokio::time::sleep(delay) => {}
-        Some(()) = requests.recv() => {
+        Some(_) = next(&mut shutdown) => {
             tracing::info!("second stop request: ending the shutdown delay early");
         }
     }
     phase.send_replace(Phase::Draining);
+    shutdown
 }
 
-/// A stop-request channel fed by one future (embedders and tests); no second request ever.
-pub fn once(
-    stop: impl Future<Output = ()> + Send + 'static,
-) -> (mpsc::Receiver<()>, tokio::task::JoinHandle<()>) {
-    let (tx, rx) = mpsc::channel(1);
-    let task = tokio::spawn(async move {
-        stop.await;
-        let _ = tx.send(()).await;
-        // Keep the sender: a closed channel would read as "no more requests" anyway, but
-        // holding it keeps the two cases apart in the logs and in tests.
-        std::future::pending::<()>().await;
-    });
-    (rx, task)
-}
-
-/// A stop-request channel fed by every SIGTERM and SIGINT the process receives, from now on.
-///
-/// Once the drain has started, [`sequence`] has returned and dropped the receiver: a signal
-/// then (the third, or the second after a full delay) is not swallowed but ends the process
-/// at once with exit code 1, cutting the drain short. Only for the binary: embedders stop
-/// through [`once`].
-///
-/// # Errors
-/// When a signal handler cannot be installed: then the kubelet's SIGTERM would kill the
-/// process at once, without the delay or the drain, so the webhook refuses to start.
-pub fn signals() -> std::io::Result<(mpsc::Receiver<()>, tokio::task::JoinHandle<()>)> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let names = futures::stream::select(
-        futures::stream::poll_fn(move |cx| term.poll_recv(cx).map(|s| s.map(|()| "SIGTERM"))),
-        futures::stream::poll_fn(move |cx| int.poll_recv(cx).map(|s| s.map(|()| "SIGINT"))),
-    );
-    let (tx, rx) = mpsc::channel(4);
-    let task = tokio::spawn(forward(names, tx, |name| {
-        tracing::warn!(
-            signal = name,
-            "stop signal received while draining: exiting now, requests in flight are cut"
-        );
-        std::process::exit(meshgate_shell::entry::Exit::Failed as i32)
-    }));
-    Ok((rx, task))
-}
-
-/// Turns each signal of `names` into a stop request on `tx`; the first signal that finds the
-/// receiver gone (the drain already started) goes to `gone` instead, and forwarding ends.
-async fn forward(
-    mut names: impl futures::Stream<Item = &'static str> + Unpin,
-    tx: mpsc::Sender<()>,
-    gone: impl FnOnce(&'static str),
-) {
-    use futures::StreamExt as _;
-    while let Some(name) = names.next().await {
-        tracing::info!(signal = name, "stop signal received");
-        if tx.send(()).await.is_err() {
-            gone(name);
-            return;
+/// Once the drain has begun: resolves on the next stop request, which cuts it (the third
+/// signal, or the second after a full delay); never when no more can come.
+pub async fn while_draining(mut shutdown: Shutdown) -> Aborted {
+    match next(&mut shutdown).await {
+        Some(signal) => {
+            tracing::warn!(
+                signal,
+                "stop signal received while draining: exiting now, requests in flight are cut"
+            );
+            Aborted { signal }
         }
+        None => std::future::pending().await,
     }
+}
+
+/// The next stop request, logged as it comes.
+async fn next(shutdown: &mut Shutdown) -> Option<&'static str> {
+    let signal = shutdown.next().await?;
+    tracing::info!(signal, "stop signal received");
+    Some(signal)
 }
 
 #[cfg(test)]
@@ -170,34 +138,34 @@ mod tests {
 
     #[tokio::test]
     async fn the_first_request_delays_then_the_drain_starts() {
-        let (tx, rx) = mpsc::channel(4);
+        let (tx, rx) = Shutdown::channel(4);
         let (phase_tx, phase) = phase_channel();
         let seq = tokio::spawn(sequence(rx, Duration::from_millis(400), phase_tx));
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(*phase.borrow(), Phase::Serving, "no request yet");
-        tx.send(()).await.unwrap();
+        tx.send("SIGTERM").await.unwrap();
         runs_the_whole_delay(&phase).await;
-        seq.await.unwrap();
+        let _ = seq.await.unwrap();
     }
 
     #[tokio::test]
     async fn a_second_request_ends_the_delay_early() {
-        let (tx, rx) = mpsc::channel(4);
+        let (tx, rx) = Shutdown::channel(4);
         let (phase_tx, phase) = phase_channel();
         let seq = tokio::spawn(sequence(rx, Duration::from_secs(60), phase_tx));
-        tx.send(()).await.unwrap();
+        tx.send("SIGTERM").await.unwrap();
         reaches(&phase, Phase::Delaying, Duration::from_secs(1)).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(*phase.borrow(), Phase::Delaying);
-        tx.send(()).await.unwrap();
+        tx.send("SIGTERM").await.unwrap();
         reaches(&phase, Phase::Draining, Duration::from_secs(1)).await;
-        seq.await.unwrap();
+        let _ = seq.await.unwrap();
     }
 
     #[tokio::test]
     async fn a_closed_channel_neither_stops_nor_cuts_the_delay() {
         let (phase_tx, phase) = phase_channel();
-        let (tx, rx) = mpsc::channel(4);
+        let (tx, rx) = Shutdown::channel(4);
         drop(tx);
         let seq = tokio::spawn(sequence(rx, Duration::from_millis(100), phase_tx));
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -208,43 +176,40 @@ mod tests {
         // One request, then the sender is dropped: the channel is closed during the whole
         // delay, and the full delay runs.
         let (phase_tx, phase) = phase_channel();
-        let (tx, rx) = mpsc::channel(4);
-        tx.send(()).await.unwrap();
+        let (tx, rx) = Shutdown::channel(4);
+        tx.send("SIGTERM").await.unwrap();
         drop(tx);
         let seq = tokio::spawn(sequence(rx, Duration::from_millis(400), phase_tx));
         runs_the_whole_delay(&phase).await;
-        seq.await.unwrap();
+        let _ = seq.await.unwrap();
     }
 
-    /// Signals become stop requests while `sequence` listens; the first one after it returned
-    /// (its receiver dropped when the drain started) goes to the exit path, not nowhere.
+    /// Requests go to `sequence` while it runs; once the drain has started, the next one
+    /// (the third here) is not swallowed: `while_draining` reports it as `Aborted`.
     #[tokio::test]
-    async fn a_signal_after_the_drain_started_takes_the_exit_path() {
-        let (names_tx, names) = futures::channel::mpsc::unbounded();
-        let (tx, mut rx) = mpsc::channel(4);
-        let (gone_tx, mut gone) = tokio::sync::oneshot::channel();
-        let fwd = tokio::spawn(forward(names, tx, move |name| {
-            let _ = gone_tx.send(name);
-        }));
-        names_tx.unbounded_send("SIGTERM").unwrap();
-        names_tx.unbounded_send("SIGINT").unwrap();
-        for _ in 0..2 {
-            let got = tokio::time::timeout(Duration::from_secs(1), rx.recv()).await;
-            assert_eq!(got, Ok(Some(())), "forwarded as a stop request");
-        }
-        assert!(gone.try_recv().is_err(), "not while the receiver listens");
-        drop(rx);
-        names_tx.unbounded_send("SIGTERM").unwrap();
-        let exited = tokio::time::timeout(Duration::from_secs(1), gone).await;
+    async fn a_request_after_the_drain_started_aborts() {
+        let (tx, rx) = Shutdown::channel(4);
+        let (phase_tx, phase) = phase_channel();
+        let seq = tokio::spawn(sequence(rx, Duration::from_secs(60), phase_tx));
+        tx.send("SIGTERM").await.unwrap();
+        tx.send("SIGINT").await.unwrap();
+        reaches(&phase, Phase::Draining, Duration::from_secs(1)).await;
+        let shutdown = seq.await.unwrap();
+        let cut = tokio::spawn(while_draining(shutdown));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!cut.is_finished(), "not before a request");
+        tx.send("SIGTERM").await.unwrap();
+        let aborted = tokio::time::timeout(Duration::from_secs(1), cut).await;
         assert_eq!(
-            exited,
-            Ok(Ok("SIGTERM")),
+            aborted.map(Result::ok),
+            Ok(Some(Aborted { signal: "SIGTERM" })),
             "the third signal is not swallowed"
         );
-        tokio::time::timeout(Duration::from_secs(1), fwd)
-            .await
-            .expect("forwarding ends after the exit path")
-            .unwrap();
+        // With no more requests possible, the drain is never cut.
+        let (tx, rx) = Shutdown::channel(1);
+        drop(tx);
+        let never = tokio::time::timeout(Duration::from_millis(100), while_draining(rx)).await;
+        assert!(never.is_err());
     }
 
     #[test]

@@ -3,17 +3,19 @@
 //! In: the flags ([`Args`], read once into a [`Config`] per part), inotify events from the
 //! CNI dirs, a periodic resync tick, changes to the agent's own Node (watched by name), the
 //! live mode (`meshgate_shell::mode`: what the agent may do to its taint and whether it
-//! evicts), and SIGTERM. Out: the Node's taint, label, condition and Events (through [`node::NodeGate`],
-//! which carries out `meshgate_core::gate`'s plans), the state file, the pod inspector
-//! ([`pods`]), and metrics on the admin port, whose `/live` follows the loop's progress: a
-//! pass (verify, then write the Node) running longer than `--stall-timeout`, or no pass begun
-//! for `--resync-interval` plus that, fails it, so the kubelet restarts a wedged agent
-//! instead of leaving its Node's state frozen.
+//! evicts), and SIGTERM. Out: the Node's taint, label, condition and Events (through
+//! [`node::NodeGate`], which carries out `meshgate_core::gate`'s plans), the state file, the
+//! pod inspector ([`pods`]), and metrics on the admin port, whose `/live` follows the loop's
+//! progress: a pass (verify, then write the Node) running longer than `--stall-timeout`, or
+//! no pass begun for `--resync-interval` plus that, fails it, so the kubelet restarts a
+//! wedged agent instead of leaving its Node's state frozen.
 //!
-//! The verdict loop ([`verdict_loop`]) is `start` → `pass` → `next_wake`, in order — wait for
-//! a reason, coalesce a burst of file events, verify, reconcile — so there is never more than
-//! one writer of meshgate's names on the Node and every write is based on a verdict computed
-//! just before it. A failed reconcile is retried with capped exponential backoff, and each
+//! The daemon starts through the runtime both daemons share (`meshgate_shell::runtime`:
+//! signal handlers, client, admin server, mode watch), then gives each task the context it
+//! uses ([`start`]). The verdict loop ([`verdict_loop`]) is `pass` → `next_wake`, in order —
+//! wait for a reason, coalesce a burst of file events, verify, reconcile — so there is never
+//! more than one writer of meshgate's names on the Node and every write is based on a verdict
+//! computed just before it. A failed reconcile is retried with capped exponential backoff, and each
 //! retry verifies again, so a long API outage can never end in an untaint based on what the
 //! disk said before it. A verdict that rests on a failure that may pass by itself (a plugin
 //! that timed out) is verified again on a schedule of its own, 1–2 s doubling to 15–30 s.
@@ -30,6 +32,7 @@ pub mod node;
 pub mod node_proxy;
 pub mod pods;
 mod stages;
+pub mod start;
 pub mod state;
 mod timer;
 pub mod verdict_loop;
@@ -47,7 +50,7 @@ use meshgate_core::profile::ProfileSet;
 use meshgate_shell::cli::{Common, duration};
 
 use crate::cni::CniArgs;
-use verdict_loop::{Daemon, Wake};
+use start::Daemon;
 
 /// `meshgate-agent run` flags (see docs/operations.md).
 #[derive(Debug, clap::Args)]
@@ -227,18 +230,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     run_on_node(config).instrument(span).await
 }
 
-/// The verdict loop, from start to stop.
+/// The daemon, from start to stop.
 async fn run_on_node(config: Config) -> anyhow::Result<()> {
-    let mut daemon = Daemon::start(config).await?;
-    let mut wake = Wake::Resync;
-    loop {
-        daemon.pass(&wake).await;
-        match daemon.next_wake().await {
-            Some(next) => wake = next,
-            None => break,
-        }
-    }
-    daemon.stop().await;
+    Daemon::start(config).await?.run().await;
     Ok(())
 }
 
