@@ -797,13 +797,14 @@ fn multus_thick_on_a_copy_reads_the_copy_and_its_drop_ins() {
     );
 }
 
-/// `check` reads the chain only: what the daemon also needs of the node for the selected
-/// profiles (ztunnel for istio-ambient) is listed in `not_judged`, never assumed.
+/// `check` reads the chain only: what the agent's node verdict also needs for the profiles
+/// its `--profile` names (ztunnel for istio-ambient) is listed in `not_judged`, never assumed;
+/// with none named the agent requires no node proxy, and nothing is left out.
 #[test]
 fn check_names_what_it_does_not_judge() {
     let node = Node::new();
     node.config("10-calico.conflist", &golden("calico-linkerd.conflist"));
-    let json = assert_reason(&node, "Verified", 0, &[]);
+    let json = assert_reason(&node, "Verified", 0, &["--profile", "istio-ambient"]);
     let listed = json["not_judged"].as_array().expect("not_judged").clone();
     assert_eq!(listed.len(), 1, "{json}");
     let line = listed[0].as_str().unwrap();
@@ -813,14 +814,30 @@ fn check_names_what_it_does_not_judge() {
             && line.contains("NodeProxyNotReady"),
         "{line}"
     );
-    let json = assert_reason(&node, "Verified", 0, &["--profile", "linkerd,istio"]);
-    assert_eq!(json["not_judged"], serde_json::json!([]));
-    let json = assert_reason(&node, "Verified", 0, &["--profile", "istio-ambient"]);
-    assert_eq!(json["not_judged"].as_array().unwrap().len(), 1);
+    for none in [&[][..], &["--profile", "linkerd,istio"][..]] {
+        let json = assert_reason(&node, "Verified", 0, none);
+        assert_eq!(json["not_judged"], serde_json::json!([]), "{none:?}");
+    }
     let (code, err) = check_fails(&node, &["--profile", "kuma"]);
     assert_eq!(code, Some(2), "an unknown profile is a usage error");
     assert!(err.contains("kuma"), "{err}");
     let (_, shown) = check_text(&node);
+    assert!(!shown.contains("not judged"), "{shown}");
+    let out = Command::new(env!("CARGO_BIN_EXE_meshgate-agent"))
+        .arg("check")
+        .arg("--cni-conf-dir")
+        .arg(&node.conf)
+        .arg("--cni-bin-dir")
+        .arg(&node.bin)
+        .args([
+            "--require-plugin",
+            "linkerd-cni",
+            "--profile",
+            "istio-ambient",
+        ])
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&out.stdout);
     assert!(
         shown.contains("not judged: istio-ambient: whether ztunnel"),
         "{shown}"

@@ -19,8 +19,9 @@ use crate::cni::CniArgs;
 pub struct Args {
     #[command(flatten)]
     pub cni: CniArgs,
-    /// The mesh profiles the node's daemon gates (repeatable or comma-separated; default:
-    /// every built-in and file-defined one), for what of their verdict `check` cannot judge.
+    /// The mesh profiles the node's agent is run with (its `--profile`, repeatable or
+    /// comma-separated): a node proxy the agent requires of a profile named there is what
+    /// `check` lists as not judged. None named: the agent requires none.
     #[arg(long = "profile", env = "MESHGATE_PROFILES", value_delimiter = ',')]
     pub profiles: Vec<String>,
     /// JSON file of custom mesh profiles, added to the built-in ones.
@@ -68,11 +69,18 @@ pub fn main(args: Args) -> ExitCode {
     }
 }
 
-/// What of the selected profiles' verdicts `check` does not judge.
+/// What the agent's node verdict also needs and `check` does not judge: the node proxy of
+/// the profile `--profile` names, as the agent requires it
+/// ([`meshgate_core::node_proxy::required`]).
 fn not_judged(args: &Args) -> anyhow::Result<Vec<String>> {
     let profiles = meshgate_shell::profiles::load(&args.profiles, args.profile_file.as_deref())
         .context("the profiles")?;
-    Ok(profiles.iter().filter_map(node_proxy_not_judged).collect())
+    let required =
+        meshgate_core::node_proxy::required(&profiles, &args.profiles).context("--profile")?;
+    Ok(required
+        .and_then(node_proxy_not_judged)
+        .into_iter()
+        .collect())
 }
 
 /// The contract's JSON object, with `not_judged`.
