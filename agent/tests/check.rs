@@ -193,16 +193,23 @@ fn usage_and_io_errors_exit_two() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
 }
 
-/// `meshgate-agent check` on `node` with `extra` flags: exit code and stderr.
-fn check_fails(node: &Node, extra: &[&str]) -> (Option<i32>, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_meshgate-agent"))
+/// `meshgate-agent check` on `node`'s directories with `extra` flags, text output.
+fn run_check(node: &Node, extra: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_meshgate-agent"))
         .arg("check")
         .arg("--cni-conf-dir")
         .arg(&node.conf)
+        .arg("--cni-bin-dir")
+        .arg(&node.bin)
         .args(["--require-plugin", "linkerd-cni"])
         .args(extra)
         .output()
-        .unwrap();
+        .unwrap()
+}
+
+/// [`run_check`]'s exit code and stderr.
+fn check_fails(node: &Node, extra: &[&str]) -> (Option<i32>, String) {
+    let out = run_check(node, extra);
     (
         out.status.code(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
@@ -211,15 +218,7 @@ fn check_fails(node: &Node, extra: &[&str]) -> (Option<i32>, String) {
 
 /// `meshgate-agent check` with text output on `node`: exit code and stdout.
 fn check_text(node: &Node) -> (Option<i32>, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_meshgate-agent"))
-        .arg("check")
-        .arg("--cni-conf-dir")
-        .arg(&node.conf)
-        .arg("--cni-bin-dir")
-        .arg(&node.bin)
-        .args(["--require-plugin", "linkerd-cni"])
-        .output()
-        .unwrap();
+    let out = run_check(node, &[]);
     (out.status.code(), String::from_utf8(out.stdout).unwrap())
 }
 
@@ -823,20 +822,7 @@ fn check_names_what_it_does_not_judge() {
     assert!(err.contains("kuma"), "{err}");
     let (_, shown) = check_text(&node);
     assert!(!shown.contains("not judged"), "{shown}");
-    let out = Command::new(env!("CARGO_BIN_EXE_meshgate-agent"))
-        .arg("check")
-        .arg("--cni-conf-dir")
-        .arg(&node.conf)
-        .arg("--cni-bin-dir")
-        .arg(&node.bin)
-        .args([
-            "--require-plugin",
-            "linkerd-cni",
-            "--profile",
-            "istio-ambient",
-        ])
-        .output()
-        .unwrap();
+    let out = run_check(&node, &["--profile", "istio-ambient"]);
     let shown = String::from_utf8_lossy(&out.stdout);
     assert!(
         shown.contains("not judged: istio-ambient: whether ztunnel"),
