@@ -1,5 +1,5 @@
-//! Whether the apiserver can call meshgate's webhook: a server-side dry-run of a pod the
-//! fail-closed entry `pods.validate` must review.
+//! Whether the apiserver can call meshgate's webhook: a server-side dry-run of a pod the entry
+//! `pods.validate` reviews.
 //!
 //! In: the configuration's name, the namespace to probe in, a deadline. Out: a
 //! `core::status::Webhook`. The probe pod carries labels every built-in mesh's selector
@@ -10,10 +10,15 @@
 //! as for a real create. The answer is read raw, for its status and `Warning` headers:
 //! - refused by one of the configuration's webhooks, or admitted with a warning naming the
 //!   probe (the webhook's warn mode): `reachable`;
-//! - `failed calling webhook`: `unreachable` (Service, endpoints, TLS, `caBundle`, network
-//!   policy: whatever stands between the apiserver and the webhook);
-//! - admitted without a word: `not-called` (the namespace is not governed, or the webhook
-//!   admits such pods);
+//! - `failed calling webhook`, or admitted while the apiserver's count of calls that failed
+//!   open (`apiserver_admission_webhook_fail_open_count`, read from its `/metrics` before and
+//!   after) rose for one of the configuration's webhooks: `unreachable` (Service, endpoints,
+//!   TLS, `caBundle`, network policy: whatever stands between the apiserver and the webhook;
+//!   the shipped entries fail open, so an outage admits the probe);
+//! - admitted without a word and without a failed call: `not-called` (the namespace is not
+//!   governed, or the webhook admits such pods). When `/metrics` cannot be read (RBAC, or
+//!   another apiserver of an HA control plane answered), the detail says the two cannot be
+//!   told apart.
 //! - the configuration absent: `not-installed`; anything else (RBAC, Pod Security, a
 //!   timeout): `inconclusive`, with what the apiserver said.
 
@@ -31,6 +36,13 @@ use super::{Conn, is_not_found};
 
 /// Most bytes of the apiserver's answer read (a pod or a Status: a few KiB).
 const MAX_ANSWER_BYTES: usize = 256 * 1024;
+/// Most bytes of the apiserver's `/metrics` scanned (tens of MiB on a large cluster); only
+/// one line is held at a time.
+const MAX_METRICS_BYTES: usize = 256 * 1024 * 1024;
+/// Longest `/metrics` line kept; a longer one is skipped.
+const MAX_METRICS_LINE: usize = 64 * 1024;
+/// The apiserver's count of webhook calls that failed and were admitted (failurePolicy Ignore).
+const FAIL_OPEN_METRIC: &str = "apiserver_admission_webhook_fail_open_count{";
 /// The node the probe pod names: a valid name that no node has (`.invalid`, RFC 2606).
 pub const PROBE_NODE: &str = "meshgate-status-probe.invalid";
 
@@ -90,10 +102,15 @@ pub async fn run(args: &ProbeArgs, conn: &Conn, client: &kube::Client) -> Option
         Err(e) => return Some(webhook("inconclusive", format!("{e:#}"))),
     };
     let probe_name = probe_name();
-    let answer = tokio::time::timeout(
-        args.webhook_timeout,
-        dry_run(client, &args.probe_namespace, &probe_name),
-    )
+    let answer = tokio::time::timeout(args.webhook_timeout, async {
+        let before = fail_open_count(client, &hooks).await;
+        let mut answer = dry_run(client, &args.probe_namespace, &probe_name).await?;
+        if let (Some(before), true) = (before, (200..300).contains(&answer.code)) {
+            let after = fail_open_count(client, &hooks).await;
+            answer.failed_open = after.map(|after| after > before);
+        }
+        anyhow::Ok(answer)
+    })
     .await;
     Some(match answer {
         Err(_) => webhook(
@@ -126,6 +143,54 @@ pub struct Answer {
     pub message: String,
     /// `Warning` headers.
     pub warnings: Vec<String>,
+    /// Whether the apiserver counted a call to one of the webhooks that failed open while the
+    /// probe ran; `None` when its `/metrics` could not be read.
+    pub failed_open: Option<bool>,
+}
+
+/// The sum of `apiserver_admission_webhook_fail_open_count` over `hooks`, from the
+/// apiserver's `/metrics`, streamed; `None` when it cannot be read.
+async fn fail_open_count(client: &kube::Client, hooks: &[String]) -> Option<f64> {
+    let request = http::Request::get("/metrics")
+        .body(kube::client::Body::empty())
+        .ok()?;
+    let response = client.send(request).await.ok()?;
+    if !response.status().is_success() {
+        return None;
+    }
+    let mut body = response.into_body();
+    let (mut line, mut read, mut sum) = (Vec::new(), 0usize, 0.0);
+    while let Some(frame) = body.frame().await {
+        let data = frame.ok()?.into_data().unwrap_or_default();
+        read += data.len();
+        if read > MAX_METRICS_BYTES {
+            return None;
+        }
+        for chunk in data.split_inclusive(|b| *b == b'\n') {
+            if line.len() + chunk.len() <= MAX_METRICS_LINE {
+                line.extend_from_slice(chunk);
+            }
+            if chunk.ends_with(b"\n") {
+                sum += fail_open_sample(&String::from_utf8_lossy(&line), hooks);
+                line.clear();
+            }
+        }
+    }
+    Some(sum + fail_open_sample(&String::from_utf8_lossy(&line), hooks))
+}
+
+/// The value of one `/metrics` line when it counts fail-opens of one of `hooks`, else 0.
+fn fail_open_sample(line: &str, hooks: &[String]) -> f64 {
+    if !line.starts_with(FAIL_OPEN_METRIC) {
+        return 0.0;
+    }
+    let ours = hooks
+        .iter()
+        .any(|h| line.contains(&format!("name=\"{h}\"")));
+    match line.trim_end().rsplit(' ').next().map(str::parse::<f64>) {
+        Some(Ok(v)) if ours => v,
+        _ => 0.0,
+    }
 }
 
 /// The probe pod: a label set every built-in profile selects, on [`PROBE_NODE`], as Pod
@@ -188,6 +253,7 @@ async fn dry_run(client: &kube::Client, namespace: &str, name: &str) -> anyhow::
         code,
         message,
         warnings,
+        failed_open: None,
     })
 }
 
@@ -205,12 +271,22 @@ pub fn judge(answer: &Answer, hooks: &[String], namespace: &str, probe: &str) ->
                 format!("the webhook admitted the probe with a warning (warn mode): {w}"),
             );
         }
-        return webhook(
-            "not-called",
-            format!(
-                "the probe pod was admitted with no word from the webhook: namespace {namespace} is not governed (kube-system, meshgate's, or labelled meshgate.io/ignore=true; choose another with --probe-namespace), or the webhook admits mesh pods on unknown nodes"
-            ),
+        let not_called = format!(
+            "the probe pod was admitted with no word from the webhook: namespace {namespace} is not governed (kube-system, meshgate's, or labelled meshgate.io/ignore=true; choose another with --probe-namespace), or the webhook admits mesh pods on unknown nodes"
         );
+        return match answer.failed_open {
+            Some(true) => webhook(
+                "unreachable",
+                "the apiserver could not call the webhook and admitted the probe (its entries fail open): apiserver_admission_webhook_fail_open_count rose",
+            ),
+            Some(false) => webhook("not-called", not_called),
+            None => webhook(
+                "not-called",
+                format!(
+                    "{not_called}; or the apiserver could not call it (its entries fail open): its /metrics, which would tell, could not be read"
+                ),
+            ),
+        };
     }
     let text = &answer.message;
     if let Some(h) = named(text, "failed calling webhook") {
@@ -245,7 +321,43 @@ mod tests {
             code,
             message: message.into(),
             warnings: warnings.iter().map(|w| w.to_string()).collect(),
+            failed_open: Some(false),
         }
+    }
+
+    /// Admitted: failed open when the apiserver counted it so; else not called, saying so
+    /// when the count could not be read.
+    #[test]
+    fn an_admission_is_unreachable_only_when_it_failed_open() {
+        let probe = "meshgate-status-probe-1";
+        for (failed_open, state, says) in [
+            (Some(true), "unreachable", "fail_open_count rose"),
+            (Some(false), "not-called", "is not governed"),
+            (None, "not-called", "could not be read"),
+        ] {
+            let a = Answer {
+                failed_open,
+                ..answer(201, "", &[])
+            };
+            let w = judge(&a, &hooks(), "default", probe);
+            assert_eq!(w.state, state, "{failed_open:?}: {}", w.detail);
+            assert!(w.detail.contains(says), "{}", w.detail);
+        }
+    }
+
+    #[test]
+    fn fail_open_samples_are_read_for_our_hooks_only() {
+        let ours = "apiserver_admission_webhook_fail_open_count{name=\"pods.validate.meshgate.io\",type=\"validating\"} 3\n";
+        let theirs = "apiserver_admission_webhook_fail_open_count{name=\"x.example.com\",type=\"validating\"} 5";
+        assert_eq!(fail_open_sample(ours, &hooks()), 3.0);
+        assert_eq!(fail_open_sample(theirs, &hooks()), 0.0);
+        assert_eq!(
+            fail_open_sample(
+                "# HELP apiserver_admission_webhook_fail_open_count x",
+                &hooks()
+            ),
+            0.0
+        );
     }
 
     fn hooks() -> Vec<String> {

@@ -1,24 +1,30 @@
-//! Admission: what meshgate's webhook adds to pod CREATE and `pods/binding` through the real
-//! kube-apiserver, beside the same requests that no webhook reviews, in the same run.
+//! Admission: what meshgate adds to pod CREATE and `pods/binding` through the real
+//! kube-apiserver, three ways in the same run: no admission at all, the apiserver's own
+//! placement policy (the chart's ValidatingAdmissionPolicy), and meshgate's webhook.
 //!
-//! The shipped registrations (the chart's, rendered as the e2e tests render them) point at
-//! the release `meshgate-webhook` over TLS, with one label added to their namespace
-//! selectors: the namespace carrying it ("hooked") is reviewed, its twin ("plain") is not,
-//! so the plain side is the same requests with no matching webhook. The two sides run in
-//! alternating phases at the same rate, in the order A B B A A B ..., so drift and the other
-//! engineers' load on the machine fall on both alike; running them concurrently instead
-//! would double the apiserver's load past the rate the goal names. Each phase's pods are
-//! deleted (grace period 0) before the next phase, unmeasured, so etcd holds the same few
-//! thousand pods for both sides and nothing is left for later sections.
+//! The shipped registrations and policy (the chart's, rendered as the e2e tests render them)
+//! are scoped by namespace label: the namespace carrying the webhook's label ("webhook") is
+//! reviewed by the release `meshgate-webhook` over TLS, the one carrying the policy's label
+//! ("policy") by the policy, whose params are the gated Nodes carrying that label too, and a
+//! third ("none") by neither, so each side is the same requests. The sides run in alternating
+//! phases at the same rate, in rotating order, so drift and the other engineers' load on the
+//! machine fall on all alike; running them concurrently instead would triple the apiserver's
+//! load. Each phase's pods are deleted (grace period 0) before the next phase, unmeasured.
+//! Then the policy side alone against the none side with 1, 100 and 1,000 gated Nodes: what
+//! one evaluation per gated Node costs a request.
 
 use super::*;
 use meshgate_e2e::load::api;
 use meshgate_e2e::load::histogram::Histogram;
 use meshgate_e2e::load::review::Report;
+use meshgate_e2e::sim::policy as placement;
 use meshgate_e2e::sim::webhook::{self as registration, Scope};
 
-/// The namespace label the registrations require here, on the hooked namespace only.
+/// The namespace label the webhook registrations require here, on the webhook side only.
 const SCOPE_KEY: &str = "bench.meshgate.io/admission";
+/// The label the policy's binding requires, on the policy side's namespace and on the gated
+/// Nodes that are its params.
+const POLICY_KEY: &str = "bench.meshgate.io/placement";
 /// The registrations' name (`meshgate-<TAG>`) and their webhooks' infix, so the apiserver's
 /// per-webhook metrics count this section's calls alone.
 const TAG: &str = "adm";
@@ -54,16 +60,38 @@ impl Kind {
     }
 }
 
+/// What reviews one side's requests.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Guard {
+    None,
+    Policy,
+    Webhook,
+}
+
+impl Guard {
+    /// The sides, in the order of [`Measured::reports`].
+    const ALL: [Guard; 3] = [Guard::None, Guard::Policy, Guard::Webhook];
+
+    fn what(self) -> &'static str {
+        match self {
+            Guard::None => "no admission",
+            Guard::Policy => "the placement policy",
+            Guard::Webhook => "meshgate's webhook",
+        }
+    }
+}
+
 struct Side {
-    hooked: bool,
+    guard: Guard,
     pods: Api<Pod>,
 }
 
-/// Both sides' samples of one kind, and the server-side histograms between its scrapes.
+/// The three sides' samples of one kind, and the server-side histograms between its scrapes.
 struct Measured {
     kind: Kind,
-    with: Report,
-    without: Report,
+    rate: f64,
+    /// One per [`Guard::ALL`].
+    reports: [Report; 3],
     apiserver: Histogram,
     apiserver_other: f64,
     webhook: Histogram,
@@ -111,11 +139,46 @@ fn node(k: usize) -> String {
     format!("{TAG}-v-{}", k % NODES)
 }
 
-fn settings() -> (f64, usize, usize) {
-    let rate = env_num("MESHGATE_BENCH_ADMISSION_RATE", 2000) as f64;
-    let phase = env_num("MESHGATE_BENCH_ADMISSION_PHASE", 1000).max(1) as usize;
-    let rounds = env_num("MESHGATE_BENCH_ADMISSION_ROUNDS", 6).max(1) as usize;
-    (rate, phase, rounds)
+/// Requests per phase and rounds, and the rates (`MESHGATE_BENCH_ADMISSION_RATES`, per
+/// second, comma-separated).
+fn settings() -> (Vec<f64>, usize, usize) {
+    let rates = std::env::var("MESHGATE_BENCH_ADMISSION_RATES")
+        .ok()
+        .map(|v| v.split(',').filter_map(|r| r.trim().parse().ok()).collect())
+        .filter(|r: &Vec<f64>| !r.is_empty())
+        .unwrap_or_else(|| vec![100.0, 300.0]);
+    let phase = env_num("MESHGATE_BENCH_ADMISSION_PHASE", 600).max(1) as usize;
+    let rounds = env_num("MESHGATE_BENCH_ADMISSION_ROUNDS", 4).max(1) as usize;
+    (rates, phase, rounds)
+}
+
+/// Gated Nodes the policy's params hold in the CEL-cost rounds.
+const GATED: [usize; 3] = [1, 100, 1000];
+
+/// Makes `n` Nodes gated for the policy side: `<TAG>-u-0` and `<TAG>-g-<i>`, labelled
+/// `cni-verified=false` and [`POLICY_KEY`].
+async fn gate_nodes(client: &Client, n: usize) -> anyhow::Result<()> {
+    let api: Api<Node> = Api::all(client.clone());
+    let label = Patch::Merge(json!({"metadata": {"labels": {POLICY_KEY: "yes"}}}));
+    api.patch(&format!("{TAG}-u-0"), &PatchParams::default(), &label)
+        .await?;
+    let results: Vec<anyhow::Result<()>> = futures::stream::iter(1..n)
+        .map(|i| {
+            let api = api.clone();
+            async move {
+                let mut node = review::cloud_node(&format!("{TAG}-g-{i}"), false)?;
+                node.labels_mut().insert(POLICY_KEY.into(), "yes".into());
+                match api.create(&PostParams::default(), &node).await {
+                    Ok(_) => Ok(()),
+                    Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+                    Err(e) => Err(e.into()),
+                }
+            }
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    results.into_iter().collect()
 }
 
 pub(super) async fn run(
@@ -123,101 +186,136 @@ pub(super) async fn run(
     client: &Client,
     table: &mut Table,
 ) -> anyhow::Result<()> {
-    let (rate, phase, rounds) = settings();
+    let (rates, phase, rounds) = settings();
     eprintln!(
-        "admission: pod CREATE and pods/binding through the apiserver at {rate:.0}/s, webhook registered and not, {rounds} rounds of {phase} requests per side ..."
+        "admission: pod CREATE and pods/binding through the apiserver at {rates:?}/s, with no admission, the placement policy and the webhook, {rounds} rounds of {phase} requests per side ..."
     );
     review::create_nodes(client, TAG, NODES, 1, 16).await?;
-    let hooked = cp.create_namespace(client, "admw").await?;
-    let plain = cp.create_namespace(client, "admn").await?;
+    gate_nodes(client, 1).await?;
     let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
-    namespaces
-        .patch(
-            &hooked,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"labels": {SCOPE_KEY: "yes"}}})),
-        )
-        .await?;
+    let mut sides = Vec::new();
+    for guard in Guard::ALL {
+        let ns = cp.create_namespace(client, "adm").await?;
+        let label = match guard {
+            Guard::None => None,
+            Guard::Policy => Some(POLICY_KEY),
+            Guard::Webhook => Some(SCOPE_KEY),
+        };
+        if let Some(key) = label {
+            let patch = Patch::Merge(json!({"metadata": {"labels": {key: "yes"}}}));
+            namespaces
+                .patch(&ns, &PatchParams::default(), &patch)
+                .await?;
+        }
+        let pods = Api::namespaced(client.clone(), &ns);
+        sides.push((ns, Side { guard, pods }));
+    }
     // SAFETY of set_var: see agent_log.
     unsafe { std::env::set_var("MESHGATE_WEBHOOK_LOG", "warn") };
     let mut hook = WebhookProcess::start(cp.admin_kubeconfig_path(), &[])?;
     hook.wait_ready(Duration::from_secs(120)).await?;
-    let scope = Scope {
-        label: Some((SCOPE_KEY.into(), "yes".into())),
-        hook_infix: Some(TAG.into()),
+    let scope = |key: &str, infix: Option<&str>| Scope {
+        label: Some((key.into(), "yes".into())),
+        hook_infix: infix.map(str::to_owned),
     };
-    registration::register(cp, client, TAG, hook.listen.port(), &hook.ca_pem, &scope).await?;
+    let port = hook.listen.port();
+    let webhook_scope = scope(SCOPE_KEY, Some(TAG));
+    registration::register(cp, client, TAG, port, &hook.ca_pem, &webhook_scope).await?;
+    placement::register(cp, client, TAG, &scope(POLICY_KEY, None)).await?;
     // The controller manager has no part in admission; frozen so that its pod and node
     // lifecycle work on thousands of pods does not share the CPUs with the measurement.
     cp.freeze_component("kube-controller-manager", true)?;
-    let sides = [
-        Side {
-            hooked: true,
-            pods: Api::namespaced(client.clone(), &hooked),
-        },
-        Side {
-            hooked: false,
-            pods: Api::namespaced(client.clone(), &plain),
-        },
-    ];
+    let (names, sides): (Vec<String>, Vec<Side>) = sides.into_iter().unzip();
     let measured = measure_all(client, &hook, &sides).await;
     cp.freeze_component("kube-controller-manager", false)?;
+    placement::unregister(client, TAG).await;
     registration::unregister(client, TAG).await;
-    for s in &sides {
+    for (s, ns) in sides.iter().zip(&names) {
         let _ = api::delete_all_pods(&s.pods, Duration::from_secs(60)).await;
-    }
-    let measured = measured.map_err(|e| e.context(hook.log()))?;
-    drop(hook);
-    for ns in [&hooked, &plain] {
         let _ = namespaces.delete(ns, &DeleteParams::default()).await;
     }
-    // Best effort: the webhook section's cache then holds its own Nodes alone.
-    let nodes: Api<Node> = Api::all(client.clone());
-    let names = (0..NODES).map(node).chain([format!("{TAG}-u-0")]);
-    for name in names {
-        let _ = tokio::time::timeout(
-            Duration::from_secs(10),
-            nodes.delete(&name, &DeleteParams::default()),
-        )
-        .await;
-    }
-    report(table, rate, phase, rounds, &measured);
+    let (measured, cost) = measured.map_err(|e| e.context(hook.log()))?;
+    drop(hook);
+    delete_nodes(client).await;
+    report(table, phase, rounds, &measured);
+    report_cost(table, &cost);
     Ok(())
 }
 
+/// Best effort: the webhook section's cache then holds its own Nodes alone.
+async fn delete_nodes(client: &Client) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let gated = GATED.iter().max().copied().unwrap_or(1);
+    let names = (0..NODES)
+        .map(node)
+        .chain([format!("{TAG}-u-0")])
+        .chain((1..gated).map(|i| format!("{TAG}-g-{i}")));
+    let deletes = futures::stream::iter(names)
+        .map(|name| {
+            let nodes = nodes.clone();
+            async move {
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    nodes.delete(&name, &DeleteParams::default()),
+                )
+                .await;
+            }
+        })
+        .buffer_unordered(16);
+    deletes.collect::<Vec<()>>().await;
+}
+
+/// The three-way comparison at each rate, then the policy's cost by gated Nodes.
 async fn measure_all(
     client: &Client,
     hook: &WebhookProcess,
-    sides: &[Side; 2],
-) -> anyhow::Result<Vec<Measured>> {
-    wait_registered(&sides[0].pods, &sides[1].pods).await?;
+    sides: &[Side],
+) -> anyhow::Result<(Vec<Measured>, Vec<Cost>)> {
+    wait_registered(sides).await?;
+    let (rates, _, _) = settings();
     let mut out = Vec::new();
-    for kind in [Kind::Create, Kind::Bind] {
-        out.push(measure(client, hook, sides, kind).await?);
+    for rate in rates {
+        for kind in [Kind::Create, Kind::Bind] {
+            out.push(measure(client, hook, sides, kind, rate).await?);
+        }
     }
-    Ok(out)
+    let mut cost = Vec::new();
+    for gated in GATED {
+        gate_nodes(client, gated).await?;
+        cost.push(policy_cost(sides, gated).await?);
+    }
+    Ok((out, cost))
 }
 
-/// Waits until the apiserver applies the registration: a meshed pod onto the unverified
-/// node is refused in the hooked namespace (dry run) and admitted in the plain one.
-async fn wait_registered(hooked: &Api<Pod>, plain: &Api<Pod>) -> anyhow::Result<()> {
+/// Waits until the apiserver applies the registration and the policy: a meshed pod onto the
+/// gated Node is refused on the webhook and policy sides (dry run) and admitted on the none
+/// side.
+async fn wait_registered(sides: &[Side]) -> anyhow::Result<()> {
     let pod = meshed_pod("probe", &format!("{TAG}-u-0"), &[], Some(0));
     let dry = PostParams {
         dry_run: true,
         ..PostParams::default()
     };
     let end = Instant::now() + Duration::from_secs(30);
-    loop {
-        match hooked.create(&dry, &pod).await {
-            Err(kube::Error::Api(s)) if s.message.contains("denied") => break,
-            _ if Instant::now() > end => bail!("the registration was not applied within 30 s"),
-            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+    for side in sides.iter().filter(|s| s.guard != Guard::None) {
+        loop {
+            match side.pods.create(&dry, &pod).await {
+                Err(kube::Error::Api(s)) if s.message.contains("denied") => break,
+                _ if Instant::now() > end => {
+                    bail!("{} was not applied within 30 s", side.guard.what())
+                }
+                _ => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
         }
     }
-    plain
+    let none = sides
+        .iter()
+        .find(|s| s.guard == Guard::None)
+        .context("the none side")?;
+    none.pods
         .create(&dry, &pod)
         .await
-        .context("the plain namespace must not be reviewed")?;
+        .context("the none side must not be reviewed")?;
     Ok(())
 }
 
@@ -256,7 +354,7 @@ async fn phase(side: &Side, kind: Kind, rate: f64, n: usize, tag: &str) -> anyho
             "{} {} errors on the {} side, first: {:?}",
             report.errors().len(),
             kind.what(),
-            if side.hooked { "hooked" } else { "plain" },
+            side.guard.what(),
             e.outcome
         );
     }
@@ -308,32 +406,32 @@ async fn scrape(
 async fn measure(
     client: &Client,
     hook: &WebhookProcess,
-    sides: &[Side; 2],
+    sides: &[Side],
     kind: Kind,
+    rate: f64,
 ) -> anyhow::Result<Measured> {
-    let (rate, n, rounds) = settings();
+    let (_, n, rounds) = settings();
     let k = match kind {
         Kind::Create => "c",
         Kind::Bind => "b",
     };
     // Warm-up, discarded: the client's and the apiserver's connections, the caches.
     for s in sides {
-        phase(s, kind, rate, n.min(500), &format!("{k}-warm")).await?;
+        phase(s, kind, rate, n.min(300), &format!("{k}-warm")).await?;
     }
     let before = scrape(client, hook, kind).await?;
     let (stop, peak) = connection_peak(hook.listen.port());
-    let (mut with, mut without) = (Report::default(), Report::default());
+    let mut reports: [Report; 3] = Default::default();
     for r in 0..rounds {
-        // A B, B A, A B, ...: neither side always goes first.
-        let order = if r % 2 == 0 { [0, 1] } else { [1, 0] };
-        for i in order {
-            let report = phase(&sides[i], kind, rate, n, &format!("{k}-{r}")).await?;
-            let into = if sides[i].hooked {
-                &mut with
-            } else {
-                &mut without
-            };
-            into.samples.extend(report.samples);
+        // Rotating order: no side always goes first.
+        for j in 0..sides.len() {
+            let side = &sides[(r + j) % sides.len()];
+            let report = phase(side, kind, rate, n, &format!("{k}-{r}")).await?;
+            let at = Guard::ALL
+                .iter()
+                .position(|g| *g == side.guard)
+                .unwrap_or(0);
+            reports[at].samples.extend(report.samples);
         }
     }
     let after = scrape(client, hook, kind).await?;
@@ -342,28 +440,57 @@ async fn measure(
     let m = Measured {
         connections: (peak, api::established(hook.listen.port())),
         kind,
+        rate,
         apiserver: after.0.since(&before.0),
         apiserver_other: after.1 - before.1 - (after.0.count - before.0.count),
         webhook: after.2.since(&before.2),
         lookups: after.3 - before.3,
-        with,
-        without,
+        reports,
     };
-    eprintln!(
-        "  {}: with the webhook {}; without {}; apiserver's calls to {}: {}, mean {}; other webhook calls {}; webhook handling: {}, mean {}; connections to the webhook: peak {}, kept {}",
-        kind.what(),
-        summary(&m.with),
-        summary(&m.without),
-        kind.hook(),
-        m.apiserver.count,
-        mean(&m.apiserver),
-        m.apiserver_other,
-        m.webhook.count,
-        mean(&m.webhook),
-        m.connections.0,
-        m.connections.1,
-    );
+    eprintln!("  {}", server_side(&m));
     Ok(m)
+}
+
+/// Pod CREATE on the policy side and on the none side, alternating, with `gated` gated Nodes.
+struct Cost {
+    gated: usize,
+    policy: Report,
+    none: Report,
+}
+
+/// One [`Cost`] at the first rate.
+async fn policy_cost(sides: &[Side], gated: usize) -> anyhow::Result<Cost> {
+    let (rates, n, rounds) = settings();
+    let rate = rates.first().copied().unwrap_or(100.0);
+    let side = |g: Guard| sides.iter().find(|s| s.guard == g).context("side");
+    let (policy, none) = (side(Guard::Policy)?, side(Guard::None)?);
+    let (mut p, mut o) = (Report::default(), Report::default());
+    for r in 0..rounds {
+        let order = if r % 2 == 0 {
+            [policy, none]
+        } else {
+            [none, policy]
+        };
+        for s in order {
+            let report = phase(s, Kind::Create, rate, n, &format!("g{gated}-{r}")).await?;
+            let into = if s.guard == Guard::Policy {
+                &mut p
+            } else {
+                &mut o
+            };
+            into.samples.extend(report.samples);
+        }
+    }
+    eprintln!(
+        "  policy with {gated} gated Nodes: {}; none: {}",
+        summary(&p),
+        summary(&o)
+    );
+    Ok(Cost {
+        gated,
+        policy: p,
+        none: o,
+    })
 }
 
 fn mean(h: &Histogram) -> String {
@@ -388,62 +515,90 @@ fn added(a: Duration, b: Duration) -> String {
     }
 }
 
-fn report(table: &mut Table, rate: f64, phase: usize, rounds: usize, measured: &[Measured]) {
+fn report(table: &mut Table, phase: usize, rounds: usize, measured: &[Measured]) {
     for m in measured {
-        let what = m.kind.what();
-        let (w50, w99) = (m.with.latency(0.5), m.with.latency(0.99));
-        let (o50, o99) = (m.without.latency(0.5), m.without.latency(0.99));
+        let (what, rate) = (m.kind.what(), m.rate);
+        let q = |r: &Report| (r.latency(0.5), r.latency(0.99));
+        let [none, policy, webhook] = &m.reports;
+        let ((n50, n99), (p50, p99), (w50, w99)) = (q(none), q(policy), q(webhook));
+        for (guard, (x50, x99)) in [(Guard::Policy, (p50, p99)), (Guard::Webhook, (w50, w99))] {
+            table.row(
+                &format!(
+                    "{what} through the apiserver at {rate:.0}/s, p50 / p99, {}",
+                    guard.what()
+                ),
+                format!("{} / {}", human(x50), human(x99)),
+                "same requests, no admission (namespace not selected), same run",
+                format!("{} / {}", human(n50), human(n99)),
+                format!("{} / {}", ratio(x50, n50), ratio(x99, n99)),
+                "",
+                None,
+            );
+        }
+        let saturated = n50 > SATURATED;
+        let (pa, wa) = (p99.saturating_sub(n99), w99.saturating_sub(n99));
         table.row(
-            &format!("{what} through the apiserver at {rate:.0}/s, p50 / p99, meshgate's webhook registered"),
-            format!("{} / {}", human(w50), human(w99)),
-            "same requests, no webhook (namespace not selected), same run",
-            format!("{} / {}", human(o50), human(o99)),
-            format!("{} / {}", ratio(w50, o50), ratio(w99, o99)),
-            "",
-            None,
-        );
-        let reviewed =
-            m.apiserver.count as usize == m.with.samples.len() && m.apiserver_other == 0.0;
-        let saturated = o50 > SATURATED;
-        table.row(
-            &format!("webhook's added latency, {what}, p50 / p99"),
-            format!(
-                "{} / {}{}",
-                added(w50, o50),
-                added(w99, o99),
-                if saturated {
-                    " (apiserver saturated: not judged)"
-                } else {
-                    ""
-                }
-            ),
+            &format!("added at p99, {what} at {rate:.0}/s: the placement policy / the webhook"),
+            format!("{} / {}", added(p99, n99), added(w99, n99)),
             "—",
             "—".into(),
             "—".into(),
-            "≤ 1 ms at p99, 2,000/s",
-            (!saturated).then_some(reviewed && w99 <= o99 + Duration::from_millis(1)),
+            "the policy adds less than the webhook",
+            (!saturated && m.kind == Kind::Create).then_some(pa <= wa),
         );
-        table.note(format!(
-            "Admission, {what}: with the webhook {}; without {}. Server side over the measured phases: the apiserver called {} {} times (expected {}; calls to any other webhook: {}), mean {} (p99 bucket {}; the apiserver's buckets are 5 ms, 25 ms, ...); the webhook answered {} reviews, handling p50 {}, p99 {}, mean {}; pods a binding named that its cache did not hold: {}. The apiserver held up to {} connections to the webhook at once (HTTP/1.1: one per review in flight) and kept {} after the load.",
-            summary(&m.with),
-            summary(&m.without),
-            m.kind.hook(),
-            m.apiserver.count,
-            m.with.samples.len(),
-            m.apiserver_other,
-            mean(&m.apiserver),
-            bucket(&m.apiserver, 0.99),
-            m.webhook.count,
-            bucket(&m.webhook, 0.5),
-            bucket(&m.webhook, 0.99),
-            mean(&m.webhook),
-            m.lookups,
-            m.connections.0,
-            m.connections.1,
-        ));
+        table.note(server_side(m));
     }
     table.note(format!(
-        "Admission: the chart's ValidatingWebhookConfiguration (rendered with helm template, as the e2e tests do) points at the release meshgate-webhook over TLS on loopback, with a namespace label added to its selectors: one namespace carries it, its twin does not, so the baseline is the same requests with no matching webhook. Pod CREATEs are meshed (linkerd) pods with spec.nodeName on {NODES} verified Nodes; bindings bind pending meshed pods (created unmeasured before each phase) to them. Open loop at {rate:.0}/s from this process (kube client, HTTP/1.1 keep-alive pool), latency from each request's due time; {rounds} rounds of {phase} requests per side, sides alternating A B B A ... after a discarded warm-up, each phase's pods deleted (grace period 0) before the next. A baseline p50 above {} means the apiserver itself could not keep up with the rate: the difference then measures the overload, and the goal is not judged. The webhook's own histogram times its decision after the body was read: TLS, the connection, the body and the review memory budget are outside it. The load generator, the webhook, the apiserver and etcd share the CPUs; the controller manager was frozen for the section. Ratios: with / without the webhook.",
+        "Admission: the chart's ValidatingWebhookConfiguration and ValidatingAdmissionPolicy (rendered with helm template, as the e2e tests do), each scoped by a namespace label: the webhook's points at the release meshgate-webhook over TLS on loopback; the policy's params are the gated Nodes carrying its label. A third namespace carries neither: the baseline is the same requests with no admission. Pod CREATEs are meshed (linkerd) pods with spec.nodeName on {NODES} verified Nodes; bindings bind pending meshed pods (created unmeasured before each phase) to them (the policy does not match bindings: its side measures the same as none). Open loop from this process (kube client, HTTP/1.1 keep-alive pool), latency from each request's due time; {rounds} rounds of {phase} requests per side, sides in rotating order after a discarded warm-up, each phase's pods deleted (grace period 0) before the next. A baseline p50 above {} means the apiserver itself could not keep up with the rate: the goal is then not judged. The load generator, the webhook, the apiserver and etcd share the CPUs; the controller manager was frozen for the section. Ratios: with / without.",
         human(SATURATED)
     ));
+}
+
+/// One measurement's sides and server-side figures, in words.
+fn server_side(m: &Measured) -> String {
+    let sides: Vec<String> = Guard::ALL
+        .iter()
+        .zip(&m.reports)
+        .map(|(g, r)| format!("{}: {}", g.what(), summary(r)))
+        .collect();
+    format!(
+        "Admission, {} at {:.0}/s: {}. Server side over the measured phases: the apiserver called {} {} times (expected {}; calls to any other webhook: {}), mean {} (p99 bucket {}); the webhook answered {} reviews, handling p50 {}, p99 {}, mean {}; pods a binding named that its cache did not hold: {}. The apiserver held up to {} connections to the webhook at once and kept {} after the load.",
+        m.kind.what(),
+        m.rate,
+        sides.join("; "),
+        m.kind.hook(),
+        m.apiserver.count,
+        m.reports[2].samples.len(),
+        m.apiserver_other,
+        mean(&m.apiserver),
+        bucket(&m.apiserver, 0.99),
+        m.webhook.count,
+        bucket(&m.webhook, 0.5),
+        bucket(&m.webhook, 0.99),
+        mean(&m.webhook),
+        m.lookups,
+        m.connections.0,
+        m.connections.1,
+    )
+}
+
+/// The policy's cost by gated Nodes: one row each.
+fn report_cost(table: &mut Table, cost: &[Cost]) {
+    for c in cost {
+        let (p50, p99) = (c.policy.latency(0.5), c.policy.latency(0.99));
+        let (n50, n99) = (c.none.latency(0.5), c.none.latency(0.99));
+        table.row(
+            &format!(
+                "pod CREATE with the placement policy, {} gated Nodes (params), p50 / p99",
+                c.gated
+            ),
+            format!("{} / {}", human(p50), human(p99)),
+            "same requests, no admission, same run",
+            format!("{} / {}", human(n50), human(n99)),
+            format!("{} / {}", ratio(p50, n50), ratio(p99, n99)),
+            "",
+            None,
+        );
+    }
+    table.note("Placement policy cost: the validation runs once per gated Node (param) and stops at `object.spec.nodeName != params.metadata.name` on every Node but the pod's; the pods here are bound for verified Nodes, so every evaluation passes. Same rate and rounds as the first admission rate, policy and none sides alternating.".into());
 }

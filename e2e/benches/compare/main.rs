@@ -28,8 +28,9 @@
 //! on a real kubelet + containerd node with Istio's real CNI plugin and meshgate from its
 //! chart, beside the stand-in's figures), detection (un-redirected pod Running → eviction), sweep
 //! (250 real pod namespaces: inspection cost, full sweep, agent RSS, idle API requests),
-//! admission (pod CREATE and pods/binding through the apiserver with the webhook registered
-//! and not, at 2,000/s: what the webhook adds), webhook (5,000 cached Nodes: RSS, latency at
+//! admission (pod CREATE and pods/binding through the apiserver with no admission, the
+//! placement policy and the webhook, at 100/s and 300/s: what each adds; the policy's cost
+//! with 1, 100 and 1,000 gated Nodes), webhook (5,000 cached Nodes: RSS, latency at
 //! 2,000/s and 5,000/s, saturation throughput).
 
 use anyhow::{Context, bail};

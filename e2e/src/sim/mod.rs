@@ -10,4 +10,5 @@ pub mod kubelet;
 pub mod netns;
 pub mod node;
 pub mod pod;
+pub mod policy;
 pub mod webhook;

@@ -98,7 +98,10 @@ pub const AGENT: &str = "templates/agent.yaml";
 /// The objects of the chart's template `template` (relative to the chart), rendered by
 /// `helm template` with the chart's defaults and read through kubectl as an operator's
 /// `kubectl apply` reads them.
-async fn shipped(cp: &crate::ControlPlane, template: &str) -> anyhow::Result<Vec<Value>> {
+pub(crate) async fn shipped(
+    cp: &crate::ControlPlane,
+    template: &str,
+) -> anyhow::Result<Vec<Value>> {
     let rendered = crate::harness::helm::template(&["--show-only", template])
         .await
         .with_context(|| format!("rendering {template}"))?;
@@ -272,41 +275,4 @@ pub async fn unregister(client: &Client, name: &str) {
     let _ = tokio::time::timeout(API_TIMEOUT, v.delete(&name, &dp)).await;
     let m: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
     let _ = tokio::time::timeout(API_TIMEOUT, m.delete(&name, &dp)).await;
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The chart's `mesh-marked` match condition, which decides the pods a dead webhook still
-    /// refuses (`failurePolicy: Fail`), names every label a built-in profile selects its pods
-    /// by: a mesh added as its record alone must not be admitted unreviewed during an outage
-    /// without this test saying so.
-    #[test]
-    fn the_charts_mesh_marked_condition_names_every_built_in_profiles_label() {
-        let path = crate::harness::paths::repo_root()
-            .join("manifests/charts/meshgate")
-            .join(SHIPPED);
-        let text = std::fs::read_to_string(&path).expect("the chart's webhook configurations");
-        let at = text
-            .find("- name: mesh-marked")
-            .expect("a mesh-marked condition");
-        let condition = &text[at..at + text[at..].find("failurePolicy").expect("its webhook")];
-        let labels = meshgate_core::profile::ProfileSet::all_builtin().labels_selecting_each("");
-        assert!(!labels.is_empty());
-        for (key, value) in labels {
-            assert!(
-                condition.contains(&format!("'{key}' in object.metadata.labels")),
-                "{key} missing from {}:\n{condition}",
-                path.display()
-            );
-            if !value.is_empty() {
-                assert!(
-                    condition.contains(&format!("object.metadata.labels['{key}'] == '{value}'")),
-                    "{key}={value} missing from {}:\n{condition}",
-                    path.display()
-                );
-            }
-        }
-    }
 }

@@ -18,6 +18,7 @@ mod outage;
 mod placement;
 mod plugin;
 mod pods;
+mod policy;
 mod rbac;
 mod real_node;
 mod support;

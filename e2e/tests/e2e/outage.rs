@@ -1,14 +1,16 @@
-//! What a dead webhook blocks: meshgate's shipped registrations on the real apiserver with
-//! both webhook replicas gone (nothing listens on the webhook's port: every connection is
-//! refused) or hung (connections accepted, never answered).
+//! What a dead webhook blocks: meshgate's shipped registrations and placement policy on the
+//! real apiserver with both webhook replicas gone (nothing listens on the webhook's port:
+//! every connection is refused) or hung (connections accepted, never answered).
 //!
 //! In: the shared control plane; the webhook in-process, for the check while it is up, then
-//! stopped; this test's namespaces (governed, ambient, opted out) and kube-system, labelled
-//! with its scope; webhooks named `<x>.<tag>.meshgate.io` so the apiserver's per-webhook
-//! counters are this test's alone. Out: a table of each request, its outcome and how long it
-//! waited (printed: the figures of docs/webhook.md, "What an outage blocks"), the deltas of
-//! the apiserver metrics the alerts read, and pass/fail on what an outage must refuse (pods a
-//! mesh may own, bindings) and must not (everything else).
+//! stopped; the shipped placement policy, in the apiserver; this test's namespaces (governed,
+//! ambient, opted out), kube-system and two Nodes (one gated at registration, one labelled
+//! verified), labelled with its scope; webhooks named `<x>.<tag>.meshgate.io` so the
+//! apiserver's per-webhook counters are this test's alone. Out: a table of each request, its
+//! outcome and how long it waited (printed: the figures of docs/webhook.md, "What an outage
+//! blocks"), the deltas of the apiserver metrics the alerts read, and pass/fail on what an
+//! outage must refuse (a pod a built-in mesh selects, created on a gated Node: by the policy)
+//! and must not (everything else).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -17,6 +19,8 @@ use anyhow::{Context as _, bail, ensure};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
+use meshgate_core::gate::VERIFIED_LABEL;
+use meshgate_e2e::sim::policy;
 use meshgate_e2e::sim::webhook::{self, Scope, TestCa};
 use meshgate_e2e::unique_name;
 use serde_json::{Value, json};
@@ -77,9 +81,15 @@ impl Row {
     fn verdict(&self) -> String {
         match &self.outcome {
             Ok(()) => "admitted".into(),
-            Err(m) => match m.split("failed calling webhook \"").nth(1) {
-                Some(rest) => format!("refused: {}", rest.split('"').next().unwrap_or("?")),
-                None => format!("refused: {m}"),
+            Err(m) => match (
+                m.split("failed calling webhook \"").nth(1),
+                m.split("ValidatingAdmissionPolicy '").nth(1),
+            ) {
+                (Some(rest), _) => format!("refused: {}", rest.split('"').next().unwrap_or("?")),
+                (_, Some(rest)) => {
+                    format!("refused: policy {}", rest.split('\'').next().unwrap_or("?"))
+                }
+                _ => format!("refused: {m}"),
             },
         }
     }
@@ -189,7 +199,7 @@ impl Namespaces {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn both_replicas_dead_block_only_what_a_mesh_may_own_and_bindings() {
+async fn both_replicas_dead_refuse_only_meshed_pods_on_gated_nodes() {
     let cp = cp().await;
     let dir = tempfile::tempdir().expect("tempdir");
     let profiles = dir.path().join("profiles.json");
@@ -204,8 +214,12 @@ async fn both_replicas_dead_block_only_what_a_mesh_may_own_and_bindings() {
     let mut f = Fixture::start_with(cp, "out", start)
         .await
         .expect("webhook starts");
-    let result = dead(&mut f).await;
+    let result = match policy::register(cp, &f.client, &f.tag, &f.scope()).await {
+        Ok(()) => dead(&mut f).await,
+        Err(e) => Err(e),
+    };
     let _ = scope_kube_system(&f.client, None).await;
+    policy::unregister(&f.client, &f.tag).await;
     f.teardown().await;
     result.expect("webhook outage e2e");
 }
@@ -214,15 +228,26 @@ async fn dead(f: &mut Fixture) -> anyhow::Result<()> {
     let c = f.client.clone();
     let ns = Namespaces::create(f).await?;
     scope_kube_system(&c, Some(&f.tag)).await?;
-    let nowhere = unique_name("out-none");
+    let nodes = Nodes {
+        gated: gated_node(&c, &f.tag).await?,
+        verified: gated_node(&c, &f.tag).await?,
+        nowhere: unique_name("out-none"),
+    };
+    let patch = Patch::Merge(json!({"metadata": {"labels": {VERIFIED_LABEL: "true"}}}));
+    let api: Api<Node> = Api::all(c.clone());
+    tokio::time::timeout(
+        CALL,
+        api.patch(&nodes.verified, &PatchParams::default(), &patch),
+    )
+    .await??;
 
-    // Up: a pod of the custom profile reaches the webhook through the Ignore entry and is
-    // refused (a node the webhook does not know is not verified).
+    // Up: a pod of the custom profile reaches the webhook and is refused (a node the webhook
+    // does not know is not verified); the policy does not decide custom profiles.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let p = pod("probe", Some(&nowhere), json!({}), kuma());
+        let p = pod("probe", Some(&nodes.nowhere), json!({}), kuma());
         match create_pod(&c, &ns.governed, &p?, true).await? {
-            Err(m) if m.contains(&format!("unmarked-pods.validate.{}.meshgate.io", f.tag)) => break,
+            Err(m) if m.contains(&format!("pods.validate.{}.meshgate.io", f.tag)) => break,
             other => ensure!(Instant::now() < deadline, "not gated while up: {other:?}"),
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -231,13 +256,35 @@ async fn dead(f: &mut Fixture) -> anyhow::Result<()> {
     // Down: both replicas gone.
     f.stop_webhook().await?;
     let before = apiserver_metrics(&c).await?;
-    let rows = requests_while_dead(&c, f, &ns, &nowhere).await?;
+    let rows = requests_while_dead(&c, f, &ns, &nodes).await?;
     let after = apiserver_metrics(&c).await?;
     print_table("Both webhook replicas dead (connection refused):", &rows);
     cleanup(&c, &ns).await;
+    for n in [&nodes.gated, &nodes.verified] {
+        let _ = tokio::time::timeout(CALL, api.delete(n, &DeleteParams::default())).await;
+    }
 
     check_outcomes(&rows, &f.tag)?;
     check_metrics(&before, &after, &f.tag)
+}
+
+/// The Nodes the outage test places pods on.
+struct Nodes {
+    /// Gated at registration by the webhook (labelled `cni-verified=false`, tainted).
+    gated: String,
+    /// Labelled verified by the test, as the agent would.
+    verified: String,
+    /// A name no Node has.
+    nowhere: String,
+}
+
+/// Registers a Node in this test's scope while the webhook is up: gated as it registers.
+async fn gated_node(c: &Client, tag: &str) -> anyhow::Result<String> {
+    let name = unique_name("out-node");
+    match create_node(c, &name, tag).await? {
+        Ok(1) => Ok(name),
+        other => bail!("node {name} not gated at registration: {other:?}"),
+    }
 }
 
 /// Every kind of request an outage could touch, in the order of docs/webhook.md's table.
@@ -245,22 +292,27 @@ async fn requests_while_dead(
     c: &Client,
     f: &Fixture,
     ns: &Namespaces,
-    nowhere: &str,
+    nodes: &Nodes,
 ) -> anyhow::Result<Vec<Row>> {
     let mut rows = Vec::new();
     let g = ns.governed.as_str();
-    let pods = pods_to_create(ns, nowhere);
-    for (what, n, p) in pods {
+    for (what, n, p) in pods_to_create(ns, nodes) {
         record(&mut rows, what, n, create(c, n, p)).await?;
     }
-    let what = "pods/binding (what kube-scheduler posts), plain pod";
-    record(&mut rows, what, g, bind(c, g, "unbound-plain", nowhere)).await?;
-    let what = "legacy bindings, plain pod";
+    let what = "pods/binding (what kube-scheduler posts), plain pod, gated node";
     record(
         &mut rows,
         what,
         g,
-        bind_legacy(c, g, "unbound-plain", nowhere),
+        bind(c, g, "unbound-plain", &nodes.gated),
+    )
+    .await?;
+    let what = "legacy bindings, linkerd label, gated node";
+    record(
+        &mut rows,
+        what,
+        g,
+        bind_legacy(c, g, "unbound", &nodes.gated),
     )
     .await?;
     let api: Api<Pod> = Api::namespaced(c.clone(), g);
@@ -277,56 +329,73 @@ async fn requests_while_dead(
 /// namespace, the pod).
 fn pods_to_create<'a>(
     ns: &'a Namespaces,
-    nowhere: &str,
-) -> [(&'static str, &'a str, anyhow::Result<Pod>); 10] {
+    nodes: &Nodes,
+) -> [(&'static str, &'a str, anyhow::Result<Pod>); 13] {
     let (g, a, i) = (
         ns.governed.as_str(),
         ns.ambient.as_str(),
         ns.ignored.as_str(),
     );
-    let (at, no) = (Some(nowhere), json!({}));
-    let bound =
-        |labels: Value, annotations: Value| pod(&unique_name(SYSTEM_POD), at, labels, annotations);
+    let no = json!({});
+    let on = |node: &str, labels: Value, annotations: Value| {
+        pod(&unique_name(SYSTEM_POD), Some(node), labels, annotations)
+    };
+    let (gated, verified) = (nodes.gated.as_str(), nodes.verified.as_str());
     [
         (
-            "pod with spec.nodeName, linkerd label",
+            "pod with spec.nodeName, linkerd label, gated node",
             g,
-            bound(linkerd(), no.clone()),
+            on(gated, linkerd(), no.clone()),
         ),
         (
-            "pod with spec.nodeName, istio label",
+            "pod with spec.nodeName, istio label, gated node",
             g,
-            bound(istio(), no.clone()),
+            on(gated, istio(), no.clone()),
         ),
         (
-            "pod with spec.nodeName, ambient label",
+            "pod with spec.nodeName, ambient label, gated node",
             g,
-            bound(ambient(), no.clone()),
+            on(gated, ambient(), no.clone()),
         ),
         (
-            "pod with spec.nodeName, no mesh label",
+            "pod with spec.nodeName, linkerd label, verified node",
             g,
-            bound(no.clone(), no.clone()),
+            on(verified, linkerd(), no.clone()),
         ),
         (
-            "pod with spec.nodeName, custom profile (kuma annotation)",
+            "pod with spec.nodeName, no mesh label, gated node",
             g,
-            bound(no.clone(), kuma()),
+            on(gated, no.clone(), no.clone()),
         ),
         (
-            "pod with spec.nodeName, no mesh label",
+            "pod with spec.nodeName, custom profile (kuma annotation), gated node",
+            g,
+            on(gated, no.clone(), kuma()),
+        ),
+        (
+            "pod with spec.nodeName, no mesh label, gated node",
             a,
-            bound(no.clone(), no.clone()),
+            on(gated, no.clone(), no.clone()),
         ),
         (
-            "pod with spec.nodeName, linkerd label",
+            "pod with spec.nodeName, no mesh label, verified node",
+            a,
+            on(verified, no.clone(), no.clone()),
+        ),
+        (
+            "pod with spec.nodeName, linkerd label, gated node",
             "kube-system",
-            bound(linkerd(), no.clone()),
+            on(gated, linkerd(), no.clone()),
         ),
         (
-            "pod with spec.nodeName, linkerd label",
+            "pod with spec.nodeName, linkerd label, gated node",
             i,
-            bound(linkerd(), no.clone()),
+            on(gated, linkerd(), no.clone()),
+        ),
+        (
+            "pod with spec.nodeName, linkerd label, node not registered",
+            g,
+            on(&nodes.nowhere, linkerd(), no.clone()),
         ),
         (
             "pod without spec.nodeName, linkerd label",
@@ -387,26 +456,15 @@ async fn delete_pods(c: &Client, ns: &str, prefix: &str) {
     }
 }
 
-/// Refused: every pod a built-in profile may own (by its label, or by its ambient namespace)
-/// and every binding, each by the entry that fails closed; admitted: everything else.
+/// Refused, by the policy: every pod a built-in profile selects (by its label, or by its
+/// ambient namespace) created on the gated Node; admitted: everything else.
 fn check_outcomes(rows: &[Row], tag: &str) -> anyhow::Result<()> {
-    let hook = |x: &str| format!("refused: {x}.validate.{tag}.meshgate.io");
-    let want: Vec<String> = vec![
-        hook("pods"),
-        hook("pods"),
-        hook("pods"),
-        "admitted".into(),
-        "admitted".into(),
-        hook("ambient-pods"),
-        "admitted".into(),
-        "admitted".into(),
-        "admitted".into(),
-        "admitted".into(),
-        hook("bindings"),
-        hook("bindings"),
-        "admitted".into(),
-        "admitted".into(),
-    ];
+    let policy = || format!("refused: policy meshgate-{tag}");
+    let admitted = || "admitted".to_owned();
+    let mut want: Vec<String> = vec![policy(), policy(), policy()];
+    want.extend(std::iter::repeat_with(admitted).take(3));
+    want.push(policy());
+    want.extend(std::iter::repeat_with(admitted).take(10));
     let have: Vec<String> = rows.iter().map(Row::verdict).collect();
     if have != want {
         let lines: Vec<String> = rows
@@ -419,46 +477,54 @@ fn check_outcomes(rows: &[Row], tag: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The apiserver counted each refusal as a calling error of the entry that failed closed,
-/// and each admission of an Ignore entry as a fail-open: the series the alerts read.
+/// The apiserver counted no refusal on any webhook entry (all fail open), each admission
+/// past a dead entry as a fail-open, and each of the policy's refusals as its deny: the
+/// series the alerts read.
 fn check_metrics(before: &str, after: &str, tag: &str) -> anyhow::Result<()> {
-    let delta = |metric: &str, hook: &str, extra: &[(&str, &str)]| {
-        let name = format!("{hook}.{tag}.meshgate.io");
-        let mut labels = vec![("name", name.as_str())];
-        labels.extend_from_slice(extra);
-        sample_sum(after, metric, &labels) - sample_sum(before, metric, &labels)
+    let delta = |metric: &str, labels: &[(&str, &str)]| {
+        sample_sum(after, metric, labels) - sample_sum(before, metric, labels)
     };
-    let calling = [("error_type", "calling_webhook_error")];
+    let hook = |h: &str| format!("{h}.{tag}.meshgate.io");
+    let (pods, bindings, nodes) = (
+        hook("pods.validate"),
+        hook("bindings.validate"),
+        hook("nodes.mutate"),
+    );
+    let calling = ("error_type", "calling_webhook_error");
     let rejection = "apiserver_admission_webhook_rejection_count";
     let fail_open = "apiserver_admission_webhook_fail_open_count";
+    let policy = format!("meshgate-{tag}");
     let got = BTreeMap::from([
-        ("pods refused", delta(rejection, "pods.validate", &calling)),
         (
-            "ambient-pods refused",
-            delta(rejection, "ambient-pods.validate", &calling),
+            "pods refused",
+            delta(rejection, &[("name", &pods), calling]),
         ),
         (
             "bindings refused",
-            delta(rejection, "bindings.validate", &calling),
+            delta(rejection, &[("name", &bindings), calling]),
         ),
+        ("pods failed open", delta(fail_open, &[("name", &pods)])),
         (
-            "unmarked-pods failed open",
-            delta(fail_open, "unmarked-pods.validate", &[]),
+            "bindings failed open",
+            delta(fail_open, &[("name", &bindings)]),
         ),
-        ("nodes failed open", delta(fail_open, "nodes.mutate", &[])),
+        ("nodes failed open", delta(fail_open, &[("name", &nodes)])),
         (
-            "unmarked-pods refused",
-            delta(rejection, "unmarked-pods.validate", &calling),
+            "policy denied",
+            delta(
+                "apiserver_validating_admission_policy_check_total",
+                &[("policy", &policy), ("enforcement_action", "deny")],
+            ),
         ),
     ]);
     println!("apiserver counters during the outage: {got:?}");
     let want = BTreeMap::from([
-        ("pods refused", 3.0),
-        ("ambient-pods refused", 1.0),
-        ("bindings refused", 2.0),
-        ("unmarked-pods failed open", 2.0),
+        ("pods refused", 0.0),
+        ("bindings refused", 0.0),
+        ("pods failed open", 5.0),
+        ("bindings failed open", 2.0),
         ("nodes failed open", 1.0),
-        ("unmarked-pods refused", 0.0),
+        ("policy denied", 4.0),
     ]);
     ensure!(got == want, "apiserver counters {got:?}, want {want:?}");
     let codes: Vec<&str> = after
@@ -499,10 +565,26 @@ async fn a_hung_webhook_holds_each_call_for_its_timeout() {
     webhook::register(cp, &c, &tag, port, ca.pem(), &scope)
         .await
         .expect("registering");
+    policy::register(cp, &c, &tag, &scope)
+        .await
+        .expect("registering the policy");
     let result = hung(cp, &c, &tag).await;
+    policy::unregister(&c, &tag).await;
     webhook::unregister(&c, &tag).await;
     holder.abort();
     result.expect("hung webhook e2e");
+}
+
+/// Registers a Node gated as the agent leaves it (`cni-verified=false`), in scope, without
+/// the labels the Node webhook's pre-filter wants, so the hung webhook is not called.
+async fn labelled_gated_node(c: &Client, tag: &str) -> anyhow::Result<String> {
+    let name = unique_name("hung-node");
+    let node: Node = serde_json::from_value(json!({
+        "metadata": {"name": name, "labels": {SCOPE_KEY: tag, VERIFIED_LABEL: "false"}},
+    }))?;
+    let api: Api<Node> = Api::all(c.clone());
+    tokio::time::timeout(CALL, api.create(&PostParams::default(), &node)).await??;
+    Ok(name)
 }
 
 async fn hung(cp: &meshgate_e2e::ControlPlane, c: &Client, tag: &str) -> anyhow::Result<()> {
@@ -512,21 +594,36 @@ async fn hung(cp: &meshgate_e2e::ControlPlane, c: &Client, tag: &str) -> anyhow:
     tokio::time::timeout(CALL, api.patch(&ns, &PatchParams::default(), &patch))
         .await?
         .context("scoping the namespace")?;
+    let gated = labelled_gated_node(c, tag).await?;
     let nowhere = unique_name("hung-none");
     let (at, no) = (Some(nowhere.as_str()), json!({}));
     let mut rows = Vec::new();
-    // The scope label reaches admission through the namespace informer: wait for the gate.
-    let deadline = Instant::now() + Duration::from_secs(20);
+    // The scope label reaches admission through the namespace informer: wait until a pod
+    // waits for the hung webhook (then admitted: it fails open).
+    let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let probe = create_pod(c, &ns, &pod("probe", at, linkerd(), no.clone())?, true).await?;
-        match probe {
-            Err(m) if m.contains("failed calling webhook") => break,
-            other => ensure!(Instant::now() < deadline, "never gated: {other:?}"),
+        let began = Instant::now();
+        let probe = create_pod(c, &ns, &pod("probe", at, no.clone(), no.clone())?, true).await?;
+        if began.elapsed() >= Duration::from_secs(4) {
+            ensure!(
+                probe.is_ok(),
+                "the hung webhook's entry did not fail open: {probe:?}"
+            );
+            break;
         }
+        ensure!(
+            Instant::now() < deadline,
+            "the hung webhook was never called"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let pods = [
         (
-            "pod with spec.nodeName, linkerd label",
+            "pod with spec.nodeName, linkerd label, gated node",
+            pod("meshed-gated", Some(&gated), linkerd(), no.clone()),
+        ),
+        (
+            "pod with spec.nodeName, linkerd label, node not registered",
             pod("meshed", at, linkerd(), no.clone()),
         ),
         (
@@ -548,19 +645,34 @@ async fn hung(cp: &meshgate_e2e::ControlPlane, c: &Client, tag: &str) -> anyhow:
         "Both webhook replicas hung (connections accepted, never answered):",
         &rows,
     );
-    force_delete_pods(c, &ns, &["plain", "unbound"]).await;
+    force_delete_pods(c, &ns, &["meshed", "plain", "unbound"]).await;
+    let nodes: Api<Node> = Api::all(c.clone());
+    let _ = tokio::time::timeout(CALL, nodes.delete(&gated, &DeleteParams::default())).await;
+    check_hung(&rows, tag)
+}
 
+/// The policy refuses at once; everything else waits for the webhook's timeout and passes.
+fn check_hung(rows: &[Row], tag: &str) -> anyhow::Result<()> {
     let have: Vec<String> = rows.iter().map(Row::verdict).collect();
-    let want = vec![
-        format!("refused: pods.validate.{tag}.meshgate.io"),
-        "admitted".to_owned(),
-        "admitted".to_owned(),
-        format!("refused: bindings.validate.{tag}.meshgate.io"),
-        "admitted".to_owned(),
-    ];
+    let mut want = vec![format!("refused: policy meshgate-{tag}")];
+    want.extend(std::iter::repeat_n("admitted".to_owned(), 5));
     ensure!(
         have == want,
         "outcomes with a hung webhook: {have:?}, want {want:?}"
     );
+    ensure!(
+        rows[0].waited < Duration::from_secs(1),
+        "the policy's refusal waited {:?}",
+        rows[0].waited
+    );
+    // The pod created without spec.nodeName is not sent to the webhook.
+    for (i, r) in rows.iter().enumerate().filter(|(i, _)| *i != 0 && *i != 3) {
+        ensure!(
+            r.waited >= Duration::from_secs(4),
+            "row {i} ({}) did not wait for the hung webhook: {:?}",
+            r.what,
+            r.waited
+        );
+    }
     Ok(())
 }

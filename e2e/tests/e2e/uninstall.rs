@@ -137,6 +137,7 @@ async fn nothing_left(client: &Client) -> anyhow::Result<()> {
         "meshgate-agent-own-node-evictions",
         "meshgate-agent-own-events",
         "meshgate-agent-own-pod-events",
+        "meshgate-placement",
     ];
     absent::<ValidatingAdmissionPolicy>(client, &policies).await?;
     absent::<ValidatingAdmissionPolicyBinding>(client, &policies).await?;

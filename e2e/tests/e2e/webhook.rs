@@ -246,7 +246,7 @@ impl Fixture {
     }
 
     /// This test's scope: its namespaces and nodes carry `SCOPE_KEY=<tag>`.
-    fn scope(&self) -> Scope {
+    pub(crate) fn scope(&self) -> Scope {
         Scope {
             label: Some((SCOPE_KEY.to_string(), self.tag.clone())),
             hook_infix: self.tag_hooks.then(|| self.tag.clone()),

@@ -80,12 +80,7 @@ async fn every_webhook_trusts_the_generated_ca(f: &Fixture, client: &Client) -> 
     let names: Vec<&str> = validating.iter().map(|w| w.name.as_str()).collect();
     assert_eq!(
         names,
-        [
-            "pods.validate.meshgate.io",
-            "ambient-pods.validate.meshgate.io",
-            "unmarked-pods.validate.meshgate.io",
-            "bindings.validate.meshgate.io"
-        ]
+        ["pods.validate.meshgate.io", "bindings.validate.meshgate.io"]
     );
     let mwc = Api::<MutatingWebhookConfiguration>::all(client.clone())
         .get("meshgate")
@@ -170,6 +165,7 @@ async fn the_policies_type_check(client: &Client) -> anyhow::Result<()> {
         "meshgate-agent-own-node-evictions",
         "meshgate-agent-own-events",
         "meshgate-agent-own-pod-events",
+        "meshgate-placement",
     ] {
         let vap = Api::<ValidatingAdmissionPolicy>::all(client.clone())
             .get(name)

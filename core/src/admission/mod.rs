@@ -18,6 +18,8 @@ use std::fmt::Write as _;
 use crate::gate::{CONDITION_TYPE, TaintKey, VERIFIED_LABEL};
 use crate::profile::{PodView, ProfileSet, Selected};
 
+pub mod cel;
+
 /// Which admission path the request came through. It changes only the remedy: a pod created
 /// with `spec.nodeName` chose its node itself, a binding is the scheduler's choice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -191,6 +193,15 @@ struct Mesh<'a> {
     certain: bool,
 }
 
+/// The remedy's middle, after the node's `describe` hint: the same in the apiserver's own
+/// policy ([`cel`]).
+fn remedy_then() -> String {
+    format!("; the meshgate agent then labels it {VERIFIED_LABEL}=true. Meanwhile ")
+}
+/// The remedy's end for a pod created with `spec.nodeName`.
+const CREATE_MEANWHILE: &str =
+    "create the pod without spec.nodeName so the scheduler can choose a verified node.";
+
 /// What the client reads: who the pod is, what the node's state is, and the remedy.
 fn refusal_message(input: &Input<'_>, meshes: &[Mesh<'_>]) -> String {
     let mut m = String::with_capacity(512);
@@ -287,13 +298,11 @@ fn write_remedy(m: &mut String, input: &Input<'_>, meshes: &[Mesh<'_>]) {
     }
     let _ = write!(
         m,
-        " (kubectl describe node {node}: condition {CONDITION_TYPE}); the meshgate agent then \
-         labels it {VERIFIED_LABEL}=true. Meanwhile "
+        " (kubectl describe node {node}: condition {CONDITION_TYPE}){}",
+        remedy_then()
     );
     match input.kind {
-        RequestKind::PodCreate => m.push_str(
-            "create the pod without spec.nodeName so the scheduler can choose a verified node.",
-        ),
+        RequestKind::PodCreate => m.push_str(CREATE_MEANWHILE),
         RequestKind::Binding => {
             let _ = write!(
                 m,

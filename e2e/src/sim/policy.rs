@@ -1,0 +1,130 @@
+//! meshgate's in-apiserver placement policy (the chart's `templates/placement-policy.yaml`,
+//! rendered with its default values) registered on a local control plane, scoped to one
+//! test.
+//!
+//! In: the control plane, a name and a [`Scope`]. Out: the registered
+//! ValidatingAdmissionPolicy and its binding, both named `meshgate-<name>`, with the scope's
+//! label added to the binding's namespace selector and to its params' selector, so the
+//! policy sees only that test's namespaces and Nodes. Everything else (match conditions,
+//! variables, the validation, the failure policy, the params' `cni-verified=false` selector)
+//! is as shipped.
+
+use anyhow::Context;
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
+use kube::Client;
+use kube::api::{Api, DeleteParams, PostParams};
+use serde_json::{Value, json};
+
+use super::webhook::{Scope, shipped};
+use crate::harness::wait::API_TIMEOUT;
+
+/// The placement policy meshgate ships.
+pub const SHIPPED: &str = "templates/placement-policy.yaml";
+
+/// The shipped policy and binding, adapted to `name` and `scope`.
+pub async fn objects(
+    cp: &crate::ControlPlane,
+    name: &str,
+    scope: &Scope,
+) -> anyhow::Result<(ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding)> {
+    let objects = shipped(cp, SHIPPED).await?;
+    let find = |kind: &str| {
+        objects
+            .iter()
+            .find(|o| o["kind"] == kind)
+            .cloned()
+            .with_context(|| format!("no {kind} in {SHIPPED}"))
+    };
+    let full = format!("meshgate-{name}");
+    let mut policy = find("ValidatingAdmissionPolicy")?;
+    policy["metadata"] = json!({"name": full});
+    let mut binding = find("ValidatingAdmissionPolicyBinding")?;
+    binding["metadata"] = json!({"name": full});
+    binding["spec"]["policyName"] = json!(full);
+    if let Some((k, v)) = &scope.label {
+        scope_binding(&mut binding, k, v)?;
+    }
+    Ok((
+        serde_json::from_value(policy)?,
+        serde_json::from_value(binding)?,
+    ))
+}
+
+/// Adds `k=v` to the binding's namespace selector and to its params' selector.
+fn scope_binding(binding: &mut Value, k: &str, v: &str) -> anyhow::Result<()> {
+    let spec = &mut binding["spec"];
+    spec["matchResources"]["namespaceSelector"]["matchExpressions"]
+        .as_array_mut()
+        .context("a shipped binding without namespaceSelector.matchExpressions")?
+        .push(json!({"key": k, "operator": "In", "values": [v]}));
+    spec["paramRef"]["selector"]["matchLabels"]
+        .as_object_mut()
+        .context("a shipped binding without paramRef.selector.matchLabels")?
+        .insert(k.to_owned(), json!(v));
+    Ok(())
+}
+
+/// Registers [`objects`] and waits until the policy has been type-checked.
+pub async fn register(
+    cp: &crate::ControlPlane,
+    client: &Client,
+    name: &str,
+    scope: &Scope,
+) -> anyhow::Result<()> {
+    let (policy, binding) = objects(cp, name, scope).await?;
+    let pp = PostParams::default();
+    let p: Api<ValidatingAdmissionPolicy> = Api::all(client.clone());
+    tokio::time::timeout(API_TIMEOUT, p.create(&pp, &policy))
+        .await
+        .context("registering the placement policy")??;
+    let b: Api<ValidatingAdmissionPolicyBinding> = Api::all(client.clone());
+    tokio::time::timeout(API_TIMEOUT, b.create(&pp, &binding))
+        .await
+        .context("binding the placement policy")??;
+    Ok(())
+}
+
+/// Deletes what [`register`] created (best effort).
+pub async fn unregister(client: &Client, name: &str) {
+    let name = format!("meshgate-{name}");
+    let dp = DeleteParams::default();
+    let b: Api<ValidatingAdmissionPolicyBinding> = Api::all(client.clone());
+    let _ = tokio::time::timeout(API_TIMEOUT, b.delete(&name, &dp)).await;
+    let p: Api<ValidatingAdmissionPolicy> = Api::all(client.clone());
+    let _ = tokio::time::timeout(API_TIMEOUT, p.delete(&name, &dp)).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use meshgate_core::admission::cel::PlacementCel;
+    use meshgate_core::profile::ProfileSet;
+
+    /// The chart's placement policy carries the expressions meshgate-core generates from the
+    /// built-in profiles, so its verdict and its message are the webhook's: a mesh added as
+    /// its record alone, or a reworded refusal, fails here until the chart is regenerated.
+    /// On failure it prints the expressions the chart should carry.
+    #[test]
+    fn the_charts_placement_policy_is_the_generated_one() {
+        let path = crate::harness::paths::repo_root()
+            .join("manifests/charts/meshgate")
+            .join(super::SHIPPED);
+        let text = std::fs::read_to_string(&path).expect("the chart's placement policy");
+        let cel = PlacementCel::of(&ProfileSet::all_builtin());
+        let want = [
+            ("may-be-selected", &cel.may_select),
+            ("selected", &cel.selected),
+            ("meshes", &cel.meshes),
+            ("plugins", &cel.plugins),
+            ("messageExpression", &cel.message),
+        ];
+        for (what, expression) in want {
+            assert!(
+                text.contains(&format!("\n        {expression}\n")),
+                "{} does not carry the generated {what}; it should read:\n{expression}",
+                path.display()
+            );
+        }
+    }
+}
