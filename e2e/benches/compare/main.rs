@@ -23,14 +23,15 @@
 //! interval, so latency = U(0, interval) + the work measured after the poll that saw it.
 //! Quantiles of that sum are computed from the measured work samples.
 //!
-//! Sections (`MESHGATE_BENCH_ONLY=gating,realnode,detection,sweep,admission,webhook` to run
+//! Sections (`MESHGATE_BENCH_ONLY=gating,realnode,detection,sweep,admission,webhook,placement` to run
 //! some): gating (untaint / re-taint on the stand-in node, stage by stage), realnode (the same
 //! on a real kubelet + containerd node with Istio's real CNI plugin and meshgate from its
 //! chart, beside the stand-in's figures), detection (un-redirected pod Running → eviction), sweep
 //! (250 real pod namespaces: inspection cost, full sweep, agent RSS, idle API requests),
 //! admission (pod CREATE and pods/binding through the apiserver with no admission, the
 //! placement policy and the webhook, at 100/s and 300/s: what each adds; the policy's cost
-//! with 1, 100 and 1,000 gated Nodes), webhook (5,000 cached Nodes: RSS, latency at
+//! with 1, 100 and 1,000 gated Nodes), placement (the policy among 1,000, 10,000 and 65,000
+//! Node objects: the apiserver's memory and the request latency, with and without it), webhook (5,000 cached Nodes: RSS, latency at
 //! 2,000/s and 5,000/s, saturation throughput).
 
 use anyhow::{Context, bail};
@@ -57,6 +58,7 @@ use tokio::sync::{mpsc, watch};
 mod admission;
 mod detection;
 mod gating;
+mod placement;
 mod realnode;
 mod stages;
 mod sweep;
@@ -329,6 +331,12 @@ async fn main() -> anyhow::Result<()> {
         };
         cp.freeze_component("kube-controller-manager", false)?;
         measured.context("webhook")?;
+    }
+    // After the webhook section: its 65,000 Nodes would sit in that section's cache.
+    if run("placement") {
+        placement::run(&cp, &client, &mut table)
+            .await
+            .context("placement")?;
     }
     table.print(&format!(
         "meshgate benchmark, Kubernetes {}, {} CPUs, one run of {:.0} s (release build; figures vary run to run on a shared machine)",

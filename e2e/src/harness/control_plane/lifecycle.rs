@@ -35,6 +35,15 @@ impl ControlPlane {
         self.freeze_component("kube-apiserver", frozen)
     }
 
+    /// The pid of a running component (`kube-apiserver`, `etcd`, ...), for /proc readings.
+    pub fn component_pid(&self, component: &str) -> Option<i32> {
+        let procs = self.procs.lock().unwrap_or_else(|p| p.into_inner());
+        procs
+            .iter()
+            .find(|p| p.name == component && p.alive())
+            .map(|p| p.pid)
+    }
+
     /// Freezes (`true`) or thaws (`false`) one component (`etcd`, `kube-apiserver`,
     /// `kube-controller-manager`, `kube-scheduler`) with SIGSTOP / SIGCONT. The benchmarks
     /// freeze the controller manager while they measure something it has no part in, so its
