@@ -11,6 +11,7 @@
 
 pub mod admission;
 pub mod cleanup;
+pub mod cluster_budget;
 pub mod cni;
 pub mod enroll;
 pub mod evict;

@@ -292,6 +292,15 @@ impl Inspector {
             tracing::warn!(%profile, %why, retry_in_ms = retry.map(|r| r.as_millis() as u64), "not evicting: the pod's network namespace changed since it was inspected");
             return None;
         }
+        if let Some(budget) = &self.cluster_budget {
+            if let Err(why) = budget.take().await {
+                // Not disrupted: the node's token goes back; the pod is tried again later.
+                self.limiter.refund(token);
+                let retry_in_ms = back_off_ms(&mut self.tracker, &info.uid, now);
+                tracing::warn!(%profile, %why, retry_in_ms, "eviction deferred by the cluster-wide eviction budget");
+                return Some(Outcome::ClusterBudget(why));
+            }
+        }
         let detect_ms = now.saturating_sub(m.due.ready_since).as_millis() as u64;
         tracing::info!(%profile, detect_ms, "evicting: mesh redirects missing");
         let timeout = self.config.api_timeout;

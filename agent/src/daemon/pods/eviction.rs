@@ -110,6 +110,8 @@ pub enum Outcome {
     Skipped(SkipWhy),
     /// The API refused: several PodDisruptionBudgets match the pod.
     MultiplePdbs,
+    /// The cluster-wide eviction budget refused (spent, or its ledger unusable): why.
+    ClusterBudget(String),
     /// The call failed; retried later.
     Failed(String),
 }
@@ -123,6 +125,9 @@ impl Outcome {
             Outcome::Evicted => "Evict",
             Outcome::Skipped(SkipWhy::Pdb) | Outcome::MultiplePdbs => "EvictBlocked",
             Outcome::Skipped(SkipWhy::RateLimit) => "EvictDeferred",
+            Outcome::Skipped(SkipWhy::ClusterBudget) | Outcome::ClusterBudget(_) => {
+                "EvictDeferredClusterBudget"
+            }
             Outcome::Skipped(SkipWhy::DryRun) => "DryRun",
             Outcome::Skipped(SkipWhy::Unowned) => "ReportUnowned",
             Outcome::Skipped(SkipWhy::NoEvict) => "ReportOnly",
@@ -140,6 +145,7 @@ impl Outcome {
         match self {
             Outcome::Skipped(why) => why.metric_label(),
             Outcome::MultiplePdbs => SkipWhy::Pdb.metric_label(),
+            Outcome::ClusterBudget(_) => SkipWhy::ClusterBudget.metric_label(),
             Outcome::Evicted | Outcome::Failed(_) => None,
         }
     }
@@ -158,6 +164,12 @@ impl Outcome {
             }
             Outcome::Skipped(SkipWhy::RateLimit) => format!(
                 "eviction deferred by the node's rate limit ({per_minute} per minute)"
+            ),
+            Outcome::Skipped(SkipWhy::ClusterBudget) => {
+                "eviction deferred by the cluster-wide eviction budget".into()
+            }
+            Outcome::ClusterBudget(why) => format!(
+                "eviction deferred: {why} (--cluster-eviction-budget); retried when the window has room"
             ),
             Outcome::Skipped(SkipWhy::DryRun) => "dry-run: would be evicted".into(),
             Outcome::Skipped(SkipWhy::Report) => {
@@ -254,6 +266,7 @@ mod tests {
             Outcome::Skipped(SkipWhy::Unowned),
             Outcome::Skipped(SkipWhy::NoEvict),
             Outcome::Skipped(SkipWhy::NoProxy),
+            Outcome::ClusterBudget("spent".into()),
             Outcome::Failed("x".into()),
         ];
         let actions: std::collections::BTreeSet<_> = outcomes.iter().map(|o| o.action()).collect();
@@ -262,6 +275,10 @@ mod tests {
         assert_eq!(Outcome::Skipped(SkipWhy::Pdb).skip_label(), Some("pdb"));
         assert_eq!(Outcome::Skipped(SkipWhy::NoEvict).skip_label(), None);
         assert_eq!(Outcome::Evicted.skip_label(), None);
+        assert_eq!(
+            Outcome::ClusterBudget("spent".into()).skip_label(),
+            Some("cluster_budget")
+        );
     }
 
     #[test]

@@ -1,0 +1,105 @@
+//! The cluster-wide eviction budget, taken before each eviction (`core::cluster_budget`).
+//!
+//! In: the [`Budget`] (`--cluster-eviction-budget`, `--cluster-eviction-budget-window`), the
+//! ledger ConfigMap in meshgate's namespace (`--namespace`), a client as the ServiceAccount
+//! (nodes may not write ConfigMaps), a deadline per call. Out: `Ok` once one eviction is
+//! taken (the ledger written back with it, conditional on the version read), or why not.
+//! Another agent writing first (409) makes it read again, at most [`ATTEMPTS`] times; the
+//! ConfigMap missing, unreadable or any failed call refuses: no eviction without the budget.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{Api, PostParams};
+use meshgate_core::cluster_budget::{self, Budget, CONFIGMAP, KEY};
+
+/// Reads of the ledger per eviction when other agents keep writing first.
+const ATTEMPTS: u32 = 5;
+
+/// Why a write of the ledger did not land.
+enum WriteError {
+    /// Another agent wrote it since it was read.
+    Conflict,
+    /// Anything else, in words.
+    Failed(String),
+}
+
+/// The budget and where its ledger is.
+#[derive(Clone)]
+pub struct ClusterBudget {
+    api: Api<ConfigMap>,
+    namespace: String,
+    budget: Budget,
+    timeout: Duration,
+}
+
+impl ClusterBudget {
+    /// The budget whose ledger is `CONFIGMAP` in `namespace`, written by `client`.
+    pub fn new(client: kube::Client, namespace: &str, budget: Budget, timeout: Duration) -> Self {
+        Self {
+            api: Api::namespaced(client, namespace),
+            namespace: namespace.to_owned(),
+            budget,
+            timeout,
+        }
+    }
+
+    /// Takes one eviction, or says why not.
+    pub async fn take(&self) -> Result<(), String> {
+        for attempt in 1..=ATTEMPTS {
+            let mut ledger = self.read().await?;
+            let data = ledger.data.get_or_insert_with(Default::default);
+            let now_ms = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            let next = cluster_budget::take(data.get(KEY).map(String::as_str), self.budget, now_ms)
+                .map_err(|e| e.to_string())?;
+            data.insert(KEY.to_owned(), next);
+            match self.write(&ledger).await {
+                Ok(()) => return Ok(()),
+                Err(WriteError::Failed(e)) => return Err(e),
+                Err(WriteError::Conflict) if attempt < ATTEMPTS => {
+                    // Another agent took one first: read its ledger, after a short jitter so
+                    // agents racing in step do not collide again.
+                    let jitter = u64::from(now_ms.to_le_bytes()[0]) % 40;
+                    tokio::time::sleep(Duration::from_millis(10 + jitter)).await;
+                }
+                Err(WriteError::Conflict) => break,
+            }
+        }
+        Err(format!(
+            "the cluster-wide eviction ledger (ConfigMap {}/{CONFIGMAP}) changed under {ATTEMPTS} writes in a row",
+            self.namespace
+        ))
+    }
+
+    async fn read(&self) -> Result<ConfigMap, String> {
+        let what = || {
+            format!(
+                "cannot read the cluster-wide eviction ledger (ConfigMap {}/{CONFIGMAP})",
+                self.namespace
+            )
+        };
+        match tokio::time::timeout(self.timeout, self.api.get(CONFIGMAP)).await {
+            Ok(Ok(cm)) => Ok(cm),
+            Ok(Err(e)) => Err(format!("{}: {e}", what())),
+            Err(_) => Err(format!("{}: no answer within {:?}", what(), self.timeout)),
+        }
+    }
+
+    /// Writes the ledger back, if nobody wrote it since it was read (its resourceVersion).
+    async fn write(&self, ledger: &ConfigMap) -> Result<(), WriteError> {
+        let pp = PostParams::default();
+        match tokio::time::timeout(self.timeout, self.api.replace(CONFIGMAP, &pp, ledger)).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(kube::Error::Api(s))) if s.code == 409 => Err(WriteError::Conflict),
+            Ok(Err(e)) => Err(WriteError::Failed(format!(
+                "cannot write the cluster-wide eviction ledger: {e}"
+            ))),
+            Err(_) => Err(WriteError::Failed(format!(
+                "cannot write the cluster-wide eviction ledger: no answer within {:?}",
+                self.timeout
+            ))),
+        }
+    }
+}
