@@ -42,11 +42,11 @@ use crate::support::{
 /// A ServiceAccount of this test only, for what the agent is not granted as the node.
 const PROBE: &str = "meshgate-probe";
 /// The alpha feature behind the component.
-const GATE: &str = "--feature-gates=ConstrainedImpersonation=true";
+pub(crate) const GATE: &str = "--feature-gates=ConstrainedImpersonation=true";
 /// The Node authorizer's refusal of a pod list or watch not scoped to the node.
 const SELECTOR_ONLY: &str = "can only list/watch pods with spec.nodeName field selector";
 /// The environment variable each application pod carries (what a Pod read discloses).
-const ENV: &str = "DATABASE_PASSWORD";
+pub(crate) const ENV: &str = "DATABASE_PASSWORD";
 
 /// The control plane and the objects both modes ask about.
 struct Fixture {
@@ -70,7 +70,7 @@ impl Fixture {
 }
 
 /// A pod in `ns` on `node` with an environment value, as an application writes one.
-async fn app_pod(
+pub(crate) async fn app_pod(
     admin: &Client,
     ns: &str,
     name: &str,
@@ -97,7 +97,7 @@ async fn app_pod(
     )
 }
 
-fn env_value(p: &Pod) -> Option<String> {
+pub(crate) fn env_value(p: &Pod) -> Option<String> {
     p.spec
         .as_ref()?
         .containers

@@ -19,6 +19,7 @@ mod placement;
 mod plugin;
 mod pods;
 mod rbac;
+mod reach;
 mod real_node;
 mod support;
 mod taint_key;
