@@ -132,9 +132,15 @@ pub fn gate_from_metrics(text: &str) -> Gate {
         if !ours {
             continue;
         }
-        return match value.split_whitespace().next().map(str::parse::<f64>) {
-            Some(Ok(v)) if v == 1.0 => Gate::On,
-            Some(Ok(_)) => Gate::Off,
+        let value = value.split_whitespace().next().map(str::parse::<f64>);
+        return match value {
+            Some(Ok(v)) => {
+                if v == 1.0 {
+                    Gate::On
+                } else {
+                    Gate::Off
+                }
+            }
             _ => Gate::Unknown,
         };
     }
