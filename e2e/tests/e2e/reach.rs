@@ -19,16 +19,14 @@ use anyhow::{Context as _, ensure};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams, WatchParams};
 use kube::{Client, ResourceExt};
-use meshgate_agent::daemon::clients::Clients;
-use meshgate_core::gate::DEFAULT_TAINT_KEY as TAINT_KEY;
 use meshgate_e2e::harness::helm;
 use meshgate_e2e::harness::wait::poll_until;
-use meshgate_e2e::{ControlPlane, NodeSpec, Options, unique_name};
+use meshgate_e2e::{ControlPlane, Options};
 use serde_json::Value;
 
 use crate::WAIT;
-use crate::authz::{GATE, app_pod, env_value};
-use crate::support::{AGENT, BASE_CONFINEMENT, NS, apply_base_files, bound_token, refused_by_rbac};
+use crate::authz::{self, Fixture, GATE, env_value};
+use crate::support::{NS, refused_by_rbac};
 
 /// The reads beyond its node the cluster-wide grants allow.
 const ALL_FIVE: usize = 5;
@@ -41,16 +39,6 @@ const WIDE_NODES: &str = "verbs: [\"get\", \"list\", \"watch\", \"patch\"]";
 /// The chart's warning in NOTES.txt when the agent reads with cluster-wide grants.
 const NOTES_WARNING: &str = "WARNING: the agent reads with cluster-wide grants";
 
-/// One control plane, its two nodes and pods, and node A's agent token.
-struct Cluster {
-    cp: ControlPlane,
-    node_a: String,
-    node_b: String,
-    app: String,
-    secret_b: String,
-    token: std::path::PathBuf,
-}
-
 #[tokio::test]
 async fn the_default_install_confines_the_token_where_the_gate_is_on() -> anyhow::Result<()> {
     crate::init_logging();
@@ -62,21 +50,22 @@ async fn the_default_install_confines_the_token_where_the_gate_is_on() -> anyhow
 /// `auto` (the default): the confined ClusterRole and MESHGATE_IMPERSONATE_NODE for 1.36, the
 /// cluster-wide one for 1.35; `true` and `false` win over the version.
 async fn auto_renders_by_kubernetes_version() -> anyhow::Result<()> {
+    let auto: &[&str] = &[];
     for (version, set, confined) in [
-        (CONFINING, "agent.nodeProxySocketDir=", true),
-        ("1.35.4", "agent.nodeProxySocketDir=", false),
-        ("v1.36.2-eks-4d3f2a1", "agent.nodeProxySocketDir=", true),
-        (CONFINING, "agent.impersonateNode=false", false),
-        ("1.35.4", "agent.impersonateNode=true", true),
+        (CONFINING, auto, true),
+        ("1.35.4", auto, false),
+        ("v1.36.2-eks-4d3f2a1", auto, true),
+        (CONFINING, &["--set", "agent.impersonateNode=false"], false),
+        ("1.35.4", &["--set", "agent.impersonateNode=true"], true),
     ] {
-        let r = helm::template(&["--kube-version", version, "--set", set]).await?;
+        let r = helm::template(&[&["--kube-version", version], set].concat()).await?;
         let (role, env) = (
             r.contains(ACT_AS_NODE),
             r.contains("MESHGATE_IMPERSONATE_NODE: \"true\""),
         );
         ensure!(
             role == confined && env == confined && r.contains(WIDE_NODES) != confined,
-            "{version} with {set}: confined role {role}, env {env}, want {confined}"
+            "{version} with {set:?}: confined role {role}, env {env}, want {confined}"
         );
     }
     Ok(())
@@ -98,19 +87,19 @@ async fn gate_off() -> anyhow::Result<()> {
             && !notes.contains(ACT_AS_NODE),
         "the notes of a default install on 1.35:\n{notes}"
     );
-    let c = seed(cp).await?;
-    expect_reach(&c, "gate off, default install (auto on 1.35.4)", ALL_FIVE).await?;
-    expect_status(&c, "cluster", "off", None).await?;
+    let f = authz::seed(cp, "reach").await?;
+    expect_reach(&f, "gate off, default install (auto on 1.35.4)", ALL_FIVE).await?;
+    expect_status(&f, "cluster", "off", None).await?;
 
-    confine(&c).await?;
-    expect_reach(&c, "gate off, confined grants", 0).await?;
-    let own = Api::<Pod>::all(c.agent().await?.node)
-        .list(&ListParams::default().fields(&format!("spec.nodeName={}", c.node_a)))
+    confine(&f).await?;
+    expect_reach(&f, "gate off, confined grants", 0).await?;
+    let own = Api::<Pod>::all(f.agent(&f.node_a).await?.node)
+        .list(&ListParams::default().fields(&format!("spec.nodeName={}", f.node_a)))
         .await;
     crate::support::expect_forbidden(&own, "cannot impersonate")
         .context("without the gate the agent cannot read its own node's pods")?;
     expect_status(
-        &c,
+        &f,
         "node",
         "off",
         Some("every read of the agents is refused (403)"),
@@ -122,74 +111,41 @@ async fn gate_off() -> anyhow::Result<()> {
 /// could be confined; the default install as rendered for 1.36 reads none, and its own node's
 /// pods still.
 async fn gate_on() -> anyhow::Result<()> {
-    let c = seed(start(&[GATE]).await?).await?;
-    expect_reach(&c, "gate on, default install rendered for 1.35.4", ALL_FIVE).await?;
-    expect_status(&c, "cluster", "on", Some("confine it to its own node")).await?;
+    let f = authz::seed(start(&[GATE]).await?, "reach").await?;
+    expect_reach(&f, "gate on, default install rendered for 1.35.4", ALL_FIVE).await?;
+    expect_status(&f, "cluster", "on", Some("confine it to its own node")).await?;
 
-    confine(&c).await?;
-    expect_reach(&c, "gate on, default install rendered for 1.36 (auto)", 0).await?;
-    let own = Api::<Pod>::all(c.agent().await?.node)
-        .list(&ListParams::default().fields(&format!("spec.nodeName={}", c.node_a)))
+    confine(&f).await?;
+    expect_reach(&f, "gate on, default install rendered for 1.36 (auto)", 0).await?;
+    let own = Api::<Pod>::all(f.agent(&f.node_a).await?.node)
+        .list(&ListParams::default().fields(&format!("spec.nodeName={}", f.node_a)))
         .await
         .context("its own node's pods, as the node")?;
     ensure!(own.items.iter().any(|p| p.name_any() == "on-a"));
-    expect_status(&c, "node", "on", None).await
-}
-
-impl Cluster {
-    async fn agent(&self) -> anyhow::Result<Clients> {
-        Clients::build(Some(&self.token), &self.node_a, true, false).await
-    }
+    expect_status(&f, "node", "on", None).await
 }
 
 /// A control plane of its own, its apiserver run with `flags`.
 async fn start(flags: &[&str]) -> anyhow::Result<ControlPlane> {
-    Ok(ControlPlane::start(Options {
+    ControlPlane::start(Options {
         apiserver_flags: flags.iter().map(|f| (*f).to_owned()).collect(),
         ..Options::default()
     })
     .await
-    .context("starting a control plane")?)
-}
-
-/// The chart's base rendered with the default values for `cp`'s own version (v1.35.4: the
-/// cluster-wide grants), two nodes with a pod each, node A's agent token.
-async fn seed(cp: ControlPlane) -> anyhow::Result<Cluster> {
-    let admin = cp.client()?;
-    apply_base_files(&cp, &BASE_CONFINEMENT, &[]).await?;
-    let (node_a, node_b) = (unique_name("reach-a"), unique_name("reach-b"));
-    for n in [&node_a, &node_b] {
-        cp.register_node(&admin, &NodeSpec::new(n).taint(TAINT_KEY, "NoSchedule"))
-            .await?;
-    }
-    let app = cp.create_namespace(&admin, "reach").await?;
-    app_pod(&admin, &app, "on-a", &node_a, "default").await?;
-    let on_b = app_pod(&admin, &app, "on-b", &node_b, "default").await?;
-    let secret_b = env_value(&on_b).context("on-b's env")?;
-    let agent_pod = app_pod(&admin, NS, &unique_name("agent"), &node_a, AGENT).await?;
-    let token = bound_token(&admin, AGENT, agent_pod).await?;
-    let token = cp.write_token_kubeconfig("reach-agent", &token)?;
-    Ok(Cluster {
-        cp,
-        node_a,
-        node_b,
-        app,
-        secret_b,
-        token,
-    })
+    .context("starting a control plane")
 }
 
 /// The ClusterRole the default values render for 1.36, applied; returns once the cluster-wide
 /// pod list is revoked.
-async fn confine(c: &Cluster) -> anyhow::Result<()> {
+async fn confine(f: &Fixture) -> anyhow::Result<()> {
     let only = "templates/agent-clusterrole-impersonation.yaml";
     let role = helm::template(&["--kube-version", CONFINING, "--show-only", only]).await?;
     ensure!(role.contains(ACT_AS_NODE), "{role}");
-    let path = c.cp.dir().join("reach-confined.yaml");
+    let path = f.cp.dir().join("reach-confined.yaml");
     std::fs::write(&path, role)?;
-    c.cp.kubectl(&["apply", "-f", &path.display().to_string()])
+    f.cp.kubectl(&["apply", "-f", &path.display().to_string()])
         .await?;
-    let pods: Api<Pod> = Api::all(c.agent().await?.own);
+    let pods: Api<Pod> = Api::all(f.agent(&f.node_a).await?.own);
     poll_until("the cluster-wide pod list revoked", WAIT, || async {
         let r = pods.list(&ListParams::default().limit(1)).await;
         anyhow::Ok(refused_by_rbac(&r).then_some(()))
@@ -199,11 +155,11 @@ async fn confine(c: &Cluster) -> anyhow::Result<()> {
 }
 
 /// Counts the reads beyond node A the token makes, prints them, and wants `want`.
-async fn expect_reach(c: &Cluster, case: &str, want: usize) -> anyhow::Result<()> {
-    let clients = c.agent().await?;
+async fn expect_reach(f: &Fixture, case: &str, want: usize) -> anyhow::Result<()> {
+    let clients = f.agent(&f.node_a).await?;
     let mut allowed = Vec::new();
     for client in [&clients.own, &clients.node] {
-        for read in reads_beyond_node_a(c, client).await? {
+        for read in reads_beyond_node_a(f, client).await? {
             if !allowed.contains(&read) {
                 allowed.push(read);
             }
@@ -219,10 +175,10 @@ async fn expect_reach(c: &Cluster, case: &str, want: usize) -> anyhow::Result<()
 
 /// The reads beyond node A that `client` is allowed. Node B's pod read must disclose its
 /// environment value, as a Pod read does.
-async fn reads_beyond_node_a(c: &Cluster, client: &Client) -> anyhow::Result<Vec<&'static str>> {
+async fn reads_beyond_node_a(f: &Fixture, client: &Client) -> anyhow::Result<Vec<&'static str>> {
     let pods: Api<Pod> = Api::all(client.clone());
     let nodes: Api<Node> = Api::all(client.clone());
-    let on_b = ListParams::default().fields(&format!("spec.nodeName={}", c.node_b));
+    let on_b = ListParams::default().fields(&format!("spec.nodeName={}", f.node_b));
     let mut allowed = Vec::new();
     if pods.list(&ListParams::default()).await.is_ok() {
         allowed.push("list every pod");
@@ -238,12 +194,12 @@ async fn reads_beyond_node_a(c: &Cluster, client: &Client) -> anyhow::Result<Vec
         let b = list
             .items
             .iter()
-            .find(|p| p.namespace().as_deref() == Some(&c.app))
+            .find(|p| p.namespace().as_deref() == Some(&f.app))
             .context("node B's pod")?;
-        ensure!(env_value(b).as_deref() == Some(c.secret_b.as_str()));
+        ensure!(env_value(b).as_deref() == Some(f.secret_b.as_str()));
         allowed.push("list node B's pods (their environment)");
     }
-    if nodes.get(&c.node_b).await.is_ok() {
+    if nodes.get(&f.node_b).await.is_ok() {
         allowed.push("get node B");
     }
     if nodes.list(&ListParams::default()).await.is_ok() {
@@ -255,12 +211,12 @@ async fn reads_beyond_node_a(c: &Cluster, client: &Client) -> anyhow::Result<Vec
 /// `kubectl meshgate status -o json` as the admin: the agent's grants, the gate, and a warning
 /// containing `warning` (none when `None`); the table prints the same warning.
 async fn expect_status(
-    c: &Cluster,
+    f: &Fixture,
     grants: &str,
     gate: &str,
     warning: Option<&str>,
 ) -> anyhow::Result<()> {
-    let admin = c.cp.admin_kubeconfig_path();
+    let admin = f.cp.admin_kubeconfig_path();
     let args = ["status", "--no-webhook-probe", "-n", NS];
     let json = crate::plugin::run(admin, &[&args[..], &["-o", "json"]].concat()).await?;
     let report: Value = serde_json::from_str(&json.stdout).with_context(|| json.to_string())?;
