@@ -20,6 +20,7 @@ mod plugin;
 mod pods;
 mod policy;
 mod rbac;
+mod reach;
 mod real_node;
 mod support;
 mod taint_key;
