@@ -189,7 +189,7 @@ impl AgentMetrics {
             evictions_skipped: reg.add(
                 "meshgate_evictions_skipped",
                 None,
-                "Evictions not done for a pod with missing redirects, by why (pdb/rate_limit/dry_run/unowned/no_proxy)",
+                "Evictions not done for a pod with missing redirects, by why (pdb/rate_limit/dry_run/unowned/no_proxy/node_proxy_not_ready/cluster_budget)",
                 Family::default(),
             ),
         }

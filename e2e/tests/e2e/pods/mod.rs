@@ -34,6 +34,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 mod eviction;
+mod fleet_budget;
 mod mode;
 mod report;
 
