@@ -9,11 +9,13 @@
 //!
 //! - [`slow_heads`]: connections that send a long request head and never finish it.
 //! - [`post_all`]: request bodies posted all at once, each on its own connection.
+//! - [`slow_chunked`]: requests at a steady rate, each a body sent in chunks that trickle,
+//!   from a source address of their own (another client than the apiserver).
 //! - [`tiny_objects_review`], [`label_flood_review`]: bodies just under a size, made of tiny
 //!   JSON objects (which a tree-building decoder turns into about 75 times their size) or of
 //!   the shortest distinct labels.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use hyper::body::Bytes;
@@ -38,8 +40,24 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Transport {
     async fn connect(&self, addr: SocketAddr) -> std::io::Result<Box<dyn Stream>> {
+        self.connect_from(addr, None).await
+    }
+
+    /// A connection to `addr`, from the loopback address `source` when given.
+    async fn connect_from(
+        &self,
+        addr: SocketAddr,
+        source: Option<IpAddr>,
+    ) -> std::io::Result<Box<dyn Stream>> {
         let connect = async {
-            let tcp = TcpStream::connect(addr).await?;
+            let tcp = match source {
+                None => TcpStream::connect(addr).await?,
+                Some(ip) => {
+                    let socket = tokio::net::TcpSocket::new_v4()?;
+                    socket.bind(SocketAddr::new(ip, 0))?;
+                    socket.connect(addr).await?
+                }
+            };
             let stream: Box<dyn Stream> = match self {
                 Transport::Plain => Box::new(tcp),
                 Transport::Tls(connector) => {
@@ -275,6 +293,127 @@ async fn post(
         .nth(1)
         .and_then(|c| c.parse().ok())
         .ok_or_else(|| format!("no status line: {:?}", String::from_utf8_lossy(&answer)))
+}
+
+/// The requests of [`slow_chunked`]: how many of each outcome, and how long the server let
+/// the slowest one run.
+#[derive(Debug, Default)]
+pub struct SlowChunked {
+    /// Requests begun (connected and head sent).
+    pub sent: usize,
+    /// Connections that could not be made (refused, closed at once, or not within the bound).
+    pub not_connected: usize,
+    /// Per answer status ("" for a close without an answer), how many.
+    pub outcomes: std::collections::BTreeMap<String, usize>,
+    /// From the head sent to the answer or close, each request's time.
+    pub held: Vec<Duration>,
+    /// Requests neither answered nor closed within their hold.
+    pub still_open: usize,
+}
+
+/// What one slow chunked request trickles.
+#[derive(Clone, Copy, Debug)]
+pub struct Trickle {
+    /// One-byte chunks sent, one every `gap`, then the last (empty) chunk.
+    pub chunks: usize,
+    pub gap: Duration,
+    /// How long after its head a request waits for an answer at most.
+    pub hold: Duration,
+}
+
+/// Sends `rate` requests a second for `duration`, from `source`, each a `POST path` whose
+/// body is sent chunked (no `Content-Length`) as `trickle` says, on its own connection; how
+/// the server treated them once every one ended (answered, closed, or past its hold).
+pub async fn slow_chunked(
+    addr: SocketAddr,
+    transport: &Transport,
+    source: IpAddr,
+    path: &str,
+    (rate, duration): (f64, Duration),
+    trickle: Trickle,
+) -> SlowChunked {
+    let interval = Duration::from_secs_f64(1.0 / rate.max(0.001));
+    let begun = Instant::now();
+    let mut tasks = Vec::new();
+    while begun.elapsed() < duration {
+        let (transport, path) = (transport.clone(), path.to_string());
+        tasks.push(tokio::spawn(async move {
+            slow_chunked_one(addr, &transport, source, &path, trickle).await
+        }));
+        let due = begun + interval * u32::try_from(tasks.len()).unwrap_or(u32::MAX);
+        tokio::time::sleep_until(due.into()).await;
+    }
+    let mut out = SlowChunked::default();
+    for t in tasks {
+        match t.await {
+            Ok(Some(Some((held, status)))) => {
+                out.sent += 1;
+                out.held.push(held);
+                *out.outcomes.entry(status).or_default() += 1;
+            }
+            Ok(Some(None)) => {
+                out.sent += 1;
+                out.still_open += 1;
+            }
+            Ok(None) | Err(_) => out.not_connected += 1,
+        }
+    }
+    out
+}
+
+/// One request of [`slow_chunked`]: `None` if it could not connect, else `Some(end)`: the time
+/// to the answer or close and the answer's status code ("" for none), or `None` past the hold.
+async fn slow_chunked_one(
+    addr: SocketAddr,
+    transport: &Transport,
+    source: IpAddr,
+    path: &str,
+    trickle: Trickle,
+) -> Option<Option<(Duration, String)>> {
+    let s = transport.connect_from(addr, Some(source)).await.ok()?;
+    let (mut rd, mut wr) = tokio::io::split(s);
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+         Transfer-Encoding: chunked\r\n\r\n"
+    );
+    wr.write_all(head.as_bytes()).await.ok()?;
+    wr.flush().await.ok()?;
+    let begun = Instant::now();
+    let send = async move {
+        for _ in 0..trickle.chunks {
+            tokio::time::sleep(trickle.gap).await;
+            if wr.write_all(b"1\r\n{\r\n").await.is_err() || wr.flush().await.is_err() {
+                break;
+            }
+        }
+        let _ = wr.write_all(b"0\r\n\r\n").await;
+        let _ = wr.flush().await;
+        // Kept open until the answer: dropping a TLS write half sends no close.
+        std::future::pending::<()>().await;
+    };
+    let answer = async {
+        let mut answer = Vec::new();
+        let mut chunk = [0u8; 1024];
+        while !answer.windows(2).any(|w| w == b"\r\n") {
+            match rd.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => answer.extend_from_slice(&chunk[..n]),
+            }
+        }
+        String::from_utf8_lossy(&answer)
+            .split_whitespace()
+            .nth(1)
+            .unwrap_or_default()
+            .to_string()
+    };
+    let ended = tokio::time::timeout(trickle.hold, async {
+        tokio::select! {
+            status = answer => status,
+            () = send => String::new(),
+        }
+    })
+    .await;
+    Some(ended.ok().map(|status| (begun.elapsed(), status)))
 }
 
 /// The opening of an AdmissionReview for a pod CREATE (`uid` empty when `uid` is `None`),

@@ -21,12 +21,12 @@ use meshgate_e2e::{NodeSpec, unique_name};
 use crate::{WAIT, cp};
 
 /// Half of `manifests/charts/meshgate/templates/webhook.yaml`'s memory limit (256Mi), in KiB.
-const WEBHOOK_BAR_KIB: u64 = 128 * 1024;
+pub(crate) const WEBHOOK_BAR_KIB: u64 = 128 * 1024;
 /// Half of `manifests/charts/meshgate/templates/agent.yaml`'s memory limit (160Mi), in KiB.
 const AGENT_BAR_KIB: u64 = 80 * 1024;
 
 /// Just under the webhook's default 3 MiB body limit.
-const BODY: usize = 3 * 1024 * 1024 - 1024;
+pub(crate) const BODY: usize = 3 * 1024 * 1024 - 1024;
 
 /// A webhook with synced caches, and the transport to its HTTPS port.
 async fn webhook() -> anyhow::Result<(WebhookProcess, Transport)> {

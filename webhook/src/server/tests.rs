@@ -351,7 +351,9 @@ pub(crate) async fn start_capped(
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (phase_tx, phase) = crate::shutdown::phase_channel();
-    let server = tokio::spawn(serve_tls(listener, tls, app, phase, drain, max_connections));
+    // The cap alone: every test connection comes from one address.
+    let caps = (max_connections, max_connections);
+    let server = tokio::spawn(serve_tls(listener, tls, app, phase, drain, caps));
     (addr, phase_tx, server)
 }
 
@@ -704,6 +706,7 @@ async fn over_tls_idle_waits_outlive_the_header_timeout_but_a_begun_record_does_
     let tls = crate::tls::server_config(&cert, &key).unwrap();
     let limits = shared::Limits {
         max_connections: 4,
+        max_connections_per_client: 4,
         handshake_timeout: HANDSHAKE_TIMEOUT,
         header_read_timeout: Duration::from_secs(1),
         keep_alive_timeout: Duration::from_secs(10),
