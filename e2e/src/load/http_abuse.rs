@@ -158,10 +158,12 @@ impl SlowHeads {
 /// Opens `n` connections at once; on each, sends a `POST path` request head of about
 /// `head_bytes` bytes that never ends (no blank line), then waits, for at most `hold`, for
 /// the server to close it. Writes that fail (the server closed) end the sending early.
+/// The connections come from `sources` in turn (loopback addresses: clients apart, each
+/// with its own share of the server's connection cap), or from the default address.
 pub async fn slow_heads(
     addr: SocketAddr,
     transport: &Transport,
-    path: &str,
+    (path, sources): (&str, &[IpAddr]),
     n: usize,
     head_bytes: usize,
     hold: Duration,
@@ -170,9 +172,11 @@ pub async fn slow_heads(
         .map(|i| {
             let transport = transport.clone();
             let path = path.to_string();
-            tokio::spawn(
-                async move { slow_head(addr, &transport, &path, i, head_bytes, hold).await },
-            )
+            let source = (!sources.is_empty()).then(|| sources[i % sources.len()]);
+            tokio::spawn(async move {
+                let head = (i, head_bytes, hold);
+                slow_head(addr, &transport, &path, source, head).await
+            })
         })
         .collect();
     let mut out = SlowHeads::default();
@@ -197,11 +201,10 @@ async fn slow_head(
     addr: SocketAddr,
     transport: &Transport,
     path: &str,
-    i: usize,
-    head_bytes: usize,
-    hold: Duration,
+    source: Option<IpAddr>,
+    (i, head_bytes, hold): (usize, usize, Duration),
 ) -> Option<Option<(Duration, String)>> {
-    let mut s = transport.connect(addr).await.ok()?;
+    let mut s = transport.connect_from(addr, source).await.ok()?;
     let begun = Instant::now();
     let line = format!("X-Pad-{i}: {}\r\n", "p".repeat(1000));
     let mut head = format!("POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n");
