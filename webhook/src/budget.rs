@@ -276,6 +276,14 @@ mod tests {
 
     const CLIENT: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
 
+    type Feed = futures::channel::mpsc::UnboundedSender<Result<Bytes, std::io::Error>>;
+
+    /// A body whose chunks the test sends, when it wants.
+    fn fed() -> (Feed, Body) {
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        (tx, Body::from_stream(rx))
+    }
+
     fn headers(len: Option<usize>) -> HeaderMap {
         let mut h = HeaderMap::new();
         if let Some(n) = len {
@@ -345,13 +353,11 @@ mod tests {
         let mut senders = Vec::new();
         let mut readers = Vec::new();
         for _ in 0..4 {
-            let (tx, rx) = futures::channel::mpsc::unbounded::<Result<Bytes, std::io::Error>>();
+            let (tx, body) = fed();
             senders.push(tx);
             let budget = budget.clone();
             readers.push(tokio::spawn(async move {
-                let (bytes, held) = budget
-                    .read(CLIENT, &headers(Some(max)), Body::from_stream(rx))
-                    .await?;
+                let (bytes, held) = budget.read(CLIENT, &headers(Some(max)), body).await?;
                 drop(held); // answered
                 Ok::<usize, Refusal>(bytes.len())
             }));
@@ -407,13 +413,10 @@ mod tests {
         let max = 64 * 1024;
         let budget = Budget::new(max * (1 + WORST_CASE_EXPANSION), max)
             .read_within(Duration::from_millis(300));
-        let (tx, rx) = futures::channel::mpsc::unbounded::<Result<Bytes, std::io::Error>>();
+        let (tx, body) = fed();
         tx.unbounded_send(Ok(Bytes::from_static(b"x"))).unwrap();
         let b = budget.clone();
-        let trickle =
-            tokio::spawn(
-                async move { b.read(CLIENT, &headers(None), Body::from_stream(rx)).await },
-            );
+        let trickle = tokio::spawn(async move { b.read(CLIENT, &headers(None), body).await });
         tokio::time::sleep(Duration::from_millis(50)).await;
         let declared = headers(Some(max));
         let large = budget.read(CLIENT, &declared, Body::from(vec![b'l'; max]));
@@ -445,12 +448,11 @@ mod tests {
         let mut stalled = Vec::new();
         let mut senders = Vec::new();
         for _ in 0..3 {
-            let (tx, rx) = futures::channel::mpsc::unbounded::<Result<Bytes, std::io::Error>>();
+            let (tx, body) = fed();
             senders.push(tx);
             let b = budget.clone();
             stalled.push(tokio::spawn(async move {
-                b.read(attacker, &headers(Some(max)), Body::from_stream(rx))
-                    .await
+                b.read(attacker, &headers(Some(max)), body).await
             }));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -488,12 +490,12 @@ mod tests {
         let mut senders = Vec::new();
         let mut readers = Vec::new();
         for i in 0..6u8 {
-            let (tx, rx) = futures::channel::mpsc::unbounded::<Result<Bytes, std::io::Error>>();
+            let (tx, body) = fed();
             senders.push(tx);
             let b = budget.clone();
             let client = IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 1, i));
             readers.push(tokio::spawn(async move {
-                b.read(client, &headers(None), Body::from_stream(rx))
+                b.read(client, &headers(None), body)
                     .await
                     .map(|(bytes, held)| (bytes.len(), held))
             }));

@@ -179,21 +179,33 @@ pub async fn slow_heads(
             })
         })
         .collect();
-    let mut out = SlowHeads::default();
+    let (ended, not_connected, still_open) = tally(tasks).await;
+    SlowHeads {
+        connected: ended.len() + still_open,
+        not_connected,
+        closed: ended,
+        still_open,
+    }
+}
+
+/// What a connection of an attack came to: `None`, it could not connect; `Some(None)`, still
+/// open at the end of its hold; `Some(Some((after, status)))`, answered or closed.
+type Ended = Option<Option<(Duration, String)>>;
+
+/// The attack's connections once all ended: those answered or closed, how many could not
+/// connect and how many were still open.
+async fn tally(
+    tasks: Vec<tokio::task::JoinHandle<Ended>>,
+) -> (Vec<(Duration, String)>, usize, usize) {
+    let (mut ended, mut not_connected, mut still_open) = (Vec::new(), 0, 0);
     for t in tasks {
         match t.await {
-            Ok(Some(Some(closed))) => {
-                out.connected += 1;
-                out.closed.push(closed);
-            }
-            Ok(Some(None)) => {
-                out.connected += 1;
-                out.still_open += 1;
-            }
-            Ok(None) | Err(_) => out.not_connected += 1,
+            Ok(Some(Some(end))) => ended.push(end),
+            Ok(Some(None)) => still_open += 1,
+            Ok(None) | Err(_) => not_connected += 1,
         }
     }
-    out
+    (ended, not_connected, still_open)
 }
 
 /// One connection of [`slow_heads`]: `None` if it could not connect, else `Some(close)`.
@@ -203,7 +215,7 @@ async fn slow_head(
     path: &str,
     source: Option<IpAddr>,
     (i, head_bytes, hold): (usize, usize, Duration),
-) -> Option<Option<(Duration, String)>> {
+) -> Ended {
     let mut s = transport.connect_from(addr, source).await.ok()?;
     let begun = Instant::now();
     let line = format!("X-Pad-{i}: {}\r\n", "p".repeat(1000));
@@ -346,20 +358,16 @@ pub async fn slow_chunked(
         let due = begun + interval * u32::try_from(tasks.len()).unwrap_or(u32::MAX);
         tokio::time::sleep_until(due.into()).await;
     }
-    let mut out = SlowChunked::default();
-    for t in tasks {
-        match t.await {
-            Ok(Some(Some((held, status)))) => {
-                out.sent += 1;
-                out.held.push(held);
-                *out.outcomes.entry(status).or_default() += 1;
-            }
-            Ok(Some(None)) => {
-                out.sent += 1;
-                out.still_open += 1;
-            }
-            Ok(None) | Err(_) => out.not_connected += 1,
-        }
+    let (ended, not_connected, still_open) = tally(tasks).await;
+    let mut out = SlowChunked {
+        sent: ended.len() + still_open,
+        not_connected,
+        still_open,
+        ..SlowChunked::default()
+    };
+    for (held, status) in ended {
+        out.held.push(held);
+        *out.outcomes.entry(status).or_default() += 1;
     }
     out
 }
@@ -372,7 +380,7 @@ async fn slow_chunked_one(
     source: IpAddr,
     path: &str,
     trickle: Trickle,
-) -> Option<Option<(Duration, String)>> {
+) -> Ended {
     let s = transport.connect_from(addr, Some(source)).await.ok()?;
     let (mut rd, mut wr) = tokio::io::split(s);
     let head = format!(
