@@ -91,6 +91,18 @@ pub enum Refusal {
     Unreadable(String),
 }
 
+impl Refusal {
+    /// The `reason` label of `meshgate_review_bodies_refused_total`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Refusal::TooLarge(_) => "too_large",
+            Refusal::TooSlow(_) => "too_slow",
+            Refusal::Spent => "budget_spent",
+            Refusal::Unreadable(_) => "unreadable",
+        }
+    }
+}
+
 impl IntoResponse for Refusal {
     fn into_response(self) -> Response {
         let status = match self {

@@ -135,7 +135,8 @@ impl<C: Cluster> FromRequest<AppState<C>> for ReviewBody {
         match state.budget.read(client, &parts.headers, body).await {
             Ok((bytes, held)) => Ok(Self(bytes, held)),
             Err(refusal) => {
-                tracing::debug!(error = %refusal, "refusing a request body");
+                tracing::debug!(error = %refusal, %client, "refusing a request body");
+                state.reviewer.metrics().body_refused(refusal.reason());
                 Err(refusal.into_response())
             }
         }
