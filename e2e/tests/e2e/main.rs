@@ -6,6 +6,7 @@
 //! nodes, so tests run in parallel without seeing each other. One module per area.
 
 mod abuse;
+mod abuse_flood;
 mod abuse_pods;
 mod agent;
 mod ambient;
