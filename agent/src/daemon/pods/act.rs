@@ -293,12 +293,12 @@ impl Inspector {
             return None;
         }
         if let Some(budget) = &self.cluster_budget {
-            if let Err(why) = budget.take().await {
+            if let Err(deferral) = budget.take().await {
                 // Not disrupted: the node's token goes back; the pod is tried again later.
                 self.limiter.refund(token);
                 let retry_in_ms = back_off_ms(&mut self.tracker, &info.uid, now);
-                tracing::warn!(%profile, %why, retry_in_ms, "eviction deferred by the cluster-wide eviction budget");
-                return Some(Outcome::ClusterBudget(why));
+                tracing::warn!(%profile, why = %deferral.why, retry_in_ms, "eviction deferred by the cluster-wide eviction budget");
+                return Some(Outcome::ClusterBudget(deferral));
             }
         }
         let detect_ms = now.saturating_sub(m.due.ready_since).as_millis() as u64;

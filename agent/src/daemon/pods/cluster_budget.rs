@@ -16,6 +16,22 @@ use meshgate_core::cluster_budget::{self, Budget, CONFIGMAP, KEY};
 /// Reads of the ledger per eviction when other agents keep writing first.
 const ATTEMPTS: u32 = 5;
 
+/// Why no eviction was taken.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Deferral {
+    /// True when the budget is spent; false when the ledger could not be used (missing,
+    /// unreadable, the API failing): the two are told apart in the pod's Event.
+    pub spent: bool,
+    /// In words, for the Event and the log.
+    pub why: String,
+}
+
+impl Deferral {
+    fn unusable(why: String) -> Self {
+        Self { spent: false, why }
+    }
+}
+
 /// Why a write of the ledger did not land.
 enum WriteError {
     /// Another agent wrote it since it was read.
@@ -45,7 +61,7 @@ impl ClusterBudget {
     }
 
     /// Takes one eviction, or says why not.
-    pub async fn take(&self) -> Result<(), String> {
+    pub async fn take(&self) -> Result<(), Deferral> {
         for attempt in 1..=ATTEMPTS {
             let mut ledger = self.read().await?;
             let data = ledger.data.get_or_insert_with(Default::default);
@@ -53,11 +69,14 @@ impl ClusterBudget {
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as u64);
             let next = cluster_budget::take(data.get(KEY).map(String::as_str), self.budget, now_ms)
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| Deferral {
+                    spent: matches!(e, cluster_budget::Refused::Exhausted { .. }),
+                    why: e.to_string(),
+                })?;
             data.insert(KEY.to_owned(), next);
             match self.write(&ledger).await {
                 Ok(()) => return Ok(()),
-                Err(WriteError::Failed(e)) => return Err(e),
+                Err(WriteError::Failed(e)) => return Err(Deferral::unusable(e)),
                 Err(WriteError::Conflict) if attempt < ATTEMPTS => {
                     // Another agent took one first: read its ledger, after a short jitter so
                     // agents racing in step do not collide again.
@@ -67,13 +86,13 @@ impl ClusterBudget {
                 Err(WriteError::Conflict) => break,
             }
         }
-        Err(format!(
+        Err(Deferral::unusable(format!(
             "the cluster-wide eviction ledger (ConfigMap {}/{CONFIGMAP}) changed under {ATTEMPTS} writes in a row",
             self.namespace
-        ))
+        )))
     }
 
-    async fn read(&self) -> Result<ConfigMap, String> {
+    async fn read(&self) -> Result<ConfigMap, Deferral> {
         let what = || {
             format!(
                 "cannot read the cluster-wide eviction ledger (ConfigMap {}/{CONFIGMAP})",
@@ -82,8 +101,12 @@ impl ClusterBudget {
         };
         match tokio::time::timeout(self.timeout, self.api.get(CONFIGMAP)).await {
             Ok(Ok(cm)) => Ok(cm),
-            Ok(Err(e)) => Err(format!("{}: {e}", what())),
-            Err(_) => Err(format!("{}: no answer within {:?}", what(), self.timeout)),
+            Ok(Err(e)) => Err(Deferral::unusable(format!("{}: {e}", what()))),
+            Err(_) => Err(Deferral::unusable(format!(
+                "{}: no answer within {:?}",
+                what(),
+                self.timeout
+            ))),
         }
     }
 

@@ -19,6 +19,8 @@ use kube::api::EvictParams;
 use kube::core::Request;
 use kube::runtime::events::{Event, EventType};
 use meshgate_core::evict::SkipWhy;
+
+use super::cluster_budget::Deferral;
 use meshgate_core::{event_note, event_reason};
 
 /// The API's answer to one eviction.
@@ -110,8 +112,8 @@ pub enum Outcome {
     Skipped(SkipWhy),
     /// The API refused: several PodDisruptionBudgets match the pod.
     MultiplePdbs,
-    /// The cluster-wide eviction budget refused (spent, or its ledger unusable): why.
-    ClusterBudget(String),
+    /// The cluster-wide eviction budget refused (spent, or its ledger unusable).
+    ClusterBudget(Deferral),
     /// The call failed; retried later.
     Failed(String),
 }
@@ -125,9 +127,9 @@ impl Outcome {
             Outcome::Evicted => "Evict",
             Outcome::Skipped(SkipWhy::Pdb) | Outcome::MultiplePdbs => "EvictBlocked",
             Outcome::Skipped(SkipWhy::RateLimit) => "EvictDeferred",
-            Outcome::Skipped(SkipWhy::ClusterBudget) | Outcome::ClusterBudget(_) => {
-                "EvictDeferredClusterBudget"
-            }
+            Outcome::Skipped(SkipWhy::ClusterBudget) => "EvictDeferredClusterBudget",
+            Outcome::ClusterBudget(d) if d.spent => "EvictDeferredClusterBudget",
+            Outcome::ClusterBudget(_) => "EvictDeferredNoBudgetLedger",
             Outcome::Skipped(SkipWhy::DryRun) => "DryRun",
             Outcome::Skipped(SkipWhy::Unowned) => "ReportUnowned",
             Outcome::Skipped(SkipWhy::NoEvict) => "ReportOnly",
@@ -168,8 +170,13 @@ impl Outcome {
             Outcome::Skipped(SkipWhy::ClusterBudget) => {
                 "eviction deferred by the cluster-wide eviction budget".into()
             }
-            Outcome::ClusterBudget(why) => format!(
-                "eviction deferred: {why} (--cluster-eviction-budget); retried when the window has room"
+            Outcome::ClusterBudget(d) if d.spent => format!(
+                "eviction deferred: {} (--cluster-eviction-budget); retried when the window has room",
+                d.why
+            ),
+            Outcome::ClusterBudget(d) => format!(
+                "eviction deferred: {}; nothing is evicted without the cluster-wide budget (--cluster-eviction-budget); retrying with backoff",
+                d.why
             ),
             Outcome::Skipped(SkipWhy::DryRun) => "dry-run: would be evicted".into(),
             Outcome::Skipped(SkipWhy::Report) => {
@@ -266,7 +273,14 @@ mod tests {
             Outcome::Skipped(SkipWhy::Unowned),
             Outcome::Skipped(SkipWhy::NoEvict),
             Outcome::Skipped(SkipWhy::NoProxy),
-            Outcome::ClusterBudget("spent".into()),
+            Outcome::ClusterBudget(Deferral {
+                spent: true,
+                why: "spent".into(),
+            }),
+            Outcome::ClusterBudget(Deferral {
+                spent: false,
+                why: "no ledger".into(),
+            }),
             Outcome::Failed("x".into()),
         ];
         let actions: std::collections::BTreeSet<_> = outcomes.iter().map(|o| o.action()).collect();
@@ -276,7 +290,11 @@ mod tests {
         assert_eq!(Outcome::Skipped(SkipWhy::NoEvict).skip_label(), None);
         assert_eq!(Outcome::Evicted.skip_label(), None);
         assert_eq!(
-            Outcome::ClusterBudget("spent".into()).skip_label(),
+            Outcome::ClusterBudget(Deferral {
+                spent: true,
+                why: "spent".into()
+            })
+            .skip_label(),
             Some("cluster_budget")
         );
     }

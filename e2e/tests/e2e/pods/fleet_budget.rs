@@ -61,7 +61,7 @@ async fn the_cluster_budget_holds_across_nodes_and_fails_safe() -> anyhow::Resul
     }
     a.wait_events(
         &originals[0],
-        "EvictDeferredClusterBudget",
+        "EvictDeferredNoBudgetLedger",
         "cannot read the cluster-wide eviction ledger",
     )
     .await?;
