@@ -14,6 +14,7 @@ mod ambient_real;
 mod authz;
 mod control_plane;
 mod faults;
+mod fleet;
 mod modes;
 mod outage;
 mod placement;

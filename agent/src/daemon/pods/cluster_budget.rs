@@ -4,8 +4,9 @@
 //! ledger ConfigMap in meshgate's namespace (`--namespace`), a client as the ServiceAccount
 //! (nodes may not write ConfigMaps), a deadline per call. Out: `Ok` once one eviction is
 //! taken (the ledger written back with it, conditional on the version read), or why not.
-//! Another agent writing first (409) makes it read again, at most [`ATTEMPTS`] times; the
-//! ConfigMap missing, unreadable or any failed call refuses: no eviction without the budget.
+//! Another agent writing first (409) makes it read again after a jittered, doubling backoff,
+//! at most [`ATTEMPTS`] times, then defers as if spent; the ConfigMap missing, unreadable or
+//! any failed call refuses: no eviction without the budget.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -14,13 +15,19 @@ use kube::api::{Api, PostParams};
 use meshgate_core::cluster_budget::{self, Budget, CONFIGMAP, KEY};
 
 /// Reads of the ledger per eviction when other agents keep writing first.
-const ATTEMPTS: u32 = 5;
+const ATTEMPTS: u32 = 10;
+/// The first retry's backoff ceiling; it doubles each attempt up to [`MAX_BACKOFF`], and each
+/// wait is drawn at random below its ceiling (full jitter), so a fleet of agents racing for
+/// the last evictions spreads out instead of colliding again in step.
+const FIRST_BACKOFF: Duration = Duration::from_millis(20);
+const MAX_BACKOFF: Duration = Duration::from_secs(1);
 
 /// Why no eviction was taken.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Deferral {
-    /// True when the budget is spent; false when the ledger could not be used (missing,
-    /// unreadable, the API failing): the two are told apart in the pod's Event.
+    /// True when the budget is spent, or other agents kept taking from it first; false when
+    /// the ledger could not be used (missing, unreadable, the API failing): the two are told
+    /// apart in the pod's Event.
     pub spent: bool,
     /// In words, for the Event and the log.
     pub why: String,
@@ -30,6 +37,15 @@ impl Deferral {
     fn unusable(why: String) -> Self {
         Self { spent: false, why }
     }
+}
+
+/// A wait below `ceiling`, drawn from the clock's nanoseconds (no RNG needed for jitter).
+fn jitter(ceiling: Duration) -> Duration {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::from(d.subsec_nanos()));
+    let ceiling_us = (ceiling.as_micros() as u64).max(1);
+    Duration::from_micros(nanos.wrapping_mul(0x9E37_79B9_7F4A_7C15) % ceiling_us)
 }
 
 /// Why a write of the ledger did not land.
@@ -62,6 +78,7 @@ impl ClusterBudget {
 
     /// Takes one eviction, or says why not.
     pub async fn take(&self) -> Result<(), Deferral> {
+        let mut ceiling = FIRST_BACKOFF;
         for attempt in 1..=ATTEMPTS {
             let mut ledger = self.read().await?;
             let data = ledger.data.get_or_insert_with(Default::default);
@@ -78,18 +95,20 @@ impl ClusterBudget {
                 Ok(()) => return Ok(()),
                 Err(WriteError::Failed(e)) => return Err(Deferral::unusable(e)),
                 Err(WriteError::Conflict) if attempt < ATTEMPTS => {
-                    // Another agent took one first: read its ledger, after a short jitter so
-                    // agents racing in step do not collide again.
-                    let jitter = u64::from(now_ms.to_le_bytes()[0]) % 40;
-                    tokio::time::sleep(Duration::from_millis(10 + jitter)).await;
+                    // Another agent took one first: read its ledger again, later.
+                    tokio::time::sleep(jitter(ceiling)).await;
+                    ceiling = (ceiling * 2).min(MAX_BACKOFF);
                 }
                 Err(WriteError::Conflict) => break,
             }
         }
-        Err(Deferral::unusable(format!(
-            "the cluster-wide eviction ledger (ConfigMap {}/{CONFIGMAP}) changed under {ATTEMPTS} writes in a row",
-            self.namespace
-        )))
+        Err(Deferral {
+            spent: true,
+            why: format!(
+                "the cluster-wide eviction budget is contended: other agents took from it first {ATTEMPTS} times in a row (ConfigMap {}/{CONFIGMAP})",
+                self.namespace
+            ),
+        })
     }
 
     async fn read(&self) -> Result<ConfigMap, Deferral> {
