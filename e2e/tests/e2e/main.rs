@@ -12,6 +12,7 @@ mod ambient;
 mod ambient_real;
 mod authz;
 mod control_plane;
+mod dashboard;
 mod faults;
 mod modes;
 mod outage;
