@@ -13,6 +13,7 @@ mod ambient;
 mod ambient_real;
 mod authz;
 mod control_plane;
+mod dashboard;
 mod faults;
 mod fleet;
 mod modes;

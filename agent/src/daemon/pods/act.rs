@@ -337,6 +337,7 @@ impl Inspector {
                 Some(Outcome::MultiplePdbs)
             }
             Answer::Failed(e) => {
+                self.metrics.api_error("evict");
                 let retry_in_ms = back_off_ms(&mut self.tracker, &info.uid, now);
                 tracing::warn!(error = %e, retry_in_ms, "eviction failed");
                 Some(Outcome::Failed(e))

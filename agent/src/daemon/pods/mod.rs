@@ -417,6 +417,7 @@ impl Inspector {
         let changes = match self.namespaces.apply(item) {
             Ok(changes) => changes,
             Err(e) => {
+                self.metrics.api_error("watch");
                 tracing::warn!(error = %e, "namespace watch error; retrying with backoff");
                 return;
             }
@@ -463,6 +464,7 @@ impl Inspector {
                 tracing::debug!(pods = self.tracker.len(), "pod list complete");
             }
             Err(e) => {
+                self.metrics.api_error("watch");
                 tracing::warn!(error = %e, "pod watch error; retrying with backoff")
             }
         }
