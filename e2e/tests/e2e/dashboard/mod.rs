@@ -10,7 +10,9 @@
 //! evaluated through Prometheus' HTTP API at each step of a story and checked for the series
 //! (labels, and values where they mean something) that step must produce; a query or alert
 //! never seen with data fails the test, but `MeshgateNodeGatedWithoutAgent`, which reads
-//! kube-state-metrics (not run here; its expression is still evaluated, so it must parse).
+//! kube-state-metrics (not run here), and `MeshgateClusterEvictionBudgetSpent`, which needs a
+//! fleet whose eviction budget is spent (`pods::fleet_budget` produces its series); both
+//! expressions are still evaluated, so they must parse.
 //! With `MESHGATE_WRITE_FIGURES=1`, the test also writes the figure of docs
 //! ([`figure::PATH`]) from the range query of gated nodes over the story.
 //!
@@ -37,6 +39,11 @@ const SCRAPE: Duration = Duration::from_secs(1);
 
 /// The alert whose series cannot be produced here: kube-state-metrics is not running.
 const NEEDS_KUBE_STATE_METRICS: &str = "alert MeshgateNodeGatedWithoutAgent";
+/// The alert whose series needs a fleet whose eviction budget is spent, which this story's
+/// one node does not play: `pods::fleet_budget` reads the very series it sums
+/// (`meshgate_evictions_skipped_total{why="cluster_budget"}`) from real agents, and its
+/// promtool test fires it.
+const NEEDS_A_SPENT_FLEET: &str = "alert MeshgateClusterEvictionBudgetSpent";
 
 /// The scrape targets: the agent (as the agent PodMonitor labels it), the webhook at
 /// `webhook` (as the webhook PodMonitor labels it), and the apiserver (as
@@ -133,7 +140,8 @@ async fn story_on(s: &mut story::Story, f: &mut Fixture) -> anyhow::Result<()> {
     }
     // Evaluated (so it parses) but without data: kube-state-metrics is not running here.
     c.empty(NEEDS_KUBE_STATE_METRICS).await?;
-    let unproven = c.unproven(&[NEEDS_KUBE_STATE_METRICS]);
+    c.empty(NEEDS_A_SPENT_FLEET).await?;
+    let unproven = c.unproven(&[NEEDS_KUBE_STATE_METRICS, NEEDS_A_SPENT_FLEET]);
     anyhow::ensure!(unproven.is_empty(), "never seen with data: {unproven:?}");
     Ok(())
 }
