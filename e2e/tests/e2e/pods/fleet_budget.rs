@@ -28,20 +28,7 @@ async fn node_with_pods(prefix: &str) -> anyhow::Result<(Scene, (Plan, impl Drop
     scene
         .create_rs(&replica_set("web", &scene.node, 2, false)?)
         .await?;
-    let names = poll_until(
-        &format!("2 pods running on {}", scene.node),
-        WAIT,
-        || async {
-            let pods = scene.app_pods("web").await?;
-            let names: Vec<String> = pods
-                .iter()
-                .filter(|p| running(p))
-                .map(ResourceExt::name_any)
-                .collect();
-            anyhow::Ok((names.len() == 2).then_some(names))
-        },
-    )
-    .await?;
+    let names = scene.running_names("web", 2).await?;
     Ok((scene, (plan, kubelet), names))
 }
 

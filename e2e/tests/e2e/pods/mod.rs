@@ -223,6 +223,21 @@ impl Scene {
         Ok(())
     }
 
+    /// Waits until `n` pods of `app` run; their names.
+    async fn running_names(&self, app: &str, n: usize) -> anyhow::Result<Vec<String>> {
+        let names = poll_until(&format!("{n} {app} pods running"), WAIT, || async {
+            let pods = self.app_pods(app).await?;
+            let names: Vec<String> = pods
+                .iter()
+                .filter(|p| running(p))
+                .map(ResourceExt::name_any)
+                .collect();
+            anyhow::Ok((names.len() == n).then_some(names))
+        })
+        .await?;
+        Ok(names)
+    }
+
     async fn app_pods(&self, app: &str) -> anyhow::Result<Vec<Pod>> {
         Ok(self
             .pods()
