@@ -13,7 +13,8 @@
 //! names, so they are part of the contract and never change.
 
 /// The agent DaemonSet: its Node's taint, label (`nodes`) and condition (`nodes/status`),
-/// its Events (also their `reportingController`), and its evictions (`pods/eviction`).
+/// its Events (also their `reportingController`), the cluster-wide eviction ledger
+/// (`core::cluster_budget::CONFIGMAP`) and its evictions (`pods/eviction`).
 pub const AGENT: &str = "meshgate-agent";
 
 /// `kubectl meshgate cleanup` and the chart's uninstall hook, which runs it: the removal of

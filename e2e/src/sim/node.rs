@@ -432,6 +432,17 @@ pub struct Managed {
     pub subresource: String,
 }
 
+impl Managed {
+    /// The entry of `manager`'s `operation` on `subresource` (empty: the object itself).
+    pub fn new(manager: &str, operation: &str, subresource: &str) -> Self {
+        Self {
+            manager: manager.into(),
+            operation: operation.into(),
+            subresource: subresource.into(),
+        }
+    }
+}
+
 /// The entries of `meta`'s `managedFields` that own the field at `path` (the `fieldsV1` keys
 /// leading to it: `["f:spec", "f:taints"]`, `["f:status", "f:conditions",
 /// "k:{\"type\":\"MeshCNIVerified\"}"]`).

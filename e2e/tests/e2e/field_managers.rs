@@ -28,14 +28,6 @@ use crate::support::{Agent, CniDirs, golden, wait_node};
 /// Another writer's taint, kept beside meshgate's.
 const FOREIGN_TAINT: &str = "example.com/maintenance";
 
-fn by(manager: &str, operation: &str, subresource: &str) -> Managed {
-    Managed {
-        manager: manager.into(),
-        operation: operation.into(),
-        subresource: subresource.into(),
-    }
-}
-
 /// The `fieldsV1` key of the agent's condition in `status.conditions` (a map keyed by `type`).
 fn condition_key() -> String {
     format!("k:{}", json!({ "type": CONDITION_TYPE }))
@@ -50,19 +42,19 @@ fn the_agent_owns_its_marks(n: &Node) {
     let label_key = format!("f:{VERIFIED_LABEL}");
     assert_eq!(
         owners(meta, &["f:metadata", "f:labels", &label_key]),
-        [by(AGENT, "Update", "")],
+        [Managed::new(AGENT, "Update", "")],
         "the label's owner:\n{all}"
     );
     // An atomic list: whoever writes it last owns it whole, the other writer's taint too.
     assert_eq!(
         owners(meta, &["f:spec", "f:taints"]),
-        [by(AGENT, "Update", "")],
+        [Managed::new(AGENT, "Update", "")],
         "the taint list's owner:\n{all}"
     );
     let key = condition_key();
     assert_eq!(
         owners(meta, &["f:status", "f:conditions", &key]),
-        [by(AGENT, "Apply", "status")],
+        [Managed::new(AGENT, "Apply", "status")],
         "the condition's owner:\n{all}"
     );
     // The apply owns the one entry and nothing else of the status.
@@ -101,7 +93,7 @@ async fn the_agents_events_are_its_own(client: &Client, node: &str) -> anyhow::R
         assert_eq!(e.reporting_instance.as_deref(), Some(node), "{e:?}");
         assert_eq!(
             owners(&e.metadata, &["f:reason"]),
-            [by(AGENT, "Update", "")],
+            [Managed::new(AGENT, "Update", "")],
             "the Event's owner:\n{all}"
         );
     }

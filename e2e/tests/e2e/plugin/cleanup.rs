@@ -277,11 +277,7 @@ async fn cleanup_waits_for_the_agents_to_go_and_gives_up_at_its_timeout() -> any
 async fn the_cleanup_names_its_field_manager(client: &Client, n: &str) -> anyhow::Result<()> {
     let node = Api::<Node>::all(client.clone()).get(n).await?;
     let (meta, all) = (&node.metadata, managed_fields(&node.metadata));
-    let cleanup = Managed {
-        manager: field_manager::CLEANUP.into(),
-        operation: "Update".into(),
-        subresource: String::new(),
-    };
+    let cleanup = Managed::new(field_manager::CLEANUP, "Update", "");
     ensure!(
         owners(meta, &["f:spec", "f:taints"]) == [cleanup],
         "the taint list of {n} is the cleanup's:\n{all}"
