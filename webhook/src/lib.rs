@@ -230,7 +230,7 @@ async fn start_runtime(
 ) -> anyhow::Result<(Runtime, metrics::Metrics)> {
     let mut registry = Registry::default();
     let metrics = metrics::Metrics::register(&mut registry);
-    let builder = Runtime::builder(common)
+    let builder = Runtime::builder(common, meshgate_core::field_manager::WEBHOOK)
         .metrics(registry, metrics.mode.clone())
         .probes(ready, AlwaysLive)
         .mode_first_list(MODE_FIRST_LIST);

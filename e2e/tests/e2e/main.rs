@@ -15,6 +15,7 @@ mod authz;
 mod control_plane;
 mod dashboard;
 mod faults;
+mod field_managers;
 mod fleet;
 mod modes;
 mod outage;

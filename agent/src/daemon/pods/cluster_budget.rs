@@ -13,6 +13,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, PostParams};
 use meshgate_core::cluster_budget::{self, Budget, CONFIGMAP, KEY};
+use meshgate_core::field_manager;
 
 /// Reads of the ledger per eviction when other agents keep writing first.
 const ATTEMPTS: u32 = 10;
@@ -131,7 +132,10 @@ impl ClusterBudget {
 
     /// Writes the ledger back, if nobody wrote it since it was read (its resourceVersion).
     async fn write(&self, ledger: &ConfigMap) -> Result<(), WriteError> {
-        let pp = PostParams::default();
+        let pp = PostParams {
+            field_manager: Some(field_manager::AGENT.into()),
+            ..PostParams::default()
+        };
         match tokio::time::timeout(self.timeout, self.api.replace(CONFIGMAP, &pp, ledger)).await {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(kube::Error::Api(s))) if s.code == 409 => Err(WriteError::Conflict),

@@ -15,13 +15,14 @@ use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::api::policy::v1::Eviction;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{DeleteOptions, ObjectMeta, Preconditions};
 use kube::Resource;
-use kube::api::EvictParams;
+use kube::api::{EvictParams, PostParams};
 use kube::core::Request;
 use kube::runtime::events::{Event, EventType};
 use meshgate_core::evict::SkipWhy;
+use meshgate_core::field_manager;
+use meshgate_core::{event_note, event_reason};
 
 use super::cluster_budget::Deferral;
-use meshgate_core::{event_note, event_reason};
 
 /// The API's answer to one eviction.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -90,9 +91,17 @@ pub async fn evict(
         Ok(b) => b,
         Err(e) => return Answer::Failed(format!("cannot encode the Eviction: {e}")),
     };
-    let request = match Request::new(Pod::url_path(&(), Some(namespace)))
-        .evict(name, &EvictParams::default())
-    {
+    // The eviction is a create of `pods/eviction`: it names the agent's field manager, as
+    // every write of the agent does. Only an audit log shows it (the request URI): the
+    // apiserver sets the pod's `DisruptionTarget` condition itself, under no field manager.
+    let params = EvictParams {
+        post_options: PostParams {
+            field_manager: Some(field_manager::AGENT.into()),
+            ..PostParams::default()
+        },
+        ..EvictParams::default()
+    };
+    let request = match Request::new(Pod::url_path(&(), Some(namespace))).evict(name, &params) {
         Ok(r) => r.map(|_| body),
         Err(e) => return Answer::Failed(format!("cannot build the eviction request: {e}")),
     };
@@ -346,10 +355,11 @@ mod tests {
                     break;
                 };
                 let path = req.uri().path().to_string();
+                let query = req.uri().query().unwrap_or_default().to_string();
                 let body = req.into_body().collect().await.map(|b| b.to_bytes());
                 let body: serde_json::Value =
                     serde_json::from_slice(&body.unwrap_or_default()).unwrap_or_default();
-                seen.push((path, body));
+                seen.push((path, query, body));
                 let reply = if status == 201 {
                     serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201})
                 } else {
@@ -377,8 +387,12 @@ mod tests {
         ));
         let seen = server.await.unwrap_or_default();
         assert_eq!(seen.len(), 2);
-        let (path, body) = &seen[0];
+        let (path, query, body) = &seen[0];
         assert_eq!(path, "/api/v1/namespaces/ns1/pods/web-1/eviction");
+        assert_eq!(
+            query, "&fieldManager=meshgate-agent",
+            "the agent's field manager"
+        );
         assert_eq!(body["apiVersion"], "policy/v1");
         assert_eq!(body["kind"], "Eviction");
         assert_eq!(body["metadata"]["name"], "web-1");

@@ -6,6 +6,8 @@
 use super::*;
 use k8s_openapi::api::core::v1::ConfigMap;
 use meshgate_core::cluster_budget::{CONFIGMAP, KEY};
+use meshgate_core::field_manager;
+use meshgate_e2e::sim::node::{Managed, managed_fields, owners};
 
 /// The agents' flags: budget 1 per 10 minutes, the ledger in `ns`.
 fn budget_flags(ns: &str) -> Vec<String> {
@@ -70,6 +72,13 @@ async fn the_cluster_budget_holds_across_nodes_and_fails_safe() -> anyhow::Resul
     let stored = Api::<ConfigMap>::namespaced(a.client.clone(), &a.ns)
         .get(CONFIGMAP)
         .await?;
+    // The agent's write names it (docs/operations.md, "Who wrote it: field managers").
+    assert_eq!(
+        owners(&stored.metadata, &["f:data", &format!("f:{KEY}")]),
+        [Managed::new(field_manager::AGENT, "Update", "")],
+        "the ledger's owner:\n{}",
+        managed_fields(&stored.metadata)
+    );
     let entries = stored
         .data
         .and_then(|d| d.get(KEY).cloned())
