@@ -245,11 +245,22 @@ pub async fn expect_only_the_mode_configmap(client: &Client) -> anyhow::Result<(
     Ok(())
 }
 
-/// Checks `client`'s rules: `want` in other namespaces, `want` and the mode ConfigMap's in
-/// meshgate's own.
+/// The agent's rules in meshgate's namespace besides the mode's: the cluster-wide eviction
+/// budget's ledger (Role `meshgate-eviction-budget`), read and written back by name.
+pub fn eviction_budget_rules() -> BTreeSet<(String, String, String)> {
+    triples(&[(
+        "",
+        &["configmaps[meshgate-eviction-budget]"],
+        &["get", "update"],
+    )])
+}
+
+/// Checks `client`'s rules: `want` in other namespaces; `want`, the mode ConfigMap's and
+/// `own_namespace` in meshgate's own.
 pub async fn expect_rules(
     client: &Client,
     want: &BTreeSet<(String, String, String)>,
+    own_namespace: &BTreeSet<(String, String, String)>,
     who: &str,
 ) -> anyhow::Result<()> {
     for ns in ["default", "kube-system"] {
@@ -261,6 +272,7 @@ pub async fn expect_rules(
     }
     let mut own = want.clone();
     own.extend(mode_reader_rules());
+    own.extend(own_namespace.iter().cloned());
     let have = effective_rules(client, NS).await?;
     ensure!(have == own, "{who}'s rules in {NS}: {have:?}, want {own:?}");
     Ok(())

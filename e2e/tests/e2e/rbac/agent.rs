@@ -358,7 +358,7 @@ async fn agent_token_cannot_read_secrets_and_has_exactly_its_rules() -> anyhow::
         ("", &["pods/eviction"], &["create"]),
         ("events.k8s.io", &["events"], &["create", "patch"]),
     ]);
-    expect_rules(&agent, &want, "the agent").await?;
+    expect_rules(&agent, &want, &eviction_budget_rules(), "the agent").await?;
     expect_only_the_mode_configmap(&agent).await?;
     Ok(())
 }

@@ -31,7 +31,7 @@
 
 use crate::WAIT;
 use crate::support::{
-    AGENT, NS, bound_token, describe, dry_run_eviction, effective_rules,
+    AGENT, NS, bound_token, describe, dry_run_eviction, effective_rules, eviction_budget_rules,
     expect_only_the_mode_configmap, expect_rules, label_verified_dry_run, mode_reader_rules,
     refused_by_policy, refused_by_rbac, status_of, triples, verdict,
 };
