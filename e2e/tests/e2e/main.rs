@@ -14,6 +14,7 @@ mod authz;
 mod control_plane;
 mod faults;
 mod modes;
+mod nrc;
 mod outage;
 mod placement;
 mod plugin;
