@@ -42,11 +42,13 @@ demo: check-root deps
 deps:
 	@test -d "$(K8S_BIN_DIR)" || { echo "make: $(DEPS) failed (see above)" >&2; exit 1; }
 
-## chart: helm lint of the chart, with its default values and with every option on
+## chart: helm lint of the chart, with its default values and with every option on; its README current
 chart: deps
 	@echo "==> helm lint manifests/charts/meshgate"
 	"$(HELM)" lint --strict manifests/charts/meshgate
 	"$(HELM)" lint --strict manifests/charts/meshgate --values e2e/chart/all-on-values.yaml
+	@echo "==> the chart README's values table is current (manifests/charts/meshgate/readme.sh)"
+	bash manifests/charts/meshgate/readme.sh --check
 
 ## alerts: promtool checks and unit tests of the chart's PrometheusRule
 alerts: deps
