@@ -7,7 +7,9 @@
 //! In: root, the node binaries, images and helm `e2e/install-deps.sh` caches, meshgate's
 //! image with `kubectl-meshgate` in it (`make` builds it; the chart's post-delete hook runs
 //! `kubectl-meshgate cleanup --wait-for-agents`). Out: pass/fail, and the install and
-//! uninstall times on stderr.
+//! uninstall times on stderr. Before the uninstall, `helm test` runs the chart's test hook
+//! (`kubectl-meshgate status --webhook-only` in a Pod) against the installed webhook; the
+//! uninstall then leaves none of its objects either.
 
 use std::time::{Duration, Instant};
 
@@ -18,7 +20,7 @@ use k8s_openapi::api::admissionregistration::v1::{
 };
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Namespace, Node, Secret, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use kube::api::{Api, ListParams};
 use kube::{Client, Resource, ResourceExt};
 use meshgate_core::gate::{
@@ -36,6 +38,8 @@ use crate::real_node::ONE_NODE;
 
 /// The agent's first verdict, or a new one after istio-cni is chained, lands within this.
 const VERDICT: Duration = Duration::from_secs(60);
+/// `helm test`'s own timeout (the Pod pulls nothing: the image is local) and then some.
+const HELM_TEST: Duration = Duration::from_secs(150);
 /// meshgate's namespace is gone once its pods have terminated (30 s grace) after the uninstall.
 const NAMESPACE_GONE: Duration = Duration::from_secs(120);
 
@@ -69,6 +73,33 @@ async fn helm_uninstall_leaves_nothing_of_meshgate_on_real_nodes() -> anyhow::Re
         tainted(n) && gate_condition(n).is_some_and(|c| c.0 == "False")
     })
     .await?;
+
+    // The chart's test hook: `kubectl-meshgate status --webhook-only` in a Pod, as its own
+    // ServiceAccount; it passes with a gated node, since the webhook answers.
+    let started = Instant::now();
+    let tested = helm::run(
+        cp,
+        &[
+            "test",
+            helm::RELEASE,
+            "--namespace",
+            helm::RELEASE_NAMESPACE,
+            "--logs",
+            "--timeout",
+            "120s",
+        ],
+        HELM_TEST,
+    )
+    .await
+    .context("helm test")?;
+    eprintln!(
+        "helm test: {:.1} s\n{tested}",
+        started.elapsed().as_secs_f64()
+    );
+    ensure!(
+        tested.contains("WEBHOOK: reachable"),
+        "the test Pod's status names the webhook reachable:\n{tested}"
+    );
 
     let started = Instant::now();
     let out = cluster.uninstall_meshgate().await?;
@@ -141,9 +172,17 @@ async fn nothing_left(client: &Client) -> anyhow::Result<()> {
     ];
     absent::<ValidatingAdmissionPolicy>(client, &policies).await?;
     absent::<ValidatingAdmissionPolicyBinding>(client, &policies).await?;
-    let rbac = ["meshgate-agent", "meshgate-webhook", "meshgate-cleanup"];
+    let rbac = [
+        "meshgate-agent",
+        "meshgate-webhook",
+        "meshgate-cleanup",
+        "meshgate-test",
+    ];
     absent::<ClusterRole>(client, &rbac).await?;
     absent::<ClusterRoleBinding>(client, &rbac).await?;
+    // The test hook's grant in the probe's namespace.
+    absent_in::<Role>(client, "default", &["meshgate-test-probe"]).await?;
+    absent_in::<RoleBinding>(client, "default", &["meshgate-test-probe"]).await?;
     let hook = helm::RELEASE_NAMESPACE;
     absent_in::<Job>(client, hook, &["meshgate-cleanup"]).await?;
     absent_in::<ServiceAccount>(client, hook, &["meshgate-cleanup"]).await?;
