@@ -67,15 +67,14 @@ pub async fn run(args: Args) -> anyhow::Result<Exit> {
         Output::Table => print!("{}", status::table::render(&report, Timestamp::now())),
     }
     let failed = if args.webhook_only {
-        report.webhook.as_ref().is_none_or(|w| w.state != "reachable")
+        report
+            .webhook
+            .as_ref()
+            .is_none_or(|w| w.state != "reachable")
     } else {
         report.needs_attention()
     };
-    Ok(if failed {
-        Exit::Failed
-    } else {
-        Exit::Success
-    })
+    Ok(if failed { Exit::Failed } else { Exit::Success })
 }
 
 /// The report, from the API alone.

@@ -11,8 +11,8 @@ use anyhow::{Context as _, ensure};
 use k8s_openapi::api::core::v1::{ConfigMap, Node};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::rbac::v1::RoleBinding;
-use kube::{Client, ResourceExt};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
 use meshgate_core::gate::{CONDITION_TYPE, DEFAULT_TAINT_KEY as TAINT_KEY, VERIFIED_LABEL};
 use meshgate_core::mode::{self, Mode};
 use meshgate_e2e::harness::audit;
@@ -255,8 +255,8 @@ async fn condition_only_never_touches_a_taint_under_meshgates_key() -> anyhow::R
 /// no value) is on an unverified node leaves it as it is; when the rule's deletion takes it
 /// off (the controller's finalizer untaints every Node), the agent puts its own back.
 #[tokio::test]
-async fn an_enforcing_agent_re_taints_its_node_when_the_rules_taint_is_removed() -> anyhow::Result<()>
-{
+async fn an_enforcing_agent_re_taints_its_node_when_the_rules_taint_is_removed()
+-> anyhow::Result<()> {
     let cp = cp().await;
     let client = cp.client()?;
     let mode_ns = cp.create_namespace(&client, "mode-handover").await?;

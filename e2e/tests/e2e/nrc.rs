@@ -101,7 +101,10 @@ async fn the_rule_is_replaced_on_an_immutable_change_handed_over_and_uninstalled
 
 /// The stand-in refuses a change of each immutable field in place (422), as the controller's
 /// CRD does; `helm upgrade` changing one creates a rule of another name and deletes the old.
-async fn immutable_changes_replace_the_rule(cp: &ControlPlane, client: &Client) -> anyhow::Result<()> {
+async fn immutable_changes_replace_the_rule(
+    cp: &ControlPlane,
+    client: &Client,
+) -> anyhow::Result<()> {
     let (first, spec) = the_rule(client).await?;
     assert_eq!(spec["enforcementMode"], "continuous");
     for change in [
@@ -134,7 +137,10 @@ async fn immutable_changes_replace_the_rule(cp: &ControlPlane, client: &Client) 
         upgrade(cp, set).await?;
         let (name, spec) = the_rule(client).await?;
         assert_eq!(spec.pointer(field), Some(&json!(want)), "{set}: {spec}");
-        ensure!(!seen.contains(&name), "{set}: the rule kept the name {name}");
+        ensure!(
+            !seen.contains(&name),
+            "{set}: the rule kept the name {name}"
+        );
         seen.push(name);
     }
     // Back to the defaults' fields: the defaults' name again; an upgrade that changes none of
@@ -146,12 +152,22 @@ async fn immutable_changes_replace_the_rule(cp: &ControlPlane, client: &Client) 
     )
     .await?;
     let (name, _) = the_rule(client).await?;
-    assert_eq!(name, seen[0], "the name is a function of the immutable fields");
+    assert_eq!(
+        name, seen[0],
+        "the name is a function of the immutable fields"
+    );
     let uid = rules_api(client).get(&name).await?.uid();
     upgrade(cp, "nodeReadinessRule.dryRun=true").await?;
     let (same, spec) = the_rule(client).await?;
-    assert_eq!((same.as_str(), &spec["dryRun"]), (name.as_str(), &json!(true)));
-    assert_eq!(rules_api(client).get(&name).await?.uid(), uid, "patched in place");
+    assert_eq!(
+        (same.as_str(), &spec["dryRun"]),
+        (name.as_str(), &json!(true))
+    );
+    assert_eq!(
+        rules_api(client).get(&name).await?.uid(),
+        uid,
+        "patched in place"
+    );
     upgrade(cp, "nodeReadinessRule.dryRun=false").await
 }
 
@@ -180,14 +196,20 @@ async fn handover_to_enforce(cp: &ControlPlane, client: &Client) -> anyhow::Resu
         .get(mode::CONFIGMAP)
         .await?;
     assert_eq!(
-        cm.data.unwrap_or_default().get(mode::KEY).map(String::as_str),
+        cm.data
+            .unwrap_or_default()
+            .get(mode::KEY)
+            .map(String::as_str),
         Some("enforce")
     );
     // The patch's field manager still co-owns `mode`: helm 4's next upgrade that changes it
     // conflicts, and goes through with --force-conflicts (docs/operations.md says so).
     let back = "mode=condition-only,nodeReadinessRule.enabled=true";
     let refused = upgrade(cp, back).await.err().context("no conflict")?;
-    ensure!(format!("{refused:#}").contains("conflict with \"kubectl-patch\""), "{refused:#}");
+    ensure!(
+        format!("{refused:#}").contains("conflict with \"kubectl-patch\""),
+        "{refused:#}"
+    );
     let args = ["--reuse-values", "--force-conflicts", "--set", back];
     helm::release(cp, "upgrade", &args, WAIT)
         .await
@@ -200,7 +222,10 @@ async fn handover_to_enforce(cp: &ControlPlane, client: &Client) -> anyhow::Resu
 /// DaemonSet, and in the same burst as the placement policy's binding (helm deletes the kinds
 /// it does not know last, by name: NodeReadinessRule before ValidatingAdmissionPolicyBinding);
 /// the etcd revision of each deletion, from watches opened before it.
-async fn uninstall_deletes_the_rule_with_the_rest(cp: &ControlPlane, client: &Client) -> anyhow::Result<()> {
+async fn uninstall_deletes_the_rule_with_the_rest(
+    cp: &ControlPlane,
+    client: &Client,
+) -> anyhow::Result<()> {
     let (rule, _) = the_rule(client).await?;
     let finalizers = json!({"metadata": {"finalizers": [FINALIZER]}});
     rules_api(client)
@@ -209,14 +234,23 @@ async fn uninstall_deletes_the_rule_with_the_rest(cp: &ControlPlane, client: &Cl
     let vwc = Api::<ValidatingWebhookConfiguration>::all(client.clone());
     let before = [
         deleted_at(vwc, "meshgate").await?,
-        deleted_at(Api::<DaemonSet>::namespaced(client.clone(), NS), "meshgate-agent").await?,
+        deleted_at(
+            Api::<DaemonSet>::namespaced(client.clone(), NS),
+            "meshgate-agent",
+        )
+        .await?,
     ];
     let vapb = Api::<ValidatingAdmissionPolicyBinding>::all(client.clone());
     let binding = deleted_at(vapb, "meshgate-placement").await?;
     let rule_deleted = deleted_at(rules_api(client), &rule).await?;
     helm::run(
         cp,
-        &["uninstall", helm::RELEASE, "--namespace", helm::RELEASE_NAMESPACE],
+        &[
+            "uninstall",
+            helm::RELEASE,
+            "--namespace",
+            helm::RELEASE_NAMESPACE,
+        ],
         WAIT,
     )
     .await
@@ -224,7 +258,10 @@ async fn uninstall_deletes_the_rule_with_the_rest(cp: &ControlPlane, client: &Cl
     let (_, rule_rv) = rule_deleted.await??;
     for w in before {
         let (what, rv) = w.await??;
-        ensure!(rv < rule_rv, "{what} deleted at {rv}, after the rule ({rule_rv})");
+        ensure!(
+            rv < rule_rv,
+            "{what} deleted at {rv}, after the rule ({rule_rv})"
+        );
     }
     let (what, rv) = binding.await??;
     eprintln!("etcd revisions: the rule marked for deletion at {rule_rv}, {what} deleted at {rv}");
@@ -246,7 +283,13 @@ async fn deleted_at<K>(api: Api<K>, name: &str) -> anyhow::Result<Deletion>
 where
     K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
 {
-    let what = format!("{} {name}", std::any::type_name::<K>().rsplit("::").next().unwrap_or("?"));
+    let what = format!(
+        "{} {name}",
+        std::any::type_name::<K>()
+            .rsplit("::")
+            .next()
+            .unwrap_or("?")
+    );
     let fields = format!("metadata.name={name}");
     let rv = api
         .list(&ListParams::default().fields(&fields))
