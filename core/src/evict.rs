@@ -180,6 +180,9 @@ pub enum SkipWhy {
     /// The mode is `report`: enforce would evict it now (counted in
     /// `meshgate_report_only_actions_total{action="evict"}`, not as a skip).
     Report,
+    /// The cluster-wide eviction budget ([`crate::cluster_budget`]) is spent, or its ledger
+    /// could not be read or written (set by the caller, after the node's own decision).
+    ClusterBudget,
 }
 
 impl SkipWhy {
@@ -194,6 +197,7 @@ impl SkipWhy {
             // Not in the contract's list: recorded as drift in docs/architecture.md.
             SkipWhy::NoProxy => Some("no_proxy"),
             SkipWhy::NodeProxyNotReady => Some("node_proxy_not_ready"),
+            SkipWhy::ClusterBudget => Some("cluster_budget"),
             SkipWhy::NoEvict | SkipWhy::AlreadyEvicted | SkipWhy::Unknown | SkipWhy::Report => None,
         }
     }
@@ -211,6 +215,7 @@ impl SkipWhy {
             SkipWhy::NoProxy => "skipped: no proxy container of its mesh",
             SkipWhy::NodeProxyNotReady => "not evicted while the node proxy is not ready",
             SkipWhy::Report => "report mode: would evict",
+            SkipWhy::ClusterBudget => "deferred by the cluster-wide eviction budget",
         }
     }
 }

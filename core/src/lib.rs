@@ -7,13 +7,16 @@
 //! The string constants below are names operators write alerts and runbooks against, as
 //! docs/operations.md states them ("Reading `kubectl describe node`" for the Events; "The
 //! webhook's failure policy" for `meshgate.io/ignore`): they are defined once, here. The node
-//! gate's names (taint key, label, condition) are `gate`'s.
+//! gate's names (taint key, label, condition) are `gate`'s; the field managers and User-Agents
+//! meshgate's writes carry are `field_manager`'s.
 
 pub mod admission;
 pub mod cleanup;
+pub mod cluster_budget;
 pub mod cni;
 pub mod enroll;
 pub mod evict;
+pub mod field_manager;
 pub mod gate;
 pub mod lookup;
 pub mod meshes;

@@ -251,6 +251,8 @@ async fn metrics_handler<R: Readiness, L: Liveness>(State(s): State<AdminState<R
 /// bound.
 pub const LIMITS: server::Limits = server::Limits {
     max_connections: 256,
+    // No share per client: the probes and the scrapes come from one or two addresses.
+    max_connections_per_client: 256,
     handshake_timeout: Duration::from_secs(2),
     header_read_timeout: Duration::from_secs(2),
     keep_alive_timeout: Duration::from_secs(2),

@@ -1,24 +1,32 @@
 //! Builds the Kubernetes client and bounds every call in time.
 //!
-//! In: an optional kubeconfig path, and optionally a user to impersonate. Out: a
-//! `kube::Client` whose connections time out, or the configuration it is built from
-//! ([`load_config`]), from which [`from_config`] builds the variants a daemon needs (without
-//! kube's retry, impersonating) without reading the kubeconfig again. Each caller puts its
-//! own deadline on every non-watch call (`--api-timeout`, `--lookup-timeout`), so no step
-//! hangs on a half-open connection.
+//! In: an optional kubeconfig path, the binary's name (`meshgate_core::field_manager`), and
+//! optionally a user to impersonate. Out: a `kube::Client` whose connections time out and
+//! whose every request names the binary in its `User-Agent`, or the configuration it is
+//! built from ([`load_config`]), from which [`from_config`] builds the variants a daemon
+//! needs (without kube's retry, impersonating) without reading the kubeconfig again. Each
+//! caller puts its own deadline on every non-watch call (`--api-timeout`,
+//! `--lookup-timeout`), so no step hangs on a half-open connection.
+//!
+//! kube sends no `User-Agent` of its own, and the apiserver records a write that names no
+//! field manager under the User-Agent's product token, `unknown` without one: with it, such a
+//! write (the kube `Recorder`'s Events) and every request in an audit log name the binary.
 
 use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
 use kube::config::{KubeConfigOptions, Kubeconfig};
+use meshgate_core::field_manager;
 
 /// Connect timeout for API connections: loopback or cluster-local, so a few seconds is plenty.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Builds a client from `kubeconfig` if given, else `KUBECONFIG`, else the in-cluster config.
-pub async fn build(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
-    kube::Client::try_from(load_config(kubeconfig).await?).context("building the Kubernetes client")
+/// Builds a client for the binary `name` from `kubeconfig` if given, else `KUBECONFIG`, else
+/// the in-cluster config.
+pub async fn build(kubeconfig: Option<&Path>, name: &str) -> anyhow::Result<kube::Client> {
+    kube::Client::try_from(load_config(kubeconfig, name).await?)
+        .context("building the Kubernetes client")
 }
 
 /// Like [`build`], as kubectl's `--context` does: the kubeconfig's context `context` instead
@@ -27,9 +35,10 @@ pub async fn build(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
 pub async fn build_in_context(
     kubeconfig: Option<&Path>,
     context: Option<&str>,
+    name: &str,
 ) -> anyhow::Result<kube::Client> {
     let Some(context) = context else {
-        return build(kubeconfig).await;
+        return build(kubeconfig, name).await;
     };
     let options = KubeConfigOptions {
         context: Some(context.to_owned()),
@@ -45,6 +54,7 @@ pub async fn build_in_context(
     }
     .with_context(|| format!("loading context {context:?} of the kubeconfig"))?;
     config.connect_timeout = Some(CONNECT_TIMEOUT);
+    identify(&mut config, name)?;
     kube::Client::try_from(config).context("building the Kubernetes client")
 }
 
@@ -71,9 +81,10 @@ pub fn from_config(
     kube::Client::try_from(config).context("building the impersonating Kubernetes client")
 }
 
-/// The client configuration from `kubeconfig` if given, else `KUBECONFIG`, else the
-/// in-cluster config, with [`CONNECT_TIMEOUT`].
-pub async fn load_config(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Config> {
+/// The client configuration of the binary `name` from `kubeconfig` if given, else
+/// `KUBECONFIG`, else the in-cluster config, with [`CONNECT_TIMEOUT`] and the binary's
+/// `User-Agent`.
+pub async fn load_config(kubeconfig: Option<&Path>, name: &str) -> anyhow::Result<kube::Config> {
     let mut config = match kubeconfig {
         Some(path) => {
             let kc = Kubeconfig::read_from(path)
@@ -89,7 +100,19 @@ pub async fn load_config(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Conf
     config.connect_timeout = Some(CONNECT_TIMEOUT);
     // read_timeout stays unset: watches hold a response open for minutes by design. Every
     // non-watch call is bounded by its caller's deadline instead.
+    identify(&mut config, name)?;
     Ok(config)
+}
+
+/// Makes every request of `config`'s clients carry the `User-Agent` of the binary `name`.
+fn identify(config: &mut kube::Config, name: &str) -> anyhow::Result<()> {
+    let value = http::HeaderValue::try_from(field_manager::user_agent(name))
+        .with_context(|| format!("the User-Agent of {name:?}"))?;
+    config
+        .headers
+        .retain(|(h, _)| h != http::header::USER_AGENT);
+    config.headers.push((http::header::USER_AGENT, value));
+    Ok(())
 }
 
 #[cfg(test)]
@@ -144,7 +167,7 @@ mod tests {
     #[tokio::test]
     async fn an_impersonating_client_names_the_user_on_every_request() {
         let head = head_sent_by(|path| async move {
-            let config = load_config(Some(&path)).await?;
+            let config = load_config(Some(&path), field_manager::AGENT).await?;
             from_config(&config, false, Some("system:node:node-a"))
         })
         .await;
@@ -161,11 +184,32 @@ mod tests {
 
     #[tokio::test]
     async fn a_plain_client_impersonates_nobody() {
-        let head = head_sent_by(|path| async move { build(Some(&path)).await }).await;
+        let head =
+            head_sent_by(|path| async move { build(Some(&path), field_manager::PLUGIN).await })
+                .await;
         assert!(!head.contains("impersonate-"), "{head}");
         assert!(
             head.contains("\r\nauthorization: bearer the-token\r\n"),
             "{head}"
         );
+    }
+
+    /// Every client names its binary, once: the apiserver takes a write's default field
+    /// manager from it (the kube `Recorder`'s Events), audit logs show it.
+    #[tokio::test]
+    async fn every_client_names_its_binary_in_its_user_agent() {
+        let ua = |name| format!("\r\nuser-agent: {}\r\n", field_manager::user_agent(name));
+        let head = head_sent_by(|path| async move {
+            let config = load_config(Some(&path), field_manager::AGENT).await?;
+            from_config(&config, false, Some("system:node:node-a"))
+        })
+        .await;
+        assert!(head.contains(&ua(field_manager::AGENT)), "{head}");
+        assert_eq!(head.matches("user-agent:").count(), 1, "{head}");
+        let head = head_sent_by(|path| async move {
+            build_in_context(Some(&path), Some("c"), field_manager::PLUGIN).await
+        })
+        .await;
+        assert!(head.contains(&ua(field_manager::PLUGIN)), "{head}");
     }
 }

@@ -1,7 +1,8 @@
 //! The one way a meshgate daemon starts and ends: logging, the async runtime, and the exit
 //! code.
 //!
-//! In: the `--log-format` flag, the runtime's size and the daemon's future. Out: the process
+//! In: the `--log-format` flag, the runtime's size and the daemon's future (the allocator's
+//! bounds, [`crate::alloc::bound`], are set first). Out: the process
 //! exit code, from the one table in [`Exit`] (docs/operations.md, "Exit codes"), which the
 //! one-shot `check` and `inspect` follow too.
 
@@ -45,6 +46,8 @@ pub struct Process {
 /// error (a drain cut by a further stop signal among them: `shutdown::Aborted`),
 /// [`Exit::UsageOrIo`] when the runtime cannot be built.
 pub fn run(process: Process, daemon: impl Future<Output = anyhow::Result<()>>) -> ExitCode {
+    // Before the runtime's threads: glibc reads the arena bound when a thread first allocates.
+    crate::alloc::bound();
     logging::init(process.log_format);
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if let Some(n) = process.worker_threads {

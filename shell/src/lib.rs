@@ -6,7 +6,9 @@
 //! - [`server`]: the bounded HTTP/1 server behind every port (connection cap, handshake and
 //!   header timeouts, buffer cap, delay and drain), for the admin ports and the webhook.
 //! - [`cli`]: the flags both daemons share ([`cli::Common`]) and the duration grammar.
-//! - [`entry`]: logging, the async runtime and the exit-code table ([`entry::Exit`]).
+//! - [`entry`]: logging, the allocator's bounds ([`alloc`]), the async runtime and the
+//!   exit-code table ([`entry::Exit`]).
+//! - [`alloc`]: glibc's arena count and mmap threshold, and a trim after large work.
 //! - [`client`]: a `kube::Client` from `--kubeconfig` / `KUBECONFIG` / in-cluster config, with
 //!   a connect timeout, and its variants (without kube's retry, impersonating).
 //! - [`logging`]: tracing subscriber setup (`--log-format text|json`, `RUST_LOG`).
@@ -19,6 +21,7 @@
 //!   that keep only the keys they read.
 
 pub mod admin;
+pub mod alloc;
 pub mod cli;
 pub mod client;
 pub mod entry;

@@ -2,9 +2,9 @@
 //! server and the live mode, in that order.
 //!
 //! In: the shared flags ([`Common`]: `--kubeconfig`, `--admin-addr`, `--namespace`,
-//! `--mode-configmap`), the daemon's metrics registry (its own metrics and the mode's
-//! already registered), what its `/ready` and `/live` answer from, and how long the mode's
-//! first list may take. Out: a [`Runtime`] whose parts the daemon hands to its tasks: the
+//! `--mode-configmap`), the daemon's name (its `User-Agent`: `meshgate_core::field_manager`),
+//! the daemon's metrics registry (its own metrics and the mode's already registered), what
+//! its `/ready` and `/live` answer from, and how long the mode's first list may take. Out: a [`Runtime`] whose parts the daemon hands to its tasks: the
 //! client (as the ServiceAccount, with kube's retry) and the configuration it was built
 //! from (for the variants a daemon adds: `client::from_config`), the stop requests, the
 //! running admin server and the mode watch.
@@ -60,6 +60,7 @@ type StopOn = Pin<Box<dyn Future<Output = ()> + Send>>;
 #[must_use]
 pub struct Builder<'a, R, L> {
     common: &'a Common,
+    name: &'static str,
     stop_on: Option<StopOn>,
     registry: Registry,
     mode_metrics: ModeMetrics,
@@ -69,13 +70,16 @@ pub struct Builder<'a, R, L> {
 }
 
 impl Runtime {
-    /// A builder from the shared flags. Before [`Builder::build`], the daemon gives it its
-    /// metrics ([`Builder::metrics`]) and its probes ([`Builder::probes`]).
-    pub fn builder(common: &Common) -> Builder<'_, (), ()> {
+    /// A builder from the shared flags, for the daemon `name` (`meshgate_core::field_manager`:
+    /// every request of its clients names it in its `User-Agent`). Before [`Builder::build`],
+    /// the daemon gives it its metrics ([`Builder::metrics`]) and its probes
+    /// ([`Builder::probes`]).
+    pub fn builder<'a>(common: &'a Common, name: &'static str) -> Builder<'a, (), ()> {
         let mut registry = Registry::default();
         let mode_metrics = ModeMetrics::register(&mut registry);
         Builder {
             common,
+            name,
             stop_on: None,
             registry,
             mode_metrics,
@@ -119,6 +123,7 @@ impl<'a, R, L> Builder<'a, R, L> {
     pub fn probes<R2: Readiness, L2: Liveness>(self, ready: R2, live: L2) -> Builder<'a, R2, L2> {
         Builder {
             common: self.common,
+            name: self.name,
             stop_on: self.stop_on,
             registry: self.registry,
             mode_metrics: self.mode_metrics,
@@ -141,7 +146,8 @@ impl<R: Readiness, L: Liveness> Builder<'_, R, L> {
             Some(stop) => Shutdown::on(stop),
             None => Shutdown::signals().context("installing the SIGTERM and SIGINT handlers")?,
         };
-        let client_config = client::load_config(self.common.kubeconfig.as_deref()).await?;
+        let client_config =
+            client::load_config(self.common.kubeconfig.as_deref(), self.name).await?;
         let client = client::from_config(&client_config, true, None)?;
         let listener = self.common.bind_admin().await?;
         let registry = Arc::new(self.registry);
@@ -214,7 +220,7 @@ mod tests {
         let ready = Arc::new(AtomicBool::new(false));
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let begun = std::time::Instant::now();
-        let mut rt = Runtime::builder(&common)
+        let mut rt = Runtime::builder(&common, "test")
             .metrics(registry, mode)
             .probes(ready.clone(), AlwaysLive)
             .mode_first_list(Duration::from_millis(300))
@@ -248,7 +254,7 @@ mod tests {
             kubeconfig: Some("/nonexistent/kubeconfig".into()),
             ..Common::default()
         };
-        let built = Runtime::builder(&common)
+        let built = Runtime::builder(&common, "test")
             .probes(Arc::new(AtomicBool::new(false)), AlwaysLive)
             .stop_on(std::future::pending())
             .build()

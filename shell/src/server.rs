@@ -9,6 +9,9 @@
 //! - at most `max_connections` connections at once: past the cap the next connection is not
 //!   accepted until one ends, so it waits in the kernel's accept backlog (and its client's own
 //!   timeout bounds the wait) instead of costing a task, buffers and memory;
+//! - at most `max_connections_per_client` of them from one client (peer IP address): a
+//!   connection past its client's share is closed as soon as it is accepted, so one client
+//!   cannot keep the others out (`server/clients.rs`);
 //! - the handshake must end within `handshake_timeout`;
 //! - a request head must arrive complete within `header_read_timeout`: the first one counted
 //!   from the handshake's end (so a connection that never sends anything is closed after that
@@ -41,8 +44,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::http::{HeaderValue, header};
+use axum::extract::ConnectInfo;
+use axum::http::{HeaderValue, Request, header};
 use axum::response::Response;
+use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
@@ -52,7 +57,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
 
+mod clients;
 mod keep_alive;
+use clients::{PerClient, Slot};
 pub use keep_alive::Socket;
 
 /// Where a server is in its life.
@@ -71,6 +78,9 @@ pub enum Phase {
 pub struct Limits {
     /// Connections served at once (at least 1).
     pub max_connections: usize,
+    /// Connections one client (peer IP address) may hold at once (at least 1); at most
+    /// `max_connections`.
+    pub max_connections_per_client: usize,
     /// Deadline for the [`Handshake`] of a new connection.
     pub handshake_timeout: Duration,
     /// Deadline for a complete request head: for the first request of a connection, from the
@@ -143,6 +153,7 @@ pub async fn serve<H: Handshake>(
         .local_addr()
         .map_or_else(|e| e.to_string(), |a| a.to_string());
     let permits = Arc::new(Semaphore::new(max_connections));
+    let clients = PerClient::new(limits.max_connections_per_client);
     let mut conns = Connections {
         handshake,
         limits,
@@ -158,30 +169,54 @@ pub async fn serve<H: Handshake>(
         let _ = draining.wait_for(|p| *p == Phase::Draining).await;
     };
     let mut draining = std::pin::pin!(draining);
-    let mut cap = CapWarning {
+    let mut cap = CapWarning::new(
+        "connection cap reached; new connections wait until one ends",
         max_connections,
-        addr: &addr,
-        warned: None,
-    };
+        &addr,
+    );
+    let mut share = CapWarning::new(
+        "a client reached its share of the connection cap; its new connections are closed",
+        limits.max_connections_per_client,
+        &addr,
+    );
     while let Some(permit) = next_permit(&permits, &mut cap, &mut draining).await {
         let Some((tcp, peer)) = next_connection(&listener, &mut draining).await else {
             break;
         };
         conns.reap();
-        conns.spawn(tcp, peer, permit);
+        let Some(slot) = clients.take(peer.ip()) else {
+            tracing::debug!(%peer, "client over its share of the connection cap; closing");
+            share.reached();
+            continue;
+        };
+        conns.spawn(tcp, peer, (permit, slot));
     }
-    close(listener, &permits, conns, drain, &addr).await;
+    close(listener, (&permits, &clients), conns, drain, &addr).await;
 }
 
-/// The warning that the connection cap is reached, at most once a minute: a flood reaches the
-/// cap on every freed slot.
+/// What a connection holds from its accept to its end: its place under the cap, and under
+/// its client's share.
+type Place = (OwnedSemaphorePermit, Slot);
+
+/// The warning that a connection cap (the server's, or a client's share) is reached, at most
+/// once a minute: a flood reaches the cap on every freed slot.
 struct CapWarning<'a> {
+    message: &'static str,
     max_connections: usize,
     addr: &'a str,
     warned: Option<tokio::time::Instant>,
 }
 
-impl CapWarning<'_> {
+impl<'a> CapWarning<'a> {
+    fn new(message: &'static str, max_connections: usize, addr: &'a str) -> Self {
+        Self {
+            message,
+            max_connections,
+            addr,
+            warned: None,
+        }
+    }
+
     fn reached(&mut self) {
         if self
             .warned
@@ -191,7 +226,8 @@ impl CapWarning<'_> {
             tracing::warn!(
                 max_connections = self.max_connections,
                 addr = %self.addr,
-                "connection cap reached; new connections wait until one ends"
+                "{}",
+                self.message
             );
         }
     }
@@ -241,7 +277,7 @@ async fn next_connection(
 /// `drain`.
 async fn close<H: Handshake>(
     listener: TcpListener,
-    permits: &Arc<Semaphore>,
+    (permits, clients): (&Arc<Semaphore>, &PerClient),
     mut conns: Connections<H>,
     drain: Duration,
     addr: &str,
@@ -250,9 +286,10 @@ async fn close<H: Handshake>(
     // answers one request and closes). Accepted with the plain socket call: the async
     // listener only retries once the reactor reported readiness, which may not have happened.
     let late = accept_backlog(listener, |tcp, peer| {
-        match permits.clone().try_acquire_owned() {
-            Ok(permit) => conns.spawn(tcp, peer, permit),
-            Err(_) => tracing::debug!(%peer, "connection cap reached at the close; closing it"),
+        let place = permits.clone().try_acquire_owned().ok();
+        match place.zip(clients.take(peer.ip())) {
+            Some(place) => conns.spawn(tcp, peer, place),
+            None => tracing::debug!(%peer, "connection cap reached at the close; closing it"),
         }
     });
     tracing::info!(
@@ -347,8 +384,9 @@ impl<H: Handshake> Connections<H> {
     /// was read (the drain having started during, or just after, its handshake) it would be
     /// closed unanswered. Its watcher is held all the same, so the drain waits for it.
     ///
-    /// `permit` is held until the connection ends: that is what the connection cap counts.
-    fn spawn(&mut self, tcp: TcpStream, peer: SocketAddr, permit: OwnedSemaphorePermit) {
+    /// `place` is held until the connection ends: that is what the connection cap and the
+    /// client's share count. Each request is given the peer address ([`ConnectInfo`]).
+    fn spawn(&mut self, tcp: TcpStream, peer: SocketAddr, place: Place) {
         let _ = tcp.set_nodelay(true);
         let (tcp, timer) = Socket::new(
             tcp,
@@ -359,11 +397,16 @@ impl<H: Handshake> Connections<H> {
         let timeout = self.limits.handshake_timeout;
         let mut http1 = self.http1.clone();
         http1.timer(timer);
-        let app = self.app.clone();
+        let app = tower::ServiceBuilder::new()
+            .map_request(move |mut req: Request<Incoming>| {
+                req.extensions_mut().insert(ConnectInfo(peer));
+                req
+            })
+            .service(self.app.clone());
         let phase = self.phase.clone();
         let watcher = self.graceful.watcher();
         self.tasks.spawn(async move {
-            let _permit = permit;
+            let _place = place;
             let begun = tokio::time::Instant::now();
             let io = match tokio::time::timeout(timeout, handshake.handshake(tcp)).await {
                 Ok(Ok(s)) => {

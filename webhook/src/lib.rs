@@ -131,6 +131,7 @@ impl Args {
             max_body_bytes: self.max_body_bytes,
             request_timeout: self.request_timeout,
             max_connections: self.max_connections,
+            max_connections_per_client: server::max_connections_per_client(self.max_connections),
             review_memory_bytes: self.review_memory_bytes,
         }
     }
@@ -200,7 +201,7 @@ async fn run_with(
     let servers = Servers {
         listener,
         tls,
-        max_connections: limits.max_connections,
+        max_connections: (limits.max_connections, limits.max_connections_per_client),
         app: server::router(Arc::new(reviewer), synced, limits),
     };
     let stop = Stop {
@@ -229,7 +230,7 @@ async fn start_runtime(
 ) -> anyhow::Result<(Runtime, metrics::Metrics)> {
     let mut registry = Registry::default();
     let metrics = metrics::Metrics::register(&mut registry);
-    let builder = Runtime::builder(common)
+    let builder = Runtime::builder(common, meshgate_core::field_manager::WEBHOOK)
         .metrics(registry, metrics.mode.clone())
         .probes(ready, AlwaysLive)
         .mode_first_list(MODE_FIRST_LIST);
@@ -244,8 +245,8 @@ async fn start_runtime(
 struct Servers {
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
-    /// `--max-connections`.
-    max_connections: usize,
+    /// `--max-connections`, and what one client may hold of it.
+    max_connections: (usize, usize),
     app: axum::Router,
 }
 
@@ -443,7 +444,10 @@ mod tests {
         let servers = Servers {
             listener,
             tls: tls::server_config(&cert, &key).unwrap(),
-            max_connections: server::DEFAULT_MAX_CONNECTIONS,
+            max_connections: (
+                server::DEFAULT_MAX_CONNECTIONS,
+                server::DEFAULT_MAX_CONNECTIONS,
+            ),
             app,
         };
         let stop = Stop {

@@ -2,7 +2,8 @@
 //!
 //! In: one observation per handled AdmissionReview (resource, allowed, duration), per pod
 //! lookup a binding needed (its outcome), per pod the pending-pod cache left out for its
-//! cap, and per new Node `/mutate-node` left ungated (why). Out: the counters and histogram registered in a prometheus-client `Registry`, served
+//! cap, per new Node `/mutate-node` left ungated (why), and per request body refused before a
+//! review was decoded (why). Out: the counters and histogram registered in a prometheus-client `Registry`, served
 //! by `meshgate_shell::admin`. Names, labels and label values are those of docs/operations.md,
 //! "Metrics" (prometheus-client adds the `_total` suffix to counters); the lookup and cache
 //! metrics are explained in docs/webhook.md too.
@@ -103,6 +104,12 @@ struct UngatedLabels {
     reason: &'static str,
 }
 
+/// Label set of `meshgate_review_bodies_refused_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RefusedLabels {
+    reason: &'static str,
+}
+
 /// Handles to the webhook's metrics; cheap to clone (they share the underlying atomics).
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -111,6 +118,7 @@ pub struct Metrics {
     lookups: Family<LookupLabels, Counter>,
     overflow: Counter,
     ungated: Family<UngatedLabels, Counter>,
+    refused: Family<RefusedLabels, Counter>,
     /// `meshgate_mode{mode}`, `meshgate_mode_config_invalid`,
     /// `meshgate_report_only_actions_total{action}` (shared with the agent).
     pub mode: ModeMetrics,
@@ -157,12 +165,21 @@ impl Metrics {
              DaemonSet will not run there), daemonset_not_synced, daemonset_absent",
             ungated.clone(),
         );
+        let refused = Family::<RefusedLabels, Counter>::default();
+        registry.register(
+            "meshgate_review_bodies_refused",
+            "Request bodies refused before their review was decoded, by reason: too_large \
+             (413), too_slow (408: not in within the body read timeout), budget_spent (503: a \
+             chunked body with no room for its next chunk), unreadable (400)",
+            refused.clone(),
+        );
         Self {
             reviews,
             duration,
             lookups,
             overflow,
             ungated,
+            refused,
             mode,
         }
     }
@@ -170,6 +187,11 @@ impl Metrics {
     /// Records one new Node left ungated, with its `reason` (`placement::Ungated::reason`).
     pub fn node_ungated(&self, reason: &'static str) {
         self.ungated.get_or_create(&UngatedLabels { reason }).inc();
+    }
+
+    /// Records one request body refused, with its `reason` (`budget::Refusal::reason`).
+    pub fn body_refused(&self, reason: &'static str) {
+        self.refused.get_or_create(&RefusedLabels { reason }).inc();
     }
 
     /// Records what became of one pod lookup.
@@ -223,12 +245,14 @@ mod tests {
         m.pod_lookup(LookupOutcome::RateLimited);
         m.pod_cache_overflow();
         m.node_ungated("not_placed");
+        m.body_refused("too_slow");
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
         for line in [
             "meshgate_pod_lookups_total{outcome=\"rate_limited\"} 1",
             "meshgate_pod_cache_overflow_total 1",
             "meshgate_node_registrations_ungated_total{reason=\"not_placed\"} 1",
+            "meshgate_review_bodies_refused_total{reason=\"too_slow\"} 1",
         ] {
             assert!(out.contains(line), "{out}");
         }

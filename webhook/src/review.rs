@@ -221,6 +221,11 @@ impl<C: Cluster> Reviewer<C> {
         }
     }
 
+    /// The metrics it records into (the server's refusals are counted there too).
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
     /// Gates with the taint `key` (`--taint-key`) instead of the default.
     #[must_use]
     pub fn with_taint_key(mut self, key: TaintKey) -> Self {

@@ -5,6 +5,8 @@
 //! - `POST /validate`, `POST /mutate-node` → 200 with the AdmissionReview response;
 //! - a body that is not an AdmissionReview → 400 with a plain-text reason;
 //! - a body over `max_body_bytes` → 413;
+//! - a body not received within [`crate::budget::BODY_READ_TIMEOUT`] of its charge → 408
+//!   and the connection closed; a body sent in chunks that finds the budget spent → 503;
 //! - not answered within `request_timeout` → 503, so the apiserver applies the
 //!   webhook's failurePolicy well before its own timeout (10 s by default) fires; a review
 //!   waiting for room in the review memory budget ([`crate::budget`]) waits inside it;
@@ -12,18 +14,20 @@
 //!
 //! The connections are bounded by the server shared with the admin ports
 //! (`meshgate_shell::server`): at most `max_connections` at once (past the cap the next one
-//! waits, unaccepted, in the kernel's backlog), a TLS handshake within [`HANDSHAKE_TIMEOUT`],
+//! waits, unaccepted, in the kernel's backlog), at most half of them from one client (peer
+//! address; past its share a client's connection is closed at once), a TLS handshake within [`HANDSHAKE_TIMEOUT`],
 //! a request head within [`HEADER_READ_TIMEOUT`] (of the handshake's end for a connection's
 //! first request, of its first byte for a later one), an idle keep-alive connection closed
 //! after [`KEEP_ALIVE_TIMEOUT`] and at most [`MAX_BUF_SIZE`] bytes buffered per connection (a
 //! larger head gets a 431). The shutdown phases (delay with `Connection: close`, then a bounded drain)
 //! are that server's too; [`crate::shutdown`] drives them.
 
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::{FromRequest, Request, State};
+use axum::extract::{ConnectInfo, FromRequest, Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::post;
@@ -48,6 +52,9 @@ pub struct Limits {
     pub request_timeout: Duration,
     /// Connections served at once (see [`serve_tls`]).
     pub max_connections: usize,
+    /// Connections one client (peer IP address) may hold at once, within `max_connections`:
+    /// [`max_connections_per_client`] of it.
+    pub max_connections_per_client: usize,
     /// Memory the reviews being read and decoded may hold at once (see [`crate::budget`]).
     pub review_memory_bytes: usize,
 }
@@ -66,9 +73,17 @@ impl Default for Limits {
             max_body_bytes: 3 * 1024 * 1024,
             request_timeout: Duration::from_secs(3),
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections_per_client: max_connections_per_client(DEFAULT_MAX_CONNECTIONS),
             review_memory_bytes: crate::budget::DEFAULT_REVIEW_MEMORY_BYTES,
         }
     }
+}
+
+/// What one client (peer IP address) may hold of `--max-connections`: half, so a client
+/// that opens connections and holds them leaves the other half to the apiservers (each
+/// apiserver is a client of its own).
+pub fn max_connections_per_client(max_connections: usize) -> usize {
+    max_connections.div_ceil(2)
 }
 
 /// Deadline for a TLS handshake.
@@ -112,10 +127,16 @@ impl<C: Cluster> FromRequest<AppState<C>> for ReviewBody {
 
     async fn from_request(req: Request, state: &AppState<C>) -> Result<Self, Response> {
         let (parts, body) = req.into_parts();
-        match state.budget.read(&parts.headers, body).await {
+        // The TLS peer's address, from the shared server; none in-process (tests): one client.
+        let client = parts
+            .extensions
+            .get::<ConnectInfo<SocketAddr>>()
+            .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |c| c.0.ip());
+        match state.budget.read(client, &parts.headers, body).await {
             Ok((bytes, held)) => Ok(Self(bytes, held)),
             Err(refusal) => {
-                tracing::debug!(error = %refusal, "refusing a request body");
+                tracing::debug!(error = %refusal, %client, "refusing a request body");
+                state.reviewer.metrics().body_refused(refusal.reason());
                 Err(refusal.into_response())
             }
         }
@@ -182,18 +203,19 @@ impl Handshake for Tls {
 
 /// Serves `app` over TLS on `listener` until `phase` reaches [`Phase::Draining`], then drains
 /// for at most `drain` (see `meshgate_shell::server::serve`), with at most
-/// `max_connections` connections at once and this module's handshake, header and buffer
-/// limits.
+/// `max_connections` connections at once (`max_connections_per_client` of them from one
+/// client) and this module's handshake, header and buffer limits.
 pub async fn serve_tls(
     listener: TcpListener,
     tls: Arc<ServerConfig>,
     app: Router,
     phase: watch::Receiver<Phase>,
     drain: Duration,
-    max_connections: usize,
+    (max_connections, max_connections_per_client): (usize, usize),
 ) {
     let limits = shared::Limits {
         max_connections,
+        max_connections_per_client: max_connections_per_client.min(max_connections),
         handshake_timeout: HANDSHAKE_TIMEOUT,
         header_read_timeout: HEADER_READ_TIMEOUT,
         keep_alive_timeout: KEEP_ALIVE_TIMEOUT,

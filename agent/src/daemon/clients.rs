@@ -69,7 +69,9 @@ impl Clients {
         impersonate_node: bool,
         retry: bool,
     ) -> anyhow::Result<Self> {
-        let config = meshgate_shell::client::load_config(kubeconfig).await?;
+        let config =
+            meshgate_shell::client::load_config(kubeconfig, meshgate_core::field_manager::AGENT)
+                .await?;
         if retry {
             let own = from_config(&config, true, None)?;
             Self::with_retry(own, &config, node, impersonate_node)

@@ -16,8 +16,20 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
-/// The controller name the agent's Events carry (`reportingController`).
-pub const REPORTER: &str = "meshgate-agent";
+/// The controller name the agent's Events carry (`reportingController`): the agent's field
+/// manager, under which the apiserver also records them (the Recorder names no field
+/// manager; the agent's `User-Agent` does, `meshgate_shell::client`).
+pub const REPORTER: &str = meshgate_core::field_manager::AGENT;
+
+/// Who reports the agent's Events: [`REPORTER`], and the node's name as `reportingInstance`
+/// (stable across the agent pod's restarts, unlike the pod's name or hostname, which kube
+/// would take without it).
+pub fn reporter(node: &str) -> Reporter {
+    Reporter {
+        controller: REPORTER.into(),
+        instance: Some(node.to_owned()),
+    }
+}
 
 /// Publishes Events, each within `timeout`.
 #[derive(Clone)]
@@ -29,11 +41,7 @@ pub struct Events {
 impl Events {
     /// Events sent through `client`, reported by the agent of `node`.
     pub fn new(client: kube::Client, node: &str, timeout: Duration) -> Self {
-        let reporter = Reporter {
-            controller: REPORTER.into(),
-            instance: Some(node.to_owned()),
-        };
-        Self::with_recorder(Recorder::new(client, reporter), timeout)
+        Self::with_recorder(Recorder::new(client, reporter(node)), timeout)
     }
 
     /// Events sent through an existing `recorder`.

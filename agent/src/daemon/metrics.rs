@@ -5,6 +5,8 @@
 //! counters and the unit suffix to histograms registered with a unit, so names are
 //! registered without those suffixes.
 
+use std::sync::atomic::AtomicU64;
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -53,6 +55,13 @@ pub struct WhyLabel {
     pub why: String,
 }
 
+/// `call` label of `meshgate_api_errors_total`: `node` / `evict` / `watch`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CallLabel {
+    /// Which kind of API call failed.
+    pub call: String,
+}
+
 /// `stage` label of `meshgate_verify_stage_seconds`: `event` / `read` / `probe` / `patch`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StageLabel {
@@ -65,6 +74,24 @@ fn stage_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.0001, 2.0, 16))
 }
 
+/// The buckets of the untaint and re-taint latencies: 1 ms .. ~16 s.
+fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 15))
+}
+
+/// `meshgate_node_reason` with every reason at 0, so a dashboard sees them all from the start.
+fn node_reasons() -> Family<ReasonLabel, Gauge> {
+    let family = Family::<ReasonLabel, Gauge>::default();
+    for r in meshgate_core::cni::reason::Reason::ALL {
+        family
+            .get_or_create(&ReasonLabel {
+                reason: r.as_str().to_string(),
+            })
+            .set(0);
+    }
+    family
+}
+
 /// Every agent metric.
 #[derive(Clone)]
 pub struct AgentMetrics {
@@ -74,8 +101,18 @@ pub struct AgentMetrics {
     pub verifications: Family<ReasonLabel, Counter>,
     /// `meshgate_taint_transitions_total{action}`.
     pub taint_transitions: Family<ActionLabel, Counter>,
+    /// `meshgate_node_reason{reason}`: 1 for the reason of the verdict the Node shows.
+    pub node_reason: Family<ReasonLabel, Gauge>,
+    /// `meshgate_node_gated_since_timestamp_seconds`: when the node became unverified (Unix
+    /// seconds), 0 while verified.
+    pub gated_since: Gauge<f64, AtomicU64>,
     /// `meshgate_untaint_latency_seconds`: config valid on disk → taint removal accepted.
     pub untaint_latency: Histogram,
+    /// `meshgate_retaint_latency_seconds`: first file event of the change that broke the
+    /// chain → taint accepted.
+    pub retaint_latency: Histogram,
+    /// `meshgate_api_errors_total{call}`: API calls that failed.
+    pub api_errors: Family<CallLabel, Counter>,
     /// `meshgate_verify_stage_seconds{stage}`: the stages of each pass that changed the taint.
     pub verify_stage: Family<StageLabel, Histogram, fn() -> Histogram>,
     /// `meshgate_pod_inspections_total{profile,verdict}`.
@@ -154,12 +191,35 @@ impl AgentMetrics {
                 "Taint changes on this node, by action (added/removed)",
                 Family::default(),
             ),
+            node_reason: reg.add(
+                "meshgate_node_reason",
+                None,
+                "1 for the reason of the verdict this node's Node shows, 0 for the other reasons",
+                node_reasons(),
+            ),
+            gated_since: reg.add(
+                "meshgate_node_gated_since_timestamp_seconds",
+                None,
+                "When this node's verdict last turned from verified (or the agent's start) to not verified, in Unix seconds; 0 while verified",
+                Gauge::default(),
+            ),
             untaint_latency: reg.add(
                 "meshgate_untaint_latency",
                 Some(Unit::Seconds),
                 "Time from the config change that made the chain valid to the API accepting the taint removal",
-                // 1 ms .. ~16 s
-                Histogram::new(exponential_buckets(0.001, 2.0, 15)),
+                latency_histogram(),
+            ),
+            retaint_latency: reg.add(
+                "meshgate_retaint_latency",
+                Some(Unit::Seconds),
+                "Time from the first file event of the change that broke the chain to the API accepting the taint",
+                latency_histogram(),
+            ),
+            api_errors: reg.add(
+                "meshgate_api_errors",
+                None,
+                "API calls that failed, by call (node: a Node reconcile; evict: an eviction, PDB refusals aside; watch: a pod or namespace watch)",
+                Family::default(),
             ),
             verify_stage: reg.add(
                 "meshgate_verify_stage",
@@ -189,7 +249,7 @@ impl AgentMetrics {
             evictions_skipped: reg.add(
                 "meshgate_evictions_skipped",
                 None,
-                "Evictions not done for a pod with missing redirects, by why (pdb/rate_limit/dry_run/unowned/no_proxy)",
+                "Evictions not done for a pod with missing redirects, by why (pdb/rate_limit/dry_run/unowned/no_proxy/node_proxy_not_ready/cluster_budget)",
                 Family::default(),
             ),
         }
@@ -221,6 +281,36 @@ impl AgentMetrics {
                 stage: stage.to_string(),
             })
             .observe(took.as_secs_f64());
+    }
+
+    /// The Node shows a verdict with `reason`, verified or not: the reason gauges and the
+    /// gated-since timestamp follow it (the timestamp keeps its value while still unverified).
+    pub fn node_shows(&self, reason: &str, verified: bool) {
+        for r in meshgate_core::cni::reason::Reason::ALL {
+            let value = i64::from(r.as_str() == reason);
+            self.node_reason
+                .get_or_create(&ReasonLabel {
+                    reason: r.as_str().to_string(),
+                })
+                .set(value);
+        }
+        if verified {
+            self.gated_since.set(0.0);
+        } else if self.gated_since.get() == 0.0 {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
+            self.gated_since.set(now.as_secs_f64());
+        }
+    }
+
+    /// Counts one failed API call of kind `call` (`node`, `evict`, `watch`).
+    pub fn api_error(&self, call: &str) {
+        self.api_errors
+            .get_or_create(&CallLabel {
+                call: call.to_string(),
+            })
+            .inc();
     }
 
     /// Counts one pod inspection for one profile.
@@ -268,6 +358,8 @@ mod tests {
         m.skipped("pdb");
         m.probes.lookup("hit");
         m.probes.preprobe("ran");
+        m.node_shows("ChainedPluginMissing", false);
+        m.api_error("node");
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
         for sample in [
@@ -281,8 +373,18 @@ mod tests {
             "meshgate_evictions_skipped_total{why=\"pdb\"} 1",
             "meshgate_probe_cache_lookups_total{result=\"hit\"} 1",
             "meshgate_preprobes_total{result=\"ran\"} 1",
+            "meshgate_node_reason{reason=\"ChainedPluginMissing\"} 1",
+            "meshgate_node_reason{reason=\"Verified\"} 0",
+            "meshgate_retaint_latency_seconds_count 0",
+            "meshgate_api_errors_total{call=\"node\"} 1",
         ] {
             assert!(text.lines().any(|l| l == sample), "{sample} in\n{text}");
         }
+        assert!(m.gated_since.get() > 0.0, "{text}");
+        let since = m.gated_since.get();
+        m.node_shows("NoConfig", false);
+        assert_eq!(m.gated_since.get(), since, "still gated: the start stays");
+        m.node_shows("Verified", true);
+        assert_eq!(m.gated_since.get(), 0.0);
     }
 }

@@ -78,6 +78,14 @@ pub struct Args {
     /// Per-node eviction rate limit.
     #[arg(long, env = "MESHGATE_MAX_EVICTIONS_PER_MINUTE", default_value_t = 10)]
     pub max_evictions_per_minute: u32,
+    /// Evictions all agents together may make per --cluster-eviction-budget-window, kept in
+    /// the ConfigMap meshgate-eviction-budget in --namespace; 0 turns it off. Past it, or
+    /// when the ConfigMap cannot be read or written, nothing is evicted.
+    #[arg(long, env = "MESHGATE_CLUSTER_EVICTION_BUDGET", default_value_t = 0)]
+    pub cluster_eviction_budget: u32,
+    /// The sliding window of --cluster-eviction-budget.
+    #[arg(long, env = "MESHGATE_CLUSTER_EVICTION_BUDGET_WINDOW", default_value = "10m", value_parser = duration)]
+    pub cluster_eviction_budget_window: Duration,
     /// Also evict pods without a controlling owner (bare pods), which nothing recreates.
     #[arg(long, env = "MESHGATE_EVICT_UNOWNED")]
     pub evict_unowned: bool,
@@ -199,6 +207,12 @@ impl Config {
                 mode: meshgate_core::mode::Mode::default(),
             },
             per_minute: args.max_evictions_per_minute,
+            cluster_budget: meshgate_core::cluster_budget::Budget::new(
+                args.cluster_eviction_budget,
+                args.cluster_eviction_budget_window,
+            )
+            .map_err(|e| anyhow::anyhow!("--cluster-eviction-budget: {e}"))?,
+            namespace: args.common.mode.namespace.clone(),
             api_timeout: args.api_timeout,
             netns_dirs: vec![PathBuf::from(crate::netns::DEFAULT_NETNS_DIR)],
             node_proxy: node_proxy.clone(),

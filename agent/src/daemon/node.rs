@@ -9,8 +9,12 @@
 //! - Taint and label go in one JSON patch guarded by a `test` of `metadata.resourceVersion`,
 //!   so a concurrent writer's taints are never overwritten: on conflict the Node is re-read
 //!   and the patch recomputed (bounded). Taints other than meshgate's are kept as they are.
-//! - The condition goes through the `nodes/status` subresource with a strategic merge patch
-//!   (conditions merge by `type`), and its `lastTransitionTime` moves only when its status does.
+//!   Not server-side apply: `spec.taints` is an atomic list, which an apply would own whole
+//!   (docs/architecture.md, "Field managers: which write is server-side apply").
+//! - The condition goes through the `nodes/status` subresource as a server-side apply of its
+//!   one entry (conditions are a map keyed by `type`, so meshgate owns `MeshCNIVerified` and no
+//!   other), and its `lastTransitionTime` moves only when its status does.
+//! - Every write carries the field manager `meshgate-agent` (`core::field_manager::AGENT`).
 //! - Events are published only when the condition's status or reason changes, after the
 //!   condition is written: a restart then finds the condition already current and publishes
 //!   nothing, so one transition never yields two Events. A `CNIChainVerified` Event of a
@@ -21,12 +25,13 @@
 
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Node, ObjectReference};
+use k8s_openapi::api::core::v1::{Node, NodeCondition, ObjectReference};
 use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder};
 use meshgate_core::cni::ChainVerdict;
+use meshgate_core::field_manager;
 use meshgate_core::gate::{self, MetadataPlan, NodeEvent};
 use meshgate_core::mode::Mode;
 use serde_json::json;
@@ -104,6 +109,25 @@ struct Seen {
 fn is_conflict(e: &kube::Error) -> bool {
     // A failed JSON-patch `test` is 422 (older servers: 409 or 500 with "testing value").
     matches!(e, kube::Error::Api(s) if s.code == 409 || s.code == 422)
+}
+
+/// The server-side apply of the agent's condition: forced, as a controller's apply is, so
+/// that it takes over the entry's fields from whoever wrote them last (an earlier agent's
+/// strategic merge, a hand edit) instead of failing on their ownership. It conflicts with no
+/// one else's condition: each entry of the list is owned on its own.
+fn apply_params() -> PatchParams {
+    PatchParams::apply(field_manager::AGENT).force()
+}
+
+/// The apply configuration of Node `name`'s `status.conditions`: the agent's one entry,
+/// whole (every field it sets, each time, so none it owns is dropped).
+fn condition_apply(name: &str, condition: NodeCondition) -> Patch<serde_json::Value> {
+    Patch::Apply(json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name},
+        "status": {"conditions": [condition]},
+    }))
 }
 
 /// The kube Event for a planned Node Event.
@@ -298,7 +322,11 @@ impl NodeGate {
                 op: "build patch",
                 source: kube::Error::SerdeError(e),
             })?;
-        let (params, patch) = (PatchParams::default(), Patch::<()>::Json(patch));
+        let params = PatchParams {
+            field_manager: Some(field_manager::AGENT.into()),
+            ..PatchParams::default()
+        };
+        let patch = Patch::<()>::Json(patch);
         let call = self.api.patch(&self.name, &params, &patch);
         self.call("patch node taints", call).await
     }
@@ -322,10 +350,9 @@ impl NodeGate {
         let Some(condition) = planned(&seen.node) else {
             return Ok(None);
         };
-        let patch = json!({"status": {"conditions": [condition]}});
-        let (params, patch) = (PatchParams::default(), Patch::Strategic(patch));
+        let (params, patch) = (apply_params(), condition_apply(&self.name, condition));
         let call = self.api.patch_status(&self.name, &params, &patch);
-        self.call("patch node condition", call).await?;
+        self.call("apply node condition", call).await?;
         applied.condition = true;
         if let Some(mut event) = gate::plan_event(gate::condition_of(&seen.node), verdict, mode) {
             if let Some(latency) = applied.untaint_latency {
@@ -480,6 +507,7 @@ mod tests {
             assert_eq!(req.method(), http::Method::PATCH);
             assert_eq!(req.uri().path(), "/api/v1/nodes/n1");
             assert_eq!(req.headers()["content-type"], "application/json-patch+json");
+            assert_eq!(req.uri().query(), Some("&fieldManager=meshgate-agent"));
             let patch = body_json(req).await;
             assert_eq!(
                 patch[0],
@@ -505,15 +533,28 @@ mod tests {
             assert_eq!(patch[0]["value"], "2");
             assert_eq!(patch[1]["value"], json!([foreign, ours]));
             send.send_response(respond(200, &node("3", json!([foreign, ours]))));
-            // 4. The condition, through the status subresource, as a strategic merge.
+            // 4. The condition, through the status subresource, as a forced server-side apply
+            //    of its one entry.
             let (req, send) = handle.next_request().await.unwrap();
             assert_eq!(req.method(), http::Method::PATCH);
             assert_eq!(req.uri().path(), "/api/v1/nodes/n1/status");
             assert_eq!(
                 req.headers()["content-type"],
-                "application/strategic-merge-patch+json"
+                "application/apply-patch+yaml"
+            );
+            assert_eq!(
+                req.uri().query(),
+                Some("&force=true&fieldManager=meshgate-agent")
             );
             let patch = body_json(req).await;
+            assert_eq!(
+                (&patch["apiVersion"], &patch["kind"], &patch["metadata"]),
+                (&json!("v1"), &json!("Node"), &json!({"name": "n1"}))
+            );
+            assert_eq!(
+                patch["status"]["conditions"].as_array().map(Vec::len),
+                Some(1)
+            );
             let cond = &patch["status"]["conditions"][0];
             assert_eq!(cond["type"], CONDITION_TYPE);
             assert_eq!(cond["status"], "False");

@@ -81,6 +81,11 @@ impl PassClock {
             None => (None, None),
         };
         let patch = patched.saturating_duration_since(reconcile);
+        // Drift: the files that broke the chain, to the taint the API accepted.
+        if let (true, Some(first)) = (tainted, self.first_event) {
+            let latency = patched.saturating_duration_since(first);
+            metrics.retaint_latency.observe(latency.as_secs_f64());
+        }
         for (stage, d) in [
             ("event", event),
             ("read", read),
@@ -148,6 +153,26 @@ mod tests {
         }
         let probe = "meshgate_verify_stage_seconds_sum{stage=\"probe\"} 0.02";
         assert!(text.lines().any(|l| l == probe), "{probe} in\n{text}");
+    }
+
+    /// Drift: a pass woken by files that added the taint observes the re-taint latency; one
+    /// that removed it, or was not woken by files, does not.
+    #[test]
+    fn only_a_taint_added_after_file_events_is_a_retaint() {
+        let mut clock = PassClock::default();
+        clock.woke(Some(Instant::now()));
+        clock.pass_started();
+        clock.reconcile_started();
+        let count = |n: u32| format!("meshgate_retaint_latency_seconds_count {n}");
+        let text = reported(&clock, Some(true));
+        assert!(text.lines().any(|l| l == count(1)), "{text}");
+        let text = reported(&clock, Some(false));
+        assert!(text.lines().any(|l| l == count(0)), "{text}");
+        clock.woke(None);
+        clock.pass_started();
+        clock.reconcile_started();
+        let text = reported(&clock, Some(true));
+        assert!(text.lines().any(|l| l == count(0)), "{text}");
     }
 
     /// A pass not woken by files (a resync, a Node change) has no event stage.

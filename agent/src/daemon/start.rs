@@ -23,8 +23,9 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::Api;
 use kube::runtime::WatchStreamExt;
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::events::Recorder;
 use meshgate_core::cni::ChainVerdict;
+use meshgate_core::field_manager;
 use meshgate_core::gate::{TaintEffect, TaintKey};
 use meshgate_shell::admin::{AdminServer, LoopProgress};
 use meshgate_shell::cli::Common;
@@ -37,7 +38,7 @@ use tracing::Instrument;
 
 use super::Config;
 use super::clients::Clients;
-use super::events::{EventQueue, REPORTER};
+use super::events::{self, EventQueue};
 use super::fswatch::{FsEvent, FsWatch};
 use super::metrics::AgentMetrics;
 use super::node::NodeGate;
@@ -168,7 +169,7 @@ async fn start_runtime(
 ) -> anyhow::Result<(Runtime, AgentMetrics)> {
     let mut registry = Registry::default();
     let metrics = AgentMetrics::register(&mut registry);
-    let rt = Runtime::builder(common)
+    let rt = Runtime::builder(common, field_manager::AGENT)
         .metrics(registry, metrics.mode.clone())
         .probes(ready, live)
         .mode_first_list(api_timeout)
@@ -264,13 +265,7 @@ fn node_gate(
     (taint_key, taint_effect): (TaintKey, TaintEffect),
     api_timeout: Duration,
 ) -> NodeGate {
-    let recorder = Recorder::new(
-        clients.own.clone(),
-        Reporter {
-            controller: REPORTER.into(),
-            instance: Some(node.to_owned()),
-        },
-    );
+    let recorder = Recorder::new(clients.own.clone(), events::reporter(node));
     NodeGate::new(
         clients.own.clone(),
         node.to_owned(),

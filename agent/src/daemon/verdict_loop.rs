@@ -383,6 +383,7 @@ impl VerdictLoop {
             tracing::info!(event, "event queued");
         }
         metrics.node_verified.set(i64::from(v.verified));
+        metrics.node_shows(v.reason.as_str(), v.verified);
         self.outcome.ready.store(true, Ordering::Release);
         let last = state::LastVerdict {
             reason: v.reason.as_str().to_string(),
@@ -401,6 +402,7 @@ impl VerdictLoop {
     /// The reconcile failed: the Node keeps its state; retried after the next backoff step.
     fn failed(&mut self, e: &GateError) {
         let delay = self.retry.next(Duration::from_millis(500));
+        self.outcome.metrics.api_error("node");
         tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "reconcile failed; the Node keeps its current state");
     }
 }

@@ -10,14 +10,15 @@
 //! With `--wait-for-agents` it first waits, within `--timeout`, until no meshgate agent pod is
 //! left in meshgate's namespace (a running agent would put its marks back). The writes are
 //! `core::cleanup`'s guarded JSON Patches (`nodes` for the taint and label, `nodes/status`
-//! for the condition); a Node that changed meanwhile is re-read and re-planned, at most
-//! [`MAX_ATTEMPTS`] times.
+//! for the condition), under the field manager `meshgate-cleanup`; a Node that changed
+//! meanwhile is re-read and re-planned, at most [`MAX_ATTEMPTS`] times.
 
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use meshgate_core::cleanup::{self, Marks};
+use meshgate_core::field_manager;
 use meshgate_shell::cli::duration;
 use meshgate_shell::entry::Exit;
 use serde_json::Value;
@@ -150,10 +151,12 @@ async fn clean(args: &Args, api: &Api<Node>, mut node: Node) -> anyhow::Result<M
     let conn = &args.conn;
     let name = node.metadata.name.clone().unwrap_or_default();
     let found = cleanup::marks(&node, &conn.taint_key);
-    let params = if args.dry_run {
-        PatchParams::default().dry_run()
-    } else {
-        PatchParams::default()
+    // JSON Patches, not server-side apply: an apply can only drop what its own field manager
+    // owns, and these marks are owned by the agent (or by whoever else wrote them).
+    let params = PatchParams {
+        field_manager: Some(field_manager::CLEANUP.into()),
+        dry_run: args.dry_run,
+        ..PatchParams::default()
     };
     for _ in 0..MAX_ATTEMPTS {
         let write = if let Some(p) = cleanup::metadata_patch(&node, &conn.taint_key) {
@@ -275,6 +278,7 @@ mod tests {
                 let mut handle = pin!(handle);
                 let (req, send) = handle.next_request().await.unwrap();
                 assert_eq!(req.uri().path(), "/api/v1/nodes/n1");
+                assert_eq!(req.uri().query(), Some("&fieldManager=meshgate-cleanup"));
                 assert_eq!(body_json(req).await[0]["value"], "1");
                 let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Invalid", "code": 422, "message": "test failed"});
                 send.send_response(respond(422, &status));
@@ -300,6 +304,7 @@ mod tests {
                 send.send_response(respond(200, &cleaned));
                 let (req, send) = handle.next_request().await.unwrap();
                 assert_eq!(req.uri().path(), "/api/v1/nodes/n1/status");
+                assert_eq!(req.uri().query(), Some("&fieldManager=meshgate-cleanup"));
                 let patch = body_json(req).await;
                 assert_eq!(patch[0]["value"], "3");
                 assert_eq!(

@@ -69,6 +69,7 @@ impl Conn {
         meshgate_shell::client::build_in_context(
             self.kubeconfig.as_deref(),
             self.context.as_deref(),
+            meshgate_core::field_manager::PLUGIN,
         )
         .await
     }

@@ -1,18 +1,22 @@
-//! `kubectl meshgate status`: reads the Nodes, the agents' Events, the mode ConfigMap and the
-//! webhook's answer to a probe, and prints `core::status`'s report.
+//! `kubectl meshgate status`: reads the Nodes, the agents' Events, the mode ConfigMap, the
+//! webhook's answer to a probe, the agent's ClusterRole and the apiserver's feature gauge
+//! (`/metrics`), and prints `core::status`'s report.
 //!
 //! In: [`Args`]. Out: the table (default) or the report as one JSON object (`-o json`,
 //! schema `meshgate.io/status/v1`), and the exit code: 0 nothing gated and the webhook not
-//! known to be unreachable, 1 a node is gated or the webhook is unreachable, 2 usage error or
-//! the Nodes or Events could not be read.
+//! known to be unreachable, 1 a node is gated, the webhook is unreachable or the agent acts as
+//! its node without the apiserver's gate, 2 usage error or the Nodes or Events could not be
+//! read.
 
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Node};
 use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::rbac::v1::ClusterRole;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams};
 use meshgate_core::event_reason;
+use meshgate_core::status::access::{self, AgentAccess, Gate};
 use meshgate_core::status::{self, Inputs, Mode, Report};
 use meshgate_shell::cli::duration;
 use meshgate_shell::entry::Exit;
@@ -113,6 +117,7 @@ pub async fn report(args: &Args) -> anyhow::Result<Report> {
     });
     report.truncated = truncated;
     report.mode = mode(conn, &client).await;
+    report.agent_access = agent_access(conn, &client).await;
     report.webhook = probe::run(&args.probe, conn, &client).await;
     Ok(report)
 }
@@ -141,4 +146,58 @@ async fn mode(conn: &Conn, client: &kube::Client) -> Option<Mode> {
             source: "default",
         },
     })
+}
+
+/// The agent's grants (its ClusterRole) and the apiserver's gate; `None` (with a warning on
+/// stderr) when the ClusterRole cannot be read.
+async fn agent_access(conn: &Conn, client: &kube::Client) -> Option<AgentAccess> {
+    let api: Api<ClusterRole> = Api::all(client.clone());
+    let role = conn
+        .call(
+            "reading the ClusterRole meshgate-agent",
+            api.get_opt(access::CLUSTER_ROLE),
+        )
+        .await;
+    let role = match role {
+        Ok(role) => role,
+        Err(e) => {
+            tracing::warn!(
+                cluster_role = access::CLUSTER_ROLE,
+                error = format!("{e:#}"),
+                "the agent's grants are not in the report"
+            );
+            return None;
+        }
+    };
+    let gate = gate(conn, client).await;
+    Some(access::assess(access::grants_of(role.as_ref()), gate))
+}
+
+/// The apiserver's ConstrainedImpersonation gate, from its `/metrics` (a non-resource URL
+/// many read-only roles lack: then `unknown`, noted at debug level only). In an HA control
+/// plane this is the answer of the one apiserver the request reached.
+async fn gate(conn: &Conn, client: &kube::Client) -> Gate {
+    let request = match http::Request::get("/metrics").body(Vec::new()) {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot build the /metrics request");
+            return Gate::Unknown;
+        }
+    };
+    match conn
+        .call(
+            "reading the apiserver's /metrics",
+            client.request_text(request),
+        )
+        .await
+    {
+        Ok(text) => access::gate_from_metrics(&text),
+        Err(e) => {
+            tracing::debug!(
+                error = format!("{e:#}"),
+                "the apiserver's feature gates are unknown"
+            );
+            Gate::Unknown
+        }
+    }
 }

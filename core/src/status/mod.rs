@@ -6,12 +6,14 @@
 //! clock. Out: a [`Report`], whose JSON form is the command's stable schema ([`SCHEMA`],
 //! documented in docs/operations.md, "kubectl meshgate"), and its table ([`table::render`]).
 //! The plugin's I/O side (`agent::plugin::status`) adds what only the API can answer: the
-//! mode ConfigMap, the webhook probe, and which lists were cut at their bound.
+//! mode ConfigMap, the webhook probe, the agent's grants against the apiserver's
+//! Constrained Impersonation gate ([`access`]), and which lists were cut at their bound.
 //!
 //! Pods judged `unknown` are not in the report: the agent publishes no Event for them (it
 //! logs them and counts `meshgate_pod_inspections_total{verdict="unknown"}`), so the API holds
 //! no record of them to read.
 
+pub mod access;
 pub mod table;
 
 use std::collections::BTreeMap;
@@ -62,6 +64,9 @@ pub struct Report {
     pub mode: Option<Mode>,
     /// Whether the webhook answered the probe, when it was run.
     pub webhook: Option<Webhook>,
+    /// The agent's grants and the apiserver's Constrained Impersonation gate, when its
+    /// ClusterRole could be read.
+    pub agent_access: Option<access::AgentAccess>,
     /// Every node, sorted by name.
     pub nodes: Vec<NodeStatus>,
     /// Pods the agents judged without redirects (one entry per pod, the latest Event).
@@ -153,14 +158,19 @@ pub struct Evictions {
 }
 
 impl Report {
-    /// True when the report asks for attention: a node is gated or the webhook is not
-    /// reachable (the command then exits 1).
+    /// True when the report asks for attention: a node is gated, the webhook is not
+    /// reachable, or the agent acts as its node on an apiserver without the gate (the
+    /// command then exits 1).
     pub fn needs_attention(&self) -> bool {
         self.nodes.iter().any(|n| n.gated)
             || self
                 .webhook
                 .as_ref()
                 .is_some_and(|w| w.state == "unreachable")
+            || self
+                .agent_access
+                .as_ref()
+                .is_some_and(access::AgentAccess::broken)
     }
 }
 
@@ -186,6 +196,7 @@ pub fn build(inputs: &Inputs<'_>) -> Report {
         taint_key: inputs.taint_key.to_string(),
         mode: None,
         webhook: None,
+        agent_access: None,
         nodes,
         missing_pods,
         evictions,

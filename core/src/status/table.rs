@@ -1,5 +1,6 @@
 //! The report as `kubectl meshgate status` prints it by default: a node table, then one
-//! section per question (pods without redirects, evictions, unknown pods, webhook, mode).
+//! section per question (pods without redirects, evictions, unknown pods, webhook, mode, the
+//! agent's grants), then the warnings.
 //!
 //! In: a [`Report`] and the clock (ages are relative to it). Out: text. Messages and notes
 //! are the agents' own and cut to one line; `-o json` carries them whole.
@@ -44,6 +45,19 @@ pub fn render(report: &Report, now: Timestamp) -> String {
     }
     if let Some(m) = &report.mode {
         let _ = writeln!(out, "MODE: {} ({})", m.mode, m.source);
+    }
+    if let Some(a) = &report.agent_access {
+        let _ = writeln!(
+            out,
+            "AGENT GRANTS: {} ({}; {} gate: {})",
+            a.grants.name(),
+            a.reach(),
+            super::access::GATE,
+            a.gate.name()
+        );
+        if let Some(w) = &a.warning {
+            let _ = writeln!(out, "WARNING: {w}");
+        }
     }
     for list in &report.truncated {
         let _ = writeln!(

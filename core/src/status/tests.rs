@@ -272,6 +272,7 @@ fn the_json_schema_names_are_stable() {
             "taint_key",
             "mode",
             "webhook",
+            "agent_access",
             "nodes",
             "missing_pods",
             "evictions",
@@ -301,6 +302,13 @@ fn the_json_schema_names_are_stable() {
     assert_eq!(keys(&v["evictions"]), ["window_seconds", "count", "pods"]);
     assert_eq!(keys(&v["webhook"]), ["state", "detail"]);
     assert_eq!(keys(&v["mode"]), ["mode", "source"]);
+    assert_eq!(v["agent_access"], Value::Null, "not read: null");
+    r.agent_access = Some(access::assess(access::Grants::Node, access::Gate::On));
+    let v = serde_json::to_value(&r).unwrap();
+    assert_eq!(
+        v["agent_access"],
+        json!({"grants": "node", "gate": "on", "warning": null})
+    );
 }
 
 #[test]
@@ -373,4 +381,52 @@ fn the_table_answers_each_question() {
     );
     assert!(text.contains("\nMODE: report (configmap)\n"), "{text}");
     assert!(text.contains("WARNING: the events list was cut"), "{text}");
+}
+
+/// The agent's grants against the gate: a line, and a WARNING when they disagree; confined
+/// grants without the gate need attention (no agent can read), wide ones with it do not.
+#[test]
+fn the_agent_grants_are_printed_and_a_mismatch_warns() {
+    use access::{Gate, Grants, assess};
+    let nodes = [node("node-b", json!([]), Some("true"), None)];
+    let with = |grants, gate| {
+        let mut r = report(&nodes, &[]);
+        r.agent_access = Some(assess(grants, gate));
+        (table::render(&r, now()), r.needs_attention())
+    };
+    let (text, attention) = with(Grants::Node, Gate::On);
+    assert!(
+        text.contains("\nAGENT GRANTS: node (a stolen agent token reads only its own Node and the pods on it; ConstrainedImpersonation gate: on)\n"),
+        "{text}"
+    );
+    assert!(!text.contains("WARNING"), "{text}");
+    assert!(!attention);
+
+    let (text, attention) = with(Grants::Node, Gate::Off);
+    assert!(
+        text.contains("ConstrainedImpersonation gate: off)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("\nWARNING: the agent acts as its node (agent.impersonateNode) but the apiserver's ConstrainedImpersonation feature gate is off"),
+        "{text}"
+    );
+    assert!(attention, "no agent can read: attention");
+
+    let (text, attention) = with(Grants::Cluster, Gate::On);
+    assert!(
+        text.contains("AGENT GRANTS: cluster (a stolen agent token reads every Pod (environment values included) and every Node;"),
+        "{text}"
+    );
+    assert!(
+        text.contains("\nWARNING: the apiserver's ConstrainedImpersonation feature gate is on but the agent reads with cluster-wide grants"),
+        "{text}"
+    );
+    assert!(!attention, "a hardening, not a fault");
+
+    let (text, _) = with(Grants::Cluster, Gate::Unknown);
+    assert!(
+        text.contains("gate: unknown)") && !text.contains("WARNING"),
+        "{text}"
+    );
 }

@@ -49,7 +49,11 @@ pub fn chart() -> PathBuf {
     paths::repo_root().join("manifests/charts/meshgate")
 }
 
-/// `helm template meshgate manifests/charts/meshgate -n kube-system ARGS...`: the rendered objects.
+/// `helm template meshgate manifests/charts/meshgate -n kube-system --kube-version V ARGS...`:
+/// the rendered objects. V is the pinned Kubernetes version, the test apiserver's, as `helm
+/// install` would see it: without it Helm renders for its own client version, and
+/// `agent.impersonateNode=auto` would then pick the grants of a newer cluster. A
+/// `--kube-version` in ARGS wins (the last one does).
 pub async fn template(args: &[&str]) -> Result<String, Error> {
     let chart = chart();
     let chart = chart.to_string_lossy();
@@ -59,6 +63,8 @@ pub async fn template(args: &[&str]) -> Result<String, Error> {
         &chart,
         "--namespace",
         RELEASE_NAMESPACE,
+        "--kube-version",
+        paths::kubernetes_version()?,
     ];
     all.extend_from_slice(args);
     exec(None, &all, TEMPLATE_TIMEOUT).await

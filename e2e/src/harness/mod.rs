@@ -4,7 +4,7 @@
 //! ([`control_plane`]) with its certificates ([`pki`]) and tokens ([`identity`]), tracked
 //! processes (`process`), where things are ([`paths`]), bounded waits ([`wait`]), the
 //! harness's errors ([`error`]), meshgate's chart rendered and installed with helm ([`helm`]),
-//! the apiserver's audit log ([`audit`]), the host's links and
+//! the apiserver's audit log ([`audit`]), a real Prometheus ([`prometheus`]), the host's links and
 //! routes for routable control planes and real nodes (`hostnet`), and what a real node needs
 //! of the host ([`host_check`]).
 
@@ -18,4 +18,5 @@ pub mod identity;
 pub mod paths;
 pub mod pki;
 pub(crate) mod process;
+pub mod prometheus;
 pub mod wait;

@@ -9,11 +9,13 @@
 //!
 //! - [`slow_heads`]: connections that send a long request head and never finish it.
 //! - [`post_all`]: request bodies posted all at once, each on its own connection.
+//! - [`slow_chunked`]: requests at a steady rate, each a body sent in chunks that trickle,
+//!   from a source address of their own (another client than the apiserver).
 //! - [`tiny_objects_review`], [`label_flood_review`]: bodies just under a size, made of tiny
 //!   JSON objects (which a tree-building decoder turns into about 75 times their size) or of
 //!   the shortest distinct labels.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use hyper::body::Bytes;
@@ -38,8 +40,24 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Transport {
     async fn connect(&self, addr: SocketAddr) -> std::io::Result<Box<dyn Stream>> {
+        self.connect_from(addr, None).await
+    }
+
+    /// A connection to `addr`, from the loopback address `source` when given.
+    async fn connect_from(
+        &self,
+        addr: SocketAddr,
+        source: Option<IpAddr>,
+    ) -> std::io::Result<Box<dyn Stream>> {
         let connect = async {
-            let tcp = TcpStream::connect(addr).await?;
+            let tcp = match source {
+                None => TcpStream::connect(addr).await?,
+                Some(ip) => {
+                    let socket = tokio::net::TcpSocket::new_v4()?;
+                    socket.bind(SocketAddr::new(ip, 0))?;
+                    socket.connect(addr).await?
+                }
+            };
             let stream: Box<dyn Stream> = match self {
                 Transport::Plain => Box::new(tcp),
                 Transport::Tls(connector) => {
@@ -140,10 +158,12 @@ impl SlowHeads {
 /// Opens `n` connections at once; on each, sends a `POST path` request head of about
 /// `head_bytes` bytes that never ends (no blank line), then waits, for at most `hold`, for
 /// the server to close it. Writes that fail (the server closed) end the sending early.
+/// The connections come from `sources` in turn (loopback addresses: clients apart, each
+/// with its own share of the server's connection cap), or from the default address.
 pub async fn slow_heads(
     addr: SocketAddr,
     transport: &Transport,
-    path: &str,
+    (path, sources): (&str, &[IpAddr]),
     n: usize,
     head_bytes: usize,
     hold: Duration,
@@ -152,26 +172,40 @@ pub async fn slow_heads(
         .map(|i| {
             let transport = transport.clone();
             let path = path.to_string();
-            tokio::spawn(
-                async move { slow_head(addr, &transport, &path, i, head_bytes, hold).await },
-            )
+            let source = (!sources.is_empty()).then(|| sources[i % sources.len()]);
+            tokio::spawn(async move {
+                let head = (i, head_bytes, hold);
+                slow_head(addr, &transport, &path, source, head).await
+            })
         })
         .collect();
-    let mut out = SlowHeads::default();
+    let (ended, not_connected, still_open) = tally(tasks).await;
+    SlowHeads {
+        connected: ended.len() + still_open,
+        not_connected,
+        closed: ended,
+        still_open,
+    }
+}
+
+/// What a connection of an attack came to: `None`, it could not connect; `Some(None)`, still
+/// open at the end of its hold; `Some(Some((after, status)))`, answered or closed.
+type Ended = Option<Option<(Duration, String)>>;
+
+/// The attack's connections once all ended: those answered or closed, how many could not
+/// connect and how many were still open.
+async fn tally(
+    tasks: Vec<tokio::task::JoinHandle<Ended>>,
+) -> (Vec<(Duration, String)>, usize, usize) {
+    let (mut ended, mut not_connected, mut still_open) = (Vec::new(), 0, 0);
     for t in tasks {
         match t.await {
-            Ok(Some(Some(closed))) => {
-                out.connected += 1;
-                out.closed.push(closed);
-            }
-            Ok(Some(None)) => {
-                out.connected += 1;
-                out.still_open += 1;
-            }
-            Ok(None) | Err(_) => out.not_connected += 1,
+            Ok(Some(Some(end))) => ended.push(end),
+            Ok(Some(None)) => still_open += 1,
+            Ok(None) | Err(_) => not_connected += 1,
         }
     }
-    out
+    (ended, not_connected, still_open)
 }
 
 /// One connection of [`slow_heads`]: `None` if it could not connect, else `Some(close)`.
@@ -179,11 +213,10 @@ async fn slow_head(
     addr: SocketAddr,
     transport: &Transport,
     path: &str,
-    i: usize,
-    head_bytes: usize,
-    hold: Duration,
-) -> Option<Option<(Duration, String)>> {
-    let mut s = transport.connect(addr).await.ok()?;
+    source: Option<IpAddr>,
+    (i, head_bytes, hold): (usize, usize, Duration),
+) -> Ended {
+    let mut s = transport.connect_from(addr, source).await.ok()?;
     let begun = Instant::now();
     let line = format!("X-Pad-{i}: {}\r\n", "p".repeat(1000));
     let mut head = format!("POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n");
@@ -275,6 +308,123 @@ async fn post(
         .nth(1)
         .and_then(|c| c.parse().ok())
         .ok_or_else(|| format!("no status line: {:?}", String::from_utf8_lossy(&answer)))
+}
+
+/// The requests of [`slow_chunked`]: how many of each outcome, and how long the server let
+/// the slowest one run.
+#[derive(Debug, Default)]
+pub struct SlowChunked {
+    /// Requests begun (connected and head sent).
+    pub sent: usize,
+    /// Connections that could not be made (refused, closed at once, or not within the bound).
+    pub not_connected: usize,
+    /// Per answer status ("" for a close without an answer), how many.
+    pub outcomes: std::collections::BTreeMap<String, usize>,
+    /// From the head sent to the answer or close, each request's time.
+    pub held: Vec<Duration>,
+    /// Requests neither answered nor closed within their hold.
+    pub still_open: usize,
+}
+
+/// What one slow chunked request trickles.
+#[derive(Clone, Copy, Debug)]
+pub struct Trickle {
+    /// One-byte chunks sent, one every `gap`, then the last (empty) chunk.
+    pub chunks: usize,
+    pub gap: Duration,
+    /// How long after its head a request waits for an answer at most.
+    pub hold: Duration,
+}
+
+/// Sends `rate` requests a second for `duration`, from `source`, each a `POST path` whose
+/// body is sent chunked (no `Content-Length`) as `trickle` says, on its own connection; how
+/// the server treated them once every one ended (answered, closed, or past its hold).
+pub async fn slow_chunked(
+    addr: SocketAddr,
+    transport: &Transport,
+    source: IpAddr,
+    path: &str,
+    (rate, duration): (f64, Duration),
+    trickle: Trickle,
+) -> SlowChunked {
+    let interval = Duration::from_secs_f64(1.0 / rate.max(0.001));
+    let begun = Instant::now();
+    let mut tasks = Vec::new();
+    while begun.elapsed() < duration {
+        let (transport, path) = (transport.clone(), path.to_string());
+        tasks.push(tokio::spawn(async move {
+            slow_chunked_one(addr, &transport, source, &path, trickle).await
+        }));
+        let due = begun + interval * u32::try_from(tasks.len()).unwrap_or(u32::MAX);
+        tokio::time::sleep_until(due.into()).await;
+    }
+    let (ended, not_connected, still_open) = tally(tasks).await;
+    let mut out = SlowChunked {
+        sent: ended.len() + still_open,
+        not_connected,
+        still_open,
+        ..SlowChunked::default()
+    };
+    for (held, status) in ended {
+        out.held.push(held);
+        *out.outcomes.entry(status).or_default() += 1;
+    }
+    out
+}
+
+/// One request of [`slow_chunked`]: `None` if it could not connect, else `Some(end)`: the time
+/// to the answer or close and the answer's status code ("" for none), or `None` past the hold.
+async fn slow_chunked_one(
+    addr: SocketAddr,
+    transport: &Transport,
+    source: IpAddr,
+    path: &str,
+    trickle: Trickle,
+) -> Ended {
+    let s = transport.connect_from(addr, Some(source)).await.ok()?;
+    let (mut rd, mut wr) = tokio::io::split(s);
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+         Transfer-Encoding: chunked\r\n\r\n"
+    );
+    wr.write_all(head.as_bytes()).await.ok()?;
+    wr.flush().await.ok()?;
+    let begun = Instant::now();
+    let send = async move {
+        for _ in 0..trickle.chunks {
+            tokio::time::sleep(trickle.gap).await;
+            if wr.write_all(b"1\r\n{\r\n").await.is_err() || wr.flush().await.is_err() {
+                break;
+            }
+        }
+        let _ = wr.write_all(b"0\r\n\r\n").await;
+        let _ = wr.flush().await;
+        // Kept open until the answer: dropping a TLS write half sends no close.
+        std::future::pending::<()>().await;
+    };
+    let answer = async {
+        let mut answer = Vec::new();
+        let mut chunk = [0u8; 1024];
+        while !answer.windows(2).any(|w| w == b"\r\n") {
+            match rd.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => answer.extend_from_slice(&chunk[..n]),
+            }
+        }
+        String::from_utf8_lossy(&answer)
+            .split_whitespace()
+            .nth(1)
+            .unwrap_or_default()
+            .to_string()
+    };
+    let ended = tokio::time::timeout(trickle.hold, async {
+        tokio::select! {
+            status = answer => status,
+            () = send => String::new(),
+        }
+    })
+    .await;
+    Some(ended.ok().map(|status| (begun.elapsed(), status)))
 }
 
 /// The opening of an AdmissionReview for a pod CREATE (`uid` empty when `uid` is `None`),

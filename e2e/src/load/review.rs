@@ -669,6 +669,15 @@ pub struct WebhookProcess {
 impl WebhookProcess {
     /// Starts the webhook binary (from the workspace target dir) with `extra` flags.
     pub fn start(kubeconfig: &std::path::Path, extra: &[&str]) -> anyhow::Result<Self> {
+        Self::start_with_env(kubeconfig, extra, &[])
+    }
+
+    /// [`Self::start`] with variables added to its environment.
+    pub fn start_with_env(
+        kubeconfig: &std::path::Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Self> {
         use anyhow::Context;
         let dir = tempfile::tempdir()?;
         let ca = crate::sim::webhook::TestCa::new()?;
@@ -691,6 +700,7 @@ impl WebhookProcess {
                 .arg("--kubeconfig")
                 .arg(kubeconfig)
                 .args(extra)
+                .envs(env.iter().copied())
                 .env(
                     "RUST_LOG",
                     std::env::var("MESHGATE_WEBHOOK_LOG").unwrap_or_else(|_| {

@@ -420,3 +420,70 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
         .unwrap_or_default();
     Some((code, body))
 }
+
+/// One `managedFields` entry, as `kubectl get -o yaml --show-managed-fields` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Managed {
+    /// The field manager.
+    pub manager: String,
+    /// `Apply` (server-side apply) or `Update` (every other write).
+    pub operation: String,
+    /// `status` for a write to `nodes/status`, empty for the object itself.
+    pub subresource: String,
+}
+
+impl Managed {
+    /// The entry of `manager`'s `operation` on `subresource` (empty: the object itself).
+    pub fn new(manager: &str, operation: &str, subresource: &str) -> Self {
+        Self {
+            manager: manager.into(),
+            operation: operation.into(),
+            subresource: subresource.into(),
+        }
+    }
+}
+
+/// The entries of `meta`'s `managedFields` that own the field at `path` (the `fieldsV1` keys
+/// leading to it: `["f:spec", "f:taints"]`, `["f:status", "f:conditions",
+/// "k:{\"type\":\"MeshCNIVerified\"}"]`).
+pub fn owners(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    path: &[&str],
+) -> Vec<Managed> {
+    let entries = meta.managed_fields.iter().flatten();
+    entries
+        .filter(|e| {
+            let fields = e.fields_v1.as_ref().map(|f| &f.0);
+            path.iter()
+                .try_fold(fields, |at, key| Some(at?.get(*key)))
+                .flatten()
+                .is_some()
+        })
+        .map(|e| Managed {
+            manager: e.manager.clone().unwrap_or_default(),
+            operation: e.operation.clone().unwrap_or_default(),
+            subresource: e.subresource.clone().unwrap_or_default(),
+        })
+        .collect()
+}
+
+/// `meta`'s `managedFields` in one line per entry (manager, operation, subresource, the
+/// top fields it owns), for a test's failure message.
+pub fn managed_fields(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
+    let entries = meta.managed_fields.iter().flatten();
+    entries
+        .map(|e| {
+            format!(
+                "{} {} [{}] {}",
+                e.manager.as_deref().unwrap_or("<none>"),
+                e.operation.as_deref().unwrap_or_default(),
+                e.subresource.as_deref().unwrap_or_default(),
+                e.fields_v1
+                    .as_ref()
+                    .map(|f| f.0.to_string())
+                    .unwrap_or_default()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}

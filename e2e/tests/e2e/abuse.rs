@@ -9,6 +9,7 @@
 //! its payload, the peak and the time to recover (`--nocapture`); docs/reliability.md keeps
 //! the figures, before and after the limits.
 
+use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
 use meshgate_e2e::load::http_abuse::{
@@ -21,12 +22,19 @@ use meshgate_e2e::{NodeSpec, unique_name};
 use crate::{WAIT, cp};
 
 /// Half of `manifests/charts/meshgate/templates/webhook.yaml`'s memory limit (256Mi), in KiB.
-const WEBHOOK_BAR_KIB: u64 = 128 * 1024;
+pub(crate) const WEBHOOK_BAR_KIB: u64 = 128 * 1024;
 /// Half of `manifests/charts/meshgate/templates/agent.yaml`'s memory limit (160Mi), in KiB.
 const AGENT_BAR_KIB: u64 = 80 * 1024;
 
+/// Where the attacks on the webhook's port come from: two clients, so that together they can
+/// take the whole connection cap (one client holds at most half of it).
+const ATTACKERS: [IpAddr; 2] = [
+    IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2)),
+    IpAddr::V4(Ipv4Addr::new(127, 0, 0, 3)),
+];
+
 /// Just under the webhook's default 3 MiB body limit.
-const BODY: usize = 3 * 1024 * 1024 - 1024;
+pub(crate) const BODY: usize = 3 * 1024 * 1024 - 1024;
 
 /// A webhook with synced caches, and the transport to its HTTPS port.
 async fn webhook() -> anyhow::Result<(WebhookProcess, Transport)> {
@@ -143,6 +151,8 @@ struct Heads {
     hold: Duration,
     /// The peak RSS that must not be reached, KiB.
     bar_kib: u64,
+    /// Where the connections come from (none: the default address).
+    sources: &'static [IpAddr],
 }
 
 impl Heads {
@@ -158,7 +168,7 @@ impl Heads {
         let got = slow_heads(
             addr,
             transport,
-            self.path,
+            (self.path, self.sources),
             self.n,
             self.head_bytes,
             self.hold,
@@ -230,6 +240,7 @@ async fn slow_heads_on_the_webhook_port_are_cut_short() -> anyhow::Result<()> {
         path: "/validate",
         hold: Duration::from_secs(15),
         bar_kib: WEBHOOK_BAR_KIB,
+        sources: &ATTACKERS,
     };
     on_the_webhook_port(&attack).await
 }
@@ -248,6 +259,7 @@ async fn heads_filling_every_buffer_up_to_the_cap_stay_within_the_bar() -> anyho
         // The header timeout closes them at 10 s; room for a loaded machine.
         hold: Duration::from_secs(20),
         bar_kib: WEBHOOK_BAR_KIB,
+        sources: &ATTACKERS,
     };
     on_the_webhook_port(&attack).await
 }
@@ -277,6 +289,7 @@ fn admin_attack(what: &'static str, bar_kib: u64) -> Heads {
         path: "/metrics",
         hold: Duration::from_secs(10),
         bar_kib,
+        sources: &[],
     }
 }
 
@@ -324,7 +337,9 @@ async fn full_buffers_and_label_floods_at_once_stay_within_the_bar() -> anyhow::
     let hold = Duration::from_secs(20);
     let heads = {
         let (addr, tls) = (wh.listen, tls.clone());
-        tokio::spawn(async move { slow_heads(addr, &tls, "/validate", 1000, 7_000, hold).await })
+        tokio::spawn(async move {
+            slow_heads(addr, &tls, ("/validate", &ATTACKERS), 1000, 7_000, hold).await
+        })
     };
     // Every head is in before the reviews come.
     tokio::time::sleep(Duration::from_secs(2)).await;

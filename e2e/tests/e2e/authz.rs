@@ -42,29 +42,29 @@ use crate::support::{
 /// A ServiceAccount of this test only, for what the agent is not granted as the node.
 const PROBE: &str = "meshgate-probe";
 /// The alpha feature behind the component.
-const GATE: &str = "--feature-gates=ConstrainedImpersonation=true";
+pub(crate) const GATE: &str = "--feature-gates=ConstrainedImpersonation=true";
 /// The Node authorizer's refusal of a pod list or watch not scoped to the node.
 const SELECTOR_ONLY: &str = "can only list/watch pods with spec.nodeName field selector";
 /// The environment variable each application pod carries (what a Pod read discloses).
-const ENV: &str = "DATABASE_PASSWORD";
+pub(crate) const ENV: &str = "DATABASE_PASSWORD";
 
-/// The control plane and the objects both modes ask about.
-struct Fixture {
-    cp: ControlPlane,
-    admin: Client,
-    node_a: String,
-    node_b: String,
+/// The control plane and the objects both modes ask about (reach.rs's too).
+pub(crate) struct Fixture {
+    pub(crate) cp: ControlPlane,
+    pub(crate) admin: Client,
+    pub(crate) node_a: String,
+    pub(crate) node_b: String,
     /// The application namespace, with pod `on-a` on node A and `on-b` on node B.
-    app: String,
+    pub(crate) app: String,
     /// The environment value of `on-b` (node B's pod).
-    secret_b: String,
+    pub(crate) secret_b: String,
     /// Kubeconfig with meshgate-agent's token bound to its pod on node A.
-    agent_kubeconfig: PathBuf,
+    pub(crate) agent_kubeconfig: PathBuf,
 }
 
 impl Fixture {
     /// The stolen token, as itself and as node A (or another node).
-    async fn agent(&self, act_as: &str) -> anyhow::Result<Clients> {
+    pub(crate) async fn agent(&self, act_as: &str) -> anyhow::Result<Clients> {
         Clients::build(Some(&self.agent_kubeconfig), act_as, true, false).await
     }
 }
@@ -97,7 +97,7 @@ async fn app_pod(
     )
 }
 
-fn env_value(p: &Pod) -> Option<String> {
+pub(crate) fn env_value(p: &Pod) -> Option<String> {
     p.spec
         .as_ref()?
         .containers
@@ -115,24 +115,32 @@ async fn setup() -> anyhow::Result<Fixture> {
     })
     .await
     .context("starting a control plane with ConstrainedImpersonation")?;
+    seed(cp, "authz").await
+}
+
+/// On `cp`: the chart's base (namespace, ServiceAccounts, RBAC and policies rendered with the
+/// default values for the pinned version), nodes A and B, an application pod with an
+/// environment value on each, and the agent's token bound to a pod on node A. `prefix` names
+/// the nodes, the namespace and the kubeconfig.
+pub(crate) async fn seed(cp: ControlPlane, prefix: &str) -> anyhow::Result<Fixture> {
     let admin = cp.client()?;
     apply_base_files(&cp, &BASE_CONFINEMENT, &[])
         .await
         .context("applying the chart's RBAC")?;
 
-    let node_a = unique_name("authz-a");
-    let node_b = unique_name("authz-b");
+    let node_a = unique_name(&format!("{prefix}-a"));
+    let node_b = unique_name(&format!("{prefix}-b"));
     for n in [&node_a, &node_b] {
         cp.register_node(&admin, &NodeSpec::new(n).taint(TAINT_KEY, "NoSchedule"))
             .await?;
     }
-    let app = cp.create_namespace(&admin, "authz").await?;
+    let app = cp.create_namespace(&admin, prefix).await?;
     app_pod(&admin, &app, "on-a", &node_a, "default").await?;
     let on_b = app_pod(&admin, &app, "on-b", &node_b, "default").await?;
     let secret_b = env_value(&on_b).context("on-b's env")?;
     let agent_pod = app_pod(&admin, NS, &unique_name("agent"), &node_a, AGENT).await?;
     let token = bound_token(&admin, AGENT, agent_pod).await?;
-    let agent_kubeconfig = cp.write_token_kubeconfig("authz-agent", &token)?;
+    let agent_kubeconfig = cp.write_token_kubeconfig(&format!("{prefix}-agent"), &token)?;
     Ok(Fixture {
         cp,
         admin,

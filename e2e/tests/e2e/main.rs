@@ -6,13 +6,17 @@
 //! nodes, so tests run in parallel without seeing each other. One module per area.
 
 mod abuse;
+mod abuse_flood;
 mod abuse_pods;
 mod agent;
 mod ambient;
 mod ambient_real;
 mod authz;
 mod control_plane;
+mod dashboard;
 mod faults;
+mod field_managers;
+mod fleet;
 mod modes;
 mod nrc;
 mod outage;
@@ -21,6 +25,7 @@ mod plugin;
 mod pods;
 mod policy;
 mod rbac;
+mod reach;
 mod real_node;
 mod support;
 mod taint_key;

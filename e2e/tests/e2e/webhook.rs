@@ -287,6 +287,11 @@ impl Fixture {
         Ok(ns)
     }
 
+    /// The webhook's admin address (`/metrics`, `/ready`).
+    pub(crate) fn admin(&self) -> SocketAddr {
+        self.admin
+    }
+
     /// The webhook's `/metrics` text.
     pub(crate) async fn metrics(&self) -> anyhow::Result<String> {
         let (code, text) = http_get(self.admin, "/metrics").await?;

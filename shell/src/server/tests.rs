@@ -6,6 +6,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const TEST_LIMITS: Limits = Limits {
     max_connections: 2,
+    max_connections_per_client: 2,
     handshake_timeout: Duration::from_secs(1),
     header_read_timeout: Duration::from_millis(300),
     // Far above the header timeout: a new connection must not get the idle bound.
@@ -138,6 +139,45 @@ async fn past_the_cap_a_connection_waits_for_a_free_place() {
         "served after {waited:?}, while the cap was taken"
     );
     stop(phase, task).await;
+}
+
+/// A connection from 127.0.0.2 (another client), bound before it connects.
+async fn connect_from(ip: [u8; 4], addr: SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::from((ip, 0))).unwrap();
+    socket.connect(addr).await.unwrap()
+}
+
+/// One client holding its share of the cap has its next connection closed at once, while
+/// another client is served; each request sees its peer's address.
+#[tokio::test]
+async fn a_client_past_its_share_is_closed_and_others_are_served() {
+    let limits = Limits {
+        max_connections: 4,
+        max_connections_per_client: 2,
+        header_read_timeout: Duration::from_secs(5),
+        ..TEST_LIMITS
+    };
+    let listener = TcpListener::bind("0.0.0.0:0").await.unwrap();
+    let addr = SocketAddr::from(([127, 0, 0, 1], listener.local_addr().unwrap().port()));
+    let (phase_tx, phase) = watch::channel(Phase::Serving);
+    let app = Router::new().route(
+        "/",
+        get(|ConnectInfo(peer): ConnectInfo<SocketAddr>| async move { peer.ip().to_string() }),
+    );
+    let task = tokio::spawn(serve(listener, Plain, app, phase, DRAIN, limits));
+    let _a = connect_from([127, 0, 0, 2], addr).await;
+    let _b = connect_from([127, 0, 0, 2], addr).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut third = connect_from([127, 0, 0, 2], addr).await;
+    let (_, closed) = read_to_close(&mut third).await;
+    assert!(closed, "a third connection of one client was kept");
+    let mut other = TcpStream::connect(addr).await.unwrap();
+    let req = b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    other.write_all(req).await.unwrap();
+    let (answer, _) = read_to_close(&mut other).await;
+    assert!(answer.ends_with("127.0.0.1"), "{answer}");
+    stop(phase_tx, task).await;
 }
 
 /// `serve_until`: the stop future ends serving; a connection holding a request in flight

@@ -99,6 +99,32 @@ async fn slow_answers_time_out_with_503_and_unsynced_caches_are_waited_for() {
     assert_eq!(status, StatusCode::OK);
 }
 
+/// A body sent chunked that stops coming is answered 408, with the connection closed, at
+/// the body read timeout: well before the request timeout.
+#[tokio::test]
+async fn a_body_that_stops_coming_is_cut_at_the_body_read_timeout() {
+    let (app, _tx) = app(fake_cluster(), true, Limits::default());
+    let (tx, rx) = futures::channel::mpsc::unbounded::<Result<Bytes, std::io::Error>>();
+    tx.unbounded_send(Ok(Bytes::from_static(b"{"))).unwrap();
+    let begun = std::time::Instant::now();
+    let resp = app
+        .oneshot(
+            Request::post("/validate")
+                .body(Body::from_stream(rx))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let took = begun.elapsed();
+    assert_eq!(resp.status(), StatusCode::REQUEST_TIMEOUT);
+    assert_eq!(resp.headers()[header::CONNECTION], "close");
+    assert!(
+        took >= crate::budget::BODY_READ_TIMEOUT && took < Limits::default().request_timeout,
+        "cut after {took:?}"
+    );
+    drop(tx);
+}
+
 /// A CA and a serving certificate for 127.0.0.1 signed by it, written to `dir`.
 pub(crate) struct Pki {
     ca: rcgen::Issuer<'static, rcgen::KeyPair>,
@@ -351,7 +377,9 @@ pub(crate) async fn start_capped(
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (phase_tx, phase) = crate::shutdown::phase_channel();
-    let server = tokio::spawn(serve_tls(listener, tls, app, phase, drain, max_connections));
+    // The cap alone: every test connection comes from one address.
+    let caps = (max_connections, max_connections);
+    let server = tokio::spawn(serve_tls(listener, tls, app, phase, drain, caps));
     (addr, phase_tx, server)
 }
 
@@ -704,6 +732,7 @@ async fn over_tls_idle_waits_outlive_the_header_timeout_but_a_begun_record_does_
     let tls = crate::tls::server_config(&cert, &key).unwrap();
     let limits = shared::Limits {
         max_connections: 4,
+        max_connections_per_client: 4,
         handshake_timeout: HANDSHAKE_TIMEOUT,
         header_read_timeout: Duration::from_secs(1),
         keep_alive_timeout: Duration::from_secs(10),

@@ -15,6 +15,7 @@ use meshgate_shell::mode::WouldAction;
 use tracing::Instrument;
 
 use super::Inspector;
+use super::cluster_budget::Deferral;
 use super::eviction::{self, Answer, Outcome};
 use super::pod_info::PodInfo;
 use super::sweep::{self, Inspected, Job, ProxyCheck};
@@ -292,6 +293,13 @@ impl Inspector {
             tracing::warn!(%profile, %why, retry_in_ms = retry.map(|r| r.as_millis() as u64), "not evicting: the pod's network namespace changed since it was inspected");
             return None;
         }
+        if let Some(Err(deferral)) = self.take_cluster_budget().await {
+            // Not disrupted: the node's token goes back; the pod is tried again later.
+            self.limiter.refund(token);
+            let retry_in_ms = back_off_ms(&mut self.tracker, &info.uid, now);
+            tracing::warn!(%profile, why = %deferral.why, retry_in_ms, "eviction deferred by the cluster-wide eviction budget");
+            return Some(Outcome::ClusterBudget(deferral));
+        }
         let detect_ms = now.saturating_sub(m.due.ready_since).as_millis() as u64;
         tracing::info!(%profile, detect_ms, "evicting: mesh redirects missing");
         let timeout = self.config.api_timeout;
@@ -328,11 +336,17 @@ impl Inspector {
                 Some(Outcome::MultiplePdbs)
             }
             Answer::Failed(e) => {
+                self.metrics.api_error("evict");
                 let retry_in_ms = back_off_ms(&mut self.tracker, &info.uid, now);
                 tracing::warn!(error = %e, retry_in_ms, "eviction failed");
                 Some(Outcome::Failed(e))
             }
         }
+    }
+
+    /// One eviction from the cluster-wide budget; `None` when the budget is off.
+    async fn take_cluster_budget(&self) -> Option<Result<(), Deferral>> {
+        Some(self.cluster_budget.as_ref()?.take().await)
     }
 
     /// Counts, logs and publishes (once per sandbox and outcome) what happened to the pod.

@@ -15,11 +15,14 @@ use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::api::policy::v1::Eviction;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{DeleteOptions, ObjectMeta, Preconditions};
 use kube::Resource;
-use kube::api::EvictParams;
+use kube::api::{EvictParams, PostParams};
 use kube::core::Request;
 use kube::runtime::events::{Event, EventType};
 use meshgate_core::evict::SkipWhy;
+use meshgate_core::field_manager;
 use meshgate_core::{event_note, event_reason};
+
+use super::cluster_budget::Deferral;
 
 /// The API's answer to one eviction.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -88,9 +91,17 @@ pub async fn evict(
         Ok(b) => b,
         Err(e) => return Answer::Failed(format!("cannot encode the Eviction: {e}")),
     };
-    let request = match Request::new(Pod::url_path(&(), Some(namespace)))
-        .evict(name, &EvictParams::default())
-    {
+    // The eviction is a create of `pods/eviction`: it names the agent's field manager, as
+    // every write of the agent does. Only an audit log shows it (the request URI): the
+    // apiserver sets the pod's `DisruptionTarget` condition itself, under no field manager.
+    let params = EvictParams {
+        post_options: PostParams {
+            field_manager: Some(field_manager::AGENT.into()),
+            ..PostParams::default()
+        },
+        ..EvictParams::default()
+    };
+    let request = match Request::new(Pod::url_path(&(), Some(namespace))).evict(name, &params) {
         Ok(r) => r.map(|_| body),
         Err(e) => return Answer::Failed(format!("cannot build the eviction request: {e}")),
     };
@@ -110,6 +121,8 @@ pub enum Outcome {
     Skipped(SkipWhy),
     /// The API refused: several PodDisruptionBudgets match the pod.
     MultiplePdbs,
+    /// The cluster-wide eviction budget refused (spent, or its ledger unusable).
+    ClusterBudget(Deferral),
     /// The call failed; retried later.
     Failed(String),
 }
@@ -123,6 +136,9 @@ impl Outcome {
             Outcome::Evicted => "Evict",
             Outcome::Skipped(SkipWhy::Pdb) | Outcome::MultiplePdbs => "EvictBlocked",
             Outcome::Skipped(SkipWhy::RateLimit) => "EvictDeferred",
+            Outcome::Skipped(SkipWhy::ClusterBudget) => "EvictDeferredClusterBudget",
+            Outcome::ClusterBudget(d) if d.spent => "EvictDeferredClusterBudget",
+            Outcome::ClusterBudget(_) => "EvictDeferredNoBudgetLedger",
             Outcome::Skipped(SkipWhy::DryRun) => "DryRun",
             Outcome::Skipped(SkipWhy::Unowned) => "ReportUnowned",
             Outcome::Skipped(SkipWhy::NoEvict) => "ReportOnly",
@@ -140,6 +156,7 @@ impl Outcome {
         match self {
             Outcome::Skipped(why) => why.metric_label(),
             Outcome::MultiplePdbs => SkipWhy::Pdb.metric_label(),
+            Outcome::ClusterBudget(_) => SkipWhy::ClusterBudget.metric_label(),
             Outcome::Evicted | Outcome::Failed(_) => None,
         }
     }
@@ -158,6 +175,17 @@ impl Outcome {
             }
             Outcome::Skipped(SkipWhy::RateLimit) => format!(
                 "eviction deferred by the node's rate limit ({per_minute} per minute)"
+            ),
+            Outcome::Skipped(SkipWhy::ClusterBudget) => {
+                "eviction deferred by the cluster-wide eviction budget".into()
+            }
+            Outcome::ClusterBudget(d) if d.spent => format!(
+                "eviction deferred: {} (--cluster-eviction-budget); retried when the window has room",
+                d.why
+            ),
+            Outcome::ClusterBudget(d) => format!(
+                "eviction deferred: {}; nothing is evicted without the cluster-wide budget (--cluster-eviction-budget); retrying with backoff",
+                d.why
             ),
             Outcome::Skipped(SkipWhy::DryRun) => "dry-run: would be evicted".into(),
             Outcome::Skipped(SkipWhy::Report) => {
@@ -254,6 +282,14 @@ mod tests {
             Outcome::Skipped(SkipWhy::Unowned),
             Outcome::Skipped(SkipWhy::NoEvict),
             Outcome::Skipped(SkipWhy::NoProxy),
+            Outcome::ClusterBudget(Deferral {
+                spent: true,
+                why: "spent".into(),
+            }),
+            Outcome::ClusterBudget(Deferral {
+                spent: false,
+                why: "no ledger".into(),
+            }),
             Outcome::Failed("x".into()),
         ];
         let actions: std::collections::BTreeSet<_> = outcomes.iter().map(|o| o.action()).collect();
@@ -262,6 +298,14 @@ mod tests {
         assert_eq!(Outcome::Skipped(SkipWhy::Pdb).skip_label(), Some("pdb"));
         assert_eq!(Outcome::Skipped(SkipWhy::NoEvict).skip_label(), None);
         assert_eq!(Outcome::Evicted.skip_label(), None);
+        assert_eq!(
+            Outcome::ClusterBudget(Deferral {
+                spent: true,
+                why: "spent".into()
+            })
+            .skip_label(),
+            Some("cluster_budget")
+        );
     }
 
     #[test]
@@ -311,10 +355,11 @@ mod tests {
                     break;
                 };
                 let path = req.uri().path().to_string();
+                let query = req.uri().query().unwrap_or_default().to_string();
                 let body = req.into_body().collect().await.map(|b| b.to_bytes());
                 let body: serde_json::Value =
                     serde_json::from_slice(&body.unwrap_or_default()).unwrap_or_default();
-                seen.push((path, body));
+                seen.push((path, query, body));
                 let reply = if status == 201 {
                     serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201})
                 } else {
@@ -342,8 +387,12 @@ mod tests {
         ));
         let seen = server.await.unwrap_or_default();
         assert_eq!(seen.len(), 2);
-        let (path, body) = &seen[0];
+        let (path, query, body) = &seen[0];
         assert_eq!(path, "/api/v1/namespaces/ns1/pods/web-1/eviction");
+        assert_eq!(
+            query, "&fieldManager=meshgate-agent",
+            "the agent's field manager"
+        );
         assert_eq!(body["apiVersion"], "policy/v1");
         assert_eq!(body["kind"], "Eviction");
         assert_eq!(body["metadata"]["name"], "web-1");

@@ -40,6 +40,7 @@
 //! are never inspected, so neither a restart nor a lagging watch evicts a sandbox twice.
 
 pub mod act;
+pub mod cluster_budget;
 pub mod eviction;
 pub mod namespaces;
 pub mod pod_info;
@@ -73,6 +74,7 @@ use super::events::Events;
 use super::metrics::AgentMetrics;
 use super::state::Shared;
 use super::timer::sleep_until;
+use cluster_budget::ClusterBudget;
 use namespaces::{NamespaceEvent, Namespaces};
 use pod_info::PodInfo;
 use slim::SlimPod;
@@ -109,6 +111,10 @@ pub struct Config {
     pub flags: Flags,
     /// `--max-evictions-per-minute`.
     pub per_minute: u32,
+    /// `--cluster-eviction-budget` and its window (off at 0).
+    pub cluster_budget: meshgate_core::cluster_budget::Budget,
+    /// meshgate's namespace (`--namespace`), where the budget's ledger is.
+    pub namespace: String,
     /// Deadline of each API call (eviction, Event).
     pub api_timeout: Duration,
     /// Where named network namespaces are bind-mounted, besides `/proc/*/ns/net`.
@@ -160,6 +166,8 @@ pub struct Inspector {
     node_proxy_pods: Option<watch::Receiver<Option<Vec<ProxyPod>>>>,
     tracker: Tracker,
     limiter: RateLimiter,
+    /// The cluster-wide eviction budget, when on.
+    cluster_budget: Option<ClusterBudget>,
     /// The clock origin: `core::evict` and the tracker take durations since it.
     origin: Instant,
     /// The node verdict last seen (verified, reason); `None` before the first.
@@ -313,6 +321,14 @@ impl Inspector {
         Self {
             events: Events::new(clients.own.clone(), &config.node, config.api_timeout),
             limiter: RateLimiter::new(config.per_minute),
+            cluster_budget: config.cluster_budget.is_on().then(|| {
+                ClusterBudget::new(
+                    clients.own.clone(),
+                    &config.namespace,
+                    config.cluster_budget,
+                    config.api_timeout,
+                )
+            }),
             namespaces: Namespaces::new(config.profiles.namespace_label_keys()),
             config,
             client: clients.node.clone(),
@@ -401,6 +417,7 @@ impl Inspector {
         let changes = match self.namespaces.apply(item) {
             Ok(changes) => changes,
             Err(e) => {
+                self.metrics.api_error("watch");
                 tracing::warn!(error = %e, "namespace watch error; retrying with backoff");
                 return;
             }
@@ -447,6 +464,7 @@ impl Inspector {
                 tracing::debug!(pods = self.tracker.len(), "pod list complete");
             }
             Err(e) => {
+                self.metrics.api_error("watch");
                 tracing::warn!(error = %e, "pod watch error; retrying with backoff")
             }
         }

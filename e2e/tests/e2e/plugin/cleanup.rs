@@ -11,9 +11,11 @@ use anyhow::{Context as _, ensure};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
 use kube::api::{Api, DeleteParams, PostParams};
+use meshgate_core::field_manager;
 use meshgate_core::gate::{
     CONDITION_TYPE, DEFAULT_TAINT_KEY as TAINT_KEY, LEGACY_TAINT_KEY, VERIFIED_LABEL,
 };
+use meshgate_e2e::sim::node::{Managed, managed_fields, owners};
 use meshgate_e2e::{ControlPlane, NodeSpec, Options, unique_name};
 use serde_json::json;
 
@@ -145,6 +147,7 @@ async fn cleanup_removes_only_meshgates_marks_and_is_idempotent() -> anyhow::Res
     ensure!(ran.code == Some(0), "{ran}");
     for n in [&a, &b] {
         only_meshgates_marks_were_removed(&client, &ran, n, &before.0).await?;
+        the_cleanup_names_its_field_manager(&client, n).await?;
     }
     ensure!(
         before.0.contains("example.com/maintenance"),
@@ -264,6 +267,27 @@ async fn cleanup_waits_for_the_agents_to_go_and_gives_up_at_its_timeout() -> any
     ensure!(
         !marked(&client, &node).await?,
         "still marked after the cleanup"
+    );
+    Ok(())
+}
+
+/// The cleanup's write is recorded under `meshgate-cleanup`: it owns the taint list it wrote
+/// back without meshgate's taint (an atomic list: the writer owns it whole), and no one owns
+/// the removed label or condition any more.
+async fn the_cleanup_names_its_field_manager(client: &Client, n: &str) -> anyhow::Result<()> {
+    let node = Api::<Node>::all(client.clone()).get(n).await?;
+    let (meta, all) = (&node.metadata, managed_fields(&node.metadata));
+    let cleanup = Managed::new(field_manager::CLEANUP, "Update", "");
+    ensure!(
+        owners(meta, &["f:spec", "f:taints"]) == [cleanup],
+        "the taint list of {n} is the cleanup's:\n{all}"
+    );
+    let label = format!("f:{VERIFIED_LABEL}");
+    let condition = format!("k:{}", json!({ "type": CONDITION_TYPE }));
+    ensure!(
+        owners(meta, &["f:metadata", "f:labels", &label]).is_empty()
+            && owners(meta, &["f:status", "f:conditions", &condition]).is_empty(),
+        "no one owns the removed label or condition of {n}:\n{all}"
     );
     Ok(())
 }

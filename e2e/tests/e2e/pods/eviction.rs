@@ -226,16 +226,7 @@ async fn a_pdb_that_forbids_disruption_blocks_the_eviction_until_it_allows_it() 
     scene
         .create_rs(&replica_set("guarded", &scene.node, 2, false)?)
         .await?;
-    let original: Vec<String> = poll_until("2 guarded pods running", WAIT, || async {
-        let pods = scene.app_pods("guarded").await?;
-        let names: Vec<String> = pods
-            .iter()
-            .filter(|p| running(p))
-            .map(ResourceExt::name_any)
-            .collect();
-        anyhow::Ok((names.len() == 2).then_some(names))
-    })
-    .await?;
+    let original = scene.running_names("guarded", 2).await?;
 
     let agent = scene.start_agent(&[])?;
     blocked_while_the_pdb_forbids(&scene, &agent, &original).await?;
@@ -382,16 +373,7 @@ async fn the_rate_limit_holds() -> anyhow::Result<()> {
     scene
         .create_rs(&replica_set("web", &scene.node, 4, false)?)
         .await?;
-    let original: Vec<String> = poll_until("4 web pods running", WAIT, || async {
-        let pods = scene.app_pods("web").await?;
-        let names: Vec<String> = pods
-            .iter()
-            .filter(|p| running(p))
-            .map(ResourceExt::name_any)
-            .collect();
-        anyhow::Ok((names.len() == 4).then_some(names))
-    })
-    .await?;
+    let original = scene.running_names("web", 4).await?;
 
     let agent = scene.start_agent(&["--max-evictions-per-minute", "2"])?;
     let started = Instant::now();

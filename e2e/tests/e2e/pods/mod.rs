@@ -34,6 +34,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 mod eviction;
+mod fleet_budget;
 mod mode;
 mod report;
 
@@ -42,7 +43,7 @@ mod report;
 // ---------------------------------------------------------------------------------------
 
 /// The namespaces of one test, and which pod gets which one.
-struct Plan {
+pub(crate) struct Plan {
     subnet: [u8; 3],
     next_host: u8,
     netns: Vec<PodNetns>,
@@ -53,7 +54,7 @@ struct Plan {
 }
 
 impl Plan {
-    fn new() -> anyhow::Result<Self> {
+    pub(crate) fn new() -> anyhow::Result<Self> {
         require_privileges()?;
         Ok(Self {
             subnet: private_subnet(),
@@ -64,7 +65,12 @@ impl Plan {
     }
 
     /// Creates `count` namespaces with `rules` and queues their IPs for `group`.
-    fn add(&mut self, group: &str, count: usize, rules: Rules) -> anyhow::Result<Vec<IpAddr>> {
+    pub(crate) fn add(
+        &mut self,
+        group: &str,
+        count: usize,
+        rules: Rules,
+    ) -> anyhow::Result<Vec<IpAddr>> {
         let mut ips = Vec::new();
         for _ in 0..count {
             let [a, b, c] = self.subnet;
@@ -82,7 +88,7 @@ impl Plan {
 
     /// The kubelet stand-in's IP source: each pod gets the next IP of its group, once (a
     /// pod seen twice before it runs keeps its IP).
-    fn ip_source(&mut self) -> impl Fn(&Pod) -> Option<IpAddr> + Send + Sync + 'static {
+    pub(crate) fn ip_source(&mut self) -> impl Fn(&Pod) -> Option<IpAddr> + Send + Sync + 'static {
         let queues = Mutex::new(std::mem::take(&mut self.queues));
         let given: Mutex<HashMap<String, IpAddr>> = Mutex::new(HashMap::new());
         move |pod: &Pod| {
@@ -119,7 +125,7 @@ impl Plan {
 // ---------------------------------------------------------------------------------------
 
 /// A ReplicaSet of `replicas` meshed pause pods bound to `node`.
-fn replica_set(
+pub(crate) fn replica_set(
     name: &str,
     node: &str,
     replicas: i32,
@@ -215,6 +221,21 @@ impl Scene {
     async fn create_pod(&self, pod: &Pod) -> anyhow::Result<()> {
         self.pods().create(&PostParams::default(), pod).await?;
         Ok(())
+    }
+
+    /// Waits until `n` pods of `app` run; their names.
+    async fn running_names(&self, app: &str, n: usize) -> anyhow::Result<Vec<String>> {
+        let names = poll_until(&format!("{n} {app} pods running"), WAIT, || async {
+            let pods = self.app_pods(app).await?;
+            let names: Vec<String> = pods
+                .iter()
+                .filter(|p| running(p))
+                .map(ResourceExt::name_any)
+                .collect();
+            anyhow::Ok((names.len() == n).then_some(names))
+        })
+        .await?;
+        Ok(names)
     }
 
     async fn app_pods(&self, app: &str) -> anyhow::Result<Vec<Pod>> {

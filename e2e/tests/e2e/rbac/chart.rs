@@ -92,6 +92,7 @@ async fn the_chart_with_every_option_passes_a_server_side_dry_run() -> anyhow::R
         "name: meshgate-cleanup",
         "helm.sh/hook: test",
         "MESHGATE_IMPERSONATE_NODE: \"true\"",
+        "name: meshgate-dashboard",
     ] {
         assert!(
             builtin.iter().any(|d| d.contains(want)),

@@ -109,7 +109,7 @@ async fn the_agents_own_writes_pass(
     use kube::runtime::events::Reporter;
     let nodes: Api<Node> = Api::all(admin.clone());
     // 1. Everything the real agent writes passes: NodeGate (the taint and label JSON patch
-    //    guarded by a resourceVersion test, the condition by strategic merge on nodes/status,
+    //    guarded by a resourceVersion test, the condition by server-side apply on nodes/status,
     //    the Event) with the agent's real token, through unverified → verified → unverified:
     //    label and condition written, taint removed, taint added back.
     let reporter = Reporter {

@@ -113,3 +113,20 @@ that changes one creates a rule of another name and deletes the old one instead 
 {{- $immutable := printf "%s|%s|%s" .Values.taintKey .Values.taintEffect .Values.nodeReadinessRule.enforcementMode -}}
 meshgate-cni-verified-{{ sha256sum $immutable | trunc 8 }}
 {{- end -}}
+
+{{/*
+agent.impersonateNode resolved: "true" when the agent acts as its node (Constrained
+Impersonation; agent-clusterrole-impersonation.yaml and MESHGATE_IMPERSONATE_NODE), "" for
+the cluster-wide read grants of rbac.yaml. `auto` goes by the apiserver's version, the one
+thing Helm sees of the cluster that tells: the ConstrainedImpersonation gate is on by default
+from 1.36 (alpha, off by default, in 1.35). Feature gates are no API object, so neither
+.Capabilities nor `lookup` can see a gate turned on (or off) by hand: set true or false then.
+*/}}
+{{- define "meshgate.impersonateNode" -}}
+{{- $v := .Values.agent.impersonateNode -}}
+{{- if eq (toString $v) "auto" -}}
+{{- if semverCompare ">=1.36.0-0" .Capabilities.KubeVersion.Version -}}true{{- end -}}
+{{- else if $v -}}
+true
+{{- end -}}
+{{- end -}}
