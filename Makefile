@@ -42,7 +42,7 @@ demo: check-root deps
 deps:
 	@test -d "$(K8S_BIN_DIR)" || { echo "make: $(DEPS) failed (see above)" >&2; exit 1; }
 
-## chart: helm lint of the chart, with its default values and with every option on
+## chart: helm lint of the chart, with its default values and with every option on; its README current
 chart: deps
 	@echo "==> helm lint manifests/charts/meshgate"
 	"$(HELM)" lint --strict manifests/charts/meshgate
@@ -50,6 +50,8 @@ chart: deps
 	@# agent.impersonateNode=auto goes by the Kubernetes version: lint renders for Helm's own
 	@# (1.36+: the confined ClusterRole) above, and for 1.35 (the cluster-wide one) here.
 	"$(HELM)" lint --strict manifests/charts/meshgate --kube-version 1.35.0
+	@echo "==> the chart README's values table is current (manifests/charts/meshgate/readme.sh)"
+	bash manifests/charts/meshgate/readme.sh --check
 
 ## alerts: promtool checks and unit tests of the chart's PrometheusRule
 alerts: deps

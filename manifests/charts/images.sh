@@ -6,19 +6,22 @@
 #   manifests/charts/images.sh pin ghcr.io/meshgate/meshgate:TAG@sha256:DIGEST  # a release, its push
 #   manifests/charts/images.sh check [--release]                                # make test; a release
 #
-# `pin` changes the tag and digest only (a mirror sets `image.repository` and keeps them,
+# `pin` changes the tag and digest only, in values.yaml and in Chart.yaml's
+# artifacthub.io/images annotation (a mirror sets `image.repository` and keeps them,
 # docs/operations.md). `check` renders the chart with `helm template` (HELM, or helm on PATH)
 # with its default values and with tls.mode certManager, and fails unless every meshgate
 # container, the uninstall hook's included, names the image by tag and digest; and renders it
 # with the real node's values (e2e/chart/real-node-values.yaml), which must run the local
 # build by tag alone (its own image, imported on the node, has no registry digest).
-# `--release` also refuses the all-zero digest an unreleased tree carries. Exit 0 when all
+# It also fails unless Chart.yaml's artifacthub.io/images annotation names exactly the image the
+# default values render. `--release` also refuses the all-zero digest an unreleased tree carries. Exit 0 when all
 # holds, 1 when not, 2 on a usage error.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 chart="$here/meshgate"
 values="$chart/values.yaml"
+chart_yaml="$chart/Chart.yaml"
 e2e_values="$here/../../e2e/chart/real-node-values.yaml"
 helm="${HELM:-helm}"
 name="ghcr.io/meshgate/meshgate"
@@ -47,7 +50,17 @@ pin() {
     { print }
   ' "$values" >"$values.tmp"
   mv "$values.tmp" "$values"
-  echo "pinned $name:$tag@$digest in $values"
+  # And the Artifact Hub annotation that names it.
+  sed -E "s#^( *image: )$name:.*#\1$name:$tag@$digest#" "$chart_yaml" >"$chart_yaml.tmp"
+  mv "$chart_yaml.tmp" "$chart_yaml"
+  echo "pinned $name:$tag@$digest in $values and $chart_yaml"
+}
+
+# The images Chart.yaml's artifacthub.io/images annotation names, one a line.
+annotated_images() {
+  awk '/^  artifacthub.io\/images:/ { inside = 1; next }
+       inside && /^  [^ ]/ { inside = 0 }
+       inside && /image:/ { sub(/^ *image: */, ""); print }' "$chart_yaml"
 }
 
 check() {
@@ -69,6 +82,14 @@ check() {
       fi
     done
   done
+  # Chart indexes show the annotation: it must name exactly the image the defaults render.
+  local rendered annotated
+  rendered="$(images_of | sort -u)"
+  annotated="$(annotated_images | sort -u)"
+  if [[ "$rendered" != "$annotated" ]]; then
+    echo "images.sh: Chart.yaml's artifacthub.io/images names '$annotated', the chart renders '$rendered'" >&2
+    failed=1
+  fi
   mapfile -t found < <(images_of --values "$e2e_values")
   [[ ${#found[@]} -gt 0 ]] || { echo "images.sh: no meshgate image with the real node's values" >&2; failed=1; }
   for image in "${found[@]}"; do

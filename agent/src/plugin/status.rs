@@ -57,6 +57,10 @@ pub struct Args {
     pub eviction_window: Duration,
     #[command(flatten)]
     pub probe: probe::ProbeArgs,
+    /// Judge the webhook alone: exit 1 unless the probe found it `reachable`, whatever the
+    /// nodes say (the chart's `helm test`, where a gated node is no failure of the install).
+    #[arg(long, env = "MESHGATE_WEBHOOK_ONLY")]
+    pub webhook_only: bool,
 }
 
 /// Builds the report and prints it; the exit code says whether it needs attention.
@@ -66,11 +70,15 @@ pub async fn run(args: Args) -> anyhow::Result<Exit> {
         Output::Json => println!("{}", serde_json::to_string_pretty(&report)?),
         Output::Table => print!("{}", status::table::render(&report, Timestamp::now())),
     }
-    Ok(if report.needs_attention() {
-        Exit::Failed
+    let failed = if args.webhook_only {
+        report
+            .webhook
+            .as_ref()
+            .is_none_or(|w| w.state != "reachable")
     } else {
-        Exit::Success
-    })
+        report.needs_attention()
+    };
+    Ok(if failed { Exit::Failed } else { Exit::Success })
 }
 
 /// The report, from the API alone.

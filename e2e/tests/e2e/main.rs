@@ -18,6 +18,7 @@ mod faults;
 mod field_managers;
 mod fleet;
 mod modes;
+mod nrc;
 mod outage;
 mod placement;
 mod plugin;

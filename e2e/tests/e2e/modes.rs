@@ -11,8 +11,8 @@ use anyhow::{Context as _, ensure};
 use k8s_openapi::api::core::v1::{ConfigMap, Node};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::rbac::v1::RoleBinding;
-use kube::Client;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
 use meshgate_core::gate::{CONDITION_TYPE, DEFAULT_TAINT_KEY as TAINT_KEY, VERIFIED_LABEL};
 use meshgate_core::mode::{self, Mode};
 use meshgate_e2e::harness::audit;
@@ -247,6 +247,58 @@ async fn condition_only_never_touches_a_taint_under_meshgates_key() -> anyhow::R
         !events.is_empty() && events.iter().all(|(_, action, _)| action == "SetCondition"),
         "{events:?}"
     );
+    Ok(())
+}
+
+/// The hand-over from a NodeReadinessRule back to meshgate (docs/operations.md, "With the
+/// node-readiness-controller"): the mode switched to enforce while the rule's taint (same key,
+/// no value) is on an unverified node leaves it as it is; when the rule's deletion takes it
+/// off (the controller's finalizer untaints every Node), the agent puts its own back.
+#[tokio::test]
+async fn an_enforcing_agent_re_taints_its_node_when_the_rules_taint_is_removed()
+-> anyhow::Result<()> {
+    let cp = cp().await;
+    let client = cp.client()?;
+    let mode_ns = cp.create_namespace(&client, "mode-handover").await?;
+    set_mode(&client, &mode_ns, "condition-only").await?;
+    let (node, _dirs, agent) = start(&client, "mode-handover", &mode_ns, |s| s).await?;
+    let nodes: Api<Node> = Api::all(client.clone());
+    let set_taints = |taints: Value| {
+        let nodes = nodes.clone();
+        let node = node.clone();
+        async move {
+            let patch = Patch::Merge(json!({"spec": {"taints": taints}}));
+            nodes.patch(&node, &PatchParams::default(), &patch).await
+        }
+    };
+    set_taints(json!([{"key": TAINT_KEY, "effect": "NoSchedule"}])).await?;
+    wait_node(&client, &node, "condition False", says("False")).await?;
+    let rv = nodes.get(&node).await?.resource_version();
+    // What the operator checks before dropping the rule: every agent's gauge says enforce.
+    set_mode(&client, &mode_ns, "enforce").await?;
+    let enforcing = "meshgate_mode{mode=\"enforce\"}";
+    poll_until("the agent to enforce", WAIT, || async {
+        anyhow::Ok((agent.metric(enforcing).await == Some(1.0)).then_some(()))
+    })
+    .await?;
+    let n = nodes.get(&node).await?;
+    assert_eq!(n.resource_version(), rv, "enforce rewrote the rule's taint");
+    // Read every 10 ms: the time printed is a measurement, not a bound.
+    let removed = std::time::Instant::now();
+    set_taints(json!([])).await?;
+    let n = loop {
+        let n = nodes.get(&node).await?;
+        if !our_taints(&n).is_empty() {
+            break n;
+        }
+        ensure!(removed.elapsed() < WAIT, "not re-tainted within {WAIT:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    eprintln!(
+        "meshgate's taint back {:?} after the rule's was removed",
+        removed.elapsed()
+    );
+    assert_eq!(our_taints(&n), vec![(None, "NoSchedule".to_owned())]);
     Ok(())
 }
 

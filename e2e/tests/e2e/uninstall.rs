@@ -7,7 +7,9 @@
 //! In: root, the node binaries, images and helm `e2e/install-deps.sh` caches, meshgate's
 //! image with `kubectl-meshgate` in it (`make` builds it; the chart's post-delete hook runs
 //! `kubectl-meshgate cleanup --wait-for-agents`). Out: pass/fail, and the install and
-//! uninstall times on stderr.
+//! uninstall times on stderr. Before the uninstall, `helm test` runs the chart's test hook
+//! (`kubectl-meshgate status --webhook-only` in a Pod) against the installed webhook; the
+//! uninstall then leaves none of its objects either.
 
 use std::time::{Duration, Instant};
 
@@ -18,12 +20,13 @@ use k8s_openapi::api::admissionregistration::v1::{
 };
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Namespace, Node, Secret, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use kube::api::{Api, ListParams};
 use kube::{Client, Resource, ResourceExt};
 use meshgate_core::gate::{
     CONDITION_TYPE, DEFAULT_TAINT_KEY as TAINT_KEY, LEGACY_TAINT_KEY, VERIFIED_LABEL,
 };
+use meshgate_e2e::ControlPlane;
 use meshgate_e2e::harness::helm;
 use meshgate_e2e::harness::wait::poll_until;
 use meshgate_e2e::real::cluster::{RealCluster, SYSTEM_NAMESPACE};
@@ -36,6 +39,8 @@ use crate::real_node::ONE_NODE;
 
 /// The agent's first verdict, or a new one after istio-cni is chained, lands within this.
 const VERDICT: Duration = Duration::from_secs(60);
+/// `helm test`'s own timeout (the Pod pulls nothing: the image is local) and then some.
+const HELM_TEST: Duration = Duration::from_secs(150);
 /// meshgate's namespace is gone once its pods have terminated (30 s grace) after the uninstall.
 const NAMESPACE_GONE: Duration = Duration::from_secs(120);
 
@@ -54,6 +59,8 @@ async fn helm_uninstall_leaves_nothing_of_meshgate_on_real_nodes() -> anyhow::Re
         "helm install from the chart to every meshgate pod Ready on 2 real nodes: {:.1} s",
         started.elapsed().as_secs_f64()
     );
+    helm_test(cp).await?;
+
     // One node verified (label, condition True), the other gated (taint, condition False):
     // every mark meshgate writes is on some Node before the uninstall.
     let ns = cp.create_namespace(&client, "istio").await?;
@@ -81,6 +88,45 @@ async fn helm_uninstall_leaves_nothing_of_meshgate_on_real_nodes() -> anyhow::Re
     let residue = host_residue();
     ensure!(residue.is_empty(), "left behind on the host: {residue:?}");
     left
+}
+
+/// `helm test`: the chart's test hook, `kubectl-meshgate status --webhook-only` in a Pod, as
+/// its own ServiceAccount; it passes with both nodes gated, since the webhook answers. Run
+/// before istio-cni is chained: the harness's istio-cni may read pods of its own namespace
+/// only, so it fails the sandbox of a Pod in meshgate's.
+async fn helm_test(cp: &ControlPlane) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let tested = helm::run(
+        cp,
+        &[
+            "test",
+            helm::RELEASE,
+            "--namespace",
+            helm::RELEASE_NAMESPACE,
+            "--timeout",
+            "120s",
+        ],
+        HELM_TEST,
+    )
+    .await;
+    let tested = match tested {
+        Ok(out) => out,
+        Err(e) => {
+            let pod = cp
+                .kubectl(&["-n", SYSTEM_NAMESPACE, "get", "pods,events", "-o", "wide"])
+                .await;
+            anyhow::bail!("helm test: {e}\nmeshgate's namespace then: {pod:?}");
+        }
+    };
+    // Succeeded: `status --webhook-only` exited 0, which it does only when the probe found
+    // the webhook reachable. (Its log is not read here: this apiserver cannot dial the
+    // kubelets by node name.)
+    eprintln!(
+        "helm test: {:.1} s\n{tested}",
+        started.elapsed().as_secs_f64()
+    );
+    ensure!(tested.contains("Succeeded"), "{tested}");
+    Ok(())
 }
 
 /// No Node carries meshgate's taint, label or condition.
@@ -141,9 +187,17 @@ async fn nothing_left(client: &Client) -> anyhow::Result<()> {
     ];
     absent::<ValidatingAdmissionPolicy>(client, &policies).await?;
     absent::<ValidatingAdmissionPolicyBinding>(client, &policies).await?;
-    let rbac = ["meshgate-agent", "meshgate-webhook", "meshgate-cleanup"];
+    let rbac = [
+        "meshgate-agent",
+        "meshgate-webhook",
+        "meshgate-cleanup",
+        "meshgate-test",
+    ];
     absent::<ClusterRole>(client, &rbac).await?;
     absent::<ClusterRoleBinding>(client, &rbac).await?;
+    // The test hook's grant in the probe's namespace.
+    absent_in::<Role>(client, "default", &["meshgate-test-probe"]).await?;
+    absent_in::<RoleBinding>(client, "default", &["meshgate-test-probe"]).await?;
     let hook = helm::RELEASE_NAMESPACE;
     absent_in::<Job>(client, hook, &["meshgate-cleanup"]).await?;
     absent_in::<ServiceAccount>(client, hook, &["meshgate-cleanup"]).await?;

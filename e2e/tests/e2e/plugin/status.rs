@@ -130,9 +130,9 @@ async fn seed(hook: &Fixture) -> anyhow::Result<Seeded> {
     })
 }
 
-/// Runs `status -o OUTPUT` on the seeded namespaces and configuration.
-async fn status(s: &Seeded, output: &str, home: &str) -> anyhow::Result<Ran> {
-    let args = [
+/// Runs `status -o OUTPUT EXTRA...` on the seeded namespaces and configuration.
+async fn status_with(s: &Seeded, output: &str, home: &str, extra: &[&str]) -> anyhow::Result<Ran> {
+    let mut args = vec![
         "status",
         "-o",
         output,
@@ -143,7 +143,13 @@ async fn status(s: &Seeded, output: &str, home: &str) -> anyhow::Result<Ran> {
         "--probe-namespace",
         &s.ns,
     ];
+    args.extend_from_slice(extra);
     run(cp().await.admin_kubeconfig_path(), &args).await
+}
+
+/// Runs `status -o OUTPUT` on the seeded namespaces and configuration.
+async fn status(s: &Seeded, output: &str, home: &str) -> anyhow::Result<Ran> {
+    status_with(s, output, home, &[]).await
 }
 
 /// The report of a `-o json` run.
@@ -155,6 +161,9 @@ async fn check_json(s: &Seeded) -> anyhow::Result<()> {
     let ran = status(s, "json", &s.home).await?;
     // A node is gated (this test's, and others' of the shared control plane): exit 1.
     anyhow::ensure!(ran.code == Some(1), "{ran}");
+    // --webhook-only (the chart's helm test) judges the reachable webhook alone: exit 0.
+    let webhook_only = status_with(s, "json", &s.home, &["--webhook-only"]).await?;
+    anyhow::ensure!(webhook_only.code == Some(0), "{webhook_only}");
     let report = parsed(&ran)?;
     anyhow::ensure!(report["schema"] == "meshgate.io/status/v1", "{ran}");
     let g = find(&report["nodes"], "name", &s.gated)?;
@@ -244,6 +253,8 @@ async fn check_absent_and_stopped(hook: &mut Fixture, s: &Seeded) -> anyhow::Res
     hook.stop_webhook().await?;
     let ran = status(s, "json", &s.ns).await?;
     anyhow::ensure!(ran.code == Some(1), "{ran}");
+    let webhook_only = status_with(s, "json", &s.ns, &["--webhook-only"]).await?;
+    anyhow::ensure!(webhook_only.code == Some(1), "{webhook_only}");
     let report = parsed(&ran)?;
     let webhook = &report["webhook"];
     anyhow::ensure!(webhook["state"] == "unreachable", "{ran}");

@@ -27,9 +27,29 @@ fn split_rendered(rendered: &str) -> (Vec<String>, Vec<String>) {
         })
 }
 
+/// The `helm test` hook's ServiceAccount, created for real (no role is bound to it): the
+/// ServiceAccount admission plugin looks a Pod's ServiceAccount up in storage, where a dry run
+/// of the same apply has not put it, so the test Pod's dry run needs it there first.
+async fn test_hook_service_account(f: &Fixture) -> anyhow::Result<()> {
+    let api: Api<ServiceAccount> = Api::namespaced(f.cp.client()?, NS);
+    let sa = ServiceAccount {
+        metadata: ObjectMeta {
+            name: Some("meshgate-test".into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    match api.create(&PostParams::default(), &sa).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+        Err(e) => Err(e).context("creating the test hook's ServiceAccount"),
+    }
+}
+
 /// `kubectl apply --server-side --dry-run=server` of `docs`: the apiserver validates and
 /// admits each one (schemas, strict field validation, admission), and nothing changes.
 async fn dry_run(f: &Fixture, label: &str, docs: &[String]) -> anyhow::Result<()> {
+    test_hook_service_account(f).await?;
     let path =
         f.cp.dir()
             .join(format!("chart-{}.yaml", label.replace(' ', "-")));
@@ -70,6 +90,7 @@ async fn the_chart_with_every_option_passes_a_server_side_dry_run() -> anyhow::R
     for want in [
         "kind: NetworkPolicy",
         "name: meshgate-cleanup",
+        "helm.sh/hook: test",
         "MESHGATE_IMPERSONATE_NODE: \"true\"",
         "name: meshgate-dashboard",
     ] {

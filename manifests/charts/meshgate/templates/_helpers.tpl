@@ -104,6 +104,17 @@ their agent is upgraded and removes them.
 {{- end -}}
 
 {{/*
+The NodeReadinessRule's name. The controller refuses a change of enforcementMode, taint.key or
+taint.effect on a live rule (422), so the name carries a hash of the three: a `helm upgrade`
+that changes one creates a rule of another name and deletes the old one instead of patching it
+(docs/operations.md, "With the node-readiness-controller", says what that deletion does).
+*/}}
+{{- define "meshgate.nodeReadinessRuleName" -}}
+{{- $immutable := printf "%s|%s|%s" .Values.taintKey .Values.taintEffect .Values.nodeReadinessRule.enforcementMode -}}
+meshgate-cni-verified-{{ sha256sum $immutable | trunc 8 }}
+{{- end -}}
+
+{{/*
 agent.impersonateNode resolved: "true" when the agent acts as its node (Constrained
 Impersonation; agent-clusterrole-impersonation.yaml and MESHGATE_IMPERSONATE_NODE), "" for
 the cluster-wide read grants of rbac.yaml. `auto` goes by the apiserver's version, the one
