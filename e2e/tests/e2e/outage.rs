@@ -9,8 +9,8 @@
 //! apiserver's per-webhook counters are this test's alone. Out: a table of each request, its
 //! outcome and how long it waited (printed: the figures of docs/webhook.md, "What an outage
 //! blocks"), the deltas of the apiserver metrics the alerts read, and pass/fail on what an
-//! outage must refuse (a pod a built-in mesh selects, created on a gated Node: by the policy)
-//! and must not (everything else).
+//! outage must refuse (a pod a built-in mesh selects, created on a gated Node: by the policy;
+//! bindings: by their entry, which fails closed) and must not (everything else).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -199,7 +199,7 @@ impl Namespaces {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn both_replicas_dead_refuse_only_meshed_pods_on_gated_nodes() {
+async fn both_replicas_dead_refuse_meshed_pods_on_gated_nodes_and_bindings() {
     let cp = cp().await;
     let dir = tempfile::tempdir().expect("tempdir");
     let profiles = dir.path().join("profiles.json");
@@ -457,14 +457,18 @@ async fn delete_pods(c: &Client, ns: &str, prefix: &str) {
 }
 
 /// Refused, by the policy: every pod a built-in profile selects (by its label, or by its
-/// ambient namespace) created on the gated Node; admitted: everything else.
+/// ambient namespace) created on the gated Node; by the binding entry (which fails closed):
+/// both bindings; admitted: everything else.
 fn check_outcomes(rows: &[Row], tag: &str) -> anyhow::Result<()> {
     let policy = || format!("refused: policy meshgate-{tag}");
+    let bindings = || format!("refused: bindings.validate.{tag}.meshgate.io");
     let admitted = || "admitted".to_owned();
     let mut want: Vec<String> = vec![policy(), policy(), policy()];
     want.extend(std::iter::repeat_with(admitted).take(3));
     want.push(policy());
-    want.extend(std::iter::repeat_with(admitted).take(10));
+    want.extend(std::iter::repeat_with(admitted).take(6));
+    want.extend([bindings(), bindings()]);
+    want.extend(std::iter::repeat_with(admitted).take(2));
     let have: Vec<String> = rows.iter().map(Row::verdict).collect();
     if have != want {
         let lines: Vec<String> = rows
@@ -477,9 +481,9 @@ fn check_outcomes(rows: &[Row], tag: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The apiserver counted no refusal on any webhook entry (all fail open), each admission
-/// past a dead entry as a fail-open, and each of the policy's refusals as its deny: the
-/// series the alerts read.
+/// The apiserver counted the bindings as calling errors of the entry that fails closed, each
+/// admission past a dead entry that fails open as a fail-open, and each of the policy's
+/// refusals as its deny: the series the alerts read.
 fn check_metrics(before: &str, after: &str, tag: &str) -> anyhow::Result<()> {
     let delta = |metric: &str, labels: &[(&str, &str)]| {
         sample_sum(after, metric, labels) - sample_sum(before, metric, labels)
@@ -520,9 +524,9 @@ fn check_metrics(before: &str, after: &str, tag: &str) -> anyhow::Result<()> {
     println!("apiserver counters during the outage: {got:?}");
     let want = BTreeMap::from([
         ("pods refused", 0.0),
-        ("bindings refused", 0.0),
+        ("bindings refused", 2.0),
         ("pods failed open", 5.0),
-        ("bindings failed open", 2.0),
+        ("bindings failed open", 0.0),
         ("nodes failed open", 1.0),
         ("policy denied", 4.0),
     ]);
@@ -651,11 +655,14 @@ async fn hung(cp: &meshgate_e2e::ControlPlane, c: &Client, tag: &str) -> anyhow:
     check_hung(&rows, tag)
 }
 
-/// The policy refuses at once; everything else waits for the webhook's timeout and passes.
+/// The policy refuses at once; everything else waits for the webhook's timeout, then the
+/// binding is refused (its entry fails closed) and the rest passes.
 fn check_hung(rows: &[Row], tag: &str) -> anyhow::Result<()> {
     let have: Vec<String> = rows.iter().map(Row::verdict).collect();
     let mut want = vec![format!("refused: policy meshgate-{tag}")];
-    want.extend(std::iter::repeat_n("admitted".to_owned(), 5));
+    want.extend(std::iter::repeat_n("admitted".to_owned(), 3));
+    want.push(format!("refused: bindings.validate.{tag}.meshgate.io"));
+    want.push("admitted".to_owned());
     ensure!(
         have == want,
         "outcomes with a hung webhook: {have:?}, want {want:?}"
