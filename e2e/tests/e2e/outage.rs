@@ -253,6 +253,19 @@ async fn dead(f: &mut Fixture) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
+    // The apiserver loads the policy and its params asynchronously: wait until it, not the
+    // webhook, refuses a meshed pod on the gated Node.
+    let by_policy = format!("ValidatingAdmissionPolicy 'meshgate-{}'", f.tag);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let p = pod("probe", Some(&nodes.gated), linkerd(), json!({}));
+        match create_pod(&c, &ns.governed, &p?, true).await? {
+            Err(m) if m.contains(&by_policy) => break,
+            other => ensure!(Instant::now() < deadline, "policy not enforced: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
     // Down: both replicas gone.
     f.stop_webhook().await?;
     let before = apiserver_metrics(&c).await?;
