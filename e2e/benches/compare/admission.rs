@@ -162,23 +162,12 @@ async fn gate_nodes(client: &Client, n: usize) -> anyhow::Result<()> {
     let label = Patch::Merge(json!({"metadata": {"labels": {POLICY_KEY: "yes"}}}));
     api.patch(&format!("{TAG}-u-0"), &PatchParams::default(), &label)
         .await?;
-    let results: Vec<anyhow::Result<()>> = futures::stream::iter(1..n)
-        .map(|i| {
-            let api = api.clone();
-            async move {
-                let mut node = review::cloud_node(&format!("{TAG}-g-{i}"), false)?;
-                node.labels_mut().insert(POLICY_KEY.into(), "yes".into());
-                match api.create(&PostParams::default(), &node).await {
-                    Ok(_) => Ok(()),
-                    Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
-                    Err(e) => Err(e.into()),
-                }
-            }
-        })
-        .buffer_unordered(16)
-        .collect()
-        .await;
-    results.into_iter().collect()
+    let nodes = (1..n).map(|i| {
+        let mut node = review::cloud_node(&format!("{TAG}-g-{i}"), false)?;
+        node.labels_mut().insert(POLICY_KEY.into(), "yes".into());
+        Ok(node)
+    });
+    review::create_node_objects(client, nodes, 16).await
 }
 
 pub(super) async fn run(

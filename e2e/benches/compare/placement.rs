@@ -83,26 +83,14 @@ pub(super) async fn run(
 
 /// Registers Nodes `have..n` (`plc-<i>`), the first [`GATED`] gated and labelled [`KEY`].
 async fn create(client: &Client, have: usize, n: usize) -> anyhow::Result<()> {
-    let api: Api<Node> = Api::all(client.clone());
-    let results: Vec<anyhow::Result<()>> = futures::stream::iter(have..n)
-        .map(|i| {
-            let api = api.clone();
-            async move {
-                let mut node = review::cloud_node(&format!("{TAG}-{i}"), i >= GATED)?;
-                if i < GATED {
-                    node.labels_mut().insert(KEY.into(), "yes".into());
-                }
-                match api.create(&PostParams::default(), &node).await {
-                    Ok(_) => Ok(()),
-                    Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
-                    Err(e) => Err(e.into()),
-                }
-            }
-        })
-        .buffer_unordered(32)
-        .collect()
-        .await;
-    results.into_iter().collect()
+    let nodes = (have..n).map(|i| {
+        let mut node = review::cloud_node(&format!("{TAG}-{i}"), i >= GATED)?;
+        if i < GATED {
+            node.labels_mut().insert(KEY.into(), "yes".into());
+        }
+        Ok(node)
+    });
+    review::create_node_objects(client, nodes, 32).await
 }
 
 /// The apiserver's resident memory once it has settled (KiB).

@@ -620,16 +620,28 @@ pub async fn create_nodes(
     parallel: usize,
 ) -> anyhow::Result<Duration> {
     create_namespace(client).await?;
-    let api: Api<Node> = Api::all(client.clone());
     let started = Instant::now();
-    let names = (0..verified)
-        .map(|i| (format!("{prefix}-v-{i}"), true))
-        .chain((0..unverified).map(|i| (format!("{prefix}-u-{i}"), false)));
-    let results: Vec<anyhow::Result<()>> = futures::stream::iter(names)
-        .map(|(name, v)| {
+    let nodes = (0..verified)
+        .map(|i| cloud_node(&format!("{prefix}-v-{i}"), true))
+        .chain((0..unverified).map(|i| cloud_node(&format!("{prefix}-u-{i}"), false)));
+    create_node_objects(client, nodes, parallel).await?;
+    Ok(started.elapsed())
+}
+
+/// Creates `nodes`, `parallel` creates at a time, each bounded by [`API_TIMEOUT`]; a Node that
+/// already exists counts as created. Fails naming the first failure and how many failed.
+pub async fn create_node_objects(
+    client: &Client,
+    nodes: impl Iterator<Item = anyhow::Result<Node>>,
+    parallel: usize,
+) -> anyhow::Result<()> {
+    let api: Api<Node> = Api::all(client.clone());
+    let results: Vec<anyhow::Result<()>> = futures::stream::iter(nodes)
+        .map(|node| {
             let api = api.clone();
             async move {
-                let node = cloud_node(&name, v)?;
+                let node = node?;
+                let name = node.metadata.name.clone().unwrap_or_default();
                 match tokio::time::timeout(API_TIMEOUT, api.create(&PostParams::default(), &node))
                     .await
                 {
@@ -647,7 +659,7 @@ pub async fn create_nodes(
     if let Some(first) = failed.first() {
         anyhow::bail!("{} node creates failed, first: {first:#}", failed.len());
     }
-    Ok(started.elapsed())
+    Ok(())
 }
 
 /// `meshgate-webhook` as a real process with a test CA's loopback certificate, pointed at a
