@@ -49,6 +49,15 @@ struct UpArgs {
     /// Give up if the control plane is not healthy after this many seconds.
     #[arg(long, env = "MESHGATE_E2E_STARTUP_TIMEOUT", default_value_t = 180)]
     startup_timeout: u64,
+    /// An extra kube-apiserver flag, after the harness's own (a later flag wins), e.g.
+    /// `--feature-gates=MutatingAdmissionPolicy=true`; repeat for more.
+    #[arg(
+        long = "apiserver-flag",
+        env = "MESHGATE_E2E_APISERVER_FLAGS",
+        value_delimiter = ' ',
+        allow_hyphen_values = true
+    )]
+    apiserver_flags: Vec<String>,
 }
 
 #[derive(Args)]
@@ -118,7 +127,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         binaries,
         startup_timeout: Duration::from_secs(args.startup_timeout),
         routable: false,
-        apiserver_flags: Vec::new(),
+        apiserver_flags: args.apiserver_flags,
     };
     let cp = ControlPlane::start(options)
         .await

@@ -71,7 +71,7 @@ impl Map {
 }
 
 /// A CEL string literal.
-fn quote(s: &str) -> String {
+pub(crate) fn quote(s: &str) -> String {
     let mut q = String::with_capacity(s.len() + 2);
     q.push('\'');
     for c in s.chars() {

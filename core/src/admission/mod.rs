@@ -18,6 +18,7 @@ use std::fmt::Write as _;
 use crate::gate::{CONDITION_TYPE, TaintKey, VERIFIED_LABEL};
 use crate::profile::{PodView, ProfileSet, Selected};
 
+pub mod affinity;
 pub mod cel;
 
 /// Which admission path the request came through. It changes only the remedy: a pod created

@@ -70,6 +70,47 @@ pub async fn template(args: &[&str]) -> Result<String, Error> {
     exec(None, &all, TEMPLATE_TIMEOUT).await
 }
 
+/// The kinds the chart renders only where the apiserver serves them (`.Capabilities
+/// .APIVersions.Has`): group/version and resource.
+const OPTIONAL_KINDS: [(&str, &str, &str); 2] = [
+    (
+        "admissionregistration.k8s.io/v1",
+        "mutatingadmissionpolicies",
+        "MutatingAdmissionPolicy",
+    ),
+    (
+        "admissionregistration.k8s.io/v1beta1",
+        "mutatingadmissionpolicies",
+        "MutatingAdmissionPolicy",
+    ),
+];
+
+/// `--api-versions` arguments for each of [`OPTIONAL_KINDS`] `cp` serves, so that `helm
+/// template` renders what `helm install` would render against it (install reads discovery;
+/// template sees only what it is told).
+pub async fn api_versions(cp: &ControlPlane) -> Result<Vec<String>, Error> {
+    let client = cp.client()?;
+    let mut args = Vec::new();
+    for (group_version, resource, kind) in OPTIONAL_KINDS {
+        let served = wait::api(
+            &format!("discovery of {group_version}"),
+            client.list_api_group_resources(group_version),
+        )
+        .await;
+        // Not served at all is a 404; anything else is an error of the cluster.
+        let served = match served {
+            Ok(list) => list.resources.iter().any(|r| r.name == resource),
+            Err(e) if e.api_code() == Some(404) => false,
+            Err(e) => return Err(e),
+        };
+        if served {
+            args.push("--api-versions".to_owned());
+            args.push(format!("{group_version}/{kind}"));
+        }
+    }
+    Ok(args)
+}
+
 /// `helm VERB meshgate manifests/charts/meshgate -n kube-system EXTRA...` against `cp` (`install`,
 /// `upgrade`), bounded by `timeout`; helm's stdout.
 pub async fn release(

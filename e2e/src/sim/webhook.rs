@@ -96,13 +96,17 @@ pub const SHIPPED: &str = "templates/webhook-configurations.yaml";
 pub const AGENT: &str = "templates/agent.yaml";
 
 /// The objects of the chart's template `template` (relative to the chart), rendered by
-/// `helm template` with the chart's defaults and read through kubectl as an operator's
+/// `helm template` with the chart's defaults for `cp` (its version, and the optional kinds it
+/// serves, as `helm install` would see them) and read through kubectl as an operator's
 /// `kubectl apply` reads them.
 pub(crate) async fn shipped(
     cp: &crate::ControlPlane,
     template: &str,
 ) -> anyhow::Result<Vec<Value>> {
-    let rendered = crate::harness::helm::template(&["--show-only", template])
+    let mut args = vec!["--show-only".to_owned(), template.to_owned()];
+    args.extend(crate::harness::helm::api_versions(cp).await?);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let rendered = crate::harness::helm::template(&args)
         .await
         .with_context(|| format!("rendering {template}"))?;
     let file = template.replace(['/', '.'], "-");

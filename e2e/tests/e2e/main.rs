@@ -8,6 +8,7 @@
 mod abuse;
 mod abuse_flood;
 mod abuse_pods;
+mod affinity;
 mod agent;
 mod ambient;
 mod ambient_real;

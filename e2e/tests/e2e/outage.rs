@@ -162,7 +162,7 @@ async fn scope_kube_system(c: &Client, tag: Option<&str>) -> anyhow::Result<()> 
 
 /// The sum of `metric`'s samples whose labels include every `name="value"` in `labels`, in
 /// the apiserver's `/metrics` text.
-fn sample_sum(text: &str, metric: &str, labels: &[(&str, &str)]) -> f64 {
+pub(crate) fn sample_sum(text: &str, metric: &str, labels: &[(&str, &str)]) -> f64 {
     text.lines()
         .filter(|l| l.starts_with(&format!("{metric}{{")))
         .filter(|l| {
@@ -174,7 +174,7 @@ fn sample_sum(text: &str, metric: &str, labels: &[(&str, &str)]) -> f64 {
         .sum()
 }
 
-async fn apiserver_metrics(c: &Client) -> anyhow::Result<String> {
+pub(crate) async fn apiserver_metrics(c: &Client) -> anyhow::Result<String> {
     let req = http::Request::get("/metrics").body(Vec::new())?;
     Ok(tokio::time::timeout(CALL, c.request_text(req)).await??)
 }

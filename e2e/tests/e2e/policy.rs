@@ -36,7 +36,7 @@ use crate::webhook::{CALL, SCOPE_KEY, create_pod};
 const REASON: &str = "ChainedPluginMissing";
 
 /// Pod label and annotation sets: every way a built-in profile selects or excludes a pod.
-fn pods() -> Vec<(&'static str, Value, Value)> {
+pub(crate) fn pods() -> Vec<(&'static str, Value, Value)> {
     let none = json!({});
     vec![
         ("no mesh label", none.clone(), none.clone()),

@@ -130,3 +130,42 @@ from 1.36 (alpha, off by default, in 1.35). Feature gates are no API object, so 
 true
 {{- end -}}
 {{- end -}}
+
+{{/*
+The API version of the MutatingAdmissionPolicy meshgate-placement-affinity, or "" when it is not
+rendered (values.yaml placementAffinity). Only in modes enforce and condition-only: report mode
+keeps nothing off a Node. `auto` renders it where the apiserver serves the kind, as discovery
+tells Helm (`helm template` sees only what `--api-versions` names): v1 from 1.36, v1beta1 on
+1.34-1.35 with the MutatingAdmissionPolicy gate and admissionregistration.k8s.io/v1beta1 on.
+*/}}
+{{- define "meshgate.placementAffinityApi" -}}
+{{- $want := toString .Values.placementAffinity -}}
+{{- if not (has $want (list "auto" "true" "false")) -}}
+{{- fail (printf "placementAffinity must be auto, true or false, not %q" $want) -}}
+{{- end -}}
+{{- if and (ne .Values.mode "report") (ne $want "false") -}}
+{{- if .Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy" -}}
+admissionregistration.k8s.io/v1
+{{- else if .Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1beta1/MutatingAdmissionPolicy" -}}
+admissionregistration.k8s.io/v1beta1
+{{- else if eq $want "true" -}}
+{{- fail "placementAffinity is true, but the apiserver serves no MutatingAdmissionPolicy (1.36+, or 1.34-1.35 with the MutatingAdmissionPolicy feature gate and --runtime-config=admissionregistration.k8s.io/v1beta1=true)" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The binding entry's failurePolicy. Ignore where an outage can admit nothing the webhook would
+refuse that the apiserver does not refuse itself: in enforce mode with
+meshgate-placement-affinity rendered (the scheduler keeps meshed pods that tolerate the taint
+off gated Nodes, the taint keeps the others off), and in report mode (which refuses nothing).
+Fail otherwise: in condition-only mode the taint is another controller's and may come after a
+new Node is schedulable.
+*/}}
+{{- define "meshgate.bindingsFailurePolicy" -}}
+{{- if or (eq .Values.mode "report") (and (eq .Values.mode "enforce") (include "meshgate.placementAffinityApi" .)) -}}
+Ignore
+{{- else -}}
+Fail
+{{- end -}}
+{{- end -}}
