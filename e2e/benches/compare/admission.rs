@@ -10,8 +10,11 @@
 //! phases at the same rate, in rotating order, so drift and the other engineers' load on the
 //! machine fall on all alike; running them concurrently instead would triple the apiserver's
 //! load. Each phase's pods are deleted (grace period 0) before the next phase, unmeasured.
-//! Then the policy side alone against the none side with 1, 100 and 1,000 gated Nodes: what
-//! one evaluation per gated Node costs a request.
+//! Then the policy side alone against the none side with 1, 100 and 1,000 gated Nodes, one
+//! request at a time (closed loop: an open loop would measure the queue once the apiserver
+//! saturates): the latency and the kube-apiserver's CPU time per request (`/proc`), for a
+//! meshed pod created with `spec.nodeName` (the policy evaluates it) and one created for the
+//! scheduler (its match conditions refuse it): what each gated Node costs a request.
 
 use super::*;
 use meshgate_e2e::load::api;
@@ -215,7 +218,10 @@ pub(super) async fn run(
     // lifecycle work on thousands of pods does not share the CPUs with the measurement.
     cp.freeze_component("kube-controller-manager", true)?;
     let (names, sides): (Vec<String>, Vec<Side>) = sides.into_iter().unzip();
-    let measured = measure_all(client, &hook, &sides).await;
+    let apiserver = cp
+        .component_pid("kube-apiserver")
+        .context("no kube-apiserver pid")?;
+    let measured = measure_all(client, &hook, &sides, apiserver).await;
     cp.freeze_component("kube-controller-manager", false)?;
     placement::unregister(client, TAG).await;
     registration::unregister(client, TAG).await;
@@ -259,6 +265,7 @@ async fn measure_all(
     client: &Client,
     hook: &WebhookProcess,
     sides: &[Side],
+    apiserver: i32,
 ) -> anyhow::Result<(Vec<Measured>, Vec<Cost>)> {
     wait_registered(sides).await?;
     let (rates, _, _) = settings();
@@ -271,7 +278,11 @@ async fn measure_all(
     let mut cost = Vec::new();
     for gated in GATED {
         gate_nodes(client, gated).await?;
-        cost.push(policy_cost(sides, gated).await?);
+        // The apiserver loads new params asynchronously.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        for bound in [true, false] {
+            cost.push(policy_cost(apiserver, sides, gated, bound).await?);
+        }
     }
     Ok((out, cost))
 }
@@ -440,20 +451,42 @@ async fn measure(
     Ok(m)
 }
 
-/// Pod CREATE on the policy side and on the none side, alternating, with `gated` gated Nodes.
+/// Pod CREATE on the policy side and on the none side, alternating, one at a time, with
+/// `gated` gated Nodes: latencies and the apiserver's CPU time per request.
 struct Cost {
     gated: usize,
+    /// Pods created with `spec.nodeName` (the policy evaluates them), or for the scheduler.
+    bound: bool,
     policy: Report,
     none: Report,
+    policy_cpu: Duration,
+    none_cpu: Duration,
 }
 
-/// One [`Cost`] at the first rate.
-async fn policy_cost(sides: &[Side], gated: usize) -> anyhow::Result<Cost> {
-    let (rates, n, rounds) = settings();
-    let rate = rates.first().copied().unwrap_or(100.0);
+/// Requests per side and round in the cost rounds (`MESHGATE_BENCH_ADMISSION_COST_REQUESTS`).
+fn cost_requests() -> usize {
+    env_num("MESHGATE_BENCH_ADMISSION_COST_REQUESTS", 100).max(1) as usize
+}
+
+/// One [`Cost`]: rounds alternating the sides, dry-run creates one after another.
+async fn policy_cost(
+    apiserver: i32,
+    sides: &[Side],
+    gated: usize,
+    bound: bool,
+) -> anyhow::Result<Cost> {
+    let (_, _, rounds) = settings();
+    let n = cost_requests();
     let side = |g: Guard| sides.iter().find(|s| s.guard == g).context("side");
     let (policy, none) = (side(Guard::Policy)?, side(Guard::None)?);
-    let (mut p, mut o) = (Report::default(), Report::default());
+    let mut c = Cost {
+        gated,
+        bound,
+        policy: Report::default(),
+        none: Report::default(),
+        policy_cpu: Duration::ZERO,
+        none_cpu: Duration::ZERO,
+    };
     for r in 0..rounds {
         let order = if r % 2 == 0 {
             [policy, none]
@@ -461,25 +494,83 @@ async fn policy_cost(sides: &[Side], gated: usize) -> anyhow::Result<Cost> {
             [none, policy]
         };
         for s in order {
-            let report = phase(s, Kind::Create, rate, n, &format!("g{gated}-{r}")).await?;
-            let into = if s.guard == Guard::Policy {
-                &mut p
+            let cpu = cpu_time(apiserver)?;
+            let report = sequential(s, n, bound).await?;
+            let spent = cpu_time(apiserver)?.saturating_sub(cpu);
+            let (into, spent_into) = if s.guard == Guard::Policy {
+                (&mut c.policy, &mut c.policy_cpu)
             } else {
-                &mut o
+                (&mut c.none, &mut c.none_cpu)
             };
             into.samples.extend(report.samples);
+            *spent_into += spent;
         }
     }
+    let per = |d: Duration| d / (n * rounds) as u32;
     eprintln!(
-        "  policy with {gated} gated Nodes: {}; none: {}",
-        summary(&p),
-        summary(&o)
+        "  policy with {gated} gated Nodes, {}: {} and {} apiserver CPU per request; none: {} and {}",
+        if bound {
+            "spec.nodeName"
+        } else {
+            "for the scheduler"
+        },
+        summary(&c.policy),
+        human(per(c.policy_cpu)),
+        summary(&c.none),
+        human(per(c.none_cpu)),
     );
-    Ok(Cost {
-        gated,
-        policy: p,
-        none: o,
-    })
+    Ok(c)
+}
+
+/// `n` dry-run creates of a meshed pod, one after another, bound at creation or not.
+async fn sequential(side: &Side, n: usize, bound: bool) -> anyhow::Result<Report> {
+    let pp = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
+    let mut report = Report::default();
+    for k in 0..n {
+        let pod = if bound {
+            meshed_pod(&format!("cost-{k}"), &node(k), &[], Some(0))
+        } else {
+            pending_meshed_pod(&format!("cost-{k}"))
+        };
+        let due = Instant::now();
+        let result = tokio::time::timeout(STEP, side.pods.create(&pp, &pod)).await;
+        let done = Instant::now();
+        report.start.get_or_insert(due);
+        let outcome = match result {
+            Ok(Ok(_)) => review::Outcome::Right,
+            Ok(Err(e)) => bail!("cost round on the {} side: {e}", side.guard.what()),
+            Err(_) => review::Outcome::Failed(format!("no answer within {STEP:?}")),
+        };
+        report.samples.push(review::Sample {
+            due,
+            sent: due,
+            done,
+            outcome,
+            connection: 0,
+        });
+    }
+    Ok(report)
+}
+
+/// A process's user + system CPU time (`/proc/PID/stat` fields 14 and 15).
+fn cpu_time(pid: i32) -> anyhow::Result<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("reading /proc/{pid}/stat"))?;
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .context("malformed stat")?
+        .1
+        .split_whitespace()
+        .collect();
+    let ticks =
+        |i: usize| -> anyhow::Result<u64> { Ok(fields.get(i).context("short stat")?.parse()?) };
+    // SAFETY: sysconf only reads a constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    let t = ticks(11)? + ticks(12)?;
+    Ok(Duration::from_micros(t * 1_000_000 / hz))
 }
 
 fn mean(h: &Histogram) -> String {
@@ -573,21 +664,28 @@ fn server_side(m: &Measured) -> String {
 
 /// The policy's cost by gated Nodes: one row each.
 fn report_cost(table: &mut Table, cost: &[Cost]) {
+    let n = cost_requests() * settings().2;
     for c in cost {
         let (p50, p99) = (c.policy.latency(0.5), c.policy.latency(0.99));
         let (n50, n99) = (c.none.latency(0.5), c.none.latency(0.99));
+        let (pc, nc) = (c.policy_cpu / n as u32, c.none_cpu / n as u32);
+        let what = if c.bound {
+            "with spec.nodeName"
+        } else {
+            "for the scheduler (no spec.nodeName)"
+        };
         table.row(
             &format!(
-                "pod CREATE with the placement policy, {} gated Nodes (params), p50 / p99",
+                "meshed pod CREATE {what}, the placement policy with {} gated Nodes (params): p50 / p99, apiserver CPU per request",
                 c.gated
             ),
-            format!("{} / {}", human(p50), human(p99)),
+            format!("{} / {}, {}", human(p50), human(p99), human(pc)),
             "same requests, no admission, same run",
-            format!("{} / {}", human(n50), human(n99)),
-            format!("{} / {}", ratio(p50, n50), ratio(p99, n99)),
+            format!("{} / {}, {}", human(n50), human(n99), human(nc)),
+            format!("{} / {}, CPU {}", ratio(p50, n50), ratio(p99, n99), ratio(pc, nc)),
             "",
             None,
         );
     }
-    table.note("Placement policy cost: the validation runs once per gated Node (param) and stops at `object.spec.nodeName != params.metadata.name` on every Node but the pod's; the pods here are bound for verified Nodes, so every evaluation passes. Same rate and rounds as the first admission rate, policy and none sides alternating.".into());
+    table.note(format!("Placement policy cost: one request at a time ({n} per side, sides alternating, dry run), so the figures are each request's own cost, not a queue's; apiserver CPU is kube-apiserver's user + system time over each side's requests, divided by their count (other work of the apiserver in that span included, on both sides alike). The apiserver evaluates the policy once per param (gated Node), match conditions included: a pod its conditions refuse pays per gated Node too."));
 }

@@ -1,5 +1,5 @@
 //! meshgate's in-apiserver placement policy (the chart's `templates/placement-policy.yaml`,
-//! rendered with its default values) registered on a local control plane, scoped to one
+//! rendered with its default values and the policy's opt-in on) registered on a local control plane, scoped to one
 //! test.
 //!
 //! In: the control plane, a name and a [`Scope`]. Out: the registered
@@ -21,7 +21,7 @@ use kube::Client;
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, PostParams};
 use serde_json::{Value, json};
 
-use super::webhook::{Scope, shipped};
+use super::webhook::{Scope, shipped, shipped_with};
 use crate::harness::wait::API_TIMEOUT;
 
 /// The placement policy meshgate ships.
@@ -35,7 +35,8 @@ pub async fn objects(
     name: &str,
     scope: &Scope,
 ) -> anyhow::Result<(ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding)> {
-    let objects = shipped(cp, SHIPPED).await?;
+    // Opt-in in the chart: rendered as an operator who turned it on has it.
+    let objects = shipped_with(cp, SHIPPED, &["--set", "placementPolicy.enabled=true"]).await?;
     let find = |kind: &str| {
         objects
             .iter()

@@ -103,7 +103,17 @@ pub(crate) async fn shipped(
     cp: &crate::ControlPlane,
     template: &str,
 ) -> anyhow::Result<Vec<Value>> {
+    shipped_with(cp, template, &[]).await
+}
+
+/// [`shipped`], with extra `helm template` arguments (`--set` of an opt-in).
+pub(crate) async fn shipped_with(
+    cp: &crate::ControlPlane,
+    template: &str,
+    extra: &[&str],
+) -> anyhow::Result<Vec<Value>> {
     let mut args = vec!["--show-only".to_owned(), template.to_owned()];
+    args.extend(extra.iter().map(|a| a.to_string()));
     args.extend(crate::harness::helm::api_versions(cp).await?);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let rendered = crate::harness::helm::template(&args)

@@ -89,7 +89,8 @@ async fn the_rule_is_replaced_on_an_immutable_change_handed_over_and_uninstalled
     ])
     .await?;
     // No kubelet runs here, so no hook Job could finish: the uninstall cleanup is off.
-    let on = "mode=condition-only,nodeReadinessRule.enabled=true,uninstall.cleanup=false";
+    let on = "mode=condition-only,nodeReadinessRule.enabled=true,uninstall.cleanup=false,\
+              placementPolicy.enabled=true";
     helm::release(&cp, "install", &["--set", on], WAIT)
         .await
         .context("helm install")?;

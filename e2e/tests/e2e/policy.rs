@@ -386,7 +386,7 @@ async fn the_binding_follows_the_rendered_mode() -> anyhow::Result<()> {
         ("condition-only", "[\"Deny\"]"),
         ("report", "[\"Audit\"]"),
     ] {
-        let set = format!("mode={mode}");
+        let set = format!("mode={mode},placementPolicy.enabled=true");
         let text = helm::template(&["--show-only", policy::SHIPPED, "--set", &set])
             .await
             .with_context(|| format!("rendering with {set}"))?;
@@ -396,5 +396,20 @@ async fn the_binding_follows_the_rendered_mode() -> anyhow::Result<()> {
             .context("no validationActions")?;
         ensure!(line.trim_end().ends_with(want), "{mode}: {line}");
     }
+    Ok(())
+}
+
+/// The policy is opt-in: its cost grows with the gated Nodes (docs/webhook.md, "The placement
+/// policy"), so the chart's defaults render none of it.
+#[tokio::test]
+async fn the_policy_is_rendered_only_when_turned_on() -> anyhow::Result<()> {
+    let defaults = helm::template(&[]).await?;
+    let on = helm::template(&["--set", "placementPolicy.enabled=true"]).await?;
+    let has = |text: &str| text.contains("\n  name: meshgate-placement\n");
+    ensure!(!has(&defaults), "the defaults render the placement policy");
+    ensure!(
+        has(&on),
+        "placementPolicy.enabled=true renders no placement policy"
+    );
     Ok(())
 }

@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 
 mod eviction;
 mod fleet_budget;
+mod fleet_event;
 mod mode;
 mod report;
 

@@ -136,8 +136,12 @@ async fn setup() -> anyhow::Result<Fixture> {
     }
     let client = cp.client()?;
 
-    // The operator's step: helm install, with the opt-in NetworkPolicy turned on.
-    let set = ["--set", "webhook.networkPolicy.enabled=true"];
+    // The operator's step: helm install, with the opt-in NetworkPolicy and placement policy
+    // turned on.
+    let set = [
+        "--set",
+        "webhook.networkPolicy.enabled=true,placementPolicy.enabled=true",
+    ];
     let installed = helm::release(cp, "install", &set, WAIT)
         .await
         .context("helm install")?;
