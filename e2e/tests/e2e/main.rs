@@ -28,6 +28,7 @@ mod policy;
 mod rbac;
 mod reach;
 mod real_node;
+mod storm;
 mod support;
 mod taint_key;
 mod uninstall;
