@@ -23,7 +23,7 @@
 //! interval, so latency = U(0, interval) + the work measured after the poll that saw it.
 //! Quantiles of that sum are computed from the measured work samples.
 //!
-//! Sections (`MESHGATE_BENCH_ONLY=gating,realnode,detection,sweep,admission,webhook,placement` to run
+//! Sections (`MESHGATE_BENCH_ONLY=gating,realnode,detection,sweep,admission,webhook,storm,placement` to run
 //! some): gating (untaint / re-taint on the stand-in node, stage by stage), realnode (the same
 //! on a real kubelet + containerd node with Istio's real CNI plugin and meshgate from its
 //! chart, beside the stand-in's figures), detection (un-redirected pod Running → eviction), sweep
@@ -32,7 +32,8 @@
 //! placement policy and the webhook, at 100/s and 300/s: what each adds; the policy's cost
 //! with 1, 100 and 1,000 gated Nodes), placement (the policy among 1,000, 10,000 and 65,000
 //! Node objects: the apiserver's memory and the request latency, with and without it), webhook (5,000 cached Nodes: RSS, latency at
-//! 2,000/s and 5,000/s, saturation throughput).
+//! 2,000/s and 5,000/s, saturation throughput), storm (Nodes registering at 1,000/min while
+//! pods are created and bound at 100/s: meshgate's webhook against one that admits everything).
 
 use anyhow::{Context, bail};
 use futures::StreamExt;
@@ -61,6 +62,7 @@ mod gating;
 mod placement;
 mod realnode;
 mod stages;
+mod storm;
 mod sweep;
 mod webhook;
 
@@ -331,6 +333,11 @@ async fn main() -> anyhow::Result<()> {
         };
         cp.freeze_component("kube-controller-manager", false)?;
         measured.context("webhook")?;
+    }
+    if run("storm") {
+        storm::run(&cp, &client, &mut table)
+            .await
+            .context("storm")?;
     }
     // After the webhook section: its 65,000 Nodes would sit in that section's cache.
     if run("placement") {

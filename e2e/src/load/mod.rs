@@ -2,9 +2,11 @@
 //!
 //! In: a webhook's, agent's or apiserver's address. Out: AdmissionReview load over real TLS
 //! with its latencies ([`review`]), open-loop API writes through the apiserver ([`api`]),
-//! abusive HTTP clients and peak-memory readings ([`http_abuse`]), the quantiles the
+//! abusive HTTP clients and peak-memory readings ([`http_abuse`]), a webhook that admits
+//! everything for baselines ([`allow_all`]), the quantiles the
 //! benchmarks report ([`stats`]) and the server-side histograms they scrape ([`histogram`]).
 
+pub mod allow_all;
 pub mod api;
 pub mod histogram;
 pub mod http_abuse;
