@@ -11,6 +11,7 @@ mod abuse_pods;
 mod agent;
 mod ambient;
 mod ambient_real;
+mod apf;
 mod authz;
 mod control_plane;
 mod dashboard;
