@@ -4,7 +4,7 @@
 //! In: the text exposition format (the apiserver's, the webhook's) and a metric name with
 //! the labels a series must carry. Out: the cumulative buckets, sum and count summed over the
 //! matching series, their difference between two scrapes, and the mean and the bucket that
-//! holds a quantile. Nothing is fetched here.
+//! holds a quantile; a counter summed the same way ([`counter`]). Nothing is fetched here.
 
 /// One histogram, summed over the series that matched.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -34,6 +34,16 @@ fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
         let (k, v) = kv.split_once("=\"")?;
         (k.trim_start_matches(',') == key).then(|| v.trim_end_matches('"'))
     })
+}
+
+/// The counter `name` summed over the series whose labels include every `(key, value)` of
+/// `want`; zero when `text` has no such series.
+pub fn counter(text: &str, name: &str, want: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter_map(|line| sample(line, name))
+        .filter(|(labels, _)| want.iter().all(|(k, v)| label(labels, k) == Some(*v)))
+        .map(|(_, v)| v)
+        .sum()
 }
 
 impl Histogram {
@@ -151,6 +161,16 @@ y_bucket{le="1"} 1
         let unlabelled = "m_bucket{le=\"1\"} 2\nm_bucket{le=\"+Inf\"} 2\nm_sum 0.5\nm_count 2\n";
         let m = Histogram::parse(unlabelled, "m", &[]);
         assert_eq!((m.count, m.mean()), (2.0, Some(0.25)));
+    }
+
+    #[test]
+    fn a_counter_is_summed_over_the_series_with_the_labels() {
+        let text = "c_total{a=\"x\",b=\"y\"} 3\nc_total{a=\"x\",b=\"z\"} 4\n\
+                    c_total{a=\"w\",b=\"y\"} 5\nc_total_other{a=\"x\"} 9\n";
+        assert_eq!(counter(text, "c_total", &[("a", "x")]), 7.0);
+        assert_eq!(counter(text, "c_total", &[("b", "y"), ("a", "x")]), 3.0);
+        assert_eq!(counter(text, "c_total", &[]), 12.0);
+        assert_eq!(counter(text, "c_total", &[("a", "v")]), 0.0);
     }
 
     #[test]

@@ -12,6 +12,7 @@ mod affinity;
 mod agent;
 mod ambient;
 mod ambient_real;
+mod apf;
 mod authz;
 mod control_plane;
 mod dashboard;

@@ -137,7 +137,7 @@ async fn start(flags: &[&str]) -> anyhow::Result<ControlPlane> {
 
 /// The ClusterRole the default values render for 1.36, applied; returns once the cluster-wide
 /// pod list is revoked.
-async fn confine(f: &Fixture) -> anyhow::Result<()> {
+pub(crate) async fn confine(f: &Fixture) -> anyhow::Result<()> {
     let only = "templates/agent-clusterrole-impersonation.yaml";
     let role = helm::template(&["--kube-version", CONFINING, "--show-only", only]).await?;
     ensure!(role.contains(ACT_AS_NODE), "{role}");

@@ -20,6 +20,7 @@ use k8s_openapi::api::admissionregistration::v1::{
 };
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Namespace, Node, Secret, ServiceAccount};
+use k8s_openapi::api::flowcontrol::v1::{FlowSchema, PriorityLevelConfiguration};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use kube::api::{Api, ListParams};
 use kube::{Client, Resource, ResourceExt};
@@ -193,6 +194,11 @@ async fn nothing_left(client: &Client) -> anyhow::Result<()> {
         "meshgate-cleanup",
         "meshgate-test",
     ];
+    // API Priority and Fairness (templates/flowcontrol.yaml): each schema and its level share
+    // a name.
+    let apf = ["meshgate-node-writes", "meshgate"];
+    absent::<FlowSchema>(client, &apf).await?;
+    absent::<PriorityLevelConfiguration>(client, &apf).await?;
     absent::<ClusterRole>(client, &rbac).await?;
     absent::<ClusterRoleBinding>(client, &rbac).await?;
     // The test hook's grant in the probe's namespace.
