@@ -1,12 +1,14 @@
 //! Load and abuse for the benchmarks and the fault suite.
 //!
 //! In: a webhook's, agent's or apiserver's address. Out: AdmissionReview load over real TLS
-//! with its latencies ([`review`]), open-loop API writes through the apiserver ([`api`]),
+//! with its latencies ([`review`]), Node objects at a cloud node's real size ([`cloud_node`]), open-loop API writes through the apiserver ([`api`]),
 //! abusive HTTP clients and peak-memory readings ([`http_abuse`]), the quantiles the
-//! benchmarks report ([`stats`]) and the server-side histograms they scrape ([`histogram`]).
+//! benchmarks report ([`stats`]), line charts of their figures as SVG ([`plot`]) and the server-side histograms they scrape ([`histogram`]).
 
 pub mod api;
+pub mod cloud_node;
 pub mod histogram;
 pub mod http_abuse;
+pub mod plot;
 pub mod review;
 pub mod stats;
