@@ -4,9 +4,9 @@
 //! watch futures that keep it filled, plus a readiness signal that turns true once every
 //! cache has listed.
 //!
-//! - Nodes: a metadata-only watch (`PartialObjectMetadata`), with everything but the name and
-//!   the `meshgate.io/cni-verified` label dropped before it is stored. The verdict is in a
-//!   label, so the node's status (the bulk of a Node object) is never transferred.
+//! - Nodes: a metadata-only watch (`PartialObjectMetadata`) into [`NodeVerdicts`], which keeps
+//!   of each Node its name and its `meshgate.io/cni-verified` label, nothing else. The verdict
+//!   is in a label, so the node's status (the bulk of a Node object) is never transferred.
 //! - Pods: [`crate::pods`], a metadata-only watch limited to *unscheduled* pods
 //!   (`spec.nodeName=`), each projected to the keys the profiles read, capped, listed in small
 //!   pages. A binding is only ever created for an unscheduled pod, so this is exactly the set
@@ -44,6 +44,7 @@ use meshgate_core::projection::PodKeys;
 use tokio::sync::watch;
 
 use crate::metrics::Metrics;
+use crate::nodes::NodeVerdicts;
 use crate::placement::{AgentDaemonSet, DaemonSetRef};
 use crate::pods::{PendingPods, PodLimits};
 use crate::review::{Cluster, PodMeta};
@@ -55,7 +56,7 @@ const REASON_CAPACITY: usize = 1024;
 
 /// Metadata caches of Nodes, Namespaces and unscheduled Pods, with bounded API fallbacks.
 pub struct Caches {
-    nodes: Store<PartialObjectMeta<Node>>,
+    nodes: Arc<NodeVerdicts>,
     pods: Arc<PendingPods>,
     namespaces: Store<PartialObjectMeta<Namespace>>,
     agent: Store<DaemonSet>,
@@ -106,16 +107,6 @@ fn slim_common<K>(obj: &mut PartialObjectMeta<K>) {
     m.finalizers = None;
     m.creation_timestamp = None;
     m.generate_name = None;
-}
-
-/// A cached Node keeps its name and the one label the decision reads: cloud nodes carry a
-/// dozen labels, and with thousands of nodes they would be most of the cache.
-fn slim_node(node: &mut PartialObjectMeta<Node>) {
-    slim_common(node);
-    node.metadata.annotations = None;
-    if let Some(labels) = node.metadata.labels.as_mut() {
-        labels.retain(|k, _| k == meshgate_core::gate::VERIFIED_LABEL);
-    }
 }
 
 /// A cached Namespace keeps its name and the labels profiles select on.
@@ -184,6 +175,25 @@ where
         })
 }
 
+/// The metadata-only Node watch into `nodes`, retried with backoff for as long as it runs.
+/// The default (most recent) list semantic lists in pages of 500: with thousands of nodes,
+/// one unpaginated `resourceVersion=0` list would be buffered whole, and that buffer sets the
+/// process's peak memory.
+fn node_watch(
+    api: Api<PartialObjectMeta<Node>>,
+    nodes: Arc<NodeVerdicts>,
+) -> impl Future<Output = ()> + Send + 'static {
+    watcher(api, watcher::Config::default())
+        .default_backoff()
+        .for_each(move |ev| {
+            match ev {
+                Ok(ev) => nodes.apply(ev),
+                Err(e) => tracing::warn!(error = %e, "node watch failed; retrying with backoff"),
+            }
+            futures::future::ready(())
+        })
+}
+
 /// The watch of the one agent DaemonSet `agent` into `writer`, retried with backoff for as
 /// long as it runs. Its managed fields are dropped; the rest is one small object.
 fn agent_watch(
@@ -217,7 +227,7 @@ impl Caches {
         metrics: Metrics,
         ready: watch::Sender<bool>,
     ) -> (Self, Watches) {
-        let (nodes, node_writer) = reflector::store::<PartialObjectMeta<Node>>();
+        let nodes = Arc::new(NodeVerdicts::default());
         let (namespaces, namespace_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
         let (agent, agent_writer) = reflector::store::<DaemonSet>();
         let agent_watch = agent_watch(client.clone(), &setup.agent, agent_writer);
@@ -229,16 +239,7 @@ impl Caches {
             setup.lookup_timeout,
             metrics,
         ));
-        // The default (most recent) list semantic lists in pages of 500: with thousands of
-        // nodes, one unpaginated `resourceVersion=0` list would be buffered whole, and that
-        // buffer sets the process's peak memory.
-        let node_watch = metadata_watch(
-            Api::all(client.clone()),
-            watcher::Config::default(),
-            slim_node,
-            node_writer,
-            "node",
-        );
+        let node_watch = node_watch(Api::all(client.clone()), nodes.clone());
         let pod_watch = pods.clone().watch();
         let namespace_keys = setup.namespace_keys;
         let namespace_watch = metadata_watch(
@@ -253,12 +254,12 @@ impl Caches {
         // still gate pods; until it has listed, new Nodes are only left to their agent.
         let (n, p, ns) = (nodes.clone(), pods.clone(), namespaces.clone());
         let synced = async move {
-            let (a, (), c) = futures::join!(
-                n.wait_until_ready(),
+            let ((), (), c) = futures::join!(
+                n.wait_until_listed(),
                 p.wait_until_listed(),
                 ns.wait_until_ready()
             );
-            if a.is_ok() && c.is_ok() {
+            if c.is_ok() {
                 tracing::info!(
                     nodes = n.len(),
                     pending_pods = p.len(),
@@ -316,9 +317,7 @@ impl Caches {
 
 impl Cluster for Caches {
     fn node_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
-        self.nodes
-            .get(&ObjectRef::new(name))
-            .map(|n| n.labels().clone())
+        self.nodes.labels(name)
     }
 
     fn namespace_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
@@ -344,7 +343,9 @@ impl Cluster for Caches {
 
     async fn node_reason(&self, name: &str) -> Option<String> {
         // Only a node in the cache is looked up (see the module doc).
-        self.nodes.get(&ObjectRef::new(name))?;
+        if !self.nodes.contains(name) {
+            return None;
+        }
         let now = Instant::now();
         {
             let reasons = self.reasons.lock().unwrap_or_else(|p| p.into_inner());
@@ -370,38 +371,7 @@ mod tests {
     use kube::api::ObjectMeta;
 
     #[test]
-    fn cached_nodes_and_namespaces_keep_only_what_is_read() {
-        let mut node: PartialObjectMeta<Node> = PartialObjectMeta {
-            types: None,
-            metadata: ObjectMeta {
-                name: Some("n1".into()),
-                labels: Some(
-                    [
-                        ("kubernetes.io/hostname", "n1"),
-                        ("topology.kubernetes.io/zone", "a"),
-                        (meshgate_core::gate::VERIFIED_LABEL, "true"),
-                    ]
-                    .into_iter()
-                    .map(|(k, v)| (k.to_string(), v.to_string()))
-                    .collect(),
-                ),
-                annotations: Some([("a".to_string(), "b".to_string())].into()),
-                managed_fields: Some(vec![Default::default()]),
-                ..ObjectMeta::default()
-            },
-            _phantom: std::marker::PhantomData,
-        };
-        slim_node(&mut node);
-        assert_eq!(node.metadata.name.as_deref(), Some("n1"));
-        assert_eq!(
-            node.metadata
-                .labels
-                .as_ref()
-                .map(|l| l.keys().collect::<Vec<_>>()),
-            Some(vec![&meshgate_core::gate::VERIFIED_LABEL.to_string()])
-        );
-        assert!(node.metadata.annotations.is_none() && node.metadata.managed_fields.is_none());
-
+    fn cached_namespaces_keep_only_what_is_read() {
         let mut ns: PartialObjectMeta<Namespace> = PartialObjectMeta {
             types: None,
             metadata: ObjectMeta {

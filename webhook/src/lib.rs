@@ -7,8 +7,9 @@
 //!
 //! - [`review`]: AdmissionReview ⇄ `core::admission`, over a [`review::Cluster`] view;
 //!   [`decode`]: the request body → only the parts of the review admission reads.
-//! - [`cache`]: the real cluster view (metadata watches, bounded API fallbacks); [`pods`]:
-//!   its unscheduled pods, projected and capped, and the limits on looking one up.
+//! - [`cache`]: the real cluster view (metadata watches, bounded API fallbacks); [`nodes`]:
+//!   its Nodes, each kept as its name and verified label; [`pods`]: its unscheduled pods,
+//!   projected and capped, and the limits on looking one up.
 //! - [`server`]: routes, limits and TLS, on the bounded server shared with the admin ports
 //!   (`meshgate_shell::server`); [`budget`]: the memory the reviews in flight may hold;
 //!   [`tls`]: certificates re-read on change.
@@ -27,6 +28,7 @@ pub mod budget;
 pub mod cache;
 pub mod decode;
 pub mod metrics;
+pub mod nodes;
 pub mod placement;
 pub mod pods;
 pub mod review;

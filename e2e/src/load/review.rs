@@ -812,6 +812,26 @@ impl WebhookProcess {
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// The count of Nodes its "caches synced" log line gives (logged at info level by
+    /// `meshgate_webhook` once every cache has listed, when `/ready` turns 200), if logged.
+    pub fn cached_nodes(&self) -> Option<usize> {
+        cached_nodes(&self.log())
+    }
+}
+
+/// The `nodes` field of the first "caches synced" line of `log` (text or JSON format).
+fn cached_nodes(log: &str) -> Option<usize> {
+    let line = log.lines().find(|l| l.contains("caches synced"))?;
+    let at = line
+        .find("nodes=")
+        .map(|k| k + "nodes=".len())
+        .or_else(|| line.find("\"nodes\":").map(|k| k + "\"nodes\":".len()))?;
+    let digits: String = line[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
 }
 
 impl Drop for WebhookProcess {
@@ -991,6 +1011,15 @@ mod tests {
             );
             assert!(s.done.duration_since(s.sent) >= step);
         }
+    }
+
+    #[test]
+    fn the_cached_node_count_is_read_from_text_and_json_lines() {
+        let text = "2026-01-05T10:00:00Z  INFO meshgate_webhook::cache: caches synced nodes=65000 pending_pods=1 namespaces=5";
+        assert_eq!(cached_nodes(text), Some(65_000));
+        let json = r#"{"level":"INFO","message":"caches synced","nodes":1000,"pending_pods":0}"#;
+        assert_eq!(cached_nodes(json), Some(1000));
+        assert_eq!(cached_nodes("listening on 127.0.0.1:8443"), None);
     }
 
     #[test]
