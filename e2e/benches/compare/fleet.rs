@@ -62,7 +62,7 @@ fn node_name(prefix: &str, i: usize) -> String {
 
 /// The first [`GATED`] Nodes and every tenth are unverified; the rest verified.
 fn verified(i: usize) -> bool {
-    i >= GATED && i % 10 != 0
+    i >= GATED && !i.is_multiple_of(10)
 }
 
 /// What one Node registration pass did.

@@ -60,6 +60,14 @@ fn settings() -> (f64, Duration, usize) {
     (rate, secs, rounds)
 }
 
+/// A side's registration scope: its label value, and webhooks named after it.
+fn scope(h: Hook) -> Scope {
+    Scope {
+        label: Some((KEY.into(), h.value().into())),
+        hook_infix: Some(format!("stm{}", h.value())),
+    }
+}
+
 pub(super) async fn run(
     cp: &ControlPlane,
     client: &Client,
@@ -69,19 +77,24 @@ pub(super) async fn run(
     eprintln!(
         "storm: Nodes at 1,000/min with pod CREATE and binding at {rate}/s, {rounds} rounds of {secs:?} per side ..."
     );
+    // The agent DaemonSet whose placement decides which new Nodes meshgate's webhook gates:
+    // the shipped one, its nodeSelector scoped to meshgate's side.
+    let agent_ns = cp.create_namespace(client, "stm-agent").await?;
+    let ds = registration::agent_daemonset(cp, &agent_ns, &scope(Hook::Meshgate)).await?;
+    Api::<k8s_openapi::api::apps::v1::DaemonSet>::namespaced(client.clone(), &agent_ns)
+        .create(&PostParams::default(), &ds)
+        .await?;
     // SAFETY of set_var: see agent_log.
     unsafe { std::env::set_var("MESHGATE_WEBHOOK_LOG", "warn") };
-    let mut hook = WebhookProcess::start(cp.admin_kubeconfig_path(), &[])?;
+    let agent = format!("{agent_ns}/meshgate-agent");
+    let mut hook =
+        WebhookProcess::start(cp.admin_kubeconfig_path(), &["--agent-daemonset", &agent])?;
     hook.wait_ready(Duration::from_secs(120)).await?;
     let dir = tempfile::tempdir()?;
     let ca = TestCa::new()?;
     let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
     ca.issue(&cert, &key)?;
-    let allow = AllowAll::start(&cert, &key).await?;
-    let scope = |h: Hook| Scope {
-        label: Some((KEY.into(), h.value().into())),
-        hook_infix: Some(format!("stm{}", h.value())),
-    };
+    let allow = AllowAll::start(&cert, &key)?;
     let tag = |h: Hook| format!("stm-{}", h.value());
     registration::register(
         cp,
@@ -117,6 +130,8 @@ pub(super) async fn run(
         let _ = api::delete_all_pods(&s.pods, Duration::from_secs(120)).await;
     }
     delete_nodes(client).await;
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
+    let _ = namespaces.delete(&agent_ns, &DeleteParams::default()).await;
     let [ours, theirs] = measured.map_err(|e| e.context(hook.log()))?;
     report(table, &ours, &theirs, rate);
     Ok(())

@@ -28,18 +28,20 @@ const MAX_BODY: usize = 8 << 20;
 pub struct AllowAll {
     /// Where it listens (127.0.0.1, a free port).
     pub addr: SocketAddr,
-    task: tokio::task::JoinHandle<()>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 impl Drop for AllowAll {
     fn drop(&mut self) {
-        self.task.abort();
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
     }
 }
 
 impl AllowAll {
     /// Listens on a free loopback port with the certificate `cert` and key `key` (PEM).
-    pub async fn start(cert: &Path, key: &Path) -> anyhow::Result<Self> {
+    pub fn start(cert: &Path, key: &Path) -> anyhow::Result<Self> {
         let certs = rustls::pki_types::CertificateDer::pem_file_iter(cert)
             .with_context(|| format!("reading {}", cert.display()))?
             .collect::<Result<Vec<_>, _>>()?;
@@ -52,10 +54,33 @@ impl AllowAll {
             .with_single_cert(certs, key)?;
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         let acceptor = TlsAcceptor::from(Arc::new(config));
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
-        let task = tokio::spawn(serve(listener, acceptor));
-        Ok(Self { addr, task })
+        // A runtime on a thread of its own, as a webhook is a process of its own: the caller's
+        // load generator never delays an answer.
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new()
+            .name("allow-all".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let Ok(listener) = TcpListener::from_std(listener) else {
+                        return;
+                    };
+                    tokio::select! {
+                        () = serve(listener, acceptor) => {}
+                        _ = stopped => {}
+                    }
+                });
+            })?;
+        Ok(Self {
+            addr,
+            stop: Some(stop),
+        })
     }
 }
 

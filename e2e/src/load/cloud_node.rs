@@ -21,11 +21,15 @@ pub const TYPICAL_IMAGES: usize = 40;
 /// Images that make a Node about twice the size of one with [`TYPICAL_IMAGES`].
 pub const LARGE_IMAGES: usize = 100;
 
-/// A stable 64-bit digest of `s` and `salt` (FNV-1a), for per-node ids and addresses.
+/// A stable 64-bit digest of `s` and `salt` (FNV-1a, then splitmix64's finalizer: FNV alone
+/// leaves names that differ in their last byte equal in the upper bits the addresses take).
 fn digest(s: &str, salt: u64) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325 ^ salt, |h, b| {
+    let h = s.bytes().fold(0xcbf2_9ce4_8422_2325 ^ salt, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    })
+    });
+    let h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    let h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
 }
 
 /// A hex string of `len` digits derived from `s` and `salt`.

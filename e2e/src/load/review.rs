@@ -713,6 +713,8 @@ impl WebhookProcess {
                 .arg(kubeconfig)
                 .args(extra)
                 .envs(env.iter().copied())
+                // The log is read back ([`Self::cached_nodes`]): no colour codes in it.
+                .env("NO_COLOR", "1")
                 .env(
                     "RUST_LOG",
                     std::env::var("MESHGATE_WEBHOOK_LOG").unwrap_or_else(|_| {
