@@ -278,15 +278,18 @@ fn report(table: &mut Table, ours: &Samples, theirs: &Samples, rate: f64) {
             t.latency(0.5),
             t.latency(0.99),
         );
-        let met = o99.as_secs_f64() <= 1.1 * t99.as_secs_f64();
+        // The goal is on the scheduling path; a registration through meshgate's webhook also
+        // carries its JSON Patch, which the apiserver applies and the other side has none of.
+        let judged = k > 0;
+        let met = judged.then_some(o99.as_secs_f64() <= 1.1 * t99.as_secs_f64());
         table.row(
             &format!("{what} during a registration storm (1,000 Nodes/min, pods {rate}/s), p50 / p99, meshgate's webhook"),
             format!("{} / {}", human(o50), human(o99)),
             "the same, through a webhook that admits everything, same run",
             format!("{} / {}", human(t50), human(t99)),
             format!("{} / {}", ratio(o50, t50), ratio(o99, t99)),
-            "p99 ≤ 1.1×",
-            Some(met),
+            if judged { "p99 ≤ 1.1×" } else { "" },
+            met,
         );
     }
     table.row(
