@@ -200,10 +200,21 @@ pub fn open(path: &Path, with_rules: bool) -> Result<Opened, NetnsError> {
 
 /// [`open`] through an already open namespace descriptor.
 fn open_file(ns: &File, path: &Path, with_rules: bool) -> Result<Opened, NetnsError> {
+    open_sockets(ns, path, with_rules, with_rules)
+}
+
+/// Opens the rtnetlink socket, the netfilter handles with `with_rules` and the sock_diag
+/// socket with `with_diag`, in one visit through `ns`.
+fn open_sockets(
+    ns: &File,
+    path: &Path,
+    with_rules: bool,
+    with_diag: bool,
+) -> Result<Opened, NetnsError> {
     let (route, rules, diag) = with_netns_file(ns, path, || {
         let route = crate::netlink::Socket::open(crate::netlink::Bus::Route);
         let rules = with_rules.then(netfilter::Sockets::open_here);
-        let diag = with_rules.then(crate::sock_diag::open);
+        let diag = with_diag.then(crate::sock_diag::open);
         (route, rules, diag)
     })?;
     let route = route.map_err(|source| NetnsError::RouteSocket {
@@ -246,7 +257,8 @@ impl Opened {
         }
     }
 
-    /// The namespace's listening TCP ports, IPv4 and IPv6 (none when opened without rules).
+    /// The namespace's listening TCP ports, IPv4 and IPv6 (none when opened without the
+    /// sock_diag socket: without rules, or by [`Pinned::open_rules`] without listeners).
     pub fn tcp_listening(&self, deadline: std::time::Instant) -> Result<BTreeSet<u16>, NetnsError> {
         let Some(diag) = &self.diag else {
             return Ok(BTreeSet::new());
@@ -356,6 +368,13 @@ impl Pinned {
     /// Enters it through the held descriptor and opens its sockets: see [`open`].
     pub fn open(&self, with_rules: bool) -> Result<Opened, NetnsError> {
         open_file(&self.file, &self.path, with_rules)
+    }
+
+    /// Enters it through the held descriptor and opens the rtnetlink socket and the
+    /// netfilter handles, and the sock_diag socket only with `listeners`: a pod whose
+    /// listening ports nobody judges costs no socket more than its rules need.
+    pub fn open_rules(&self, listeners: bool) -> Result<Opened, NetnsError> {
+        open_sockets(&self.file, &self.path, true, listeners)
     }
 
     /// Checks, right before acting on the pod, that the path still leads to this namespace

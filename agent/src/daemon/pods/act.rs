@@ -140,10 +140,21 @@ impl Inspector {
         let count = jobs.len();
         self.progress.pass_started();
         let span = tracing::Span::current();
-        let work = move || span.in_scope(|| sweep::run(&sweep::confirm_ready(jobs), &dirs));
+        let work = move || {
+            span.in_scope(|| {
+                let batch = sweep::run(&sweep::confirm_ready(jobs), &dirs);
+                let trim = std::time::Instant::now();
+                // Every pod's read allocates its receive buffers and rules on this thread and
+                // frees them; glibc keeps the freed pages in this thread's arena. Handed back
+                // after each batch, the agent's resident memory is what it holds, not the
+                // high-water mark of its largest batch (docs/performance.md, agent RSS).
+                meshgate_shell::alloc::trim();
+                (batch, trim.elapsed())
+            })
+        };
         let batch = tokio::task::spawn_blocking(work).await;
         self.progress.pass_ended();
-        let batch = match batch {
+        let (batch, trim) = match batch {
             Ok(b) => b,
             Err(e) => {
                 tracing::error!(error = %e, pods = count, "pod inspection batch failed");
@@ -162,6 +173,7 @@ impl Inspector {
             pods = count,
             namespaces = batch.namespaces,
             survey_us = batch.survey.as_micros() as u64,
+            trim_us = trim.as_micros() as u64,
             "inspection batch"
         );
         Some(batch.pods)

@@ -139,7 +139,7 @@ type Read = (
 /// `listeners`, its listening TCP ports) through the pinned descriptor.
 fn read_pinned(r: &NetnsRef, ips: &[IpAddr], listeners: bool) -> Result<Read, NetnsError> {
     let pinned = r.pin()?;
-    let opened = pinned.open(true)?;
+    let opened = pinned.open_rules(listeners)?;
     let addresses = opened.addresses()?;
     if let Some(ip) = netns::missing_ip(&addresses, ips) {
         return Err(NetnsError::PodIpGone {
