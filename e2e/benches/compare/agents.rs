@@ -13,6 +13,9 @@
 use super::*;
 use meshgate_e2e::load::agent_cost::{Fleet, Reconnect, Room, Steady, Transition, tally};
 
+/// Reads one figure of an N.
+type Of = fn(&Figures) -> f64;
+
 fn ratio_of(v: f64, b: f64) -> String {
     if b > 0.0 {
         format!("{:.2}×", v / b)
@@ -236,7 +239,7 @@ fn print_curves(all: &[Figures]) {
 /// The main table's rows: each N against the first N of the run.
 fn rows(table: &mut Table, all: &[Figures]) {
     let Some(base) = all.first() else { return };
-    let flat_figures: [(&str, fn(&Figures) -> f64); 3] = [
+    let flat_figures: [(&str, Of); 3] = [
         ("Agent API requests/min, steady", |f| f.per_min),
         ("Agent KiB/min received, steady", |f| f.kib_per_min),
         ("Agent requests per round trip (re-taint + untaint)", |f| {
