@@ -23,11 +23,14 @@
 //! interval, so latency = U(0, interval) + the work measured after the poll that saw it.
 //! Quantiles of that sum are computed from the measured work samples.
 //!
-//! Sections (`MESHGATE_BENCH_ONLY=gating,realnode,detection,sweep,admission,webhook,storm,fleet`
+//! Sections (`MESHGATE_BENCH_ONLY=gating,realnode,detection,sweep,agents,admission,webhook,storm,fleet`
 //! to run some): gating (untaint / re-taint on the stand-in node, stage by stage), realnode (the
 //! same on a real kubelet + containerd node with Istio's real CNI plugin and meshgate from its
 //! chart, beside the stand-in's figures), detection (un-redirected pod Running → eviction),
 //! sweep (250 real pod namespaces: inspection cost, full sweep, agent RSS, idle API requests),
+//! agents (what each agent costs the apiserver at 10, 100 and 1,000 stand-in Nodes with a
+//! real agent process each: steady requests, watches and bytes, per transition, and the
+//! reconnect after an apiserver restart; ratios to the smallest N),
 //! admission (pod CREATE and pods/binding through the apiserver with no admission, the
 //! placement policy and the webhook, at 100/s and 300/s: what each adds; the policy's cost
 //! with 1, 100 and 1,000 gated Nodes), webhook (5,000 cached Nodes: RSS, latency at 2,000/s
@@ -59,6 +62,7 @@ use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::{mpsc, watch};
 
 mod admission;
+mod agents;
 mod detection;
 mod fleet;
 mod gating;
@@ -321,6 +325,11 @@ async fn main() -> anyhow::Result<()> {
         sweep::run(&cp, &client, &ns, &mut table)
             .await
             .context("sweep")?;
+    }
+    if run("agents") {
+        agents::run(&cp, &client, &ns, &mut table)
+            .await
+            .context("agents")?;
     }
     if run("admission") {
         admission::run(&cp, &client, &mut table)

@@ -36,6 +36,9 @@ pub struct Request {
     pub uri: String,
     /// HTTP status code of the response, when it completed.
     pub code: Option<u16>,
+    /// Whether its `ResponseComplete` stage is in the log: a WATCH without it is still
+    /// open (the apiserver logs `ResponseStarted` when a watch begins streaming).
+    pub complete: bool,
     /// When the apiserver received the request.
     pub received: SystemTime,
     /// The event's annotations: the authorizer's decision, and each admission webhook's
@@ -61,6 +64,8 @@ struct Event {
     audit_id: String,
     #[serde(default)]
     verb: String,
+    #[serde(default)]
+    stage: String,
     #[serde(rename = "requestURI", default)]
     request_uri: String,
     #[serde(default)]
@@ -126,11 +131,13 @@ pub fn read(path: &Path) -> std::io::Result<Vec<Request>> {
         };
         let code = e.response_status.and_then(|s| s.code);
         let impersonated = e.impersonated_user.map(|u| u.username);
+        let complete = e.stage == "ResponseComplete";
         by_id
             .entry(e.audit_id.clone())
             .and_modify(|r| {
                 r.annotations.extend(e.annotations.clone());
                 r.code = r.code.or(code);
+                r.complete |= complete;
                 r.impersonated_user = r.impersonated_user.take().or(impersonated.clone());
             })
             .or_insert(Request {
@@ -144,6 +151,7 @@ pub fn read(path: &Path) -> std::io::Result<Vec<Request>> {
                 name: e.object_ref.name,
                 uri: e.request_uri,
                 code,
+                complete,
                 received,
                 annotations: e.annotations,
             });
@@ -260,10 +268,11 @@ mod tests {
             r#"{"kind":"Event","auditID":"a","stage":"ResponseComplete","requestURI":"/api/v1/namespaces/x/pods/p/eviction","verb":"create","user":{"username":"system:serviceaccount:x:agent"},"objectRef":{"resource":"pods","namespace":"x","name":"p","subresource":"eviction"},"responseStatus":{"code":201},"requestReceivedTimestamp":"2026-01-01T00:00:01.5Z"}"#,
             r#"{"kind":"Event","auditID":"b","stage":"ResponseComplete","requestURI":"/api/v1/pods?watch=true","verb":"watch","user":{"username":"system:serviceaccount:x:agent"},"impersonatedUser":{"username":"system:node:n1","groups":["system:nodes"]},"objectRef":{"resource":"pods"},"responseStatus":{"code":200},"requestReceivedTimestamp":"2026-01-01T00:00:02.000100Z"}"#,
             r#"{"kind":"Event","auditID":"c","stage":"Resp"#,
+            r#"{"kind":"Event","auditID":"d","stage":"ResponseStarted","requestURI":"/api/v1/nodes?watch=true","verb":"watch","user":{"username":"system:serviceaccount:x:agent"},"objectRef":{"resource":"nodes"},"responseStatus":{"code":200},"requestReceivedTimestamp":"2026-01-01T00:00:03Z"}"#,
         ];
         std::fs::write(&path, lines.join("\n")).unwrap();
         let all = read(&path).unwrap();
-        assert_eq!(all.len(), 2);
+        assert_eq!(all.len(), 3);
         assert_eq!(all[0].audit_id, "a");
         assert_eq!(all[0].kind(), "create pods/eviction");
         assert_eq!(all[0].code, Some(201));
@@ -271,12 +280,14 @@ mod tests {
         assert_eq!(all[1].impersonated_user.as_deref(), Some("system:node:n1"));
         assert_eq!(all[1].kind(), "watch pods");
         assert_eq!(all[1].code, Some(200));
+        assert!(all[0].complete && all[1].complete);
+        assert!(!all[2].complete, "a watch still streaming");
         let d = all[1].received.duration_since(all[0].received).unwrap();
         assert_eq!(d.as_micros(), 500_100);
         let user = service_account_user("x", "agent");
         assert_eq!(
             by_user(&all, &user, SystemTime::UNIX_EPOCH, SystemTime::now()).len(),
-            2
+            3
         );
         assert!(read(&dir.path().join("missing")).unwrap().is_empty());
     }

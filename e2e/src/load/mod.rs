@@ -6,9 +6,10 @@
 //! from one identity and another client's probe beside it ([`flood`]), abusive HTTP clients
 //! and peak-memory readings ([`http_abuse`]), a webhook that admits everything for baselines
 //! ([`allow_all`]), the quantiles the benchmarks report ([`stats`]), line charts of their
-//! figures as SVG ([`plot`]) and the server-side histograms and counters they scrape
-//! ([`histogram`]).
+//! figures as SVG ([`plot`]), the server-side histograms and counters they scrape
+//! ([`histogram`]), and what a fleet of real agents costs the apiserver ([`agent_cost`]).
 
+pub mod agent_cost;
 pub mod allow_all;
 pub mod api;
 pub mod cloud_node;

@@ -10,6 +10,7 @@ mod abuse_flood;
 mod abuse_pods;
 mod affinity;
 mod agent;
+mod agents_cost;
 mod ambient;
 mod ambient_real;
 mod apf;
