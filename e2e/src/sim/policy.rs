@@ -125,13 +125,20 @@ pub async fn affinity_objects(
     ]))
 }
 
+/// The versions the chart may render the affinity policy in.
+const AFFINITY_VERSIONS: [&str; 2] = ["v1", "v1beta1"];
+
 /// The API of a dynamic object's kind (`mutatingadmissionpolicies` or their bindings).
 fn dynamic_api(client: &Client, obj: &DynamicObject) -> anyhow::Result<Api<DynamicObject>> {
     let types = obj
         .types
         .as_ref()
         .context("an object without apiVersion and kind")?;
-    let gvk = GroupVersionKind::try_from(types)?;
+    kind_api(client, &GroupVersionKind::try_from(types)?)
+}
+
+/// The API of `gvk`, one of the affinity policy's two kinds.
+fn kind_api(client: &Client, gvk: &GroupVersionKind) -> anyhow::Result<Api<DynamicObject>> {
     let plural = match gvk.kind.as_str() {
         "MutatingAdmissionPolicy" => "mutatingadmissionpolicies",
         "MutatingAdmissionPolicyBinding" => "mutatingadmissionpolicybindings",
@@ -139,7 +146,7 @@ fn dynamic_api(client: &Client, obj: &DynamicObject) -> anyhow::Result<Api<Dynam
     };
     Ok(Api::all_with(
         client.clone(),
-        &ApiResource::from_gvk_with_plural(&gvk, plural),
+        &ApiResource::from_gvk_with_plural(gvk, plural),
     ))
 }
 
@@ -162,18 +169,19 @@ pub async fn register_affinity(
     Ok(true)
 }
 
-/// Deletes what [`register_affinity`] created (best effort).
-pub async fn unregister_affinity(cp: &crate::ControlPlane, client: &Client, name: &str) {
-    let Ok(Some(objects)) = affinity_objects(cp, name, &Scope::default()).await else {
-        return;
-    };
-    for obj in objects.iter().rev() {
-        let Ok(api) = dynamic_api(client, obj) else {
-            continue;
-        };
-        let name = obj.metadata.name.clone().unwrap_or_default();
-        let _ =
-            tokio::time::timeout(API_TIMEOUT, api.delete(&name, &DeleteParams::default())).await;
+/// Deletes what [`register_affinity`] created, binding first, in whichever version it was
+/// registered (best effort; the names are known, so nothing is rendered again).
+pub async fn unregister_affinity(client: &Client, name: &str) {
+    let full = format!("meshgate-{name}-affinity");
+    for version in AFFINITY_VERSIONS {
+        for kind in ["MutatingAdmissionPolicyBinding", "MutatingAdmissionPolicy"] {
+            let gvk = GroupVersionKind::gvk("admissionregistration.k8s.io", version, kind);
+            let Ok(api) = kind_api(client, &gvk) else {
+                continue;
+            };
+            let _ = tokio::time::timeout(API_TIMEOUT, api.delete(&full, &DeleteParams::default()))
+                .await;
+        }
     }
 }
 

@@ -66,7 +66,7 @@ async fn with_the_affinity_policy_an_outage_refuses_no_binding_and_keeps_meshed_
         .await
         .expect("webhook starts");
     let result = run(&cp, &mut f).await;
-    policy::unregister_affinity(&cp, &f.client, &f.tag).await;
+    policy::unregister_affinity(&f.client, &f.tag).await;
     policy::unregister(&f.client, &f.tag).await;
     f.teardown().await;
     result.expect("affinity policy e2e");
