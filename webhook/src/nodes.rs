@@ -8,13 +8,16 @@
 //! keeps, per Node, a whole `ObjectMeta` (about 400 bytes of struct even when slimmed), an
 //! `Arc`, the label map's B-tree node and a key that copies the name, uid and
 //! resourceVersion: 2.7 KB of resident memory per Node as measured (24.5 MiB at 5,000 Nodes,
-//! 11.3 MiB with none), about 190 MiB at 65,000. Here an entry is the name (one allocation)
-//! and the label's value, with `true` and `false` held without an allocation.
+//! 11.3 MiB with none), about 190 MiB at 65,000. Here an entry is the name, packed with the
+//! others in one buffer ([`table::NameTable`]: why not one allocation per name), and the
+//! label's value, with `true` and `false` held without an allocation.
 //!
 //! Lists replace the cache whole: a relist's objects are gathered apart and swapped in when it
 //! is done, so lookups never see a half-listed cluster (as the reflector did).
 
-use std::collections::{BTreeMap, HashMap};
+mod table;
+
+use std::collections::BTreeMap;
 use std::sync::RwLock;
 
 use k8s_openapi::api::core::v1::Node;
@@ -62,7 +65,7 @@ impl Verified {
     }
 }
 
-type Entries = HashMap<Box<str>, Verified>;
+type Entries = table::NameTable<Verified>;
 
 #[derive(Default)]
 struct Lists {
@@ -70,6 +73,16 @@ struct Lists {
     live: Entries,
     /// A list in progress, swapped into `live` when it is done.
     listing: Option<Entries>,
+}
+
+/// Puts Node `n` into `entries`; a Node without a name (never served) or with a name past
+/// the table's bounds is left out, and a lookup then answers it as unknown.
+fn insert(entries: &mut Entries, n: &PartialObjectMeta<Node>) {
+    if let Some(name) = n.metadata.name.as_deref()
+        && !entries.insert(name, Verified::of(n))
+    {
+        tracing::error!(node = name, "node name past the cache's bounds; not cached");
+    }
 }
 
 /// The verified label of every Node, by name.
@@ -90,18 +103,12 @@ impl Default for NodeVerdicts {
 impl NodeVerdicts {
     /// Takes in one watch event.
     pub fn apply(&self, event: Event<PartialObjectMeta<Node>>) {
-        let entry = |n: &PartialObjectMeta<Node>| {
-            n.metadata
-                .name
-                .as_deref()
-                .map(|name| (Box::<str>::from(name), Verified::of(n)))
-        };
         let mut lists = self.lists.write().unwrap_or_else(|p| p.into_inner());
         match event {
-            Event::Init => lists.listing = Some(Entries::new()),
+            Event::Init => lists.listing = Some(Entries::default()),
             Event::InitApply(n) => {
-                if let (Some(listing), Some((name, v))) = (lists.listing.as_mut(), entry(&n)) {
-                    listing.insert(name, v);
+                if let Some(listing) = lists.listing.as_mut() {
+                    insert(listing, &n);
                 }
             }
             Event::InitDone => {
@@ -113,16 +120,12 @@ impl NodeVerdicts {
                 } else {
                     drop(lists);
                 }
-                // A list's pages and the replaced map were freed in the allocator's arenas:
-                // hand them back, or they stay resident (1.5 KB per Node at 10,000 Nodes).
+                // A list's pages were freed in the allocator's arenas: hand them back, or
+                // they stay resident until the arenas are reused.
                 meshgate_shell::alloc::trim();
                 self.listed.send_replace(true);
             }
-            Event::Apply(n) => {
-                if let Some((name, v)) = entry(&n) {
-                    lists.live.insert(name, v);
-                }
-            }
+            Event::Apply(n) => insert(&mut lists.live, &n),
             Event::Delete(n) => {
                 if let Some(name) = n.metadata.name.as_deref() {
                     lists.live.remove(name);
@@ -147,7 +150,7 @@ impl NodeVerdicts {
     /// Whether the cache knows Node `name`.
     pub fn contains(&self, name: &str) -> bool {
         let lists = self.lists.read().unwrap_or_else(|p| p.into_inner());
-        lists.live.contains_key(name)
+        lists.live.get(name).is_some()
     }
 
     /// How many Nodes the cache knows.
