@@ -96,6 +96,17 @@ impl Axis {
     }
 }
 
+/// Where a benchmark writes its plot: the path in `var`, else `default`; a relative path is
+/// under the workspace.
+pub fn out_path(var: &str, default: &str) -> std::path::PathBuf {
+    let p = std::path::PathBuf::from(std::env::var(var).unwrap_or_else(|_| default.into()));
+    if p.is_absolute() {
+        p
+    } else {
+        crate::harness::paths::repo_root().join(p)
+    }
+}
+
 /// A tick's text: `50`, `2k`, `65k`, `1M`, `0.5`.
 fn tick_label(v: f64) -> String {
     let trim = |s: String| {
