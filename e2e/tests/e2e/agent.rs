@@ -130,6 +130,20 @@ async fn start_node(
     Ok((node, dirs, agent))
 }
 
+/// Drift: the primary rewrites its conflist in place without the mesh plugin; waits until
+/// the Node is re-tainted for it.
+async fn drift_re_taints(client: &Client, node: &str, dirs: &CniDirs) -> anyhow::Result<()> {
+    dirs.config("10-calico.conflist", &golden("calico.conflist")?)?;
+    wait_gated(
+        client,
+        node,
+        "re-tainted with ChainedPluginMissing",
+        "ChainedPluginMissing",
+    )
+    .await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn s3_then_s1_untaints_and_s4_drift_retaints() -> anyhow::Result<()> {
     let cp = cp().await;
@@ -163,14 +177,7 @@ async fn s3_then_s1_untaints_and_s4_drift_retaints() -> anyhow::Result<()> {
     );
 
     // S4: the primary rewrites its conflist without the mesh plugin.
-    dirs.config("10-calico.conflist", &golden("calico.conflist")?)?;
-    wait_gated(
-        &client,
-        &node,
-        "re-tainted with ChainedPluginMissing",
-        "ChainedPluginMissing",
-    )
-    .await?;
+    drift_re_taints(&client, &node, &dirs).await?;
     let describe = cp.kubectl(&["describe", "node", &node]).await?;
     assert!(
         describe.contains(&format!("{TAINT_KEY}:NoSchedule")),
@@ -235,15 +242,7 @@ async fn a_polling_agent_untaints_and_re_taints_on_drift() -> anyhow::Result<()>
     std::fs::create_dir(&dirs.conf)?;
     dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist")?)?;
     wait_node(&client, &node, "untainted and Verified", open).await?;
-    // Drift: the primary rewrites its conflist without the mesh plugin, in place.
-    dirs.config("10-calico.conflist", &golden("calico.conflist")?)?;
-    wait_gated(
-        &client,
-        &node,
-        "re-tainted with ChainedPluginMissing",
-        "ChainedPluginMissing",
-    )
-    .await?;
+    drift_re_taints(&client, &node, &dirs).await?;
     dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist")?)?;
     wait_node(&client, &node, "untainted again", open).await?;
     assert_eq!(
