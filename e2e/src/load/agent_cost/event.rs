@@ -72,7 +72,7 @@ impl FleetEvent {
 
     /// The agents' busiest second of the event.
     pub fn peak(&self) -> usize {
-        self.per_second.iter().copied().max().unwrap_or(0)
+        tally::peak(&self.per_second)
     }
 }
 

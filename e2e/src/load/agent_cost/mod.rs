@@ -430,7 +430,7 @@ impl Reconnect {
 
     /// The largest number of requests in one second.
     pub fn peak(&self) -> usize {
-        self.per_second.iter().copied().max().unwrap_or(0)
+        tally::peak(&self.per_second)
     }
 }
 
