@@ -1,7 +1,8 @@
 //! Watches the CNI config and bin directories (and the node proxy's socket directory) with
-//! inotify and reports "something changed".
+//! inotify, or by polling them, and reports "something changed".
 //!
-//! In: the directories to watch. Out: an [`FsEvent`] on a channel for every relevant change
+//! In: the directories to watch and the [`Options`] (`--fs-watch`, `--fs-poll-interval`, the
+//! `meshgate_fs_watch_polling` gauge). Out: an [`FsEvent`] on a channel for every relevant change
 //! (when, which path, what it says: `meshgate_core::cni::burst::Change`), which the verifier
 //! coalesces into one re-verification; and, on the inotify thread, each path created, closed
 //! after writing, renamed into place or chmod'ed, to a [`Notice`] hook (the pre-prober, which
@@ -15,15 +16,26 @@
 //!   followed too: its directory is watched, so editing the delegate re-verifies at once.
 //! - Open events are dropped: the verifier opens configs and runs plugin binaries itself, and
 //!   must not wake itself up.
+//! - Without inotify (the host's `fs.inotify.max_user_instances` or `max_user_watches`
+//!   reached, at start or at any later watch) `--fs-watch=auto` polls the same directories
+//!   instead (`meshgate_core::cni::watch_backend` decides; [`backend`] maps what a poll
+//!   sees), warns once and sets the gauge to 1: a node must not go unwatched because other
+//!   processes on it hold the user's inotify instances. It does not go back to inotify.
+
+mod backend;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use meshgate_core::cni::burst::Change;
+use meshgate_core::cni::watch_backend::{self, Backend, Mode};
 use notify::event::{AccessKind, AccessMode, CreateKind, ModifyKind, RenameMode};
-use notify::{Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher};
+use notify::{Event, EventKind, RecursiveMode};
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::mpsc;
+
+use backend::{Sink, Watchers, failure_of};
 
 /// One relevant change in the watched directories.
 #[derive(Clone, Debug)]
@@ -47,12 +59,34 @@ struct Target {
     watching: Option<PathBuf>,
 }
 
-/// The live inotify watches.
+/// How the directories are watched.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// `--fs-watch`.
+    pub mode: Mode,
+    /// `--fs-poll-interval`: how often a poller scans.
+    pub poll_interval: Duration,
+    /// `meshgate_fs_watch_polling`: 1 while the directories are polled.
+    pub polling: Gauge,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            mode: Mode::Auto,
+            poll_interval: Duration::from_secs(1),
+            polling: Gauge::default(),
+        }
+    }
+}
+
+/// The live watches.
 pub struct FsWatch {
-    watcher: RecommendedWatcher,
+    watchers: Watchers,
+    /// Where the watchers' events go; a poller opened later sends there too.
+    sink: Sink,
+    options: Options,
     targets: Vec<Target>,
-    /// The directories whose events count (shared with the inotify callback).
-    dirs: Arc<RwLock<Vec<PathBuf>>>,
     /// How many of `targets` are the fixed ones (config dir, bin dirs); a followed delegate
     /// directory comes after them.
     fixed: usize,
@@ -108,6 +142,34 @@ fn notice_binary(notice: &Notice, path: Option<&Path>, change: Change) {
     }
 }
 
+/// inotify, or pollers when `--fs-watch` says so or, under `auto`, when the host's inotify
+/// instances are spent.
+fn open(sink: &Sink, options: &Options) -> notify::Result<Watchers> {
+    if watch_backend::choose(options.mode, None) == Some(Backend::Poll) {
+        tracing::info!(interval = ?options.poll_interval, "polling the CNI directories (--fs-watch=poll)");
+        return Watchers::poll(sink, options.poll_interval);
+    }
+    match Watchers::inotify(sink) {
+        Ok(w) => Ok(w),
+        Err(e)
+            if watch_backend::choose(options.mode, Some(failure_of(&e))) == Some(Backend::Poll) =>
+        {
+            warn_polling(&e, options.poll_interval);
+            Watchers::poll(sink, options.poll_interval)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// The one warning of a fall-back to polling (it happens at most once per agent).
+fn warn_polling(e: &notify::Error, interval: Duration) {
+    tracing::warn!(
+        error = %e,
+        interval = ?interval,
+        "inotify unavailable (the host's fs.inotify limits reached?); polling the CNI directories instead"
+    );
+}
+
 impl FsWatch {
     /// Starts watching `conf_dir` (recursively) and `bin_dirs` (flat: the plugin dirs, and any
     /// other directory the verdict reads, such as the node proxy's socket directory); changes
@@ -117,45 +179,18 @@ impl FsWatch {
         bin_dirs: &[PathBuf],
         tx: mpsc::UnboundedSender<FsEvent>,
         notice: Notice,
+        options: Options,
     ) -> notify::Result<Self> {
         let dirs: Arc<RwLock<Vec<PathBuf>>> = Arc::new(RwLock::new(
             std::iter::once(conf_dir.to_path_buf())
                 .chain(bin_dirs.iter().cloned())
                 .collect(),
         ));
-        let filter = dirs.clone();
-        let watcher = notify::recommended_watcher(move |res: notify::Result<Event>| match res {
-            // A poisoned lock (a panic elsewhere) counts every event: re-verifying is safe.
-            Ok(event) if filter.read().map_or(true, |d| relevant(&event, &d)) => {
-                let at = Instant::now();
-                // A rename reported with both ends also takes the file away from its old name
-                // (a temporary file of an atomic write), whether or not `From` came alone.
-                if let (EventKind::Modify(ModifyKind::Name(RenameMode::Both)), [from, _]) =
-                    (event.kind, event.paths.as_slice())
-                {
-                    let path = Some(from.clone());
-                    let _ = tx.send(FsEvent {
-                        at,
-                        path,
-                        change: Change::MovedOut,
-                    });
-                }
-                let (path, change) = change_of(&event);
-                notice_binary(&notice, path.as_deref(), change);
-                let _ = tx.send(FsEvent { at, path, change });
-            }
-            Ok(_) => {}
-            Err(e) => {
-                // An inotify error (e.g. queue overflow) may hide a change: re-verify, once
-                // the directories have gone quiet.
-                tracing::warn!(error = %e, "inotify error; re-verifying");
-                let _ = tx.send(FsEvent {
-                    at: Instant::now(),
-                    path: None,
-                    change: Change::Unknown,
-                });
-            }
-        })?;
+        let sink = Sink { dirs, tx, notice };
+        let watchers = open(&sink, &options)?;
+        options
+            .polling
+            .set(i64::from(watchers.backend() == Backend::Poll));
         let mut targets = vec![Target {
             dir: conf_dir.to_path_buf(),
             mode: RecursiveMode::Recursive,
@@ -168,9 +203,10 @@ impl FsWatch {
         }));
         let fixed = targets.len();
         let mut w = Self {
-            watcher,
+            watchers,
+            sink,
+            options,
             targets,
-            dirs,
             fixed,
         };
         w.ensure();
@@ -193,9 +229,9 @@ impl FsWatch {
         if have.is_some()
             && let Some(w) = self.targets.pop().and_then(|old| old.watching)
         {
-            let _ = self.watcher.unwatch(&w);
+            self.watchers.unwatch(&w);
         }
-        if let Ok(mut dirs) = self.dirs.write() {
+        if let Ok(mut dirs) = self.sink.dirs.write() {
             dirs.truncate(self.fixed);
             dirs.extend(want.iter().cloned());
         }
@@ -211,8 +247,22 @@ impl FsWatch {
     }
 
     /// Puts each watch on its directory if it exists now, else on its nearest existing
-    /// ancestor. Cheap when nothing changed; called after every batch of events.
+    /// ancestor. Cheap when nothing changed; called after every batch of events. A watch that
+    /// inotify refuses for want of the host's watches moves every watch to polling (under
+    /// `--fs-watch=auto`).
     pub fn ensure(&mut self) {
+        if let Some(e) = self.ensure_once() {
+            self.fall_back(&e);
+            if let Some(e) = self.ensure_once() {
+                tracing::warn!(error = %e, "cannot watch");
+            }
+        }
+    }
+
+    /// One round of [`FsWatch::ensure`]; the error of a watch that polling would have
+    /// placed, if inotify refused one.
+    fn ensure_once(&mut self) -> Option<notify::Error> {
+        let backend = self.watchers.backend();
         for t in &mut self.targets {
             let want = if t.dir.is_dir() {
                 Some((t.dir.clone(), t.mode))
@@ -225,22 +275,55 @@ impl FsWatch {
             };
             let want_path = want.as_ref().map(|(p, _)| p.clone());
             // The inotify watch of a dir that was deleted and re-created is gone, so re-add
-            // the watch whenever the dir is (again) the target, not only when it changed.
-            if want_path == t.watching && want_path.as_deref() != Some(t.dir.as_path()) {
+            // the watch whenever the dir is (again) the target, not only when it changed. A
+            // poller keeps scanning the path through that; adding it again would take its
+            // state as the new baseline, unreported.
+            let again = backend == Backend::Inotify && want_path.as_deref() == Some(&t.dir);
+            if want_path == t.watching && !again {
                 continue;
             }
             if let Some(old) = t.watching.take() {
-                let _ = self.watcher.unwatch(&old);
+                self.watchers.unwatch(&old);
             }
             if let Some((path, mode)) = want {
-                match self.watcher.watch(&path, mode) {
+                match self.watchers.watch(&path, mode) {
                     Ok(()) => t.watching = Some(path),
+                    Err(e)
+                        if backend == Backend::Inotify
+                            && watch_backend::choose(self.options.mode, Some(failure_of(&e)))
+                                == Some(Backend::Poll) =>
+                    {
+                        return Some(e);
+                    }
                     Err(e) => {
                         tracing::warn!(dir = %t.dir.display(), watch = %path.display(), error = %e, "cannot watch")
                     }
                 }
             }
         }
+        None
+    }
+
+    /// Replaces inotify with pollers over the same targets after `e`, and re-verifies: what
+    /// changed while a directory was unwatched is not known.
+    fn fall_back(&mut self, e: &notify::Error) {
+        match Watchers::poll(&self.sink, self.options.poll_interval) {
+            Ok(poll) => {
+                warn_polling(e, self.options.poll_interval);
+                self.watchers = poll;
+                self.options.polling.set(1);
+                for t in &mut self.targets {
+                    t.watching = None;
+                }
+                self.sink.unknown();
+            }
+            Err(pe) => tracing::warn!(error = %e, poll_error = %pe, "cannot watch, nor poll"),
+        }
+    }
+
+    /// Whether the directories are polled rather than watched with inotify.
+    pub fn polling(&self) -> bool {
+        self.watchers.backend() == Backend::Poll
     }
 
     /// Whether every directory is watched directly (not through an ancestor).
@@ -280,7 +363,8 @@ mod tests {
         let delegate = other.join("default.conflist");
         std::fs::write(&delegate, b"{}").unwrap();
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let mut w = FsWatch::start(&conf, &[], tx, Arc::new(|_: &Path| {})).unwrap();
+        let mut w =
+            FsWatch::start(&conf, &[], tx, Arc::new(|_: &Path| {}), Options::default()).unwrap();
         std::fs::write(&delegate, b"{ }").unwrap();
         assert!(!woke(&mut rx), "not followed yet");
         w.follow_delegate(Some(&delegate));
@@ -298,5 +382,88 @@ mod tests {
         assert!(!woke(&mut rx), "no longer followed");
         std::fs::write(conf.join("10-calico.conflist"), b"{}").unwrap();
         assert!(woke(&mut rx));
+    }
+
+    #[test]
+    fn polling_sees_a_rewrite_that_keeps_the_time_and_a_new_binary() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (conf, bin) = (tmp.path().join("net.d"), tmp.path().join("bin"));
+        std::fs::create_dir_all(&conf).unwrap();
+        std::fs::create_dir_all(&bin).unwrap();
+        let file = conf.join("10-calico.conflist");
+        std::fs::write(&file, b"{}").unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let seen = Arc::new(std::sync::Mutex::new(Vec::<PathBuf>::new()));
+        let noticed = seen.clone();
+        let notice: Notice = Arc::new(move |p: &Path| noticed.lock().unwrap().push(p.into()));
+        let options = Options {
+            mode: Mode::Poll,
+            poll_interval: Duration::from_millis(100),
+            polling: Gauge::default(),
+        };
+        let w = FsWatch::start(
+            &conf,
+            std::slice::from_ref(&bin),
+            tx,
+            notice,
+            options.clone(),
+        )
+        .unwrap();
+        assert!(w.polling());
+        assert_eq!(options.polling.get(), 1, "the gauge says so");
+        assert!(
+            !woke(&mut rx),
+            "nothing changed: the first scan reports nothing"
+        );
+        // Same length, same modification time: only the content tells the two apart.
+        let mtime = std::fs::metadata(&file).unwrap().modified().unwrap();
+        std::fs::write(&file, b"[]").unwrap();
+        let f = std::fs::File::options().write(true).open(&file).unwrap();
+        f.set_modified(mtime).unwrap();
+        let e = first(&mut rx).expect("a rewrite of the config wakes the verifier");
+        assert_eq!(
+            e.change,
+            Change::Unknown,
+            "a poll cannot tell a write is complete"
+        );
+        assert_eq!(e.path.as_deref(), Some(file.as_path()));
+        woke(&mut rx);
+        std::fs::write(bin.join("linkerd-cni"), b"#!/bin/sh\n").unwrap();
+        assert!(woke(&mut rx), "a new binary wakes the verifier");
+        assert!(
+            seen.lock().unwrap().contains(&bin.join("linkerd-cni")),
+            "and is pre-probed"
+        );
+    }
+
+    /// The first event within a second.
+    fn first(rx: &mut mpsc::UnboundedReceiver<FsEvent>) -> Option<FsEvent> {
+        for _ in 0..100 {
+            if let Ok(e) = rx.try_recv() {
+                return Some(e);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+
+    #[test]
+    fn inotify_mode_does_not_poll() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let options = Options {
+            mode: Mode::Inotify,
+            ..Options::default()
+        };
+        let w = FsWatch::start(
+            tmp.path(),
+            &[],
+            tx,
+            Arc::new(|_: &Path| {}),
+            options.clone(),
+        )
+        .unwrap();
+        assert!(!w.polling());
+        assert_eq!(options.polling.get(), 0);
     }
 }

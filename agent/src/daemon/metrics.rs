@@ -129,6 +129,9 @@ pub struct AgentMetrics {
     /// `meshgate_mode{mode}`, `meshgate_mode_config_invalid`,
     /// `meshgate_report_only_actions_total{action}` (shared with the webhook).
     pub mode: ModeMetrics,
+    /// `meshgate_fs_watch_polling`: 1 while the CNI directories are polled, not watched with
+    /// inotify.
+    pub fs_watch_polling: Gauge,
 }
 
 /// Registers each metric and hands back the handle the agent records into (the registry
@@ -251,6 +254,12 @@ impl AgentMetrics {
                 None,
                 "Evictions not done for a pod with missing redirects, by why (pdb/rate_limit/dry_run/unowned/no_proxy/node_proxy_not_ready/cluster_budget)",
                 Family::default(),
+            ),
+            fs_watch_polling: reg.add(
+                "meshgate_fs_watch_polling",
+                None,
+                "1 while the CNI directories are polled every --fs-poll-interval (--fs-watch=poll, or auto without inotify: the host's fs.inotify limits reached), 0 while inotify watches them",
+                Gauge::default(),
             ),
         }
     }

@@ -44,6 +44,7 @@ use std::time::Duration;
 use anyhow::Context;
 use tracing::Instrument;
 
+use meshgate_core::cni::watch_backend::Mode as FsWatchMode;
 use meshgate_core::gate::{TaintEffect, TaintKey};
 use meshgate_core::node_proxy::NodeProxy;
 use meshgate_core::profile::ProfileSet;
@@ -104,6 +105,15 @@ pub struct Args {
     /// after ten times this.
     #[arg(long, env = "MESHGATE_COALESCE", default_value = "20ms", value_parser = duration)]
     pub coalesce: Duration,
+    /// How the CNI directories are watched: auto (inotify; polling when the host's
+    /// fs.inotify.max_user_instances or max_user_watches is reached), inotify (fail to start
+    /// without it) or poll (every --fs-poll-interval).
+    #[arg(long, env = "MESHGATE_FS_WATCH", default_value = "auto", value_parser = fs_watch)]
+    pub fs_watch: FsWatchMode,
+    /// How often the CNI directories are scanned while polled (--fs-watch); a change is seen
+    /// within this, plus --coalesce.
+    #[arg(long, env = "MESHGATE_FS_POLL_INTERVAL", default_value = "1s", value_parser = poll_interval)]
+    pub fs_poll_interval: Duration,
     /// Deadline for each Kubernetes API call.
     #[arg(long, env = "MESHGATE_API_TIMEOUT", default_value = "5s", value_parser = duration)]
     pub api_timeout: Duration,
@@ -126,6 +136,20 @@ pub struct Args {
     /// at the same path in the agent's container.
     #[arg(long, env = "MESHGATE_NODE_PROXY_SOCKET")]
     pub node_proxy_socket: Option<String>,
+}
+
+fn fs_watch(s: &str) -> Result<FsWatchMode, String> {
+    s.parse()
+        .map_err(|e: meshgate_core::cni::watch_backend::UnknownMode| e.to_string())
+}
+
+/// A poll interval: at least 100 ms, so a poller cannot spin on the directories.
+fn poll_interval(s: &str) -> Result<Duration, String> {
+    let d = duration(s)?;
+    if d < Duration::from_millis(100) {
+        return Err(format!("{s} is below 100ms"));
+    }
+    Ok(d)
 }
 
 fn node_proxy_labels(s: &str) -> Result<BTreeMap<String, String>, String> {
@@ -181,6 +205,10 @@ pub struct Config {
     pub resync_interval: Duration,
     /// `--coalesce`.
     pub coalesce: Duration,
+    /// `--fs-watch`.
+    pub fs_watch: FsWatchMode,
+    /// `--fs-poll-interval`.
+    pub fs_poll_interval: Duration,
     /// `--stall-timeout`.
     pub stall_timeout: Duration,
     /// The pod inspector's.
@@ -228,6 +256,8 @@ impl Config {
             api_timeout: args.api_timeout,
             resync_interval: args.resync_interval,
             coalesce: args.coalesce,
+            fs_watch: args.fs_watch,
+            fs_poll_interval: args.fs_poll_interval,
             stall_timeout: args.stall_timeout,
             pods,
             node_proxy: node_proxy.map(|(_, p)| p),

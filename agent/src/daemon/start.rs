@@ -39,7 +39,7 @@ use tracing::Instrument;
 use super::Config;
 use super::clients::Clients;
 use super::events::{self, EventQueue};
-use super::fswatch::{FsEvent, FsWatch};
+use super::fswatch::{self, FsEvent, FsWatch};
 use super::metrics::AgentMetrics;
 use super::node::NodeGate;
 use super::node_proxy::NodeProxyWatch;
@@ -110,7 +110,12 @@ impl Daemon {
             np.wait_listed(config.api_timeout).await;
         }
         let prober = Arc::new(config.cni.prober().with_counters(metrics.probes.clone()));
-        let (fs, files) = watch_files(&config.cni, node_proxy.as_ref(), &prober)?;
+        let watch = fswatch::Options {
+            mode: config.fs_watch,
+            poll_interval: config.fs_poll_interval,
+            polling: metrics.fs_watch_polling.clone(),
+        };
+        let (fs, files) = watch_files(&config.cni, node_proxy.as_ref(), &prober, watch)?;
         let taint = (config.taint_key.clone(), config.taint_effect);
         let gate = node_gate(&clients, node, taint, config.api_timeout);
         let outcome = Outcome {
@@ -287,21 +292,22 @@ fn progress(resync_interval: Duration, stall_timeout: Duration) -> (LoopProgress
     (verdict_loop, pods)
 }
 
-/// Starts the inotify watches on the CNI dirs and the node proxy's socket directory (a dir
-/// that does not exist yet is waited for), and the pre-prober they feed, which lives as long
-/// as the watches.
+/// Starts the watches (inotify, or polling: `options`) on the CNI dirs and the node proxy's
+/// socket directory (a dir that does not exist yet is waited for), and the pre-prober they
+/// feed, which lives as long as the watches.
 fn watch_files(
     cni: &CniArgs,
     node_proxy: Option<&NodeProxyWatch>,
     prober: &Arc<Prober>,
+    options: fswatch::Options,
 ) -> anyhow::Result<(FsWatch, mpsc::UnboundedReceiver<FsEvent>)> {
     let (tx, rx) = mpsc::unbounded_channel();
     let mut dirs = cni.cni_bin_dirs.clone();
     dirs.extend(node_proxy.and_then(NodeProxyWatch::socket_dir));
     let pre = PreProber::start(prober.clone()).context("starting the pre-probe workers")?;
     let notice = Arc::new(move |p: &std::path::Path| pre.notice(p));
-    let fs =
-        FsWatch::start(&cni.cni_conf_dir, &dirs, tx, notice).context("starting inotify watches")?;
+    let fs = FsWatch::start(&cni.cni_conf_dir, &dirs, tx, notice, options)
+        .context("watching the CNI directories")?;
     if !fs.all_direct() {
         tracing::info!(dir = %cni.cni_conf_dir.display(), "a CNI directory does not exist yet; waiting for it");
     }

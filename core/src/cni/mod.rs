@@ -23,6 +23,7 @@ pub mod reason;
 pub mod runtime;
 pub mod select;
 pub mod verdict;
+pub mod watch_backend;
 
 pub use config::{ConfigError, NetConfList, PluginConf};
 pub use listing::{ConfSource, Dirent, MemSource, SourceError};

@@ -1,17 +1,27 @@
 //! Agents: what each agent costs the apiserver, at N = 10, 100 and 1,000 stand-in Nodes
 //! (`MESHGATE_BENCH_AGENTS`), each with a real `meshgate-agent run` process, all under one
 //! audited ServiceAccount per N. Per agent in a steady window (`..._WINDOW_SECS`, 60):
-//! requests per minute by kind, LISTs (goal 0), open watches, bytes received; per
-//! transition of one node (re-taint, untaint; `..._TRANSITIONS`, 3); the reconnect after
-//! the apiserver is stopped for `..._DOWN_SECS` (10): peak requests per second, when every
-//! watch was back, when the burst ended (observed for `..._OBSERVE_SECS`, 90). Figures at
-//! each N are ratios to N = 10 of the same run: flat means linear total cost.
-//! Agents start in batches while the host has room (memory beyond
-//! `..._RESERVE_MIB`, 4096, and inotify instances); an N that does not fit runs as many as
-//! fit, and the table says so.
+//! requests per minute by kind, LISTs (goal 0), open watches, bytes received, CPU; per
+//! transition of one node (re-taint, untaint; `..._TRANSITIONS`, 3); a fleet-wide event (every
+//! node's chain broken at once, then mended: when every Node was re-tainted, then re-verified,
+//! the agents' peak requests per second, eviction requests); the reconnect after the
+//! apiserver is stopped for `..._DOWN_SECS` (10): peak requests per second, when every watch
+//! was back, when the burst ended (observed for `..._OBSERVE_SECS`, 90). Figures at each N
+//! are ratios to N = 10 of the same run: flat means linear total cost. The figures against N
+//! are drawn into `MESHGATE_BENCH_AGENTS_SVG` (`target/bench/agents-cost.svg`).
+//!
+//! Every agent runs with `--fs-watch=poll` (`..._FS_WATCH`, `..._POLL`: 1s): one host holds
+//! them all, and the host user's `fs.inotify.max_user_instances` (128) would let only the
+//! first ~100 use inotify, mixing two ways of seeing the event at N = 1,000 and starving the
+//! host's other inotify users (the e2e nodes' containerd and kubelets). Agents start in
+//! batches while the host has room (memory beyond `..._RESERVE_MIB`, 4096; inotify instances
+//! too when they use inotify); an N that does not fit runs as many as fit, and the table says
+//! so.
 
 use super::*;
+use meshgate_e2e::load::agent_cost::event::FleetEvent;
 use meshgate_e2e::load::agent_cost::{Fleet, Reconnect, Room, Steady, Transition, tally};
+use meshgate_e2e::load::plot;
 
 /// Reads one figure of an N.
 type Of = fn(&Figures) -> f64;
@@ -41,6 +51,9 @@ struct Figures {
     reconnect: Reconnect,
     busiest_steady: usize,
     rss_mib: f64,
+    /// CPU milliseconds per agent per minute, steady.
+    cpu_ms_per_min: f64,
+    event: FleetEvent,
 }
 
 fn agent_counts() -> Vec<usize> {
@@ -67,8 +80,27 @@ pub(super) async fn run(
         all.push(f);
     }
     print_curves(&all);
+    print_events(&all);
     rows(table, &all);
+    if all.len() > 1 {
+        let path = draw(&all)?;
+        println!("\nagents: cost against N drawn into {}", path.display());
+    }
     Ok(())
+}
+
+/// `--fs-watch` and `--fs-poll-interval` of every agent, and whether they use inotify.
+fn watch_flags() -> (Vec<String>, bool) {
+    let mode = std::env::var("MESHGATE_BENCH_AGENTS_FS_WATCH").unwrap_or_else(|_| "poll".into());
+    let every = std::env::var("MESHGATE_BENCH_AGENTS_POLL").unwrap_or_else(|_| "1s".into());
+    let inotify = mode != "poll";
+    let flags = vec![
+        "--fs-watch".into(),
+        mode,
+        "--fs-poll-interval".into(),
+        every,
+    ];
+    (flags, inotify)
 }
 
 async fn measure(
@@ -78,13 +110,16 @@ async fn measure(
     n: usize,
 ) -> anyhow::Result<Figures> {
     let id = AuditedIdentity::new(cp, client, ns, &format!("agents-{n}")).await?;
+    let (flags, inotify) = watch_flags();
     let room = Room {
         reserve_kib: env_num("MESHGATE_BENCH_AGENTS_RESERVE_MIB", 4096) * 1024,
         batch: 25,
+        inotify,
     };
     agent_log("warn");
     let prefix = meshgate_e2e::unique_name(&format!("ag{n}"));
-    let fleet = Fleet::start(cp, client, &id.kubeconfig, &prefix, n, room, &[]).await?;
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let fleet = Fleet::start(cp, client, &id.kubeconfig, &prefix, n, room, &flags).await?;
     let ran = fleet.members.len();
     eprintln!(
         "agents: {ran} of {n} verified in {:.1} s{}",
@@ -97,13 +132,29 @@ async fn measure(
     );
     tokio::time::sleep(Duration::from_secs(5)).await;
     let window = Duration::from_secs(env_num("MESHGATE_BENCH_AGENTS_WINDOW_SECS", 60));
+    let cpu_before = fleet.cpu();
     let steady = Steady::measure(cp, &id, &fleet, window).await?;
+    let cpu = fleet.cpu().saturating_sub(cpu_before);
     let kinds_per_min = tally::by_kind(&steady.requests)
         .into_iter()
         .map(|(k, c)| (k, steady.per_agent_per_min(ran, c as f64)))
         .collect();
     let transition = transitions(cp, client, &id, &fleet).await?;
     let transition_total = transition.values().sum();
+    eprintln!("agents: fleet-wide event on {ran} nodes ...");
+    let chains = (
+        golden("calico.conflist")?,
+        golden("calico-linkerd.conflist")?,
+    );
+    let event = FleetEvent::run(
+        cp,
+        client,
+        &id,
+        &fleet,
+        (&chains.0, &chains.1),
+        Duration::from_secs(2),
+    )
+    .await?;
     let rss: Vec<u64> = fleet.rss_kib();
     let rss_mib = rss.iter().sum::<u64>() as f64 / rss.len().max(1) as f64 / 1024.0;
     let watches: usize = steady.open.values().sum();
@@ -130,6 +181,8 @@ async fn measure(
         reconnect,
         busiest_steady,
         rss_mib,
+        cpu_ms_per_min: steady.per_agent_per_min(ran, cpu.as_secs_f64() * 1000.0),
+        event,
     };
     drop(fleet);
     id.remove(client).await;
@@ -187,9 +240,9 @@ fn print_curves(all: &[Figures]) {
         "\nWhat each agent costs the apiserver (per agent unless named; ratio: to the first N of this run):\n"
     );
     println!(
-        "| N | agents run | start+verify | req/min | LIST (window) | open watches | KiB/min received | req per round trip | restart: peak req/s (fleet) | watches back | burst over | RSS MiB |"
+        "| N | agents run | start+verify | req/min | LIST (window) | open watches | KiB/min received | CPU ms/min | req per round trip | restart: peak req/s (fleet) | watches back | burst over | RSS MiB |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let base = all.first();
     for f in all {
         let r = |v: f64, b: fn(&Figures) -> f64| match base {
@@ -197,7 +250,7 @@ fn print_curves(all: &[Figures]) {
             _ => format!("{v:.2}"),
         };
         println!(
-            "| {} | {} | {:.0} s | {} | {} | {} | {} | {} | {} | {} | {} s | {:.1} |",
+            "| {} | {} | {:.0} s | {} | {} | {} | {} | {} | {} | {} | {} | {} s | {:.1} |",
             f.asked,
             f.ran,
             f.started_in.as_secs_f64(),
@@ -205,6 +258,7 @@ fn print_curves(all: &[Figures]) {
             f.lists,
             r(f.watches, |f| f.watches),
             r(f.kib_per_min, |f| f.kib_per_min),
+            r(f.cpu_ms_per_min, |f| f.cpu_ms_per_min),
             r(f.transition_total, |f| f.transition_total),
             f.reconnect.peak(),
             f.reconnect
@@ -236,20 +290,124 @@ fn print_curves(all: &[Figures]) {
     }
 }
 
+/// The fleet-wide event at each N, against the first N of the run.
+fn print_events(all: &[Figures]) {
+    println!(
+        "\nFleet-wide event: every node's conflist rewritten without linkerd-cni at once, then written back (ratio: to the first N of this run):\n"
+    );
+    println!(
+        "| N | all re-tainted | all re-verified | agents' peak req/s (fleet) | agents' requests per node | eviction requests (no pods on these Nodes) |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let Some(base) = all.first() else { return };
+    for f in all {
+        let e = &f.event;
+        let secs = |d: Duration, b: Duration| {
+            format!(
+                "{:.2} s ({})",
+                d.as_secs_f64(),
+                ratio_of(d.as_secs_f64(), b.as_secs_f64())
+            )
+        };
+        println!(
+            "| {} | {} | {} | {} ({}) | {:.2} | {} |",
+            ran_label(f),
+            secs(e.gated_in, base.event.gated_in),
+            secs(e.verified_in, base.event.verified_in),
+            e.peak(),
+            ratio_of(e.peak() as f64, base.event.peak() as f64),
+            event_requests_per_node(f),
+            e.evictions,
+        );
+    }
+    for f in all {
+        println!(
+            "\n{}: the event's requests by kind {:?}, per second from the first rewrite {:?}",
+            ran_label(f),
+            tally::by_kind(&f.event.requests),
+            f.event.per_second,
+        );
+    }
+}
+
+fn event_requests_per_node(f: &Figures) -> f64 {
+    f.event.requests.len() as f64 / f.ran.max(1) as f64
+}
+
+/// Draws the figures against N; where the SVG went.
+fn draw(all: &[Figures]) -> anyhow::Result<PathBuf> {
+    let line = |name: &str, of: Of| plot::Series {
+        name: name.into(),
+        // Log axes: a figure that is 0 at some N (steady requests) has no point there.
+        points: all
+            .iter()
+            .map(|f| (f.ran as f64, of(f)))
+            .filter(|&(_, y)| y > 0.0)
+            .collect(),
+    };
+    let series = vec![
+        line("open watches per agent", |f| f.watches),
+        line("KiB/min received per agent, steady", |f| f.kib_per_min),
+        line("CPU ms/min per agent, steady", |f| f.cpu_ms_per_min),
+        line("requests per agent, one round trip", |f| f.transition_total),
+        line(
+            "requests per agent, fleet-wide event",
+            event_requests_per_node,
+        ),
+        line("fleet-wide event: all re-tainted, s", |f| {
+            f.event.gated_in.as_secs_f64()
+        }),
+        line("fleet-wide event: peak req/s, all agents", |f| {
+            f.event.peak() as f64
+        }),
+        line("apiserver restart: peak req/s, all agents", |f| {
+            f.reconnect.peak() as f64
+        }),
+    ];
+    let svg = plot::svg(&plot::Chart {
+        title: "What the agents cost the apiserver against N (real agents, one host)".into(),
+        x_label: "agents = stand-in Nodes (log scale)".into(),
+        y_label: "per agent unless named (log scale)".into(),
+        series: series
+            .into_iter()
+            .filter(|s| !s.points.is_empty())
+            .collect(),
+    })?;
+    let path = plot::out_path("MESHGATE_BENCH_AGENTS_SVG", "target/bench/agents-cost.svg");
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(&path, svg).with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
 /// The main table's rows: each N against the first N of the run.
 fn rows(table: &mut Table, all: &[Figures]) {
     let Some(base) = all.first() else { return };
-    let flat_figures: [(&str, Of); 3] = [
-        ("Agent API requests/min, steady", |f| f.per_min),
-        ("Agent KiB/min received, steady", |f| f.kib_per_min),
-        ("Agent requests per round trip (re-taint + untaint)", |f| {
-            f.transition_total
-        }),
+    // Each figure against the first N; `true`: its goal is to stay flat in N.
+    let figures: [(&str, Of, bool); 5] = [
+        ("Agent API requests/min, steady", |f| f.per_min, true),
+        ("Agent KiB/min received, steady", |f| f.kib_per_min, true),
+        (
+            "Agent requests per round trip (re-taint + untaint)",
+            |f| f.transition_total,
+            true,
+        ),
+        (
+            "Fleet-wide event: every Node re-tainted, s",
+            |f| f.event.gated_in.as_secs_f64(),
+            false,
+        ),
+        (
+            "Fleet-wide event: every Node re-verified, s",
+            |f| f.event.verified_in.as_secs_f64(),
+            false,
+        ),
     ];
     for f in all {
         let at = ran_label(f);
         let base_label = format!("same at {}", ran_label(base));
-        for (figure, of) in flat_figures {
+        for (figure, of, flat) in figures {
             let (v, b) = (of(f), of(base));
             table.row(
                 &format!("{figure}, {at}"),
@@ -257,8 +415,8 @@ fn rows(table: &mut Table, all: &[Figures]) {
                 &base_label,
                 format!("{b:.2}"),
                 ratio_of(v, b),
-                "flat in N (≤ 1.5×)",
-                Some(v <= b * 1.5 + 1e-9),
+                if flat { "flat in N (≤ 1.5×)" } else { "—" },
+                flat.then_some(v <= b * 1.5 + 1e-9),
             );
         }
         table.row(

@@ -55,8 +55,8 @@ const LEFT: f64 = 80.0;
 const RIGHT: f64 = 30.0;
 const TOP: f64 = 50.0;
 const BOTTOM: f64 = 70.0;
-const COLORS: [&str; 6] = [
-    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
+const COLORS: [&str; 8] = [
+    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
 ];
 
 /// A logarithmic axis: the decades `lo..=hi` (powers of ten) mapped onto `from..to` pixels.
@@ -93,6 +93,17 @@ impl Axis {
             }
         }
         out
+    }
+}
+
+/// Where a benchmark writes its plot: the path in `var`, else `default`; a relative path is
+/// under the workspace.
+pub fn out_path(var: &str, default: &str) -> std::path::PathBuf {
+    let p = std::path::PathBuf::from(std::env::var(var).unwrap_or_else(|_| default.into()));
+    if p.is_absolute() {
+        p
+    } else {
+        crate::harness::paths::repo_root().join(p)
     }
 }
 

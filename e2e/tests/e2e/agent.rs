@@ -130,6 +130,20 @@ async fn start_node(
     Ok((node, dirs, agent))
 }
 
+/// Drift: the primary rewrites its conflist in place without the mesh plugin; waits until
+/// the Node is re-tainted for it.
+async fn drift_re_taints(client: &Client, node: &str, dirs: &CniDirs) -> anyhow::Result<()> {
+    dirs.config("10-calico.conflist", &golden("calico.conflist")?)?;
+    wait_gated(
+        client,
+        node,
+        "re-tainted with ChainedPluginMissing",
+        "ChainedPluginMissing",
+    )
+    .await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn s3_then_s1_untaints_and_s4_drift_retaints() -> anyhow::Result<()> {
     let cp = cp().await;
@@ -163,14 +177,7 @@ async fn s3_then_s1_untaints_and_s4_drift_retaints() -> anyhow::Result<()> {
     );
 
     // S4: the primary rewrites its conflist without the mesh plugin.
-    dirs.config("10-calico.conflist", &golden("calico.conflist")?)?;
-    wait_gated(
-        &client,
-        &node,
-        "re-tainted with ChainedPluginMissing",
-        "ChainedPluginMissing",
-    )
-    .await?;
+    drift_re_taints(&client, &node, &dirs).await?;
     let describe = cp.kubectl(&["describe", "node", &node]).await?;
     assert!(
         describe.contains(&format!("{TAINT_KEY}:NoSchedule")),
@@ -202,6 +209,49 @@ async fn s3_then_s1_untaints_and_s4_drift_retaints() -> anyhow::Result<()> {
     assert_eq!(
         agent.metric("meshgate_untaint_latency_seconds_count").await,
         Some(1.0)
+    );
+    Ok(())
+}
+
+/// `--fs-watch=poll` (what `auto` falls back to when the host's inotify instances are
+/// spent): no inotify instance at all, and the Node still follows the chain, through the
+/// poll; the resync (an hour here) never comes into it.
+#[tokio::test]
+async fn a_polling_agent_untaints_and_re_taints_on_drift() -> anyhow::Result<()> {
+    let cp = cp().await;
+    let client = cp.client()?;
+    let flags = [
+        "--fs-watch",
+        "poll",
+        "--fs-poll-interval",
+        "200ms",
+        "--resync-interval",
+        "1h",
+    ];
+    // The config dir does not exist yet: its parent is polled until it appears.
+    let (node, dirs, agent) = start_node(cp, &client, "agent-poll", None, &flags).await?;
+    wait_gated(&client, &node, "NoConfig", "NoConfig").await?;
+    assert_eq!(agent.metric("meshgate_fs_watch_polling").await, Some(1.0));
+    let pid = agent.pid().context("the agent runs")?;
+    assert_eq!(
+        meshgate_e2e::load::agent_cost::host::inotify_instances(pid),
+        0,
+        "a polling agent holds no inotify instance"
+    );
+
+    std::fs::create_dir(&dirs.conf)?;
+    dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist")?)?;
+    wait_node(&client, &node, "untainted and Verified", open).await?;
+    drift_re_taints(&client, &node, &dirs).await?;
+    dirs.config("10-calico.conflist", &golden("calico-linkerd.conflist")?)?;
+    wait_node(&client, &node, "untainted again", open).await?;
+    assert_eq!(
+        agent
+            .metric("meshgate_taint_transitions_total{action=\"added\"}")
+            .await,
+        Some(2.0),
+        "{}",
+        agent.log()
     );
     Ok(())
 }

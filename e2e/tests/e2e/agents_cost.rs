@@ -40,6 +40,7 @@ async fn idle_agents_only_watch_and_a_transition_costs_a_bounded_handful() -> an
     let room = Room {
         reserve_kib: 512 * 1024,
         batch: AGENTS,
+        inotify: true,
     };
     let prefix = unique_name("ac");
     let fleet = Fleet::start(cp, &client, &id.kubeconfig, &prefix, AGENTS, room, &[]).await?;

@@ -114,7 +114,8 @@ async fn how_long_each_kind_of_write_waits() {
     std::fs::create_dir(&conf).unwrap();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let notice: super::super::fswatch::Notice = std::sync::Arc::new(|_: &Path| {});
-    let _w = super::super::fswatch::FsWatch::start(&conf, &[], tx, notice).unwrap();
+    let _w =
+        super::super::fswatch::FsWatch::start(&conf, &[], tx, notice, Default::default()).unwrap();
     let target = conf.join("10-calico.conflist");
     let body = br#"{"cniVersion":"1.0.0","name":"k8s","plugins":[{"type":"calico"}]}"#;
     for (name, rename) in [("rename into place", true), ("in-place write", false)] {

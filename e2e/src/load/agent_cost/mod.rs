@@ -7,7 +7,8 @@
 //! (as many agents as fit, and why it stopped short if it did); its cost in a steady window
 //! ([`Steady`]: requests by kind, open watches per agent, bytes received), per transition of
 //! one node ([`Transition`]) and after an apiserver restart ([`Reconnect`]: requests per
-//! second, when every watch was back, when the burst ended). Shared by `make bench`'s
+//! second, when every watch was back, when the burst ended), and a fleet-wide event
+//! ([`event::FleetEvent`]: every chain broken and mended at once). Shared by `make bench`'s
 //! `agents` section and the e2e test `agents_cost`.
 //!
 //! What the simulation shares that real nodes would not: one host and its CPUs (N agents
@@ -15,6 +16,7 @@
 //! load balancer), one clock (agents started in the same second stay in phase), and the
 //! kubelet stand-in's Lease renewals, which run as the admin and are not counted.
 
+pub mod event;
 pub mod socket;
 pub mod tally;
 
@@ -49,6 +51,9 @@ pub struct Room {
     pub reserve_kib: u64,
     /// Agents started, and verified, at a time.
     pub batch: usize,
+    /// Whether each agent takes an inotify instance (not with `--fs-watch=poll`), so the
+    /// host user's `fs.inotify.max_user_instances` bounds how many start.
+    pub inotify: bool,
 }
 
 /// One simulated node: its name, CNI dirs and agent process.
@@ -121,7 +126,8 @@ impl Fleet {
     }
 
     /// Why `batch` more agents would not fit, if they would not: memory (each needs the
-    /// largest RSS seen so far, 20 MiB before any) or inotify instances (per user).
+    /// largest RSS seen so far, 20 MiB before any) or inotify instances (per user, when the
+    /// agents use inotify).
     fn no_room(&self, room: Room, batch: usize) -> Option<String> {
         let per_agent = self.rss_kib().into_iter().max().unwrap_or(20 * 1024);
         let available = host::mem_available_kib().unwrap_or(0);
@@ -134,6 +140,9 @@ impl Fleet {
                 room.reserve_kib / 1024,
                 need / 1024
             ));
+        }
+        if !room.inotify {
+            return None;
         }
         let per_agent = self
             .members
@@ -174,14 +183,27 @@ impl Fleet {
 
     /// How many of the fleet's Nodes are verified now.
     pub async fn verified(&self, client: &Client) -> anyhow::Result<usize> {
+        Ok(self.gates(client).await?.1)
+    }
+
+    /// How many of the fleet's Nodes are gated (tainted, label false) and verified now.
+    pub async fn gates(&self, client: &Client) -> anyhow::Result<(usize, usize)> {
+        let nodes = self.nodes(client).await?;
+        let count = |gated: bool| {
+            let label = if gated { "false" } else { "true" };
+            nodes
+                .iter()
+                .filter(|n| tainted(n) == gated && verified_label(n) == Some(label))
+                .count()
+        };
+        Ok((count(true), count(false)))
+    }
+
+    async fn nodes(&self, client: &Client) -> anyhow::Result<Vec<Node>> {
         let nodes: Api<Node> = Api::all(client.clone());
         let lp = ListParams::default().labels(&format!("{FLEET_LABEL}={}", self.prefix));
         let list = crate::harness::wait::api("listing the fleet's Nodes", nodes.list(&lp)).await?;
-        Ok(list
-            .items
-            .iter()
-            .filter(|n| !tainted(n) && verified_label(n) == Some("true"))
-            .count())
+        Ok(list.items)
     }
 
     /// The Nodes' names.
@@ -192,6 +214,14 @@ impl Fleet {
     /// The agents' process ids.
     pub fn pids(&self) -> HashSet<u32> {
         self.members.iter().filter_map(|m| m.agent.pid()).collect()
+    }
+
+    /// The CPU time all agents have used so far (user and system).
+    pub fn cpu(&self) -> Duration {
+        self.members
+            .iter()
+            .filter_map(|m| host::cpu(m.agent.pid()?))
+            .sum()
     }
 
     /// Each agent's resident set size, KiB.
@@ -400,7 +430,7 @@ impl Reconnect {
 
     /// The largest number of requests in one second.
     pub fn peak(&self) -> usize {
-        self.per_second.iter().copied().max().unwrap_or(0)
+        tally::peak(&self.per_second)
     }
 }
 
@@ -417,6 +447,22 @@ pub mod host {
                 .parse()
                 .ok()
         })
+    }
+
+    /// The CPU time process `pid` has used (utime + stime of /proc/<pid>/stat).
+    pub fn cpu(pid: u32) -> Option<std::time::Duration> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // After the command's closing parenthesis: field 3 (state) onwards; utime and stime
+        // are fields 14 and 15.
+        let rest = stat.rsplit_once(')')?.1;
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let ticks: u64 =
+            fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+        let per_second = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+            .ok()
+            .flatten()
+            .filter(|&t| t > 0)? as u64;
+        Some(std::time::Duration::from_millis(ticks * 1000 / per_second))
     }
 
     /// `fs.inotify.max_user_instances` (128 when unreadable, the kernel's default).

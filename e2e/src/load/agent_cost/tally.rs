@@ -71,6 +71,11 @@ pub fn open_watches_by_node(
     out
 }
 
+/// The largest count of one second.
+pub fn peak(per_second: &[usize]) -> usize {
+    per_second.iter().copied().max().unwrap_or(0)
+}
+
 /// Requests received in each second from `from` on, for `seconds` seconds.
 pub fn per_second(requests: &[Request], from: SystemTime, seconds: usize) -> Vec<usize> {
     let mut buckets = vec![0; seconds];
