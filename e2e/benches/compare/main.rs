@@ -26,7 +26,7 @@
 //! Sections (`MESHGATE_BENCH_ONLY=gating,realnode,detection,sweep,agents,admission,webhook,storm,fleet`
 //! to run some): gating (untaint / re-taint on the stand-in node, stage by stage), realnode (the
 //! same on a real kubelet + containerd node with Istio's real CNI plugin and meshgate from its
-//! chart, beside the stand-in's figures), detection (un-redirected pod Running → eviction),
+//! chart, beside the stand-in's figures, and its kubelet's steady requests beside the agent's), detection (un-redirected pod Running → eviction),
 //! sweep (250 real pod namespaces: inspection cost, full sweep, agent RSS, idle API requests),
 //! agents (what each agent costs the apiserver at 10, 100 and 1,000 stand-in Nodes with a
 //! real agent process each: steady requests, watches and bytes, per transition, and the

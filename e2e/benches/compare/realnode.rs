@@ -14,8 +14,14 @@
 //!   file, `copyBinaries`; `MESHGATE_BENCH_REALNODE_COPY=0` skips it, so the probe cache
 //!   answers), its kubeconfig, then its entry appended to the conflist (stamped here).
 //! - S4: the primary CNI rewrites its conflist without istio-cni.
+//!
+//! Then a steady window (`MESHGATE_BENCH_REALNODE_STEADY_SECS`, 60) with nothing changing:
+//! the node's kubelet's requests and the agent's, from the control plane's audit log, side
+//! by side (the kubelet is the reference for what one node may cost the apiserver).
 
 use super::*;
+use meshgate_e2e::harness::audit::{self, Request};
+use meshgate_e2e::load::agent_cost::tally;
 use meshgate_e2e::real::cluster::{RealCluster, SYSTEM_NAMESPACE};
 use meshgate_e2e::real::node::RealNode;
 use meshgate_e2e::real::story::istio_cni_kubeconfig;
@@ -46,11 +52,48 @@ fn agent_log(node: &RealNode) -> String {
     out
 }
 
-/// Transitions and their stages on one real node.
+/// One identity's requests in the steady window, and its watches open at its end.
+struct Steady {
+    requests: Vec<Request>,
+    open_watches: usize,
+}
+
+/// The kubelet's and the agent's requests on `node` over `secs` of nothing changing.
+async fn steady(cp: &ControlPlane, node: &str, secs: u64) -> anyhow::Result<[Steady; 2]> {
+    eprintln!("realnode: {secs} s steady, counting the kubelet's and the agent's requests ...");
+    let from = std::time::SystemTime::now();
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    let to = std::time::SystemTime::now();
+    let all = audit::read(&cp.audit_log()).context("reading the audit log")?;
+    let kubelet = format!("system:node:{node}");
+    let agent = audit::service_account_user(SYSTEM_NAMESPACE, "meshgate-agent");
+    Ok([kubelet, agent].map(|user| {
+        let mine: Vec<Request> = all
+            .iter()
+            .filter(|r| {
+                r.user == user
+                    && r.impersonated_user
+                        .as_deref()
+                        .is_none_or(|i| i == format!("system:node:{node}"))
+            })
+            .cloned()
+            .collect();
+        Steady {
+            open_watches: tally::open_watches(&mine).values().sum(),
+            requests: mine
+                .into_iter()
+                .filter(|r| r.received >= from && r.received < to)
+                .collect(),
+        }
+    }))
+}
+
+/// Transitions and their stages on one real node, and its steady window.
 async fn measure(
     n: usize,
     copy: bool,
-) -> anyhow::Result<(Vec<Transition>, Vec<stages::Breakdown>)> {
+    steady_secs: u64,
+) -> anyhow::Result<(Vec<Transition>, Vec<stages::Breakdown>, [Steady; 2])> {
     eprintln!(
         "realnode: starting a control plane and a real node, installing meshgate with helm ..."
     );
@@ -94,14 +137,17 @@ async fn measure(
     w.abort();
     let log = stages::settle(skip + 2 * n, || agent_log(&node)).await;
     let joined = stages::join(&transitions, &log, skip).context("the real node's stages")?;
+    let steady = steady(cp, node.name(), steady_secs).await?;
     drop(cluster);
-    Ok((transitions, joined))
+    Ok((transitions, joined, steady))
 }
 
 pub(super) async fn run(table: &mut Table, standin: Option<&StandIn>) -> anyhow::Result<()> {
     let n = env_num("MESHGATE_BENCH_REALNODE_TRANSITIONS", 50) as usize;
     let copy = env_num("MESHGATE_BENCH_REALNODE_COPY", 1) != 0;
-    let (transitions, joined) = measure(n, copy).await?;
+    let steady_secs = env_num("MESHGATE_BENCH_REALNODE_STEADY_SECS", 60).max(1);
+    let (transitions, joined, steady) = measure(n, copy, steady_secs).await?;
+    steady_rows(table, &steady, steady_secs);
     for (what, tainted, goal) in [
         (
             "untaint on a real node (istio-cni, chart install)",
@@ -154,4 +200,35 @@ pub(super) async fn run(table: &mut Table, standin: Option<&StandIn>) -> anyhow:
         }
     ));
     Ok(())
+}
+
+/// The agent's steady requests beside the kubelet's on the same node.
+fn steady_rows(table: &mut Table, [kubelet, agent]: &[Steady; 2], secs: u64) {
+    let per_min = |s: &Steady| s.requests.len() as f64 * 60.0 / secs as f64;
+    let (k, a) = (per_min(kubelet), per_min(agent));
+    table.row(
+        "API requests per minute on a real node, steady (nothing changing): the agent / its open watches",
+        format!("{a:.1}/min, {} LIST / {}", tally::lists(&agent.requests), agent.open_watches),
+        "the same node's kubelet, same window",
+        format!(
+            "{k:.1}/min, {} LIST / {}",
+            tally::lists(&kubelet.requests),
+            kubelet.open_watches
+        ),
+        format!("{:.2}×", a / k.max(1e-9)),
+        "0 LIST",
+        Some(tally::lists(&agent.requests) == 0),
+    );
+    let kinds = |s: &Steady| {
+        tally::by_kind(&s.requests)
+            .into_iter()
+            .map(|(kind, n)| format!("{kind} {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    table.note(format!(
+        "Real node, steady {secs} s, from the audit log: the kubelet (`system:node:<node>`): {}; the agent (its ServiceAccount, impersonating the node or not): {}.",
+        kinds(kubelet),
+        if agent.requests.is_empty() { "none".into() } else { kinds(agent) },
+    ));
 }
