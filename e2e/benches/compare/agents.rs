@@ -4,7 +4,8 @@
 //! requests per minute by kind, LISTs (goal 0), open watches, bytes received, CPU; per
 //! transition of one node (re-taint, untaint; `..._TRANSITIONS`, 3); a fleet-wide event (every
 //! node's chain broken at once, then mended: when every Node was re-tainted, then re-verified,
-//! the agents' peak requests per second, eviction requests); the reconnect after the
+//! the agents' peak requests per second, eviction requests, and the release webhook's review
+//! p99 throughout it against just before: [`hook`]); the reconnect after the
 //! apiserver is stopped for `..._DOWN_SECS` (10): peak requests per second, when every watch
 //! was back, when the burst ended (observed for `..._OBSERVE_SECS`, 90). Figures at each N
 //! are ratios to N = 10 of the same run: flat means linear total cost. The figures against N
@@ -17,6 +18,8 @@
 //! batches while the host has room (memory beyond `..._RESERVE_MIB`, 4096; inotify instances
 //! too when they use inotify); an N that does not fit runs as many as fit, and the table says
 //! so.
+
+mod hook;
 
 use super::*;
 use meshgate_e2e::load::agent_cost::event::FleetEvent;
@@ -54,6 +57,8 @@ struct Figures {
     /// CPU milliseconds per agent per minute, steady.
     cpu_ms_per_min: f64,
     event: FleetEvent,
+    /// The webhook's reviews before and during the event.
+    hook: hook::Readings,
 }
 
 fn agent_counts() -> Vec<usize> {
@@ -146,15 +151,19 @@ async fn measure(
         golden("calico.conflist")?,
         golden("calico-linkerd.conflist")?,
     );
-    let event = FleetEvent::run(
-        cp,
-        client,
-        &id,
-        &fleet,
-        (&chains.0, &chains.1),
-        Duration::from_secs(2),
-    )
-    .await?;
+    let names: Vec<String> = fleet.members.iter().map(|m| m.name.clone()).collect();
+    let webhook = hook::Hook::start(cp, client, &prefix, &names).await?;
+    let (event, hook) = webhook
+        .around(FleetEvent::run(
+            cp,
+            client,
+            &id,
+            &fleet,
+            (&chains.0, &chains.1),
+            Duration::from_secs(2),
+        ))
+        .await?;
+    drop(webhook);
     let rss: Vec<u64> = fleet.rss_kib();
     let rss_mib = rss.iter().sum::<u64>() as f64 / rss.len().max(1) as f64 / 1024.0;
     let watches: usize = steady.open.values().sum();
@@ -183,6 +192,7 @@ async fn measure(
         rss_mib,
         cpu_ms_per_min: steady.per_agent_per_min(ran, cpu.as_secs_f64() * 1000.0),
         event,
+        hook,
     };
     drop(fleet);
     id.remove(client).await;
@@ -296,9 +306,9 @@ fn print_events(all: &[Figures]) {
         "\nFleet-wide event: every node's conflist rewritten without linkerd-cni at once, then written back (ratio: to the first N of this run):\n"
     );
     println!(
-        "| N | all re-tainted | all re-verified | agents' peak req/s (fleet) | agents' requests per node | eviction requests (no pods on these Nodes) |"
+        "| N | all re-tainted | all re-verified | agents' peak req/s (fleet) | agents' requests per node | eviction requests (no pods on these Nodes) | webhook p50 / p99 during the event (× just before) |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     let Some(base) = all.first() else { return };
     for f in all {
         let e = &f.event;
@@ -309,8 +319,10 @@ fn print_events(all: &[Figures]) {
                 ratio_of(d.as_secs_f64(), b.as_secs_f64())
             )
         };
+        let (b, d) = (&f.hook.before, &f.hook.during);
+        let q = |r: &meshgate_e2e::load::review::Report, p: f64| r.latency(p);
         println!(
-            "| {} | {} | {} | {} ({}) | {:.2} | {} |",
+            "| {} | {} | {} | {} ({}) | {:.2} | {} | {} / {} ({} / {}) |",
             ran_label(f),
             secs(e.gated_in, base.event.gated_in),
             secs(e.verified_in, base.event.verified_in),
@@ -318,9 +330,19 @@ fn print_events(all: &[Figures]) {
             ratio_of(e.peak() as f64, base.event.peak() as f64),
             event_requests_per_node(f),
             e.evictions,
+            human(q(d, 0.5)),
+            human(q(d, 0.99)),
+            ratio_of(q(d, 0.5).as_secs_f64(), q(b, 0.5).as_secs_f64()),
+            ratio_of(q(d, 0.99).as_secs_f64(), q(b, 0.99).as_secs_f64()),
         );
     }
     for f in all {
+        println!(
+            "\n{}: the webhook's reviews before the event: {}; during it: {}",
+            ran_label(f),
+            f.hook.before.summary(),
+            f.hook.during.summary(),
+        );
         println!(
             "\n{}: the event's requests by kind {:?}, per second from the first rewrite {:?}",
             ran_label(f),
