@@ -186,19 +186,6 @@ fn notes(table: &mut Table, steps: &[Step], base: &Step, double: Option<&Double>
     }
 }
 
-/// Where the plot goes: `MESHGATE_BENCH_FLEET_SVG`, relative to the workspace.
-fn plot_path() -> PathBuf {
-    let p = PathBuf::from(
-        std::env::var("MESHGATE_BENCH_FLEET_SVG")
-            .unwrap_or_else(|_| "target/bench/fleet-rss.svg".into()),
-    );
-    if p.is_absolute() {
-        p
-    } else {
-        meshgate_e2e::harness::paths::repo_root().join(p)
-    }
-}
-
 fn write_plot(steps: &[Step], double: Option<&Double>) -> anyhow::Result<PathBuf> {
     let line = |name: &str, f: &dyn Fn(&Step) -> u64| plot::Series {
         name: name.into(),
@@ -225,7 +212,8 @@ fn write_plot(steps: &[Step], double: Option<&Double>) -> anyhow::Result<PathBuf
         y_label: "RSS, MiB (log scale)".into(),
         series,
     })?;
-    let path = plot_path();
+    // `MESHGATE_BENCH_FLEET_SVG`, relative to the workspace.
+    let path = plot::out_path("MESHGATE_BENCH_FLEET_SVG", "target/bench/fleet-rss.svg");
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
