@@ -395,12 +395,11 @@ fn draw(all: &[Figures]) -> anyhow::Result<PathBuf> {
             .filter(|s| !s.points.is_empty())
             .collect(),
     })?;
-    let path = plot::out_path("MESHGATE_BENCH_AGENTS_SVG", "target/bench/agents-cost.svg");
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    std::fs::write(&path, svg).with_context(|| format!("writing {}", path.display()))?;
-    Ok(path)
+    plot::save(
+        "MESHGATE_BENCH_AGENTS_SVG",
+        "target/bench/agents-cost.svg",
+        &svg,
+    )
 }
 
 /// The main table's rows: each N against the first N of the run.

@@ -96,15 +96,21 @@ impl Axis {
     }
 }
 
-/// Where a benchmark writes its plot: the path in `var`, else `default`; a relative path is
-/// under the workspace.
-pub fn out_path(var: &str, default: &str) -> std::path::PathBuf {
+/// Writes a benchmark's plot `svg` to the path in `var`, else `default` (a relative path is
+/// under the workspace), creating its directory; returns the path.
+pub fn save(var: &str, default: &str, svg: &str) -> anyhow::Result<std::path::PathBuf> {
+    use anyhow::Context as _;
     let p = std::path::PathBuf::from(std::env::var(var).unwrap_or_else(|_| default.into()));
-    if p.is_absolute() {
+    let path = if p.is_absolute() {
         p
     } else {
         crate::harness::paths::repo_root().join(p)
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
+    std::fs::write(&path, svg).with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
 }
 
 /// A tick's text: `50`, `2k`, `65k`, `1M`, `0.5`.

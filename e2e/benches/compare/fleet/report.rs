@@ -212,11 +212,9 @@ fn write_plot(steps: &[Step], double: Option<&Double>) -> anyhow::Result<PathBuf
         y_label: "RSS, MiB (log scale)".into(),
         series,
     })?;
-    // `MESHGATE_BENCH_FLEET_SVG`, relative to the workspace.
-    let path = plot::out_path("MESHGATE_BENCH_FLEET_SVG", "target/bench/fleet-rss.svg");
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    std::fs::write(&path, svg).with_context(|| format!("writing {}", path.display()))?;
-    Ok(path)
+    plot::save(
+        "MESHGATE_BENCH_FLEET_SVG",
+        "target/bench/fleet-rss.svg",
+        &svg,
+    )
 }
